@@ -1,0 +1,29 @@
+# Two entry points: `make demo` and `make test`. Both create and reuse .venv.
+# The venv sees system site-packages so that a CUDA torch already installed is kept;
+# torch==2.13.0 (CPU build) is installed only when no torch imports.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-gpu setup clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv --system-site-packages $(VENV)
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/slideformer demo
+
+test: $(STAMP)
+	$(VPY) -m pytest -q
+
+test-gpu: $(STAMP)
+	$(VPY) -m pytest -q -m gpu
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info src/*.egg-info

@@ -1,0 +1,67 @@
+"""Engine configuration: one typed, validated dataclass.
+
+Errors name the fix, so a user who mistypes a setting learns what to write instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message says which and how to fix it."""
+
+
+@dataclass
+class EngineConfig:
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = None
+    device: str = "cuda"
+    compute_dtype: torch.dtype = torch.bfloat16
+    # GPU window: how many decoder-layer slots exist, and how many visits ahead weights stream in.
+    window_slots: int = 3
+    prefetch_depth: int = 1
+    # Where the compute-dtype weights sent to the GPU come from:
+    #   "persistent": a host copy refreshed by the optimizer (+2 bytes/param, no work at copy time);
+    #   "staged":     cast from the fp32 master chunk by chunk into pinned staging at copy time.
+    host_weights: Literal["persistent", "staged"] = "persistent"
+    # Tokens per chunk of the loss head: bounds the transient [tokens x vocab] logits.
+    loss_chunk_tokens: int = 4096
+    seed: int = 0
+
+    def validate(self) -> "EngineConfig":
+        if not self.lr >= 0:
+            raise ConfigError(f"lr must be >= 0, got {self.lr}")
+        b1, b2 = self.betas
+        if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
+            raise ConfigError(f"betas must each lie in [0, 1), got {self.betas}")
+        if self.eps <= 0:
+            raise ConfigError(f"eps must be > 0, got {self.eps}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ConfigError(f"max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm}")
+        if self.window_slots < 2:
+            raise ConfigError(f"window_slots must be >= 2 (one computing, one loading), got {self.window_slots}")
+        if not 1 <= self.prefetch_depth <= self.window_slots - 1:
+            raise ConfigError(
+                f"prefetch_depth={self.prefetch_depth} needs window_slots >= prefetch_depth + 1 "
+                f"(got window_slots={self.window_slots}); raise window_slots or lower prefetch_depth"
+            )
+        if self.host_weights not in ("persistent", "staged"):
+            raise ConfigError(f"host_weights must be 'persistent' or 'staged', got {self.host_weights!r}")
+        if self.compute_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ConfigError(f"compute_dtype must be bfloat16, float16 or float32, got {self.compute_dtype}")
+        dev = torch.device(self.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device='cuda' but CUDA is not available; pass device='cpu' to run on the CPU")
+        if dev.type not in ("cuda", "cpu"):
+            raise ConfigError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
+        if self.loss_chunk_tokens < 1:
+            raise ConfigError(f"loss_chunk_tokens must be >= 1, got {self.loss_chunk_tokens}")
+        return self

@@ -1,0 +1,281 @@
+"""SlideEngine: full-parameter training through a sliding GPU window of layers.
+
+One ``train_step`` walks the visit plan of ``window.schedule`` (forward over the layers, the loss
+head, backward over the layers in reverse), running every micro-batch through a layer while it is
+in the window. That is "layer-major" accumulation: weights cross PCIe once per step however many
+micro-batches there are, and a layer's gradients are summed on the GPU before they leave it.
+
+Forward runs without autograd and keeps only each layer's input; backward recomputes a layer from
+that input. As soon as a unit's gradient is complete it goes to the host and the CPU optimizer
+updates that unit while the GPU continues with the layers below. With clipping, the updates wait
+for the global norm at the end of backward and then run in forward order, so the next step's
+forward consumes them as they finish.
+"""
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..checkpoint import export, loader
+from ..config import EngineConfig
+from ..host.store import HostStore
+from ..model.adapter import ModelAdapter, bind_parameters
+from ..window.schedule import plan_step
+from .loss import chunked_head_loss
+from .runtime import Runtime, UpdateJob
+
+
+class BatchError(ValueError):
+    """A batch the model cannot train on; the message says what is wrong."""
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # [B, S] on the device
+    labels: torch.Tensor  # [B*S] shifted left by one, -100 = ignored
+    attention_mask: torch.Tensor | None
+    position_ids: torch.Tensor  # [1, S]
+    masks: dict | None = None  # per attention type, built after the embedding
+    rope: tuple | None = None  # (cos, sin)
+
+
+class SlideEngine:
+    def __init__(self, model, cfg: EngineConfig | None = None):
+        """Train an in-memory Hugging Face causal LM; its weights are copied to host storage."""
+        self._setup(copy.deepcopy(model.config), cfg)
+        loader.load_state_from_module(model, self.adapter, self.store)
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, cfg: EngineConfig | None = None) -> "SlideEngine":
+        from transformers import AutoConfig
+
+        self = cls.__new__(cls)
+        self._setup(AutoConfig.from_pretrained(path), cfg)
+        loader.load_safetensors(path, self.adapter, self.store)
+        return self
+
+    @classmethod
+    def from_config(cls, config, cfg: EngineConfig | None = None) -> "SlideEngine":
+        """Random initialisation from a Hugging Face config (benchmarks, tests)."""
+        self = cls.__new__(cls)
+        self._setup(copy.deepcopy(config), cfg)
+        loader.random_init(self.adapter, self.store, seed=self.cfg.seed)
+        return self
+
+    def _setup(self, hf_config, cfg: EngineConfig | None) -> None:
+        self.cfg = (cfg or EngineConfig()).validate()
+        self.device = torch.device(self.cfg.device)
+        self.adapter = ModelAdapter(hf_config, self.cfg.compute_dtype)
+        self.store = HostStore(self.adapter.units, self.cfg.compute_dtype, pin=self.device.type == "cuda",
+                               host_weights=self.cfg.host_weights)
+        self.runtime = Runtime(self.adapter, self.store, self.cfg)
+        self.plan = plan_step(self.adapter.num_layers, self.cfg.window_slots, self.cfg.prefetch_depth)
+        self._loads_after: dict[int, list] = {}
+        for v in self.plan:
+            if v.load:
+                self._loads_after.setdefault(v.issue_after, []).append(v)
+        self.rotary = self.adapter.rotary(self.device)
+        self.lr = self.cfg.lr
+        self._grad_norm = None
+
+    # -- public API -----------------------------------------------------------------------------
+    def set_lr(self, lr: float) -> None:
+        """Learning rate for the next ``train_step`` on."""
+        self.lr = float(lr)
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """Global gradient norm of the last step (before clipping)."""
+        return None if self._grad_norm is None else float(self._grad_norm)
+
+    def train_step(self, batch) -> float:
+        """One optimizer step over ``batch`` (a dict, or a list of micro-batch dicts accumulated)."""
+        mbs, denom = self._prepare(batch)
+        step = self.store.step + 1
+        clip = self.cfg.max_grad_norm
+        rt, ad = self.runtime, self.adapter
+        saved: dict[int, list[torch.Tensor]] = {}
+        hidden: list[torch.Tensor] = []
+        grad_hidden: list[torch.Tensor] = []
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        sq_norms: list[torch.Tensor] = []
+        finished: list[tuple[int, object]] = []  # (unit, grads-ready event) awaiting the clip coefficient
+        embed_grad_written = False
+
+        for v in self._loads_after.get(-1, ()):
+            rt.load(v.unit, rt.slots[v.group][v.slot])
+        for t, v in enumerate(self.plan):
+            slot = rt.slots[v.group][v.slot]
+            unit = ad.units[v.unit]
+            params, grads = slot.views(unit)
+            rt.begin_compute(slot)
+            if v.phase == "embed_fwd":
+                with torch.no_grad():
+                    for mb in mbs:
+                        h = F.embedding(mb.input_ids, params["weight"], ad.padding_idx)
+                        mb.masks = ad.attention_masks(h, mb.attention_mask, mb.position_ids)
+                        mb.rope = self.rotary(h, mb.position_ids)
+                        hidden.append(h)
+            elif v.phase == "fwd":
+                layer = ad.layers[unit.layer]
+                bind_parameters(layer, params)
+                saved[unit.layer] = hidden
+                with torch.no_grad():
+                    hidden = [self._run_layer(layer, unit.layer, h, mb) for h, mb in zip(hidden, mbs)]
+            elif v.phase == "head":
+                bind_parameters(ad.skeleton.model, {"norm.weight": params["norm.weight"]})
+                rt.begin_grads(slot)
+                if ad.tied:
+                    eslot = rt.slots["embed"][0]
+                    rt.begin_grads(eslot)
+                    w = eslot.views(ad.embed_unit)[0]["weight"]
+                    gw = eslot.views(ad.embed_unit)[1][0]
+                    embed_grad_written = True
+                else:
+                    w, gw = params["lm_head.weight"], grads[1]
+                gnorm = grads[0]
+                acc_n, acc_w = gnorm, gw
+                if gw.dtype != torch.float32:  # sum chunk gradients in fp32, cast once at the end
+                    acc_n = torch.empty_like(gnorm, dtype=torch.float32)
+                    acc_w = torch.empty_like(gw, dtype=torch.float32)
+                for i, (h, mb) in enumerate(zip(hidden, mbs)):
+                    part, gh = chunked_head_loss(h.flatten(0, 1), mb.labels, ad.norm, w, denom,
+                                                 self.cfg.loss_chunk_tokens, acc_n, acc_w, accumulate=i > 0)
+                    loss += part
+                    grad_hidden.append(gh.view_as(h))
+                if acc_w is not gw:
+                    gnorm.copy_(acc_n)
+                    gw.copy_(acc_w)
+                    del acc_n, acc_w
+                hidden = []
+            elif v.phase == "bwd":
+                layer = ad.layers[unit.layer]
+                bind_parameters(layer, params)
+                rt.begin_grads(slot)
+                plist = list(params.values())
+                inputs = saved.pop(unit.layer)
+                for i, (x, mb) in enumerate(zip(inputs, mbs)):
+                    x = x.detach().requires_grad_(True)
+                    with torch.enable_grad():
+                        y = self._run_layer(layer, unit.layer, x, mb)
+                    g = torch.autograd.grad(y, [x] + plist, grad_hidden[i])
+                    grad_hidden[i] = g[0]
+                    (torch._foreach_add_ if i else torch._foreach_copy_)(grads, list(g[1:]))
+            elif v.phase == "embed_bwd":
+                rt.begin_grads(slot)
+                w = params["weight"]
+                for i, mb in enumerate(mbs):
+                    with torch.enable_grad():
+                        e = F.embedding(mb.input_ids, w, ad.padding_idx)
+                    (gw,) = torch.autograd.grad(e, [w], grad_hidden[i])
+                    if embed_grad_written:
+                        grads[0].add_(gw)
+                    else:
+                        grads[0].copy_(gw)
+                        embed_grad_written = True
+                grad_hidden = []
+            rt.end_compute(slot)
+
+            if v.last:
+                n = unit.numel
+                sq_norms.append(torch.linalg.vector_norm(slot.grads[:n], dtype=torch.float32))
+                ready = rt.send_grads(v.unit, slot)
+                if clip is None:
+                    rt.submit_update(UpdateJob(v.unit, ready, step, self.lr, 1.0))
+                else:
+                    finished.append((v.unit, ready))
+            for nxt in self._loads_after.get(t, ()):
+                rt.load(nxt.unit, rt.slots[nxt.group][nxt.slot])
+
+        total = torch.linalg.vector_norm(torch.stack(sq_norms))
+        self._grad_norm = total
+        if clip is not None:
+            coef = min(1.0, clip / (float(total) + 1e-6))
+            for unit, ready in sorted(finished):  # forward order: the next step needs unit 0 first
+                rt.submit_update(UpdateJob(unit, ready, step, self.lr, coef))
+        self.store.step = step
+        return float(loss)
+
+    def _run_layer(self, layer, index: int, h: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        out = layer(h, attention_mask=mb.masks[self.adapter.layer_attention_type(index)],
+                    position_ids=mb.position_ids, position_embeddings=mb.rope)
+        return out[0] if isinstance(out, tuple) else out
+
+    def _prepare(self, batch) -> tuple[list[MicroBatch], int]:
+        items = batch if isinstance(batch, (list, tuple)) else [batch]
+        if not items:
+            raise BatchError("empty batch: pass a dict with input_ids, or a non-empty list of them")
+        cfgm = self.adapter.config
+        max_pos = getattr(cfgm, "max_position_embeddings", None)
+        vocab = cfgm.vocab_size
+        mbs, denom = [], 0
+        for k, item in enumerate(items):
+            where = f"micro-batch {k}" if len(items) > 1 else "batch"
+            if not isinstance(item, dict) or "input_ids" not in item:
+                raise BatchError(f"{where}: expected a dict with 'input_ids' (and 'labels'), got {type(item).__name__}")
+            ids = torch.as_tensor(item["input_ids"])
+            if ids.dim() == 1:
+                ids = ids.unsqueeze(0)
+            if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+                raise BatchError(f"{where}: input_ids must be an integer tensor [batch, seq], got {tuple(ids.shape)} {ids.dtype}")
+            B, S = ids.shape
+            if max_pos is not None and S > max_pos:
+                raise BatchError(f"{where}: sequence length {S} exceeds the model's max_position_embeddings "
+                                 f"{max_pos}; truncate inputs to at most {max_pos} tokens")
+            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+                raise BatchError(f"{where}: token ids must lie in [0, {vocab}), got [{int(ids.min())}, {int(ids.max())}]")
+            am = item.get("attention_mask")
+            labels = ids.clone() if item.get("labels") is None else torch.as_tensor(item["labels"]).reshape(B, -1)
+            if tuple(labels.shape) != (B, S):
+                raise BatchError(f"{where}: labels shape {tuple(labels.shape)} differs from input_ids {(B, S)}")
+            if am is not None:
+                am = torch.as_tensor(am).view(B, S)
+                if "labels" not in item:
+                    labels = labels.masked_fill(am == 0, -100)
+            shifted = torch.full_like(labels, -100)
+            shifted[:, :-1] = labels[:, 1:]
+            denom += int((shifted != -100).sum())
+            dev = self.device
+            mbs.append(MicroBatch(
+                input_ids=ids.to(dev, torch.long, non_blocking=True),
+                labels=shifted.reshape(-1).to(dev, torch.long, non_blocking=True),
+                attention_mask=None if am is None else am.to(dev, non_blocking=True),
+                position_ids=torch.arange(S, device=dev).unsqueeze(0),
+            ))
+        if denom == 0:
+            raise BatchError("every label in the step is ignored (-100): there is nothing to train on")
+        return mbs, denom
+
+    def synchronize(self) -> None:
+        """Wait for the CPU optimizer to finish every pending update."""
+        self.runtime.synchronize()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Hugging Face-named views of the fp32 master weights (after pending updates)."""
+        self.synchronize()
+        return {spec.key: self.store.view(u.index, self.store.master, spec)
+                for u in self.adapter.units for spec in u.params}
+
+    def save_pretrained(self, out: str | os.PathLike, dtype: torch.dtype | None = None):
+        """Write a Hugging Face checkpoint (config + safetensors) that from_pretrained loads."""
+        self.synchronize()
+        return export.save_pretrained(out, self.adapter, self.store, dtype or self.cfg.compute_dtype)
+
+    def memory_report(self) -> dict[str, int]:
+        rep = {f"host_{k}": v for k, v in self.store.bytes_by_category().items()}
+        rep["gpu_window"] = self.runtime.gpu_bytes()
+        return rep
+
+    def close(self) -> None:
+        self.runtime.close()
+        self.store.close()
+
+    def __enter__(self) -> "SlideEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,174 @@
+"""Runtime: the one owner of streams, events, window slots and the optimizer worker thread.
+
+Hand-offs, and what makes each safe:
+- host weights -> slot (h2d stream): the main thread first waits for the unit's ``updated`` flag
+  (set by the worker after its AdamW step), so the copy reads fresh weights; the h2d stream waits
+  for the slot's ``used`` event, so it never overwrites weights a queued kernel still reads.
+- slot -> compute: the compute stream waits for the slot's ``loaded`` event.
+- slot grads -> host grads (d2h stream): the d2h stream waits for an event recorded on the compute
+  stream after the unit's last backward kernel; it records ``grads_sent``, which the compute stream
+  waits for before writing that slot's gradients again.
+- host grads -> optimizer (worker thread): each job carries the d2h event; the worker blocks on it
+  before reading the gradient, updates, then sets the unit's ``updated`` flag.
+
+On the CPU (``device="cpu"``) every copy is a plain synchronous copy and there are no events, but the
+worker thread, the flags and the order of operations are the same, so CI exercises this code.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ..config import EngineConfig
+from ..host.store import HostStore
+from ..model.adapter import ModelAdapter
+from ..optim.adamw import adamw_update_
+from ..window.slots import Slot
+
+STAGING_ELEMS = 32 * 2**20  # "staged" host weights: cast the master in 32M-element chunks
+
+
+@dataclass
+class UpdateJob:
+    unit: int
+    grads_ready: object  # torch.cuda.Event or None
+    step: int
+    lr: float
+    grad_coef: float
+
+
+class Runtime:
+    def __init__(self, adapter: ModelAdapter, store: HostStore, cfg: EngineConfig):
+        self.adapter, self.store, self.cfg = adapter, store, cfg
+        self.device = torch.device(cfg.device)
+        self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            self.compute = torch.cuda.current_stream(self.device)
+            self.h2d = torch.cuda.Stream(self.device)
+            self.d2h = torch.cuda.Stream(self.device)
+        dt = cfg.compute_dtype
+        layer_numel = max(u.numel for u in adapter.units if u.kind == "layer")
+        self.slots = {
+            "embed": [Slot(adapter.embed_unit.numel, dt, self.device)],
+            "layer": [Slot(layer_numel, dt, self.device) for _ in range(cfg.window_slots)],
+            "head": [Slot(adapter.head_unit.numel, dt, self.device)],
+        }
+        self._staging: list[tuple[torch.Tensor, object]] = []
+        if store.weights is None:
+            n = min(STAGING_ELEMS, max(u.numel for u in adapter.units))
+            self._staging = [(torch.empty(n, dtype=dt, pin_memory=self.cuda), None) for _ in range(2)]
+        # Optimizer worker: one thread, jobs in submission order. torch's fused AdamW releases the GIL
+        # and runs on the intra-op thread pool, so this overlaps the Python thread driving the GPU.
+        self._updated = [threading.Event() for _ in adapter.units]
+        for e in self._updated:
+            e.set()
+        self._error: BaseException | None = None
+        self._scratch = torch.empty(max(u.numel for u in adapter.units) if dt != torch.float32 else 0, dtype=torch.float32)
+        self._jobs: queue.Queue[UpdateJob | None] = queue.Queue()
+        self._worker = threading.Thread(target=self._work, name="slideformer-optimizer", daemon=True)
+        self._worker.start()
+        self._closed = False
+
+    # -- weights into the window ------------------------------------------------------------------
+    def load(self, unit: int, slot: Slot) -> None:
+        self.wait_updated(unit)
+        n = self.adapter.units[unit].numel
+        dst = slot.params[:n]
+        if not self.cuda:
+            dst.copy_(self.store.weights[unit] if self.store.weights is not None else self.store.master[unit])
+        else:
+            with torch.cuda.stream(self.h2d):
+                if slot.used is not None:
+                    self.h2d.wait_event(slot.used)
+                if self.store.weights is not None:
+                    dst.copy_(self.store.weights[unit], non_blocking=True)
+                else:
+                    self._copy_staged(self.store.master[unit], dst)
+                slot.loaded = self.h2d.record_event()
+        slot.unit = unit
+
+    def _copy_staged(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        # Double-buffered: staging buffer k is rewritten only after its previous h2d copy finished.
+        for i, start in enumerate(range(0, src.numel(), self._staging[0][0].numel())):
+            buf, ev = self._staging[i % 2]
+            if ev is not None:
+                ev.synchronize()
+            m = min(buf.numel(), src.numel() - start)
+            buf[:m].copy_(src[start: start + m])
+            dst[start: start + m].copy_(buf[:m], non_blocking=True)
+            self._staging[i % 2] = (buf, self.h2d.record_event())
+
+    def begin_compute(self, slot: Slot) -> None:
+        if self.cuda and slot.loaded is not None:
+            self.compute.wait_event(slot.loaded)
+
+    def end_compute(self, slot: Slot) -> None:
+        if self.cuda:
+            slot.used = self.compute.record_event()
+
+    def begin_grads(self, slot: Slot) -> None:
+        if self.cuda and slot.grads_sent is not None:
+            self.compute.wait_event(slot.grads_sent)
+
+    # -- gradients out, updates on the CPU ---------------------------------------------------------
+    def send_grads(self, unit: int, slot: Slot):
+        """Copy ``slot``'s finished gradients to the host; returns the event the optimizer waits for."""
+        self._updated[unit].clear()  # the unit's next load must wait for this step's update
+        n = self.adapter.units[unit].numel
+        if not self.cuda:
+            self.store.grads[unit].copy_(slot.grads[:n])
+            return None
+        done = self.compute.record_event()
+        with torch.cuda.stream(self.d2h):
+            self.d2h.wait_event(done)
+            self.store.grads[unit].copy_(slot.grads[:n], non_blocking=True)
+            slot.grads_sent = self.d2h.record_event()
+        return slot.grads_sent
+
+    def submit_update(self, job: UpdateJob) -> None:
+        self._raise_worker_error()
+        self._jobs.put(job)
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                if self._error is None:
+                    if job.grads_ready is not None:
+                        job.grads_ready.synchronize()
+                    s, c = self.store, self.cfg
+                    adamw_update_(s.master[job.unit], s.grads[job.unit], s.exp_avg[job.unit], s.exp_avg_sq[job.unit],
+                                  step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
+                                  grad_coef=job.grad_coef, scratch=self._scratch)
+                    s.refresh_weights(job.unit)
+            except BaseException as e:  # surfaced to the main thread at its next wait
+                self._error = e
+            finally:
+                self._updated[job.unit].set()
+
+    def wait_updated(self, unit: int) -> None:
+        self._updated[unit].wait()
+        self._raise_worker_error()
+
+    def synchronize(self) -> None:
+        """Wait until every queued update has been applied (before reading or saving weights)."""
+        for u in range(len(self._updated)):
+            self.wait_updated(u)
+
+    def _raise_worker_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("the CPU optimizer failed; training state is not consistent") from self._error
+
+    def gpu_bytes(self) -> int:
+        return sum(s.nbytes for group in self.slots.values() for s in group)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._worker.join()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)

@@ -1,0 +1,80 @@
+"""HostStore: the one owner of every unit's host-side training state.
+
+Per unit, flat 1-D tensors laid out as in ``UnitSpec``:
+- ``master``   fp32 weights, the source of truth;
+- ``exp_avg``, ``exp_avg_sq``  fp32 Adam moments;
+- ``weights``  the compute-dtype copy the GPU window reads ("persistent" mode; pinned under CUDA).
+  With fp32 compute it *is* the master. In "staged" mode it is absent and the window casts the
+  master through shared pinned staging at copy time instead (2 bytes/param less RAM, more CPU work);
+- ``grads``    compute-dtype gradients that arrive from the GPU (pinned under CUDA).
+
+Every buffer is allocated and zeroed once here; nothing else allocates host training state, so
+``bytes_by_category`` is the whole account.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..model.adapter import UnitSpec
+
+
+def _arena(units: list[UnitSpec], dtype: torch.dtype, pin: bool, registered: list) -> list[torch.Tensor]:
+    """One allocation per category, split into per-unit views.
+
+    Pinning goes through cudaHostRegister on an ordinary allocation: torch's pinned allocator rounds
+    each block up to a power of two, which would waste up to half of a multi-GB buffer.
+    """
+    total = sum(u.numel for u in units)
+    flat = torch.zeros(total, dtype=dtype)  # alignment padding must be zero: the optimizer updates it too
+    if pin and total:
+        err = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel() * flat.element_size(), 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {flat.numel() * flat.element_size() / 2**30:.1f} GiB failed ({err}): "
+                               "not enough lockable host memory; lower the batch or use host_weights='staged'")
+        registered.append(flat)
+    return list(flat.split([u.numel for u in units]))
+
+
+class HostStore:
+    def __init__(self, units: list[UnitSpec], compute_dtype: torch.dtype, pin: bool, host_weights: str = "persistent"):
+        self.units = units
+        self.compute_dtype = compute_dtype
+        self.pin = pin
+        self.host_weights = host_weights
+        self._registered: list[torch.Tensor] = []
+        self.master = _arena(units, torch.float32, pin and compute_dtype == torch.float32, self._registered)
+        self.exp_avg = _arena(units, torch.float32, False, self._registered)
+        self.exp_avg_sq = _arena(units, torch.float32, False, self._registered)
+        if compute_dtype == torch.float32:
+            self.weights: list[torch.Tensor] | None = self.master
+        elif host_weights == "persistent":
+            self.weights = _arena(units, compute_dtype, pin, self._registered)
+        else:
+            self.weights = None
+        self.grads = _arena(units, compute_dtype, pin, self._registered)
+        self.step = 0  # optimizer steps applied
+
+    def close(self) -> None:
+        for t in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        self._registered.clear()
+
+    def view(self, unit: int, tensors: list[torch.Tensor], spec) -> torch.Tensor:
+        return tensors[unit][spec.offset: spec.offset + spec.numel].view(spec.shape)
+
+    def refresh_weights(self, unit: int) -> None:
+        """Re-derive the compute copy of ``unit`` from its master (after load or update)."""
+        if self.weights is not None and self.weights is not self.master:
+            self.weights[unit].copy_(self.master[unit])
+
+    def bytes_by_category(self) -> dict[str, int]:
+        def total(ts):
+            return sum(t.numel() * t.element_size() for t in ts) if ts is not None else 0
+
+        own_weights = self.weights is not None and self.weights is not self.master
+        return {
+            "master": total(self.master),
+            "moments": total(self.exp_avg) + total(self.exp_avg_sq),
+            "weights": total(self.weights) if own_weights else 0,
+            "grads": total(self.grads),
+        }

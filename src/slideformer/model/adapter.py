@@ -1,0 +1,166 @@
+"""A Hugging Face decoder-only LM, seen as units: embedding, each decoder layer, final norm + lm_head.
+
+Notable choices:
+- The model's own modules run the compute. The adapter builds them on the meta device (no memory)
+  and the GPU window binds their parameters to views of a slot's flat buffer, so a layer's code is
+  exactly Hugging Face's, for every family, and weights never live in a module.
+- Each unit's parameters are laid out in one flat buffer, each tensor starting on a 128-element
+  boundary (256 bytes in bf16) so that views stay aligned for matmuls and vector code.
+- Tied embeddings: the single [vocab, hidden] matrix belongs to the embedding unit; the head unit
+  then holds only the final norm and borrows the embedding's slot for its matmul.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+ALIGN = 128
+
+
+class UnsupportedModelError(ValueError):
+    """The architecture is not one the engine knows how to split into units."""
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    key: str  # name in a Hugging Face checkpoint
+    local: str  # name inside the unit's module ("" prefix for embed/head)
+    shape: tuple[int, ...]
+    offset: int  # into the unit's flat buffer, in elements
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    index: int
+    kind: str  # "embed" | "layer" | "head"
+    layer: int | None  # decoder layer index for kind == "layer"
+    params: tuple[ParamSpec, ...]
+    numel: int  # padded size of the flat buffer
+
+    @property
+    def name(self) -> str:
+        return f"layer{self.layer}" if self.kind == "layer" else self.kind
+
+
+def _padded(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _layout(index: int, kind: str, layer: int | None, named: list[tuple[str, str, tuple[int, ...]]]) -> UnitSpec:
+    specs, off = [], 0
+    for key, local, shape in named:
+        spec = ParamSpec(key=key, local=local, shape=tuple(shape), offset=off)
+        specs.append(spec)
+        off += _padded(spec.numel)
+    return UnitSpec(index=index, kind=kind, layer=layer, params=tuple(specs), numel=off)
+
+
+class ModelAdapter:
+    """Owns the meta-device skeleton of one model and its unit layout."""
+
+    def __init__(self, config, compute_dtype: torch.dtype = torch.float32):
+        from transformers import AutoModelForCausalLM
+
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported; slideformer supports "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama, Qwen2/2.5, Qwen3, Mistral families)"
+            )
+        self.config = config
+        self.model_type = model_type
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
+        # The skeleton's compute runs through SDPA whatever the checkpoint asked for: the window has
+        # no KV cache and flash-attn is optional.
+        config._attn_implementation = "sdpa"
+        with torch.device("meta"):
+            self.skeleton = AutoModelForCausalLM.from_config(config, dtype=compute_dtype)
+        self.skeleton.train()
+        inner = self.skeleton.model
+        self.layers: list[nn.Module] = list(inner.layers)
+        self.norm: nn.Module = inner.norm
+        self.padding_idx = getattr(inner.embed_tokens, "padding_idx", None)
+        self.num_layers = len(self.layers)
+        self.units = self._build_units()
+
+    # -- layout -------------------------------------------------------------------------------
+    def _build_units(self) -> list[UnitSpec]:
+        inner = self.skeleton.model
+        units = [_layout(0, "embed", None, [("model.embed_tokens.weight", "weight", tuple(inner.embed_tokens.weight.shape))])]
+        for i, layer in enumerate(self.layers):
+            named = [(f"model.layers.{i}.{n}", n, tuple(p.shape)) for n, p in layer.named_parameters()]
+            units.append(_layout(i + 1, "layer", i, named))
+        head = [("model.norm.weight", "norm.weight", tuple(inner.norm.weight.shape))]
+        if not self.tied:
+            head.append(("lm_head.weight", "lm_head.weight", tuple(self.skeleton.lm_head.weight.shape)))
+        units.append(_layout(len(units), "head", None, head))
+        return units
+
+    @property
+    def embed_unit(self) -> UnitSpec:
+        return self.units[0]
+
+    @property
+    def head_unit(self) -> UnitSpec:
+        return self.units[-1]
+
+    def layer_unit(self, layer: int) -> UnitSpec:
+        return self.units[layer + 1]
+
+    def checkpoint_keys(self) -> dict[str, tuple[UnitSpec, ParamSpec]]:
+        return {p.key: (u, p) for u in self.units for p in u.params}
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel for u in self.units for p in u.params)
+
+    # -- compute helpers ------------------------------------------------------------------------
+    def rotary(self, device: torch.device) -> nn.Module:
+        """The model's rotary embedding, materialised on ``device`` (it is a buffer, not a weight)."""
+        with torch.device(device):
+            return type(self.skeleton.model.rotary_emb)(config=self.config)
+
+    def layer_attention_type(self, layer: int) -> str:
+        types = getattr(self.config, "layer_types", None)
+        if types is not None:
+            return types[layer]
+        if self.model_type == "mistral" and getattr(self.config, "sliding_window", None) is not None:
+            return "sliding_attention"
+        return "full_attention"
+
+    def attention_masks(self, embeds: torch.Tensor, attention_mask, position_ids) -> dict:
+        """One mask per attention type present, built by transformers' own mask functions."""
+        from transformers import masking_utils
+
+        funcs = {"full_attention": masking_utils.create_causal_mask,
+                 "sliding_attention": masking_utils.create_sliding_window_causal_mask}
+        out = {}
+        for kind in {self.layer_attention_type(i) for i in range(self.num_layers)}:
+            fn = funcs[kind]
+            params = inspect.signature(fn).parameters
+            kw = dict(config=self.config, inputs_embeds=embeds, attention_mask=attention_mask,
+                      position_ids=position_ids)
+            kw["past_key_values" if "past_key_values" in params else "cache"] = None
+            if "cache_position" in params:
+                kw["cache_position"] = torch.arange(embeds.shape[1], device=embeds.device)
+            out[kind] = fn(**kw)
+        return out
+
+
+def bind_parameters(module: nn.Module, params: dict[str, nn.Parameter]) -> None:
+    """Point ``module``'s parameters at ``params`` (views of a slot's flat buffer)."""
+    for name, p in params.items():
+        owner, _, leaf = name.rpartition(".")
+        sub = module.get_submodule(owner) if owner else module
+        sub._parameters[leaf] = p

@@ -1,0 +1,76 @@
+"""Which slot each unit visit uses, and when its weights must start streaming in.
+
+Pure functions of the model's shape and the window's size, so they are tested without a GPU.
+
+One optimizer step visits units in this order (n decoder layers, L0..Ln-1):
+
+    embed, L0, ..., Ln-1, head, Ln-1, ..., L0, embed
+    |------ forward ------|  ^  |------ backward ------|
+                          loss head: forward and backward at once
+
+Every unit is updated at the end of the previous step, so its first visit in a step always loads.
+A unit still resident from an earlier visit of this step is reused: with k layer slots, the last
+k layers of the forward are still in the window when the backward starts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Visit:
+    unit: int  # unit index (0 = embed, 1..n = layers, n+1 = head)
+    phase: str  # "embed_fwd" | "fwd" | "head" | "bwd" | "embed_bwd"
+    group: str  # slot group: "embed" | "layer" | "head"
+    slot: int  # slot index within the group
+    load: bool  # weights must be copied in before this visit
+    issue_after: int  # the load is enqueued after this visit's compute (-1: at step start)
+    last: bool  # the unit's last visit this step: its gradient is complete afterwards
+
+
+def step_visits(num_layers: int) -> list[tuple[int, str, str]]:
+    n = num_layers
+    seq = [(0, "embed_fwd", "embed")]
+    seq += [(i + 1, "fwd", "layer") for i in range(n)]
+    seq += [(n + 1, "head", "head")]
+    seq += [(i + 1, "bwd", "layer") for i in reversed(range(n))]
+    seq += [(0, "embed_bwd", "embed")]
+    return seq
+
+
+def plan_step(num_layers: int, layer_slots: int, prefetch_depth: int) -> list[Visit]:
+    """Assign slots (farthest-next-use eviction) and load points for one step."""
+    if layer_slots < prefetch_depth + 1:
+        raise ValueError(f"{layer_slots} layer slots cannot prefetch {prefetch_depth} visit(s) ahead")
+    seq = step_visits(num_layers)
+    n_slots = {"embed": 1, "layer": layer_slots, "head": 1}
+    resident: dict[str, list[int | None]] = {g: [None] * k for g, k in n_slots.items()}
+    last_use: dict[str, list[int]] = {g: [-1] * k for g, k in n_slots.items()}
+
+    def next_use(unit: int, after: int) -> int:
+        for j in range(after + 1, len(seq)):
+            if seq[j][0] == unit:
+                return j
+        return len(seq) + 1  # never again this step
+
+    last_visit = {unit: j for j, (unit, _, _) in enumerate(seq)}
+    plan = []
+    for j, (unit, phase, group) in enumerate(seq):
+        slots = resident[group]
+        if unit in slots:
+            slot, load = slots.index(unit), False
+            issue = -1
+        else:
+            # With depth d the copy for visit j is enqueued right after visit j-d-1's compute, so it
+            # runs while visits j-d..j-1 compute. The slot it overwrites must not be used after that
+            # point (its last user's compute is enqueued first, and the copy waits for it on the GPU).
+            issue = -1 if group == "embed" else max(-1, j - prefetch_depth - 1)
+            free = [s for s in range(len(slots)) if last_use[group][s] <= issue]
+            if not free:
+                raise AssertionError("no slot free for prefetch: window too small for the depth")
+            slot = max(free, key=lambda s: (slots[s] is None, next_use(slots[s], j) if slots[s] is not None else 0))
+            load = True
+            slots[slot] = unit
+        last_use[group][slot] = j
+        plan.append(Visit(unit, phase, group, slot, load, issue, last_visit[unit] == j))
+    return plan

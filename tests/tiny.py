@@ -1,0 +1,37 @@
+"""Tiny configs of every supported family, built offline in milliseconds."""
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+
+FAMILIES = {
+    "llama": lambda: LlamaConfig(**COMMON, tie_word_embeddings=False),
+    "llama-tied": lambda: LlamaConfig(**COMMON, tie_word_embeddings=True),
+    "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=False),
+    "qwen2-tied": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
+    "qwen3-tied": lambda: Qwen3Config(**COMMON, head_dim=8, tie_word_embeddings=True),
+    "mistral-sliding": lambda: MistralConfig(**COMMON, sliding_window=5, tie_word_embeddings=False),
+}
+
+
+def build(family: str, seed: int = 0):
+    cfg = FAMILIES[family]()
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    # Make norms and biases non-trivial, so that their gradients and updates are checked too.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def batch(vocab: int, b: int = 2, s: int = 12, seed: int = 0, ignore: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (b, s), generator=g)
+    labels = ids.clone()
+    if ignore:
+        labels[:, : s // 3] = -100  # a prompt that is not trained on
+    return {"input_ids": ids, "labels": labels}
