@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/slideformer demo
+	$(VENV)/bin/slideformer train
 
 test: $(STAMP)
 	$(VPY) -m pytest -q

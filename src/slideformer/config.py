@@ -33,6 +33,8 @@ class EngineConfig:
     # Tokens per chunk of the loss head: bounds the transient [tokens x vocab] logits.
     loss_chunk_tokens: int = 4096
     seed: int = 0
+    # Record where step time goes (CUDA events per visit and copy); see engine/profile.py.
+    profile: bool = False
 
     def validate(self) -> "EngineConfig":
         if not self.lr >= 0:

@@ -66,10 +66,13 @@ def load_safetensors(path: str | os.PathLike, adapter: ModelAdapter, store: Host
         store.refresh_weights(u.index)
 
 
-def random_init(adapter: ModelAdapter, store: HostStore, seed: int = 0) -> None:
-    """Hugging Face's default init (normal(0, initializer_range), norms at 1, biases at 0), per unit."""
+def random_init(adapter: ModelAdapter, store: HostStore, seed: int = 0, device: str | torch.device = "cpu") -> None:
+    """Hugging Face's default init (normal(0, initializer_range), norms at 1, biases at 0), per unit.
+
+    The random numbers are drawn on ``device``: on a GPU this takes seconds for billions of weights.
+    """
     std = getattr(adapter.config, "initializer_range", 0.02)
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     for u in adapter.units:
         for spec in u.params:
             v = store.view(u.index, store.master, spec)
@@ -78,7 +81,7 @@ def random_init(adapter: ModelAdapter, store: HostStore, seed: int = 0) -> None:
             elif spec.key.endswith(".bias"):
                 v.zero_()
             else:
-                v.normal_(0.0, std, generator=gen)
+                v.copy_(torch.empty(spec.shape, device=device).normal_(0.0, std, generator=gen))
         store.refresh_weights(u.index)
 
 

@@ -63,7 +63,7 @@ class SlideEngine:
         """Random initialisation from a Hugging Face config (benchmarks, tests)."""
         self = cls.__new__(cls)
         self._setup(copy.deepcopy(config), cfg)
-        loader.random_init(self.adapter, self.store, seed=self.cfg.seed)
+        loader.random_init(self.adapter, self.store, seed=self.cfg.seed, device=self.device)
         return self
 
     def _setup(self, hf_config, cfg: EngineConfig | None) -> None:
@@ -264,6 +264,19 @@ class SlideEngine:
         """Write a Hugging Face checkpoint (config + safetensors) that from_pretrained loads."""
         self.synchronize()
         return export.save_pretrained(out, self.adapter, self.store, dtype or self.cfg.compute_dtype)
+
+    def profile(self, reset: bool = True) -> dict[str, float]:
+        """Seconds per category since the last call (needs ``EngineConfig(profile=True)``)."""
+        prof = self.runtime.profiler
+        if prof is None:
+            raise RuntimeError("profiling is off: construct the engine with EngineConfig(profile=True)")
+        self.synchronize()
+        if self.runtime.cuda:
+            torch.cuda.synchronize(self.device)
+        out = prof.summary()
+        if reset:
+            prof.reset()
+        return out
 
     def memory_report(self) -> dict[str, int]:
         rep = {f"host_{k}": v for k, v in self.store.bytes_by_category().items()}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ from ..host.store import HostStore
 from ..model.adapter import ModelAdapter
 from ..optim.adamw import adamw_update_
 from ..window.slots import Slot
+from .profile import StepProfiler
 
 STAGING_ELEMS = 32 * 2**20  # "staged" host weights: cast the master in 32M-element chunks
 
@@ -71,6 +73,8 @@ class Runtime:
         self._worker = threading.Thread(target=self._work, name="slideformer-optimizer", daemon=True)
         self._worker.start()
         self._closed = False
+        self.profiler: StepProfiler | None = StepProfiler(self.cuda) if cfg.profile else None
+        self._visit_start = None
 
     # -- weights into the window ------------------------------------------------------------------
     def load(self, unit: int, slot: Slot) -> None:
@@ -83,11 +87,14 @@ class Runtime:
             with torch.cuda.stream(self.h2d):
                 if slot.used is not None:
                     self.h2d.wait_event(slot.used)
+                start = self._mark(self.h2d)
                 if self.store.weights is not None:
                     dst.copy_(self.store.weights[unit], non_blocking=True)
                 else:
                     self._copy_staged(self.store.master[unit], dst)
                 slot.loaded = self.h2d.record_event()
+                if self.profiler:
+                    self.profiler.copy("h2d", start, self._mark(self.h2d))
         slot.unit = unit
 
     def _copy_staged(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -102,12 +109,19 @@ class Runtime:
             self._staging[i % 2] = (buf, self.h2d.record_event())
 
     def begin_compute(self, slot: Slot) -> None:
+        self._visit_start = self._mark(self.compute) if self.cuda else None
         if self.cuda and slot.loaded is not None:
             self.compute.wait_event(slot.loaded)
+        self._visit_ready = self._mark(self.compute) if self.cuda else None
 
     def end_compute(self, slot: Slot) -> None:
         if self.cuda:
             slot.used = self.compute.record_event()
+            if self.profiler:
+                self.profiler.visit(self._visit_start, self._visit_ready, self._mark(self.compute))
+
+    def _mark(self, stream):
+        return self.profiler.mark(stream) if self.profiler else None
 
     def begin_grads(self, slot: Slot) -> None:
         if self.cuda and slot.grads_sent is not None:
@@ -124,8 +138,11 @@ class Runtime:
         done = self.compute.record_event()
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(done)
+            start = self._mark(self.d2h)
             self.store.grads[unit].copy_(slot.grads[:n], non_blocking=True)
             slot.grads_sent = self.d2h.record_event()
+            if self.profiler:
+                self.profiler.copy("d2h", start, self._mark(self.d2h))
         return slot.grads_sent
 
     def submit_update(self, job: UpdateJob) -> None:
@@ -138,17 +155,23 @@ class Runtime:
                 if self._error is None:
                     if job.grads_ready is not None:
                         job.grads_ready.synchronize()
+                    t0 = time.perf_counter()
                     s, c = self.store, self.cfg
                     adamw_update_(s.master[job.unit], s.grads[job.unit], s.exp_avg[job.unit], s.exp_avg_sq[job.unit],
                                   step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
                                   grad_coef=job.grad_coef, scratch=self._scratch)
                     s.refresh_weights(job.unit)
+                    if self.profiler:
+                        self.profiler.add_host("optimizer", time.perf_counter() - t0)
             except BaseException as e:  # surfaced to the main thread at its next wait
                 self._error = e
             finally:
                 self._updated[job.unit].set()
 
     def wait_updated(self, unit: int) -> None:
+        if self.profiler and not self._updated[unit].is_set():
+            with self.profiler.timed("wait_optimizer"):
+                self._updated[unit].wait()
         self._updated[unit].wait()
         self._raise_worker_error()
 

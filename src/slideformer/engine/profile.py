@@ -1,0 +1,70 @@
+"""Opt-in step profiling: where a step's time goes. All timing code lives here.
+
+On CUDA, events on the compute stream bracket each visit: the time between "visit start" and
+"weights ready" is the GPU waiting for weights; from there to "visit end" is compute. Gaps between
+visits are the GPU idle because the Python thread was blocked (mostly waiting for the CPU
+optimizer's update of the next unit) or launching kernels. Copy-stream busy time comes from events
+around each copy. Host-side waits are wall-clock times measured in the thread that waits.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+
+class StepProfiler:
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.reset()
+
+    def reset(self) -> None:
+        self._visits: list[tuple] = []  # (start, ready, end) events
+        self._copies: dict[str, list[tuple]] = defaultdict(list)
+        self.host: dict[str, float] = defaultdict(float)
+
+    # -- recorders (called by Runtime) ------------------------------------------------------------
+    def mark(self, stream):
+        if not self.cuda:
+            return None
+        e = torch.cuda.Event(enable_timing=True)
+        e.record(stream)
+        return e
+
+    def visit(self, start, ready, end) -> None:
+        if self.cuda:
+            self._visits.append((start, ready, end))
+
+    def copy(self, kind: str, start, end) -> None:
+        if self.cuda:
+            self._copies[kind].append((start, end))
+
+    def add_host(self, key: str, seconds: float) -> None:
+        self.host[key] += seconds
+
+    def timed(self, key: str):
+        prof = self
+
+        class _T:
+            def __enter__(self):
+                self.t = time.perf_counter()
+
+            def __exit__(self, *exc):
+                prof.add_host(key, time.perf_counter() - self.t)
+
+        return _T()
+
+    # -- summary ----------------------------------------------------------------------------------
+    def summary(self) -> dict[str, float]:
+        """Seconds per category for the steps since the last reset (call after a synchronize)."""
+        out = {f"host_{k}_s": v for k, v in self.host.items()}
+        if self.cuda and self._visits:
+            ms = lambda a, b: a.elapsed_time(b) / 1e3  # noqa: E731
+            out["gpu_span_s"] = ms(self._visits[0][0], self._visits[-1][2])
+            out["gpu_wait_weights_s"] = sum(ms(s, r) for s, r, _ in self._visits)
+            out["gpu_compute_s"] = sum(ms(r, e) for _, r, e in self._visits)
+            out["gpu_idle_s"] = out["gpu_span_s"] - out["gpu_wait_weights_s"] - out["gpu_compute_s"]
+            for kind, pairs in self._copies.items():
+                out[f"{kind}_busy_s"] = sum(ms(s, e) for s, e in pairs)
+        return out

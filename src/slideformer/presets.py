@@ -1,0 +1,27 @@
+"""Model shapes used by benchmarks and the planner, as Hugging Face configs (no download)."""
+from __future__ import annotations
+
+from importlib import resources
+
+
+def preset_config(name: str):
+    from transformers import AutoConfig, LlamaConfig, Qwen2Config, Qwen3Config
+
+    if name == "qwen3-4b":
+        return Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                           num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                           rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
+    if name == "llama3-8b":
+        return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                           num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                           rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    if name == "qwen2.5-14b":
+        return Qwen2Config(vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                           num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=32768,
+                           rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if name == "tiny":
+        return AutoConfig.from_pretrained(str(resources.files("slideformer") / "assets" / "tiny"))
+    raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+
+
+PRESETS = ("qwen3-4b", "llama3-8b", "qwen2.5-14b", "tiny")

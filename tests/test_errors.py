@@ -1,0 +1,66 @@
+"""Bad input gets a clear error, not a stack trace from deep inside."""
+import pytest
+import torch
+from transformers import GPT2Config
+
+from slideformer import BatchError, ConfigError, EngineConfig, SlideEngine, UnsupportedModelError
+
+from tiny import batch, build
+
+CPU = dict(device="cpu", compute_dtype=torch.float32)
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    with pytest.raises(UnsupportedModelError, match="gpt2.*llama, qwen2, qwen3, mistral"):
+        SlideEngine.from_config(GPT2Config(n_layer=1, n_embd=16, n_head=2), EngineConfig(**CPU))
+
+
+def test_batch_longer_than_positions():
+    with SlideEngine(build("llama"), EngineConfig(**CPU)) as eng:
+        with pytest.raises(BatchError, match="sequence length 65 exceeds.*max_position_embeddings 64"):
+            eng.train_step(batch(97, s=65))
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"input_ids": torch.tensor([[1, 2, 500]])}, r"token ids must lie in \[0, 97\)"),
+    ({"input_ids": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[1, 2]])}, "labels shape"),
+    ({"input_ids": torch.tensor([[1, 2, 3]]), "labels": torch.full((1, 3), -100)}, "every label"),
+    ({"tokens": [1, 2]}, "expected a dict with 'input_ids'"),
+])
+def test_bad_batches(bad, match):
+    with SlideEngine(build("llama"), EngineConfig(**CPU)) as eng:
+        with pytest.raises(BatchError, match=match):
+            eng.train_step(bad)
+        eng.train_step(batch(97))  # the engine is still usable after a refused batch
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(window_slots=1), "window_slots must be >= 2"),
+    (dict(window_slots=2, prefetch_depth=2), "raise window_slots or lower prefetch_depth"),
+    (dict(max_grad_norm=0.0), "max_grad_norm"),
+    (dict(host_weights="disk"), "host_weights"),
+])
+def test_config_errors_name_the_fix(kw, match):
+    with pytest.raises(ConfigError, match=match):
+        EngineConfig(**{**CPU, **kw}).validate()
+
+
+def test_cuda_requested_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available")
+    with pytest.raises(ConfigError, match="device='cpu'"):
+        EngineConfig(device="cuda").validate()
+
+
+def test_optimizer_failure_surfaces(monkeypatch):
+    from slideformer.engine import runtime
+
+    def boom(*a, **k):
+        raise MemoryError("simulated")
+
+    monkeypatch.setattr(runtime, "adamw_update_", boom)
+    with SlideEngine(build("llama"), EngineConfig(**CPU)) as eng:
+        with pytest.raises(RuntimeError, match="CPU optimizer failed") as info:
+            eng.train_step(batch(97))  # the failure surfaces in this step or at the next wait
+            eng.train_step(batch(97))
+        assert isinstance(info.value.__cause__, MemoryError)

@@ -1,0 +1,37 @@
+"""The window plan is a pure function: which slot each visit uses and when its weights load."""
+import pytest
+
+from slideformer.window.schedule import plan_step, step_visits
+
+
+def test_visit_order():
+    seq = [(u, p) for u, p, _ in step_visits(3)]
+    assert seq == [(0, "embed_fwd"), (1, "fwd"), (2, "fwd"), (3, "fwd"), (4, "head"),
+                   (3, "bwd"), (2, "bwd"), (1, "bwd"), (0, "embed_bwd")]
+
+
+@pytest.mark.parametrize("n,slots,depth", [(1, 2, 1), (4, 2, 1), (8, 3, 1), (8, 3, 2), (32, 4, 3), (36, 2, 1)])
+def test_plan_invariants(n, slots, depth):
+    plan = plan_step(n, slots, depth)
+    resident = {}
+    for j, v in enumerate(plan):
+        key = (v.group, v.slot)
+        if v.load:
+            # the load is enqueued before the visit, no more than depth+1 visits early
+            assert v.issue_after < j and (v.group != "layer" or v.issue_after >= j - depth - 1)
+            # nothing uses the slot between the load's issue point and the visit
+            assert all((w.group, w.slot) != key for w in plan[v.issue_after + 1: j])
+            resident[key] = v.unit
+        assert resident.get(key) == v.unit, f"visit {j} computes on a slot holding another unit"
+    # every unit loads at least once (each was updated at the end of the previous step)
+    assert {v.unit for v in plan if v.load} == set(range(n + 2))
+    # the last `slots` layers of the forward stay resident for the backward
+    reloads = sum(v.load for v in plan if v.phase == "bwd")
+    assert reloads == max(0, n - slots)
+    # the last visit of each unit is flagged once
+    assert sorted(v.unit for v in plan if v.last) == list(range(n + 2))
+
+
+def test_too_small_window_is_refused():
+    with pytest.raises(ValueError, match="cannot prefetch"):
+        plan_step(4, 2, 2)
