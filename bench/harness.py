@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -30,6 +31,8 @@ from slideformer.presets import preset_config  # noqa: E402
 
 
 def commit() -> str:
+    if os.environ.get("SLIDEFORMER_COMMIT"):
+        return os.environ["SLIDEFORMER_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
                                        cwd=Path(__file__).parent, stderr=subprocess.DEVNULL).strip()
