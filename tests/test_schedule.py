@@ -1,7 +1,7 @@
 """The window plan is a pure function: which slot each visit uses and when its weights load."""
 import pytest
 
-from slideformer.window.schedule import plan_step, step_visits
+from slideformer.window.schedule import next_update, plan_step, step_visits
 
 
 def test_visit_order():
@@ -35,3 +35,9 @@ def test_plan_invariants(n, slots, depth):
 def test_too_small_window_is_refused():
     with pytest.raises(ValueError, match="cannot prefetch"):
         plan_step(4, 2, 2)
+
+
+def test_next_update_prefers_the_lowest_landed_unit():
+    assert next_update([5, 4, 3], [True, True, False]) == 1  # unit 4: landed and needed before 5
+    assert next_update([5, 4, 3], [False, False, False]) == 0  # none landed: wait for the oldest copy
+    assert next_update([0, 9], [True, True]) == 0

@@ -31,7 +31,7 @@ class EngineConfig:
     #   "staged":     cast from the fp32 master chunk by chunk into pinned staging at copy time.
     host_weights: Literal["persistent", "staged"] = "persistent"
     # Tokens per chunk of the loss head: bounds the transient [tokens x vocab] logits.
-    loss_chunk_tokens: int = 4096
+    loss_chunk_tokens: int = 1024
     seed: int = 0
     # Record where step time goes (CUDA events per visit and copy); see engine/profile.py.
     profile: bool = False

@@ -11,14 +11,17 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def chunked_head_loss(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Module, weight: torch.Tensor,
-                      denom: int, chunk: int, grad_norm_weight: torch.Tensor, grad_weight: torch.Tensor,
+def chunked_head_loss(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Module | None, weight: torch.Tensor,
+                      denom: int, chunk: int, grad_norm_weight: torch.Tensor | None, grad_weight: torch.Tensor,
                       accumulate: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss sum/denom of one micro-batch, its gradient w.r.t. ``hidden``; head gradients go into
     ``grad_norm_weight`` and ``grad_weight`` (added when ``accumulate``, else overwritten).
 
-    hidden: [T, H] (no grad), labels: [T] already shifted (-100 = ignored).
+    hidden: [T, H] (no grad), labels: [T] already shifted (-100 = ignored). ``norm=None`` means
+    ``hidden`` is already normalised (then there is no norm gradient).
     """
+    params = [weight] if norm is None else [norm.weight, weight]
+    grads_out = [grad_weight] if norm is None else [grad_norm_weight, grad_weight]
     grad_hidden = torch.zeros_like(hidden)
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
     wrote = accumulate
@@ -28,19 +31,13 @@ def chunked_head_loss(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Modul
             continue
         h = hidden[start: start + chunk].detach().requires_grad_(True)
         with torch.enable_grad():
-            logits = F.linear(norm(h), weight)  # [t, V] in the compute dtype, as Hugging Face does
+            logits = F.linear(h if norm is None else norm(h), weight)  # [t, V] in the compute dtype, as HF does
             part = F.cross_entropy(logits.float(), lab, ignore_index=-100, reduction="sum") / denom
-        gh, gn, gw = torch.autograd.grad(part, [h, norm.weight, weight])
+        gh, *gp = torch.autograd.grad(part, [h] + params)
         grad_hidden[start: start + chunk] = gh
-        if wrote:
-            grad_norm_weight.add_(gn)
-            grad_weight.add_(gw)
-        else:
-            grad_norm_weight.copy_(gn)
-            grad_weight.copy_(gw)
-            wrote = True
+        torch._foreach_add_(grads_out, gp) if wrote else torch._foreach_copy_(grads_out, gp)
+        wrote = True
         loss += part.detach()
     if not wrote:  # every label of this micro-batch ignored, and nothing accumulated before it
-        grad_norm_weight.zero_()
-        grad_weight.zero_()
+        torch._foreach_zero_(grads_out)
     return loss, grad_hidden

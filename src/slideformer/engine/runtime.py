@@ -9,7 +9,9 @@ Hand-offs, and what makes each safe:
   stream after the unit's last backward kernel; it records ``grads_sent``, which the compute stream
   waits for before writing that slot's gradients again.
 - host grads -> optimizer (worker thread): each job carries the d2h event; the worker blocks on it
-  before reading the gradient, updates, then sets the unit's ``updated`` flag.
+  before reading the gradient, updates, then sets the unit's ``updated`` flag. Among the jobs whose
+  gradients have landed it takes the lowest unit first (``schedule.next_update``): that is the order
+  the next forward needs them in, so updates still running when backward ends overlap that forward.
 
 On the CPU (``device="cpu"``) every copy is a plain synchronous copy and there are no events, but the
 worker thread, the flags and the order of operations are the same, so CI exercises this code.
@@ -27,6 +29,7 @@ from ..config import EngineConfig
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter
 from ..optim.adamw import adamw_update_
+from ..window.schedule import next_update
 from ..window.slots import Slot
 from .profile import StepProfiler
 
@@ -150,23 +153,42 @@ class Runtime:
         self._jobs.put(job)
 
     def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
+        pending: list[UpdateJob] = []
+        stopping = False
+        while pending or not stopping:
+            # Block only when there is nothing to do; otherwise take whatever else has arrived.
             try:
-                if self._error is None:
-                    if job.grads_ready is not None:
-                        job.grads_ready.synchronize()
-                    t0 = time.perf_counter()
-                    s, c = self.store, self.cfg
-                    adamw_update_(s.master[job.unit], s.grads[job.unit], s.exp_avg[job.unit], s.exp_avg_sq[job.unit],
-                                  step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
-                                  grad_coef=job.grad_coef, scratch=self._scratch)
-                    s.refresh_weights(job.unit)
-                    if self.profiler:
-                        self.profiler.add_host("optimizer", time.perf_counter() - t0)
-            except BaseException as e:  # surfaced to the main thread at its next wait
-                self._error = e
-            finally:
-                self._updated[job.unit].set()
+                while True:
+                    job = self._jobs.get(block=not pending and not stopping)
+                    if job is None:
+                        stopping = True
+                    else:
+                        pending.append(job)
+                    if stopping and not pending:
+                        return
+            except queue.Empty:
+                pass
+            ready = [j.grads_ready is None or j.grads_ready.query() for j in pending]
+            job = pending.pop(next_update([j.unit for j in pending], ready))
+            self._run_update(job)
+
+    def _run_update(self, job: UpdateJob) -> None:
+        try:
+            if self._error is None:
+                if job.grads_ready is not None:
+                    job.grads_ready.synchronize()
+                t0 = time.perf_counter()
+                s, c = self.store, self.cfg
+                adamw_update_(s.master[job.unit], s.grads[job.unit], s.exp_avg[job.unit], s.exp_avg_sq[job.unit],
+                              step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
+                              grad_coef=job.grad_coef, scratch=self._scratch)
+                s.refresh_weights(job.unit)
+                if self.profiler:
+                    self.profiler.add_host("optimizer", time.perf_counter() - t0)
+        except BaseException as e:  # surfaced to the main thread at its next wait
+            self._error = e
+        finally:
+            self._updated[job.unit].set()
 
     def wait_updated(self, unit: int) -> None:
         if self.profiler and not self._updated[unit].is_set():

@@ -74,3 +74,14 @@ def plan_step(num_layers: int, layer_slots: int, prefetch_depth: int) -> list[Vi
         last_use[group][slot] = j
         plan.append(Visit(unit, phase, group, slot, load, issue, last_visit[unit] == j))
     return plan
+
+
+def next_update(units: list[int], ready: list[bool]) -> int:
+    """Which pending optimizer job to run next (an index into ``units``).
+
+    The lowest unit whose gradient has landed: the next forward consumes units in increasing order,
+    so this lets it start as early as possible. If none has landed, the oldest job (index 0), whose
+    gradient copy was enqueued first and so finishes first.
+    """
+    landed = [i for i, r in enumerate(ready) if r]
+    return min(landed, key=lambda i: units[i]) if landed else 0
