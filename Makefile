@@ -10,10 +10,10 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(VPY) || $(PY) -m venv --system-site-packages $(VENV)
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e '.[dev]'
+	$(VPY) -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
