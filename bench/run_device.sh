@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
 # Everything measured on the GPU machine, in one call: the GPU tests, then the benchmark cases.
 #   run from the repo root on the device machine; results go to $OUT (or ./bench/out).
-# Usage: bench/run_device.sh [tests|bench|all] [case ...]   (a case: "system model batch [extra args]")
+# Usage: bench/run_device.sh [tests|demo|bench|all] [case ...]   (a case: "system model batch [extra args]")
 set -uo pipefail
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
 what=${1:-all}; shift || true
+# Baselines' packages the machine lacks travel as wheels in .whl (see bench/README.md); install those named.
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    $(ls .whl/*.whl | grep -v liger) && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; free -g | head -2;
   python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"; git rev-parse --short HEAD; } > "$OUT/machine.txt" 2>&1
 if [[ $what == tests || $what == all ]]; then
   python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
+fi
+if [[ $what == demo || $what == all ]]; then
+  python3 -m slideformer.cli train --steps 60 --output-dir /tmp/demo 2>&1 | tee "$OUT/demo.log" | tail -3
 fi
 if [[ $what == bench || $what == all ]]; then
   if [[ $# -eq 0 ]]; then
@@ -20,7 +28,7 @@ if [[ $what == bench || $what == all ]]; then
   for c in "$@"; do
     read -r sys model b extra <<<"$c"
     echo "== $c" | tee -a "$OUT/bench.log"
-    timeout 300 python3 bench/harness.py --system "$sys" --model "$model" --batch "$b" $extra \
+    timeout 300 python3 -m slideformer.bench --system "$sys" --model "$model" --batch "$b" $extra \
       --out "$OUT/results.jsonl" >> "$OUT/bench.log" 2>&1 || echo "FAILED: $c (rc=$?)" | tee -a "$OUT/bench.log"
     tail -1 "$OUT/bench.log" | cut -c1-400
   done

@@ -1,24 +1,35 @@
 """The benchmark harness runs end to end (on the CPU, tiny model), so it cannot rot between GPU runs."""
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-
-@pytest.fixture(scope="module")
-def harness():
-    path = Path(__file__).resolve().parents[1] / "bench" / "harness.py"
-    spec = importlib.util.spec_from_file_location("harness", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from slideformer.bench import harness
 
 
 @pytest.mark.parametrize("system", ["slideformer", "plain"])
-def test_harness_cpu_smoke(harness, system, tmp_path):
+def test_harness_cpu_smoke(system, tmp_path):
     out = tmp_path / "r.jsonl"
     rec = harness.main(["--system", system, "--model", "tiny", "--device", "cpu", "--seq", "32", "--batch", "2",
                         "--warmup", "1", "--steps", "2", "--out", str(out)])
     assert rec["tokens_per_s"] > 0 and rec["params"] > 0 and out.read_text().count("\n") == 1
     if system == "slideformer":
         assert set(rec["host_bytes"]) >= {"host_master", "host_moments", "host_grads"}
+
+
+def test_report_table_and_plot(tmp_path):
+    import json
+
+    from slideformer.bench import report
+
+    rows = [
+        {"system": "slideformer", "model": "m", "seq": 8, "batch": 2, "tokens_per_s": 300.0, "gpu_peak_alloc_gib": 1.0,
+         "host_peak_rss_gib": 2.0, "settings": {"slots": 2}},
+        {"system": "slideformer", "model": "m", "seq": 8, "batch": 2, "tokens_per_s": 200.0, "gpu_peak_alloc_gib": 1.0,
+         "host_peak_rss_gib": 2.0, "settings": {"slots": 3}},
+        {"system": "plain", "model": "m", "seq": 8, "batch": 2, "tokens_per_s": 100.0, "gpu_peak_alloc_gib": 3.0,
+         "host_peak_rss_gib": 1.0, "settings": {}},
+    ]
+    f = tmp_path / "r.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    md = report.table(report.load([f]))
+    assert "slideformer (slots=2)" in md and "| 2.00x |" in md  # the default variant against plain
+    report.plot(report.load([f]), tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 1000

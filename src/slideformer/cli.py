@@ -1,4 +1,4 @@
-"""The ``slideformer`` command line.
+"""slideformer: fine-tune language models larger than GPU memory on one GPU.
 
 ``slideformer train`` with no arguments fine-tunes the bundled tiny model on the bundled sample data:
 that is what ``make demo`` runs. ``slideformer bench`` measures a training step (see bench/).
@@ -57,6 +57,14 @@ def cmd_train(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its own parser: one case, or `bench report FILE...`
+        if argv[1:2] == ["report"]:
+            from .bench.report import main as report
+            return report(argv[2:])
+        from .bench.harness import main as bench
+        bench(argv[1:])
+        return 0
     p = argparse.ArgumentParser(prog="slideformer", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="fine-tune (no arguments: the bundled tiny model on the sample data)")
@@ -68,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--output-dir", default="out/demo")
     t.set_defaults(func=cmd_train)
+    sub.add_parser("bench", help="benchmark one case (see `slideformer bench --help`), or `bench report FILE...`",
+                   add_help=False)
     args = p.parse_args(argv)
     return args.func(args)
 

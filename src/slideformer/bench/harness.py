@@ -1,12 +1,16 @@
-"""One benchmark case per process: train a randomly initialised model on random tokens, print a JSON line.
+"""One benchmark case: train a randomly initialised model on random tokens, print one JSON line.
 
-    python bench/harness.py --system slideformer --model qwen3-4b --seq 1024 --batch 32
-    python bench/harness.py --system plain --model qwen3-4b --seq 1024 --batch 32
+    slideformer bench --system slideformer --model qwen3-4b --seq 1024 --batch 32
+    slideformer bench --system plain --model qwen3-4b --seq 1024 --batch 32 --gpu-memory-limit-gib 24
+
+Run one case per process (``bench/run_device.sh`` does), so peak memory and RSS are the case's own.
 
 Systems:
 - slideformer: this engine (bf16 compute, fp32 master and moments on the host).
 - plain: the same Hugging Face model resident on the GPU: bf16 weights, fp32 master weights and fused
   AdamW on the GPU, activation checkpointing of every layer, the same chunked loss head.
+- deepspeed: ZeRO-3 with parameters and optimizer offloaded to pinned CPU memory, DeepSpeedCPUAdam,
+  bf16, activation checkpointing, Hugging Face's own loss (what its users run).
 
 Model TFLOPS = 6 x params x tokens/s; attention FLOPs are not counted, nor is recompute.
 """
@@ -18,16 +22,14 @@ import json
 import os
 import resource
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from slideformer import EngineConfig, SlideEngine  # noqa: E402
-from slideformer.presets import preset_config  # noqa: E402
+from .. import EngineConfig, SlideEngine
+from ..engine.loss import chunked_head_loss
+from ..presets import preset_config
 
 
 def commit() -> str:
@@ -75,8 +77,6 @@ def run_slideformer(args, config):
 def run_plain(args, config):
     from transformers import AutoModelForCausalLM
 
-    from slideformer.engine.loss import chunked_head_loss
-
     config._attn_implementation = "sdpa"
     with torch.device(args.device):
         model = AutoModelForCausalLM.from_config(config, dtype=args.dtype)
@@ -117,9 +117,46 @@ def run_plain(args, config):
     return n_params, step, finish, (lambda: {}), None
 
 
+def run_deepspeed(args, config):
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
+        os.environ.setdefault(k, v)
+    deepspeed.init_distributed()
+    ds = {
+        "train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1, "steps_per_print": 10**9,
+        "bf16": {"enabled": True}, "gradient_clipping": args.max_grad_norm or 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+                              "offload_param": {"device": "cpu", "pin_memory": True},
+                              "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+    }
+    config._attn_implementation = "sdpa"
+    with deepspeed.zero.Init(config_dict_or_path=ds):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    n_params = sum(p.ds_numel for p in model.parameters())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    gen = torch.Generator().manual_seed(0)
+
+    def step():
+        ids = random_batch(config.vocab_size, args.batch, args.seq, gen)["input_ids"].to(args.device)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return n_params, step, lambda: sync(args), (lambda: {}), None
+
+
+RUNNERS = {"slideformer": run_slideformer, "plain": run_plain, "deepspeed": run_deepspeed}
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--system", choices=["slideformer", "plain"], required=True)
+    ap = argparse.ArgumentParser(prog="slideformer bench", description=__doc__.splitlines()[0])
+    ap.add_argument("--system", choices=sorted(RUNNERS), required=True)
     ap.add_argument("--model", default="qwen3-4b")
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--batch", type=int, default=8)
@@ -143,7 +180,7 @@ def main(argv=None):
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_limit_gib * 2**30 / total))
     config = preset_config(args.model)
     t_build = time.perf_counter()
-    params, step, finish, extra, prof = (run_slideformer if args.system == "slideformer" else run_plain)(args, config)
+    params, step, finish, extra, prof = RUNNERS[args.system](args, config)
     build_s = time.perf_counter() - t_build
     for _ in range(args.warmup):
         step()

@@ -1,0 +1,104 @@
+"""The benchmark table and plot, made from result JSON lines (``slideformer bench report FILE...``).
+
+Ratios are only taken between lines of the same file, i.e. of one run on one machine: these machines
+are noisy, and only side-by-side numbers are comparable.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+SYSTEMS = ("slideformer", "plain", "deepspeed")
+
+
+def load(paths) -> list[dict]:
+    rows = []
+    for p in paths:
+        for line in Path(p).read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                r["_file"] = str(p)
+                rows.append(r)
+    return rows
+
+
+DEFAULTS = {"slots": 3, "depth": 1, "host_weights": "persistent", "loss_chunk": 1024}
+
+
+def variant(r) -> str:
+    """The system's name plus any engine setting that differs from the default."""
+    st = r.get("settings") or {}
+    extra = [f"{k}={st[k]}" for k, d in DEFAULTS.items() if r["system"] == "slideformer" and k in st and st[k] != d]
+    return r["system"] + (f" ({', '.join(extra)})" if extra else "")
+
+
+def _cap(r) -> str:
+    c = (r.get("settings") or {}).get("gpu_memory_limit_gib")
+    return f"{c:g} GiB" if c else "none"
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: one row per (model, seq, batch, cap), one column per system, and slideformer's ratios."""
+    cells: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    for r in rows:
+        if (r.get("settings") or {}).get("max_grad_norm"):
+            continue  # clipping runs are reported in NOTES, not in the comparison table
+        key = (r["_file"], r["model"], r["seq"], r["batch"], _cap(r))
+        cells[key][variant(r)] = r
+    names = {v for c in cells.values() for v in c}
+    systems = sorted(names, key=lambda v: (SYSTEMS.index(v.split(" ")[0]) if v.split(" ")[0] in SYSTEMS else 9, v))
+    head = ["model", "seq", "batch", "GPU cap"] + [f"{s} tok/s (GPU / host GiB)" for s in systems]
+    others = [s for s in systems if not s.startswith("slideformer")]
+    head += [f"slideformer / {s}" for s in others]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (_, model, seq, batch, cap), c in sorted(cells.items(), key=lambda kv: kv[0][1:]):
+        row = [model, str(seq), str(batch), cap]
+        for s in systems:
+            r = c.get(s)
+            row.append(f"{r['tokens_per_s']:.0f} ({r['gpu_peak_alloc_gib']:.1f} / {r['host_peak_rss_gib']:.0f})" if r else "—")
+        for s in others:
+            a, b = c.get("slideformer"), c.get(s)
+            row.append(f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x" if a and b else "—")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        for r in rows:
+            if r["model"] == model and not (r.get("settings") or {}).get("max_grad_norm"):
+                series[f"{variant(r)}, GPU cap {_cap(r)}"].append((r["batch"], r["tokens_per_s"]))
+        for name, pts in sorted(series.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set_title(f"{model}, seq {rows[0]['seq']}")
+        ax.set_xlabel("batch (sequences)")
+        ax.set_ylabel("tokens/s")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="slideformer bench report", description="table and plot from result files")
+    ap.add_argument("results", nargs="+")
+    ap.add_argument("--plot", help="write a PNG of tokens/s against batch per system")
+    args = ap.parse_args(argv)
+    rows = load(args.results)
+    print(table(rows))
+    if args.plot:
+        plot(rows, Path(args.plot))
+    return 0
