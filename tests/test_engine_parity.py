@@ -92,13 +92,14 @@ def test_accumulation_equals_one_large_batch(family):
     assert_same(state, ref, losses, ref_losses)
 
 
-def test_clipping_weight_decay_and_schedule():
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_clipping_weight_decay_and_schedule(backend):
     model = build("llama-tied")
     batches = [batch(97, seed=s) for s in range(4)]
     lrs = [lr_at(k, 1e-2, "cosine", warmup_steps=1, total_steps=4) for k in range(4)]
     assert len(set(lrs)) == 4
     kw = dict(weight_decay=0.1, max_grad_norm=0.05, betas=(0.8, 0.95))
-    state, losses = engine_train(model, batches, lr=1e-2, lrs=lrs, **kw)
+    state, losses = engine_train(model, batches, lr=1e-2, lrs=lrs, optimizer_backend=backend, **kw)
     ref, ref_losses = reference_train(model, batches, lr=1e-2, lrs=lrs, **kw)
     assert_same(state, ref, losses, ref_losses)
 

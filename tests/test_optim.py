@@ -2,11 +2,20 @@ import pytest
 import torch
 
 from slideformer.optim import adamw_update_, lr_at
+from slideformer.optim import native
+
+BACKENDS = ["native", "torch"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    native.load(strict=True)  # CI has gcc: the compiled path must build, not silently fall back
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("wd", [0.0, 0.1])
-@pytest.mark.parametrize("n", [1, 37, 1000])
-def test_adamw_matches_torch(wd, n):
+@pytest.mark.parametrize("n", [1, 37, 1000, 70001])
+def test_adamw_matches_torch(backend, wd, n):
     torch.manual_seed(n)
     p = torch.randn(n)
     ref = p.clone().requires_grad_(True)
@@ -16,21 +25,45 @@ def test_adamw_matches_torch(wd, n):
         g = torch.randn(n)
         ref.grad = g.clone()
         opt.step()
-        adamw_update_(p, g.clone(), m, v, step=step, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=wd)
+        adamw_update_(p, g.clone(), m, v, step=step, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=wd,
+                      backend=backend, threads=3)
     torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7)
 
 
-def test_bf16_grad_is_cast_and_scaled():
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("beta1", [0.9, 0.3])  # both branches of torch's lerp
+def test_bf16_grad_coef_and_copy_out(backend, beta1):
     torch.manual_seed(0)
-    p, g = torch.randn(50), torch.randn(50).bfloat16()
+    n = 4099
+    p, g = torch.randn(n), torch.randn(n).bfloat16()
     a, b = p.clone(), p.clone()
-    ma, va, mb, vb = (torch.zeros(50) for _ in range(4))
-    adamw_update_(a, g, ma, va, step=1, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                  grad_coef=0.5, scratch=torch.empty(64))
-    adamw_update_(b, g.float() * 0.5, mb, vb, step=1, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    assert torch.equal(a, b) and torch.equal(va, vb)
+    ma, va, mb, vb = (torch.zeros(n) for _ in range(4))
+    out = torch.empty(n, dtype=torch.bfloat16)
+    kw = dict(lr=1e-2, betas=(beta1, 0.999), eps=1e-8, weight_decay=0.1)
+    for step in (1, 2):
+        adamw_update_(a, g, ma, va, step=step, grad_coef=0.5, out=out, scratch=torch.empty(n), backend=backend, **kw)
+        ref = torch.optim.AdamW([b.requires_grad_()], fused=True, **kw) if step == 1 else ref
+        b.grad = g.float() * 0.5
+        ref.step()
+    torch.testing.assert_close(a, b.detach(), rtol=1e-6, atol=1e-7)
+    assert torch.equal(out, a.bfloat16())  # the copy is the master rounded to nearest even, as torch rounds
+
+
+def test_bf16_rounding_is_torchs():
+    special = torch.tensor([0.0, -0.0, 1.0, 1.00390625, 1.01171875, 3.4e38, float("inf"), -float("inf"), 1e-40])
+    x = torch.cat([special, torch.randn(100_000) * 10])
+    p, m, v = x.clone(), torch.zeros_like(x), torch.zeros_like(x)
+    out = torch.empty_like(x, dtype=torch.bfloat16)
+    # lr=0 and no decay leave the master as it is: out is then exactly the cast of x
+    adamw_update_(p, torch.zeros_like(x), m, v, step=1, lr=0.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                  out=out, backend="native")
+    assert torch.equal(out.view(torch.int16), x.bfloat16().view(torch.int16))
+
+
+def test_torch_backend_needs_scratch_for_bf16():
     with pytest.raises(ValueError, match="scratch"):
-        adamw_update_(a, g, ma, va, step=2, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        adamw_update_(torch.zeros(4), torch.zeros(4).bfloat16(), torch.zeros(4), torch.zeros(4), step=1, lr=1e-2,
+                      betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, backend="torch")
 
 
 def test_schedules_match_transformers():

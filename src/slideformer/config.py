@@ -32,6 +32,10 @@ class EngineConfig:
     host_weights: Literal["persistent", "staged"] = "persistent"
     # Tokens per chunk of the loss head: bounds the transient [tokens x vocab] logits.
     loss_chunk_tokens: int = 1024
+    # CPU optimizer: "auto" (our one-pass C++ kernel when it builds, else torch's fused), "native", "torch";
+    # and its thread count (None: all cores but one, which drives the GPU).
+    optimizer_backend: Literal["auto", "native", "torch"] = "auto"
+    optimizer_threads: int | None = None
     seed: int = 0
     # Record where step time goes (CUDA events per visit and copy); see engine/profile.py.
     profile: bool = False
@@ -64,6 +68,10 @@ class EngineConfig:
             raise ConfigError("device='cuda' but CUDA is not available; pass device='cpu' to run on the CPU")
         if dev.type not in ("cuda", "cpu"):
             raise ConfigError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
+        if self.optimizer_backend not in ("auto", "native", "torch"):
+            raise ConfigError(f"optimizer_backend must be 'auto', 'native' or 'torch', got {self.optimizer_backend!r}")
+        if self.optimizer_threads is not None and self.optimizer_threads < 1:
+            raise ConfigError(f"optimizer_threads must be >= 1 or None (all cores but one), got {self.optimizer_threads}")
         if self.loss_chunk_tokens < 1:
             raise ConfigError(f"loss_chunk_tokens must be >= 1, got {self.loss_chunk_tokens}")
         return self

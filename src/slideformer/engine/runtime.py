@@ -28,7 +28,7 @@ import torch
 from ..config import EngineConfig
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter
-from ..optim.adamw import adamw_update_
+from ..optim.adamw import adamw_update_, resolve_backend
 from ..window.schedule import next_update
 from ..window.slots import Slot
 from .profile import StepProfiler
@@ -71,7 +71,9 @@ class Runtime:
         for e in self._updated:
             e.set()
         self._error: BaseException | None = None
-        self._scratch = torch.empty(max(u.numel for u in adapter.units) if dt != torch.float32 else 0, dtype=torch.float32)
+        self.optimizer_backend = resolve_backend(cfg.optimizer_backend)
+        needs_scratch = dt != torch.float32 and self.optimizer_backend == "torch"
+        self._scratch = torch.empty(max(u.numel for u in adapter.units) if needs_scratch else 0, dtype=torch.float32)
         self._jobs: queue.Queue[UpdateJob | None] = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="slideformer-optimizer", daemon=True)
         self._worker.start()
@@ -179,10 +181,11 @@ class Runtime:
                     job.grads_ready.synchronize()
                 t0 = time.perf_counter()
                 s, c = self.store, self.cfg
+                own_copy = s.weights is not None and s.weights is not s.master
                 adamw_update_(s.master[job.unit], s.grads[job.unit], s.exp_avg[job.unit], s.exp_avg_sq[job.unit],
                               step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
-                              grad_coef=job.grad_coef, scratch=self._scratch)
-                s.refresh_weights(job.unit)
+                              grad_coef=job.grad_coef, out=s.weights[job.unit] if own_copy else None,
+                              scratch=self._scratch, backend=self.optimizer_backend, threads=c.optimizer_threads)
                 if self.profiler:
                     self.profiler.add_host("optimizer", time.perf_counter() - t0)
         except BaseException as e:  # surfaced to the main thread at its next wait
