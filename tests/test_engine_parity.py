@@ -140,3 +140,13 @@ def test_staged_host_weights_match_persistent():
     b, lb = engine_train(model, batches, lr=1e-2, host_weights="staged")
     assert la == lb
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("keep", [0, 1, 5])
+def test_activation_offload_is_bit_identical(keep):
+    model = build("qwen2-tied")
+    steps = [[batch(97, seed=s), batch(97, b=3, s=9, seed=s + 7)] for s in range(2)]  # uneven micro-batches
+    a, la = engine_train(model, steps, lr=1e-2)
+    b, lb = engine_train(model, steps, lr=1e-2, offload_activations=True, gpu_activation_layers=keep)
+    assert la == lb
+    assert all(torch.equal(a[k], b[k]) for k in a)

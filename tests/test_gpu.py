@@ -100,3 +100,13 @@ def test_gpu_memory_does_not_grow_after_first_step():
             eng.train_step(batch(97, b=4, s=32, seed=s))
         assert torch.cuda.memory_allocated() == after_first
         assert torch.cuda.max_memory_allocated() <= peak_second
+
+
+def test_activation_offload_on_gpu_is_bit_identical():
+    model = build("llama")
+    batches = [[batch(97, b=4, s=32, seed=s), batch(97, b=2, s=16, seed=s + 9)] for s in range(3)]
+    kw = dict(compute_dtype=torch.float32, lr=1e-3, window_slots=2)  # fp32: flash-attention backward (bf16) is not deterministic
+    a, la = cuda_engine_train(model, batches, **kw)
+    b, lb = cuda_engine_train(model, batches, offload_activations=True, gpu_activation_layers=0, **kw)
+    assert la == lb
+    assert all(torch.equal(a[k], b[k]) for k in a)

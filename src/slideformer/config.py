@@ -30,6 +30,10 @@ class EngineConfig:
     #   "persistent": a host copy refreshed by the optimizer (+2 bytes/param, no work at copy time);
     #   "staged":     cast from the fp32 master chunk by chunk into pinned staging at copy time.
     host_weights: Literal["persistent", "staged"] = "persistent"
+    # Activation checkpoints (each layer's input): offload all but the last `gpu_activation_layers` layers'
+    # to pinned host memory; they come back one layer ahead of need in backward.
+    offload_activations: bool = False
+    gpu_activation_layers: int = 2
     # Tokens per chunk of the loss head: bounds the transient [tokens x vocab] logits.
     loss_chunk_tokens: int = 1024
     # CPU optimizer: "auto" (our one-pass C++ kernel when it builds, else torch's fused), "native", "torch";
@@ -72,6 +76,8 @@ class EngineConfig:
             raise ConfigError(f"optimizer_backend must be 'auto', 'native' or 'torch', got {self.optimizer_backend!r}")
         if self.optimizer_threads is not None and self.optimizer_threads < 1:
             raise ConfigError(f"optimizer_threads must be >= 1 or None (all cores but one), got {self.optimizer_threads}")
+        if self.gpu_activation_layers < 0:
+            raise ConfigError(f"gpu_activation_layers must be >= 0, got {self.gpu_activation_layers}")
         if self.loss_chunk_tokens < 1:
             raise ConfigError(f"loss_chunk_tokens must be >= 1, got {self.loss_chunk_tokens}")
         return self

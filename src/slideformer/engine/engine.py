@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,12 +25,27 @@ from ..config import EngineConfig
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter, bind_parameters
 from ..window.schedule import plan_step
+from .activations import ActivationStore
 from .loss import chunked_head_loss
 from .runtime import Runtime, UpdateJob
 
 
 class BatchError(ValueError):
     """A batch the model cannot train on; the message says what is wrong."""
+
+
+@dataclass
+class _Step:
+    """What one train_step carries from visit to visit."""
+    mbs: list
+    denom: int  # non-ignored labels in the whole step: every micro-batch's loss sum is divided by it
+    index: int  # the optimizer step this is (1-based)
+    hidden: list = field(default_factory=list)  # [B, S, H] per micro-batch, flowing forward
+    grad_hidden: list = field(default_factory=list)  # its gradient, flowing backward
+    loss: float | torch.Tensor = 0.0
+    norms: list = field(default_factory=list)  # per-unit gradient norms (fp32, on the device)
+    finished: list = field(default_factory=list)  # (unit, grads-ready event) awaiting the clip coefficient
+    embed_grad_written: bool = False
 
 
 @dataclass
@@ -73,6 +88,9 @@ class SlideEngine:
         self.store = HostStore(self.adapter.units, self.cfg.compute_dtype, pin=self.device.type == "cuda",
                                host_weights=self.cfg.host_weights)
         self.runtime = Runtime(self.adapter, self.store, self.cfg)
+        n = self.adapter.num_layers
+        offload = set(range(max(0, n - self.cfg.gpu_activation_layers))) if self.cfg.offload_activations else set()
+        self.activations = ActivationStore(self.runtime, n, offload)
         self.plan = plan_step(self.adapter.num_layers, self.cfg.window_slots, self.cfg.prefetch_depth)
         self._loads_after: dict[int, list] = {}
         for v in self.plan:
@@ -95,110 +113,120 @@ class SlideEngine:
     def train_step(self, batch) -> float:
         """One optimizer step over ``batch`` (a dict, or a list of micro-batch dicts accumulated)."""
         mbs, denom = self._prepare(batch)
-        step = self.store.step + 1
-        clip = self.cfg.max_grad_norm
-        rt, ad = self.runtime, self.adapter
-        saved: dict[int, list[torch.Tensor]] = {}
-        hidden: list[torch.Tensor] = []
-        grad_hidden: list[torch.Tensor] = []
-        loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        sq_norms: list[torch.Tensor] = []
-        finished: list[tuple[int, object]] = []  # (unit, grads-ready event) awaiting the clip coefficient
-        embed_grad_written = False
-
+        st = _Step(mbs=mbs, denom=denom, index=self.store.step + 1)
+        rt = self.runtime
+        self.activations.begin_step(sum(mb.input_ids.numel() for mb in mbs), self.adapter.config.hidden_size,
+                                    self.cfg.compute_dtype)
         for v in self._loads_after.get(-1, ()):
             rt.load(v.unit, rt.slots[v.group][v.slot])
         for t, v in enumerate(self.plan):
             slot = rt.slots[v.group][v.slot]
-            unit = ad.units[v.unit]
-            params, grads = slot.views(unit)
+            unit = self.adapter.units[v.unit]
             rt.begin_compute(slot)
-            if v.phase == "embed_fwd":
-                with torch.no_grad():
-                    for mb in mbs:
-                        h = F.embedding(mb.input_ids, params["weight"], ad.padding_idx)
-                        mb.masks = ad.attention_masks(h, mb.attention_mask, mb.position_ids)
-                        mb.rope = self.rotary(h, mb.position_ids)
-                        hidden.append(h)
-            elif v.phase == "fwd":
-                layer = ad.layers[unit.layer]
-                bind_parameters(layer, params)
-                saved[unit.layer] = hidden
-                with torch.no_grad():
-                    hidden = [self._run_layer(layer, unit.layer, h, mb) for h, mb in zip(hidden, mbs)]
-            elif v.phase == "head":
-                bind_parameters(ad.skeleton.model, {"norm.weight": params["norm.weight"]})
-                rt.begin_grads(slot)
-                if ad.tied:
-                    eslot = rt.slots["embed"][0]
-                    rt.begin_grads(eslot)
-                    w = eslot.views(ad.embed_unit)[0]["weight"]
-                    gw = eslot.views(ad.embed_unit)[1][0]
-                    embed_grad_written = True
-                else:
-                    w, gw = params["lm_head.weight"], grads[1]
-                gnorm = grads[0]
-                acc_n, acc_w = gnorm, gw
-                if gw.dtype != torch.float32:  # sum chunk gradients in fp32, cast once at the end
-                    acc_n = torch.empty_like(gnorm, dtype=torch.float32)
-                    acc_w = torch.empty_like(gw, dtype=torch.float32)
-                for i, (h, mb) in enumerate(zip(hidden, mbs)):
-                    part, gh = chunked_head_loss(h.flatten(0, 1), mb.labels, ad.norm, w, denom,
-                                                 self.cfg.loss_chunk_tokens, acc_n, acc_w, accumulate=i > 0)
-                    loss += part
-                    grad_hidden.append(gh.view_as(h))
-                if acc_w is not gw:
-                    gnorm.copy_(acc_n)
-                    gw.copy_(acc_w)
-                    del acc_n, acc_w
-                hidden = []
-            elif v.phase == "bwd":
-                layer = ad.layers[unit.layer]
-                bind_parameters(layer, params)
-                rt.begin_grads(slot)
-                plist = list(params.values())
-                inputs = saved.pop(unit.layer)
-                for i, (x, mb) in enumerate(zip(inputs, mbs)):
-                    x = x.detach().requires_grad_(True)
-                    with torch.enable_grad():
-                        y = self._run_layer(layer, unit.layer, x, mb)
-                    g = torch.autograd.grad(y, [x] + plist, grad_hidden[i])
-                    grad_hidden[i] = g[0]
-                    (torch._foreach_add_ if i else torch._foreach_copy_)(grads, list(g[1:]))
-            elif v.phase == "embed_bwd":
-                rt.begin_grads(slot)
-                w = params["weight"]
-                for i, mb in enumerate(mbs):
-                    with torch.enable_grad():
-                        e = F.embedding(mb.input_ids, w, ad.padding_idx)
-                    (gw,) = torch.autograd.grad(e, [w], grad_hidden[i])
-                    if embed_grad_written:
-                        grads[0].add_(gw)
-                    else:
-                        grads[0].copy_(gw)
-                        embed_grad_written = True
-                grad_hidden = []
+            getattr(self, f"_{v.phase}")(st, unit, slot)
             rt.end_compute(slot)
-
             if v.last:
-                n = unit.numel
-                sq_norms.append(torch.linalg.vector_norm(slot.grads[:n], dtype=torch.float32))
-                ready = rt.send_grads(v.unit, slot)
-                if clip is None:
-                    rt.submit_update(UpdateJob(v.unit, ready, step, self.lr, 1.0))
-                else:
-                    finished.append((v.unit, ready))
+                self._gradient_done(st, v.unit, slot)
             for nxt in self._loads_after.get(t, ()):
                 rt.load(nxt.unit, rt.slots[nxt.group][nxt.slot])
 
-        total = torch.linalg.vector_norm(torch.stack(sq_norms))
+        total = torch.linalg.vector_norm(torch.stack(st.norms))
         self._grad_norm = total
-        if clip is not None:
-            coef = min(1.0, clip / (float(total) + 1e-6))
-            for unit, ready in sorted(finished):  # forward order: the next step needs unit 0 first
-                rt.submit_update(UpdateJob(unit, ready, step, self.lr, coef))
-        self.store.step = step
-        return float(loss)
+        if self.cfg.max_grad_norm is not None:
+            coef = min(1.0, self.cfg.max_grad_norm / (float(total) + 1e-6))
+            for unit, ready in sorted(st.finished):  # forward order: the next step needs unit 0 first
+                rt.submit_update(UpdateJob(unit, ready, st.index, self.lr, coef))
+        self.store.step = st.index
+        return float(st.loss)
+
+    # -- the phases of a step, one per visit kind (see window/schedule.py) --------------------------
+    def _embed_fwd(self, st: "_Step", unit, slot) -> None:
+        w = slot.views(unit)[0]["weight"]
+        with torch.no_grad():
+            for mb in st.mbs:
+                h = F.embedding(mb.input_ids, w, self.adapter.padding_idx)  # [B, S, H]
+                mb.masks = self.adapter.attention_masks(h, mb.attention_mask, mb.position_ids)
+                mb.rope = self.rotary(h, mb.position_ids)
+                st.hidden.append(h)
+
+    def _fwd(self, st: "_Step", unit, slot) -> None:
+        layer = self.adapter.layers[unit.layer]
+        bind_parameters(layer, slot.views(unit)[0])
+        with torch.no_grad():
+            out = [self._run_layer(layer, unit.layer, h, mb) for h, mb in zip(st.hidden, st.mbs)]
+        self.activations.save(unit.layer, st.hidden)  # after the layer is enqueued: the copy overlaps the next
+        st.hidden = out
+
+    def _head(self, st: "_Step", unit, slot) -> None:
+        rt, ad = self.runtime, self.adapter
+        params, grads = slot.views(unit)
+        bind_parameters(ad.skeleton.model, {"norm.weight": params["norm.weight"]})
+        rt.begin_grads(slot)
+        if ad.tied:  # the matrix lives in the embedding's slot; its gradient starts there
+            eslot = rt.slots["embed"][0]
+            rt.begin_grads(eslot)
+            (eparams, egrads) = eslot.views(ad.embed_unit)
+            w, gw = eparams["weight"], egrads[0]
+            st.embed_grad_written = True
+        else:
+            w, gw = params["lm_head.weight"], grads[1]
+        gnorm = grads[0]
+        acc_n, acc_w = gnorm, gw
+        if gw.dtype != torch.float32:  # sum chunk gradients in fp32, cast once at the end
+            acc_n = torch.empty_like(gnorm, dtype=torch.float32)
+            acc_w = torch.empty_like(gw, dtype=torch.float32)
+        for i, (h, mb) in enumerate(zip(st.hidden, st.mbs)):
+            part, gh = chunked_head_loss(h.flatten(0, 1), mb.labels, ad.norm, w, st.denom,
+                                         self.cfg.loss_chunk_tokens, acc_n, acc_w, accumulate=i > 0)
+            st.loss += part
+            st.grad_hidden.append(gh.view_as(h))
+        if acc_w is not gw:
+            gnorm.copy_(acc_n)
+            gw.copy_(acc_w)
+        st.hidden = []
+        self.activations.prefetch(ad.num_layers - 1)
+
+    def _bwd(self, st: "_Step", unit, slot) -> None:
+        layer = self.adapter.layers[unit.layer]
+        params, grads = slot.views(unit)
+        bind_parameters(layer, params)
+        inputs = self.activations.take(unit.layer)
+        self.activations.prefetch(unit.layer - 1)  # one layer ahead: it lands while this layer computes
+        self.runtime.begin_grads(slot)
+        plist = list(params.values())
+        for i, (x, mb) in enumerate(zip(inputs, st.mbs)):
+            x = x.detach().requires_grad_(True)
+            with torch.enable_grad():
+                y = self._run_layer(layer, unit.layer, x, mb)
+            g = torch.autograd.grad(y, [x] + plist, st.grad_hidden[i])
+            st.grad_hidden[i] = g[0]
+            # micro-batches are summed in the slot: the first one writes, the others add
+            (torch._foreach_add_ if i else torch._foreach_copy_)(grads, list(g[1:]))
+
+    def _embed_bwd(self, st: "_Step", unit, slot) -> None:
+        params, grads = slot.views(unit)
+        self.runtime.begin_grads(slot)
+        w = params["weight"]
+        for i, mb in enumerate(st.mbs):
+            with torch.enable_grad():
+                e = F.embedding(mb.input_ids, w, self.adapter.padding_idx)
+            (gw,) = torch.autograd.grad(e, [w], st.grad_hidden[i])
+            if st.embed_grad_written:
+                grads[0].add_(gw)
+            else:
+                grads[0].copy_(gw)
+                st.embed_grad_written = True
+        st.grad_hidden = []
+
+    def _gradient_done(self, st: "_Step", unit: int, slot) -> None:
+        """The unit's gradient is complete on the GPU: send it to the host, queue its update."""
+        n = self.adapter.units[unit].numel
+        st.norms.append(torch.linalg.vector_norm(slot.grads[:n], dtype=torch.float32))
+        ready = self.runtime.send_grads(unit, slot)
+        if self.cfg.max_grad_norm is None:
+            self.runtime.submit_update(UpdateJob(unit, ready, st.index, self.lr, 1.0))
+        else:
+            st.finished.append((unit, ready))
 
     def _run_layer(self, layer, index: int, h: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         out = layer(h, attention_mask=mb.masks[self.adapter.layer_attention_type(index)],
@@ -280,11 +308,13 @@ class SlideEngine:
 
     def memory_report(self) -> dict[str, int]:
         rep = {f"host_{k}": v for k, v in self.store.bytes_by_category().items()}
+        rep["host_activations"] = self.activations.host_bytes
         rep["gpu_window"] = self.runtime.gpu_bytes()
         return rep
 
     def close(self) -> None:
         self.runtime.close()
+        self.activations.close()
         self.store.close()
 
     def __enter__(self) -> "SlideEngine":
