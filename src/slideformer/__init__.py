@@ -5,7 +5,8 @@ from .engine.engine import BatchError
 from .checkpoint import CheckpointError
 from .model import UnsupportedModelError
 from .optim import lr_at
+from .plan import DoesNotFit
 
 __all__ = ["SlideEngine", "EngineConfig", "ConfigError", "BatchError", "CheckpointError",
-           "UnsupportedModelError", "lr_at"]
+           "UnsupportedModelError", "DoesNotFit", "lr_at"]
 __version__ = "0.1.0"

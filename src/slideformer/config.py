@@ -30,6 +30,9 @@ class EngineConfig:
     #   "persistent": a host copy refreshed by the optimizer (+2 bytes/param, no work at copy time);
     #   "staged":     cast from the fp32 master chunk by chunk into pinned staging at copy time.
     host_weights: Literal["persistent", "staged"] = "persistent"
+    # A cap on the engine's GPU memory ("24GiB", "80GB" or bytes): the planner (plan/memory.py) then
+    # splits each batch into micro-batches and offloads layer inputs so that a step fits under it.
+    gpu_memory_limit: str | int | None = None
     # Activation checkpoints (each layer's input): offload all but the last `gpu_activation_layers` layers'
     # to pinned host memory; they come back one layer ahead of need in backward.
     offload_activations: bool = False
@@ -76,6 +79,13 @@ class EngineConfig:
             raise ConfigError(f"optimizer_backend must be 'auto', 'native' or 'torch', got {self.optimizer_backend!r}")
         if self.optimizer_threads is not None and self.optimizer_threads < 1:
             raise ConfigError(f"optimizer_threads must be >= 1 or None (all cores but one), got {self.optimizer_threads}")
+        if self.gpu_memory_limit is not None:
+            from .plan.memory import parse_bytes
+
+            try:
+                parse_bytes(self.gpu_memory_limit)
+            except ValueError as e:
+                raise ConfigError(f"gpu_memory_limit: {e}") from None
         if self.gpu_activation_layers < 0:
             raise ConfigError(f"gpu_activation_layers must be >= 0, got {self.gpu_activation_layers}")
         if self.loss_chunk_tokens < 1:

@@ -24,6 +24,7 @@ from ..checkpoint import export, loader
 from ..config import EngineConfig
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter, bind_parameters
+from ..plan.memory import ModelShape, Placement, fit, parse_bytes
 from ..window.schedule import plan_step
 from .activations import ActivationStore
 from .loss import chunked_head_loss
@@ -85,6 +86,11 @@ class SlideEngine:
         self.cfg = (cfg or EngineConfig()).validate()
         self.device = torch.device(self.cfg.device)
         self.adapter = ModelAdapter(hf_config, self.cfg.compute_dtype)
+        self.shape = ModelShape.from_adapter(self.adapter)
+        self._limit = None if self.cfg.gpu_memory_limit is None else parse_bytes(self.cfg.gpu_memory_limit)
+        if self._limit is not None:  # refuse before allocating anything if not even one sequence fits
+            fit(self.shape, 1, 1, self._limit, self.cfg.window_slots, self.cfg.loss_chunk_tokens)
+        self._placements: dict[tuple[int, int], Placement] = {}
         self.store = HostStore(self.adapter.units, self.cfg.compute_dtype, pin=self.device.type == "cuda",
                                host_weights=self.cfg.host_weights)
         self.runtime = Runtime(self.adapter, self.store, self.cfg)
@@ -112,6 +118,8 @@ class SlideEngine:
 
     def train_step(self, batch) -> float:
         """One optimizer step over ``batch`` (a dict, or a list of micro-batch dicts accumulated)."""
+        if self._limit is not None:
+            batch = self._place(batch)
         mbs, denom = self._prepare(batch)
         st = _Step(mbs=mbs, denom=denom, index=self.store.step + 1)
         rt = self.runtime
@@ -227,6 +235,27 @@ class SlideEngine:
             self.runtime.submit_update(UpdateJob(unit, ready, st.index, self.lr, 1.0))
         else:
             st.finished.append((unit, ready))
+
+    def _place(self, batch) -> list[dict]:
+        """Split the step into the planner's micro-batches and set which layer inputs are offloaded."""
+        items = list(batch) if isinstance(batch, (list, tuple)) else [batch]
+        shapes = [torch.as_tensor(it["input_ids"]).reshape(-1, torch.as_tensor(it["input_ids"]).shape[-1]).shape
+                  for it in items if isinstance(it, dict) and "input_ids" in it]
+        if len(shapes) != len(items):
+            return items  # malformed: _prepare says what is wrong
+        key = (sum(s[0] for s in shapes), max(s[1] for s in shapes))
+        if key not in self._placements:
+            self._placements[key] = fit(self.shape, *key, self._limit, self.cfg.window_slots, self.cfg.loss_chunk_tokens)
+        p = self._placements[key]
+        n = self.adapter.num_layers
+        self.activations.offload_layers = set(range(max(0, n - p.gpu_activation_layers)))
+        out = []
+        for it in items:
+            rows = torch.as_tensor(it["input_ids"]).reshape(-1, torch.as_tensor(it["input_ids"]).shape[-1]).shape[0]
+            for start in range(0, rows, p.micro_batch):
+                out.append({k: torch.as_tensor(v).reshape(rows, -1)[start: start + p.micro_batch]
+                            for k, v in it.items() if v is not None})
+        return out
 
     def _run_layer(self, layer, index: int, h: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         out = layer(h, attention_mask=mb.masks[self.adapter.layer_attention_type(index)],

@@ -1,0 +1,134 @@
+"""GPU and host bytes of a training step, and the placement that fits a GPU budget.
+
+The GPU peak is modelled as
+
+    window slots + saved layer inputs kept on the GPU + the hidden state and its gradient
+    + max(loss head, one layer's backward)
+
+where the loss head holds an fp32 accumulator for the [vocab, hidden] gradient, that gradient for one
+chunk, and one chunk of logits with its fp32 softmax and gradient (16 bytes per logit), and a layer's
+backward holds about 10 x ffn + 6 x hidden bf16 values per token of the micro-batch (HF's MLP keeps
+gate, up, act and product and their gradients; the norms upcast to fp32) plus the layer's gradient.
+The constants were fitted on the H200 to max_memory_allocated of Qwen3-4B at batch 8 and 32 and
+Llama-3.1-8B at batch 8 with 2 and 3 slots (bench/results/2026-11-30-engine-8f5f01a.jsonl): the model
+is 1-3% above each measurement before the 5% safety margin.
+
+Micro-batches are free in this engine (weights cross PCIe once per step however many there are), so
+the planner bounds a layer's backward by splitting the batch, and keeps as many layer inputs on the
+GPU as the budget allows, offloading the rest: it prefers micro-batches of at least EFFICIENT_TOKENS
+tokens (matmuls at full speed), then the most layer inputs on the GPU (less pinned host memory and PCIe
+traffic), then the largest micro-batch.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+LAYER_TOKEN_FFN = 10  # bf16 values per token per ffn unit at the peak of a layer's backward
+LAYER_TOKEN_HIDDEN = 6
+LOGIT_BYTES = 16  # bf16 logits, fp32 copy, fp32 log-softmax, fp32 gradient (x1 each) and bf16 gradient
+SAFETY = 1.05  # allocator rounding and what the model leaves out
+EFFICIENT_TOKENS = 8192
+
+
+class DoesNotFit(ValueError):
+    """No placement fits the budget; the message gives the largest batch that would."""
+
+
+def parse_bytes(x) -> int:
+    """'24GiB', '24 GB', '512MiB' or an int of bytes."""
+    if isinstance(x, (int, float)):
+        return int(x)
+    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?)B?\s*", str(x), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"cannot read a memory size from {x!r}; write e.g. '24GiB' or '80GB'")
+    num, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
+    scale = (1024 if binary or not unit else 1000) ** " KMGT".index(unit or " ")
+    return int(num * scale)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    ffn: int
+    vocab: int
+    tied: bool
+    layer_params: int  # padded numel of one decoder layer's flat buffer
+    embed_params: int
+    head_params: int  # final norm (+ lm_head when untied)
+
+    @property
+    def params(self) -> int:
+        return self.embed_params + self.layers * self.layer_params + self.head_params
+
+    @classmethod
+    def from_adapter(cls, adapter) -> "ModelShape":
+        c = adapter.config
+        return cls(layers=adapter.num_layers, hidden=c.hidden_size, ffn=c.intermediate_size, vocab=c.vocab_size,
+                   tied=adapter.tied, layer_params=max(u.numel for u in adapter.units if u.kind == "layer"),
+                   embed_params=adapter.embed_unit.numel, head_params=adapter.head_unit.numel)
+
+
+@dataclass(frozen=True)
+class Placement:
+    window_slots: int = 3
+    micro_batch: int = 1 << 30  # sequences per micro-batch (capped at the batch)
+    gpu_activation_layers: int = 1 << 30  # layer inputs kept on the GPU (the last ones); the rest offloaded
+    loss_chunk_tokens: int = 1024
+
+
+def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, dtype_bytes: int = 2) -> dict[str, int]:
+    T = batch * seq
+    t = min(batch, p.micro_batch) * seq
+    kept = min(shape.layers, p.gpu_activation_layers)
+    V, H = shape.vocab, shape.hidden
+    out = {
+        "window": 2 * dtype_bytes * (shape.embed_params + shape.head_params + p.window_slots * shape.layer_params),
+        "activations": kept * T * H * dtype_bytes,
+        "hidden_flow": 2 * T * H * dtype_bytes,
+        "loss_head": V * H * (4 + dtype_bytes) + min(p.loss_chunk_tokens, t) * V * LOGIT_BYTES,
+        "layer_backward": t * (LAYER_TOKEN_FFN * shape.ffn + LAYER_TOKEN_HIDDEN * H) * dtype_bytes
+                          + shape.layer_params * dtype_bytes,
+    }
+    out["peak"] = int(SAFETY * (out["window"] + out["activations"] + out["hidden_flow"]
+                                + max(out["loss_head"], out["layer_backward"])))
+    return out
+
+
+def host_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, host_weights: str = "persistent",
+               dtype_bytes: int = 2) -> dict[str, int]:
+    N = shape.params
+    offloaded = shape.layers - min(shape.layers, p.gpu_activation_layers)
+    return {
+        "master": 4 * N,
+        "moments": 8 * N,
+        "weights": dtype_bytes * N if host_weights == "persistent" else 0,
+        "grads": dtype_bytes * N,
+        "activations": offloaded * batch * seq * shape.hidden * dtype_bytes,
+    }
+
+
+def fit(shape: ModelShape, batch: int, seq: int, limit: int, window_slots: int = 3,
+        loss_chunk_tokens: int = 1024) -> Placement:
+    """The placement to train ``batch`` x ``seq`` under ``limit`` GPU bytes (see the module docstring).
+    Raises DoesNotFit with the largest batch that would fit."""
+    options = []
+    for mb in (d for d in range(1, batch + 1) if batch % d == 0):
+        base = gpu_bytes(shape, batch, seq, Placement(window_slots, mb, 0, loss_chunk_tokens))["peak"]
+        if base > limit:
+            continue
+        per_layer = batch * seq * shape.hidden * 2
+        kept = min(shape.layers, int((limit - base) / SAFETY) // per_layer)
+        options.append(Placement(window_slots, mb, kept, loss_chunk_tokens))
+    if options:
+        return max(options, key=lambda p: (min(p.micro_batch * seq, EFFICIENT_TOKENS), p.gpu_activation_layers,
+                                           p.micro_batch))
+    smallest = Placement(window_slots, 1, 0, loss_chunk_tokens)
+    best = max((b for b in range(1, batch) if gpu_bytes(shape, b, seq, smallest)["peak"] <= limit), default=0)
+    need = gpu_bytes(shape, batch, seq, smallest)["peak"]
+    raise DoesNotFit(
+        f"batch {batch} x seq {seq} needs at least {need / 2**30:.1f} GiB of GPU memory with every activation "
+        f"offloaded and one sequence per micro-batch, over the {limit / 2**30:.1f} GiB budget; "
+        + (f"the largest batch that fits at seq {seq} is {best}" if best else
+           f"not even batch 1 fits at seq {seq}: shorten the sequences or raise gpu_memory_limit"))

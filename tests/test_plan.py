@@ -1,0 +1,86 @@
+"""The memory planner: pure functions, checked against the engine's own accounting and its choices."""
+import pytest
+import torch
+
+from slideformer import EngineConfig, SlideEngine
+from slideformer.model import ModelAdapter
+from slideformer.plan import DoesNotFit, ModelShape, Placement, fit, gpu_bytes, host_bytes, parse_bytes
+from slideformer.presets import preset_config
+
+from test_engine_parity import engine_train
+from tiny import batch, build
+
+GiB = 2**30
+
+
+def shape(name):
+    return ModelShape.from_adapter(ModelAdapter(preset_config(name), torch.bfloat16))
+
+
+def test_parse_bytes():
+    assert parse_bytes("24GiB") == 24 * GiB
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("512 MiB") == 512 * 2**20
+    assert parse_bytes(1000) == 1000
+    with pytest.raises(ValueError, match="24GiB"):
+        parse_bytes("lots")
+
+
+@pytest.mark.parametrize("name,batch,slots,measured_gib", [
+    ("qwen3-4b", 8, 3, 8.35), ("qwen3-4b", 32, 3, 15.35), ("llama3-8b", 8, 2, 12.41), ("llama3-8b", 8, 3, 13.23)])
+def test_gpu_model_matches_h200_measurements(name, batch, slots, measured_gib):
+    """max_memory_allocated on the H200 (bench/results/2026-11-30-engine-8f5f01a.jsonl): never under, at most 10% over."""
+    peak = gpu_bytes(shape(name), batch, 1024, Placement(window_slots=slots))["peak"] / GiB
+    assert measured_gib <= peak <= 1.10 * measured_gib
+
+
+def test_window_matches_engine_accounting():
+    model = build("llama")
+    with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32)) as eng:
+        sh = ModelShape.from_adapter(eng.adapter)
+        assert gpu_bytes(sh, 1, 8, Placement(), dtype_bytes=4)["window"] == eng.memory_report()["gpu_window"]
+        host = host_bytes(sh, 1, 8, Placement(), dtype_bytes=4)
+        rep = eng.memory_report()
+        assert host["master"] == rep["host_master"] and host["moments"] == rep["host_moments"]
+        assert host["grads"] == rep["host_grads"]
+
+
+def test_fit_prefers_gpu_activations_then_offloads_then_refuses():
+    sh = shape("llama3-8b")
+    small = fit(sh, 8, 1024, 24 * GiB)
+    assert small.gpu_activation_layers == sh.layers and small.micro_batch == 8
+    big = fit(sh, 64, 1024, 24 * GiB)
+    assert big.gpu_activation_layers < sh.layers and 64 % big.micro_batch == 0
+    assert gpu_bytes(sh, 64, 1024, big)["peak"] <= 24 * GiB
+    with pytest.raises(DoesNotFit, match=r"largest batch that fits at seq 1024 is \d+"):
+        fit(sh, 64, 1024, 12 * GiB)
+    with pytest.raises(DoesNotFit, match="not even batch 1"):
+        fit(sh, 8, 1024, 4 * GiB)
+
+
+def test_engine_refuses_a_budget_before_allocating(monkeypatch):
+    from slideformer.engine import engine
+
+    def no_alloc(*a, **k):
+        raise AssertionError("allocated before checking the budget")
+
+    monkeypatch.setattr(engine, "HostStore", no_alloc)
+    monkeypatch.setattr(engine, "Runtime", no_alloc)
+    with pytest.raises(DoesNotFit, match="gpu_memory_limit"):
+        SlideEngine(build("llama"), EngineConfig(device="cpu", compute_dtype=torch.float32, gpu_memory_limit="1KB"))
+
+
+def test_budget_split_trains_like_one_batch():
+    """Under a tight budget the engine splits the batch and offloads; the training is the same."""
+    model = build("qwen3-tied")
+    steps = [batch(97, b=8, s=12, seed=s) for s in range(2)]
+    a, la = engine_train(model, steps, lr=1e-3)
+    sh = ModelShape.from_adapter(ModelAdapter(model.config, torch.float32))
+    # a budget that forces micro-batches of 2 and offloads some layer inputs
+    limit = gpu_bytes(sh, 8, 12, Placement(micro_batch=2, gpu_activation_layers=1), dtype_bytes=2)["peak"]
+    p = fit(sh, 8, 12, limit)
+    assert p.micro_batch < 8 and p.gpu_activation_layers < sh.layers
+    b, lb = engine_train(model, steps, lr=1e-3, gpu_memory_limit=limit)
+    assert lb == pytest.approx(la, rel=1e-5)
+    for k in a:
+        assert float((a[k] - b[k]).norm() / a[k].norm()) < 1e-5, k
