@@ -5,7 +5,7 @@
 set -uo pipefail
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 what=${1:-all}; shift || true
 # Baselines' packages the machine lacks travel as wheels in .whl (see bench/README.md); install those named.
 if compgen -G ".whl/*.whl" > /dev/null; then

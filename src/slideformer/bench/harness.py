@@ -55,7 +55,8 @@ def sync(args):
 def run_slideformer(args, config):
     cfg = EngineConfig(lr=1e-5, device=args.device, compute_dtype=args.dtype, window_slots=args.slots,
                        prefetch_depth=args.depth, host_weights=args.host_weights, profile=True,
-                       max_grad_norm=args.max_grad_norm, loss_chunk_tokens=args.loss_chunk)
+                       max_grad_norm=args.max_grad_norm, loss_chunk_tokens=args.loss_chunk,
+                       gpu_memory_limit=int(args.gpu_memory_limit_gib * 2**30) if args.gpu_memory_limit_gib else None)
     engine = SlideEngine.from_config(config, cfg)
     params = engine.adapter.num_params
     gen = torch.Generator().manual_seed(0)
@@ -70,7 +71,12 @@ def run_slideformer(args, config):
         engine.synchronize()
         sync(args)
 
-    extra = lambda: {"breakdown": engine.profile(), "host_bytes": engine.memory_report()}  # noqa: E731
+    def extra():
+        rep = {"breakdown": engine.profile(), "host_bytes": engine.memory_report()}
+        if engine._placements:
+            rep["placement"] = {f"{b}x{s}": vars(p) for (b, s), p in engine._placements.items()}
+        return rep
+
     return params, step, finish, extra, engine.profile
 
 
@@ -214,6 +220,7 @@ def main(argv=None):
         parts = [b.get("gpu_compute_s", 0), b.get("h2d_busy_s", 0), b.get("d2h_busy_s", 0), b.get("host_optimizer_s", 0)]
         rec["pipeline_efficiency"] = max(parts) / dt
         rec["host_bytes"] = ex["host_bytes"]
+        rec["placement"] = ex.get("placement")
     line = json.dumps(rec)
     print(line, flush=True)
     if args.out:
