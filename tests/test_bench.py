@@ -14,6 +14,13 @@ def test_harness_cpu_smoke(system, tmp_path):
         assert set(rec["host_bytes"]) >= {"host_master", "host_moments", "host_grads"}
 
 
+def test_harness_with_a_gpu_budget_records_the_placement(tmp_path):
+    rec = harness.main(["--system", "slideformer", "--model", "tiny", "--device", "cpu", "--seq", "32", "--batch", "4",
+                        "--warmup", "1", "--steps", "1", "--gpu-memory-limit-gib", "0.05"])
+    (p,) = rec["placement"].values()
+    assert p["micro_batch"] <= 4 and rec["settings"]["gpu_memory_limit_gib"] == 0.05
+
+
 def test_report_table_and_plot(tmp_path):
     import json
 

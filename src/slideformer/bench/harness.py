@@ -181,7 +181,7 @@ def main(argv=None):
     args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     cuda = args.device == "cuda"
 
-    if args.gpu_memory_limit_gib:
+    if args.gpu_memory_limit_gib and cuda:  # the same hard cap for every system; slideformer also plans for it
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_limit_gib * 2**30 / total))
     config = preset_config(args.model)
