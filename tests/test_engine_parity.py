@@ -150,3 +150,13 @@ def test_activation_offload_is_bit_identical(keep):
     b, lb = engine_train(model, steps, lr=1e-2, offload_activations=True, gpu_activation_layers=keep)
     assert la == lb
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("buffers", [1, 2, None])
+def test_host_gradient_ring_does_not_change_training(buffers):
+    """One shared host buffer for all layer gradients (the main thread waits for the optimizer to free it)."""
+    model = build("llama")
+    batches = [batch(97, seed=s) for s in range(3)]
+    state, losses = engine_train(model, batches, lr=1e-2, host_grad_buffers=buffers)
+    ref, ref_losses = reference_train(model, batches, lr=1e-2)
+    assert_same(state, ref, losses, ref_losses)

@@ -34,12 +34,13 @@ def test_gpu_model_matches_h200_measurements(name, batch, slots, measured_gib):
     assert measured_gib <= peak <= 1.10 * measured_gib
 
 
-def test_window_matches_engine_accounting():
+@pytest.mark.parametrize("ring", [1, 4, None])
+def test_window_and_host_match_engine_accounting(ring):
     model = build("llama")
-    with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32)) as eng:
+    with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, host_grad_buffers=ring)) as eng:
         sh = ModelShape.from_adapter(eng.adapter)
         assert gpu_bytes(sh, 1, 8, Placement(), dtype_bytes=4)["window"] == eng.memory_report()["gpu_window"]
-        host = host_bytes(sh, 1, 8, Placement(), dtype_bytes=4)
+        host = host_bytes(sh, 1, 8, Placement(), dtype_bytes=4, layer_grad_buffers=ring)
         rep = eng.memory_report()
         assert host["master"] == rep["host_master"] and host["moments"] == rep["host_moments"]
         assert host["grads"] == rep["host_grads"]

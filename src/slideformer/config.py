@@ -37,6 +37,9 @@ class EngineConfig:
     # to pinned host memory; they come back one layer ahead of need in backward.
     offload_activations: bool = False
     gpu_activation_layers: int = 2
+    # Host buffers that decoder-layer gradients land in, reused as the optimizer frees them (None: one per
+    # layer). Clipping always uses one per layer: every gradient is held until the global norm is known.
+    host_grad_buffers: int | None = 4
     # Tokens per chunk of the loss head: bounds the transient [tokens x vocab] logits.
     loss_chunk_tokens: int = 1024
     # CPU optimizer: "auto" (our one-pass C++ kernel when it builds, else torch's fused), "native", "torch";
@@ -86,6 +89,8 @@ class EngineConfig:
                 parse_bytes(self.gpu_memory_limit)
             except ValueError as e:
                 raise ConfigError(f"gpu_memory_limit: {e}") from None
+        if self.host_grad_buffers is not None and self.host_grad_buffers < 1:
+            raise ConfigError(f"host_grad_buffers must be >= 1 or None (one per layer), got {self.host_grad_buffers}")
         if self.gpu_activation_layers < 0:
             raise ConfigError(f"gpu_activation_layers must be >= 0, got {self.gpu_activation_layers}")
         if self.loss_chunk_tokens < 1:

@@ -45,7 +45,7 @@ class _Step:
     grad_hidden: list = field(default_factory=list)  # its gradient, flowing backward
     loss: float | torch.Tensor = 0.0
     norms: list = field(default_factory=list)  # per-unit gradient norms (fp32, on the device)
-    finished: list = field(default_factory=list)  # (unit, grads-ready event) awaiting the clip coefficient
+    finished: list = field(default_factory=list)  # (unit, SentGrads) awaiting the clip coefficient
     embed_grad_written: bool = False
 
 
@@ -91,8 +91,9 @@ class SlideEngine:
         if self._limit is not None:  # refuse before allocating anything if not even one sequence fits
             fit(self.shape, 1, 1, self._limit, self.cfg.window_slots, self.cfg.loss_chunk_tokens)
         self._placements: dict[tuple[int, int], Placement] = {}
+        ring = None if self.cfg.max_grad_norm is not None else self.cfg.host_grad_buffers  # clipping holds all
         self.store = HostStore(self.adapter.units, self.cfg.compute_dtype, pin=self.device.type == "cuda",
-                               host_weights=self.cfg.host_weights)
+                               host_weights=self.cfg.host_weights, layer_grad_buffers=ring)
         self.runtime = Runtime(self.adapter, self.store, self.cfg)
         n = self.adapter.num_layers
         offload = set(range(max(0, n - self.cfg.gpu_activation_layers))) if self.cfg.offload_activations else set()
@@ -142,8 +143,8 @@ class SlideEngine:
         self._grad_norm = total
         if self.cfg.max_grad_norm is not None:
             coef = min(1.0, self.cfg.max_grad_norm / (float(total) + 1e-6))
-            for unit, ready in sorted(st.finished):  # forward order: the next step needs unit 0 first
-                rt.submit_update(UpdateJob(unit, ready, st.index, self.lr, coef))
+            for unit, sent in sorted(st.finished, key=lambda f: f[0]):  # forward order: the next step needs unit 0 first
+                rt.submit_update(UpdateJob(unit, sent, st.index, self.lr, coef))
         self.store.step = st.index
         return float(st.loss)
 
@@ -230,11 +231,11 @@ class SlideEngine:
         """The unit's gradient is complete on the GPU: send it to the host, queue its update."""
         n = self.adapter.units[unit].numel
         st.norms.append(torch.linalg.vector_norm(slot.grads[:n], dtype=torch.float32))
-        ready = self.runtime.send_grads(unit, slot)
+        sent = self.runtime.send_grads(unit, slot)
         if self.cfg.max_grad_norm is None:
-            self.runtime.submit_update(UpdateJob(unit, ready, st.index, self.lr, 1.0))
+            self.runtime.submit_update(UpdateJob(unit, sent, st.index, self.lr, 1.0))
         else:
-            st.finished.append((unit, ready))
+            st.finished.append((unit, sent))
 
     def _place(self, batch) -> list[dict]:
         """Split the step into the planner's micro-batches and set which layer inputs are offloaded."""

@@ -8,6 +8,8 @@ Hand-offs, and what makes each safe:
 - slot grads -> host grads (d2h stream): the d2h stream waits for an event recorded on the compute
   stream after the unit's last backward kernel; it records ``grads_sent``, which the compute stream
   waits for before writing that slot's gradients again.
+- slot grads -> host buffer: the main thread takes a free host gradient buffer (waiting on a condition
+  that the worker signals when it returns one after an update).
 - host grads -> optimizer (worker thread): each job carries the d2h event; the worker blocks on it
   before reading the gradient, updates, then sets the unit's ``updated`` flag. Among the jobs whose
   gradients have landed it takes the lowest unit first (``schedule.next_update``): that is the order
@@ -39,10 +41,16 @@ STAGING_ELEMS = 32 * 2**20  # "staged" host weights: cast the master in 32M-elem
 @dataclass
 class UpdateJob:
     unit: int
-    grads_ready: object  # torch.cuda.Event or None
+    grads: "SentGrads"
     step: int
     lr: float
     grad_coef: float
+
+
+@dataclass
+class SentGrads:
+    buffer: int  # index into HostStore.grad_buffers, returned to the pool after the update
+    ready: object  # d2h event (torch.cuda.Event), or None on the CPU
 
 
 class Runtime:
@@ -74,6 +82,9 @@ class Runtime:
         self.optimizer_backend = resolve_backend(cfg.optimizer_backend)
         needs_scratch = dt != torch.float32 and self.optimizer_backend == "torch"
         self._scratch = torch.empty(max(u.numel for u in adapter.units) if needs_scratch else 0, dtype=torch.float32)
+        # Host gradient buffers: free flags under a condition; the main thread takes, the worker returns.
+        self._grad_free = [True] * len(store.grad_buffers)
+        self._grad_cv = threading.Condition()
         self._jobs: queue.Queue[UpdateJob | None] = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="slideformer-optimizer", daemon=True)
         self._worker.start()
@@ -133,22 +144,44 @@ class Runtime:
             self.compute.wait_event(slot.grads_sent)
 
     # -- gradients out, updates on the CPU ---------------------------------------------------------
-    def send_grads(self, unit: int, slot: Slot):
-        """Copy ``slot``'s finished gradients to the host; returns the event the optimizer waits for."""
+    def send_grads(self, unit: int, slot: Slot) -> SentGrads:
+        """Copy ``slot``'s finished gradients to a host buffer; the optimizer waits for the returned event."""
         self._updated[unit].clear()  # the unit's next load must wait for this step's update
+        buf = self._take_grad_buffer(unit)
         n = self.adapter.units[unit].numel
+        dst = self.store.grad_buffers[buf][:n]
         if not self.cuda:
-            self.store.grads[unit].copy_(slot.grads[:n])
-            return None
+            dst.copy_(slot.grads[:n])
+            return SentGrads(buf, None)
         done = self.compute.record_event()
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(done)
             start = self._mark(self.d2h)
-            self.store.grads[unit].copy_(slot.grads[:n], non_blocking=True)
+            dst.copy_(slot.grads[:n], non_blocking=True)
             slot.grads_sent = self.d2h.record_event()
             if self.profiler:
                 self.profiler.copy("d2h", start, self._mark(self.d2h))
-        return slot.grads_sent
+        return SentGrads(buf, slot.grads_sent)
+
+    def _take_grad_buffer(self, unit: int) -> int:
+        with self._grad_cv:
+            while True:
+                self._raise_worker_error()
+                free = [b for b in self.store.grad_owner[unit] if self._grad_free[b]]
+                if free:
+                    self._grad_free[free[0]] = False
+                    return free[0]
+                # all taken: the worker returns one after its next update (it never waits on this thread)
+                if self.profiler:
+                    with self.profiler.timed("wait_grad_buffer"):
+                        self._grad_cv.wait()
+                else:
+                    self._grad_cv.wait()
+
+    def _return_grad_buffer(self, buf: int) -> None:
+        with self._grad_cv:
+            self._grad_free[buf] = True
+            self._grad_cv.notify_all()
 
     def submit_update(self, job: UpdateJob) -> None:
         self._raise_worker_error()
@@ -170,19 +203,20 @@ class Runtime:
                         return
             except queue.Empty:
                 pass
-            ready = [j.grads_ready is None or j.grads_ready.query() for j in pending]
+            ready = [j.grads.ready is None or j.grads.ready.query() for j in pending]
             job = pending.pop(next_update([j.unit for j in pending], ready))
             self._run_update(job)
 
     def _run_update(self, job: UpdateJob) -> None:
         try:
             if self._error is None:
-                if job.grads_ready is not None:
-                    job.grads_ready.synchronize()
+                if job.grads.ready is not None:
+                    job.grads.ready.synchronize()
                 t0 = time.perf_counter()
                 s, c = self.store, self.cfg
                 own_copy = s.weights is not None and s.weights is not s.master
-                adamw_update_(s.master[job.unit], s.grads[job.unit], s.exp_avg[job.unit], s.exp_avg_sq[job.unit],
+                grad = s.grad_buffers[job.grads.buffer][: self.adapter.units[job.unit].numel]
+                adamw_update_(s.master[job.unit], grad, s.exp_avg[job.unit], s.exp_avg_sq[job.unit],
                               step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
                               grad_coef=job.grad_coef, out=s.weights[job.unit] if own_copy else None,
                               scratch=self._scratch, backend=self.optimizer_backend, threads=c.optimizer_threads)
@@ -191,6 +225,7 @@ class Runtime:
         except BaseException as e:  # surfaced to the main thread at its next wait
             self._error = e
         finally:
+            self._return_grad_buffer(job.grads.buffer)
             self._updated[job.unit].set()
 
     def wait_updated(self, unit: int) -> None:

@@ -6,7 +6,10 @@ Per unit, flat 1-D tensors laid out as in ``UnitSpec``:
 - ``weights``  the compute-dtype copy the GPU window reads ("persistent" mode; pinned under CUDA).
   With fp32 compute it *is* the master. In "staged" mode it is absent and the window casts the
   master through shared pinned staging at copy time instead (2 bytes/param less RAM, more CPU work);
-- ``grads``    compute-dtype gradients that arrive from the GPU (pinned under CUDA).
+- ``grad_buffers``  compute-dtype gradients arriving from the GPU (pinned under CUDA). The embedding
+  and head units own one each; decoder layers either own one each (needed when clipping, which holds
+  every gradient until backward ends) or share a ring of ``layer_grad_buffers`` that the runtime hands
+  out and the optimizer returns: 4 layer buffers instead of 32 save 12 GB for an 8B model.
 
 Every buffer is allocated and zeroed once here; nothing else allocates host training state, so
 ``bytes_by_category`` is the whole account.
@@ -18,7 +21,7 @@ import torch
 from ..model.adapter import UnitSpec
 
 
-def _arena(units: list[UnitSpec], dtype: torch.dtype, pin: bool, registered: list) -> list[torch.Tensor]:
+def _arena(units: list, dtype: torch.dtype, pin: bool, registered: list) -> list[torch.Tensor]:
     """One allocation per category, split into per-unit views.
 
     Pinning goes through cudaHostRegister on an ordinary allocation: torch's pinned allocator rounds
@@ -36,7 +39,8 @@ def _arena(units: list[UnitSpec], dtype: torch.dtype, pin: bool, registered: lis
 
 
 class HostStore:
-    def __init__(self, units: list[UnitSpec], compute_dtype: torch.dtype, pin: bool, host_weights: str = "persistent"):
+    def __init__(self, units: list[UnitSpec], compute_dtype: torch.dtype, pin: bool, host_weights: str = "persistent",
+                 layer_grad_buffers: int | None = None):
         self.units = units
         self.compute_dtype = compute_dtype
         self.pin = pin
@@ -51,7 +55,16 @@ class HostStore:
             self.weights = _arena(units, compute_dtype, pin, self._registered)
         else:
             self.weights = None
-        self.grads = _arena(units, compute_dtype, pin, self._registered)
+        layers = [u for u in units if u.kind == "layer"]
+        if layer_grad_buffers is None or layer_grad_buffers >= len(layers):
+            shapes = units  # every unit owns its buffer
+            self.grad_owner = [[u.index] for u in units]
+        else:
+            others = [u for u in units if u.kind != "layer"]
+            shapes = others + [layers[0]] * layer_grad_buffers
+            ring = list(range(len(others), len(shapes)))
+            self.grad_owner = [ring if u.kind == "layer" else [others.index(u)] for u in units]
+        self.grad_buffers = _arena(shapes, compute_dtype, pin, self._registered)
         self.step = 0  # optimizer steps applied
 
     def close(self) -> None:
@@ -76,5 +89,5 @@ class HostStore:
             "master": total(self.master),
             "moments": total(self.exp_avg) + total(self.exp_avg_sq),
             "weights": total(self.weights) if own_weights else 0,
-            "grads": total(self.grads),
+            "grads": total(self.grad_buffers),
         }

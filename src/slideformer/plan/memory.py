@@ -97,14 +97,16 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, dtype_bytes
 
 
 def host_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, host_weights: str = "persistent",
-               dtype_bytes: int = 2) -> dict[str, int]:
+               dtype_bytes: int = 2, layer_grad_buffers: int | None = 4) -> dict[str, int]:
+    """Host RAM by category (pass ``layer_grad_buffers=None`` when clipping: one buffer per layer)."""
     N = shape.params
     offloaded = shape.layers - min(shape.layers, p.gpu_activation_layers)
+    ring = shape.layers if layer_grad_buffers is None else min(shape.layers, layer_grad_buffers)
     return {
         "master": 4 * N,
         "moments": 8 * N,
         "weights": dtype_bytes * N if host_weights == "persistent" else 0,
-        "grads": dtype_bytes * N,
+        "grads": dtype_bytes * (shape.embed_params + shape.head_params + ring * shape.layer_params),
         "activations": offloaded * batch * seq * shape.hidden * dtype_bytes,
     }
 
