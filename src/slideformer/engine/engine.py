@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ..checkpoint import export, loader
+from ..checkpoint import state as ckpt_state
 from ..config import EngineConfig
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter, bind_parameters
@@ -335,6 +336,20 @@ class SlideEngine:
         if reset:
             prof.reset()
         return out
+
+    def save_checkpoint(self, path: str | os.PathLike, trainer_state: dict | None = None,
+                        dtype: torch.dtype | None = None):
+        """Hugging Face weights plus the full training state, written atomically (checkpoint/state.py)."""
+        self.synchronize()
+        state = {"lr": self.lr, **(trainer_state or {})}
+        return ckpt_state.save_checkpoint(path, self.adapter, self.store, dtype or self.cfg.compute_dtype, state)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> dict:
+        """Restore a checkpoint written by save_checkpoint; returns the trainer state saved with it."""
+        self.synchronize()
+        state = ckpt_state.load_checkpoint(path, self.adapter, self.store)
+        self.lr = float(state.get("lr", self.lr))
+        return state
 
     def memory_report(self) -> dict[str, int]:
         rep = {f"host_{k}": v for k, v in self.store.bytes_by_category().items()}

@@ -1,0 +1,112 @@
+"""Training-state checkpoints: resume is bit-identical; corruption and interrupted saves are detected."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from slideformer import EngineConfig, SlideEngine
+from slideformer.checkpoint.state import CorruptCheckpointError
+
+from tiny import batch, build
+
+CPU = dict(device="cpu", compute_dtype=torch.float32, lr=1e-2, weight_decay=0.1)
+
+
+def run(model, steps, start=0, resume=None, save=None, save_at=None, **cfg):
+    eng = SlideEngine(model, EngineConfig(**{**CPU, **cfg}))
+    with eng:
+        if resume:
+            assert eng.load_checkpoint(resume)["next"] == start
+        for k in range(start, steps):
+            eng.train_step(batch(97, seed=k))
+            if save and k + 1 == save_at:
+                eng.save_checkpoint(save, {"next": k + 1})
+        return {k: v.clone() for k, v in eng.state_dict().items()}
+
+
+@pytest.mark.parametrize("cfg", [{}, {"max_grad_norm": 0.05}, {"host_grad_buffers": 1}])
+def test_resume_is_bit_identical(tmp_path, cfg):
+    model = build("qwen2-tied")
+    straight = run(model, 6, **cfg)
+    run(model, 3, save=tmp_path / "ck", save_at=3, **cfg)
+    resumed = run(model, 6, start=3, resume=tmp_path / "ck", **cfg)
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+def test_checkpoint_loads_in_transformers(tmp_path):
+    model = build("llama")
+    run(model, 2, save=tmp_path / "ck", save_at=2)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ck")
+    assert loaded.generate(torch.tensor([[1, 2]]), max_new_tokens=3, do_sample=False).shape == (1, 5)
+
+
+def test_corruption_is_detected(tmp_path):
+    model = build("llama")
+    run(model, 1, save=tmp_path / "ck", save_at=1)
+    f = tmp_path / "ck" / "state" / "moments.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-5] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="moments.safetensors is corrupt"):
+        run(model, 2, start=1, resume=tmp_path / "ck")
+    (tmp_path / "ck" / "state" / "trainer.json").unlink()
+    with pytest.raises(CorruptCheckpointError, match="not a complete slideformer checkpoint"):
+        run(model, 2, start=1, resume=tmp_path / "ck")
+
+
+def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path):
+    """A child saves once, then is killed in the middle of its second save (while writing its files)."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys, torch
+        sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+        from tiny import batch, build
+        from slideformer import EngineConfig, SlideEngine
+        from slideformer.checkpoint import state
+        eng = SlideEngine(build("llama"), EngineConfig(device="cpu", compute_dtype=torch.float32, lr=1e-2))
+        eng.train_step(batch(97))
+        eng.save_checkpoint({str(tmp_path / "ck")!r}, {{"next": 1}})
+        eng.train_step(batch(97, seed=1))
+        real = state.save_file
+        def dying(tensors, path, *a, **k):
+            real(tensors, path, *a, **k)
+            if path.endswith("moments.safetensors"):
+                os.kill(os.getpid(), signal.SIGKILL)
+        state.save_file = dying
+        eng.save_checkpoint({str(tmp_path / "ck")!r}, {{"next": 2}})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    assert (tmp_path / "ck.tmp").exists()  # the interrupted save
+    model = build("llama")
+    eng = SlideEngine(model, EngineConfig(**CPU))
+    with eng:
+        assert eng.load_checkpoint(tmp_path / "ck")["next"] == 1  # the previous one, intact
+        assert eng.store.step == 1
+
+
+def test_full_disk_gives_a_clear_error_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    import errno
+
+    from slideformer.checkpoint import state
+
+    model = build("llama")
+    eng = SlideEngine(model, EngineConfig(**CPU))
+    with eng:
+        eng.train_step(batch(97))
+        eng.save_checkpoint(tmp_path / "ck", {"next": 1})
+        eng.train_step(batch(97, seed=1))
+
+        def full(*a, **k):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(state, "save_file", full)
+        with pytest.raises(OSError, match="No space left on device.*previous checkpoint is intact"):
+            eng.save_checkpoint(tmp_path / "ck", {"next": 2})
+        assert not (tmp_path / "ck.tmp").exists()
+        monkeypatch.undo()
+        assert eng.load_checkpoint(tmp_path / "ck")["next"] == 1
