@@ -7,7 +7,8 @@ from slideformer.cli import main
 
 def test_train_demo_exports_a_transformers_model(tmp_path):
     out = tmp_path / "demo"
-    assert main(["train", "--steps", "40", "--device", "cpu", "--output-dir", str(out)]) == 0  # 0: the loss fell
+    assert main(["train", "max_steps=40", "device=cpu", "progress=false", f"output_dir={out}"]) == 0
+    out = out / "checkpoint-40"
     model = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
     ids = tok("### Instruction:\nWhat is 2 plus 2?\n### Response:\n", return_tensors="pt").input_ids

@@ -6,54 +6,109 @@ that is what ``make demo`` runs. ``slideformer bench`` measures a training step 
 from __future__ import annotations
 
 import argparse
-import random
 import sys
-import time
-from importlib import resources
 from pathlib import Path
 
 import torch
 
 
-def _assets() -> Path:
-    return Path(str(resources.files("slideformer") / "assets"))
+EXIT_OK, EXIT_USAGE, EXIT_DOES_NOT_FIT, EXIT_NONFINITE, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
 
 
 def cmd_train(args) -> int:
-    from tokenizers import Tokenizer
-    from transformers import AutoConfig, PreTrainedTokenizerFast
+    from .train.config import load_config
+    from .train.loop import train
 
-    from . import EngineConfig, SlideEngine, lr_at
-    from .data import pad_batch, read_jsonl, render_alpaca
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not Path(config).exists():
+        config, overrides = None, [config] + overrides  # only overrides were given
+    cfg = load_config(config, overrides)
+    result = train(cfg)
+    h = result["history"]
+    if h:
+        print(f"loss {h[0]['loss']:.3f} -> {h[-1]['loss']:.3f} over {result['steps']} steps; "
+              f"checkpoint: {result['checkpoint']} (loads with transformers' from_pretrained)")
+    if result["skipped_records"]:
+        print(f"skipped {result['skipped_records']} malformed record(s) (skip_bad_records: true)")
+    return EXIT_INTERRUPTED if result["status"] == "interrupted" else EXIT_OK
 
-    assets = _assets()
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    tok = Tokenizer.from_file(str(assets / "tiny" / "tokenizer.json"))
-    config = AutoConfig.from_pretrained(assets / "tiny")
-    records = read_jsonl(args.data or assets / "sample" / "alpaca.jsonl")
-    examples = [render_alpaca(r, tok, config.eos_token_id) for r in records]
-    rng = random.Random(args.seed)
-    cfg = EngineConfig(lr=args.lr, weight_decay=0.01, max_grad_norm=1.0, device=device, compute_dtype=dtype, seed=args.seed)
-    print(f"slideformer: tiny Llama ({config.num_hidden_layers} layers) on {len(examples)} samples, "
-          f"device={device}, {args.steps} steps of {args.batch_size}")
-    engine = SlideEngine.from_config(config, cfg)
-    t0, first = time.perf_counter(), None
-    with engine:
-        for step in range(args.steps):
-            batch = pad_batch(rng.sample(examples, args.batch_size), pad_id=config.pad_token_id)
-            engine.set_lr(lr_at(step, args.lr, "cosine", warmup_steps=args.steps // 10, total_steps=args.steps))
-            loss = engine.train_step(batch)
-            first = loss if first is None else first
-            if step % 10 == 0 or step == args.steps - 1:
-                print(f"step {step + 1:4d}/{args.steps}  loss {loss:.4f}  grad-norm {engine.last_grad_norm:.3f}  "
-                      f"{time.perf_counter() - t0:.1f}s", flush=True)
-        out = Path(args.output_dir)
-        engine.save_pretrained(out)
-        PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", bos_token="<|bos|>",
-                                eos_token="<|eos|>").save_pretrained(out)
-    print(f"loss {first:.3f} -> {loss:.3f}; saved a transformers checkpoint to {out}/")
-    return 0 if loss < first else 1
+
+def cmd_plan(args) -> int:
+    import json
+
+    from .model import ModelAdapter
+    from .plan import DoesNotFit, ModelShape, Placement, fit, gpu_bytes, host_bytes, parse_bytes
+    from .presets import PRESETS, preset_config
+
+    if args.model in PRESETS:
+        config = preset_config(args.model)
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(args.model)
+    shape = ModelShape.from_adapter(ModelAdapter(config))
+    gpu_limit = parse_bytes(args.gpu_memory) if args.gpu_memory else (
+        torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None)
+    cpu_limit = parse_bytes(args.cpu_memory) if args.cpu_memory else _host_memory()
+    try:
+        placement = fit(shape, args.batch_size, args.seq_len, gpu_limit) if gpu_limit else Placement()
+        fits_gpu = True
+    except DoesNotFit as e:
+        placement, fits_gpu, reason = Placement(micro_batch=1, gpu_activation_layers=0), False, str(e)
+    g = gpu_bytes(shape, args.batch_size, args.seq_len, placement)
+    h = host_bytes(shape, args.batch_size, args.seq_len, placement, args.host_weights)
+    host_total = sum(h.values())
+    fits = fits_gpu and host_total <= cpu_limit
+    max_batch = 0
+    for b in range(1, 4097):
+        try:
+            p = fit(shape, b, args.seq_len, gpu_limit) if gpu_limit else Placement()
+        except DoesNotFit:
+            break
+        if sum(host_bytes(shape, b, args.seq_len, p, args.host_weights).values()) > cpu_limit:
+            break
+        max_batch = b
+    out = {"model": args.model, "params": shape.params, "seq_len": args.seq_len, "batch_size": args.batch_size,
+           "gpu_bytes": g["peak"], "gpu": g, "host_bytes": host_total, "host": h, "nvme_bytes": 0,
+           "gpu_limit": gpu_limit, "host_limit": cpu_limit, "fits": fits, "max_batch_size": max_batch,
+           "placement": vars(placement)}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        gib = lambda x: f"{x / 2**30:.1f} GiB"  # noqa: E731
+        print(f"{args.model}: {shape.params / 1e9:.2f} B params, batch {args.batch_size} x seq {args.seq_len}")
+        print("GPU  " + ", ".join(f"{k} {gib(v)}" for k, v in g.items()) + (f"  (limit {gib(gpu_limit)})" if gpu_limit else ""))
+        print("host " + ", ".join(f"{k} {gib(v)}" for k, v in h.items()) + f" = {gib(host_total)}  (limit {gib(cpu_limit)})")
+        print(f"placement: micro-batch {min(placement.micro_batch, args.batch_size)}, "
+              f"{min(placement.gpu_activation_layers, shape.layers)}/{shape.layers} layer inputs on the GPU")
+        print(("fits" if fits else "does NOT fit" + ("" if fits_gpu else f": {reason}")) + f"; largest batch that fits: {max_batch}")
+    return EXIT_OK if fits else EXIT_DOES_NOT_FIT
+
+
+def _host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 40
+
+
+def cmd_export(args) -> int:
+    """Copy a checkpoint's Hugging Face files (weights, config, tokenizer) without the training state."""
+    import shutil
+
+    from .checkpoint.state import STATE_DIR
+
+    src, dst = Path(args.checkpoint), Path(args.output_dir)
+    if not (src / "config.json").is_file():
+        print(f"error: {src} is not a slideformer checkpoint (no config.json)", file=sys.stderr)
+        return EXIT_USAGE
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(STATE_DIR), dirs_exist_ok=True)
+    print(f"exported {src} -> {dst}")
+    return EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,19 +122,46 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     p = argparse.ArgumentParser(prog="slideformer", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("train", help="fine-tune (no arguments: the bundled tiny model on the sample data)")
-    t.add_argument("--data", help="alpaca-format JSONL (default: the bundled sample)")
-    t.add_argument("--steps", type=int, default=150)
-    t.add_argument("--batch-size", type=int, default=8)
-    t.add_argument("--lr", type=float, default=3e-3)
-    t.add_argument("--device", choices=["cpu", "cuda"])
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--output-dir", default="out/demo")
+    t = sub.add_parser("train", help="fine-tune (no arguments: the bundled tiny model on the sample data)",
+                       description="Fine-tune from a YAML config; key=value pairs override it (e.g. learning_rate=1e-5 "
+                                   "offload.gpu_memory_limit=24GiB). Exit codes: 0 done, 2 bad config or data, "
+                                   "3 does not fit, 4 non-finite loss, 130 interrupted (a checkpoint was saved).")
+    t.add_argument("config", nargs="?", help="YAML config (default: the embedded demo)")
+    t.add_argument("overrides", nargs="*", metavar="key=value")
     t.set_defaults(func=cmd_train)
+    pl = sub.add_parser("plan", help="GPU, host and NVMe bytes of a run, whether it fits, the largest batch")
+    pl.add_argument("--model", required=True, help="a preset (qwen3-4b, llama3-8b, qwen2.5-14b, tiny) or a HF directory")
+    pl.add_argument("--seq-len", type=int, required=True)
+    pl.add_argument("--batch-size", type=int, required=True)
+    pl.add_argument("--gpu-memory", help="GPU budget, e.g. 24GiB (default: this machine's GPU)")
+    pl.add_argument("--cpu-memory", help="host RAM budget (default: this machine's)")
+    pl.add_argument("--offload-dir", help="NVMe tier directory (not implemented yet: reported as 0 bytes)")
+    pl.add_argument("--host-weights", default="persistent", choices=["persistent", "staged"])
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(func=cmd_plan)
+    ex = sub.add_parser("export", help="a checkpoint's Hugging Face files, without the training state")
+    ex.add_argument("checkpoint")
+    ex.add_argument("output_dir")
+    ex.set_defaults(func=cmd_export)
     sub.add_parser("bench", help="benchmark one case (see `slideformer bench --help`), or `bench report FILE...`",
                    add_help=False)
     args = p.parse_args(argv)
-    return args.func(args)
+    from .config import ConfigError
+    from .data import DataError
+    from .plan import DoesNotFit
+    from .train.loop import NonFiniteLoss
+
+    try:
+        return args.func(args)
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except DoesNotFit as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
+    except NonFiniteLoss as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_NONFINITE
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Data: records from local files become token ids and a loss mask, then padded micro-batches."""
-from .records import DataError, read_jsonl, render_alpaca
 from .batches import pad_batch
+from .formats import FORMATS, DataError, detect_format, read_records, render, to_messages
 
-__all__ = ["DataError", "read_jsonl", "render_alpaca", "pad_batch"]
+__all__ = ["FORMATS", "DataError", "detect_format", "pad_batch", "read_records", "render", "to_messages"]

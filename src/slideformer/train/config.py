@@ -1,0 +1,156 @@
+"""Training configuration: LLaMA-Factory-style keys, from YAML plus ``key=value`` overrides.
+
+Validated at start: an unknown key gets a did-you-mean, conflicting settings are named with the fix.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import yaml
+
+from ..config import ConfigError
+from ..data.formats import FORMATS
+from ..optim.schedule import SCHEDULES
+
+
+@dataclass
+class DatasetSpec:
+    path: str
+    format: str = "auto"
+
+
+@dataclass
+class OffloadConfig:
+    """The engine's placement settings (see EngineConfig)."""
+    gpu_memory_limit: str | None = None
+    window_slots: int = 3
+    prefetch_depth: int = 1
+    host_weights: str = "persistent"
+    offload_activations: bool = False
+    host_grad_buffers: int | None = 4
+    optimizer_threads: int | None = None
+
+
+@dataclass
+class TrainConfig:
+    model_name_or_path: str = "tiny"  # a local Hugging Face directory, or "tiny" (bundled, random init)
+    dataset: list = field(default_factory=lambda: [DatasetSpec(str(_assets() / "sample" / "alpaca.jsonl"))])
+    chat_template: str | None = None  # default: the tokenizer's
+    cutoff_len: int = 1024
+    packing: bool = False
+    skip_bad_records: bool = False
+    micro_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 3e-3
+    lr_scheduler_type: str = "cosine"
+    warmup_ratio: float = 0.1
+    weight_decay: float = 0.01
+    max_grad_norm: float | None = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    num_train_epochs: float = 1.0
+    max_steps: int = 150
+    seed: int = 0
+    output_dir: str = "out/demo"
+    logging_steps: int = 10
+    save_steps: int = 0  # 0: only at the end
+    save_total_limit: int | None = 2
+    resume_from_checkpoint: str | None = None  # a path, or "auto": the newest complete one in output_dir
+    device: str | None = None  # default: cuda if available
+    bf16: bool | None = None  # default: bf16 on CUDA, fp32 on CPU
+    progress: bool = True
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+
+    def validate(self) -> "TrainConfig":
+        specs = []
+        for d in self.dataset if isinstance(self.dataset, list) else [self.dataset]:
+            spec = DatasetSpec(d) if isinstance(d, str) else d if isinstance(d, DatasetSpec) else \
+                DatasetSpec(**_checked(d, DatasetSpec, "dataset[]"))
+            if spec.format != "auto" and spec.format not in FORMATS:
+                raise ConfigError(f"dataset {spec.path}: format {spec.format!r} is unknown; use auto or one of {', '.join(FORMATS)}")
+            specs.append(spec)
+        self.dataset = specs
+        if not specs:
+            raise ConfigError("dataset is empty: give one or more local files")
+        if self.lr_scheduler_type not in SCHEDULES:
+            raise ConfigError(f"lr_scheduler_type {self.lr_scheduler_type!r}: choose one of {', '.join(SCHEDULES)}")
+        for k in ("micro_batch_size", "gradient_accumulation_steps", "cutoff_len", "logging_steps"):
+            if getattr(self, k) < 1:
+                raise ConfigError(f"{k} must be >= 1, got {getattr(self, k)}")
+        if self.packing:
+            raise ConfigError("packing: true is not supported yet; set packing: false (samples are padded per micro-batch)")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ConfigError(f"warmup_ratio must lie in [0, 1), got {self.warmup_ratio}")
+        if self.max_steps <= 0 and self.num_train_epochs <= 0:
+            raise ConfigError("set max_steps > 0 or num_train_epochs > 0")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ConfigError("max_grad_norm must be > 0, or null for no clipping")
+        if self.device == "cuda" and self.bf16 is False and self.offload.gpu_memory_limit:
+            raise ConfigError("gpu_memory_limit plans for bf16 compute; set bf16: true or drop offload.gpu_memory_limit")
+        return self
+
+
+def _assets() -> Path:
+    from importlib import resources
+
+    return Path(str(resources.files("slideformer") / "assets"))
+
+
+def _checked(d: dict, cls, where: str) -> dict:
+    """Unknown keys get a did-you-mean; numbers written as strings ("2e-4": YAML 1.1 reads it as text)
+    become numbers; a value of the wrong kind is named."""
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where} must be a mapping, got {type(d).__name__}")
+    types = {f.name: str(f.type) for f in fields(cls)}
+    for k in list(d):
+        if k not in types:
+            near = difflib.get_close_matches(k, list(types), n=1)
+            raise ConfigError(f"unknown key {where}.{k}" + (f"; did you mean {near[0]!r}?" if near else
+                                                              f"; known keys: {', '.join(types)}"))
+        v, t = d[k], types[k]
+        for kind, conv in (("float", float), ("int", int)):
+            if t.split(" |")[0] == kind and isinstance(v, str):
+                try:
+                    d[k] = v = conv(v)
+                except ValueError:
+                    raise ConfigError(f"{where}.{k} must be a number, got {v!r}") from None
+        if t.split(" |")[0] in ("float", "int") and v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise ConfigError(f"{where}.{k} must be a number, got {v!r}")
+    return d
+
+
+def _coerce(value: str):
+    return yaml.safe_load(value)  # "1e-5" -> float, "null" -> None, "true" -> True, "[a, b]" -> list
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> TrainConfig:
+    raw: dict = {}
+    if path is not None:
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"cannot read config {path}: {e}") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config {path} must be a mapping of keys to values")
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ConfigError(f"override {item!r} must look like key=value (e.g. learning_rate=1e-5)")
+        *parents, leaf = key.split(".")
+        node = raw
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = _coerce(value)
+    _checked(raw, TrainConfig, "config")
+    if "offload" in raw:
+        raw["offload"] = OffloadConfig(**_checked(raw["offload"], OffloadConfig, "offload"))
+    cfg = TrainConfig(**raw)
+    if path is not None:  # dataset paths are relative to the config file
+        base = Path(path).parent
+        ds = cfg.dataset if isinstance(cfg.dataset, list) else [cfg.dataset]
+        cfg.dataset = [{**d, "path": str(base / d["path"])} if isinstance(d, dict) and not os.path.isabs(d["path"])
+                       else str(base / d) if isinstance(d, str) and not os.path.isabs(d) else d for d in ds]
+    return cfg.validate()

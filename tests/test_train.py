@@ -1,0 +1,109 @@
+"""The training product: config validation, resume at the exact sample, interrupts, NaN, skipping."""
+import json
+import math
+import os
+import signal
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from slideformer.cli import main
+from slideformer.config import ConfigError
+from slideformer.data import DataError
+from slideformer.train.config import load_config
+from slideformer.train.loop import NonFiniteLoss, train
+
+FAST = ["progress=false", "device=cpu", "micro_batch_size=4", "logging_steps=1", "max_grad_norm=null"]
+
+
+def cfg(tmp_path, *extra):
+    return load_config(None, FAST + [f"output_dir={tmp_path}"] + list(extra))
+
+
+def master(path):
+    return load_file(str(path / "state" / "master.safetensors"))
+
+
+def test_unknown_key_suggests_the_right_one():
+    with pytest.raises(ConfigError, match="did you mean 'learning_rate'"):
+        load_config(None, ["learnig_rate=1e-4"])
+    with pytest.raises(ConfigError, match="offload.gpu_memory_limt; did you mean 'gpu_memory_limit'"):
+        load_config(None, ["offload.gpu_memory_limt=24GiB"])
+
+
+def test_yaml_with_overrides(tmp_path):
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+    (tmp_path / "c.yaml").write_text("dataset:\n  - {path: d.jsonl, format: text}\nlearning_rate: 1.0e-4\n"
+                                     "offload:\n  window_slots: 2\n")
+    c = load_config(tmp_path / "c.yaml", ["learning_rate=2e-4", "offload.prefetch_depth=1"])
+    assert c.learning_rate == 2e-4 and c.offload.window_slots == 2
+    assert c.dataset[0].path == str(tmp_path / "d.jsonl")
+
+
+@pytest.mark.parametrize("bad,match", [("lr_scheduler_type=step", "lr_scheduler_type"),
+                                       ("packing=true", "packing"), ("micro_batch_size=0", "micro_batch_size")])
+def test_conflicts_name_the_fix(bad, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [bad])
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_resume_continues_the_same_training(tmp_path, accum):
+    """Train 6 steps; then train 3, stop, and resume to 6: the weights are bit-identical."""
+    a = tmp_path / "a"
+    train(cfg(a, "max_steps=6", f"gradient_accumulation_steps={accum}", "save_steps=3"))
+    b = tmp_path / "b"
+    train(cfg(b, "max_steps=6", f"gradient_accumulation_steps={accum}", "save_steps=3", "save_total_limit=5"))
+    # simulate a crash after step 3: drop the later checkpoint, resume from the newest left
+    import shutil
+    shutil.rmtree(b / "checkpoint-6")
+    r = train(cfg(b, "max_steps=6", f"gradient_accumulation_steps={accum}", "save_steps=3",
+                  "resume_from_checkpoint=auto"))
+    assert r["history"][0]["step"] == 4
+    ma, mb = master(a / "checkpoint-6"), master(b / "checkpoint-6")
+    assert all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+def test_save_total_limit_keeps_the_newest(tmp_path):
+    train(cfg(tmp_path, "max_steps=4", "save_steps=1", "save_total_limit=2"))
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+
+
+def test_ctrl_c_saves_and_exits_130(tmp_path, monkeypatch):
+    from slideformer.engine.engine import SlideEngine
+
+    real = SlideEngine.train_step
+    calls = {"n": 0}
+
+    def step_then_interrupt(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # handled: finish this step, save, stop
+        return real(self, batch)
+
+    monkeypatch.setattr(SlideEngine, "train_step", step_then_interrupt)
+    code = main(["train"] + FAST + [f"output_dir={tmp_path}", "max_steps=50"])
+    assert code == 130
+    assert (tmp_path / "checkpoint-2" / "state" / "trainer.json").is_file()
+
+
+def test_nan_loss_stops_with_a_clear_error(tmp_path, monkeypatch):
+    from slideformer.engine.engine import SlideEngine
+
+    monkeypatch.setattr(SlideEngine, "train_step", lambda self, b: math.nan)
+    with pytest.raises(NonFiniteLoss, match="step 1: loss is nan.*Lower learning_rate"):
+        train(cfg(tmp_path, "max_steps=3"))
+    assert main(["train"] + FAST + [f"output_dir={tmp_path}", "max_steps=3"]) == 4
+    assert not list(tmp_path.glob("checkpoint-*"))
+
+
+def test_bad_records_error_or_are_skipped(tmp_path):
+    d = tmp_path / "d.jsonl"
+    d.write_text("\n".join([json.dumps({"text": f"sample {i}"}) for i in range(8)] +
+                           [json.dumps({"conversations": [{"from": "alien", "value": "x"}]})]) + "\n")
+    with pytest.raises(DataError, match=r"d.jsonl:9: sharegpt record turn 0"):
+        train(cfg(tmp_path / "o", f"dataset=[{d}]", "max_steps=1"))
+    r = train(cfg(tmp_path / "o", f"dataset=[{d}]", "max_steps=1", "skip_bad_records=true"))
+    assert r["skipped_records"] == 1
+    assert main(["train"] + FAST + [f"output_dir={tmp_path}/p", f"dataset=[{d}]", "max_steps=1"]) == 2
