@@ -15,3 +15,24 @@ def test_train_demo_exports_a_transformers_model(tmp_path):
     gen = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=tok.pad_token_id)
     assert gen.shape[1] > ids.shape[1]
     assert torch.isfinite(model(ids).logits).all()
+
+
+def test_plan_json_and_exit_codes(capsys):
+    import json
+
+    code = main(["plan", "--model", "llama3-8b", "--seq-len", "1024", "--batch-size", "64", "--gpu-memory", "24GiB",
+                 "--cpu-memory", "125GiB", "--host-weights", "staged", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["fits"] and out["max_batch_size"] >= 64
+    assert {"gpu_bytes", "host_bytes", "nvme_bytes", "fits", "max_batch_size"} <= set(out)
+    assert out["gpu_bytes"] <= 24 * 2**30
+    code = main(["plan", "--model", "llama3-8b", "--seq-len", "1024", "--batch-size", "8", "--gpu-memory", "4GiB",
+                 "--cpu-memory", "125GiB"])
+    assert code == 3 and "does NOT fit" in capsys.readouterr().out
+
+
+def test_export_drops_the_training_state(tmp_path):
+    assert main(["train", "max_steps=2", "device=cpu", "progress=false", f"output_dir={tmp_path / 'o'}"]) == 0
+    assert main(["export", str(tmp_path / "o" / "checkpoint-2"), str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "model.safetensors").is_file() and not (tmp_path / "hf" / "state").exists()
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf") is not None
