@@ -1,10 +1,13 @@
-"""Runtime: the one owner of streams, events, window slots and the optimizer worker thread.
+"""Runtime: the one owner of streams, events, window slots and the two worker threads (optimizer, loader).
 
 Hand-offs, and what makes each safe:
-- host weights -> slot (h2d stream): the main thread first waits for the unit's ``updated`` flag
-  (set by the worker after its AdamW step), so the copy reads fresh weights; the h2d stream waits
-  for the slot's ``used`` event, so it never overwrites weights a queued kernel still reads.
-- slot -> compute: the compute stream waits for the slot's ``loaded`` event.
+- host weights -> slot (loader thread, h2d stream): the main thread queues a load request with the
+  slot's current ``used`` event; the loader waits for the unit's ``updated`` flag (set by the
+  optimizer after its AdamW step) so the copy reads fresh weights, casts them into pinned staging in
+  "staged" mode, and enqueues the copy behind ``used``, so it never overwrites weights a queued kernel
+  still reads. It then records ``loaded`` and sets the request's ``issued`` flag.
+- slot -> compute: the main thread waits for ``issued`` (the copy is enqueued), then the compute
+  stream waits for ``loaded``.
 - slot grads -> host grads (d2h stream): the d2h stream waits for an event recorded on the compute
   stream after the unit's last backward kernel; it records ``grads_sent``, which the compute stream
   waits for before writing that slot's gradients again.
@@ -88,30 +91,58 @@ class Runtime:
         self._jobs: queue.Queue[UpdateJob | None] = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="slideformer-optimizer", daemon=True)
         self._worker.start()
+        self._loads: queue.Queue[tuple | None] = queue.Queue()
+        self._loader = threading.Thread(target=self._load_work, name="slideformer-loader", daemon=True)
+        self._loader.start()
         self._closed = False
         self.profiler: StepProfiler | None = StepProfiler(self.cuda) if cfg.profile else None
         self._visit_start = None
 
     # -- weights into the window ------------------------------------------------------------------
     def load(self, unit: int, slot: Slot) -> None:
-        self.wait_updated(unit)
+        """Ask the loader thread to bring ``unit``'s weights into ``slot``; returns at once."""
+        slot.unit = unit
+        slot.issued = threading.Event()
+        # The slot's last reader is enqueued before this request (window.schedule guarantees it), so the
+        # event captured now is the one the copy must wait for.
+        self._loads.put((unit, slot, slot.used, slot.issued))
+
+    def _load_work(self) -> None:
+        """Loader thread: waits for each unit's update, casts (staged mode) and enqueues its h2d copy,
+        so the Python thread that drives the GPU never blocks on either."""
+        while (job := self._loads.get()) is not None:
+            unit, slot, used, issued = job
+            try:
+                if self._error is None:
+                    self._load_now(unit, slot, used)
+            except BaseException as e:
+                self._error = e
+            finally:
+                issued.set()
+
+    def _load_now(self, unit: int, slot: Slot, used) -> None:
+        if self.profiler and not self._updated[unit].is_set():
+            with self.profiler.timed("loader_wait_optimizer"):
+                self._updated[unit].wait()
+        self._updated[unit].wait()
+        if self._error is not None:
+            return
         n = self.adapter.units[unit].numel
         dst = slot.params[:n]
         if not self.cuda:
             dst.copy_(self.store.weights[unit] if self.store.weights is not None else self.store.master[unit])
-        else:
-            with torch.cuda.stream(self.h2d):
-                if slot.used is not None:
-                    self.h2d.wait_event(slot.used)
-                start = self._mark(self.h2d)
-                if self.store.weights is not None:
-                    dst.copy_(self.store.weights[unit], non_blocking=True)
-                else:
-                    self._copy_staged(self.store.master[unit], dst)
-                slot.loaded = self.h2d.record_event()
-                if self.profiler:
-                    self.profiler.copy("h2d", start, self._mark(self.h2d))
-        slot.unit = unit
+            return
+        with torch.cuda.stream(self.h2d):
+            if used is not None:
+                self.h2d.wait_event(used)
+            start = self._mark(self.h2d)
+            if self.store.weights is not None:
+                dst.copy_(self.store.weights[unit], non_blocking=True)
+            else:
+                self._copy_staged(self.store.master[unit], dst)
+            slot.loaded = self.h2d.record_event()
+            if self.profiler:
+                self.profiler.copy("h2d", start, self._mark(self.h2d))
 
     def _copy_staged(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         # Double-buffered: staging buffer k is rewritten only after its previous h2d copy finished.
@@ -125,6 +156,13 @@ class Runtime:
             self._staging[i % 2] = (buf, self.h2d.record_event())
 
     def begin_compute(self, slot: Slot) -> None:
+        if slot.issued is not None:  # the loader has enqueued (CPU: done) the copy, and recorded ``loaded``
+            if self.profiler and not slot.issued.is_set():
+                with self.profiler.timed("wait_load"):
+                    slot.issued.wait()
+            slot.issued.wait()
+            slot.issued = None
+            self._raise_worker_error()
         self._visit_start = self._mark(self.compute) if self.cuda else None
         if self.cuda and slot.loaded is not None:
             self.compute.wait_event(slot.loaded)
@@ -229,9 +267,6 @@ class Runtime:
             self._updated[job.unit].set()
 
     def wait_updated(self, unit: int) -> None:
-        if self.profiler and not self._updated[unit].is_set():
-            with self.profiler.timed("wait_optimizer"):
-                self._updated[unit].wait()
         self._updated[unit].wait()
         self._raise_worker_error()
 
@@ -242,7 +277,8 @@ class Runtime:
 
     def _raise_worker_error(self) -> None:
         if self._error is not None:
-            raise RuntimeError("the CPU optimizer failed; training state is not consistent") from self._error
+            raise RuntimeError("the CPU optimizer or weight loader failed; training state is not consistent") \
+                from self._error
 
     def gpu_bytes(self) -> int:
         return sum(s.nbytes for group in self.slots.values() for s in group)
@@ -251,6 +287,8 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
+        self._loads.put(None)
+        self._loader.join()
         self._jobs.put(None)
         self._worker.join()
         if self.cuda:

@@ -21,6 +21,7 @@ class Slot:
         self.loaded = None  # h2d stream: weights landed
         self.used = None  # compute stream: the last compute that read the weights is done
         self.grads_sent = None  # d2h stream: the last gradient copy out of ``grads`` is done
+        self.issued = None  # threading.Event: the loader has enqueued this slot's pending copy
         self._views: dict[tuple, tuple[dict[str, nn.Parameter], list[torch.Tensor]]] = {}
 
     def views(self, unit: UnitSpec) -> tuple[dict[str, nn.Parameter], list[torch.Tensor]]:
