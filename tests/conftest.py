@@ -1,5 +1,11 @@
+import os
+
 import pytest
 import torch
+
+# Triton kernels run in its interpreter on the CPU; the variable must be set before triton is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(2)
 

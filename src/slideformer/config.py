@@ -40,6 +40,9 @@ class EngineConfig:
     # Host buffers that decoder-layer gradients land in, reused as the optimizer frees them (None: one per
     # layer). Clipping always uses one per layer: every gradient is held until the global norm is known.
     host_grad_buffers: int | None = 4
+    # Loss head: "torch" (autograd per chunk, measured on the H200) or "fused" (kernels/, the logits
+    # chunk turned into its gradient in place; not yet measured on the GPU, so not yet the default).
+    loss_kernel: Literal["torch", "fused"] = "torch"
     # Tokens per chunk of the loss head: bounds the transient [tokens x vocab] logits.
     loss_chunk_tokens: int = 1024
     # CPU optimizer: "auto" (our one-pass C++ kernel when it builds, else torch's fused), "native", "torch";
@@ -93,6 +96,8 @@ class EngineConfig:
             raise ConfigError(f"host_grad_buffers must be >= 1 or None (one per layer), got {self.host_grad_buffers}")
         if self.gpu_activation_layers < 0:
             raise ConfigError(f"gpu_activation_layers must be >= 0, got {self.gpu_activation_layers}")
+        if self.loss_kernel not in ("torch", "fused"):
+            raise ConfigError(f"loss_kernel must be 'torch' or 'fused', got {self.loss_kernel!r}")
         if self.loss_chunk_tokens < 1:
             raise ConfigError(f"loss_chunk_tokens must be >= 1, got {self.loss_chunk_tokens}")
         return self

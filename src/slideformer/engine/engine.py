@@ -28,7 +28,7 @@ from ..model.adapter import ModelAdapter, bind_parameters
 from ..plan.memory import ModelShape, Placement, fit, parse_bytes
 from ..window.schedule import plan_step
 from .activations import ActivationStore
-from .loss import chunked_head_loss
+from .loss import chunked_head_loss, fused_head_loss
 from .runtime import Runtime, UpdateJob
 
 
@@ -185,9 +185,10 @@ class SlideEngine:
         if gw.dtype != torch.float32:  # sum chunk gradients in fp32, cast once at the end
             acc_n = torch.empty_like(gnorm, dtype=torch.float32)
             acc_w = torch.empty_like(gw, dtype=torch.float32)
+        head_loss = fused_head_loss if self.cfg.loss_kernel == "fused" else chunked_head_loss
         for i, (h, mb) in enumerate(zip(st.hidden, st.mbs)):
-            part, gh = chunked_head_loss(h.flatten(0, 1), mb.labels, ad.norm, w, st.denom,
-                                         self.cfg.loss_chunk_tokens, acc_n, acc_w, accumulate=i > 0)
+            part, gh = head_loss(h.flatten(0, 1), mb.labels, ad.norm, w, st.denom,
+                                 self.cfg.loss_chunk_tokens, acc_n, acc_w, accumulate=i > 0)
             st.loss += part
             st.grad_hidden.append(gh.view_as(h))
         if acc_w is not gw:

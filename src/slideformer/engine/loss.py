@@ -1,8 +1,10 @@
-"""The loss head in plain PyTorch: final norm, lm_head and cross-entropy, chunked over tokens.
+"""The loss head: final norm, lm_head and cross-entropy, chunked over tokens.
 
-The [tokens x vocab] logits exist one chunk at a time, and each chunk's backward runs right away,
-so the head needs memory for one chunk of logits, not the whole batch. Chunks whose labels are all
-ignored cost nothing. (The fused Triton kernel of the kernels issue replaces this.)
+Two implementations with one contract:
+- ``chunked_head_loss``: PyTorch autograd per chunk (about 16 bytes per logit of the chunk);
+- ``fused_head_loss``: the kernels package's fused linear cross-entropy (the logits chunk becomes its
+  own gradient in place: 2 bytes per logit), with the norm's backward through autograd.
+The [tokens x vocab] logits exist one chunk at a time in both, and all-ignored chunks cost nothing.
 """
 from __future__ import annotations
 
@@ -41,3 +43,22 @@ def chunked_head_loss(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Modul
     if not wrote:  # every label of this micro-batch ignored, and nothing accumulated before it
         torch._foreach_zero_(grads_out)
     return loss, grad_hidden
+
+
+def fused_head_loss(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Module, weight: torch.Tensor,
+                    denom: int, chunk: int, grad_norm_weight: torch.Tensor, grad_weight: torch.Tensor,
+                    accumulate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``chunked_head_loss``; ``grad_weight`` must be fp32 (it is summed into)."""
+    from ..kernels.fused_linear_ce import linear_cross_entropy_grads
+
+    if not accumulate:
+        grad_norm_weight.zero_()
+        grad_weight.zero_()
+    h = hidden.detach().requires_grad_(True)
+    with torch.enable_grad():
+        z = norm(h)  # [T, H]: small next to the logits, so the norm runs on the whole micro-batch
+    loss, gz, _ = linear_cross_entropy_grads(z.detach(), weight.detach(), labels, 1.0 / denom,
+                                             chunk_tokens=chunk, grad_weight=grad_weight)
+    gh, gn = torch.autograd.grad(z, [h, norm.weight], gz)
+    grad_norm_weight.add_(gn)
+    return loss, gh

@@ -1,0 +1,77 @@
+"""Fused linear + cross-entropy: the loss of ``hidden @ weight.T`` without the full [tokens x vocab] logits.
+
+Tokens are processed in chunks; per chunk the logits are computed, turned into their own gradient in
+place by ``cross_entropy_grad_`` and immediately used for the hidden-state gradient (chunk @ weight)
+and the weight gradient (chunk.T @ hidden, summed over chunks in fp32). The gradients are computed in
+the forward and only scaled by the incoming gradient in backward, so autograd holds no logits. Chunks
+whose labels are all ignored cost nothing.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .cross_entropy import cross_entropy_grad_
+
+
+def linear_cross_entropy_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, scale: float,
+                               ignore_index: int = -100, softcap: float | None = None, chunk_tokens: int = 4096,
+                               grad_weight: torch.Tensor | None = None):
+    """(loss sum x scale as an fp32 scalar, grad_hidden [T, H], grad_weight [V, H] fp32).
+
+    ``grad_weight``, when given (fp32), is accumulated into: the engine sums micro-batches there.
+    """
+    T = hidden.shape[0]
+    grad_hidden = torch.zeros_like(hidden)
+    if grad_weight is None:
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for s in range(0, T, chunk_tokens):
+        lab = labels[s: s + chunk_tokens]
+        if not bool((lab != ignore_index).any()):
+            continue
+        h = hidden[s: s + chunk_tokens]
+        logits = h @ weight.T  # [t, V] in the compute dtype; becomes its own gradient below
+        loss += cross_entropy_grad_(logits, lab.contiguous(), scale, ignore_index, softcap).sum()
+        grad_hidden[s: s + chunk_tokens] = logits @ weight
+        grad_weight += (logits.T @ h).float()
+    return loss, grad_hidden, grad_weight
+
+
+class _FusedLinearCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index, reduction, softcap, chunk_tokens):
+        shape = hidden.shape
+        h = hidden.reshape(-1, shape[-1])
+        lab = labels.reshape(-1)
+        n = int((lab != ignore_index).sum()) if reduction == "mean" else 1
+        loss, gh, gw = linear_cross_entropy_grads(h.detach(), weight.detach(), lab, 1.0 / max(n, 1), ignore_index,
+                                                  softcap, chunk_tokens)
+        ctx.save_for_backward(gh.view(shape), gw.to(weight.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gh, gw = ctx.saved_tensors
+        return gh * grad_out.to(gh.dtype), gw * grad_out.to(gw.dtype), None, None, None, None, None
+
+
+def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                               ignore_index: int = -100, reduction: str = "mean", softcap: float | None = None,
+                               chunk_tokens: int = 4096) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T`` against ``labels``, differentiable in hidden and weight.
+
+    hidden: [..., H], weight: [V, H], labels: [...] (``ignore_index`` skipped). reduction "mean" divides
+    by the number of non-ignored labels, "sum" does not.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    return _FusedLinearCE.apply(hidden, weight, labels, ignore_index, reduction, softcap, chunk_tokens)
+
+
+def reference_linear_cross_entropy(hidden, weight, labels, ignore_index=-100, reduction="mean", softcap=None):
+    """Plain PyTorch, full logits in fp32: what the tests and benchmarks compare against."""
+    logits = (hidden.reshape(-1, hidden.shape[-1]) @ weight.T).float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return F.cross_entropy(logits, labels.reshape(-1), ignore_index=ignore_index, reduction=reduction)
