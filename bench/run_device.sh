@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on the GPU machine, in one call: the GPU tests, then the benchmark cases.
 #   run from the repo root on the device machine; results go to $OUT (or ./bench/out).
-# Usage: bench/run_device.sh [tests|optim|demo|bench|all] [case ...]   (a case: "system model batch [extra args]")
+# Usage: bench/run_device.sh [tests|optim|loss|demo|bench|all] [case ...]   (a case: "system model batch [extra args]")
 set -uo pipefail
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
@@ -19,6 +19,9 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == optim || $what == all ]]; then
   python3 -m slideformer.bench.optimizer --params 2e9 --threads 8,12,15,16 2>&1 | tee -a "$OUT/optimizer.jsonl" | tail -2
+fi
+if [[ $what == loss || $what == all ]]; then
+  python3 -m slideformer.bench.loss 2>&1 | tee -a "$OUT/loss.jsonl" | tail -8
 fi
 if [[ $what == demo || $what == all ]]; then
   python3 -m slideformer.cli train --steps 60 --output-dir /tmp/demo 2>&1 | tee "$OUT/demo.log" | tail -3

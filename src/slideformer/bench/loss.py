@@ -1,0 +1,60 @@
+"""Fused linear cross-entropy against the unfused ``F.cross_entropy(x @ W.T)``, on the GPU (issue 6).
+
+    python -m slideformer.bench.loss            # the issue's cases; one JSON line each
+
+Each case times forward + backward (CUDA events, median of several runs after warm-up) and records
+the peak memory allocated above the inputs.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+
+import torch
+
+from ..kernels import fused_linear_cross_entropy, reference_linear_cross_entropy
+
+CASES = [(v, h, t) for v in (151936, 128256) for h in (2560, 4096) for t in (16384, 65536)]
+
+
+def measure(fn, reps: int = 5) -> tuple[float, int]:
+    fn()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times), torch.cuda.max_memory_allocated() - base
+
+
+def main(argv=None) -> None:
+    for V, H, T in CASES:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = (torch.randn(T, H, device="cuda", generator=g) / 2).bfloat16().requires_grad_()
+        w = (torch.randn(V, H, device="cuda", generator=g) / 16).bfloat16().requires_grad_()
+        lab = torch.randint(0, V, (T,), device="cuda", generator=g)
+        rec = {"vocab": V, "hidden": H, "tokens": T}
+        for name, f in (("unfused", reference_linear_cross_entropy), ("fused", fused_linear_cross_entropy)):
+            def step():
+                x.grad = w.grad = None
+                f(x, w, lab).backward()
+            try:
+                t, mem = measure(step)
+                rec[f"{name}_s"], rec[f"{name}_peak_gib"] = t, mem / 2**30
+            except torch.OutOfMemoryError:
+                rec[f"{name}_s"] = rec[f"{name}_peak_gib"] = None
+                torch.cuda.empty_cache()
+        if rec.get("unfused_s") and rec.get("fused_s"):
+            rec["time_ratio"] = rec["fused_s"] / rec["unfused_s"]
+            rec["memory_ratio"] = rec["fused_peak_gib"] / rec["unfused_peak_gib"]
+        print(json.dumps(rec), flush=True)
+
+
+if __name__ == "__main__":
+    main()
