@@ -40,6 +40,11 @@ class EngineConfig:
     # Host buffers that decoder-layer gradients land in, reused as the optimizer frees them (None: one per
     # layer). Clipping always uses one per layer: every gradient is held until the global norm is known.
     host_grad_buffers: int | None = 4
+    # NVMe tier: the Adam moments of the first `nvme_fraction` of the decoder layers live in files under
+    # `offload_dir`, read ahead of each update into `nvme_buffers` RAM buffers and written behind it.
+    offload_dir: str | None = None
+    nvme_fraction: float = 1.0
+    nvme_buffers: int = 4
     # Loss head: "torch" (autograd per chunk, measured on the H200) or "fused" (kernels/, the logits
     # chunk turned into its gradient in place; not yet measured on the GPU, so not yet the default).
     loss_kernel: Literal["torch", "fused"] = "torch"
@@ -96,6 +101,10 @@ class EngineConfig:
             raise ConfigError(f"host_grad_buffers must be >= 1 or None (one per layer), got {self.host_grad_buffers}")
         if self.gpu_activation_layers < 0:
             raise ConfigError(f"gpu_activation_layers must be >= 0, got {self.gpu_activation_layers}")
+        if not 0.0 <= self.nvme_fraction <= 1.0:
+            raise ConfigError(f"nvme_fraction must lie in [0, 1], got {self.nvme_fraction}")
+        if self.nvme_buffers < 1:
+            raise ConfigError(f"nvme_buffers must be >= 1, got {self.nvme_buffers}")
         if self.loss_kernel not in ("torch", "fused"):
             raise ConfigError(f"loss_kernel must be 'torch' or 'fused', got {self.loss_kernel!r}")
         if self.loss_chunk_tokens < 1:

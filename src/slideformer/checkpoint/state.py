@@ -65,8 +65,9 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
         export.save_pretrained(tmp, adapter, store, dtype)
         n = len(adapter.units)
         save_file({_unit_key(adapter, u): store.master[u] for u in range(n)}, str(tmp / STATE_DIR / "master.safetensors"))
-        moments = {f"{_unit_key(adapter, u)}.exp_avg": store.exp_avg[u] for u in range(n)}
-        moments.update({f"{_unit_key(adapter, u)}.exp_avg_sq": store.exp_avg_sq[u] for u in range(n)})
+        moments = {}
+        for u in range(n):
+            moments[f"{_unit_key(adapter, u)}.exp_avg"], moments[f"{_unit_key(adapter, u)}.exp_avg_sq"] = store.moments(u)
         save_file(moments, str(tmp / STATE_DIR / "moments.safetensors"))
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         for f in files:
@@ -120,8 +121,8 @@ def load_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
             store.master[u].copy_(t)
     with safe_open(str(root / STATE_DIR / "moments.safetensors"), framework="pt") as f:
         for u in range(n):
-            store.exp_avg[u].copy_(f.get_tensor(f"{_unit_key(adapter, u)}.exp_avg"))
-            store.exp_avg_sq[u].copy_(f.get_tensor(f"{_unit_key(adapter, u)}.exp_avg_sq"))
+            store.set_moments(u, f.get_tensor(f"{_unit_key(adapter, u)}.exp_avg"),
+                              f.get_tensor(f"{_unit_key(adapter, u)}.exp_avg_sq"))
     for u in range(n):
         store.refresh_weights(u)
     store.step = int(meta["step"])

@@ -93,8 +93,12 @@ class SlideEngine:
             fit(self.shape, 1, 1, self._limit, self.cfg.window_slots, self.cfg.loss_chunk_tokens)
         self._placements: dict[tuple[int, int], Placement] = {}
         ring = None if self.cfg.max_grad_norm is not None else self.cfg.host_grad_buffers  # clipping holds all
+        n_layers = self.adapter.num_layers
+        nvme = set() if self.cfg.offload_dir is None else \
+            {self.adapter.layer_unit(i).index for i in range(round(self.cfg.nvme_fraction * n_layers))}
         self.store = HostStore(self.adapter.units, self.cfg.compute_dtype, pin=self.device.type == "cuda",
-                               host_weights=self.cfg.host_weights, layer_grad_buffers=ring)
+                               host_weights=self.cfg.host_weights, layer_grad_buffers=ring,
+                               nvme_dir=self.cfg.offload_dir, nvme_units=nvme, nvme_buffers=self.cfg.nvme_buffers)
         self.runtime = Runtime(self.adapter, self.store, self.cfg)
         n = self.adapter.num_layers
         offload = set(range(max(0, n - self.cfg.gpu_activation_layers))) if self.cfg.offload_activations else set()
@@ -104,6 +108,9 @@ class SlideEngine:
         for v in self.plan:
             if v.load:
                 self._loads_after.setdefault(v.issue_after, []).append(v)
+        # The order updates run in: as gradients complete, or (clipping) forward order after backward.
+        done = [v.unit for v in self.plan if v.last]
+        self._update_order = sorted(done) if self.cfg.max_grad_norm is not None else done
         self.rotary = self.adapter.rotary(self.device)
         self.lr = self.cfg.lr
         self._grad_norm = None
@@ -127,6 +134,7 @@ class SlideEngine:
         rt = self.runtime
         self.activations.begin_step(sum(mb.input_ids.numel() for mb in mbs), self.adapter.config.hidden_size,
                                     self.cfg.compute_dtype)
+        rt.begin_step(self._update_order)
         for v in self._loads_after.get(-1, ()):
             rt.load(v.unit, rt.slots[v.group][v.slot])
         for t, v in enumerate(self.plan):
@@ -355,6 +363,7 @@ class SlideEngine:
     def memory_report(self) -> dict[str, int]:
         rep = {f"host_{k}": v for k, v in self.store.bytes_by_category().items()}
         rep["host_activations"] = self.activations.host_bytes
+        rep["nvme_disk"] = 0 if self.store.tier is None else self.store.tier.disk_bytes
         rep["gpu_window"] = self.runtime.gpu_bytes()
         return rep
 

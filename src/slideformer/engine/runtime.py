@@ -94,9 +94,61 @@ class Runtime:
         self._loads: queue.Queue[tuple | None] = queue.Queue()
         self._loader = threading.Thread(target=self._load_work, name="slideformer-loader", daemon=True)
         self._loader.start()
+        # NVMe tier: a reader fills RAM buffers with moments ahead of their update, a writer empties them
+        # behind it. Two threads, so that a read waiting for a free buffer never blocks the write that frees one.
+        self._tier_threads: list[threading.Thread] = []
+        if store.tier is not None:
+            self._tier_free = [True] * len(store.tier.buffers)
+            self._tier_cv = threading.Condition()
+            self._tier_buf: dict[int, int] = {}
+            self._tier_ready = {u: threading.Event() for u in store.tier.numels}
+            self._reads: queue.Queue[int | None] = queue.Queue()
+            self._writes: queue.Queue[tuple | None] = queue.Queue()
+            for target, name in ((self._read_work, "slideformer-nvme-read"), (self._write_work, "slideformer-nvme-write")):
+                th = threading.Thread(target=target, name=name, daemon=True)
+                th.start()
+                self._tier_threads.append(th)
         self._closed = False
         self.profiler: StepProfiler | None = StepProfiler(self.cuda) if cfg.profile else None
         self._visit_start = None
+
+    # -- the NVMe tier -----------------------------------------------------------------------------
+    def begin_step(self, update_order: list[int]) -> None:
+        """Start reading tier moments in the order this step's updates will want them."""
+        if self.store.tier is not None:
+            for u in update_order:
+                if u in self._tier_ready:
+                    self._reads.put(u)
+
+    def _read_work(self) -> None:
+        while (unit := self._reads.get()) is not None:
+            try:
+                with self._tier_cv:
+                    while not any(self._tier_free):
+                        self._tier_cv.wait()
+                    buf = self._tier_free.index(True)
+                    self._tier_free[buf] = False
+                if self._error is None:
+                    self.store.tier.read(unit, buf)
+                self._tier_buf[unit] = buf
+            except BaseException as e:
+                self._error = e
+            finally:
+                self._tier_ready[unit].set()
+
+    def _write_work(self) -> None:
+        while (job := self._writes.get()) is not None:
+            unit, buf = job
+            try:
+                if self._error is None:
+                    self.store.tier.write(unit, buf)
+            except BaseException as e:
+                self._error = e
+            finally:
+                with self._tier_cv:
+                    self._tier_free[buf] = True
+                    self._tier_cv.notify_all()
+                self._writes.task_done()
 
     # -- weights into the window ------------------------------------------------------------------
     def load(self, unit: int, slot: Slot) -> None:
@@ -241,20 +293,32 @@ class Runtime:
                         return
             except queue.Empty:
                 pass
-            ready = [j.grads.ready is None or j.grads.ready.query() for j in pending]
+            ready = [(j.grads.ready is None or j.grads.ready.query()) and self._moments_ready(j.unit) for j in pending]
             job = pending.pop(next_update([j.unit for j in pending], ready))
             self._run_update(job)
 
+    def _moments_ready(self, unit: int) -> bool:
+        return self.store.exp_avg[unit] is not None or self._tier_ready[unit].is_set()
+
     def _run_update(self, job: UpdateJob) -> None:
+        tier_buf = None
         try:
             if self._error is None:
                 if job.grads.ready is not None:
                     job.grads.ready.synchronize()
-                t0 = time.perf_counter()
                 s, c = self.store, self.cfg
+                if s.exp_avg[job.unit] is None:  # on the NVMe tier: its moments are (being) read ahead
+                    self._tier_ready[job.unit].wait()
+                    self._tier_ready[job.unit].clear()
+                    tier_buf = self._tier_buf.pop(job.unit, None)
+                    self._raise_worker_error()
+                    exp_avg, exp_avg_sq = s.tier.views(job.unit, tier_buf)
+                else:
+                    exp_avg, exp_avg_sq = s.exp_avg[job.unit], s.exp_avg_sq[job.unit]
+                t0 = time.perf_counter()
                 own_copy = s.weights is not None and s.weights is not s.master
                 grad = s.grad_buffers[job.grads.buffer][: self.adapter.units[job.unit].numel]
-                adamw_update_(s.master[job.unit], grad, s.exp_avg[job.unit], s.exp_avg_sq[job.unit],
+                adamw_update_(s.master[job.unit], grad, exp_avg, exp_avg_sq,
                               step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
                               grad_coef=job.grad_coef, out=s.weights[job.unit] if own_copy else None,
                               scratch=self._scratch, backend=self.optimizer_backend, threads=c.optimizer_threads)
@@ -263,6 +327,8 @@ class Runtime:
         except BaseException as e:  # surfaced to the main thread at its next wait
             self._error = e
         finally:
+            if tier_buf is not None:
+                self._writes.put((job.unit, tier_buf))  # written behind; the buffer returns after the write
             self._return_grad_buffer(job.grads.buffer)
             self._updated[job.unit].set()
 
@@ -271,9 +337,12 @@ class Runtime:
         self._raise_worker_error()
 
     def synchronize(self) -> None:
-        """Wait until every queued update has been applied (before reading or saving weights)."""
+        """Wait until every queued update has been applied and written (before reading or saving state)."""
         for u in range(len(self._updated)):
             self.wait_updated(u)
+        if self.store.tier is not None:
+            self._writes.join()
+            self._raise_worker_error()
 
     def _raise_worker_error(self) -> None:
         if self._error is not None:
@@ -289,6 +358,11 @@ class Runtime:
         self._closed = True
         self._loads.put(None)
         self._loader.join()
+        if self.store.tier is not None:
+            self._reads.put(None)
+            self._writes.put(None)
+            for th in self._tier_threads:
+                th.join()
         self._jobs.put(None)
         self._worker.join()
         if self.cuda:

@@ -40,15 +40,25 @@ def _arena(units: list, dtype: torch.dtype, pin: bool, registered: list) -> list
 
 class HostStore:
     def __init__(self, units: list[UnitSpec], compute_dtype: torch.dtype, pin: bool, host_weights: str = "persistent",
-                 layer_grad_buffers: int | None = None):
+                 layer_grad_buffers: int | None = None, nvme_dir=None, nvme_units: set[int] = frozenset(),
+                 nvme_buffers: int = 4):
         self.units = units
         self.compute_dtype = compute_dtype
         self.pin = pin
         self.host_weights = host_weights
         self._registered: list[torch.Tensor] = []
         self.master = _arena(units, torch.float32, pin and compute_dtype == torch.float32, self._registered)
-        self.exp_avg = _arena(units, torch.float32, False, self._registered)
-        self.exp_avg_sq = _arena(units, torch.float32, False, self._registered)
+        # Moments in RAM for units not on the NVMe tier (None for those that are: see host/nvme.py).
+        in_ram = [u for u in units if u.index not in nvme_units]
+        m = iter(_arena(in_ram, torch.float32, False, self._registered))
+        v = iter(_arena(in_ram, torch.float32, False, self._registered))
+        self.exp_avg = [None if u.index in nvme_units else next(m) for u in units]
+        self.exp_avg_sq = [None if u.index in nvme_units else next(v) for u in units]
+        self.tier = None
+        if nvme_units:
+            from .nvme import NvmeMoments
+
+            self.tier = NvmeMoments(nvme_dir, {u: units[u].numel for u in sorted(nvme_units)}, nvme_buffers)
         if compute_dtype == torch.float32:
             self.weights: list[torch.Tensor] | None = self.master
         elif host_weights == "persistent":
@@ -67,7 +77,22 @@ class HostStore:
         self.grad_buffers = _arena(shapes, compute_dtype, pin, self._registered)
         self.step = 0  # optimizer steps applied
 
+    def moments(self, unit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A unit's (exp_avg, exp_avg_sq), read from the tier if it lives there (checkpoints only)."""
+        if self.exp_avg[unit] is not None:
+            return self.exp_avg[unit], self.exp_avg_sq[unit]
+        return self.tier.copy_out(unit)
+
+    def set_moments(self, unit: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        if self.exp_avg[unit] is not None:
+            self.exp_avg[unit].copy_(exp_avg)
+            self.exp_avg_sq[unit].copy_(exp_avg_sq)
+        else:
+            self.tier.copy_in(unit, exp_avg, exp_avg_sq)
+
     def close(self) -> None:
+        if self.tier is not None:
+            self.tier.close()
         for t in self._registered:
             torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
         self._registered.clear()
@@ -85,9 +110,11 @@ class HostStore:
             return sum(t.numel() * t.element_size() for t in ts) if ts is not None else 0
 
         own_weights = self.weights is not None and self.weights is not self.master
+        ram = [t for t in self.exp_avg + self.exp_avg_sq if t is not None]
         return {
             "master": total(self.master),
-            "moments": total(self.exp_avg) + total(self.exp_avg_sq),
+            "moments": total(ram),
+            "nvme_buffers": 0 if self.tier is None else sum(b.numel() for b in self.tier.buffers),
             "weights": total(self.weights) if own_weights else 0,
             "grads": total(self.grad_buffers),
         }

@@ -1,0 +1,139 @@
+"""The NVMe tier: Adam moments of some units live in files under ``offload_dir``.
+
+Each unit on the tier has one file holding its exp_avg and exp_avg_sq (fp32, 4096-byte padded),
+reserved with posix_fallocate at start, so a disk too small fails at once with the size it needs,
+not hours in. The runtime reads a unit's moments into one of a few RAM buffers ahead of its update
+and writes them back behind it (engine/runtime.py owns those threads); this class only moves bytes.
+
+I/O uses O_DIRECT where the filesystem supports it (page cache would spend the RAM the tier saves),
+else buffered I/O followed by POSIX_FADV_DONTNEED. Every write records a CRC32 of the file's bytes
+and every read checks it, so a corrupted or truncated state file is detected, never trained on.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import zlib
+from pathlib import Path
+
+import torch
+
+ALIGN = 4096
+IO_CHUNK = 64 << 20
+
+
+class TierError(OSError):
+    """The NVMe tier cannot hold or return the state (full disk, failed write, corrupt file)."""
+
+
+def _crc(view: memoryview, crc: int = 0) -> int:
+    for s in range(0, len(view), IO_CHUNK):
+        crc = zlib.crc32(view[s: s + IO_CHUNK], crc)  # releases the GIL for large buffers
+    return crc
+
+
+class NvmeMoments:
+    def __init__(self, directory: str | os.PathLike, numels: dict[int, int], buffers: int):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.numels = numels
+        self.nbytes = {u: -(-2 * n * 4 // ALIGN) * ALIGN for u, n in numels.items()}
+        need = sum(self.nbytes.values())
+        self.files: dict[int, Path] = {}
+        self._fds: dict[int, int] = {}
+        self.direct = True
+        self.crc: dict[int, int] = {}
+        zero_crc: dict[int, int] = {}
+        for u, size in self.nbytes.items():
+            path = self.dir / f"slideformer-{os.getpid()}-unit{u}.moments"
+            fd = self._open(path)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as e:
+                self.close()
+                raise TierError(e.errno, f"offload_dir {self.dir}: cannot reserve {need / 2**30:.1f} GiB for the "
+                                f"optimizer moments on the NVMe tier ({e.strerror}); free space there, lower the "
+                                "fraction of units on the tier, or point offload_dir elsewhere") from e
+            self.files[u], self._fds[u] = path, fd
+            if size not in zero_crc:
+                zero_crc[size] = self._zero_crc(size)
+            self.crc[u] = zero_crc[size]  # fallocate'd space reads as zeros: the moments' initial value
+        width = max(self.nbytes.values())
+        self._raw = [torch.zeros(width + ALIGN, dtype=torch.uint8) for _ in range(buffers)]
+        self.buffers = [r[(-r.data_ptr()) % ALIGN:][:width] for r in self._raw]  # 4096-aligned for O_DIRECT
+
+    @staticmethod
+    def _zero_crc(size: int) -> int:
+        zeros, crc = bytes(IO_CHUNK), 0
+        for s in range(0, size, IO_CHUNK):
+            crc = zlib.crc32(zeros[: min(IO_CHUNK, size - s)], crc)
+        return crc
+
+    def _open(self, path: Path) -> int:
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+        if self.direct and hasattr(os, "O_DIRECT"):
+            try:
+                return os.open(path, flags | os.O_DIRECT, 0o600)
+            except OSError as e:
+                if e.errno != errno.EINVAL:  # EINVAL: the filesystem (tmpfs) has no O_DIRECT
+                    raise
+        self.direct = False
+        return os.open(path, flags, 0o600)
+
+    @property
+    def disk_bytes(self) -> int:
+        return sum(self.nbytes.values())
+
+    def views(self, unit: int, buf: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """exp_avg and exp_avg_sq of ``unit`` inside RAM buffer ``buf``."""
+        n = self.numels[unit]
+        flat = self.buffers[buf][: 8 * n].view(torch.float32)
+        return flat[:n], flat[n: 2 * n]
+
+    def read(self, unit: int, buf: int) -> None:
+        view = memoryview(self.buffers[buf].numpy())[: self.nbytes[unit]]
+        fd, done = self._fds[unit], 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done: done + IO_CHUNK]], done)
+            if got <= 0:
+                raise TierError(errno.EIO, f"NVMe state file {self.files[unit]} is truncated at byte {done}")
+            done += got
+        if not self.direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if _crc(view) != self.crc[unit]:
+            raise TierError(errno.EIO, f"NVMe state file {self.files[unit]} is corrupt (CRC32 mismatch): the "
+                            "moments read back are not those written; resume from the last checkpoint")
+
+    def write(self, unit: int, buf: int) -> None:
+        view = memoryview(self.buffers[buf].numpy())[: self.nbytes[unit]]
+        crc = _crc(view)
+        fd, done = self._fds[unit], 0
+        try:
+            while done < len(view):
+                done += os.pwritev(fd, [view[done: done + IO_CHUNK]], done)
+        except OSError as e:
+            raise TierError(e.errno, f"writing NVMe state file {self.files[unit]} failed ({e.strerror}); "
+                            "training stops here, the last checkpoint is intact") from e
+        if not self.direct:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        self.crc[unit] = crc
+
+    def copy_out(self, unit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unit's moments as new tensors (for checkpoints; the pipeline must be idle)."""
+        self.read(unit, 0)
+        return tuple(t.clone() for t in self.views(unit, 0))
+
+    def copy_in(self, unit: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+        """Replace the unit's moments (restoring a checkpoint; the pipeline must be idle)."""
+        m, v = self.views(unit, 0)
+        m.copy_(exp_avg)
+        v.copy_(exp_avg_sq)
+        self.write(unit, 0)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        for f in self.files.values():
+            f.unlink(missing_ok=True)
+        self._fds.clear()
+        self.files.clear()

@@ -1,0 +1,86 @@
+"""The NVMe tier: training with moments in files equals training with them in RAM; failures are clear."""
+import errno
+import os
+
+import pytest
+import torch
+
+from slideformer import EngineConfig, SlideEngine
+from slideformer.host.nvme import TierError
+
+from test_engine_parity import engine_train
+from tiny import batch, build
+
+CPU = dict(device="cpu", compute_dtype=torch.float32, lr=1e-2, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("fraction,buffers,clip", [(1.0, 1, None), (0.5, 2, None), (1.0, 2, 0.05)])
+def test_tier_trains_like_ram(tmp_path, fraction, buffers, clip):
+    model = build("llama")
+    steps = [batch(97, seed=s) for s in range(3)]
+    a, la = engine_train(model, steps, lr=1e-2, max_grad_norm=clip, host_grad_buffers=1)
+    b, lb = engine_train(model, steps, lr=1e-2, max_grad_norm=clip, host_grad_buffers=1, offload_dir=str(tmp_path),
+                         nvme_fraction=fraction, nvme_buffers=buffers)
+    assert la == lb
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not list(tmp_path.iterdir())  # files removed at close
+
+
+def test_tier_accounting_and_checkpoint_round_trip(tmp_path):
+    model = build("qwen2")
+    eng = SlideEngine(model, EngineConfig(**CPU, offload_dir=str(tmp_path / "nvme")))
+    with eng:
+        eng.train_step(batch(97))
+        rep = eng.memory_report()
+        layer = eng.adapter.layer_unit(0).numel
+        assert rep["nvme_disk"] >= 3 * 2 * layer * 4  # every layer's two moments
+        assert rep["host_moments"] == 2 * 4 * (eng.adapter.embed_unit.numel + eng.adapter.head_unit.numel)
+        eng.save_checkpoint(tmp_path / "ck", {"next": 1})
+        tier_m = eng.store.moments(eng.adapter.layer_unit(1).index)
+    ram = SlideEngine(model, EngineConfig(**CPU))
+    with ram:
+        ram.load_checkpoint(tmp_path / "ck")
+        u = ram.adapter.layer_unit(1).index
+        assert torch.equal(ram.store.exp_avg[u], tier_m[0]) and torch.equal(ram.store.exp_avg_sq[u], tier_m[1])
+        assert torch.count_nonzero(tier_m[1]) > 0
+
+
+def test_full_disk_is_refused_at_start(tmp_path, monkeypatch):
+    def full(fd, off, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(TierError, match=r"cannot reserve .* GiB .*No space left on device.*offload_dir"):
+        SlideEngine(build("llama"), EngineConfig(**CPU, offload_dir=str(tmp_path)))
+
+
+def test_corrupt_state_file_is_detected(tmp_path):
+    eng = SlideEngine(build("llama"), EngineConfig(**CPU, offload_dir=str(tmp_path)))
+    with eng:
+        eng.train_step(batch(97))
+        eng.synchronize()
+        f = next(iter(eng.store.tier.files.values()))
+        with open(f, "r+b") as fh:
+            fh.seek(100)
+            b = fh.read(1)
+            fh.seek(100)
+            fh.write(bytes([b[0] ^ 0xFF]))
+        with pytest.raises(RuntimeError) as info:
+            eng.train_step(batch(97, seed=1))
+            eng.synchronize()
+        assert isinstance(info.value.__cause__, TierError) and "corrupt" in str(info.value.__cause__)
+
+
+def test_failed_write_stops_training_clearly(tmp_path, monkeypatch):
+    from slideformer.host import nvme
+
+    def broken(self, unit, buf):
+        raise TierError(errno.EIO, f"writing NVMe state file for unit {unit} failed (Input/output error)")
+
+    eng = SlideEngine(build("llama"), EngineConfig(**CPU, offload_dir=str(tmp_path)))
+    with eng:
+        monkeypatch.setattr(nvme.NvmeMoments, "write", broken)
+        with pytest.raises(RuntimeError) as info:
+            eng.train_step(batch(97))
+            eng.synchronize()
+        assert "Input/output error" in str(info.value.__cause__)
