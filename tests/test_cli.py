@@ -29,6 +29,14 @@ def test_plan_json_and_exit_codes(capsys):
     code = main(["plan", "--model", "llama3-8b", "--seq-len", "1024", "--batch-size", "8", "--gpu-memory", "4GiB",
                  "--cpu-memory", "125GiB"])
     assert code == 3 and "does NOT fit" in capsys.readouterr().out
+    # 14B does not fit in 125 GiB of RAM; with its moments on NVMe it does
+    base = ["plan", "--model", "qwen2.5-14b", "--seq-len", "1024", "--batch-size", "8", "--gpu-memory", "24GiB",
+            "--cpu-memory", "125GiB", "--host-weights", "staged", "--json"]
+    assert main(base) == 3
+    capsys.readouterr()
+    assert main(base + ["--offload-dir", "/nvme"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["nvme_bytes"] > 90 * 2**30 and out["host_bytes"] < 125 * 2**30
 
 
 def test_export_drops_the_training_state(tmp_path):

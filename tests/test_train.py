@@ -107,3 +107,19 @@ def test_bad_records_error_or_are_skipped(tmp_path):
     r = train(cfg(tmp_path / "o", f"dataset=[{d}]", "max_steps=1", "skip_bad_records=true"))
     assert r["skipped_records"] == 1
     assert main(["train"] + FAST + [f"output_dir={tmp_path}/p", f"dataset=[{d}]", "max_steps=1"]) == 2
+
+
+def test_train_refuses_what_the_host_cannot_hold(tmp_path, monkeypatch):
+    from slideformer import cli
+    from slideformer.plan import DoesNotFit
+
+    monkeypatch.setattr(cli, "_host_memory", lambda: 2**20)  # a 1 MiB machine
+    with pytest.raises(DoesNotFit, match="host RAM.*offload_dir"):
+        train(cfg(tmp_path, "max_steps=1"))
+    assert main(["train"] + FAST + [f"output_dir={tmp_path}", "max_steps=1"]) == 3
+    assert not list(tmp_path.glob("checkpoint-*"))
+
+
+def test_nvme_settings_reach_the_engine(tmp_path):
+    r = train(cfg(tmp_path / "o", "max_steps=2", f"offload.offload_dir={tmp_path / 'nvme'}", "offload.nvme_fraction=0.5"))
+    assert r["steps"] == 2 and not list((tmp_path / "nvme").iterdir())

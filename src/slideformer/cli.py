@@ -37,7 +37,7 @@ def cmd_plan(args) -> int:
     import json
 
     from .model import ModelAdapter
-    from .plan import DoesNotFit, ModelShape, Placement, fit, gpu_bytes, host_bytes, parse_bytes
+    from .plan import DoesNotFit, ModelShape, Placement, fit, gpu_bytes, host_bytes, nvme_bytes, parse_bytes
     from .presets import PRESETS, preset_config
 
     if args.model in PRESETS:
@@ -55,8 +55,9 @@ def cmd_plan(args) -> int:
         fits_gpu = True
     except DoesNotFit as e:
         placement, fits_gpu, reason = Placement(micro_batch=1, gpu_activation_layers=0), False, str(e)
+    nvme_layers = round(args.nvme_fraction * shape.layers) if args.offload_dir else 0
     g = gpu_bytes(shape, args.batch_size, args.seq_len, placement)
-    h = host_bytes(shape, args.batch_size, args.seq_len, placement, args.host_weights)
+    h = host_bytes(shape, args.batch_size, args.seq_len, placement, args.host_weights, nvme_layers=nvme_layers)
     host_total = sum(h.values())
     fits = fits_gpu and host_total <= cpu_limit
     max_batch = 0
@@ -65,11 +66,11 @@ def cmd_plan(args) -> int:
             p = fit(shape, b, args.seq_len, gpu_limit) if gpu_limit else Placement()
         except DoesNotFit:
             break
-        if sum(host_bytes(shape, b, args.seq_len, p, args.host_weights).values()) > cpu_limit:
+        if sum(host_bytes(shape, b, args.seq_len, p, args.host_weights, nvme_layers=nvme_layers).values()) > cpu_limit:
             break
         max_batch = b
     out = {"model": args.model, "params": shape.params, "seq_len": args.seq_len, "batch_size": args.batch_size,
-           "gpu_bytes": g["peak"], "gpu": g, "host_bytes": host_total, "host": h, "nvme_bytes": 0,
+           "gpu_bytes": g["peak"], "gpu": g, "host_bytes": host_total, "host": h, "nvme_bytes": nvme_bytes(shape, nvme_layers),
            "gpu_limit": gpu_limit, "host_limit": cpu_limit, "fits": fits, "max_batch_size": max_batch,
            "placement": vars(placement)}
     if args.json:
@@ -79,6 +80,8 @@ def cmd_plan(args) -> int:
         print(f"{args.model}: {shape.params / 1e9:.2f} B params, batch {args.batch_size} x seq {args.seq_len}")
         print("GPU  " + ", ".join(f"{k} {gib(v)}" for k, v in g.items()) + (f"  (limit {gib(gpu_limit)})" if gpu_limit else ""))
         print("host " + ", ".join(f"{k} {gib(v)}" for k, v in h.items()) + f" = {gib(host_total)}  (limit {gib(cpu_limit)})")
+        if nvme_layers:
+            print(f"NVMe {gib(out['nvme_bytes'])} under {args.offload_dir}")
         print(f"placement: micro-batch {min(placement.micro_batch, args.batch_size)}, "
               f"{min(placement.gpu_activation_layers, shape.layers)}/{shape.layers} layer inputs on the GPU")
         print(("fits" if fits else "does NOT fit" + ("" if fits_gpu else f": {reason}")) + f"; largest batch that fits: {max_batch}")
@@ -135,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--batch-size", type=int, required=True)
     pl.add_argument("--gpu-memory", help="GPU budget, e.g. 24GiB (default: this machine's GPU)")
     pl.add_argument("--cpu-memory", help="host RAM budget (default: this machine's)")
-    pl.add_argument("--offload-dir", help="NVMe tier directory (not implemented yet: reported as 0 bytes)")
+    pl.add_argument("--offload-dir", help="NVMe tier directory: the moments of --nvme-fraction of the layers go there")
+    pl.add_argument("--nvme-fraction", type=float, default=1.0)
     pl.add_argument("--host-weights", default="persistent", choices=["persistent", "staged"])
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)

@@ -97,18 +97,24 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, dtype_bytes
 
 
 def host_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, host_weights: str = "persistent",
-               dtype_bytes: int = 2, layer_grad_buffers: int | None = 4) -> dict[str, int]:
-    """Host RAM by category (pass ``layer_grad_buffers=None`` when clipping: one buffer per layer)."""
+               dtype_bytes: int = 2, layer_grad_buffers: int | None = 4, nvme_layers: int = 0) -> dict[str, int]:
+    """Host RAM by category (pass ``layer_grad_buffers=None`` when clipping: one buffer per layer;
+    ``nvme_layers``: layers whose moments are on the NVMe tier, see ``nvme_bytes``)."""
     N = shape.params
     offloaded = shape.layers - min(shape.layers, p.gpu_activation_layers)
     ring = shape.layers if layer_grad_buffers is None else min(shape.layers, layer_grad_buffers)
     return {
         "master": 4 * N,
-        "moments": 8 * N,
+        "moments": 8 * N - nvme_bytes(shape, nvme_layers),
         "weights": dtype_bytes * N if host_weights == "persistent" else 0,
         "grads": dtype_bytes * (shape.embed_params + shape.head_params + ring * shape.layer_params),
         "activations": offloaded * batch * seq * shape.hidden * dtype_bytes,
     }
+
+
+def nvme_bytes(shape: ModelShape, nvme_layers: int) -> int:
+    """Disk for the Adam moments (fp32 exp_avg and exp_avg_sq) of ``nvme_layers`` decoder layers."""
+    return min(nvme_layers, shape.layers) * shape.layer_params * 8
 
 
 def fit(shape: ModelShape, batch: int, seq: int, limit: int, window_slots: int = 3,

@@ -32,6 +32,8 @@ class OffloadConfig:
     offload_activations: bool = False
     host_grad_buffers: int | None = 4
     optimizer_threads: int | None = None
+    offload_dir: str | None = None  # NVMe tier for the Adam moments of nvme_fraction of the layers
+    nvme_fraction: float = 1.0
 
 
 @dataclass

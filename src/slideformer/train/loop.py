@@ -64,6 +64,39 @@ def build_examples(cfg: TrainConfig, tok) -> tuple[list[tuple[list[int], list[in
     return examples, skipped
 
 
+def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) -> None:
+    """The planner's check, before anything is allocated: GPU (when on CUDA) and host RAM."""
+    from ..cli import _host_memory
+    from ..model import ModelAdapter
+    from ..plan import DoesNotFit, ModelShape, Placement, fit, gpu_bytes, host_bytes, parse_bytes
+
+    shape = ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype))
+    seq = min(cfg.cutoff_len, longest)
+    batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps
+    dt = 2 if ecfg.compute_dtype != torch.float32 else 4
+    if ecfg.device == "cuda":
+        limit = parse_bytes(ecfg.gpu_memory_limit) if ecfg.gpu_memory_limit else torch.cuda.get_device_properties(0).total_memory
+        placement = fit(shape, batch, seq, limit, ecfg.window_slots) if ecfg.gpu_memory_limit else \
+            Placement(ecfg.window_slots, cfg.micro_batch_size)
+        need = gpu_bytes(shape, batch, seq, placement, dt)["peak"]
+        if need > limit:
+            raise DoesNotFit(f"a step of {cfg.micro_batch_size} x {seq} tokens (x{cfg.gradient_accumulation_steps} "
+                             f"accumulated) needs about {need / 2**30:.1f} GiB of GPU memory, over the "
+                             f"{limit / 2**30:.1f} GiB available; set offload.gpu_memory_limit to let slideformer "
+                             "split and offload, or lower micro_batch_size (see `slideformer plan`)")
+    else:
+        placement = Placement(ecfg.window_slots, cfg.micro_batch_size)
+    nvme_layers = round(ecfg.nvme_fraction * shape.layers) if ecfg.offload_dir else 0
+    ram = host_bytes(shape, batch, seq, placement, ecfg.host_weights, dt,
+                     None if ecfg.max_grad_norm is not None else ecfg.host_grad_buffers, nvme_layers)
+    total, have = sum(ram.values()), _host_memory()
+    if total > 0.95 * have:
+        raise DoesNotFit(f"training needs about {total / 2**30:.1f} GiB of host RAM "
+                         f"({', '.join(f'{k} {v / 2**30:.1f}' for k, v in ram.items())}), this machine has "
+                         f"{have / 2**30:.1f} GiB; use offload.host_weights: staged, offload.offload_dir (NVMe), "
+                         "or a smaller model")
+
+
 def _checkpoints(out: Path) -> list[Path]:
     found = [p for p in out.glob(f"{CKPT_PREFIX}*") if p.is_dir() and p.name[len(CKPT_PREFIX):].isdigit()]
     return sorted(found, key=lambda p: int(p.name[len(CKPT_PREFIX):]))
@@ -85,11 +118,16 @@ def train(cfg: TrainConfig) -> dict:
                         compute_dtype=torch.bfloat16 if bf16 else torch.float32, seed=cfg.seed,
                         gpu_memory_limit=o.gpu_memory_limit, window_slots=o.window_slots, prefetch_depth=o.prefetch_depth,
                         host_weights=o.host_weights, offload_activations=o.offload_activations,
-                        host_grad_buffers=o.host_grad_buffers, optimizer_threads=o.optimizer_threads)
-    if cfg.model_name_or_path == "tiny":
-        from ..presets import preset_config
+                        host_grad_buffers=o.host_grad_buffers, optimizer_threads=o.optimizer_threads,
+                        offload_dir=o.offload_dir, nvme_fraction=o.nvme_fraction)
+    from transformers import AutoConfig
 
-        engine = SlideEngine.from_config(preset_config("tiny"), ecfg)
+    from ..presets import preset_config
+
+    hf_config = preset_config("tiny") if cfg.model_name_or_path == "tiny" else AutoConfig.from_pretrained(cfg.model_name_or_path)
+    check_fits(cfg, hf_config, ecfg, max(len(ids) for ids, _ in examples))
+    if cfg.model_name_or_path == "tiny":
+        engine = SlideEngine.from_config(hf_config, ecfg)
     else:
         engine = SlideEngine.from_pretrained(cfg.model_name_or_path, ecfg)
 
