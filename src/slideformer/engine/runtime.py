@@ -1,4 +1,5 @@
-"""Runtime: the one owner of streams, events, window slots and the two worker threads (optimizer, loader).
+"""Runtime: the one owner of streams, events, window slots and the worker threads (optimizer, loader,
+and the NVMe tier's reader and writer).
 
 Hand-offs, and what makes each safe:
 - host weights -> slot (loader thread, h2d stream): the main thread queues a load request with the
@@ -17,6 +18,11 @@ Hand-offs, and what makes each safe:
   before reading the gradient, updates, then sets the unit's ``updated`` flag. Among the jobs whose
   gradients have landed it takes the lowest unit first (``schedule.next_update``): that is the order
   the next forward needs them in, so updates still running when backward ends overlap that forward.
+- NVMe moments -> optimizer: the reader thread reads a unit's moments into a free RAM buffer and sets
+  the unit's ``tier ready`` flag; the worker waits for it (and only picks units whose moments are in),
+  updates, then hands the buffer to the writer thread, which writes it back and frees the buffer.
+- Errors: the first failure in any thread is kept and raised in the main thread at its next wait;
+  the other threads then skip their work but still release what they hold, so nothing hangs.
 
 On the CPU (``device="cpu"``) every copy is a plain synchronous copy and there are no events, but the
 worker thread, the flags and the order of operations are the same, so CI exercises this code.
@@ -76,8 +82,10 @@ class Runtime:
         if store.weights is None:
             n = min(STAGING_ELEMS, max(u.numel for u in adapter.units))
             self._staging = [(torch.empty(n, dtype=dt, pin_memory=self.cuda), None) for _ in range(2)]
-        # Optimizer worker: one thread, jobs in submission order. torch's fused AdamW releases the GIL
-        # and runs on the intra-op thread pool, so this overlaps the Python thread driving the GPU.
+        self.profiler: StepProfiler | None = StepProfiler(self.cuda) if cfg.profile else None
+        self._visit_start = None
+        # Optimizer worker: one thread; its kernels release the GIL and use their own threads, so the
+        # updates overlap the Python thread driving the GPU.
         self._updated = [threading.Event() for _ in adapter.units]
         for e in self._updated:
             e.set()
@@ -109,8 +117,6 @@ class Runtime:
                 th.start()
                 self._tier_threads.append(th)
         self._closed = False
-        self.profiler: StepProfiler | None = StepProfiler(self.cuda) if cfg.profile else None
-        self._visit_start = None
 
     # -- the NVMe tier -----------------------------------------------------------------------------
     def begin_step(self, update_order: list[int]) -> None:
@@ -132,7 +138,7 @@ class Runtime:
                     self.store.tier.read(unit, buf)
                 self._tier_buf[unit] = buf
             except BaseException as e:
-                self._error = e
+                self._fail(e)
             finally:
                 self._tier_ready[unit].set()
 
@@ -143,7 +149,7 @@ class Runtime:
                 if self._error is None:
                     self.store.tier.write(unit, buf)
             except BaseException as e:
-                self._error = e
+                self._fail(e)
             finally:
                 with self._tier_cv:
                     self._tier_free[buf] = True
@@ -168,7 +174,7 @@ class Runtime:
                 if self._error is None:
                     self._load_now(unit, slot, used)
             except BaseException as e:
-                self._error = e
+                self._fail(e)
             finally:
                 issued.set()
 
@@ -311,7 +317,8 @@ class Runtime:
                     self._tier_ready[job.unit].wait()
                     self._tier_ready[job.unit].clear()
                     tier_buf = self._tier_buf.pop(job.unit, None)
-                    self._raise_worker_error()
+                    if tier_buf is None:  # the read failed: its error is already kept
+                        return
                     exp_avg, exp_avg_sq = s.tier.views(job.unit, tier_buf)
                 else:
                     exp_avg, exp_avg_sq = s.exp_avg[job.unit], s.exp_avg_sq[job.unit]
@@ -325,12 +332,16 @@ class Runtime:
                 if self.profiler:
                     self.profiler.add_host("optimizer", time.perf_counter() - t0)
         except BaseException as e:  # surfaced to the main thread at its next wait
-            self._error = e
+            self._fail(e)
         finally:
             if tier_buf is not None:
                 self._writes.put((job.unit, tier_buf))  # written behind; the buffer returns after the write
             self._return_grad_buffer(job.grads.buffer)
             self._updated[job.unit].set()
+
+    def _fail(self, e: BaseException) -> None:
+        if self._error is None:  # the first failure is the cause; later ones are its consequences
+            self._error = e
 
     def wait_updated(self, unit: int) -> None:
         self._updated[unit].wait()
