@@ -93,17 +93,16 @@ class SlideEngine:
             fit(self.shape, 1, 1, self._limit, self.cfg.window_slots, self.cfg.loss_chunk_tokens)
         self._placements: dict[tuple[int, int], Placement] = {}
         ring = None if self.cfg.max_grad_norm is not None else self.cfg.host_grad_buffers  # clipping holds all
-        n_layers = self.adapter.num_layers
+        n = self.adapter.num_layers
         nvme = set() if self.cfg.offload_dir is None else \
-            {self.adapter.layer_unit(i).index for i in range(round(self.cfg.nvme_fraction * n_layers))}
+            {self.adapter.layer_unit(i).index for i in range(round(self.cfg.nvme_fraction * n))}
         self.store = HostStore(self.adapter.units, self.cfg.compute_dtype, pin=self.device.type == "cuda",
                                host_weights=self.cfg.host_weights, layer_grad_buffers=ring,
                                nvme_dir=self.cfg.offload_dir, nvme_units=nvme, nvme_buffers=self.cfg.nvme_buffers)
         self.runtime = Runtime(self.adapter, self.store, self.cfg)
-        n = self.adapter.num_layers
         offload = set(range(max(0, n - self.cfg.gpu_activation_layers))) if self.cfg.offload_activations else set()
         self.activations = ActivationStore(self.runtime, n, offload)
-        self.plan = plan_step(self.adapter.num_layers, self.cfg.window_slots, self.cfg.prefetch_depth)
+        self.plan = plan_step(n, self.cfg.window_slots, self.cfg.prefetch_depth)
         self._loads_after: dict[int, list] = {}
         for v in self.plan:
             if v.load:
