@@ -34,16 +34,20 @@ def test_gpu_model_matches_h200_measurements(name, batch, slots, measured_gib):
     assert measured_gib <= peak <= 1.10 * measured_gib
 
 
-@pytest.mark.parametrize("ring", [1, 4, None])
-def test_window_and_host_match_engine_accounting(ring):
+@pytest.mark.parametrize("ring,compact", [(1, False), (4, False), (None, False), (4, True)])
+def test_window_and_host_match_engine_accounting(ring, compact):
     model = build("llama")
-    with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, host_grad_buffers=ring)) as eng:
+    dt = torch.bfloat16 if compact else torch.float32
+    cfg = EngineConfig(device="cpu", compute_dtype=dt, host_grad_buffers=ring,
+                       optimizer_state="compact" if compact else "fp32")
+    with SlideEngine(model, cfg) as eng:
         sh = ModelShape.from_adapter(eng.adapter)
-        assert gpu_bytes(sh, 1, 8, Placement(), dtype_bytes=4)["window"] == eng.memory_report()["gpu_window"]
-        host = host_bytes(sh, 1, 8, Placement(), dtype_bytes=4, layer_grad_buffers=ring)
+        db = 2 if compact else 4
+        assert gpu_bytes(sh, 1, 8, Placement(), dtype_bytes=db)["window"] == eng.memory_report()["gpu_window"]
+        host = host_bytes(sh, 1, 8, Placement(), dtype_bytes=db, layer_grad_buffers=ring, compact=compact)
         rep = eng.memory_report()
         assert host["master"] == rep["host_master"] and host["moments"] == rep["host_moments"]
-        assert host["grads"] == rep["host_grads"]
+        assert host["grads"] == rep["host_grads"] and host["weights"] == rep["host_weights"]
 
 
 def test_fit_prefers_gpu_activations_then_offloads_then_refuses():

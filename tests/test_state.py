@@ -110,3 +110,14 @@ def test_full_disk_gives_a_clear_error_and_keeps_the_last_checkpoint(tmp_path, m
         assert not (tmp_path / "ck.tmp").exists()
         monkeypatch.undo()
         assert eng.load_checkpoint(tmp_path / "ck")["next"] == 1
+
+
+def test_compact_state_resumes_bit_identically(tmp_path):
+    model = build("llama")
+    kw = dict(compute_dtype=torch.bfloat16, optimizer_state="compact")
+    straight = run(model, 4, **kw)
+    run(model, 2, save=tmp_path / "ck", save_at=2, **kw)
+    resumed = run(model, 4, start=2, resume=tmp_path / "ck", **kw)
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    with pytest.raises(CorruptCheckpointError, match="optimizer_state=compact; resume with the same"):
+        run(model, 3, start=2, resume=tmp_path / "ck", compute_dtype=torch.bfloat16)

@@ -54,6 +54,10 @@ class EngineConfig:
     # and its thread count (None: all cores but one, which drives the GPU).
     optimizer_backend: Literal["auto", "native", "torch"] = "auto"
     optimizer_threads: int | None = None
+    # "fp32": fp32 master and moments (exact AdamW). "compact": bf16 master with a bf16 compensation term
+    # and bf16 moments rounded stochastically: 8 instead of 14 bytes/param of host RAM, 18 instead of 28
+    # bytes of optimizer traffic. Needs bf16 compute. See bench/NOTES.md for its measured effect.
+    optimizer_state: Literal["fp32", "compact"] = "fp32"
     seed: int = 0
     # Record where step time goes (CUDA events per visit and copy); see engine/profile.py.
     profile: bool = False
@@ -101,6 +105,14 @@ class EngineConfig:
             raise ConfigError(f"host_grad_buffers must be >= 1 or None (one per layer), got {self.host_grad_buffers}")
         if self.gpu_activation_layers < 0:
             raise ConfigError(f"gpu_activation_layers must be >= 0, got {self.gpu_activation_layers}")
+        if self.optimizer_state not in ("fp32", "compact"):
+            raise ConfigError(f"optimizer_state must be 'fp32' or 'compact', got {self.optimizer_state!r}")
+        if self.optimizer_state == "compact" and self.compute_dtype != torch.bfloat16:
+            raise ConfigError("optimizer_state='compact' keeps the weights the GPU reads in bf16: set "
+                              "compute_dtype=torch.bfloat16, or use optimizer_state='fp32'")
+        if self.optimizer_state == "compact" and self.offload_dir is not None:
+            raise ConfigError("optimizer_state='compact' with the NVMe tier (offload_dir) is not supported yet; "
+                              "drop one of them")
         if not 0.0 <= self.nvme_fraction <= 1.0:
             raise ConfigError(f"nvme_fraction must lie in [0, 1], got {self.nvme_fraction}")
         if self.nvme_buffers < 1:

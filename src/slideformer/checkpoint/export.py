@@ -32,7 +32,7 @@ def save_pretrained(out: str | os.PathLike, adapter: ModelAdapter, store: HostSt
     size = 0
     for u in adapter.units:
         for spec in u.params:
-            t = store.view(u.index, store.master, spec).to(dtype).contiguous()
+            t = store.param(u.index, spec).to(dtype).contiguous()
             nbytes = t.numel() * t.element_size()
             if size and size + nbytes > MAX_SHARD_BYTES:
                 shards.append({})

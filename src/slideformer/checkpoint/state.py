@@ -64,7 +64,10 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
     try:
         export.save_pretrained(tmp, adapter, store, dtype)
         n = len(adapter.units)
-        save_file({_unit_key(adapter, u): store.master[u] for u in range(n)}, str(tmp / STATE_DIR / "master.safetensors"))
+        master = {_unit_key(adapter, u): store.master[u] for u in range(n)}
+        if store.master_lo is not None:  # compact state: the master is hi + lo
+            master.update({f"{_unit_key(adapter, u)}.lo": store.master_lo[u] for u in range(n)})
+        save_file(master, str(tmp / STATE_DIR / "master.safetensors"))
         moments = {}
         for u in range(n):
             moments[f"{_unit_key(adapter, u)}.exp_avg"], moments[f"{_unit_key(adapter, u)}.exp_avg_sq"] = store.moments(u)
@@ -118,7 +121,12 @@ def load_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
             if t.numel() != store.master[u].numel():
                 raise CorruptCheckpointError(f"{root}: unit {_unit_key(adapter, u)} has {t.numel()} values, "
                                              f"the model has {store.master[u].numel()}: a checkpoint of another model?")
+            if t.dtype != store.master[u].dtype:
+                raise CorruptCheckpointError(f"{root}: saved with optimizer_state="
+                                             f"{'compact' if t.dtype == torch.bfloat16 else 'fp32'}; resume with the same")
             store.master[u].copy_(t)
+            if store.master_lo is not None:
+                store.master_lo[u].copy_(f.get_tensor(f"{_unit_key(adapter, u)}.lo"))
     with safe_open(str(root / STATE_DIR / "moments.safetensors"), framework="pt") as f:
         for u in range(n):
             store.set_moments(u, f.get_tensor(f"{_unit_key(adapter, u)}.exp_avg"),

@@ -98,7 +98,8 @@ class SlideEngine:
             {self.adapter.layer_unit(i).index for i in range(round(self.cfg.nvme_fraction * n))}
         self.store = HostStore(self.adapter.units, self.cfg.compute_dtype, pin=self.device.type == "cuda",
                                host_weights=self.cfg.host_weights, layer_grad_buffers=ring,
-                               nvme_dir=self.cfg.offload_dir, nvme_units=nvme, nvme_buffers=self.cfg.nvme_buffers)
+                               nvme_dir=self.cfg.offload_dir, nvme_units=nvme, nvme_buffers=self.cfg.nvme_buffers,
+                               compact=self.cfg.optimizer_state == "compact")
         self.runtime = Runtime(self.adapter, self.store, self.cfg)
         offload = set(range(max(0, n - self.cfg.gpu_activation_layers))) if self.cfg.offload_activations else set()
         self.activations = ActivationStore(self.runtime, n, offload)
@@ -322,10 +323,9 @@ class SlideEngine:
         self.runtime.synchronize()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Hugging Face-named views of the fp32 master weights (after pending updates)."""
+        """Hugging Face-named fp32 master weights (views; copies for compact state), after pending updates."""
         self.synchronize()
-        return {spec.key: self.store.view(u.index, self.store.master, spec)
-                for u in self.adapter.units for spec in u.params}
+        return {spec.key: self.store.param(u.index, spec) for u in self.adapter.units for spec in u.params}
 
     def save_pretrained(self, out: str | os.PathLike, dtype: torch.dtype | None = None):
         """Write a Hugging Face checkpoint (config + safetensors) that from_pretrained loads."""

@@ -39,7 +39,7 @@ import torch
 from ..config import EngineConfig
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter
-from ..optim.adamw import adamw_update_, resolve_backend
+from ..optim.adamw import adamw_compact_, adamw_update_, resolve_backend
 from ..window.schedule import next_update
 from ..window.slots import Slot
 from .profile import StepProfiler
@@ -323,8 +323,16 @@ class Runtime:
                 else:
                     exp_avg, exp_avg_sq = s.exp_avg[job.unit], s.exp_avg_sq[job.unit]
                 t0 = time.perf_counter()
-                own_copy = s.weights is not None and s.weights is not s.master
                 grad = s.grad_buffers[job.grads.buffer][: self.adapter.units[job.unit].numel]
+                if s.compact:
+                    adamw_compact_(s.master[job.unit], s.master_lo[job.unit], grad, exp_avg, exp_avg_sq, step=job.step,
+                                   lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
+                                   grad_coef=job.grad_coef, seed=c.seed * 1_000_003 + job.unit,
+                                   backend=self.optimizer_backend, threads=c.optimizer_threads)
+                    if self.profiler:
+                        self.profiler.add_host("optimizer", time.perf_counter() - t0)
+                    return
+                own_copy = s.weights is not None and s.weights is not s.master
                 adamw_update_(s.master[job.unit], grad, exp_avg, exp_avg_sq,
                               step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
                               grad_coef=job.grad_coef, out=s.weights[job.unit] if own_copy else None,

@@ -45,6 +45,63 @@ def adamw_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
         out.copy_(master)
 
 
+M32 = 0xFFFFFFFF
+
+
+def _mul32(x, c: int):
+    """x * c mod 2**32 for uint32 values held in int64 (tensors or ints) without overflowing int64."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & M32
+
+
+def _mix32(x):
+    """The kernel's integer hash (lowbias32), for ints or int64 tensors of uint32 values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def compact_seeds(seed: int, step: int) -> tuple[int, int]:
+    base = _mix32((seed & M32) ^ _mix32(step & M32))
+    return _mix32(base ^ 0x6D6D6D6D), _mix32(base ^ 0x76767676)
+
+
+def _bf16_stochastic(x: torch.Tensor, seed: int) -> torch.Tensor:
+    noise = _mix32(torch.arange(x.numel(), dtype=torch.int64) ^ seed) & 0xFFFF
+    bits = x.view(torch.int32).to(torch.int64) & M32
+    return ((bits + noise) >> 16).to(torch.int16).view(torch.bfloat16)
+
+
+def adamw_compact_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                   exp_avg_sq: torch.Tensor, *, step: int, lr: float, betas: tuple[float, float], eps: float,
+                   weight_decay: float, grad_coef: float = 1.0, seed: int = 0, backend: str = "native",
+                   threads: int | None = None) -> None:
+    """AdamW on compact state: master = hi + lo (bf16 each), bf16 moments rounded stochastically.
+
+    Same arithmetic in both backends, equal to rounding (the kernel fuses multiply-adds); the PyTorch one
+    is the reference and the fallback.
+    """
+    if backend == "native":
+        native.load(strict=True).adamw_step_compact(hi, lo, grad, exp_avg, exp_avg_sq, step, lr, betas[0], betas[1],
+                                                     eps, weight_decay, grad_coef, seed, threads or native.default_threads())
+        return
+    b1, b2 = betas
+    w1 = torch.tensor(1.0 - b1, dtype=torch.float32)
+    f = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731  (fp32 scalars, as the kernel has)
+    g = grad.float() * f(grad_coef)
+    m0 = exp_avg.float()
+    m = m0 + w1 * (g - m0) if float(w1) < 0.5 else g - (g - m0) * (f(1.0) - w1)
+    v = exp_avg_sq.float() * f(b2) + f(1.0 - b2) * g * g
+    denom = torch.sqrt(v) / f((1.0 - b2 ** step) ** 0.5) + f(eps)
+    p = (hi.float() + lo.float()) * f(1.0 - lr * weight_decay) - f(lr / (1.0 - b1 ** step)) * m / denom
+    hi.copy_(p)  # round to nearest even
+    lo.copy_(p - hi.float())
+    seed_m, seed_v = compact_seeds(seed, step)
+    exp_avg.copy_(_bf16_stochastic(m, seed_m))
+    exp_avg_sq.copy_(_bf16_stochastic(v, seed_v))
+
+
 def resolve_backend(requested: str) -> str:
     """"auto" becomes "native" when the C++ kernel builds here, else "torch" (with one warning)."""
     if requested == "auto":

@@ -12,6 +12,8 @@ import warnings
 from pathlib import Path
 
 _SOURCE = Path(__file__).with_name("csrc") / "adamw.cpp"
+# GCC contracts a*b+c into fused multiply-adds here, as torch's own vectorized AdamW does: the fp32
+# path then agrees with torch.optim.AdamW(fused=True) to the last bit in the engine's parity tests.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp-simd", "-std=c++17"]
 _loaded: dict[str, object] = {}
 

@@ -97,16 +97,19 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, dtype_bytes
 
 
 def host_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, host_weights: str = "persistent",
-               dtype_bytes: int = 2, layer_grad_buffers: int | None = 4, nvme_layers: int = 0) -> dict[str, int]:
+               dtype_bytes: int = 2, layer_grad_buffers: int | None = 4, nvme_layers: int = 0,
+               compact: bool = False) -> dict[str, int]:
     """Host RAM by category (pass ``layer_grad_buffers=None`` when clipping: one buffer per layer;
-    ``nvme_layers``: layers whose moments are on the NVMe tier, see ``nvme_bytes``)."""
+    ``nvme_layers``: layers whose moments are on the NVMe tier, see ``nvme_bytes``; ``compact``: bf16
+    master hi + lo and bf16 moments, the hi half being the GPU's weights)."""
     N = shape.params
     offloaded = shape.layers - min(shape.layers, p.gpu_activation_layers)
     ring = shape.layers if layer_grad_buffers is None else min(shape.layers, layer_grad_buffers)
     return {
         "master": 4 * N,
-        "moments": 8 * N - nvme_bytes(shape, nvme_layers),
-        "weights": dtype_bytes * N if host_weights == "persistent" else 0,
+        "moments": (4 if compact else 8) * N - nvme_bytes(shape, nvme_layers),
+        # a separate compute copy exists only for persistent host weights in bf16/fp16 with fp32 state
+        "weights": dtype_bytes * N if host_weights == "persistent" and not compact and dtype_bytes < 4 else 0,
         "grads": dtype_bytes * (shape.embed_params + shape.head_params + ring * shape.layer_params),
         "activations": offloaded * batch * seq * shape.hidden * dtype_bytes,
     }

@@ -34,6 +34,7 @@ class OffloadConfig:
     optimizer_threads: int | None = None
     offload_dir: str | None = None  # NVMe tier for the Adam moments of nvme_fraction of the layers
     nvme_fraction: float = 1.0
+    optimizer_state: str = "fp32"  # or "compact" (8 bytes/param; see bench/NOTES.md for its measured effect)
 
 
 @dataclass

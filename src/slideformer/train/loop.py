@@ -88,7 +88,8 @@ def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) ->
         placement = Placement(ecfg.window_slots, cfg.micro_batch_size)
     nvme_layers = round(ecfg.nvme_fraction * shape.layers) if ecfg.offload_dir else 0
     ram = host_bytes(shape, batch, seq, placement, ecfg.host_weights, dt,
-                     None if ecfg.max_grad_norm is not None else ecfg.host_grad_buffers, nvme_layers)
+                     None if ecfg.max_grad_norm is not None else ecfg.host_grad_buffers, nvme_layers,
+                     ecfg.optimizer_state == "compact")
     total, have = sum(ram.values()), _host_memory()
     if total > 0.95 * have:
         raise DoesNotFit(f"training needs about {total / 2**30:.1f} GiB of host RAM "
@@ -119,7 +120,7 @@ def train(cfg: TrainConfig) -> dict:
                         gpu_memory_limit=o.gpu_memory_limit, window_slots=o.window_slots, prefetch_depth=o.prefetch_depth,
                         host_weights=o.host_weights, offload_activations=o.offload_activations,
                         host_grad_buffers=o.host_grad_buffers, optimizer_threads=o.optimizer_threads,
-                        offload_dir=o.offload_dir, nvme_fraction=o.nvme_fraction)
+                        offload_dir=o.offload_dir, nvme_fraction=o.nvme_fraction, optimizer_state=o.optimizer_state)
     from transformers import AutoConfig
 
     from ..presets import preset_config

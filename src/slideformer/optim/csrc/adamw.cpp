@@ -131,8 +131,95 @@ void adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, 
   }
 }
 
+
+// ---- compact state: bf16 master with a bf16 compensation term, bf16 moments with stochastic rounding ----
+// 8 bytes of state per parameter instead of 12 (+2 for the bf16 copy, which here is the master's high
+// half itself), and 18 bytes of traffic per update instead of 28. The master is hi + lo, both bf16
+// (about 16 significant bits); the moments are rounded stochastically so that updates smaller than a
+// bf16 step (v's decay by beta2 = 0.999, for one) still move them on average. The random bits are a
+// hash of (seed, index): the same step gives the same bits, so resume stays bit-identical.
+
+inline uint32_t mix32(uint32_t x) {  // lowbias32 (Chris Wellons): a cheap, well-mixed integer hash
+  x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
+  return x;
+}
+
+inline uint16_t f32_to_bf16_sr(float f, uint32_t noise16) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return static_cast<uint16_t>((bits + noise16) >> 16);
+}
+
+template <typename G>
+void compact_range(uint16_t* __restrict hi, uint16_t* __restrict lo, const typename G::T* __restrict g,
+                   uint16_t* __restrict m, uint16_t* __restrict v, int64_t begin, int64_t end, const Hyper hp,
+                   uint32_t seed_m, uint32_t seed_v) {
+  const float decay = hp.lr_wd_decay, w1 = hp.w1, b2 = hp.beta2, omb2 = hp.one_minus_beta2, eps = hp.eps;
+  const float step_size = hp.step_size, bc2_sqrt = hp.bc2_sqrt, coef = hp.coef;
+#pragma omp simd
+  for (int64_t i = begin; i < end; ++i) {
+    const float gi = G::load(g[i]) * coef;
+    const float mi0 = bf16_to_f32(m[i]);
+    const float mi = w1 < 0.5f ? mi0 + w1 * (gi - mi0) : gi - (gi - mi0) * (1.0f - w1);
+    const float vi = bf16_to_f32(v[i]) * b2 + omb2 * gi * gi;
+    const float denom = std::sqrt(vi) / bc2_sqrt + eps;
+    const float p0 = bf16_to_f32(hi[i]) + bf16_to_f32(lo[i]);
+    const float pi = p0 * decay - step_size * mi / denom;
+    const uint16_t h = f32_to_bf16(pi);
+    hi[i] = h;
+    lo[i] = f32_to_bf16(pi - bf16_to_f32(h));
+    const uint32_t idx = static_cast<uint32_t>(i);
+    m[i] = f32_to_bf16_sr(mi, mix32(idx ^ seed_m) & 0xffffu);
+    v[i] = f32_to_bf16_sr(vi, mix32(idx ^ seed_v) & 0xffffu);
+  }
+}
+
+void adamw_step_compact(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad, torch::Tensor exp_avg,
+                        torch::Tensor exp_avg_sq, int64_t step, double lr, double beta1, double beta2, double eps,
+                        double weight_decay, double grad_coef, int64_t seed, int64_t threads) {
+  TORCH_CHECK(step >= 1, "step must be >= 1");
+  const int64_t n = hi.numel();
+  for (const auto* t : {&hi, &lo, &exp_avg, &exp_avg_sq})
+    TORCH_CHECK(t->is_cpu() && t->is_contiguous() && t->scalar_type() == at::kBFloat16 && t->numel() == n,
+                "compact state: contiguous bf16 CPU tensors of one size");
+  TORCH_CHECK(grad.is_cpu() && grad.is_contiguous() && grad.numel() == n, "grad: contiguous CPU tensor of the same size");
+  Hyper h;
+  h.lr_wd_decay = static_cast<float>(1.0 - lr * weight_decay);
+  h.w1 = static_cast<float>(1.0 - beta1);
+  h.beta2 = static_cast<float>(beta2);
+  h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  h.eps = static_cast<float>(eps);
+  h.step_size = static_cast<float>(lr / (1.0 - std::pow(beta1, static_cast<double>(step))));
+  h.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step))));
+  h.coef = static_cast<float>(grad_coef);
+  const uint32_t base = mix32(static_cast<uint32_t>(seed) ^ mix32(static_cast<uint32_t>(step)));
+  const uint32_t seed_m = mix32(base ^ 0x6d6d6d6du), seed_v = mix32(base ^ 0x76767676u);
+  auto* hp = reinterpret_cast<uint16_t*>(hi.data_ptr());
+  auto* lp = reinterpret_cast<uint16_t*>(lo.data_ptr());
+  auto* mp = reinterpret_cast<uint16_t*>(exp_avg.data_ptr());
+  auto* vp = reinterpret_cast<uint16_t*>(exp_avg_sq.data_ptr());
+  const bool bf16_grad = grad.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16_grad || grad.scalar_type() == at::kFloat, "grad must be bf16 or fp32");
+  pybind11::gil_scoped_release no_gil;
+  const int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, (n + 65535) / 65536));
+  const int64_t per = ((n + t - 1) / t + 15) / 16 * 16;
+  auto work = [&](int64_t k) {
+    const int64_t b = k * per, e = std::min(n, b + per);
+    if (b >= e) return;
+    if (bf16_grad)
+      compact_range<BF16>(hp, lp, reinterpret_cast<const uint16_t*>(grad.data_ptr()), mp, vp, b, e, h, seed_m, seed_v);
+    else
+      compact_range<F32>(hp, lp, grad.data_ptr<float>(), mp, vp, b, e, h, seed_m, seed_v);
+  };
+  std::vector<std::thread> pool;
+  for (int64_t k = 1; k < t; ++k) pool.emplace_back(work, k);
+  work(0);
+  for (auto& th : pool) th.join();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw_step", &adamw_step, "one-pass AdamW (fp32 master and moments, optional bf16/fp16 copy out)");
+  m.def("adamw_step_compact", &adamw_step_compact, "one-pass AdamW on compact state (bf16 hi/lo master, bf16 moments)");
 }
