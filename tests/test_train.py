@@ -42,7 +42,7 @@ def test_yaml_with_overrides(tmp_path):
 
 
 @pytest.mark.parametrize("bad,match", [("lr_scheduler_type=step", "lr_scheduler_type"),
-                                       ("packing=true", "packing"), ("micro_batch_size=0", "micro_batch_size")])
+                                       ("warmup_ratio=1.5", "warmup_ratio"), ("micro_batch_size=0", "micro_batch_size")])
 def test_conflicts_name_the_fix(bad, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, [bad])
@@ -123,3 +123,17 @@ def test_train_refuses_what_the_host_cannot_hold(tmp_path, monkeypatch):
 def test_nvme_settings_reach_the_engine(tmp_path):
     r = train(cfg(tmp_path / "o", "max_steps=2", f"offload.offload_dir={tmp_path / 'nvme'}", "offload.nvme_fraction=0.5"))
     assert r["steps"] == 2 and not list((tmp_path / "nvme").iterdir())
+
+
+def test_packing_trains_and_resumes(tmp_path):
+    a = tmp_path / "a"
+    r = train(cfg(a, "max_steps=4", "packing=true", "cutoff_len=96", "micro_batch_size=2", "save_steps=2"))
+    assert r["steps"] == 4 and all(math.isfinite(h["loss"]) for h in r["history"])
+    b = tmp_path / "b"
+    opts = ["max_steps=4", "packing=true", "cutoff_len=96", "micro_batch_size=2", "save_steps=2", "save_total_limit=5"]
+    train(cfg(b, *opts))
+    import shutil
+    shutil.rmtree(b / "checkpoint-4")  # a crash after step 2
+    train(cfg(b, *opts, "resume_from_checkpoint=auto"))
+    ma, mb = master(a / "checkpoint-4"), master(b / "checkpoint-4")
+    assert all(torch.equal(ma[k], mb[k]) for k in ma)

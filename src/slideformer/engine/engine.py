@@ -55,7 +55,7 @@ class MicroBatch:
     input_ids: torch.Tensor  # [B, S] on the device
     labels: torch.Tensor  # [B*S] shifted left by one, -100 = ignored
     attention_mask: torch.Tensor | None
-    position_ids: torch.Tensor  # [1, S]
+    position_ids: torch.Tensor  # [1, S], or [B, S] restarting at 0 for each packed sample
     masks: dict | None = None  # per attention type, built after the embedding
     rope: tuple | None = None  # (cos, sin)
 
@@ -304,6 +304,14 @@ class SlideEngine:
                 am = torch.as_tensor(am).view(B, S)
                 if "labels" not in item:
                     labels = labels.masked_fill(am == 0, -100)
+            pos = item.get("position_ids")
+            if pos is not None:  # packed rows: positions restart per sample, attention stays within it
+                pos = torch.as_tensor(pos).reshape(B, S).long()
+                if am is not None:
+                    raise BatchError(f"{where}: give either position_ids (packed samples) or attention_mask, not both")
+                starts = torch.zeros_like(pos, dtype=torch.bool)
+                starts[:, 1:] = pos[:, 1:] == 0
+                labels = labels.masked_fill(starts, -100)  # no target across a sample boundary
             shifted = torch.full_like(labels, -100)
             shifted[:, :-1] = labels[:, 1:]
             denom += int((shifted != -100).sum())
@@ -312,7 +320,7 @@ class SlideEngine:
                 input_ids=ids.to(dev, torch.long, non_blocking=True),
                 labels=shifted.reshape(-1).to(dev, torch.long, non_blocking=True),
                 attention_mask=None if am is None else am.to(dev, non_blocking=True),
-                position_ids=torch.arange(S, device=dev).unsqueeze(0),
+                position_ids=torch.arange(S, device=dev).unsqueeze(0) if pos is None else pos.to(dev),
             ))
         if denom == 0:
             raise BatchError("every label in the step is ignored (-100): there is nothing to train on")

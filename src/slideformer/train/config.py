@@ -40,10 +40,12 @@ class OffloadConfig:
 @dataclass
 class TrainConfig:
     model_name_or_path: str = "tiny"  # a local Hugging Face directory, or "tiny" (bundled, random init)
-    dataset: list = field(default_factory=lambda: [DatasetSpec(str(_assets() / "sample" / "alpaca.jsonl"))])
+    # default: the bundled sample, one file per format (alpaca, sharegpt, OpenAI messages, plain text)
+    dataset: list = field(default_factory=lambda: [DatasetSpec(str(_assets() / "sample" / f"{f}.jsonl"))
+                                                   for f in ("alpaca", "sharegpt", "messages", "text")])
     chat_template: str | None = None  # default: the tokenizer's
     cutoff_len: int = 1024
-    packing: bool = False
+    packing: bool = False  # pack samples into rows of cutoff_len; attention never crosses a sample boundary
     skip_bad_records: bool = False
     micro_batch_size: int = 8
     gradient_accumulation_steps: int = 1
@@ -83,8 +85,6 @@ class TrainConfig:
         for k in ("micro_batch_size", "gradient_accumulation_steps", "cutoff_len", "logging_steps"):
             if getattr(self, k) < 1:
                 raise ConfigError(f"{k} must be >= 1, got {getattr(self, k)}")
-        if self.packing:
-            raise ConfigError("packing: true is not supported yet; set packing: false (samples are padded per micro-batch)")
         if not 0 <= self.warmup_ratio < 1:
             raise ConfigError(f"warmup_ratio must lie in [0, 1), got {self.warmup_ratio}")
         if self.max_steps <= 0 and self.num_train_epochs <= 0:

@@ -18,7 +18,7 @@ import torch
 
 from .. import EngineConfig, SlideEngine, lr_at
 from ..config import ConfigError
-from ..data import DataError, detect_format, pad_batch, read_records, render, to_messages
+from ..data import DataError, detect_format, pack_batch, pad_batch, read_records, render, to_messages
 from .config import TrainConfig, _assets
 
 CKPT_PREFIX = "checkpoint-"
@@ -160,12 +160,20 @@ def train(cfg: TrainConfig) -> dict:
             for step in range(start, total):
                 mbs = []
                 for _ in range(cfg.gradient_accumulation_steps):
-                    if offset + cfg.micro_batch_size > len(order):
+                    need = 1 if cfg.packing else cfg.micro_batch_size
+                    if offset + need > len(order):
                         epoch, offset = epoch + 1, 0
                         order = _permutation(len(examples), cfg.seed, epoch)
-                    picked = [examples[i] for i in order[offset: offset + cfg.micro_batch_size]]
-                    offset += cfg.micro_batch_size
-                    mbs.append(pad_batch(picked, tok.pad_token_id))
+                    if cfg.packing:  # as many samples as fill micro_batch_size rows of cutoff_len tokens
+                        window = [examples[i] for i in order[offset: offset + cfg.micro_batch_size * cfg.cutoff_len]]
+                        mb = pack_batch(window, cfg.micro_batch_size, cfg.cutoff_len, tok.pad_token_id)
+                        offset += mb.pop("examples_used")
+                        mb["attention_mask"] = None
+                    else:
+                        picked = [examples[i] for i in order[offset: offset + cfg.micro_batch_size]]
+                        offset += cfg.micro_batch_size
+                        mb = pad_batch(picked, tok.pad_token_id)
+                    mbs.append(mb)
                 lr = lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, warmup, total)
                 engine.set_lr(lr)
                 loss = engine.train_step(mbs)
@@ -173,7 +181,8 @@ def train(cfg: TrainConfig) -> dict:
                     raise NonFiniteLoss(f"step {step + 1}: loss is {loss}; stopping without saving this state "
                                         f"(the last checkpoint in {out} is intact). Lower learning_rate "
                                         f"(now {cfg.learning_rate}) or set max_grad_norm.")
-                tokens_since += sum(int(m["attention_mask"].sum()) for m in mbs)
+                tokens_since += sum(m["input_ids"].numel() if m["attention_mask"] is None  # packed: full rows
+                                    else int(m["attention_mask"].sum()) for m in mbs)
                 done = step + 1
                 if done % cfg.logging_steps == 0 or done == total:
                     now = time.perf_counter()
