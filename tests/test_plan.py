@@ -89,3 +89,12 @@ def test_budget_split_trains_like_one_batch():
     assert lb == pytest.approx(la, rel=1e-5)
     for k in a:
         assert float((a[k] - b[k]).norm() / a[k].norm()) < 1e-5, k
+
+
+@pytest.mark.parametrize("batch,measured_s", [(8, 1.36), (32, 3.00)])
+def test_step_time_matches_h200_measurements(batch, measured_s):
+    """bench/results/2026-11-30-loader-487b3ad.jsonl (b8) and -native-adamw-6611008.jsonl (b32)."""
+    from slideformer.plan import step_time
+
+    t = step_time(shape("qwen3-4b"), batch, 1024, Placement())["step_s"]
+    assert abs(t - measured_s) <= 0.10 * measured_s

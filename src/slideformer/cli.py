@@ -37,7 +37,7 @@ def cmd_plan(args) -> int:
     import json
 
     from .model import ModelAdapter
-    from .plan import DoesNotFit, ModelShape, Placement, fit, gpu_bytes, host_bytes, nvme_bytes, parse_bytes
+    from .plan import DoesNotFit, ModelShape, Placement, fit, gpu_bytes, host_bytes, nvme_bytes, parse_bytes, step_time
     from .presets import PRESETS, preset_config
 
     if args.model in PRESETS:
@@ -73,6 +73,10 @@ def cmd_plan(args) -> int:
            "gpu_bytes": g["peak"], "gpu": g, "host_bytes": host_total, "host": h, "nvme_bytes": nvme_bytes(shape, nvme_layers),
            "gpu_limit": gpu_limit, "host_limit": cpu_limit, "fits": fits, "max_batch_size": max_batch,
            "placement": vars(placement)}
+    timing = step_time(shape, args.batch_size, args.seq_len, placement)
+    out["predicted_step_s"] = timing["step_s"]
+    out["predicted_tokens_per_s"] = args.batch_size * args.seq_len / timing["step_s"]
+    out["timing"] = timing
     if args.json:
         print(json.dumps(out))
     else:
@@ -84,6 +88,9 @@ def cmd_plan(args) -> int:
             print(f"NVMe {gib(out['nvme_bytes'])} under {args.offload_dir}")
         print(f"placement: micro-batch {min(placement.micro_batch, args.batch_size)}, "
               f"{min(placement.gpu_activation_layers, shape.layers)}/{shape.layers} layer inputs on the GPU")
+        print(f"predicted step {timing['step_s']:.2f} s ({out['predicted_tokens_per_s']:.0f} tok/s on the H200 "
+              f"machine's rates): GPU {timing['gpu_compute_s']:.2f} s, optimizer {timing['optimizer_s']:.2f} s, "
+              f"weights in {timing['h2d_s']:.2f} s")
         print(("fits" if fits else "does NOT fit" + ("" if fits_gpu else f": {reason}")) + f"; largest batch that fits: {max_batch}")
     return EXIT_OK if fits else EXIT_DOES_NOT_FIT
 

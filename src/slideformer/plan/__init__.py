@@ -1,4 +1,5 @@
 """What fits where: pure functions of the model's shape, the batch and the budgets."""
-from .memory import DoesNotFit, ModelShape, Placement, fit, gpu_bytes, host_bytes, nvme_bytes, parse_bytes
+from .memory import (DoesNotFit, MachineRates, ModelShape, Placement, fit, gpu_bytes, host_bytes, nvme_bytes,
+                     parse_bytes, step_time)
 
-__all__ = ["DoesNotFit", "ModelShape", "Placement", "fit", "gpu_bytes", "host_bytes", "nvme_bytes", "parse_bytes"]
+__all__ = ["DoesNotFit", "MachineRates", "ModelShape", "step_time", "Placement", "fit", "gpu_bytes", "host_bytes", "nvme_bytes", "parse_bytes"]

@@ -143,3 +143,27 @@ def fit(shape: ModelShape, batch: int, seq: int, limit: int, window_slots: int =
         f"offloaded and one sequence per micro-batch, over the {limit / 2**30:.1f} GiB budget; "
         + (f"the largest batch that fits at seq {seq} is {best}" if best else
            f"not even batch 1 fits at seq {seq}: shorten the sequences or raise gpu_memory_limit"))
+
+
+@dataclass(frozen=True)
+class MachineRates:
+    """Rates measured on the H200 machine (bench/results, 2026-11-30); pass others for other machines."""
+    gpu_flops: float = 385e12  # bf16 FLOP/s of HF's modules with recompute: 4B b32 did 1.05 PFLOP in 2.73 s
+    optimizer_params_per_s: float = 3.46e9  # one-pass AdamW on 15 cores
+    pcie_bytes_per_s: float = 55e9
+
+
+def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: MachineRates = MachineRates(),
+              compact: bool = False) -> dict[str, float]:
+    """Predicted seconds per step: the largest of GPU compute (8 x params x tokens, recompute included),
+    the CPU optimizer and the weight copies, plus 10% for what does not overlap (the first and last
+    units of a step). Within 10% of the measured 4B b8 and b32 steps."""
+    tokens = batch * seq
+    streamed = shape.params - min(p.window_slots, shape.layers) * shape.layer_params  # the rest is reused
+    out = {
+        "gpu_compute_s": 8 * shape.params * tokens / rates.gpu_flops,
+        "optimizer_s": shape.params / rates.optimizer_params_per_s / (1.5 if compact else 1.0),
+        "h2d_s": 2 * 2 * streamed / rates.pcie_bytes_per_s,
+    }
+    out["step_s"] = 1.1 * max(out.values())
+    return out

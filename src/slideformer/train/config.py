@@ -49,17 +49,17 @@ class TrainConfig:
     skip_bad_records: bool = False
     micro_batch_size: int = 8
     gradient_accumulation_steps: int = 1
-    learning_rate: float = 3e-3
+    learning_rate: float = 1e-5
     lr_scheduler_type: str = "cosine"
     warmup_ratio: float = 0.1
-    weight_decay: float = 0.01
+    weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
-    num_train_epochs: float = 1.0
-    max_steps: int = 150
+    num_train_epochs: float = 3.0
+    max_steps: int = -1  # > 0 overrides num_train_epochs
     seed: int = 0
-    output_dir: str = "out/demo"
+    output_dir: str = "out/run"
     logging_steps: int = 10
     save_steps: int = 0  # 0: only at the end
     save_total_limit: int | None = 2
@@ -130,8 +130,12 @@ def _coerce(value: str):
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """The config at ``path`` (defaults for what it leaves out), or the embedded demo when ``path`` is None;
+    then the ``key=value`` overrides."""
     raw: dict = {}
-    if path is not None:
+    if path is None:
+        raw = yaml.safe_load((_assets() / "demo.yaml").read_text())
+    else:
         try:
             raw = yaml.safe_load(Path(path).read_text()) or {}
         except (OSError, yaml.YAMLError) as e:
