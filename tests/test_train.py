@@ -110,10 +110,10 @@ def test_bad_records_error_or_are_skipped(tmp_path):
 
 
 def test_train_refuses_what_the_host_cannot_hold(tmp_path, monkeypatch):
-    from slideformer import cli
+    from slideformer import plan
     from slideformer.plan import DoesNotFit
 
-    monkeypatch.setattr(cli, "_host_memory", lambda: 2**20)  # a 1 MiB machine
+    monkeypatch.setattr(plan, "host_memory", lambda: 2**20)  # a 1 MiB machine
     with pytest.raises(DoesNotFit, match="host RAM.*offload_dir"):
         train(cfg(tmp_path, "max_steps=1"))
     assert main(["train"] + FAST + [f"output_dir={tmp_path}", "max_steps=1"]) == 3

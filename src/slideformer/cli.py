@@ -37,7 +37,8 @@ def cmd_plan(args) -> int:
     import json
 
     from .model import ModelAdapter
-    from .plan import DoesNotFit, ModelShape, Placement, fit, gpu_bytes, host_bytes, nvme_bytes, parse_bytes, step_time
+    from .plan import (DoesNotFit, ModelShape, Placement, fit, gpu_bytes, host_bytes, host_memory, nvme_bytes,
+                       parse_bytes, step_time)
     from .presets import PRESETS, preset_config
 
     if args.model in PRESETS:
@@ -49,7 +50,7 @@ def cmd_plan(args) -> int:
     shape = ModelShape.from_adapter(ModelAdapter(config))
     gpu_limit = parse_bytes(args.gpu_memory) if args.gpu_memory else (
         torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None)
-    cpu_limit = parse_bytes(args.cpu_memory) if args.cpu_memory else _host_memory()
+    cpu_limit = parse_bytes(args.cpu_memory) if args.cpu_memory else host_memory()
     try:
         placement = fit(shape, args.batch_size, args.seq_len, gpu_limit) if gpu_limit else Placement()
         fits_gpu = True
@@ -93,17 +94,6 @@ def cmd_plan(args) -> int:
               f"weights in {timing['h2d_s']:.2f} s")
         print(("fits" if fits else "does NOT fit" + ("" if fits_gpu else f": {reason}")) + f"; largest batch that fits: {max_batch}")
     return EXIT_OK if fits else EXIT_DOES_NOT_FIT
-
-
-def _host_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 40
 
 
 def cmd_export(args) -> int:

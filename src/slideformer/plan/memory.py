@@ -35,6 +35,18 @@ class DoesNotFit(ValueError):
     """No placement fits the budget; the message gives the largest batch that would."""
 
 
+def host_memory() -> int:
+    """This machine's RAM (MemTotal), in bytes."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 40  # unknown: do not refuse on the host side
+
+
 def parse_bytes(x) -> int:
     """'24GiB', '24 GB', '512MiB' or an int of bytes."""
     if isinstance(x, (int, float)):

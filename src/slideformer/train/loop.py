@@ -66,9 +66,8 @@ def build_examples(cfg: TrainConfig, tok) -> tuple[list[tuple[list[int], list[in
 
 def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) -> None:
     """The planner's check, before anything is allocated: GPU (when on CUDA) and host RAM."""
-    from ..cli import _host_memory
     from ..model import ModelAdapter
-    from ..plan import DoesNotFit, ModelShape, Placement, fit, gpu_bytes, host_bytes, parse_bytes
+    from ..plan import DoesNotFit, ModelShape, Placement, fit, gpu_bytes, host_bytes, host_memory, parse_bytes
 
     shape = ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype))
     seq = min(cfg.cutoff_len, longest)
@@ -90,7 +89,7 @@ def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) ->
     ram = host_bytes(shape, batch, seq, placement, ecfg.host_weights, dt,
                      None if ecfg.max_grad_norm is not None else ecfg.host_grad_buffers, nvme_layers,
                      ecfg.optimizer_state == "compact")
-    total, have = sum(ram.values()), _host_memory()
+    total, have = sum(ram.values()), host_memory()
     if total > 0.95 * have:
         raise DoesNotFit(f"training needs about {total / 2**30:.1f} GiB of host RAM "
                          f"({', '.join(f'{k} {v / 2**30:.1f}' for k, v in ram.items())}), this machine has "
