@@ -1,12 +1,11 @@
 """The engine on a real GPU: streams and events must give the same training as the CPU path."""
-import copy
 
 import pytest
 import torch
 
 from slideformer import EngineConfig, SlideEngine
 
-from test_engine_parity import assert_same, reference_train
+from test_engine_parity import reference_train
 from tiny import batch, build
 
 pytestmark = pytest.mark.gpu

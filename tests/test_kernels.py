@@ -3,7 +3,6 @@
 On the CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1, set in conftest before triton
 is imported); every kernel upcasts loads to fp32, so bf16 inputs give bf16-rounding-level results.
 """
-import os
 
 import pytest
 import torch

@@ -40,9 +40,9 @@ def test_bf16_grad_coef_and_copy_out(backend, beta1):
     ma, va, mb, vb = (torch.zeros(n) for _ in range(4))
     out = torch.empty(n, dtype=torch.bfloat16)
     kw = dict(lr=1e-2, betas=(beta1, 0.999), eps=1e-8, weight_decay=0.1)
+    ref = torch.optim.AdamW([b.requires_grad_()], fused=True, **kw)
     for step in (1, 2):
         adamw_update_(a, g, ma, va, step=step, grad_coef=0.5, out=out, scratch=torch.empty(n), backend=backend, **kw)
-        ref = torch.optim.AdamW([b.requires_grad_()], fused=True, **kw) if step == 1 else ref
         b.grad = g.float() * 0.5
         ref.step()
     torch.testing.assert_close(a, b.detach(), rtol=1e-6, atol=1e-7)

@@ -50,12 +50,10 @@ def main(argv=None) -> dict:
         mod.adamw_step(p, g, m, v, out, step[0], 1e-5, 0.9, 0.999, 1e-8, 0.0, 1.0, t)
 
     for t in threads:
-        dt = best(lambda: native_step(t))
+        dt = best(lambda t=t: native_step(t))
         rec[f"native_t{t}_gparams"] = n / dt / 1e9
         rec[f"native_t{t}_gbs"] = 28 * n / dt / 1e9
-    del out
     gf = g.float()
-    del g
     st = torch.tensor(1.0)
     for t in (max(threads),):
         torch.set_num_threads(t)
