@@ -98,3 +98,19 @@ def test_step_time_matches_h200_measurements(batch, measured_s):
 
     t = step_time(shape("qwen3-4b"), batch, 1024, Placement())["step_s"]
     assert abs(t - measured_s) <= 0.10 * measured_s
+
+
+def test_resident_layers_in_the_model_and_the_engine():
+    sh = shape("qwen3-4b")
+    all_in = gpu_bytes(sh, 8, 1024, Placement(resident_layers=sh.layers))["window"]
+    assert all_in == 16 * sh.params  # bf16 weights and grads + fp32 master and moments, nothing streamed
+    from slideformer.plan import max_resident_layers, step_time
+
+    assert max_resident_layers(sh, 8, 1024, 24 * GiB) < sh.layers <= max_resident_layers(sh, 8, 1024, 139 * GiB)
+    assert step_time(sh, 8, 1024, Placement(resident_layers=sh.layers))["optimizer_s"] == 0
+    model = build("llama")
+    for k in (0, 1, 3):
+        cfg = EngineConfig(device="cpu", compute_dtype=torch.float32, resident_layers=k)
+        with SlideEngine(model, cfg) as eng:
+            est = gpu_bytes(ModelShape.from_adapter(eng.adapter), 1, 8, Placement(resident_layers=k), dtype_bytes=4)
+            assert est["window"] == eng.memory_report()["gpu_window"]

@@ -41,3 +41,16 @@ def test_next_update_prefers_the_lowest_landed_unit():
     assert next_update([5, 4, 3], [True, True, False]) == 1  # unit 4: landed and needed before 5
     assert next_update([5, 4, 3], [False, False, False]) == 0  # none landed: wait for the oldest copy
     assert next_update([0, 9], [True, True]) == 0
+
+
+def test_resident_units_never_load_and_leave_the_ring_to_the_others():
+    n = 8
+    resident = frozenset({6, 7, 8})  # the last three layers (units 6..8)
+    plan = plan_step(n, 2, 1, resident)
+    for v in plan:
+        if v.unit in resident:
+            assert v.group == "resident" and v.slot == v.unit and not v.load
+        else:
+            assert v.group != "resident"
+    # the ring serves layers 0..4 (units 1..5): they load in forward; in backward the last two stay
+    assert sum(v.load for v in plan if v.phase == "bwd") == 5 - 2

@@ -37,8 +37,8 @@ def cmd_plan(args) -> int:
     import json
 
     from .model import ModelAdapter
-    from .plan import (DoesNotFit, ModelShape, Placement, fit, gpu_bytes, host_bytes, host_memory, nvme_bytes,
-                       parse_bytes, step_time)
+    from .plan import (DoesNotFit, ModelShape, Placement, fit, gpu_bytes, host_bytes, host_memory,
+                       max_resident_layers, nvme_bytes, parse_bytes, step_time)
     from .presets import PRESETS, preset_config
 
     if args.model in PRESETS:
@@ -75,6 +75,11 @@ def cmd_plan(args) -> int:
            "gpu_limit": gpu_limit, "host_limit": cpu_limit, "fits": fits, "max_batch_size": max_batch,
            "placement": vars(placement)}
     timing = step_time(shape, args.batch_size, args.seq_len, placement)
+    if gpu_limit and fits_gpu:  # what training some layers on the GPU would buy
+        k = max_resident_layers(shape, args.batch_size, args.seq_len, gpu_limit)
+        with_k = fit(shape, args.batch_size, args.seq_len, gpu_limit, resident_layers=k)
+        out["suggested_resident_layers"] = k
+        out["predicted_step_s_resident"] = step_time(shape, args.batch_size, args.seq_len, with_k)["step_s"]
     out["predicted_step_s"] = timing["step_s"]
     out["predicted_tokens_per_s"] = args.batch_size * args.seq_len / timing["step_s"]
     out["timing"] = timing
@@ -92,6 +97,9 @@ def cmd_plan(args) -> int:
         print(f"predicted step {timing['step_s']:.2f} s ({out['predicted_tokens_per_s']:.0f} tok/s on the H200 "
               f"machine's rates): GPU {timing['gpu_compute_s']:.2f} s, optimizer {timing['optimizer_s']:.2f} s, "
               f"weights in {timing['h2d_s']:.2f} s")
+        if "suggested_resident_layers" in out:
+            print(f"with resident_layers={out['suggested_resident_layers']} (trained on the GPU): predicted step "
+                  f"{out['predicted_step_s_resident']:.2f} s")
         print(("fits" if fits else "does NOT fit" + ("" if fits_gpu else f": {reason}")) + f"; largest batch that fits: {max_batch}")
     return EXIT_OK if fits else EXIT_DOES_NOT_FIT
 

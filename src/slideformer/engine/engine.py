@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..checkpoint import export, loader
 from ..checkpoint import state as ckpt_state
-from ..config import EngineConfig
+from ..config import ConfigError, EngineConfig
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter, bind_parameters
 from ..plan.memory import ModelShape, Placement, fit, parse_bytes
@@ -90,7 +90,7 @@ class SlideEngine:
         self.shape = ModelShape.from_adapter(self.adapter)
         self._limit = None if self.cfg.gpu_memory_limit is None else parse_bytes(self.cfg.gpu_memory_limit)
         if self._limit is not None:  # refuse before allocating anything if not even one sequence fits
-            fit(self.shape, 1, 1, self._limit, self.cfg.window_slots, self.cfg.loss_chunk_tokens)
+            fit(self.shape, 1, 1, self._limit, self.cfg.window_slots, self.cfg.loss_chunk_tokens, self.cfg.resident_layers)
         self._placements: dict[tuple[int, int], Placement] = {}
         ring = None if self.cfg.max_grad_norm is not None else self.cfg.host_grad_buffers  # clipping holds all
         n = self.adapter.num_layers
@@ -100,16 +100,28 @@ class SlideEngine:
                                host_weights=self.cfg.host_weights, layer_grad_buffers=ring,
                                nvme_dir=self.cfg.offload_dir, nvme_units=nvme, nvme_buffers=self.cfg.nvme_buffers,
                                compact=self.cfg.optimizer_state == "compact")
-        self.runtime = Runtime(self.adapter, self.store, self.cfg)
+        # Resident units: the last `resident_layers` decoder layers, and embedding and head too when every
+        # layer is resident (the whole model then trains on the GPU, as plain training would).
+        k = min(self.cfg.resident_layers, n)
+        resident = {self.adapter.layer_unit(i).index for i in range(n - k, n)}
+        if k == n:
+            resident |= {self.adapter.embed_unit.index, self.adapter.head_unit.index}
+        if resident & nvme:
+            raise ConfigError("resident_layers and the NVMe tier (nvme_fraction) overlap: a layer on the GPU keeps "
+                              "its moments there; lower one of them")
+        self.resident = frozenset(resident)
+        self._resident_on_gpu = False  # uploaded at the first step and after a checkpoint load
+        self.runtime = Runtime(self.adapter, self.store, self.cfg, self.resident)
         offload = set(range(max(0, n - self.cfg.gpu_activation_layers))) if self.cfg.offload_activations else set()
         self.activations = ActivationStore(self.runtime, n, offload)
-        self.plan = plan_step(n, self.cfg.window_slots, self.cfg.prefetch_depth)
+        self.plan = plan_step(n, self.cfg.window_slots, self.cfg.prefetch_depth, self.resident)
+        self._embed_slot = next((v.group, v.slot) for v in self.plan if v.unit == self.adapter.embed_unit.index)
         self._loads_after: dict[int, list] = {}
         for v in self.plan:
             if v.load:
                 self._loads_after.setdefault(v.issue_after, []).append(v)
         # The order updates run in: as gradients complete, or (clipping) forward order after backward.
-        done = [v.unit for v in self.plan if v.last]
+        done = [v.unit for v in self.plan if v.last and v.unit not in self.resident]
         self._update_order = sorted(done) if self.cfg.max_grad_norm is not None else done
         self.rotary = self.adapter.rotary(self.device)
         self.lr = self.cfg.lr
@@ -132,6 +144,9 @@ class SlideEngine:
         mbs, denom = self._prepare(batch)
         st = _Step(mbs=mbs, denom=denom, index=self.store.step + 1)
         rt = self.runtime
+        if not self._resident_on_gpu:
+            rt.upload_resident()
+            self._resident_on_gpu = True
         self.activations.begin_step(sum(mb.input_ids.numel() for mb in mbs), self.adapter.config.hidden_size,
                                     self.cfg.compute_dtype)
         rt.begin_step(self._update_order)
@@ -153,7 +168,10 @@ class SlideEngine:
         if self.cfg.max_grad_norm is not None:
             coef = min(1.0, self.cfg.max_grad_norm / (float(total) + 1e-6))
             for unit, sent in sorted(st.finished, key=lambda f: f[0]):  # forward order: the next step needs unit 0 first
-                rt.submit_update(UpdateJob(unit, sent, st.index, self.lr, coef))
+                if unit in self.resident:
+                    rt.update_resident(unit, st.index, self.lr, coef)
+                else:
+                    rt.submit_update(UpdateJob(unit, sent, st.index, self.lr, coef))
         self.store.step = st.index
         return float(st.loss)
 
@@ -181,7 +199,7 @@ class SlideEngine:
         bind_parameters(ad.skeleton.model, {"norm.weight": params["norm.weight"]})
         rt.begin_grads(slot)
         if ad.tied:  # the matrix lives in the embedding's slot; its gradient starts there
-            eslot = rt.slots["embed"][0]
+            eslot = rt.slots[self._embed_slot[0]][self._embed_slot[1]]
             rt.begin_grads(eslot)
             (eparams, egrads) = eslot.views(ad.embed_unit)
             w, gw = eparams["weight"], egrads[0]
@@ -241,6 +259,12 @@ class SlideEngine:
         """The unit's gradient is complete on the GPU: send it to the host, queue its update."""
         n = self.adapter.units[unit].numel
         st.norms.append(torch.linalg.vector_norm(slot.grads[:n], dtype=torch.float32))
+        if unit in self.resident:  # updated on the GPU, in stream order
+            if self.cfg.max_grad_norm is None:
+                self.runtime.update_resident(unit, st.index, self.lr, 1.0)
+            else:
+                st.finished.append((unit, None))
+            return
         sent = self.runtime.send_grads(unit, slot)
         if self.cfg.max_grad_norm is None:
             self.runtime.submit_update(UpdateJob(unit, sent, st.index, self.lr, 1.0))
@@ -256,7 +280,8 @@ class SlideEngine:
             return items  # malformed: _prepare says what is wrong
         key = (sum(s[0] for s in shapes), max(s[1] for s in shapes))
         if key not in self._placements:
-            self._placements[key] = fit(self.shape, *key, self._limit, self.cfg.window_slots, self.cfg.loss_chunk_tokens)
+            self._placements[key] = fit(self.shape, *key, self._limit, self.cfg.window_slots, self.cfg.loss_chunk_tokens,
+                                        self.cfg.resident_layers)
         p = self._placements[key]
         n = self.adapter.num_layers
         self.activations.offload_layers = set(range(max(0, n - p.gpu_activation_layers)))
@@ -327,8 +352,10 @@ class SlideEngine:
         return mbs, denom
 
     def synchronize(self) -> None:
-        """Wait for the CPU optimizer to finish every pending update."""
+        """Wait for every pending update, and bring resident units' state back to the host store."""
         self.runtime.synchronize()
+        if self._resident_on_gpu and self.resident:
+            self.runtime.download_resident()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Hugging Face-named fp32 master weights (views; copies for compact state), after pending updates."""
@@ -364,6 +391,7 @@ class SlideEngine:
         """Restore a checkpoint written by save_checkpoint; returns the trainer state saved with it."""
         self.synchronize()
         state = ckpt_state.load_checkpoint(path, self.adapter, self.store)
+        self._resident_on_gpu = False  # the loaded state goes up at the next step
         self.lr = float(state.get("lr", self.lr))
         return state
 

@@ -63,7 +63,7 @@ class SentGrads:
 
 
 class Runtime:
-    def __init__(self, adapter: ModelAdapter, store: HostStore, cfg: EngineConfig):
+    def __init__(self, adapter: ModelAdapter, store: HostStore, cfg: EngineConfig, resident: frozenset[int] = frozenset()):
         self.adapter, self.store, self.cfg = adapter, store, cfg
         self.device = torch.device(cfg.device)
         self.cuda = self.device.type == "cuda"
@@ -73,11 +73,18 @@ class Runtime:
             self.d2h = torch.cuda.Stream(self.device)
         dt = cfg.compute_dtype
         layer_numel = max(u.numel for u in adapter.units if u.kind == "layer")
+        streamed = {u.kind for u in adapter.units if u.index not in resident}
         self.slots = {
-            "embed": [Slot(adapter.embed_unit.numel, dt, self.device)],
-            "layer": [Slot(layer_numel, dt, self.device) for _ in range(cfg.window_slots)],
-            "head": [Slot(adapter.head_unit.numel, dt, self.device)],
+            "embed": [Slot(adapter.embed_unit.numel, dt, self.device)] if "embed" in streamed else [],
+            "layer": [Slot(layer_numel, dt, self.device) for _ in range(cfg.window_slots)] if "layer" in streamed else [],
+            "head": [Slot(adapter.head_unit.numel, dt, self.device)] if "head" in streamed else [],
+            "resident": {u: Slot(adapter.units[u].numel, dt, self.device) for u in sorted(resident)},
         }
+        # Resident units train on the GPU: fp32 master and moments there, updated by torch's fused AdamW
+        # on the compute stream right after their gradient completes. No copies, no CPU optimizer.
+        self.resident = {u: [torch.zeros(adapter.units[u].numel, dtype=torch.float32, device=self.device)
+                             for _ in range(3)] for u in sorted(resident)}  # master, exp_avg, exp_avg_sq
+        self._resident_step = {u: torch.zeros((), dtype=torch.float32, device=self.device) for u in resident}
         self._staging: list[tuple[torch.Tensor, object]] = []
         if store.weights is None:
             n = min(STAGING_ELEMS, max(u.numel for u in adapter.units))
@@ -117,6 +124,38 @@ class Runtime:
                 th.start()
                 self._tier_threads.append(th)
         self._closed = False
+
+    # -- resident units ------------------------------------------------------------------------------
+    def upload_resident(self) -> None:
+        """Host state -> GPU for resident units (before the first step, and after a checkpoint load)."""
+        for u, (master, m, v) in self.resident.items():
+            master.copy_(self.store.master[u])
+            m.copy_(self.store.exp_avg[u])
+            v.copy_(self.store.exp_avg_sq[u])
+            self.slots["resident"][u].params[: master.numel()].copy_(master)
+
+    def download_resident(self) -> None:
+        """GPU -> host state for resident units (before reading or saving it)."""
+        for u, (master, m, v) in self.resident.items():
+            self.store.master[u].copy_(master)
+            self.store.exp_avg[u].copy_(m)
+            self.store.exp_avg_sq[u].copy_(v)
+            self.store.refresh_weights(u)
+
+    def update_resident(self, unit: int, step: int, lr: float, grad_coef: float) -> None:
+        """AdamW for a resident unit, enqueued on the compute stream: the next kernel reading its slot
+        (the next step's forward) runs after it, in stream order."""
+        master, m, v = self.resident[unit]
+        slot = self.slots["resident"][unit]
+        n, c = master.numel(), self.cfg
+        g = slot.grads[:n].float()
+        if grad_coef != 1.0:
+            g.mul_(grad_coef)
+        step_t = self._resident_step[unit]
+        step_t.fill_(float(step))  # a kernel, not a host-to-device copy: no synchronisation
+        torch._fused_adamw_([master], [g], [m], [v], [], [step_t], lr=lr, beta1=c.betas[0], beta2=c.betas[1],
+                            weight_decay=c.weight_decay, eps=c.eps, amsgrad=False, maximize=False)
+        slot.params[:n].copy_(master)
 
     # -- the NVMe tier -----------------------------------------------------------------------------
     def begin_step(self, update_order: list[int]) -> None:
@@ -369,7 +408,9 @@ class Runtime:
                 from self._error
 
     def gpu_bytes(self) -> int:
-        return sum(s.nbytes for group in self.slots.values() for s in group)
+        slots = [s for g, group in self.slots.items() for s in (group.values() if g == "resident" else group)]
+        state = sum(t.numel() * t.element_size() for ts in self.resident.values() for t in ts)
+        return sum(s.nbytes for s in slots) + state
 
     def close(self) -> None:
         if self._closed:

@@ -88,6 +88,7 @@ class Placement:
     micro_batch: int = 1 << 30  # sequences per micro-batch (capped at the batch)
     gpu_activation_layers: int = 1 << 30  # layer inputs kept on the GPU (the last ones); the rest offloaded
     loss_chunk_tokens: int = 1024
+    resident_layers: int = 0  # decoder layers trained on the GPU (all of them: embedding and head too)
 
 
 def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, dtype_bytes: int = 2) -> dict[str, int]:
@@ -95,8 +96,13 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, dtype_bytes
     t = min(batch, p.micro_batch) * seq
     kept = min(shape.layers, p.gpu_activation_layers)
     V, H = shape.vocab, shape.hidden
+    k = min(p.resident_layers, shape.layers)
+    everything = k == shape.layers
+    streamed_slots = 0 if everything else (shape.embed_params + shape.head_params + p.window_slots * shape.layer_params)
+    resident = k * shape.layer_params + (shape.embed_params + shape.head_params if everything else 0)
     out = {
-        "window": 2 * dtype_bytes * (shape.embed_params + shape.head_params + p.window_slots * shape.layer_params),
+        # slots hold bf16 weights and gradients; a resident unit adds its fp32 master and moments (12 B)
+        "window": 2 * dtype_bytes * (streamed_slots + resident) + 12 * resident,
         "activations": kept * T * H * dtype_bytes,
         "hidden_flow": 2 * T * H * dtype_bytes,
         "loss_head": V * H * (4 + dtype_bytes) + min(p.loss_chunk_tokens, t) * V * LOGIT_BYTES,
@@ -127,27 +133,41 @@ def host_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, host_weigh
     }
 
 
+def max_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, window_slots: int = 3,
+                        loss_chunk_tokens: int = 1024) -> int:
+    """The most decoder layers that can train on the GPU with ``batch`` x ``seq`` still fitting:
+    each one removes its copies and its CPU update from the step (the suggestion `slideformer plan` gives)."""
+    best = 0
+    for k in range(shape.layers + 1):
+        try:
+            fit(shape, batch, seq, limit, window_slots, loss_chunk_tokens, k)
+        except DoesNotFit:
+            break
+        best = k
+    return best
+
+
 def nvme_bytes(shape: ModelShape, nvme_layers: int) -> int:
     """Disk for the Adam moments (fp32 exp_avg and exp_avg_sq) of ``nvme_layers`` decoder layers."""
     return min(nvme_layers, shape.layers) * shape.layer_params * 8
 
 
 def fit(shape: ModelShape, batch: int, seq: int, limit: int, window_slots: int = 3,
-        loss_chunk_tokens: int = 1024) -> Placement:
+        loss_chunk_tokens: int = 1024, resident_layers: int = 0) -> Placement:
     """The placement to train ``batch`` x ``seq`` under ``limit`` GPU bytes (see the module docstring).
     Raises DoesNotFit with the largest batch that would fit."""
     options = []
     for mb in (d for d in range(1, batch + 1) if batch % d == 0):
-        base = gpu_bytes(shape, batch, seq, Placement(window_slots, mb, 0, loss_chunk_tokens))["peak"]
+        base = gpu_bytes(shape, batch, seq, Placement(window_slots, mb, 0, loss_chunk_tokens, resident_layers))["peak"]
         if base > limit:
             continue
         per_layer = batch * seq * shape.hidden * 2
         kept = min(shape.layers, int((limit - base) / SAFETY) // per_layer)
-        options.append(Placement(window_slots, mb, kept, loss_chunk_tokens))
+        options.append(Placement(window_slots, mb, kept, loss_chunk_tokens, resident_layers))
     if options:
         return max(options, key=lambda p: (min(p.micro_batch * seq, EFFICIENT_TOKENS), p.gpu_activation_layers,
                                            p.micro_batch))
-    smallest = Placement(window_slots, 1, 0, loss_chunk_tokens)
+    smallest = Placement(window_slots, 1, 0, loss_chunk_tokens, resident_layers)
     best = max((b for b in range(1, batch) if gpu_bytes(shape, b, seq, smallest)["peak"] <= limit), default=0)
     need = gpu_bytes(shape, batch, seq, smallest)["peak"]
     raise DoesNotFit(
@@ -171,10 +191,12 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
     the CPU optimizer and the weight copies, plus 10% for what does not overlap (the first and last
     units of a step). Within 10% of the measured 4B b8 and b32 steps."""
     tokens = batch * seq
-    streamed = shape.params - min(p.window_slots, shape.layers) * shape.layer_params  # the rest is reused
+    k = min(p.resident_layers, shape.layers)
+    on_cpu = shape.params - k * shape.layer_params - (shape.embed_params + shape.head_params if k == shape.layers else 0)
+    streamed = max(0, on_cpu - min(p.window_slots, shape.layers - k) * shape.layer_params)  # the rest is reused
     out = {
         "gpu_compute_s": 8 * shape.params * tokens / rates.gpu_flops,
-        "optimizer_s": shape.params / rates.optimizer_params_per_s / (1.5 if compact else 1.0),
+        "optimizer_s": on_cpu / rates.optimizer_params_per_s / (1.5 if compact else 1.0),
         "h2d_s": 2 * 2 * streamed / rates.pcie_bytes_per_s,
     }
     out["step_s"] = 1.1 * max(out.values())

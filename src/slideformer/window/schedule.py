@@ -21,7 +21,7 @@ from dataclasses import dataclass
 class Visit:
     unit: int  # unit index (0 = embed, 1..n = layers, n+1 = head)
     phase: str  # "embed_fwd" | "fwd" | "head" | "bwd" | "embed_bwd"
-    group: str  # slot group: "embed" | "layer" | "head"
+    group: str  # slot group: "embed" | "layer" | "head" | "resident"
     slot: int  # slot index within the group
     load: bool  # weights must be copied in before this visit
     issue_after: int  # the load is enqueued after this visit's compute (-1: at step start)
@@ -38,13 +38,18 @@ def step_visits(num_layers: int) -> list[tuple[int, str, str]]:
     return seq
 
 
-def plan_step(num_layers: int, layer_slots: int, prefetch_depth: int) -> list[Visit]:
-    """Assign slots (farthest-next-use eviction) and load points for one step."""
+def plan_step(num_layers: int, layer_slots: int, prefetch_depth: int,
+              resident: frozenset[int] = frozenset()) -> list[Visit]:
+    """Assign slots (farthest-next-use eviction) and load points for one step.
+
+    Units in ``resident`` never leave the GPU: each has its own slot (group "resident", slot = unit)
+    and is never loaded during a step; the ring of layer slots serves the others.
+    """
     if layer_slots < prefetch_depth + 1:
         raise ValueError(f"{layer_slots} layer slots cannot prefetch {prefetch_depth} visit(s) ahead")
-    seq = step_visits(num_layers)
+    seq = [(u, phase, "resident" if u in resident else g) for u, phase, g in step_visits(num_layers)]
     n_slots = {"embed": 1, "layer": layer_slots, "head": 1}
-    resident: dict[str, list[int | None]] = {g: [None] * k for g, k in n_slots.items()}
+    holding: dict[str, list[int | None]] = {g: [None] * k for g, k in n_slots.items()}
     last_use: dict[str, list[int]] = {g: [-1] * k for g, k in n_slots.items()}
 
     def next_use(unit: int, after: int) -> int:
@@ -56,7 +61,10 @@ def plan_step(num_layers: int, layer_slots: int, prefetch_depth: int) -> list[Vi
     last_visit = {unit: j for j, (unit, _, _) in enumerate(seq)}
     plan = []
     for j, (unit, phase, group) in enumerate(seq):
-        slots = resident[group]
+        if group == "resident":
+            plan.append(Visit(unit, phase, group, unit, False, -1, last_visit[unit] == j))
+            continue
+        slots = holding[group]
         if unit in slots:
             slot, load = slots.index(unit), False
             issue = -1
