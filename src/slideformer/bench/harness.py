@@ -56,6 +56,8 @@ def run_slideformer(args, config):
     cfg = EngineConfig(lr=1e-5, device=args.device, compute_dtype=args.dtype, window_slots=args.slots,
                        prefetch_depth=args.depth, host_weights=args.host_weights, profile=True,
                        max_grad_norm=args.max_grad_norm, loss_chunk_tokens=args.loss_chunk,
+                       resident_layers=args.resident_layers, loss_kernel=args.loss_kernel,
+                       optimizer_state=args.optimizer_state,
                        gpu_memory_limit=int(args.gpu_memory_limit_gib * 2**30) if args.gpu_memory_limit_gib else None)
     engine = SlideEngine.from_config(config, cfg)
     params = engine.adapter.num_params
@@ -175,6 +177,9 @@ def main(argv=None):
     ap.add_argument("--max-grad-norm", type=float, default=None)
     ap.add_argument("--gpu-memory-limit-gib", type=float, default=None)
     ap.add_argument("--loss-chunk", type=int, default=1024)
+    ap.add_argument("--resident-layers", type=int, default=0)
+    ap.add_argument("--loss-kernel", default="torch", choices=["torch", "fused"])
+    ap.add_argument("--optimizer-state", default="fp32", choices=["fp32", "compact"])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -211,7 +216,8 @@ def main(argv=None):
         "build_s": build_s, "commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name() if cuda else "none", "torch": torch.__version__,
         "settings": {k: getattr(args, k) for k in ("slots", "depth", "host_weights", "max_grad_norm",
-                                                   "gpu_memory_limit_gib", "loss_chunk")},
+                                                   "gpu_memory_limit_gib", "loss_chunk", "resident_layers",
+                                                   "loss_kernel", "optimizer_state")},
     }
     ex = extra()
     if "breakdown" in ex:

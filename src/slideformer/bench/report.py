@@ -24,7 +24,8 @@ def load(paths) -> list[dict]:
     return rows
 
 
-DEFAULTS = {"slots": 3, "depth": 1, "host_weights": "persistent", "loss_chunk": 1024}
+DEFAULTS = {"slots": 3, "depth": 1, "host_weights": "persistent", "loss_chunk": 1024, "resident_layers": 0,
+            "loss_kernel": "torch", "optimizer_state": "fp32"}
 
 
 def variant(r) -> str:

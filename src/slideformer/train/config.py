@@ -35,6 +35,8 @@ class OffloadConfig:
     offload_dir: str | None = None  # NVMe tier for the Adam moments of nvme_fraction of the layers
     nvme_fraction: float = 1.0
     optimizer_state: str = "fp32"  # or "compact" (8 bytes/param; see bench/NOTES.md for its measured effect)
+    resident_layers: int = 0  # the last N layers train on the GPU (see `slideformer plan`)
+    loss_kernel: str = "torch"  # or "fused" (Triton fused linear cross-entropy)
 
 
 @dataclass

@@ -75,8 +75,9 @@ def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) ->
     dt = 2 if ecfg.compute_dtype != torch.float32 else 4
     if ecfg.device == "cuda":
         limit = parse_bytes(ecfg.gpu_memory_limit) if ecfg.gpu_memory_limit else torch.cuda.get_device_properties(0).total_memory
-        placement = fit(shape, batch, seq, limit, ecfg.window_slots) if ecfg.gpu_memory_limit else \
-            Placement(ecfg.window_slots, cfg.micro_batch_size)
+        placement = fit(shape, batch, seq, limit, ecfg.window_slots, resident_layers=ecfg.resident_layers) \
+            if ecfg.gpu_memory_limit else Placement(ecfg.window_slots, cfg.micro_batch_size,
+                                                    resident_layers=ecfg.resident_layers)
         need = gpu_bytes(shape, batch, seq, placement, dt)["peak"]
         if need > limit:
             raise DoesNotFit(f"a step of {cfg.micro_batch_size} x {seq} tokens (x{cfg.gradient_accumulation_steps} "
@@ -119,7 +120,8 @@ def train(cfg: TrainConfig) -> dict:
                         gpu_memory_limit=o.gpu_memory_limit, window_slots=o.window_slots, prefetch_depth=o.prefetch_depth,
                         host_weights=o.host_weights, offload_activations=o.offload_activations,
                         host_grad_buffers=o.host_grad_buffers, optimizer_threads=o.optimizer_threads,
-                        offload_dir=o.offload_dir, nvme_fraction=o.nvme_fraction, optimizer_state=o.optimizer_state)
+                        offload_dir=o.offload_dir, nvme_fraction=o.nvme_fraction, optimizer_state=o.optimizer_state,
+                        resident_layers=o.resident_layers, loss_kernel=o.loss_kernel)
     from transformers import AutoConfig
 
     from ..presets import preset_config
