@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything measured on the GPU machine, in one call: the GPU tests, then the benchmark cases.
 #   run from the repo root on the device machine; results go to $OUT (or ./bench/out).
-# Usage: bench/run_device.sh [tests|optim|loss|demo|bench|all] [case ...]   (a case: "system model batch [extra args]")
+# Usage: bench/run_device.sh [tests|optim|loss|demo|bench|all] [table1|table2|table3 | case ...]
+#   (a case: "system model batch [extra args]")
 set -uo pipefail
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
@@ -27,6 +28,17 @@ if [[ $what == demo || $what == all ]]; then
   python3 -m slideformer.cli train --steps 60 --output-dir /tmp/demo 2>&1 | tee "$OUT/demo.log" | tail -3
 fi
 if [[ $what == bench || $what == all ]]; then
+  # Issue 3's table, in three calls that each fit the 10-minute limit (one process per case).
+  case "${1:-}" in
+    table1) set -- "plain qwen3-4b 8" "slideformer qwen3-4b 8" "slideformer qwen3-4b 8 --resident-layers 36" \
+                   "plain qwen3-4b 32" "slideformer qwen3-4b 32" "slideformer qwen3-4b 32 --resident-layers 36" \
+                   "plain qwen3-4b 64" "slideformer qwen3-4b 64 --gpu-memory-limit-gib 24" ;;
+    table2) set -- "deepspeed qwen3-4b 8 --gpu-memory-limit-gib 24" "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24" \
+                   "slideformer qwen3-4b 32 --gpu-memory-limit-gib 24" "slideformer llama3-8b 8 --gpu-memory-limit-gib 24" \
+                   "slideformer llama3-8b 32 --gpu-memory-limit-gib 24" ;;
+    table3) set -- "slideformer llama3-8b 64 --gpu-memory-limit-gib 24" "slideformer llama3-8b 8" \
+                   "slideformer llama3-8b 8 --loss-kernel fused" "deepspeed llama3-8b 8 --gpu-memory-limit-gib 24" ;;
+  esac
   if [[ $# -eq 0 ]]; then
     set -- "plain qwen3-4b 8" "slideformer qwen3-4b 8" "plain qwen3-4b 32" "slideformer qwen3-4b 32" \
            "slideformer llama3-8b 8 --host-weights staged"
