@@ -70,7 +70,7 @@ def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) ->
     from ..plan import DoesNotFit, ModelShape, Placement, fit, gpu_bytes, host_bytes, host_memory, parse_bytes
 
     shape = ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype))
-    seq = min(cfg.cutoff_len, longest)
+    seq = cfg.cutoff_len if cfg.packing else min(cfg.cutoff_len, longest)  # packed rows are always full
     batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps
     dt = 2 if ecfg.compute_dtype != torch.float32 else 4
     if ecfg.device == "cuda":
