@@ -84,3 +84,16 @@ def test_failed_write_stops_training_clearly(tmp_path, monkeypatch):
             eng.train_step(batch(97))
             eng.synchronize()
         assert "Input/output error" in str(info.value.__cause__)
+
+
+def test_close_right_after_a_step_does_not_hang(tmp_path):
+    """close() without synchronize(): updates still waiting for tier reads must finish, not deadlock."""
+    import threading
+
+    eng = SlideEngine(build("llama"), EngineConfig(**CPU, offload_dir=str(tmp_path), nvme_buffers=1,
+                                                   host_grad_buffers=1))
+    eng.train_step(batch(97))
+    t = threading.Thread(target=eng.close)
+    t.start()
+    t.join(timeout=30)
+    assert not t.is_alive()

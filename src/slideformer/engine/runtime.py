@@ -416,14 +416,16 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
-        self._loads.put(None)
-        self._loader.join()
+        # The optimizer first: its last jobs may still need the tier's reads; then the tier threads,
+        # which finish their queued writes; the loader last (pending loads wait for those updates).
+        self._jobs.put(None)
+        self._worker.join()
         if self.store.tier is not None:
             self._reads.put(None)
             self._writes.put(None)
             for th in self._tier_threads:
                 th.join()
-        self._jobs.put(None)
-        self._worker.join()
+        self._loads.put(None)
+        self._loader.join()
         if self.cuda:
             torch.cuda.synchronize(self.device)
