@@ -146,6 +146,9 @@ def run_deepspeed(args, config):
     model.gradient_checkpointing_enable()
     model.config.use_cache = False
     n_params = sum(p.ds_numel for p in model.parameters())
+    if args.ds_loss == "fused":  # the full [tokens x vocab] logits of HF's loss do not fit a 24 GiB cap at b32
+        model = _FusedLossLM(model)
+        deepspeed.zero.register_external_parameter(model, model.lm.lm_head.weight)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
     gen = torch.Generator().manual_seed(0)
 
@@ -157,6 +160,25 @@ def run_deepspeed(args, config):
         return loss
 
     return n_params, step, lambda: sync(args), (lambda: {}), None
+
+
+class _FusedLossLM(torch.nn.Module):
+    """An HF causal LM whose loss is our fused linear cross-entropy, so DeepSpeed's ZeRO-3 sees the
+    lm_head weight used inside this module's forward (registered as an external parameter)."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, labels):
+        from types import SimpleNamespace
+
+        from ..kernels import fused_linear_cross_entropy
+
+        h = self.lm.model(input_ids=input_ids).last_hidden_state
+        shifted = torch.full_like(labels, -100)
+        shifted[:, :-1] = labels[:, 1:]
+        return SimpleNamespace(loss=fused_linear_cross_entropy(h, self.lm.lm_head.weight, shifted))
 
 
 RUNNERS = {"slideformer": run_slideformer, "plain": run_plain, "deepspeed": run_deepspeed}
@@ -178,6 +200,8 @@ def main(argv=None):
     ap.add_argument("--gpu-memory-limit-gib", type=float, default=None)
     ap.add_argument("--loss-chunk", type=int, default=1024)
     ap.add_argument("--resident-layers", type=int, default=0)
+    ap.add_argument("--ds-loss", default="hf", choices=["hf", "fused"],
+                    help="DeepSpeed's loss: HF's full logits, or our fused linear cross-entropy (not yet run)")
     ap.add_argument("--loss-kernel", default="torch", choices=["torch", "fused"])
     ap.add_argument("--optimizer-state", default="fp32", choices=["fp32", "compact"])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -217,7 +241,7 @@ def main(argv=None):
         "gpu": torch.cuda.get_device_name() if cuda else "none", "torch": torch.__version__,
         "settings": {k: getattr(args, k) for k in ("slots", "depth", "host_weights", "max_grad_norm",
                                                    "gpu_memory_limit_gib", "loss_chunk", "resident_layers",
-                                                   "loss_kernel", "optimizer_state")},
+                                                   "loss_kernel", "optimizer_state", "ds_loss")},
     }
     ex = extra()
     if "breakdown" in ex:
