@@ -32,6 +32,8 @@ def variant(r) -> str:
     """The system's name plus any engine setting that differs from the default."""
     st = r.get("settings") or {}
     extra = [f"{k}={st[k]}" for k, d in DEFAULTS.items() if r["system"] == "slideformer" and k in st and st[k] != d]
+    if r["system"] == "deepspeed" and st.get("ds_loss", "hf") != "hf":
+        extra.append(f"loss={st['ds_loss']}")
     return r["system"] + (f" ({', '.join(extra)})" if extra else "")
 
 
