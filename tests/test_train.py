@@ -137,3 +137,25 @@ def test_packing_trains_and_resumes(tmp_path):
     train(cfg(b, *opts, "resume_from_checkpoint=auto"))
     ma, mb = master(a / "checkpoint-4"), master(b / "checkpoint-4")
     assert all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+def test_resident_layers_auto_is_accepted_and_trains(tmp_path):
+    c = cfg(tmp_path, "max_steps=2", "offload.resident_layers=auto")
+    assert c.offload.resident_layers == "auto"
+    assert train(c)["steps"] == 2  # on the CPU "auto" keeps every layer streamed (the optimizer thread overlaps)
+    with pytest.raises(ConfigError, match="must be a number"):
+        load_config(None, ["offload.resident_layers=many"])
+
+
+def test_auto_resident_layers_follows_the_budget():
+    from slideformer import EngineConfig
+    from slideformer.presets import preset_config
+    from slideformer.train.loop import auto_resident_layers
+
+    c = load_config(None, FAST)
+    examples = [([1] * 64, [1] * 64)]
+    hf = preset_config("tiny")
+    roomy = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, gpu_memory_limit="1GiB")
+    assert auto_resident_layers(c, hf, roomy, examples) == hf.num_hidden_layers
+    tight = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, gpu_memory_limit="7MiB")
+    assert 0 <= auto_resident_layers(c, hf, tight, examples) < hf.num_hidden_layers

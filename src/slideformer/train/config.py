@@ -35,7 +35,9 @@ class OffloadConfig:
     offload_dir: str | None = None  # NVMe tier for the Adam moments of nvme_fraction of the layers
     nvme_fraction: float = 1.0
     optimizer_state: str = "fp32"  # or "compact" (8 bytes/param; see bench/NOTES.md for its measured effect)
-    resident_layers: int = 0  # the last N layers train on the GPU (see `slideformer plan`)
+    # the last N layers train on the GPU (see `slideformer plan`); "auto": as many as the GPU budget
+    # (gpu_memory_limit, else 90% of the card) leaves room for at this batch and cutoff_len
+    resident_layers: int | str = 0
     loss_kernel: str = "torch"  # or "fused" (Triton fused linear cross-entropy)
 
 
@@ -116,6 +118,8 @@ def _checked(d: dict, cls, where: str) -> dict:
             raise ConfigError(f"unknown key {where}.{k}" + (f"; did you mean {near[0]!r}?" if near else
                                                               f"; known keys: {', '.join(types)}"))
         v, t = d[k], types[k]
+        if v == "auto" and "str" in t:
+            continue
         for kind, conv in (("float", float), ("int", int)):
             if t.split(" |")[0] == kind and isinstance(v, str):
                 try:

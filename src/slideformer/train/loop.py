@@ -6,6 +6,7 @@ Ctrl-C finishes the current step, saves a checkpoint and exits with code 130.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import resource
@@ -98,6 +99,19 @@ def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) ->
                          "or a smaller model")
 
 
+def auto_resident_layers(cfg: TrainConfig, hf_config, ecfg: EngineConfig, examples) -> int:
+    """As many layers on the GPU as the budget leaves room for at this step's shape (the planner's call)."""
+    from ..model import ModelAdapter
+    from ..plan import ModelShape, max_resident_layers, parse_bytes
+
+    shape = ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype))
+    seq = cfg.cutoff_len if cfg.packing else min(cfg.cutoff_len, max(len(ids) for ids, _ in examples))
+    limit = parse_bytes(ecfg.gpu_memory_limit) if ecfg.gpu_memory_limit else \
+        int(0.9 * torch.cuda.get_device_properties(0).total_memory)
+    return max_resident_layers(shape, cfg.micro_batch_size * cfg.gradient_accumulation_steps, seq, limit,
+                               ecfg.window_slots, ecfg.loss_chunk_tokens)
+
+
 def _checkpoints(out: Path) -> list[Path]:
     found = [p for p in out.glob(f"{CKPT_PREFIX}*") if p.is_dir() and p.name[len(CKPT_PREFIX):].isdigit()]
     return sorted(found, key=lambda p: int(p.name[len(CKPT_PREFIX):]))
@@ -121,12 +135,15 @@ def train(cfg: TrainConfig) -> dict:
                         host_weights=o.host_weights, offload_activations=o.offload_activations,
                         host_grad_buffers=o.host_grad_buffers, optimizer_threads=o.optimizer_threads,
                         offload_dir=o.offload_dir, nvme_fraction=o.nvme_fraction, optimizer_state=o.optimizer_state,
-                        resident_layers=o.resident_layers, loss_kernel=o.loss_kernel)
+                        resident_layers=0 if o.resident_layers == "auto" else o.resident_layers,
+                        loss_kernel=o.loss_kernel)
     from transformers import AutoConfig
 
     from ..presets import preset_config
 
     hf_config = preset_config("tiny") if cfg.model_name_or_path == "tiny" else AutoConfig.from_pretrained(cfg.model_name_or_path)
+    if o.resident_layers == "auto" and device == "cuda":
+        ecfg = dataclasses.replace(ecfg, resident_layers=auto_resident_layers(cfg, hf_config, ecfg, examples))
     check_fits(cfg, hf_config, ecfg, max(len(ids) for ids, _ in examples))
     if cfg.model_name_or_path == "tiny":
         engine = SlideEngine.from_config(hf_config, ecfg)
