@@ -28,7 +28,11 @@ def read_records(path: str | os.PathLike) -> list[tuple[str, dict]]:
     if not p.is_file():
         raise DataError(f"dataset file {p} does not exist")
     if p.suffix == ".parquet":
-        from datasets import Dataset
+        try:
+            from datasets import Dataset
+        except ImportError:
+            raise DataError(f"{p}: reading Parquet needs the datasets package: pip install 'slideformer[data]' "
+                            "(or pip install datasets)") from None
 
         return [(f"{p}[record {i}]", dict(r)) for i, r in enumerate(Dataset.from_parquet(str(p)))]
     if p.suffix == ".json":
