@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ..host import pinned
+
 
 class ActivationStore:
     def __init__(self, runtime, num_layers: int, offload_layers: set[int]):
@@ -41,10 +43,7 @@ class ActivationStore:
         self.close()
         self._arena = torch.empty(need, dtype=dtype)
         if self.rt.cuda:
-            err = torch.cuda.cudart().cudaHostRegister(self._arena.data_ptr(), need * self._arena.element_size(), 0)
-            if int(err) != 0:
-                raise RuntimeError(f"cannot pin {need * self._arena.element_size() / 2**30:.1f} GiB for offloaded "
-                                   f"activations ({err}); lower the batch or keep more activations on the GPU")
+            pinned.pin(self._arena, "offloaded activations", "lower the batch or keep more activations on the GPU")
             self._registered = True
 
     def save(self, layer: int, tensors: list[torch.Tensor]) -> None:
@@ -97,6 +96,6 @@ class ActivationStore:
 
     def close(self) -> None:
         if self._registered and self._arena is not None:
-            torch.cuda.cudart().cudaHostUnregister(self._arena.data_ptr())
+            pinned.unpin(self._arena)
         self._registered = False
         self._arena = None

@@ -19,21 +19,15 @@ from __future__ import annotations
 import torch
 
 from ..model.adapter import UnitSpec
+from . import pinned
 
 
 def _arena(units: list, dtype: torch.dtype, pin: bool, registered: list) -> list[torch.Tensor]:
-    """One allocation per category, split into per-unit views.
-
-    Pinning goes through cudaHostRegister on an ordinary allocation: torch's pinned allocator rounds
-    each block up to a power of two, which would waste up to half of a multi-GB buffer.
-    """
+    """One allocation per category (pinned in place when the GPU reads or writes it), split into per-unit views."""
     total = sum(u.numel for u in units)
     flat = torch.zeros(total, dtype=dtype)  # alignment padding must be zero: the optimizer updates it too
     if pin and total:
-        err = torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel() * flat.element_size(), 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {flat.numel() * flat.element_size() / 2**30:.1f} GiB failed ({err}): "
-                               "not enough lockable host memory; lower the batch or use host_weights='staged'")
+        pinned.pin(flat, "the host training state", "use host_weights='staged' or host_grad_buffers to need less")
         registered.append(flat)
     return list(flat.split([u.numel for u in units]))
 
@@ -100,7 +94,7 @@ class HostStore:
         if self.tier is not None:
             self.tier.close()
         for t in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+            pinned.unpin(t)
         self._registered.clear()
 
     def view(self, unit: int, tensors: list[torch.Tensor], spec) -> torch.Tensor:
