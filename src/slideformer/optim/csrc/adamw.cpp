@@ -20,6 +20,37 @@ struct Hyper {
   float beta2, one_minus_beta2, eps, step_size, bc2_sqrt, coef;
 };
 
+Hyper make_hyper(int64_t step, double lr, double beta1, double beta2, double eps, double weight_decay,
+                 double grad_coef) {
+  TORCH_CHECK(step >= 1, "step must be >= 1");
+  Hyper h;
+  h.lr_wd_decay = static_cast<float>(1.0 - lr * weight_decay);
+  h.w1 = static_cast<float>(1.0 - beta1);
+  h.beta2 = static_cast<float>(beta2);
+  h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
+  h.eps = static_cast<float>(eps);
+  h.step_size = static_cast<float>(lr / (1.0 - std::pow(beta1, static_cast<double>(step))));
+  h.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step))));
+  h.coef = static_cast<float>(grad_coef);
+  return h;
+}
+
+// Threads are started per call and split the buffer into contiguous ranges (multiples of 16 elements):
+// a unit is tens of MB or more, so the start-up cost is noise, and no pool outlives the call.
+template <typename F>
+void parallel_ranges(int64_t n, int64_t threads, F&& fn) {
+  const int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, (n + 65535) / 65536));
+  const int64_t per = ((n + t - 1) / t + 15) / 16 * 16;
+  auto work = [&](int64_t k) {
+    const int64_t b = k * per, e = std::min(n, b + per);
+    if (b < e) fn(b, e);
+  };
+  std::vector<std::thread> pool;
+  for (int64_t k = 1; k < t; ++k) pool.emplace_back(work, k);
+  work(0);
+  for (auto& th : pool) th.join();
+}
+
 inline float bf16_to_f32(uint16_t h) {
   uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;
@@ -66,20 +97,10 @@ void run_range(float* __restrict p, const typename G::T* __restrict g, float* __
 template <typename G, typename O>
 void run(float* p, const typename G::T* g, float* m, float* v, typename O::T* out, int64_t n, Hyper h,
          int64_t threads) {
-  // Threads are started per call and split the buffer into contiguous ranges (cache-line aligned):
-  // a unit is tens of MB or more, so the start-up cost is noise, and no pool outlives the call.
-  const int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, (n + 65535) / 65536));
-  const int64_t per = ((n + t - 1) / t + 15) / 16 * 16;
-  auto work = [&](int64_t k) {
-    const int64_t b = k * per, e = std::min(n, b + per);
-    if (b >= e) return;
+  parallel_ranges(n, threads, [&](int64_t b, int64_t e) {
     if (h.w1 < 0.5f) run_range<G, O, true>(p, g, m, v, out, b, e, h);
     else run_range<G, O, false>(p, g, m, v, out, b, e, h);
-  };
-  std::vector<std::thread> pool;
-  for (int64_t k = 1; k < t; ++k) pool.emplace_back(work, k);
-  work(0);
-  for (auto& th : pool) th.join();
+  });
 }
 
 template <typename G>
@@ -101,7 +122,6 @@ void dispatch_out(const torch::Tensor& p, const torch::Tensor& g, const torch::T
 void adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
                 c10::optional<torch::Tensor> out, int64_t step, double lr, double beta1, double beta2, double eps,
                 double weight_decay, double grad_coef, int64_t threads) {
-  TORCH_CHECK(step >= 1, "step must be >= 1");
   for (const auto* t : {&param, &exp_avg, &exp_avg_sq})
     TORCH_CHECK(t->is_cpu() && t->is_contiguous() && t->scalar_type() == at::kFloat, "master and moments: contiguous fp32 CPU");
   const int64_t n = param.numel();
@@ -111,17 +131,7 @@ void adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, 
     TORCH_CHECK(out->is_cpu() && out->is_contiguous() && out->numel() == n, "out: contiguous CPU tensor of the same size");
     TORCH_CHECK(out->scalar_type() == at::kBFloat16 || out->scalar_type() == at::kHalf, "out: bf16 or fp16");
   }
-  Hyper h;
-  h.lr_wd_decay = static_cast<float>(1.0 - lr * weight_decay);
-  h.w1 = static_cast<float>(1.0 - beta1);
-  h.beta2 = static_cast<float>(beta2);
-  h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  h.eps = static_cast<float>(eps);
-  const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
-  h.step_size = static_cast<float>(lr / bc1);
-  h.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-  h.coef = static_cast<float>(grad_coef);
+  const Hyper h = make_hyper(step, lr, beta1, beta2, eps, weight_decay, grad_coef);
   pybind11::gil_scoped_release no_gil;
   switch (grad.scalar_type()) {
     case at::kFloat: dispatch_out<F32>(param, grad, exp_avg, exp_avg_sq, out, h, threads); break;
@@ -177,21 +187,12 @@ void compact_range(uint16_t* __restrict hi, uint16_t* __restrict lo, const typen
 void adamw_step_compact(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad, torch::Tensor exp_avg,
                         torch::Tensor exp_avg_sq, int64_t step, double lr, double beta1, double beta2, double eps,
                         double weight_decay, double grad_coef, int64_t seed, int64_t threads) {
-  TORCH_CHECK(step >= 1, "step must be >= 1");
   const int64_t n = hi.numel();
   for (const auto* t : {&hi, &lo, &exp_avg, &exp_avg_sq})
     TORCH_CHECK(t->is_cpu() && t->is_contiguous() && t->scalar_type() == at::kBFloat16 && t->numel() == n,
                 "compact state: contiguous bf16 CPU tensors of one size");
   TORCH_CHECK(grad.is_cpu() && grad.is_contiguous() && grad.numel() == n, "grad: contiguous CPU tensor of the same size");
-  Hyper h;
-  h.lr_wd_decay = static_cast<float>(1.0 - lr * weight_decay);
-  h.w1 = static_cast<float>(1.0 - beta1);
-  h.beta2 = static_cast<float>(beta2);
-  h.one_minus_beta2 = static_cast<float>(1.0 - beta2);
-  h.eps = static_cast<float>(eps);
-  h.step_size = static_cast<float>(lr / (1.0 - std::pow(beta1, static_cast<double>(step))));
-  h.bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step))));
-  h.coef = static_cast<float>(grad_coef);
+  const Hyper h = make_hyper(step, lr, beta1, beta2, eps, weight_decay, grad_coef);
   const uint32_t base = mix32(static_cast<uint32_t>(seed) ^ mix32(static_cast<uint32_t>(step)));
   const uint32_t seed_m = mix32(base ^ 0x6d6d6d6du), seed_v = mix32(base ^ 0x76767676u);
   auto* hp = reinterpret_cast<uint16_t*>(hi.data_ptr());
@@ -201,20 +202,12 @@ void adamw_step_compact(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad, 
   const bool bf16_grad = grad.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16_grad || grad.scalar_type() == at::kFloat, "grad must be bf16 or fp32");
   pybind11::gil_scoped_release no_gil;
-  const int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, (n + 65535) / 65536));
-  const int64_t per = ((n + t - 1) / t + 15) / 16 * 16;
-  auto work = [&](int64_t k) {
-    const int64_t b = k * per, e = std::min(n, b + per);
-    if (b >= e) return;
+  parallel_ranges(n, threads, [&](int64_t b, int64_t e) {
     if (bf16_grad)
       compact_range<BF16>(hp, lp, reinterpret_cast<const uint16_t*>(grad.data_ptr()), mp, vp, b, e, h, seed_m, seed_v);
     else
       compact_range<F32>(hp, lp, grad.data_ptr<float>(), mp, vp, b, e, h, seed_m, seed_v);
-  };
-  std::vector<std::thread> pool;
-  for (int64_t k = 1; k < t; ++k) pool.emplace_back(work, k);
-  work(0);
-  for (auto& th : pool) th.join();
+  });
 }
 
 }  // namespace
