@@ -274,10 +274,10 @@ class SlideEngine:
     def _place(self, batch) -> list[dict]:
         """Split the step into the planner's micro-batches and set which layer inputs are offloaded."""
         items = list(batch) if isinstance(batch, (list, tuple)) else [batch]
-        shapes = [torch.as_tensor(it["input_ids"]).reshape(-1, torch.as_tensor(it["input_ids"]).shape[-1]).shape
-                  for it in items if isinstance(it, dict) and "input_ids" in it]
-        if len(shapes) != len(items):
+        if not all(isinstance(it, dict) and "input_ids" in it for it in items):
             return items  # malformed: _prepare says what is wrong
+        ids = [torch.as_tensor(it["input_ids"]) for it in items]
+        shapes = [t.reshape(-1, t.shape[-1]).shape for t in ids]
         key = (sum(s[0] for s in shapes), max(s[1] for s in shapes))
         if key not in self._placements:
             self._placements[key] = fit(self.shape, *key, self._limit, self.cfg.window_slots, self.cfg.loss_chunk_tokens,
@@ -286,8 +286,7 @@ class SlideEngine:
         n = self.adapter.num_layers
         self.activations.offload_layers = set(range(max(0, n - p.gpu_activation_layers)))
         out = []
-        for it in items:
-            rows = torch.as_tensor(it["input_ids"]).reshape(-1, torch.as_tensor(it["input_ids"]).shape[-1]).shape[0]
+        for it, (rows, _) in zip(items, shapes):
             for start in range(0, rows, p.micro_batch):
                 out.append({k: torch.as_tensor(v).reshape(rows, -1)[start: start + p.micro_batch]
                             for k, v in it.items() if v is not None})

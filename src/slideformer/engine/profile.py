@@ -8,6 +8,7 @@ around each copy. Host-side waits are wall-clock times measured in the thread th
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 
@@ -43,17 +44,13 @@ class StepProfiler:
     def add_host(self, key: str, seconds: float) -> None:
         self.host[key] += seconds
 
+    @contextlib.contextmanager
     def timed(self, key: str):
-        prof = self
-
-        class _T:
-            def __enter__(self):
-                self.t = time.perf_counter()
-
-            def __exit__(self, *exc):
-                prof.add_host(key, time.perf_counter() - self.t)
-
-        return _T()
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add_host(key, time.perf_counter() - t)
 
     # -- summary ----------------------------------------------------------------------------------
     def summary(self) -> dict[str, float]:
