@@ -10,6 +10,14 @@ if not torch.cuda.is_available():
 torch.set_num_threads(2)
 
 
+@pytest.fixture(autouse=True)
+def _interpreter_only_where_marked(request, monkeypatch):
+    """The interpreter costs ~1 ms per program: kernel tests (and tests marked ``interpret``) use it,
+    the rest (whole demo runs) take the kernels' PyTorch path, which is what a CPU user gets."""
+    if "interpret" not in request.keywords and request.module.__name__ != "test_kernels":
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -109,3 +109,28 @@ def test_activation_offload_on_gpu_is_bit_identical():
     b, lb = cuda_engine_train(model, batches, offload_activations=True, gpu_activation_layers=0, **kw)
     assert la == lb
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fused_loss_fp32_accumulation_on_gpu():
+    """The lm_head gradient accumulates into fp32 through cuBLAS's fp32 output (no temporaries)."""
+    from slideformer.kernels.fused_linear_ce import addmm_fp32_, linear_cross_entropy_grads
+
+    torch.manual_seed(0)
+    a = torch.randn(300, 64, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(64, 40, device="cuda", dtype=torch.bfloat16)
+    acc = torch.randn(300, 40, device="cuda")
+    expect = acc + a.float() @ b.float()
+    addmm_fp32_(acc, a, b)
+    torch.testing.assert_close(acc, expect, rtol=1e-5, atol=1e-4)
+
+    h = torch.randn(1000, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(211, 64, device="cuda", dtype=torch.bfloat16) * 0.1
+    lab = torch.randint(0, 211, (1000,), device="cuda")
+    gw = torch.zeros(211, 64, device="cuda")
+    loss, gh, gw = linear_cross_entropy_grads(h, w, lab, 1 / 1000, chunk_tokens=128, grad_weight=gw)
+    hr, wr = h.float().requires_grad_(), w.float().requires_grad_()
+    ref = torch.nn.functional.cross_entropy(hr @ wr.T, lab)
+    ref.backward()
+    assert float(loss) == pytest.approx(float(ref), rel=1e-3)
+    torch.testing.assert_close(gw, wr.grad, rtol=2e-2, atol=2e-3)
+    torch.testing.assert_close(gh.float(), hr.grad, rtol=2e-2, atol=1e-3)

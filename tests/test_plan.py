@@ -26,11 +26,12 @@ def test_parse_bytes():
         parse_bytes("lots")
 
 
-@pytest.mark.parametrize("name,batch,slots,measured_gib", [
-    ("qwen3-4b", 8, 3, 8.35), ("qwen3-4b", 32, 3, 15.35), ("llama3-8b", 8, 2, 12.41), ("llama3-8b", 8, 3, 13.23)])
-def test_gpu_model_matches_h200_measurements(name, batch, slots, measured_gib):
+@pytest.mark.parametrize("name,batch,slots,kernel,measured_gib", [
+    ("qwen3-4b", 8, 3, "torch", 8.35), ("qwen3-4b", 32, 3, "torch", 15.35),
+    ("llama3-8b", 8, 2, "torch", 12.41), ("llama3-8b", 8, 3, "torch", 13.23)])
+def test_gpu_model_matches_h200_measurements(name, batch, slots, kernel, measured_gib):
     """max_memory_allocated on the H200 (bench/results/2026-11-30-engine-8f5f01a.jsonl): never under, at most 10% over."""
-    peak = gpu_bytes(shape(name), batch, 1024, Placement(window_slots=slots))["peak"] / GiB
+    peak = gpu_bytes(shape(name), batch, 1024, Placement(window_slots=slots, loss_kernel=kernel))["peak"] / GiB
     assert measured_gib <= peak <= 1.10 * measured_gib
 
 
@@ -58,7 +59,7 @@ def test_fit_prefers_gpu_activations_then_offloads_then_refuses():
     assert big.gpu_activation_layers < sh.layers and 64 % big.micro_batch == 0
     assert gpu_bytes(sh, 64, 1024, big)["peak"] <= 24 * GiB
     with pytest.raises(DoesNotFit, match=r"largest batch that fits at seq 1024 is \d+"):
-        fit(sh, 64, 1024, 12 * GiB)
+        fit(sh, 64, 1024, 7 * GiB)
     with pytest.raises(DoesNotFit, match="not even batch 1"):
         fit(sh, 8, 1024, 4 * GiB)
 

@@ -10,19 +10,23 @@ def test_visit_order():
                    (3, "bwd"), (2, "bwd"), (1, "bwd"), (0, "embed_bwd")]
 
 
-@pytest.mark.parametrize("n,slots,depth", [(1, 2, 1), (4, 2, 1), (8, 3, 1), (8, 3, 2), (32, 4, 3), (36, 2, 1)])
-def test_plan_invariants(n, slots, depth):
-    plan = plan_step(n, slots, depth)
+@pytest.mark.parametrize("share_edge", [False, True])
+@pytest.mark.parametrize("n,slots,depth", [(1, 2, 1), (1, 3, 2), (4, 2, 1), (8, 3, 1), (8, 3, 2), (32, 4, 3), (36, 2, 1)])
+def test_plan_invariants(n, slots, depth, share_edge):
+    plan = plan_step(n, slots, depth, share_edge=share_edge)
     resident = {}
     for j, v in enumerate(plan):
         key = (v.group, v.slot)
         if v.load:
             # the load is enqueued before the visit, no more than depth+1 visits early
-            assert v.issue_after < j and (v.group != "layer" or v.issue_after >= j - depth - 1)
+            assert v.issue_after < j and v.issue_after >= j - depth - 1
             # nothing uses the slot between the load's issue point and the visit
             assert all((w.group, w.slot) != key for w in plan[v.issue_after + 1: j])
             resident[key] = v.unit
-        assert resident.get(key) == v.unit, f"visit {j} computes on a slot holding another unit"
+        if v.phase == "embed_bwd":  # needs the slot's gradient buffer only, never its weights
+            assert not v.load and v.group == "embed"
+        else:
+            assert resident.get(key) == v.unit, f"visit {j} computes on a slot holding another unit"
     # every unit loads at least once (each was updated at the end of the previous step)
     assert {v.unit for v in plan if v.load} == set(range(n + 2))
     # the last `slots` layers of the forward stay resident for the backward
@@ -30,6 +34,15 @@ def test_plan_invariants(n, slots, depth):
     assert reloads == max(0, n - slots)
     # the last visit of each unit is flagged once
     assert sorted(v.unit for v in plan if v.last) == list(range(n + 2))
+
+
+def test_shared_edge_slot_holds_embedding_then_head():
+    plan = plan_step(4, 2, 1, share_edge=True)
+    edge = [(v.phase, v.load) for v in plan if v.group == "embed"]
+    assert edge == [("embed_fwd", True), ("head", True), ("embed_bwd", False)]
+    assert not any(v.group == "head" for v in plan)
+    head = next(v for v in plan if v.phase == "head")
+    assert head.issue_after >= 0  # the head's weights overwrite the embedding's only after its forward
 
 
 def test_too_small_window_is_refused():

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from .config import EngineConfig
+
 
 EXIT_OK, EXIT_USAGE, EXIT_DOES_NOT_FIT, EXIT_NONFINITE, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
 
@@ -35,6 +37,7 @@ def cmd_train(args) -> int:
 
 def cmd_plan(args) -> int:
     import json
+    from dataclasses import replace
 
     from .model import ModelAdapter
     from .plan import (DoesNotFit, ModelShape, Placement, fit, gpu_bytes, host_bytes, host_memory,
@@ -48,14 +51,15 @@ def cmd_plan(args) -> int:
 
         config = AutoConfig.from_pretrained(args.model)
     shape = ModelShape.from_adapter(ModelAdapter(config))
+    base = Placement(loss_kernel=args.loss_kernel)
     gpu_limit = parse_bytes(args.gpu_memory) if args.gpu_memory else (
         torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None)
     cpu_limit = parse_bytes(args.cpu_memory) if args.cpu_memory else host_memory()
     try:
-        placement = fit(shape, args.batch_size, args.seq_len, gpu_limit) if gpu_limit else Placement()
+        placement = fit(shape, args.batch_size, args.seq_len, gpu_limit, base) if gpu_limit else base
         fits_gpu = True
     except DoesNotFit as e:
-        placement, fits_gpu, reason = Placement(micro_batch=1, gpu_activation_layers=0), False, str(e)
+        placement, fits_gpu, reason = replace(base, micro_batch=1, gpu_activation_layers=0), False, str(e)
     nvme_layers = round(args.nvme_fraction * shape.layers) if args.offload_dir else 0
     g = gpu_bytes(shape, args.batch_size, args.seq_len, placement)
     h = host_bytes(shape, args.batch_size, args.seq_len, placement, args.host_weights, nvme_layers=nvme_layers)
@@ -64,7 +68,7 @@ def cmd_plan(args) -> int:
     max_batch = 0
     for b in range(1, 4097):
         try:
-            p = fit(shape, b, args.seq_len, gpu_limit) if gpu_limit else Placement()
+            p = fit(shape, b, args.seq_len, gpu_limit, base) if gpu_limit else base
         except DoesNotFit:
             break
         if sum(host_bytes(shape, b, args.seq_len, p, args.host_weights, nvme_layers=nvme_layers).values()) > cpu_limit:
@@ -76,8 +80,8 @@ def cmd_plan(args) -> int:
            "placement": vars(placement)}
     timing = step_time(shape, args.batch_size, args.seq_len, placement)
     if gpu_limit and fits_gpu:  # what training some layers on the GPU would buy
-        k = max_resident_layers(shape, args.batch_size, args.seq_len, gpu_limit)
-        with_k = fit(shape, args.batch_size, args.seq_len, gpu_limit, resident_layers=k)
+        k = max_resident_layers(shape, args.batch_size, args.seq_len, gpu_limit, base)
+        with_k = fit(shape, args.batch_size, args.seq_len, gpu_limit, replace(base, resident_layers=k))
         out["suggested_resident_layers"] = k
         out["predicted_step_s_resident"] = step_time(shape, args.batch_size, args.seq_len, with_k)["step_s"]
     out["predicted_step_s"] = timing["step_s"]
@@ -146,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--offload-dir", help="NVMe tier directory: the moments of --nvme-fraction of the layers go there")
     pl.add_argument("--nvme-fraction", type=float, default=1.0)
     pl.add_argument("--host-weights", default="persistent", choices=["persistent", "staged"])
+    pl.add_argument("--loss-kernel", default=EngineConfig.loss_kernel, choices=["torch", "fused"])
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
     ex = sub.add_parser("export", help="a checkpoint's Hugging Face files, without the training state")

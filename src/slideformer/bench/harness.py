@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from .. import EngineConfig, SlideEngine
-from ..engine.loss import chunked_head_loss
+from ..engine.loss import chunked_head_loss, fused_head_loss
 from ..presets import preset_config
 
 
@@ -104,10 +104,11 @@ def run_plain(args, config):
         labels = torch.full_like(ids, -100)
         labels[:, :-1] = ids[:, 1:]
         hidden = model.model(input_ids=ids).last_hidden_state  # [B, S, H], final norm applied
-        # The same chunked loss head as slideformer; its weight gradient is summed in fp32.
+        # The same loss head as slideformer (fused or chunked); its weight gradient is summed in fp32.
         gw = torch.zeros_like(W, dtype=torch.float32)
-        loss, gh = chunked_head_loss(hidden.detach().flatten(0, 1), labels.flatten(), None, W,
-                                     int((labels != -100).sum()), args.loss_chunk, None, gw, accumulate=False)
+        head_loss = fused_head_loss if args.loss_kernel == "fused" else chunked_head_loss
+        loss, gh = head_loss(hidden.detach().flatten(0, 1), labels.flatten(), None, W,
+                             int((labels != -100).sum()), args.loss_chunk, None, gw, accumulate=False)
         hidden.backward(gh.view_as(hidden))
         W.grad = gw.to(W.dtype) if W.grad is None else W.grad + gw.to(W.dtype)
         del gw
@@ -202,7 +203,7 @@ def main(argv=None):
     ap.add_argument("--resident-layers", type=int, default=0)
     ap.add_argument("--ds-loss", default="hf", choices=["hf", "fused"],
                     help="DeepSpeed's loss: HF's full logits, or our fused linear cross-entropy (not yet run)")
-    ap.add_argument("--loss-kernel", default="torch", choices=["torch", "fused"])
+    ap.add_argument("--loss-kernel", default=EngineConfig.loss_kernel, choices=["torch", "fused"])
     ap.add_argument("--optimizer-state", default="fp32", choices=["fp32", "compact"])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--out", default=None)

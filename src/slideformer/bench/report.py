@@ -25,7 +25,7 @@ def load(paths) -> list[dict]:
 
 
 DEFAULTS = {"slots": 3, "depth": 1, "host_weights": "persistent", "loss_chunk": 1024, "resident_layers": 0,
-            "loss_kernel": "torch", "optimizer_state": "fp32"}
+            "loss_kernel": "fused", "optimizer_state": "fp32"}
 
 
 def variant(r) -> str:

@@ -58,6 +58,7 @@ class MicroBatch:
     position_ids: torch.Tensor  # [1, S], or [B, S] restarting at 0 for each packed sample
     masks: dict | None = None  # per attention type, built after the embedding
     rope: tuple | None = None  # (cos, sin)
+    rows: tuple | None = None  # (unique token ids, each position's index into them): the embedding's backward
 
 
 class SlideEngine:
@@ -90,7 +91,7 @@ class SlideEngine:
         self.shape = ModelShape.from_adapter(self.adapter)
         self._limit = None if self.cfg.gpu_memory_limit is None else parse_bytes(self.cfg.gpu_memory_limit)
         if self._limit is not None:  # refuse before allocating anything if not even one sequence fits
-            fit(self.shape, 1, 1, self._limit, self.cfg.window_slots, self.cfg.loss_chunk_tokens, self.cfg.resident_layers)
+            fit(self.shape, 1, 1, self._limit, Placement.of(self.cfg))
         self._placements: dict[tuple[int, int], Placement] = {}
         ring = None if self.cfg.max_grad_norm is not None else self.cfg.host_grad_buffers  # clipping holds all
         n = self.adapter.num_layers
@@ -111,10 +112,12 @@ class SlideEngine:
                               "its moments there; lower one of them")
         self.resident = frozenset(resident)
         self._resident_on_gpu = False  # uploaded at the first step and after a checkpoint load
-        self.runtime = Runtime(self.adapter, self.store, self.cfg, self.resident)
+        # Untied: the head's weights take the embedding's slot after its forward (window/schedule.py).
+        self.plan = plan_step(n, self.cfg.window_slots, self.cfg.prefetch_depth, self.resident,
+                              share_edge=not self.adapter.tied)
+        self.runtime = Runtime(self.adapter, self.store, self.cfg, self.plan)
         offload = set(range(max(0, n - self.cfg.gpu_activation_layers))) if self.cfg.offload_activations else set()
         self.activations = ActivationStore(self.runtime, n, offload)
-        self.plan = plan_step(n, self.cfg.window_slots, self.cfg.prefetch_depth, self.resident)
         self._embed_slot = next((v.group, v.slot) for v in self.plan if v.unit == self.adapter.embed_unit.index)
         self._loads_after: dict[int, list] = {}
         for v in self.plan:
@@ -241,18 +244,20 @@ class SlideEngine:
             (torch._foreach_add_ if i else torch._foreach_copy_)(grads, list(g[1:]))
 
     def _embed_bwd(self, st: "_Step", unit, slot) -> None:
-        params, grads = slot.views(unit)
+        # Only the batch's rows have a gradient: each is summed in fp32 over its occurrences (sorted,
+        # deterministic) into a [unique ids, H] block, then added into the slot. No [vocab, H] temporary,
+        # and no weights needed (with an untied head the slot holds the head's by now).
+        grad = slot.views(unit)[1][0]
         self.runtime.begin_grads(slot)
-        w = params["weight"]
-        for i, mb in enumerate(st.mbs):
-            with torch.enable_grad():
-                e = F.embedding(mb.input_ids, w, self.adapter.padding_idx)
-            (gw,) = torch.autograd.grad(e, [w], st.grad_hidden[i])
-            if st.embed_grad_written:
-                grads[0].add_(gw)
-            else:
-                grads[0].copy_(gw)
-                st.embed_grad_written = True
+        if not st.embed_grad_written:  # (tied: the head's part of this matrix's gradient is already there)
+            slot.grads[: unit.numel].zero_()  # the alignment padding too: the head's gradient was here
+        pad = self.adapter.padding_idx
+        for mb, gh in zip(st.mbs, st.grad_hidden):
+            rows, where = mb.rows
+            g = torch.ops.aten.embedding_dense_backward(gh.flatten(0, 1), where, rows.numel(), -1, False)
+            if pad is not None:
+                g.masked_fill_((rows == pad)[:, None], 0)
+            grad.index_add_(0, rows, g)
         st.grad_hidden = []
 
     def _gradient_done(self, st: "_Step", unit: int, slot) -> None:
@@ -280,8 +285,7 @@ class SlideEngine:
         shapes = [t.reshape(-1, t.shape[-1]).shape for t in ids]
         key = (sum(s[0] for s in shapes), max(s[1] for s in shapes))
         if key not in self._placements:
-            self._placements[key] = fit(self.shape, *key, self._limit, self.cfg.window_slots, self.cfg.loss_chunk_tokens,
-                                        self.cfg.resident_layers)
+            self._placements[key] = fit(self.shape, *key, self._limit, Placement.of(self.cfg))
         p = self._placements[key]
         n = self.adapter.num_layers
         self.activations.offload_layers = set(range(max(0, n - p.gpu_activation_layers)))
@@ -340,7 +344,9 @@ class SlideEngine:
             shifted[:, :-1] = labels[:, 1:]
             denom += int((shifted != -100).sum())
             dev = self.device
+            rows, where = torch.unique(ids.long().flatten(), return_inverse=True)  # on the host: no GPU sync
             mbs.append(MicroBatch(
+                rows=(rows.to(dev, non_blocking=True), where.to(dev, non_blocking=True)),
                 input_ids=ids.to(dev, torch.long, non_blocking=True),
                 labels=shifted.reshape(-1).to(dev, torch.long, non_blocking=True),
                 attention_mask=None if am is None else am.to(dev, non_blocking=True),
@@ -351,19 +357,24 @@ class SlideEngine:
         return mbs, denom
 
     def synchronize(self) -> None:
-        """Wait for every pending update, and bring resident units' state back to the host store."""
+        """Wait for every pending update."""
         self.runtime.synchronize()
+
+    def _state_to_host(self) -> None:
+        """Pending updates done, and resident units' state copied back into the host store (which
+        is what checkpoints and exports read). Not per step: for a whole-model-resident 4B that is 64 GB."""
+        self.synchronize()
         if self._resident_on_gpu and self.resident:
             self.runtime.download_resident()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Hugging Face-named fp32 master weights (views; copies for compact state), after pending updates."""
-        self.synchronize()
+        self._state_to_host()
         return {spec.key: self.store.param(u.index, spec) for u in self.adapter.units for spec in u.params}
 
     def save_pretrained(self, out: str | os.PathLike, dtype: torch.dtype | None = None):
         """Write a Hugging Face checkpoint (config + safetensors) that from_pretrained loads."""
-        self.synchronize()
+        self._state_to_host()
         return export.save_pretrained(out, self.adapter, self.store, dtype or self.cfg.compute_dtype)
 
     def profile(self, reset: bool = True) -> dict[str, float]:
@@ -382,7 +393,7 @@ class SlideEngine:
     def save_checkpoint(self, path: str | os.PathLike, trainer_state: dict | None = None,
                         dtype: torch.dtype | None = None):
         """Hugging Face weights plus the full training state, written atomically (checkpoint/state.py)."""
-        self.synchronize()
+        self._state_to_host()
         state = {"lr": self.lr, **(trainer_state or {})}
         return ckpt_state.save_checkpoint(path, self.adapter, self.store, dtype or self.cfg.compute_dtype, state)
 

@@ -45,20 +45,23 @@ def chunked_head_loss(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Modul
     return loss, grad_hidden
 
 
-def fused_head_loss(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Module, weight: torch.Tensor,
-                    denom: int, chunk: int, grad_norm_weight: torch.Tensor, grad_weight: torch.Tensor,
+def fused_head_loss(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Module | None, weight: torch.Tensor,
+                    denom: int, chunk: int, grad_norm_weight: torch.Tensor | None, grad_weight: torch.Tensor,
                     accumulate: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``chunked_head_loss``; ``grad_weight`` must be fp32 (it is summed into)."""
     from ..kernels.fused_linear_ce import linear_cross_entropy_grads
 
     if not accumulate:
-        grad_norm_weight.zero_()
         grad_weight.zero_()
+    if norm is None:
+        loss, gh, _ = linear_cross_entropy_grads(hidden.detach(), weight.detach(), labels, 1.0 / denom,
+                                                 chunk_tokens=chunk, grad_weight=grad_weight)
+        return loss, gh
     h = hidden.detach().requires_grad_(True)
     with torch.enable_grad():
         z = norm(h)  # [T, H]: small next to the logits, so the norm runs on the whole micro-batch
     loss, gz, _ = linear_cross_entropy_grads(z.detach(), weight.detach(), labels, 1.0 / denom,
                                              chunk_tokens=chunk, grad_weight=grad_weight)
     gh, gn = torch.autograd.grad(z, [h, norm.weight], gz)
-    grad_norm_weight.add_(gn)
+    grad_norm_weight.add_(gn) if accumulate else grad_norm_weight.copy_(gn)
     return loss, gh

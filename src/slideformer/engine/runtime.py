@@ -41,6 +41,7 @@ from ..host.store import HostStore
 from ..model.adapter import ModelAdapter
 from ..optim.adamw import adamw_compact_, adamw_update_, resolve_backend
 from ..window.schedule import next_update
+from ..window.schedule import Visit
 from ..window.slots import Slot
 from .profile import StepProfiler
 
@@ -63,7 +64,7 @@ class SentGrads:
 
 
 class Runtime:
-    def __init__(self, adapter: ModelAdapter, store: HostStore, cfg: EngineConfig, resident: frozenset[int] = frozenset()):
+    def __init__(self, adapter: ModelAdapter, store: HostStore, cfg: EngineConfig, plan: list[Visit]):
         self.adapter, self.store, self.cfg = adapter, store, cfg
         self.device = torch.device(cfg.device)
         self.cuda = self.device.type == "cuda"
@@ -72,14 +73,15 @@ class Runtime:
             self.h2d = torch.cuda.Stream(self.device)
             self.d2h = torch.cuda.Stream(self.device)
         dt = cfg.compute_dtype
-        layer_numel = max(u.numel for u in adapter.units if u.kind == "layer")
-        streamed = {u.kind for u in adapter.units if u.index not in resident}
-        self.slots = {
-            "embed": [Slot(adapter.embed_unit.numel, dt, self.device)] if "embed" in streamed else [],
-            "layer": [Slot(layer_numel, dt, self.device) for _ in range(cfg.window_slots)] if "layer" in streamed else [],
-            "head": [Slot(adapter.head_unit.numel, dt, self.device)] if "head" in streamed else [],
-            "resident": {u: Slot(adapter.units[u].numel, dt, self.device) for u in sorted(resident)},
-        }
+        # The plan says which slots exist: each group's slots are as large as its largest unit.
+        resident = sorted({v.unit for v in plan if v.group == "resident"})
+        sizes: dict[str, tuple[int, int]] = {}
+        for v in plan:
+            if v.group != "resident":
+                k, numel = sizes.get(v.group, (0, 0))
+                sizes[v.group] = (max(k, v.slot + 1), max(numel, adapter.units[v.unit].numel))
+        self.slots = {g: [Slot(numel, dt, self.device) for _ in range(k)] for g, (k, numel) in sizes.items()}
+        self.slots["resident"] = {u: Slot(adapter.units[u].numel, dt, self.device) for u in resident}
         # Resident units train on the GPU: fp32 master and moments there, updated by torch's fused AdamW
         # on the compute stream right after their gradient completes. No copies, no CPU optimizer.
         self.resident = {u: [torch.zeros(adapter.units[u].numel, dtype=torch.float32, device=self.device)

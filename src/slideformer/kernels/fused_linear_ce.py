@@ -33,9 +33,24 @@ def linear_cross_entropy_grads(hidden: torch.Tensor, weight: torch.Tensor, label
         h = hidden[s: s + chunk_tokens]
         logits = h @ weight.T  # [t, V] in the compute dtype; becomes its own gradient below
         loss += cross_entropy_grad_(logits, lab.contiguous(), scale, ignore_index, softcap).sum()
-        grad_hidden[s: s + chunk_tokens] = logits @ weight
-        grad_weight += (logits.T @ h).float()
+        torch.matmul(logits, weight, out=grad_hidden[s: s + chunk_tokens])
+        addmm_fp32_(grad_weight, logits.T, h)
     return loss, grad_hidden, grad_weight
+
+
+def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b with acc in fp32 and a, b in a 16-bit dtype.
+
+    On CUDA the matmul accumulates straight into ``acc`` (cuBLAS with an fp32 output): no [V, H]
+    temporaries, where ``acc += (a @ b).float()`` makes two (2 + 4 bytes per element of ``acc``).
+    """
+    if acc.is_cuda and a.dtype != torch.float32:
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (RuntimeError, TypeError):  # a torch without the fp32-output matmul for this dtype
+            pass
+    acc += (a @ b).float()
 
 
 class _FusedLinearCE(torch.autograd.Function):

@@ -22,11 +22,14 @@ traffic), then the largest micro-batch.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 LAYER_TOKEN_FFN = 10  # bf16 values per token per ffn unit at the peak of a layer's backward
 LAYER_TOKEN_HIDDEN = 6
-LOGIT_BYTES = 16  # bf16 logits, fp32 copy, fp32 log-softmax, fp32 gradient (x1 each) and bf16 gradient
+LOGIT_BYTES = {"torch": 16,  # bf16 logits, fp32 copy, fp32 log-softmax, fp32 gradient (x1 each), bf16 gradient
+               "fused": 2}  # the logits chunk becomes its own gradient in place
+HEAD_GRAD_BYTES = {"torch": 6,  # per lm_head element: the fp32 accumulator and autograd's bf16 chunk gradient
+                   "fused": 4}  # the fp32 accumulator only (cuBLAS adds into it)
 SAFETY = 1.05  # allocator rounding and what the model leaves out
 EFFICIENT_TOKENS = 8192
 
@@ -89,6 +92,13 @@ class Placement:
     gpu_activation_layers: int = 1 << 30  # layer inputs kept on the GPU (the last ones); the rest offloaded
     loss_chunk_tokens: int = 1024
     resident_layers: int = 0  # decoder layers trained on the GPU (all of them: embedding and head too)
+    loss_kernel: str = "fused"
+
+    @classmethod
+    def of(cls, cfg, **kw) -> "Placement":
+        """The parts an EngineConfig fixes; the planner chooses the rest (or ``kw`` sets them)."""
+        return cls(window_slots=cfg.window_slots, loss_chunk_tokens=cfg.loss_chunk_tokens,
+                   resident_layers=cfg.resident_layers, loss_kernel=cfg.loss_kernel, **kw)
 
 
 def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, dtype_bytes: int = 2) -> dict[str, int]:
@@ -98,14 +108,16 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, dtype_bytes
     V, H = shape.vocab, shape.hidden
     k = min(p.resident_layers, shape.layers)
     everything = k == shape.layers
-    streamed_slots = 0 if everything else (shape.embed_params + shape.head_params + p.window_slots * shape.layer_params)
+    # untied: the head's weights take the embedding's slot (window/schedule.py); tied: the head slot holds the norm
+    edge = shape.embed_params + shape.head_params if shape.tied else max(shape.embed_params, shape.head_params)
+    streamed_slots = 0 if everything else edge + min(p.window_slots, shape.layers - k) * shape.layer_params
     resident = k * shape.layer_params + (shape.embed_params + shape.head_params if everything else 0)
     out = {
         # slots hold bf16 weights and gradients; a resident unit adds its fp32 master and moments (12 B)
         "window": 2 * dtype_bytes * (streamed_slots + resident) + 12 * resident,
         "activations": kept * T * H * dtype_bytes,
         "hidden_flow": 2 * T * H * dtype_bytes,
-        "loss_head": V * H * (4 + dtype_bytes) + min(p.loss_chunk_tokens, t) * V * LOGIT_BYTES,
+        "loss_head": V * H * HEAD_GRAD_BYTES[p.loss_kernel] + min(p.loss_chunk_tokens, t) * V * LOGIT_BYTES[p.loss_kernel],
         "layer_backward": t * (LAYER_TOKEN_FFN * shape.ffn + LAYER_TOKEN_HIDDEN * H) * dtype_bytes
                           + shape.layer_params * dtype_bytes,
     }
@@ -133,14 +145,13 @@ def host_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, host_weigh
     }
 
 
-def max_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, window_slots: int = 3,
-                        loss_chunk_tokens: int = 1024) -> int:
+def max_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, base: Placement = Placement()) -> int:
     """The most decoder layers that can train on the GPU with ``batch`` x ``seq`` still fitting:
     each one removes its copies and its CPU update from the step (the suggestion `slideformer plan` gives)."""
     best = 0
     for k in range(shape.layers + 1):
         try:
-            fit(shape, batch, seq, limit, window_slots, loss_chunk_tokens, k)
+            fit(shape, batch, seq, limit, replace(base, resident_layers=k))
         except DoesNotFit:
             break
         best = k
@@ -152,22 +163,22 @@ def nvme_bytes(shape: ModelShape, nvme_layers: int) -> int:
     return min(nvme_layers, shape.layers) * shape.layer_params * 8
 
 
-def fit(shape: ModelShape, batch: int, seq: int, limit: int, window_slots: int = 3,
-        loss_chunk_tokens: int = 1024, resident_layers: int = 0) -> Placement:
-    """The placement to train ``batch`` x ``seq`` under ``limit`` GPU bytes (see the module docstring).
+def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Placement = Placement()) -> Placement:
+    """The placement to train ``batch`` x ``seq`` under ``limit`` GPU bytes (see the module docstring):
+    ``base`` fixes the window, loss and resident layers; micro-batch and kept activations are chosen.
     Raises DoesNotFit with the largest batch that would fit."""
     options = []
     for mb in (d for d in range(1, batch + 1) if batch % d == 0):
-        base = gpu_bytes(shape, batch, seq, Placement(window_slots, mb, 0, loss_chunk_tokens, resident_layers))["peak"]
-        if base > limit:
+        base_peak = gpu_bytes(shape, batch, seq, replace(base, micro_batch=mb, gpu_activation_layers=0))["peak"]
+        if base_peak > limit:
             continue
         per_layer = batch * seq * shape.hidden * 2
-        kept = min(shape.layers, int((limit - base) / SAFETY) // per_layer)
-        options.append(Placement(window_slots, mb, kept, loss_chunk_tokens, resident_layers))
+        kept = min(shape.layers, int((limit - base_peak) / SAFETY) // per_layer)
+        options.append(replace(base, micro_batch=mb, gpu_activation_layers=kept))
     if options:
         return max(options, key=lambda p: (min(p.micro_batch * seq, EFFICIENT_TOKENS), p.gpu_activation_layers,
                                            p.micro_batch))
-    smallest = Placement(window_slots, 1, 0, loss_chunk_tokens, resident_layers)
+    smallest = replace(base, micro_batch=1, gpu_activation_layers=0)
     best = max((b for b in range(1, batch) if gpu_bytes(shape, b, seq, smallest)["peak"] <= limit), default=0)
     need = gpu_bytes(shape, batch, seq, smallest)["peak"]
     raise DoesNotFit(

@@ -38,7 +38,7 @@ class OffloadConfig:
     # the last N layers train on the GPU (see `slideformer plan`); "auto": as many as the GPU budget
     # (gpu_memory_limit, else 90% of the card) leaves room for at this batch and cutoff_len
     resident_layers: int | str = 0
-    loss_kernel: str = "torch"  # or "fused" (Triton fused linear cross-entropy)
+    loss_kernel: str = "fused"  # Triton fused linear cross-entropy, or "torch" (autograd per chunk)
 
 
 @dataclass

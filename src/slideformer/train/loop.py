@@ -76,9 +76,8 @@ def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) ->
     dt = 2 if ecfg.compute_dtype != torch.float32 else 4
     if ecfg.device == "cuda":
         limit = parse_bytes(ecfg.gpu_memory_limit) if ecfg.gpu_memory_limit else torch.cuda.get_device_properties(0).total_memory
-        placement = fit(shape, batch, seq, limit, ecfg.window_slots, resident_layers=ecfg.resident_layers) \
-            if ecfg.gpu_memory_limit else Placement(ecfg.window_slots, cfg.micro_batch_size,
-                                                    resident_layers=ecfg.resident_layers)
+        placement = fit(shape, batch, seq, limit, Placement.of(ecfg)) \
+            if ecfg.gpu_memory_limit else Placement.of(ecfg, micro_batch=cfg.micro_batch_size)
         need = gpu_bytes(shape, batch, seq, placement, dt)["peak"]
         if need > limit:
             raise DoesNotFit(f"a step of {cfg.micro_batch_size} x {seq} tokens (x{cfg.gradient_accumulation_steps} "
@@ -86,7 +85,7 @@ def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) ->
                              f"{limit / 2**30:.1f} GiB available; set offload.gpu_memory_limit to let slideformer "
                              "split and offload, or lower micro_batch_size (see `slideformer plan`)")
     else:
-        placement = Placement(ecfg.window_slots, cfg.micro_batch_size)
+        placement = Placement.of(ecfg, micro_batch=cfg.micro_batch_size)
     nvme_layers = round(ecfg.nvme_fraction * shape.layers) if ecfg.offload_dir else 0
     ram = host_bytes(shape, batch, seq, placement, ecfg.host_weights, dt,
                      None if ecfg.max_grad_norm is not None else ecfg.host_grad_buffers, nvme_layers,
@@ -102,14 +101,14 @@ def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) ->
 def auto_resident_layers(cfg: TrainConfig, hf_config, ecfg: EngineConfig, examples) -> int:
     """As many layers on the GPU as the budget leaves room for at this step's shape (the planner's call)."""
     from ..model import ModelAdapter
-    from ..plan import ModelShape, max_resident_layers, parse_bytes
+    from ..plan import ModelShape, Placement, max_resident_layers, parse_bytes
 
     shape = ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype))
     seq = cfg.cutoff_len if cfg.packing else min(cfg.cutoff_len, max(len(ids) for ids, _ in examples))
     limit = parse_bytes(ecfg.gpu_memory_limit) if ecfg.gpu_memory_limit else \
         int(0.9 * torch.cuda.get_device_properties(0).total_memory)
     return max_resident_layers(shape, cfg.micro_batch_size * cfg.gradient_accumulation_steps, seq, limit,
-                               ecfg.window_slots, ecfg.loss_chunk_tokens)
+                               Placement.of(ecfg))
 
 
 def _checkpoints(out: Path) -> list[Path]:

@@ -11,6 +11,11 @@ One optimizer step visits units in this order (n decoder layers, L0..Ln-1):
 Every unit is updated at the end of the previous step, so its first visit in a step always loads.
 A unit still resident from an earlier visit of this step is reused: with k layer slots, the last
 k layers of the forward are still in the window when the backward starts.
+
+The embedding's backward reads no weights (it scatters the hidden gradient into rows), so it never
+loads: it only needs a gradient buffer. That lets an untied model's embedding and head share one
+slot (``share_edge``): the head's weights replace the embedding's once its forward is done, and the
+embedding's gradient goes into the same buffer after the head's has left for the host.
 """
 from __future__ import annotations
 
@@ -39,15 +44,17 @@ def step_visits(num_layers: int) -> list[tuple[int, str, str]]:
 
 
 def plan_step(num_layers: int, layer_slots: int, prefetch_depth: int,
-              resident: frozenset[int] = frozenset()) -> list[Visit]:
+              resident: frozenset[int] = frozenset(), share_edge: bool = False) -> list[Visit]:
     """Assign slots (farthest-next-use eviction) and load points for one step.
 
     Units in ``resident`` never leave the GPU: each has its own slot (group "resident", slot = unit)
-    and is never loaded during a step; the ring of layer slots serves the others.
+    and is never loaded during a step; the ring of layer slots serves the others. With ``share_edge``
+    the head uses the embedding's group (one slot for both).
     """
     if layer_slots < prefetch_depth + 1:
         raise ValueError(f"{layer_slots} layer slots cannot prefetch {prefetch_depth} visit(s) ahead")
-    seq = [(u, phase, "resident" if u in resident else g) for u, phase, g in step_visits(num_layers)]
+    seq = [(u, phase, "resident" if u in resident else "embed" if share_edge and g == "head" else g)
+           for u, phase, g in step_visits(num_layers)]
     n_slots = {"embed": 1, "layer": layer_slots, "head": 1}
     holding: dict[str, list[int | None]] = {g: [None] * k for g, k in n_slots.items()}
     last_use: dict[str, list[int]] = {g: [-1] * k for g, k in n_slots.items()}
@@ -65,17 +72,18 @@ def plan_step(num_layers: int, layer_slots: int, prefetch_depth: int,
             plan.append(Visit(unit, phase, group, unit, False, -1, last_visit[unit] == j))
             continue
         slots = holding[group]
-        if unit in slots:
+        if phase == "embed_bwd":  # no weights needed: the group's one slot, whatever it holds
+            slot, load, issue = 0, False, -1
+        elif unit in slots:
             slot, load = slots.index(unit), False
             issue = -1
         else:
             # With depth d the copy for visit j is enqueued right after visit j-d-1's compute, so it
             # runs while visits j-d..j-1 compute. The slot it overwrites must not be used after that
             # point (its last user's compute is enqueued first, and the copy waits for it on the GPU).
-            issue = -1 if group == "embed" else max(-1, j - prefetch_depth - 1)
+            # If no slot is free that early (a one-slot group in a very short model), issue later.
+            issue = max(-1, j - prefetch_depth - 1, min(last_use[group]))
             free = [s for s in range(len(slots)) if last_use[group][s] <= issue]
-            if not free:
-                raise AssertionError("no slot free for prefetch: window too small for the depth")
             slot = max(free, key=lambda s: (slots[s] is None, next_use(slots[s], j) if slots[s] is not None else 0))
             load = True
             slots[slot] = unit
