@@ -17,6 +17,7 @@ Model TFLOPS = 6 x params x tokens/s; attention FLOPs are not counted, nor is re
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -29,6 +30,8 @@ import torch
 
 from .. import EngineConfig, SlideEngine
 from ..engine.loss import chunked_head_loss, fused_head_loss
+from ..model import ModelAdapter
+from ..plan import ModelShape, Placement, gpu_budget, max_resident_layers
 from ..presets import preset_config
 
 
@@ -53,12 +56,17 @@ def sync(args):
 
 
 def run_slideformer(args, config):
+    auto = args.resident_layers == "auto"
     cfg = EngineConfig(lr=1e-5, device=args.device, compute_dtype=args.dtype, window_slots=args.slots,
                        prefetch_depth=args.depth, host_weights=args.host_weights, profile=True,
                        max_grad_norm=args.max_grad_norm, loss_chunk_tokens=args.loss_chunk,
-                       resident_layers=args.resident_layers, loss_kernel=args.loss_kernel,
+                       resident_layers=0 if auto else int(args.resident_layers), loss_kernel=args.loss_kernel,
                        optimizer_state=args.optimizer_state,
                        gpu_memory_limit=int(args.gpu_memory_limit_gib * 2**30) if args.gpu_memory_limit_gib else None)
+    if auto and args.device == "cuda":  # what `slideformer train` picks: as many layers as the budget holds
+        shape = ModelShape.from_adapter(ModelAdapter(config, args.dtype))
+        cfg = dataclasses.replace(cfg, resident_layers=max_resident_layers(shape, args.batch, args.seq, gpu_budget(cfg),
+                                                                           Placement.of(cfg)))
     engine = SlideEngine.from_config(config, cfg)
     params = engine.adapter.num_params
     gen = torch.Generator().manual_seed(0)
@@ -74,7 +82,7 @@ def run_slideformer(args, config):
         sync(args)
 
     def extra():
-        rep = {"breakdown": engine.profile(), "host_bytes": engine.memory_report()}
+        rep = {"resident_layers_chosen": cfg.resident_layers, "breakdown": engine.profile(), "host_bytes": engine.memory_report()}
         if engine._placements:
             rep["placement"] = {f"{b}x{s}": vars(p) for (b, s), p in engine._placements.items()}
         return rep
@@ -200,7 +208,9 @@ def main(argv=None):
     ap.add_argument("--max-grad-norm", type=float, default=None)
     ap.add_argument("--gpu-memory-limit-gib", type=float, default=None)
     ap.add_argument("--loss-chunk", type=int, default=1024)
-    ap.add_argument("--resident-layers", type=int, default=0)
+    ap.add_argument("--resident-layers", default="auto",
+                    help="decoder layers trained on the GPU; 'auto' (default): as many as the budget allows, "
+                         "as `slideformer train` chooses")
     ap.add_argument("--ds-loss", default="hf", choices=["hf", "fused"],
                     help="DeepSpeed's loss: HF's full logits, or our fused linear cross-entropy (not yet run)")
     ap.add_argument("--loss-kernel", default=EngineConfig.loss_kernel, choices=["torch", "fused"])
@@ -252,6 +262,7 @@ def main(argv=None):
         rec["pipeline_efficiency"] = max(parts) / dt
         rec["host_bytes"] = ex["host_bytes"]
         rec["placement"] = ex.get("placement")
+        rec["resident_layers_chosen"] = ex["resident_layers_chosen"]
     line = json.dumps(rec)
     print(line, flush=True)
     if args.out:

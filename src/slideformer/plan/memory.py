@@ -145,6 +145,16 @@ def host_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, host_weigh
     }
 
 
+def gpu_budget(cfg) -> int:
+    """An EngineConfig's GPU budget: its gpu_memory_limit, else 90% of the card (room for the CUDA
+    context and the allocator's fragmentation)."""
+    if cfg.gpu_memory_limit:
+        return parse_bytes(cfg.gpu_memory_limit)
+    import torch
+
+    return int(0.9 * torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory)
+
+
 def max_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, base: Placement = Placement()) -> int:
     """The most decoder layers that can train on the GPU with ``batch`` x ``seq`` still fitting:
     each one removes its copies and its CPU update from the step (the suggestion `slideformer plan` gives)."""

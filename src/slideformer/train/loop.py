@@ -101,14 +101,12 @@ def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) ->
 def auto_resident_layers(cfg: TrainConfig, hf_config, ecfg: EngineConfig, examples) -> int:
     """As many layers on the GPU as the budget leaves room for at this step's shape (the planner's call)."""
     from ..model import ModelAdapter
-    from ..plan import ModelShape, Placement, max_resident_layers, parse_bytes
+    from ..plan import ModelShape, Placement, gpu_budget, max_resident_layers
 
     shape = ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype))
     seq = cfg.cutoff_len if cfg.packing else min(cfg.cutoff_len, max(len(ids) for ids, _ in examples))
-    limit = parse_bytes(ecfg.gpu_memory_limit) if ecfg.gpu_memory_limit else \
-        int(0.9 * torch.cuda.get_device_properties(0).total_memory)
-    return max_resident_layers(shape, cfg.micro_batch_size * cfg.gradient_accumulation_steps, seq, limit,
-                               Placement.of(ecfg))
+    return max_resident_layers(shape, cfg.micro_batch_size * cfg.gradient_accumulation_steps, seq,
+                               gpu_budget(ecfg), Placement.of(ecfg))
 
 
 def _checkpoints(out: Path) -> list[Path]:
