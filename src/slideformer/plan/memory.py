@@ -117,7 +117,9 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, dtype_bytes
         "window": 2 * dtype_bytes * (streamed_slots + resident) + 12 * resident,
         "activations": kept * T * H * dtype_bytes,
         "hidden_flow": 2 * T * H * dtype_bytes,
-        "loss_head": V * H * HEAD_GRAD_BYTES[p.loss_kernel] + min(p.loss_chunk_tokens, t) * V * LOGIT_BYTES[p.loss_kernel],
+        # + the micro-batch's normed hidden state and the gradients around the norm (4 x [t, H])
+        "loss_head": V * H * HEAD_GRAD_BYTES[p.loss_kernel] + min(p.loss_chunk_tokens, t) * V * LOGIT_BYTES[p.loss_kernel]
+                     + 4 * t * H * dtype_bytes,
         "layer_backward": t * (LAYER_TOKEN_FFN * shape.ffn + LAYER_TOKEN_HIDDEN * H) * dtype_bytes
                           + shape.layer_params * dtype_bytes,
     }
