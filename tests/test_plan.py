@@ -60,7 +60,7 @@ def test_fit_prefers_gpu_activations_then_offloads_then_refuses():
     assert big.gpu_activation_layers < sh.layers and 64 % big.micro_batch == 0
     assert gpu_bytes(sh, 64, 1024, big)["peak"] <= 24 * GiB
     with pytest.raises(DoesNotFit, match=r"largest batch that fits at seq 1024 is \d+"):
-        fit(sh, 64, 1024, 7 * GiB)
+        fit(sh, 64, 1024, 7.5 * GiB)
     with pytest.raises(DoesNotFit, match="not even batch 1"):
         fit(sh, 8, 1024, 4 * GiB)
 

@@ -28,6 +28,9 @@ LAYER_TOKEN_FFN = 10  # bf16 values per token per ffn unit at the peak of a laye
 LAYER_TOKEN_HIDDEN = 6
 LOGIT_BYTES = {"torch": 16,  # bf16 logits, fp32 copy, fp32 log-softmax, fp32 gradient (x1 each), bf16 gradient
                "fused": 2}  # the logits chunk becomes its own gradient in place
+# the fused head runs the final norm on the whole micro-batch: its normed output, fp32 saved input and
+# the gradients around it (the autograd head's share of these was fitted into LOGIT_BYTES)
+HEAD_TOKEN_HIDDEN = {"torch": 0, "fused": 8}
 HEAD_GRAD_BYTES = {"torch": 6,  # per lm_head element: the fp32 accumulator and autograd's bf16 chunk gradient
                    "fused": 4}  # the fp32 accumulator only (cuBLAS adds into it)
 SAFETY = 1.05  # allocator rounding and what the model leaves out
@@ -117,9 +120,8 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, dtype_bytes
         "window": 2 * dtype_bytes * (streamed_slots + resident) + 12 * resident,
         "activations": kept * T * H * dtype_bytes,
         "hidden_flow": 2 * T * H * dtype_bytes,
-        # + the micro-batch's normed hidden state and the gradients around the norm (4 x [t, H])
         "loss_head": V * H * HEAD_GRAD_BYTES[p.loss_kernel] + min(p.loss_chunk_tokens, t) * V * LOGIT_BYTES[p.loss_kernel]
-                     + 4 * t * H * dtype_bytes,
+                     + HEAD_TOKEN_HIDDEN[p.loss_kernel] * t * H * dtype_bytes,
         "layer_backward": t * (LAYER_TOKEN_FFN * shape.ffn + LAYER_TOKEN_HIDDEN * H) * dtype_bytes
                           + shape.layer_params * dtype_bytes,
     }
