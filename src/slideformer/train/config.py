@@ -37,7 +37,7 @@ class OffloadConfig:
     optimizer_state: str = "fp32"  # or "compact" (8 bytes/param; see bench/NOTES.md for its measured effect)
     # the last N layers train on the GPU (see `slideformer plan`); "auto": as many as the GPU budget
     # (gpu_memory_limit, else 90% of the card) leaves room for at this batch and cutoff_len
-    resident_layers: int | str = 0
+    resident_layers: int | str = "auto"
     loss_kernel: str = "fused"  # Triton fused linear cross-entropy, or "torch" (autograd per chunk)
 
 

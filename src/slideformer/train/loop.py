@@ -105,8 +105,10 @@ def auto_resident_layers(cfg: TrainConfig, hf_config, ecfg: EngineConfig, exampl
 
     shape = ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype))
     seq = cfg.cutoff_len if cfg.packing else min(cfg.cutoff_len, max(len(ids) for ids, _ in examples))
-    return max_resident_layers(shape, cfg.micro_batch_size * cfg.gradient_accumulation_steps, seq,
-                               gpu_budget(ecfg), Placement.of(ecfg))
+    k = max_resident_layers(shape, cfg.micro_batch_size * cfg.gradient_accumulation_steps, seq,
+                            gpu_budget(ecfg), Placement.of(ecfg))
+    nvme = round(ecfg.nvme_fraction * shape.layers) if ecfg.offload_dir else 0
+    return min(k, shape.layers - nvme)  # layers on the NVMe tier stream (their moments live on disk)
 
 
 def _checkpoints(out: Path) -> list[Path]:
