@@ -160,13 +160,19 @@ def gpu_budget(cfg) -> int:
 
 
 def max_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, base: Placement = Placement()) -> int:
-    """The most decoder layers that can train on the GPU with ``batch`` x ``seq`` still fitting:
-    each one removes its copies and its CPU update from the step (the suggestion `slideformer plan` gives)."""
+    """The most decoder layers that can train on the GPU with ``batch`` x ``seq`` still fitting in
+    micro-batches of at least EFFICIENT_TOKENS (or the whole batch): each resident layer removes its
+    copies and its CPU update from the step, but not at the price of smaller matmuls. (On the H200, 12
+    resident layers of Qwen3-4B at batch 32 under 24 GiB forced micro-batches of 4: GPU compute 2.94 s
+    against 2.71 s in one batch, which the optimizer time saved did not repay.)"""
+    want = min(batch * seq, EFFICIENT_TOKENS)
     best = 0
     for k in range(shape.layers + 1):
         try:
-            fit(shape, batch, seq, limit, replace(base, resident_layers=k))
+            p = fit(shape, batch, seq, limit, replace(base, resident_layers=k))
         except DoesNotFit:
+            break
+        if min(p.micro_batch, batch) * seq < want:
             break
         best = k
     return best
