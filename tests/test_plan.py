@@ -116,3 +116,20 @@ def test_resident_layers_in_the_model_and_the_engine():
         with SlideEngine(model, cfg) as eng:
             est = gpu_bytes(ModelShape.from_adapter(eng.adapter), 1, 8, Placement(resident_layers=k), dtype_bytes=4)
             assert est["window"] == eng.memory_report()["gpu_window"]
+
+
+def test_resident_layers_never_shrink_micro_batches_below_efficient_size():
+    from slideformer.plan import max_resident_layers
+    from slideformer.plan.memory import EFFICIENT_TOKENS
+
+    sh = shape("qwen3-4b")
+    for batch in (8, 32, 64):
+        k = max_resident_layers(sh, batch, 1024, 24 * GiB)
+        p = fit(sh, batch, 1024, 24 * GiB, Placement(resident_layers=k))
+        assert min(p.micro_batch, batch) * 1024 >= min(batch * 1024, EFFICIENT_TOKENS)
+        # one more layer would either not fit or need smaller micro-batches
+        try:
+            q = fit(sh, batch, 1024, 24 * GiB, Placement(resident_layers=k + 1))
+            assert min(q.micro_batch, batch) * 1024 < min(batch * 1024, EFFICIENT_TOKENS)
+        except DoesNotFit:
+            pass
