@@ -13,6 +13,9 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     $(ls .whl/*.whl | grep -v liger) && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
+if compgen -G ".whl/liger*.whl" > /dev/null; then  # only the loss benchmark compares against it
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/liger .whl/liger*.whl
+fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; free -g | head -2;
   python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"; git rev-parse --short HEAD; } > "$OUT/machine.txt" 2>&1
 if [[ $what == tests || $what == all ]]; then
@@ -22,7 +25,7 @@ if [[ $what == optim || $what == all ]]; then
   python3 -m slideformer.bench.optimizer --params 2e9 --threads 8,12,15,16 2>&1 | tee -a "$OUT/optimizer.jsonl" | tail -2
 fi
 if [[ $what == loss || $what == all ]]; then
-  python3 -m slideformer.bench.loss 2>&1 | tee -a "$OUT/loss.jsonl" | tail -8
+  PYTHONPATH=$PYTHONPATH:/tmp/liger python3 -m slideformer.bench.loss 2>&1 | tee -a "$OUT/loss.jsonl" | tail -8
 fi
 if [[ $what == demo || $what == all ]]; then
   python3 -m slideformer.cli train --steps 60 --output-dir /tmp/demo 2>&1 | tee "$OUT/demo.log" | tail -3

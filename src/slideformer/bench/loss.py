@@ -1,4 +1,5 @@
-"""Fused linear cross-entropy against the unfused ``F.cross_entropy(x @ W.T)``, on the GPU (issue 6).
+"""Fused linear cross-entropy against the unfused ``F.cross_entropy(x @ W.T)``, on the GPU (issue 6),
+and against Liger-Kernel's fused loss where liger_kernel is importable.
 
     python -m slideformer.bench.loss            # the issue's cases; one JSON line each
 
@@ -33,14 +34,27 @@ def measure(fn, reps: int = 5) -> tuple[float, int]:
     return statistics.median(times), torch.cuda.max_memory_allocated() - base
 
 
+def liger_loss():
+    """Liger-Kernel's fused linear cross-entropy with our argument order, or None where not installed."""
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    except ImportError:
+        return None
+    loss = LigerFusedLinearCrossEntropyLoss()
+    return lambda x, w, lab: loss(w, x, lab)
+
+
 def main(argv=None) -> None:
+    systems = [("unfused", reference_linear_cross_entropy), ("fused", fused_linear_cross_entropy)]
+    if (liger := liger_loss()) is not None:
+        systems.append(("liger", liger))
     for V, H, T in CASES:
         g = torch.Generator(device="cuda").manual_seed(0)
         x = (torch.randn(T, H, device="cuda", generator=g) / 2).bfloat16().requires_grad_()
         w = (torch.randn(V, H, device="cuda", generator=g) / 16).bfloat16().requires_grad_()
         lab = torch.randint(0, V, (T,), device="cuda", generator=g)
         rec = {"vocab": V, "hidden": H, "tokens": T}
-        for name, f in (("unfused", reference_linear_cross_entropy), ("fused", fused_linear_cross_entropy)):
+        for name, f in systems:
             def step(f=f, x=x, w=w, lab=lab):
                 x.grad = w.grad = None
                 f(x, w, lab).backward()
@@ -53,6 +67,8 @@ def main(argv=None) -> None:
         if rec.get("unfused_s") and rec.get("fused_s"):
             rec["time_ratio"] = rec["fused_s"] / rec["unfused_s"]
             rec["memory_ratio"] = rec["fused_peak_gib"] / rec["unfused_peak_gib"]
+        if rec.get("liger_s") and rec.get("fused_s"):
+            rec["time_vs_liger"] = rec["fused_s"] / rec["liger_s"]
         print(json.dumps(rec), flush=True)
 
 
