@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on the GPU machine, in one call: the GPU tests, then the benchmark cases.
 #   run from the repo root on the device machine; results go to $OUT (or ./bench/out).
-# Usage: bench/run_device.sh [tests|optim|loss|demo|bench|all] [table1|table2|table3 | case ...]
+# Usage: bench/run_device.sh [tests|optim|loss|profile|demo|bench|all] [table1|table2|table3 | case ...]
 #   (a case: "system model batch [extra args]")
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -26,6 +26,12 @@ if [[ $what == optim || $what == all ]]; then
 fi
 if [[ $what == loss || $what == all ]]; then
   PYTHONPATH=$PYTHONPATH:/tmp/liger python3 -m slideformer.bench.loss 2>&1 | tee -a "$OUT/loss.jsonl" | tail -8
+fi
+if [[ $what == profile ]]; then  # issue 6: the costliest GPU ops of one Llama-8B step, streamed and resident
+  for extra in "--resident-layers 0" "--resident-layers 31"; do
+    python3 -m slideformer.bench --system slideformer --model llama3-8b --batch 8 $extra --profile-ops 30 \
+      --out "$OUT/profile.jsonl" 2>&1 | tail -1 | cut -c1-300
+  done
 fi
 if [[ $what == demo || $what == all ]]; then
   python3 -m slideformer.cli train --steps 60 --output-dir /tmp/demo 2>&1 | tee "$OUT/demo.log" | tail -3
