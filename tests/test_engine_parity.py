@@ -3,6 +3,7 @@ import copy
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from slideformer import EngineConfig, SlideEngine, lr_at
 
@@ -257,3 +258,22 @@ def test_resident_state_survives_checkpoints(tmp_path):
             e.train_step(b)
         resumed = {k: v.clone() for k, v in e.state_dict().items()}
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3-tied"])
+def test_padding_row_and_repeated_tokens_match_pytorch(family):
+    """The embedding's backward sums each token's rows once (unique ids) and leaves the padding row's
+    gradient at zero, as nn.Embedding(padding_idx) does; repeated tokens are the common case."""
+    cfg = FAMILIES[family]()
+    cfg.pad_token_id = 3
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    assert model.model.embed_tokens.padding_idx == 3
+    g = torch.Generator().manual_seed(1)
+    steps = [{"input_ids": torch.randint(0, 6, (2, 12), generator=g)} for _ in range(3)]  # token 3 and repeats
+    for b in steps:
+        b["labels"] = b["input_ids"].clone()
+    state, losses = engine_train(model, steps, lr=1e-2)
+    ref, ref_losses = reference_train(model, steps, lr=1e-2)
+    assert_same(state, ref, losses, ref_losses)
