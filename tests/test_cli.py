@@ -1,4 +1,5 @@
 """`slideformer train` with no arguments is the demo: it must train and export a loadable model."""
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -37,6 +38,10 @@ def test_plan_json_and_exit_codes(capsys):
     assert main(base + ["--offload-dir", "/nvme"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["nvme_bytes"] > 90 * 2**30 and out["host_bytes"] < 125 * 2**30
+    # the tier's disk traffic (moments read and written once a step, ~1 GB/s) dominates the predicted step
+    assert out["timing"]["nvme_s"] == pytest.approx(2 * out["nvme_bytes"] / 1e9)
+    assert out["predicted_step_s"] >= out["timing"]["nvme_s"]
+    assert main(base + ["--offload-dir", "/nvme", "--optimizer-state", "compact"]) == 2  # not combinable yet
 
 
 def test_export_drops_the_training_state(tmp_path):

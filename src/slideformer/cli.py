@@ -44,6 +44,9 @@ def cmd_plan(args) -> int:
                        max_resident_layers, nvme_bytes, parse_bytes, step_time)
     from .presets import PRESETS, preset_config
 
+    if args.optimizer_state == "compact" and args.offload_dir:
+        print("error: compact optimizer state and the NVMe tier (--offload-dir) do not combine yet", file=sys.stderr)
+        return EXIT_USAGE
     if args.model in PRESETS:
         config = preset_config(args.model)
     else:
@@ -62,7 +65,9 @@ def cmd_plan(args) -> int:
         placement, fits_gpu, reason = replace(base, micro_batch=1, gpu_activation_layers=0), False, str(e)
     nvme_layers = round(args.nvme_fraction * shape.layers) if args.offload_dir else 0
     g = gpu_bytes(shape, args.batch_size, args.seq_len, placement)
-    h = host_bytes(shape, args.batch_size, args.seq_len, placement, args.host_weights, nvme_layers=nvme_layers)
+    compact = args.optimizer_state == "compact"
+    h = host_bytes(shape, args.batch_size, args.seq_len, placement, args.host_weights, nvme_layers=nvme_layers,
+                   compact=compact)
     host_total = sum(h.values())
     fits = fits_gpu and host_total <= cpu_limit
     max_batch = 0
@@ -71,19 +76,21 @@ def cmd_plan(args) -> int:
             p = fit(shape, b, args.seq_len, gpu_limit, base) if gpu_limit else base
         except DoesNotFit:
             break
-        if sum(host_bytes(shape, b, args.seq_len, p, args.host_weights, nvme_layers=nvme_layers).values()) > cpu_limit:
+        if sum(host_bytes(shape, b, args.seq_len, p, args.host_weights, nvme_layers=nvme_layers,
+                          compact=compact).values()) > cpu_limit:
             break
         max_batch = b
     out = {"model": args.model, "params": shape.params, "seq_len": args.seq_len, "batch_size": args.batch_size,
            "gpu_bytes": g["peak"], "gpu": g, "host_bytes": host_total, "host": h, "nvme_bytes": nvme_bytes(shape, nvme_layers),
            "gpu_limit": gpu_limit, "host_limit": cpu_limit, "fits": fits, "max_batch_size": max_batch,
            "placement": vars(placement)}
-    timing = step_time(shape, args.batch_size, args.seq_len, placement)
+    timing = step_time(shape, args.batch_size, args.seq_len, placement, compact=compact, nvme_layers=nvme_layers)
     if gpu_limit and fits_gpu:  # what training some layers on the GPU would buy
         k = max_resident_layers(shape, args.batch_size, args.seq_len, gpu_limit, base)
         with_k = fit(shape, args.batch_size, args.seq_len, gpu_limit, replace(base, resident_layers=k))
         out["suggested_resident_layers"] = k
-        out["predicted_step_s_resident"] = step_time(shape, args.batch_size, args.seq_len, with_k)["step_s"]
+        out["predicted_step_s_resident"] = step_time(shape, args.batch_size, args.seq_len, with_k, compact=compact,
+                                                     nvme_layers=min(nvme_layers, shape.layers - k))["step_s"]
     out["predicted_step_s"] = timing["step_s"]
     out["predicted_tokens_per_s"] = args.batch_size * args.seq_len / timing["step_s"]
     out["timing"] = timing
@@ -100,7 +107,7 @@ def cmd_plan(args) -> int:
               f"{min(placement.gpu_activation_layers, shape.layers)}/{shape.layers} layer inputs on the GPU")
         print(f"predicted step {timing['step_s']:.2f} s ({out['predicted_tokens_per_s']:.0f} tok/s on the H200 "
               f"machine's rates): GPU {timing['gpu_compute_s']:.2f} s, optimizer {timing['optimizer_s']:.2f} s, "
-              f"weights in {timing['h2d_s']:.2f} s")
+              f"weights in {timing['h2d_s']:.2f} s" + (f", NVMe tier {timing['nvme_s']:.1f} s" if nvme_layers else ""))
         if "suggested_resident_layers" in out:
             print(f"with resident_layers={out['suggested_resident_layers']} (trained on the GPU): predicted step "
                   f"{out['predicted_step_s_resident']:.2f} s")
@@ -151,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--nvme-fraction", type=float, default=1.0)
     pl.add_argument("--host-weights", default="persistent", choices=["persistent", "staged"])
     pl.add_argument("--loss-kernel", default=EngineConfig.loss_kernel, choices=["torch", "fused"])
+    pl.add_argument("--optimizer-state", default=EngineConfig.optimizer_state, choices=["fp32", "compact"])
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
     ex = sub.add_parser("export", help="a checkpoint's Hugging Face files, without the training state")

@@ -59,11 +59,12 @@ def run_slideformer(args, config):
     auto = args.resident_layers == "auto"
     cfg = EngineConfig(lr=1e-5, device=args.device, compute_dtype=args.dtype, window_slots=args.slots,
                        prefetch_depth=args.depth, host_weights=args.host_weights, profile=True,
+                       host_grad_buffers=args.host_grad_buffers,
                        max_grad_norm=args.max_grad_norm, loss_chunk_tokens=args.loss_chunk,
                        resident_layers=0 if auto else int(args.resident_layers), loss_kernel=args.loss_kernel,
                        optimizer_state=args.optimizer_state,
                        gpu_memory_limit=int(args.gpu_memory_limit_gib * 2**30) if args.gpu_memory_limit_gib else None)
-    if auto and args.device == "cuda":  # what `slideformer train` picks: as many layers as the budget holds
+    if auto and args.device == "cuda" and cfg.optimizer_state != "compact":  # what `slideformer train` picks
         shape = ModelShape.from_adapter(ModelAdapter(config, args.dtype))
         cfg = dataclasses.replace(cfg, resident_layers=max_resident_layers(shape, args.batch, args.seq, gpu_budget(cfg),
                                                                            Placement.of(cfg)))
@@ -220,6 +221,8 @@ def main(argv=None):
     ap.add_argument("--slots", type=int, default=3)
     ap.add_argument("--depth", type=int, default=1)
     ap.add_argument("--host-weights", default="persistent")
+    ap.add_argument("--host-grad-buffers", type=int, default=EngineConfig.host_grad_buffers,
+                    help="pinned host gradient buffers the layers share (the optimizer's backlog)")
     ap.add_argument("--max-grad-norm", type=float, default=None)
     ap.add_argument("--gpu-memory-limit-gib", type=float, default=None)
     ap.add_argument("--loss-chunk", type=int, default=1024)
@@ -267,7 +270,7 @@ def main(argv=None):
         "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "build_s": build_s, "commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name() if cuda else "none", "torch": torch.__version__,
-        "settings": {k: getattr(args, k) for k in ("slots", "depth", "host_weights", "max_grad_norm",
+        "settings": {k: getattr(args, k) for k in ("slots", "depth", "host_weights", "host_grad_buffers", "max_grad_norm",
                                                    "gpu_memory_limit_gib", "loss_chunk", "resident_layers",
                                                    "loss_kernel", "optimizer_state", "ds_loss")},
     }

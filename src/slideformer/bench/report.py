@@ -24,7 +24,7 @@ def load(paths) -> list[dict]:
     return rows
 
 
-DEFAULTS = {"slots": 3, "depth": 1, "host_weights": "persistent", "loss_chunk": 1024, "resident_layers": "auto",
+DEFAULTS = {"slots": 3, "depth": 1, "host_weights": "persistent", "host_grad_buffers": 4, "loss_chunk": 1024, "resident_layers": "auto",
             "loss_kernel": "fused", "optimizer_state": "fp32"}
 
 

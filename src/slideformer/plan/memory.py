@@ -214,13 +214,15 @@ class MachineRates:
     gpu_flops: float = 385e12  # bf16 FLOP/s of HF's modules with recompute: 4B b32 did 1.05 PFLOP in 2.73 s
     optimizer_params_per_s: float = 3.46e9  # one-pass AdamW on 15 cores
     pcie_bytes_per_s: float = 55e9
+    disk_bytes_per_s: float = 1e9  # the NVMe tier's reads and writes (about 1 GB/s on that machine)
 
 
 def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: MachineRates = MachineRates(),
-              compact: bool = False) -> dict[str, float]:
+              compact: bool = False, nvme_layers: int = 0) -> dict[str, float]:
     """Predicted seconds per step: the largest of GPU compute (8 x params x tokens, recompute included),
-    the CPU optimizer and the weight copies, plus 10% for what does not overlap (the first and last
-    units of a step). Within 10% of the measured 4B b8 and b32 steps."""
+    the CPU optimizer, the weight copies and the NVMe tier's moment traffic (read and written once per
+    step), plus 10% for what does not overlap (the first and last units of a step). Within 10% of the
+    measured 4B b8 and b32 steps; the disk term is not measured yet."""
     tokens = batch * seq
     k = min(p.resident_layers, shape.layers)
     on_cpu = shape.params - k * shape.layer_params - (shape.embed_params + shape.head_params if k == shape.layers else 0)
@@ -229,6 +231,7 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
         "gpu_compute_s": 8 * shape.params * tokens / rates.gpu_flops,
         "optimizer_s": on_cpu / rates.optimizer_params_per_s / (1.5 if compact else 1.0),
         "h2d_s": 2 * 2 * streamed / rates.pcie_bytes_per_s,
+        "nvme_s": 2 * nvme_bytes(shape, nvme_layers) / rates.disk_bytes_per_s,
     }
     out["step_s"] = 1.1 * max(out.values())
     return out

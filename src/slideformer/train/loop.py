@@ -141,7 +141,7 @@ def train(cfg: TrainConfig) -> dict:
     from ..presets import preset_config
 
     hf_config = preset_config("tiny") if cfg.model_name_or_path == "tiny" else AutoConfig.from_pretrained(cfg.model_name_or_path)
-    if o.resident_layers == "auto" and device == "cuda":
+    if o.resident_layers == "auto" and device == "cuda" and ecfg.optimizer_state != "compact":  # compact: GPU-side not yet
         ecfg = dataclasses.replace(ecfg, resident_layers=auto_resident_layers(cfg, hf_config, ecfg, examples))
     check_fits(cfg, hf_config, ecfg, max(len(ids) for ids, _ in examples))
     if cfg.model_name_or_path == "tiny":
