@@ -47,6 +47,11 @@ if [[ $what == bench || $what == all ]]; then
                    "slideformer llama3-8b 32 --gpu-memory-limit-gib 24" ;;
     table3) set -- "slideformer llama3-8b 64 --gpu-memory-limit-gib 24" "slideformer llama3-8b 8" \
                    "slideformer llama3-8b 8 --loss-kernel fused" "deepspeed llama3-8b 8 --gpu-memory-limit-gib 24" ;;
+    # The predictions in bench/NOTES.md (session 2) that no run has checked yet:
+    table4) set -- "slideformer qwen3-4b 8 --resident-layers 0" "slideformer qwen3-4b 8 --resident-layers 0 --host-grad-buffers 36" \
+                   "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --host-grad-buffers 24" \
+                   "plain qwen3-4b 32" "slideformer qwen3-4b 32 --gpu-memory-limit-gib 24" \
+                   "deepspeed qwen3-4b 32 --gpu-memory-limit-gib 24 --ds-loss fused" ;;
   esac
   if [[ $# -eq 0 ]]; then
     set -- "plain qwen3-4b 8" "slideformer qwen3-4b 8" "plain qwen3-4b 32" "slideformer qwen3-4b 32" \
