@@ -277,3 +277,21 @@ def test_padding_row_and_repeated_tokens_match_pytorch(family):
     state, losses = engine_train(model, steps, lr=1e-2)
     ref, ref_losses = reference_train(model, steps, lr=1e-2)
     assert_same(state, ref, losses, ref_losses)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3-tied"])
+def test_gradient_norm_is_exact_every_step(family):
+    """The head shares its slot with the embedding when untied: the alignment gaps of its layout must not
+    carry the embedding's gradient of the step before into the norm (lr=0: the same norm every step)."""
+    model = build(family)
+    b = batch(97)
+    b["input_ids"][:, :3] = torch.tensor([1, 2, 3])  # embedding rows that land in the head's layout gaps
+    ref = copy.deepcopy(model)
+    ref(**b).loss.backward()
+    expect = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
+    with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, lr=0.0, loss_kernel="torch")) as eng:
+        norms = []
+        for _ in range(3):
+            eng.train_step(b)
+            norms.append(eng.last_grad_norm)
+    assert norms == pytest.approx([expect] * 3, rel=1e-5)

@@ -86,8 +86,10 @@ def cmd_plan(args) -> int:
            "placement": vars(placement)}
     timing = step_time(shape, args.batch_size, args.seq_len, placement, compact=compact, nvme_layers=nvme_layers)
     if gpu_limit and fits_gpu:  # what training some layers on the GPU would buy
-        k = max_resident_layers(shape, args.batch_size, args.seq_len, gpu_limit, base)
-        with_k = fit(shape, args.batch_size, args.seq_len, gpu_limit, replace(base, resident_layers=k))
+        # the budget `slideformer train` would give them: --gpu-memory, else 90% of the card (plan.gpu_budget)
+        budget = gpu_limit if args.gpu_memory else int(0.9 * gpu_limit)
+        k = max_resident_layers(shape, args.batch_size, args.seq_len, budget, base)
+        with_k = fit(shape, args.batch_size, args.seq_len, budget, replace(base, resident_layers=k))
         out["suggested_resident_layers"] = k
         out["predicted_step_s_resident"] = step_time(shape, args.batch_size, args.seq_len, with_k, compact=compact,
                                                      nvme_layers=min(nvme_layers, shape.layers - k))["step_s"]

@@ -66,8 +66,9 @@ def run_slideformer(args, config):
                        gpu_memory_limit=int(args.gpu_memory_limit_gib * 2**30) if args.gpu_memory_limit_gib else None)
     if auto and args.device == "cuda" and cfg.optimizer_state != "compact":  # what `slideformer train` picks
         shape = ModelShape.from_adapter(ModelAdapter(config, args.dtype))
-        cfg = dataclasses.replace(cfg, resident_layers=max_resident_layers(shape, args.batch, args.seq, gpu_budget(cfg),
-                                                                           Placement.of(cfg)))
+        budget = gpu_budget(cfg)  # the engine plans micro-batches and activations for the budget k was chosen for
+        cfg = dataclasses.replace(cfg, resident_layers=max_resident_layers(shape, args.batch, args.seq, budget,
+                                                                           Placement.of(cfg)), gpu_memory_limit=budget)
     engine = SlideEngine.from_config(config, cfg)
     params = engine.adapter.num_params
     gen = torch.Generator().manual_seed(0)

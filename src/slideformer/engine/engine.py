@@ -201,6 +201,8 @@ class SlideEngine:
         params, grads = slot.views(unit)
         bind_parameters(ad.skeleton.model, {"norm.weight": params["norm.weight"]})
         rt.begin_grads(slot)
+        if not ad.tied:  # the slot is shared with the embedding: clear its gradient from the alignment gaps
+            slot.grads[: unit.numel].zero_()
         if ad.tied:  # the matrix lives in the embedding's slot; its gradient starts there
             eslot = rt.slots[self._embed_slot[0]][self._embed_slot[1]]
             rt.begin_grads(eslot)

@@ -8,6 +8,8 @@ whose labels are all ignored cost nothing.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -48,8 +50,11 @@ def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         try:
             torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
             return
-        except (RuntimeError, TypeError):  # a torch without the fp32-output matmul for this dtype
-            pass
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, TypeError) as e:  # a torch without the fp32-output matmul for this dtype
+            warnings.warn(f"fused loss: no fp32-output matmul here ({e}); the lm_head gradient takes "
+                          "1.5x its size in temporaries", stacklevel=2)
     acc += (a @ b).float()
 
 

@@ -142,7 +142,11 @@ def train(cfg: TrainConfig) -> dict:
 
     hf_config = preset_config("tiny") if cfg.model_name_or_path == "tiny" else AutoConfig.from_pretrained(cfg.model_name_or_path)
     if o.resident_layers == "auto" and device == "cuda" and ecfg.optimizer_state != "compact":  # compact: GPU-side not yet
-        ecfg = dataclasses.replace(ecfg, resident_layers=auto_resident_layers(cfg, hf_config, ecfg, examples))
+        # The engine then plans micro-batches and activation placement for the same budget that k was chosen for.
+        from ..plan import gpu_budget
+
+        ecfg = dataclasses.replace(ecfg, resident_layers=auto_resident_layers(cfg, hf_config, ecfg, examples),
+                                   gpu_memory_limit=gpu_budget(ecfg))
     check_fits(cfg, hf_config, ecfg, max(len(ids) for ids, _ in examples))
     if cfg.model_name_or_path == "tiny":
         engine = SlideEngine.from_config(hf_config, ecfg)
