@@ -295,3 +295,15 @@ def test_gradient_norm_is_exact_every_step(family):
             eng.train_step(b)
             norms.append(eng.last_grad_norm)
     assert norms == pytest.approx([expect] * 3, rel=1e-5)
+
+
+def test_non_blocking_steps_train_the_same():
+    model = build("qwen2")
+    steps = [batch(97, seed=s) for s in range(3)]
+    a, la = engine_train(model, steps, lr=1e-2)
+    with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, lr=1e-2, loss_kernel="torch")) as e:
+        lb = [e.train_step(b, blocking=False) for b in steps]
+        state = {k: v.clone() for k, v in e.state_dict().items()}
+    assert all(torch.is_tensor(x) and x.dim() == 0 for x in lb)
+    assert [float(x) for x in lb] == la
+    assert all(torch.equal(a[k], state[k]) for k in a)

@@ -77,7 +77,7 @@ def run_slideformer(args, config):
         b = random_batch(config.vocab_size, args.batch, args.seq, gen)
         if args.micro_batch and args.micro_batch < args.batch:
             b = [{k: v[i: i + args.micro_batch] for k, v in b.items()} for i in range(0, args.batch, args.micro_batch)]
-        return engine.train_step(b)
+        return engine.train_step(b, blocking=False)  # as plain's step: no sync until finish()
 
     def finish():
         engine.synchronize()

@@ -140,8 +140,13 @@ class SlideEngine:
         """Global gradient norm of the last step (before clipping)."""
         return None if self._grad_norm is None else float(self._grad_norm)
 
-    def train_step(self, batch) -> float:
-        """One optimizer step over ``batch`` (a dict, or a list of micro-batch dicts accumulated)."""
+    def train_step(self, batch, *, blocking: bool = True) -> float | torch.Tensor:
+        """One optimizer step over ``batch`` (a dict, or a list of micro-batch dicts accumulated).
+
+        Returns the loss as a float, which waits for the GPU. With ``blocking=False`` it returns a 0-dim
+        device tensor instead, so the next step's host work overlaps this one's GPU work (a loop that
+        reads the loss only now and then loses no time at step boundaries). Clipping still waits, for
+        the global norm."""
         if self._limit is not None:
             batch = self._place(batch)
         mbs, denom = self._prepare(batch)
@@ -176,7 +181,8 @@ class SlideEngine:
                 else:
                     rt.submit_update(UpdateJob(unit, sent, st.index, self.lr, coef))
         self.store.step = st.index
-        return float(st.loss)
+        loss = st.loss if torch.is_tensor(st.loss) else torch.tensor(st.loss)
+        return float(loss) if blocking else loss.detach()
 
     # -- the phases of a step, one per visit kind (see window/schedule.py) --------------------------
     def _embed_fwd(self, st: "_Step", unit, slot) -> None:
