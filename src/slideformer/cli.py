@@ -41,7 +41,7 @@ def cmd_plan(args) -> int:
 
     from .model import ModelAdapter
     from .plan import (DoesNotFit, ModelShape, Placement, fit, gpu_bytes, host_bytes, host_memory,
-                       max_resident_layers, nvme_bytes, parse_bytes, step_time)
+                       choose_resident_layers, nvme_bytes, parse_bytes, step_time)
     from .presets import PRESETS, preset_config
 
     if args.optimizer_state == "compact" and args.offload_dir:
@@ -88,7 +88,7 @@ def cmd_plan(args) -> int:
     if gpu_limit and fits_gpu:  # what training some layers on the GPU would buy
         # the budget `slideformer train` would give them: --gpu-memory, else 90% of the card (plan.gpu_budget)
         budget = gpu_limit if args.gpu_memory else int(0.9 * gpu_limit)
-        k = max_resident_layers(shape, args.batch_size, args.seq_len, budget, base)
+        k = choose_resident_layers(shape, args.batch_size, args.seq_len, budget, base)
         with_k = fit(shape, args.batch_size, args.seq_len, budget, replace(base, resident_layers=k))
         out["suggested_resident_layers"] = k
         out["predicted_step_s_resident"] = step_time(shape, args.batch_size, args.seq_len, with_k, compact=compact,

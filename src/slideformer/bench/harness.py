@@ -31,7 +31,7 @@ import torch
 from .. import EngineConfig, SlideEngine
 from ..engine.loss import chunked_head_loss, fused_head_loss
 from ..model import ModelAdapter
-from ..plan import ModelShape, Placement, gpu_budget, max_resident_layers
+from ..plan import ModelShape, Placement, gpu_budget, choose_resident_layers
 from ..presets import preset_config
 
 
@@ -67,7 +67,7 @@ def run_slideformer(args, config):
     if auto and args.device == "cuda" and cfg.optimizer_state != "compact":  # what `slideformer train` picks
         shape = ModelShape.from_adapter(ModelAdapter(config, args.dtype))
         budget = gpu_budget(cfg)  # the engine plans micro-batches and activations for the budget k was chosen for
-        cfg = dataclasses.replace(cfg, resident_layers=max_resident_layers(shape, args.batch, args.seq, budget,
+        cfg = dataclasses.replace(cfg, resident_layers=choose_resident_layers(shape, args.batch, args.seq, budget,
                                                                            Placement.of(cfg)), gpu_memory_limit=budget)
     engine = SlideEngine.from_config(config, cfg)
     params = engine.adapter.num_params

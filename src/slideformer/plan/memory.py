@@ -159,14 +159,19 @@ def gpu_budget(cfg) -> int:
     return int(0.9 * torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory)
 
 
-def max_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, base: Placement = Placement()) -> int:
-    """The most decoder layers that can train on the GPU with ``batch`` x ``seq`` still fitting in
-    micro-batches of at least EFFICIENT_TOKENS (or the whole batch): each resident layer removes its
-    copies and its CPU update from the step, but not at the price of smaller matmuls. (On the H200, 12
-    resident layers of Qwen3-4B at batch 32 under 24 GiB forced micro-batches of 4: GPU compute 2.94 s
-    against 2.71 s in one batch, which the optimizer time saved did not repay.)"""
+def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, base: Placement = Placement(),
+                           rates: "MachineRates | None" = None) -> int:
+    """How many decoder layers to train on the GPU (``resident_layers="auto"``).
+
+    As many as fit with micro-batches of at least EFFICIENT_TOKENS (or the whole batch): all of them
+    when the whole model fits (plain GPU training: measured 0.96x of it on the H200). But where resident
+    layers take GPU memory that layer inputs would otherwise keep, no more than the step needs: once the
+    CPU optimizer's predicted time is under half the GPU's, another resident layer saves no time and
+    pushes inputs to pinned host memory and PCIe (Llama-8B b64 under 24 GiB: 4 resident layers left 16 GB
+    of inputs in RAM). The half leaves room for the time model's error (its GPU rate underestimates 8B's)."""
+    rates = rates or MachineRates()
     want = min(batch * seq, EFFICIENT_TOKENS)
-    best = 0
+    best, placed = 0, None
     for k in range(shape.layers + 1):
         try:
             p = fit(shape, batch, seq, limit, replace(base, resident_layers=k))
@@ -174,8 +179,15 @@ def max_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, bas
             break
         if min(p.micro_batch, batch) * seq < want:
             break
-        best = k
-    return best
+        best, placed = k, p
+    if placed is None or placed.gpu_activation_layers >= shape.layers:
+        return best  # nothing competes for the memory
+    t = step_time(shape, batch, seq, replace(base, resident_layers=0), rates)
+    needed = 0
+    while needed < best and t["optimizer_s"] * (shape.params - needed * shape.layer_params) / shape.params \
+            > 0.5 * t["gpu_compute_s"]:
+        needed += 1
+    return needed
 
 
 def nvme_bytes(shape: ModelShape, nvme_layers: int) -> int:

@@ -101,11 +101,11 @@ def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) ->
 def auto_resident_layers(cfg: TrainConfig, hf_config, ecfg: EngineConfig, examples) -> int:
     """As many layers on the GPU as the budget leaves room for at this step's shape (the planner's call)."""
     from ..model import ModelAdapter
-    from ..plan import ModelShape, Placement, gpu_budget, max_resident_layers
+    from ..plan import ModelShape, Placement, gpu_budget, choose_resident_layers
 
     shape = ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype))
     seq = cfg.cutoff_len if cfg.packing else min(cfg.cutoff_len, max(len(ids) for ids, _ in examples))
-    k = max_resident_layers(shape, cfg.micro_batch_size * cfg.gradient_accumulation_steps, seq,
+    k = choose_resident_layers(shape, cfg.micro_batch_size * cfg.gradient_accumulation_steps, seq,
                             gpu_budget(ecfg), Placement.of(ecfg))
     nvme = round(ecfg.nvme_fraction * shape.layers) if ecfg.offload_dir else 0
     return min(k, shape.layers - nvme)  # layers on the NVMe tier stream (their moments live on disk)
