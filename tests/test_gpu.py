@@ -134,3 +134,28 @@ def test_fused_loss_fp32_accumulation_on_gpu():
     assert float(loss) == pytest.approx(float(ref), rel=1e-3)
     torch.testing.assert_close(gw, wr.grad, rtol=2e-2, atol=2e-3)
     torch.testing.assert_close(gh.float(), hr.grad, rtol=2e-2, atol=1e-3)
+
+
+def test_trainer_on_cuda_with_auto_resident_layers_and_a_budget(tmp_path):
+    """`slideformer train` on the GPU as a user runs it: resident layers chosen by the planner for the
+    budget, which the engine then also plans micro-batches with; the checkpoint loads in transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from slideformer.cli import main
+
+    for limit in ("null", "2GiB"):  # the whole card (90% of it), and a budget that forces streaming
+        out = tmp_path / limit
+        assert main(["train", "max_steps=30", "device=cuda", "progress=false", f"output_dir={out}",
+                     f"offload.gpu_memory_limit={limit}"]) == 0
+        ck = sorted(out.glob("checkpoint-*"))[-1]
+        AutoModelForCausalLM.from_pretrained(ck)
+
+
+def test_non_blocking_step_returns_the_same_loss_on_cuda():
+    model = build("llama")
+    steps = [batch(97, seed=s) for s in range(2)]
+    _, losses = cuda_engine_train(model, steps, compute_dtype=torch.float32)
+    with SlideEngine(model, EngineConfig(device="cuda", compute_dtype=torch.float32)) as eng:
+        got = [eng.train_step(b, blocking=False) for b in steps]
+    assert all(t.is_cuda for t in got)
+    assert [float(t) for t in got] == pytest.approx(losses, rel=1e-6)
