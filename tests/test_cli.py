@@ -41,7 +41,9 @@ def test_plan_json_and_exit_codes(capsys):
     # the tier's disk traffic (moments read and written once a step, ~1 GB/s) dominates the predicted step
     assert out["timing"]["nvme_s"] == pytest.approx(2 * out["nvme_bytes"] / 1e9)
     assert out["predicted_step_s"] >= out["timing"]["nvme_s"]
-    assert main(base + ["--offload-dir", "/nvme", "--optimizer-state", "compact"]) == 2  # not combinable yet
+    assert main(base + ["--offload-dir", "/nvme", "--optimizer-state", "compact"]) == 0
+    compact = json.loads(capsys.readouterr().out)
+    assert compact["nvme_bytes"] == out["nvme_bytes"] // 2  # bf16 moments on the tier
 
 
 def test_export_drops_the_training_state(tmp_path):

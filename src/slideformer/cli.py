@@ -44,9 +44,6 @@ def cmd_plan(args) -> int:
                        choose_resident_layers, nvme_bytes, parse_bytes, step_time)
     from .presets import PRESETS, preset_config
 
-    if args.optimizer_state == "compact" and args.offload_dir:
-        print("error: compact optimizer state and the NVMe tier (--offload-dir) do not combine yet", file=sys.stderr)
-        return EXIT_USAGE
     if args.model in PRESETS:
         config = preset_config(args.model)
     else:
@@ -81,11 +78,11 @@ def cmd_plan(args) -> int:
             break
         max_batch = b
     out = {"model": args.model, "params": shape.params, "seq_len": args.seq_len, "batch_size": args.batch_size,
-           "gpu_bytes": g["peak"], "gpu": g, "host_bytes": host_total, "host": h, "nvme_bytes": nvme_bytes(shape, nvme_layers),
+           "gpu_bytes": g["peak"], "gpu": g, "host_bytes": host_total, "host": h, "nvme_bytes": nvme_bytes(shape, nvme_layers, compact),
            "gpu_limit": gpu_limit, "host_limit": cpu_limit, "fits": fits, "max_batch_size": max_batch,
            "placement": vars(placement)}
     timing = step_time(shape, args.batch_size, args.seq_len, placement, compact=compact, nvme_layers=nvme_layers)
-    if gpu_limit and fits_gpu:  # what training some layers on the GPU would buy
+    if gpu_limit and fits_gpu and not compact:  # what training some layers on the GPU would buy (fp32 state only)
         # the budget `slideformer train` would give them: --gpu-memory, else 90% of the card (plan.gpu_budget)
         budget = gpu_limit if args.gpu_memory else int(0.9 * gpu_limit)
         k = choose_resident_layers(shape, args.batch_size, args.seq_len, budget, base)

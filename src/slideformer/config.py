@@ -118,9 +118,6 @@ class EngineConfig:
         if self.optimizer_state == "compact" and self.compute_dtype != torch.bfloat16:
             raise ConfigError("optimizer_state='compact' keeps the weights the GPU reads in bf16: set "
                               "compute_dtype=torch.bfloat16, or use optimizer_state='fp32'")
-        if self.optimizer_state == "compact" and self.offload_dir is not None:
-            raise ConfigError("optimizer_state='compact' with the NVMe tier (offload_dir) is not supported yet; "
-                              "drop one of them")
         if not 0.0 <= self.nvme_fraction <= 1.0:
             raise ConfigError(f"nvme_fraction must lie in [0, 1], got {self.nvme_fraction}")
         if self.nvme_buffers < 1:

@@ -62,9 +62,9 @@ def run_slideformer(args, config):
                        host_grad_buffers=args.host_grad_buffers,
                        max_grad_norm=args.max_grad_norm, loss_chunk_tokens=args.loss_chunk,
                        resident_layers=0 if auto else int(args.resident_layers), loss_kernel=args.loss_kernel,
-                       optimizer_state=args.optimizer_state,
+                       optimizer_state=args.optimizer_state, offload_dir=args.offload_dir, nvme_fraction=args.nvme_fraction,
                        gpu_memory_limit=int(args.gpu_memory_limit_gib * 2**30) if args.gpu_memory_limit_gib else None)
-    if auto and args.device == "cuda" and cfg.optimizer_state != "compact":  # what `slideformer train` picks
+    if auto and args.device == "cuda" and cfg.optimizer_state != "compact" and not cfg.offload_dir:
         shape = ModelShape.from_adapter(ModelAdapter(config, args.dtype))
         budget = gpu_budget(cfg)  # the engine plans micro-batches and activations for the budget k was chosen for
         cfg = dataclasses.replace(cfg, resident_layers=choose_resident_layers(shape, args.batch, args.seq, budget,
@@ -234,6 +234,8 @@ def main(argv=None):
                     help="DeepSpeed's loss: HF's full logits, or our fused linear cross-entropy (not yet run)")
     ap.add_argument("--loss-kernel", default=EngineConfig.loss_kernel, choices=["torch", "fused"])
     ap.add_argument("--optimizer-state", default="fp32", choices=["fp32", "compact"])
+    ap.add_argument("--offload-dir", default=None, help="NVMe tier directory for the moments of --nvme-fraction of the layers")
+    ap.add_argument("--nvme-fraction", type=float, default=1.0)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--profile-ops", type=int, default=0, metavar="N",
                     help="after the timed steps, profile one more step and record its N costliest GPU ops")
@@ -273,7 +275,8 @@ def main(argv=None):
         "gpu": torch.cuda.get_device_name() if cuda else "none", "torch": torch.__version__,
         "settings": {k: getattr(args, k) for k in ("slots", "depth", "host_weights", "host_grad_buffers", "max_grad_norm",
                                                    "gpu_memory_limit_gib", "loss_chunk", "resident_layers",
-                                                   "loss_kernel", "optimizer_state", "ds_loss")},
+                                                   "loss_kernel", "optimizer_state", "ds_loss", "offload_dir",
+                                                   "nvme_fraction")},
     }
     if args.profile_ops and cuda:
         rec["op_profile"] = profile_ops(step, finish, args.profile_ops)

@@ -33,11 +33,14 @@ def _crc(view: memoryview, crc: int = 0) -> int:
 
 
 class NvmeMoments:
-    def __init__(self, directory: str | os.PathLike, numels: dict[int, int], buffers: int):
+    def __init__(self, directory: str | os.PathLike, numels: dict[int, int], buffers: int,
+                 dtype: torch.dtype = torch.float32):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.numels = numels
-        self.nbytes = {u: -(-2 * n * 4 // ALIGN) * ALIGN for u, n in numels.items()}
+        self.dtype = dtype  # fp32 moments, or bf16 ones (compact optimizer state)
+        size = torch.empty((), dtype=dtype).element_size()
+        self.nbytes = {u: -(-2 * n * size // ALIGN) * ALIGN for u, n in numels.items()}
         need = sum(self.nbytes.values())
         self.files: dict[int, Path] = {}
         self._fds: dict[int, int] = {}
@@ -87,7 +90,7 @@ class NvmeMoments:
     def views(self, unit: int, buf: int) -> tuple[torch.Tensor, torch.Tensor]:
         """exp_avg and exp_avg_sq of ``unit`` inside RAM buffer ``buf``."""
         n = self.numels[unit]
-        flat = self.buffers[buf][: 8 * n].view(torch.float32)
+        flat = self.buffers[buf].view(self.dtype)[: 2 * n]
         return flat[:n], flat[n: 2 * n]
 
     def read(self, unit: int, buf: int) -> None:

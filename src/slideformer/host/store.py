@@ -58,7 +58,8 @@ class HostStore:
         if nvme_units:
             from .nvme import NvmeMoments
 
-            self.tier = NvmeMoments(nvme_dir, {u: units[u].numel for u in sorted(nvme_units)}, nvme_buffers)
+            self.tier = NvmeMoments(nvme_dir, {u: units[u].numel for u in sorted(nvme_units)}, nvme_buffers,
+                                    moment_dtype)
         if compute_dtype == master_dtype:
             self.weights: list[torch.Tensor] | None = self.master
         elif host_weights == "persistent":

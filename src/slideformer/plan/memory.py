@@ -141,7 +141,7 @@ def host_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, host_weigh
     ring = shape.layers if layer_grad_buffers is None else min(shape.layers, layer_grad_buffers)
     return {
         "master": 4 * N,
-        "moments": (4 if compact else 8) * N - nvme_bytes(shape, nvme_layers),
+        "moments": (4 if compact else 8) * N - nvme_bytes(shape, nvme_layers, compact),
         # a separate compute copy exists only for persistent host weights in bf16/fp16 with fp32 state
         "weights": dtype_bytes * N if host_weights == "persistent" and not compact and dtype_bytes < 4 else 0,
         "grads": dtype_bytes * (shape.embed_params + shape.head_params + ring * shape.layer_params),
@@ -190,9 +190,10 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
     return needed
 
 
-def nvme_bytes(shape: ModelShape, nvme_layers: int) -> int:
-    """Disk for the Adam moments (fp32 exp_avg and exp_avg_sq) of ``nvme_layers`` decoder layers."""
-    return min(nvme_layers, shape.layers) * shape.layer_params * 8
+def nvme_bytes(shape: ModelShape, nvme_layers: int, compact: bool = False) -> int:
+    """Disk for the Adam moments (exp_avg and exp_avg_sq: fp32, or bf16 when ``compact``) of
+    ``nvme_layers`` decoder layers."""
+    return min(nvme_layers, shape.layers) * shape.layer_params * (4 if compact else 8)
 
 
 def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Placement = Placement()) -> Placement:
@@ -243,7 +244,7 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
         "gpu_compute_s": 8 * shape.params * tokens / rates.gpu_flops,
         "optimizer_s": on_cpu / rates.optimizer_params_per_s / (1.5 if compact else 1.0),
         "h2d_s": 2 * 2 * streamed / rates.pcie_bytes_per_s,
-        "nvme_s": 2 * nvme_bytes(shape, nvme_layers) / rates.disk_bytes_per_s,
+        "nvme_s": 2 * nvme_bytes(shape, nvme_layers, compact) / rates.disk_bytes_per_s,
     }
     out["step_s"] = 1.1 * max(out.values())
     return out
