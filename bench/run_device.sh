@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on the GPU machine, in one call: the GPU tests, then the benchmark cases.
 #   run from the repo root on the device machine; results go to $OUT (or ./bench/out).
-# Usage: bench/run_device.sh [tests|optim|loss|profile|demo|bench|all] [table1|table2|table3 | case ...]
+# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1|table2|table3 | case ...]
 #   (a case: "system model batch [extra args]")
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -32,6 +32,12 @@ if [[ $what == profile ]]; then  # issue 6: the costliest GPU ops of one Llama-8
     python3 -m slideformer.bench --system slideformer --model llama3-8b --batch 8 $extra --profile-ops 30 \
       --out "$OUT/profile.jsonl" 2>&1 | tail -1 | cut -c1-300
   done
+fi
+if [[ $what == capacity ]]; then  # issue 5: a model whose fp32 training state exceeds the RAM (see NOTES)
+  df -h /tmp | tail -1 | tee "$OUT/disk.txt"
+  timeout 560 python3 -m slideformer.bench --system slideformer --model qwen2.5-14b --batch 8 --optimizer-state compact \
+    --gpu-memory-limit-gib 24 --offload-dir /tmp/nvme --nvme-fraction 0.5 --warmup 1 --steps 2 \
+    --out "$OUT/capacity.jsonl" 2>&1 | tail -3 | cut -c1-600
 fi
 if [[ $what == demo || $what == all ]]; then
   python3 -m slideformer.cli train --steps 60 --output-dir /tmp/demo 2>&1 | tee "$OUT/demo.log" | tail -3
