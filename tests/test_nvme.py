@@ -123,3 +123,24 @@ def test_close_right_after_a_step_does_not_hang(tmp_path):
     t.start()
     t.join(timeout=30)
     assert not t.is_alive()
+
+
+def test_next_steps_read_waits_for_this_steps_write(tmp_path, monkeypatch):
+    """A slow disk: the next step's read-ahead of a unit must not overtake the write of its new moments."""
+    import time
+
+    from slideformer.host.nvme import NvmeMoments
+
+    write = NvmeMoments.write
+
+    def slow_write(self, unit, buf):
+        time.sleep(0.03)
+        write(self, unit, buf)
+
+    model = build("llama")
+    steps = [batch(97, seed=s) for s in range(4)]
+    a, la = engine_train(model, steps, lr=1e-2, host_grad_buffers=1)
+    monkeypatch.setattr(NvmeMoments, "write", slow_write)
+    b, lb = engine_train(model, steps, lr=1e-2, host_grad_buffers=1, offload_dir=str(tmp_path), nvme_buffers=4)
+    assert la == lb
+    assert all(torch.equal(a[k], b[k]) for k in a)

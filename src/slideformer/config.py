@@ -43,6 +43,9 @@ class EngineConfig:
     # Host buffers that decoder-layer gradients land in, reused as the optimizer frees them (None: one per
     # layer). Clipping always uses one per layer: every gradient is held until the global norm is known.
     host_grad_buffers: int | None = 4
+    # Gradients leave the GPU in chunks of this many elements (32 MB in bf16), each with its own event,
+    # and the CPU update of a chunk starts as soon as it lands.
+    grad_chunk_elems: int = 1 << 24
     # NVMe tier: the Adam moments of the first `nvme_fraction` of the decoder layers live in files under
     # `offload_dir`, read ahead of each update into `nvme_buffers` RAM buffers and written behind it.
     offload_dir: str | None = None
@@ -105,6 +108,8 @@ class EngineConfig:
                 parse_bytes(self.gpu_memory_limit)
             except ValueError as e:
                 raise ConfigError(f"gpu_memory_limit: {e}") from None
+        if self.grad_chunk_elems < 1:
+            raise ConfigError(f"grad_chunk_elems must be >= 1, got {self.grad_chunk_elems}")
         if self.host_grad_buffers is not None and self.host_grad_buffers < 1:
             raise ConfigError(f"host_grad_buffers must be >= 1 or None (one per layer), got {self.host_grad_buffers}")
         if self.gpu_activation_layers < 0:

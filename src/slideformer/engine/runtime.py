@@ -60,7 +60,12 @@ class UpdateJob:
 @dataclass
 class SentGrads:
     buffer: int  # index into HostStore.grad_buffers, returned to the pool after the update
-    ready: object  # d2h event (torch.cuda.Event), or None on the CPU
+    chunks: list  # (start, end, d2h event or None on the CPU): the update of a chunk starts when it lands
+
+    def landed(self) -> bool:
+        """The first chunk is on the host: the update can start."""
+        ev = self.chunks[0][2]
+        return ev is None or ev.query()
 
 
 class Runtime:
@@ -119,6 +124,10 @@ class Runtime:
             self._tier_cv = threading.Condition()
             self._tier_buf: dict[int, int] = {}
             self._tier_ready = {u: threading.Event() for u in store.tier.numels}
+            # A unit's file is read again (next step) only after this step's write of it has finished.
+            self._tier_written = {u: threading.Event() for u in store.tier.numels}
+            for e in self._tier_written.values():
+                e.set()
             self._reads: queue.Queue[int | None] = queue.Queue()
             self._writes: queue.Queue[tuple | None] = queue.Queue()
             for target, name in ((self._read_work, "slideformer-nvme-read"), (self._write_work, "slideformer-nvme-write")):
@@ -175,7 +184,10 @@ class Runtime:
                         self._tier_cv.wait()
                     buf = self._tier_free.index(True)
                     self._tier_free[buf] = False
+                while not self._tier_written[unit].wait(0.05) and self._error is None:
+                    pass
                 if self._error is None:
+                    self._tier_written[unit].clear()
                     self.store.tier.read(unit, buf)
                 self._tier_buf[unit] = buf
             except BaseException as e:
@@ -192,6 +204,7 @@ class Runtime:
             except BaseException as e:
                 self._fail(e)
             finally:
+                self._tier_written[unit].set()
                 with self._tier_cv:
                     self._tier_free[buf] = True
                     self._tier_cv.notify_all()
@@ -287,18 +300,23 @@ class Runtime:
         buf = self._take_grad_buffer(unit)
         n = self.adapter.units[unit].numel
         dst = self.store.grad_buffers[buf][:n]
+        step = self.cfg.grad_chunk_elems
+        bounds = [(a, min(n, a + step)) for a in range(0, n, step)]
         if not self.cuda:
             dst.copy_(slot.grads[:n])
-            return SentGrads(buf, None)
+            return SentGrads(buf, [(a, b, None) for a, b in bounds])
         done = self.compute.record_event()
+        chunks = []
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(done)
             start = self._mark(self.d2h)
-            dst.copy_(slot.grads[:n], non_blocking=True)
-            slot.grads_sent = self.d2h.record_event()
+            for a, b in bounds:
+                dst[a:b].copy_(slot.grads[a:b], non_blocking=True)
+                chunks.append((a, b, self.d2h.record_event()))
+            slot.grads_sent = chunks[-1][2]
             if self.profiler:
                 self.profiler.copy("d2h", start, self._mark(self.d2h))
-        return SentGrads(buf, slot.grads_sent)
+        return SentGrads(buf, chunks)
 
     def _take_grad_buffer(self, unit: int) -> int:
         with self._grad_cv:
@@ -340,7 +358,7 @@ class Runtime:
                         return
             except queue.Empty:
                 pass
-            ready = [(j.grads.ready is None or j.grads.ready.query()) and self._moments_ready(j.unit) for j in pending]
+            ready = [j.grads.landed() and self._moments_ready(j.unit) for j in pending]
             job = pending.pop(next_update([j.unit for j in pending], ready))
             self._run_update(job)
 
@@ -351,8 +369,6 @@ class Runtime:
         tier_buf = None
         try:
             if self._error is None:
-                if job.grads.ready is not None:
-                    job.grads.ready.synchronize()
                 s, c = self.store, self.cfg
                 if s.exp_avg[job.unit] is None:  # on the NVMe tier: its moments are (being) read ahead
                     self._tier_ready[job.unit].wait()
@@ -363,23 +379,26 @@ class Runtime:
                     exp_avg, exp_avg_sq = s.tier.views(job.unit, tier_buf)
                 else:
                     exp_avg, exp_avg_sq = s.exp_avg[job.unit], s.exp_avg_sq[job.unit]
-                t0 = time.perf_counter()
-                grad = s.grad_buffers[job.grads.buffer][: self.adapter.units[job.unit].numel]
-                if s.compact:
-                    adamw_compact_(s.master[job.unit], s.master_lo[job.unit], grad, exp_avg, exp_avg_sq, step=job.step,
-                                   lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
-                                   grad_coef=job.grad_coef, seed=c.seed * 1_000_003 + job.unit,
-                                   backend=self.optimizer_backend, threads=c.optimizer_threads)
+                grad = s.grad_buffers[job.grads.buffer]
+                own_copy = s.weights is not None and s.weights is not s.master
+                # Chunk by chunk, each as soon as its copy has landed: the update overlaps the rest of the copy.
+                for a, b, landed in job.grads.chunks:
+                    if landed is not None:
+                        landed.synchronize()
+                    t0 = time.perf_counter()
+                    if s.compact:
+                        adamw_compact_(s.master[job.unit][a:b], s.master_lo[job.unit][a:b], grad[a:b], exp_avg[a:b],
+                                       exp_avg_sq[a:b], step=job.step, lr=job.lr, betas=c.betas, eps=c.eps,
+                                       weight_decay=c.weight_decay, grad_coef=job.grad_coef,
+                                       seed=c.seed * 1_000_003 + job.unit, offset=a, backend=self.optimizer_backend,
+                                       threads=c.optimizer_threads)
+                    else:
+                        adamw_update_(s.master[job.unit][a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b],
+                                      step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
+                                      grad_coef=job.grad_coef, out=s.weights[job.unit][a:b] if own_copy else None,
+                                      scratch=self._scratch, backend=self.optimizer_backend, threads=c.optimizer_threads)
                     if self.profiler:
                         self.profiler.add_host("optimizer", time.perf_counter() - t0)
-                    return
-                own_copy = s.weights is not None and s.weights is not s.master
-                adamw_update_(s.master[job.unit], grad, exp_avg, exp_avg_sq,
-                              step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
-                              grad_coef=job.grad_coef, out=s.weights[job.unit] if own_copy else None,
-                              scratch=self._scratch, backend=self.optimizer_backend, threads=c.optimizer_threads)
-                if self.profiler:
-                    self.profiler.add_host("optimizer", time.perf_counter() - t0)
         except BaseException as e:  # surfaced to the main thread at its next wait
             self._fail(e)
         finally:

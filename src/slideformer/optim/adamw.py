@@ -67,24 +67,28 @@ def compact_seeds(seed: int, step: int) -> tuple[int, int]:
     return _mix32(base ^ 0x6D6D6D6D), _mix32(base ^ 0x76767676)
 
 
-def _bf16_stochastic(x: torch.Tensor, seed: int) -> torch.Tensor:
-    noise = _mix32(torch.arange(x.numel(), dtype=torch.int64) ^ seed) & 0xFFFF
+def _bf16_stochastic(x: torch.Tensor, seed: int, offset: int = 0) -> torch.Tensor:
+    noise = _mix32(torch.arange(offset, offset + x.numel(), dtype=torch.int64) ^ seed) & 0xFFFF
     bits = x.view(torch.int32).to(torch.int64) & M32
     return ((bits + noise) >> 16).to(torch.int16).view(torch.bfloat16)
 
 
 def adamw_compact_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                    exp_avg_sq: torch.Tensor, *, step: int, lr: float, betas: tuple[float, float], eps: float,
-                   weight_decay: float, grad_coef: float = 1.0, seed: int = 0, backend: str = "native",
-                   threads: int | None = None) -> None:
+                   weight_decay: float, grad_coef: float = 1.0, seed: int = 0, offset: int = 0,
+                   backend: str = "native", threads: int | None = None) -> None:
     """AdamW on compact state: master = hi + lo (bf16 each), bf16 moments rounded stochastically.
+
+    ``offset``: where these tensors start in their unit (the rounding bits hash the position in the unit,
+    so updating a unit in chunks gives the same result as in one call).
 
     Same arithmetic in both backends, equal to rounding (the kernel fuses multiply-adds); the PyTorch one
     is the reference and the fallback.
     """
     if backend == "native":
         native.load(strict=True).adamw_step_compact(hi, lo, grad, exp_avg, exp_avg_sq, step, lr, betas[0], betas[1],
-                                                     eps, weight_decay, grad_coef, seed, threads or native.default_threads())
+                                                     eps, weight_decay, grad_coef, seed, offset,
+                                                     threads or native.default_threads())
         return
     b1, b2 = betas
     w1 = torch.tensor(1.0 - b1, dtype=torch.float32)
@@ -98,8 +102,8 @@ def adamw_compact_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, exp_a
     hi.copy_(p)  # round to nearest even
     lo.copy_(p - hi.float())
     seed_m, seed_v = compact_seeds(seed, step)
-    exp_avg.copy_(_bf16_stochastic(m, seed_m))
-    exp_avg_sq.copy_(_bf16_stochastic(v, seed_v))
+    exp_avg.copy_(_bf16_stochastic(m, seed_m, offset))
+    exp_avg_sq.copy_(_bf16_stochastic(v, seed_v, offset))
 
 
 def resolve_backend(requested: str) -> str:

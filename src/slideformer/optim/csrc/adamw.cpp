@@ -7,8 +7,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <functional>
+#include <map>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -35,8 +39,65 @@ Hyper make_hyper(int64_t step, double lr, double beta1, double beta2, double eps
   return h;
 }
 
-// Threads are started per call and split the buffer into contiguous ranges (multiples of 16 elements):
-// a unit is tens of MB or more, so the start-up cost is noise, and no pool outlives the call.
+// Worker threads started once per thread count and reused: the engine updates a unit chunk by chunk as
+// its gradient lands (tens of calls per layer), and starting 15 threads per call would cost more than a
+// chunk's update saves. Calls are serialised per pool; the pools live as long as the process (never
+// joined at exit, where a worker could still be inside a kernel).
+class Pool {
+ public:
+  explicit Pool(int64_t n) : n_(n) {
+    for (int64_t k = 1; k < n; ++k) workers_.emplace_back([this, k] { loop(k); });
+  }
+  void run(const std::function<void(int64_t)>& fn) {  // fn(k) for every k in [0, n); the caller runs k = 0
+    std::lock_guard<std::mutex> one_call(call_);
+    {
+      std::lock_guard<std::mutex> g(m_);
+      job_ = &fn;
+      pending_ = n_ - 1;
+      ++generation_;
+    }
+    wake_.notify_all();
+    fn(0);
+    std::unique_lock<std::mutex> g(m_);
+    done_.wait(g, [this] { return pending_ == 0; });
+  }
+
+ private:
+  void loop(int64_t k) {
+    uint64_t seen = 0;
+    for (;;) {
+      const std::function<void(int64_t)>* job;
+      {
+        std::unique_lock<std::mutex> g(m_);
+        wake_.wait(g, [&] { return generation_ != seen; });
+        seen = generation_;
+        job = job_;
+      }
+      (*job)(k);
+      std::lock_guard<std::mutex> g(m_);
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+  const int64_t n_;
+  std::vector<std::thread> workers_;
+  std::mutex call_, m_;
+  std::condition_variable wake_, done_;
+  const std::function<void(int64_t)>* job_ = nullptr;
+  int64_t pending_ = 0;
+  uint64_t generation_ = 0;
+};
+
+Pool& pool_of(int64_t threads) {
+  static std::mutex m;
+  static auto* pools = new std::map<int64_t, Pool*>();  // deliberately leaked: see Pool
+  std::lock_guard<std::mutex> g(m);
+  auto& p = (*pools)[threads];
+  if (p == nullptr) p = new Pool(threads);
+  return *p;
+}
+
+// Split [0, n) into contiguous ranges (multiples of 16 elements), one per thread, at most one thread per
+// 64k elements.
 template <typename F>
 void parallel_ranges(int64_t n, int64_t threads, F&& fn) {
   const int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, (n + 65535) / 65536));
@@ -45,10 +106,12 @@ void parallel_ranges(int64_t n, int64_t threads, F&& fn) {
     const int64_t b = k * per, e = std::min(n, b + per);
     if (b < e) fn(b, e);
   };
-  std::vector<std::thread> pool;
-  for (int64_t k = 1; k < t; ++k) pool.emplace_back(work, k);
-  work(0);
-  for (auto& th : pool) th.join();
+  if (t == 1) {
+    work(0);
+    return;
+  }
+  const std::function<void(int64_t)> task = [&](int64_t k) { if (k < t) work(k); };
+  pool_of(std::max<int64_t>(1, threads)).run(task);
 }
 
 inline float bf16_to_f32(uint16_t h) {
@@ -163,7 +226,7 @@ inline uint16_t f32_to_bf16_sr(float f, uint32_t noise16) {
 template <typename G>
 void compact_range(uint16_t* __restrict hi, uint16_t* __restrict lo, const typename G::T* __restrict g,
                    uint16_t* __restrict m, uint16_t* __restrict v, int64_t begin, int64_t end, const Hyper hp,
-                   uint32_t seed_m, uint32_t seed_v) {
+                   uint32_t seed_m, uint32_t seed_v, int64_t offset) {
   const float decay = hp.lr_wd_decay, w1 = hp.w1, b2 = hp.beta2, omb2 = hp.one_minus_beta2, eps = hp.eps;
   const float step_size = hp.step_size, bc2_sqrt = hp.bc2_sqrt, coef = hp.coef;
 #pragma omp simd
@@ -178,7 +241,7 @@ void compact_range(uint16_t* __restrict hi, uint16_t* __restrict lo, const typen
     const uint16_t h = f32_to_bf16(pi);
     hi[i] = h;
     lo[i] = f32_to_bf16(pi - bf16_to_f32(h));
-    const uint32_t idx = static_cast<uint32_t>(i);
+    const uint32_t idx = static_cast<uint32_t>(offset + i);  // the position in the unit: chunking keeps the bits
     m[i] = f32_to_bf16_sr(mi, mix32(idx ^ seed_m) & 0xffffu);
     v[i] = f32_to_bf16_sr(vi, mix32(idx ^ seed_v) & 0xffffu);
   }
@@ -186,7 +249,7 @@ void compact_range(uint16_t* __restrict hi, uint16_t* __restrict lo, const typen
 
 void adamw_step_compact(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad, torch::Tensor exp_avg,
                         torch::Tensor exp_avg_sq, int64_t step, double lr, double beta1, double beta2, double eps,
-                        double weight_decay, double grad_coef, int64_t seed, int64_t threads) {
+                        double weight_decay, double grad_coef, int64_t seed, int64_t offset, int64_t threads) {
   const int64_t n = hi.numel();
   for (const auto* t : {&hi, &lo, &exp_avg, &exp_avg_sq})
     TORCH_CHECK(t->is_cpu() && t->is_contiguous() && t->scalar_type() == at::kBFloat16 && t->numel() == n,
@@ -204,9 +267,10 @@ void adamw_step_compact(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad, 
   pybind11::gil_scoped_release no_gil;
   parallel_ranges(n, threads, [&](int64_t b, int64_t e) {
     if (bf16_grad)
-      compact_range<BF16>(hp, lp, reinterpret_cast<const uint16_t*>(grad.data_ptr()), mp, vp, b, e, h, seed_m, seed_v);
+      compact_range<BF16>(hp, lp, reinterpret_cast<const uint16_t*>(grad.data_ptr()), mp, vp, b, e, h, seed_m, seed_v,
+                          offset);
     else
-      compact_range<F32>(hp, lp, grad.data_ptr<float>(), mp, vp, b, e, h, seed_m, seed_v);
+      compact_range<F32>(hp, lp, grad.data_ptr<float>(), mp, vp, b, e, h, seed_m, seed_v, offset);
   });
 }
 
