@@ -58,8 +58,10 @@ def test_bf16_matches_fp32_within_bf16_tolerance():
         assert float((v - ref_sd[k]).norm()) <= 0.1 * float(moved) + 1e-3 * float(ref_sd[k].norm()), k
 
 
-def test_copy_delays_do_not_change_results(monkeypatch):
-    """Slow copies (injected sleeps on both copy streams) must not let compute read stale data."""
+@pytest.mark.parametrize("chunk", [1 << 24, 1000])  # one gradient chunk per unit, and many
+def test_copy_delays_do_not_change_results(monkeypatch, chunk):
+    """Slow copies (injected sleeps on both copy streams) must not let compute read stale data, nor the
+    CPU update read a gradient chunk before it has landed."""
     from slideformer.engine import runtime as rt_mod
 
     model = build("llama")
@@ -80,7 +82,8 @@ def test_copy_delays_do_not_change_results(monkeypatch):
 
     monkeypatch.setattr(rt_mod.Runtime, "load", slow_load)
     monkeypatch.setattr(rt_mod.Runtime, "send_grads", slow_send)
-    slow, _ = cuda_engine_train(model, batches, compute_dtype=torch.float32, lr=1e-2, window_slots=2)
+    slow, _ = cuda_engine_train(model, batches, compute_dtype=torch.float32, lr=1e-2, window_slots=2,
+                                grad_chunk_elems=chunk)
     assert all(torch.equal(fast[k], slow[k]) for k in fast)
 
 
