@@ -5,13 +5,15 @@ The GPU peak is modelled as
     window slots + saved layer inputs kept on the GPU + the hidden state and its gradient
     + max(loss head, one layer's backward)
 
-where the loss head holds an fp32 accumulator for the [vocab, hidden] gradient, that gradient for one
-chunk, and one chunk of logits with its fp32 softmax and gradient (16 bytes per logit), and a layer's
+where the loss head holds an fp32 accumulator for the [vocab, hidden] gradient and one chunk of logits
+(the fused kernel: 2 bytes per logit, the chunk becoming its own gradient, plus the final norm's buffers;
+the autograd head: 16 bytes per logit and a bf16 chunk gradient of [vocab, hidden]), and a layer's
 backward holds about 10 x ffn + 6 x hidden bf16 values per token of the micro-batch (HF's MLP keeps
 gate, up, act and product and their gradients; the norms upcast to fp32) plus the layer's gradient.
-The constants were fitted on the H200 to max_memory_allocated of Qwen3-4B at batch 8 and 32 and
-Llama-3.1-8B at batch 8 with 2 and 3 slots (bench/results/2026-11-30-engine-8f5f01a.jsonl): the model
-is 1-3% above each measurement before the 5% safety margin.
+The window counts one slot for an untied model's embedding and head (they share it). The constants
+were fitted on the H200 to max_memory_allocated of Qwen3-4B at batch 8 and 32 and Llama-3.1-8B at batch
+8, both loss heads, 2 and 3 slots (bench/results/2026-11-30-*.jsonl, tests/test_plan.py): the model is
+at most 10% above each measurement, never below.
 
 Micro-batches are free in this engine (weights cross PCIe once per step however many there are), so
 the planner bounds a layer's backward by splitting the batch, and keeps as many layer inputs on the
