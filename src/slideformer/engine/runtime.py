@@ -40,8 +40,7 @@ from ..config import EngineConfig
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter
 from ..optim.adamw import adamw_compact_, adamw_update_, resolve_backend
-from ..window.schedule import next_update
-from ..window.schedule import Visit
+from ..window.schedule import Visit, next_update
 from ..window.slots import Slot
 from .profile import StepProfiler
 
