@@ -14,13 +14,16 @@ Hand-offs, and what makes each safe:
   waits for before writing that slot's gradients again.
 - slot grads -> host buffer: the main thread takes a free host gradient buffer (waiting on a condition
   that the worker signals when it returns one after an update).
-- host grads -> optimizer (worker thread): each job carries the d2h event; the worker blocks on it
-  before reading the gradient, updates, then sets the unit's ``updated`` flag. Among the jobs whose
-  gradients have landed it takes the lowest unit first (``schedule.next_update``): that is the order
-  the next forward needs them in, so updates still running when backward ends overlap that forward.
+- host grads -> optimizer (worker thread): the gradient is copied in chunks (``grad_chunk_elems``), each
+  with its own d2h event; the worker blocks on a chunk's event before updating that chunk, so the
+  update overlaps the rest of the copy, then sets the unit's ``updated`` flag after the last chunk.
+  Among the jobs whose first chunk has landed it takes the lowest unit first (``schedule.next_update``):
+  that is the order the next forward needs them in, so updates still running when backward ends overlap
+  that forward.
 - NVMe moments -> optimizer: the reader thread reads a unit's moments into a free RAM buffer and sets
   the unit's ``tier ready`` flag; the worker waits for it (and only picks units whose moments are in),
-  updates, then hands the buffer to the writer thread, which writes it back and frees the buffer.
+  updates, then hands the buffer to the writer thread, which writes it back and frees the buffer. The
+  reader reads a unit again (next step) only after that write has finished (``tier written``).
 - Errors: the first failure in any thread is kept and raised in the main thread at its next wait;
   the other threads then skip their work but still release what they hold, so nothing hangs.
 
