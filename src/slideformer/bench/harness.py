@@ -31,7 +31,7 @@ import torch
 from .. import EngineConfig, SlideEngine
 from ..engine.loss import chunked_head_loss, fused_head_loss
 from ..model import ModelAdapter
-from ..plan import ModelShape, Placement, gpu_budget, choose_resident_layers
+from ..plan import ModelShape, auto_resident_layers, gpu_budget
 from ..presets import preset_config
 
 
@@ -64,11 +64,10 @@ def run_slideformer(args, config):
                        resident_layers=0 if auto else int(args.resident_layers), loss_kernel=args.loss_kernel,
                        optimizer_state=args.optimizer_state, offload_dir=args.offload_dir, nvme_fraction=args.nvme_fraction,
                        gpu_memory_limit=int(args.gpu_memory_limit_gib * 2**30) if args.gpu_memory_limit_gib else None)
-    if auto and args.device == "cuda" and cfg.optimizer_state != "compact" and not cfg.offload_dir:
+    if auto and args.device == "cuda":  # what `slideformer train` picks
         shape = ModelShape.from_adapter(ModelAdapter(config, args.dtype))
-        budget = gpu_budget(cfg)  # the engine plans micro-batches and activations for the budget k was chosen for
-        cfg = dataclasses.replace(cfg, resident_layers=choose_resident_layers(shape, args.batch, args.seq, budget,
-                                                                           Placement.of(cfg)), gpu_memory_limit=budget)
+        cfg = dataclasses.replace(cfg, resident_layers=auto_resident_layers(cfg, shape, args.batch, args.seq),
+                                  gpu_memory_limit=gpu_budget(cfg))
     engine = SlideEngine.from_config(config, cfg)
     params = engine.adapter.num_params
     gen = torch.Generator().manual_seed(0)

@@ -207,8 +207,6 @@ class SlideEngine:
         params, grads = slot.views(unit)
         bind_parameters(ad.skeleton.model, {"norm.weight": params["norm.weight"]})
         rt.begin_grads(slot)
-        if not ad.tied:  # the slot is shared with the embedding: clear its gradient from the alignment gaps
-            slot.grads[: unit.numel].zero_()
         if ad.tied:  # the matrix lives in the embedding's slot; its gradient starts there
             eslot = rt.slots[self._embed_slot[0]][self._embed_slot[1]]
             rt.begin_grads(eslot)
@@ -217,6 +215,7 @@ class SlideEngine:
             st.embed_grad_written = True
         else:
             w, gw = params["lm_head.weight"], grads[1]
+            slot.grads[: unit.numel].zero_()  # the slot is shared with the embedding: clear the alignment gaps
         gnorm = grads[0]
         acc_n, acc_w = gnorm, gw
         if gw.dtype != torch.float32:  # sum chunk gradients in fp32, cast once at the end

@@ -192,6 +192,18 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
     return needed
 
 
+def auto_resident_layers(cfg, shape: ModelShape, batch: int, seq: int) -> int:
+    """``resident_layers="auto"`` for an EngineConfig: ``choose_resident_layers`` under its GPU budget
+    (``gpu_budget``; the caller hands the engine that budget too, so that micro-batches and activations
+    are planned for the memory the choice assumed). Layers on the NVMe tier stream, and compact state
+    trains no layer on the GPU yet."""
+    if cfg.optimizer_state == "compact":
+        return 0
+    k = choose_resident_layers(shape, batch, seq, gpu_budget(cfg), Placement.of(cfg))
+    nvme = round(cfg.nvme_fraction * shape.layers) if cfg.offload_dir else 0
+    return min(k, shape.layers - nvme)
+
+
 def nvme_bytes(shape: ModelShape, nvme_layers: int, compact: bool = False) -> int:
     """Disk for the Adam moments (exp_avg and exp_avg_sq: fp32, or bf16 when ``compact``) of
     ``nvme_layers`` decoder layers."""

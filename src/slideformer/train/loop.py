@@ -101,14 +101,11 @@ def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) ->
 def auto_resident_layers(cfg: TrainConfig, hf_config, ecfg: EngineConfig, examples) -> int:
     """As many layers on the GPU as the budget leaves room for at this step's shape (the planner's call)."""
     from ..model import ModelAdapter
-    from ..plan import ModelShape, Placement, gpu_budget, choose_resident_layers
+    from .. import plan
 
-    shape = ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype))
+    shape = plan.ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype))
     seq = cfg.cutoff_len if cfg.packing else min(cfg.cutoff_len, max(len(ids) for ids, _ in examples))
-    k = choose_resident_layers(shape, cfg.micro_batch_size * cfg.gradient_accumulation_steps, seq,
-                            gpu_budget(ecfg), Placement.of(ecfg))
-    nvme = round(ecfg.nvme_fraction * shape.layers) if ecfg.offload_dir else 0
-    return min(k, shape.layers - nvme)  # layers on the NVMe tier stream (their moments live on disk)
+    return plan.auto_resident_layers(ecfg, shape, cfg.micro_batch_size * cfg.gradient_accumulation_steps, seq)
 
 
 def _checkpoints(out: Path) -> list[Path]:
@@ -141,8 +138,7 @@ def train(cfg: TrainConfig) -> dict:
     from ..presets import preset_config
 
     hf_config = preset_config("tiny") if cfg.model_name_or_path == "tiny" else AutoConfig.from_pretrained(cfg.model_name_or_path)
-    if o.resident_layers == "auto" and device == "cuda" and ecfg.optimizer_state != "compact":  # compact: GPU-side not yet
-        # The engine then plans micro-batches and activation placement for the same budget that k was chosen for.
+    if o.resident_layers == "auto" and device == "cuda":
         from ..plan import gpu_budget
 
         ecfg = dataclasses.replace(ecfg, resident_layers=auto_resident_layers(cfg, hf_config, ecfg, examples),
