@@ -22,7 +22,8 @@ if [[ $what == tests || $what == all ]]; then
   python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
 fi
 if [[ $what == optim || $what == all ]]; then
-  python3 -m slideformer.bench.optimizer --params 2e9 --threads 8,12,15,16 2>&1 | tee -a "$OUT/optimizer.jsonl" | tail -2
+  python3 -m slideformer.bench.optimizer --params 2e9 --threads 8,12,15,16 \
+    --variants scalar,scalar512,avx512,avx512_plain_out,avx512_prefetch,avx512_one_div 2>&1 | tee -a "$OUT/optimizer.jsonl" | tail -2
 fi
 if [[ $what == loss || $what == all ]]; then
   PYTHONPATH=$PYTHONPATH:/tmp/liger python3 -m slideformer.bench.loss 2>&1 | tee -a "$OUT/loss.jsonl" | tail -8

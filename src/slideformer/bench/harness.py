@@ -23,6 +23,7 @@ import json
 import os
 import resource
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -59,7 +60,7 @@ def run_slideformer(args, config):
     auto = args.resident_layers == "auto"
     cfg = EngineConfig(lr=1e-5, device=args.device, compute_dtype=args.dtype, window_slots=args.slots,
                        prefetch_depth=args.depth, host_weights=args.host_weights, profile=True,
-                       host_grad_buffers=args.host_grad_buffers,
+                       host_grad_buffers=args.host_grad_buffers, grad_chunk_elems=args.grad_chunk_elems,
                        max_grad_norm=args.max_grad_norm, loss_chunk_tokens=args.loss_chunk,
                        resident_layers=0 if auto else int(args.resident_layers), loss_kernel=args.loss_kernel,
                        optimizer_state=args.optimizer_state, offload_dir=args.offload_dir, nvme_fraction=args.nvme_fraction,
@@ -223,6 +224,9 @@ def main(argv=None):
     ap.add_argument("--host-weights", default="persistent")
     ap.add_argument("--host-grad-buffers", type=int, default=EngineConfig.host_grad_buffers,
                     help="pinned host gradient buffers the layers share (the optimizer's backlog)")
+    ap.add_argument("--grad-chunk-elems", type=int, default=EngineConfig.grad_chunk_elems)
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="sys.setswitchinterval for the run: how long the GPU-driving thread may hold the GIL")
     ap.add_argument("--max-grad-norm", type=float, default=None)
     ap.add_argument("--gpu-memory-limit-gib", type=float, default=None)
     ap.add_argument("--loss-chunk", type=int, default=1024)
@@ -240,6 +244,8 @@ def main(argv=None):
                     help="after the timed steps, profile one more step and record its N costliest GPU ops")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
     args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     cuda = args.device == "cuda"
 
@@ -272,7 +278,8 @@ def main(argv=None):
         "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "build_s": build_s, "commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name() if cuda else "none", "torch": torch.__version__,
-        "settings": {k: getattr(args, k) for k in ("slots", "depth", "host_weights", "host_grad_buffers", "max_grad_norm",
+        "settings": {k: getattr(args, k) for k in ("slots", "depth", "host_weights", "host_grad_buffers", "grad_chunk_elems",
+                                                   "switch_interval", "max_grad_norm",
                                                    "gpu_memory_limit_gib", "loss_chunk", "resident_layers",
                                                    "loss_kernel", "optimizer_state", "ds_loss", "offload_dir",
                                                    "nvme_fraction")},

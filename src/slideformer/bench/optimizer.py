@@ -11,10 +11,21 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ..optim import native
+
+# Compile-time variants of csrc/adamw.cpp, measured side by side (bench/NOTES.md, session 3).
+VARIANTS = {
+    "scalar": ("-DSF_NO_INTRIN",),
+    "scalar512": ("-DSF_NO_INTRIN", "-mprefer-vector-width=512"),
+    "avx512": (),
+    "avx512_plain_out": ("-DSF_PLAIN_OUT",),
+    "avx512_prefetch": ("-DSF_PREFETCH=1024",),
+    "avx512_one_div": ("-DSF_RCP",),
+}
 
 
 def best(fn, reps: int = 3) -> float:
@@ -31,6 +42,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--params", type=float, default=2e9)
     ap.add_argument("--threads", default="8,12,15,16")
+    ap.add_argument("--variants", default="", help="comma-separated builds of the kernel to compare, from VARIANTS")
     args = ap.parse_args(argv)
     n = int(args.params)
     threads = [int(t) for t in args.threads.split(",")]
@@ -45,7 +57,7 @@ def main(argv=None) -> dict:
     mod = native.load(strict=True)
     step = [0]
 
-    def native_step(t):
+    def native_step(t, mod=mod):
         step[0] += 1
         mod.adamw_step(p, g, m, v, out, step[0], 1e-5, 0.9, 0.999, 1e-8, 0.0, 1.0, t)
 
@@ -53,6 +65,24 @@ def main(argv=None) -> dict:
         dt = best(lambda t=t: native_step(t))
         rec[f"native_t{t}_gparams"] = n / dt / 1e9
         rec[f"native_t{t}_gbs"] = 28 * n / dt / 1e9
+    # as the engine calls it: one call per 16M-element chunk of gradient (EngineConfig.grad_chunk_elems)
+    chunk = 16 << 20
+    pieces = list(zip(*(x.split(chunk) for x in (p, g, m, v, out))))
+
+    def chunked_step(t):
+        step[0] += 1
+        for pp, gg, mm, vv, oo in pieces:
+            mod.adamw_step(pp, gg, mm, vv, oo, step[0], 1e-5, 0.9, 0.999, 1e-8, 0.0, 1.0, t)
+
+    t = max(threads) - 1
+    rec[f"chunked_t{t}_gparams"] = n / best(lambda: chunked_step(t)) / 1e9
+    names = [v for v in args.variants.split(",") if v]
+    with ThreadPoolExecutor(len(names) or 1) as ex:  # each build is one compiler process
+        built = dict(zip(names, ex.map(lambda v: native.build("_" + v, VARIANTS[v]), names)))
+    for name, variant in built.items():
+        t = max(threads)
+        dt = best(lambda: native_step(t, variant))
+        rec[f"{name}_t{t}_gparams"] = n / dt / 1e9
     gf = g.float()
     st = torch.tensor(1.0)
     for t in (max(threads),):

@@ -23,9 +23,7 @@ def load(strict: bool = False):
     if "module" in _loaded:
         return _loaded["module"]
     try:
-        from torch.utils.cpp_extension import load as build
-
-        module = build(name="slideformer_adamw", sources=[str(_SOURCE)], extra_cflags=_FLAGS, verbose=False)
+        module = build()
     except Exception as e:  # no compiler, no headers, no ninja: torch's kernel still works
         if strict:
             raise
@@ -34,6 +32,15 @@ def load(strict: bool = False):
         module = None
     _loaded["module"] = module
     return module
+
+
+def build(tag: str = "", flags: tuple[str, ...] = ()):
+    """Compile (or fetch from torch's cache) the extension; ``tag`` and ``flags`` name and shape a variant
+    for the optimizer benchmark."""
+    from torch.utils.cpp_extension import load as torch_load
+
+    return torch_load(name="slideformer_adamw" + tag, sources=[str(_SOURCE)], extra_cflags=_FLAGS + list(flags),
+                      verbose=False)
 
 
 def default_threads() -> int:

@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -15,6 +16,11 @@
 #include <mutex>
 #include <thread>
 #include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(SF_NO_INTRIN)
+#include <immintrin.h>
+#define SF_AVX512 1
+#endif
 
 namespace {
 
@@ -96,22 +102,27 @@ Pool& pool_of(int64_t threads) {
   return *p;
 }
 
-// Split [0, n) into contiguous ranges (multiples of 16 elements), one per thread, at most one thread per
-// 64k elements.
+// Split [0, n) into blocks of 64k elements that the pool's threads take in turn from a shared counter.
+// Each call ends at a barrier, and the optimizer shares its cores with the thread that drives the GPU and
+// the copy threads: with fixed shares, one preempted thread held up every chunk's call (measured 17%
+// slower per step than one call per unit, session 3); with blocks it holds up one block.
+constexpr int64_t kBlock = 1 << 16;
+
 template <typename F>
 void parallel_ranges(int64_t n, int64_t threads, F&& fn) {
-  const int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, (n + 65535) / 65536));
-  const int64_t per = ((n + t - 1) / t + 15) / 16 * 16;
-  auto work = [&](int64_t k) {
-    const int64_t b = k * per, e = std::min(n, b + per);
-    if (b < e) fn(b, e);
-  };
+  const int64_t blocks = (n + kBlock - 1) / kBlock;
+  const int64_t t = std::max<int64_t>(1, std::min<int64_t>(threads, blocks));
   if (t == 1) {
-    work(0);
+    if (n > 0) fn(0, n);
     return;
   }
-  const std::function<void(int64_t)> task = [&](int64_t k) { if (k < t) work(k); };
-  pool_of(std::max<int64_t>(1, threads)).run(task);
+  std::atomic<int64_t> next{0};
+  const std::function<void(int64_t)> task = [&](int64_t k) {
+    if (k >= t) return;
+    for (int64_t j; (j = next.fetch_add(1, std::memory_order_relaxed)) < blocks;)
+      fn(j * kBlock, std::min(n, (j + 1) * kBlock));
+  };
+  pool_of(threads).run(task);
 }
 
 inline float bf16_to_f32(uint16_t h) {
@@ -157,10 +168,75 @@ void run_range(float* __restrict p, const typename G::T* __restrict g, float* __
   }
 }
 
+#ifdef SF_AVX512
+// The hot case by hand (bf16 gradient in, bf16 copy out), 16 lanes at a time: the copy goes out with
+// non-temporal stores, since nothing reads it before the host-to-device copy and a normal store would
+// first read each line (30 instead of 28 bytes per parameter). The arithmetic is the scalar loop's.
+template <bool LerpLow>
+int64_t run_range_avx512(float* __restrict p, const uint16_t* __restrict g, float* __restrict m,
+                         float* __restrict v, uint16_t* __restrict out, int64_t begin, int64_t end, const Hyper hp) {
+  const __m512 decay = _mm512_set1_ps(hp.lr_wd_decay), w1 = _mm512_set1_ps(hp.w1),
+               omw1 = _mm512_set1_ps(1.0f - hp.w1), b2 = _mm512_set1_ps(hp.beta2),
+               omb2 = _mm512_set1_ps(hp.one_minus_beta2), eps = _mm512_set1_ps(hp.eps),
+               step_size = _mm512_set1_ps(hp.step_size), coef = _mm512_set1_ps(hp.coef);
+#ifdef SF_RCP
+  const __m512 inv_bc2 = _mm512_set1_ps(1.0f / hp.bc2_sqrt);
+#else
+  const __m512 bc2_sqrt = _mm512_set1_ps(hp.bc2_sqrt);
+#endif
+  const __m512i round = _mm512_set1_epi32(0x7fff), one = _mm512_set1_epi32(1), qnan = _mm512_set1_epi32(0x7fc0);
+  int64_t i = begin;
+  // Non-temporal stores need 32-byte alignment of the copy: the scalar loop takes the lanes before it.
+  while (i < end && (reinterpret_cast<uintptr_t>(out + i) & 31u) != 0) ++i;
+  const int64_t head = i;
+  run_range<BF16, BF16, LerpLow>(p, g, m, v, out, begin, head, hp);
+  for (; i + 16 <= end; i += 16) {
+#ifdef SF_PREFETCH
+    _mm_prefetch(reinterpret_cast<const char*>(p + i) + SF_PREFETCH, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(m + i) + SF_PREFETCH, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(v + i) + SF_PREFETCH, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(g + i) + SF_PREFETCH / 2, _MM_HINT_T0);
+#endif
+    const __m256i graw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + i));
+    const __m512 gi = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(graw), 16)), coef);
+    const __m512 m0 = _mm512_loadu_ps(m + i);
+    const __m512 d = _mm512_sub_ps(gi, m0);
+    const __m512 mi = LerpLow ? _mm512_fmadd_ps(w1, d, m0) : _mm512_fnmadd_ps(d, omw1, gi);
+    const __m512 vi = _mm512_fmadd_ps(_mm512_loadu_ps(v + i), b2, _mm512_mul_ps(_mm512_mul_ps(omb2, gi), gi));
+#ifdef SF_RCP
+    const __m512 denom = _mm512_fmadd_ps(_mm512_sqrt_ps(vi), inv_bc2, eps);
+#else
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2_sqrt), eps);
+#endif
+    const __m512 pi = _mm512_fmsub_ps(_mm512_loadu_ps(p + i), decay, _mm512_div_ps(_mm512_mul_ps(step_size, mi), denom));
+    _mm512_storeu_ps(p + i, pi);
+    _mm512_storeu_ps(m + i, mi);
+    _mm512_storeu_ps(v + i, vi);
+    // round to nearest even as f32_to_bf16 does; NaN lanes become the canonical quiet NaN
+    const __m512i bits = _mm512_castps_si512(pi);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, round),
+                                                   _mm512_and_si512(_mm512_srli_epi32(bits, 16), one)), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(pi, pi, _CMP_UNORD_Q), qnan);
+#ifdef SF_PLAIN_OUT
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(r));
+#else
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(r));
+#endif
+  }
+  return i;
+}
+#endif
+
 template <typename G, typename O>
 void run(float* p, const typename G::T* g, float* m, float* v, typename O::T* out, int64_t n, Hyper h,
          int64_t threads) {
   parallel_ranges(n, threads, [&](int64_t b, int64_t e) {
+#ifdef SF_AVX512
+    if constexpr (std::is_same_v<G, BF16> && std::is_same_v<O, BF16>) {
+      b = h.w1 < 0.5f ? run_range_avx512<true>(p, g, m, v, out, b, e, h) : run_range_avx512<false>(p, g, m, v, out, b, e, h);
+      _mm_sfence();  // the streamed copy is visible before the caller records its host-to-device copy
+    }
+#endif
     if (h.w1 < 0.5f) run_range<G, O, true>(p, g, m, v, out, b, e, h);
     else run_range<G, O, false>(p, g, m, v, out, b, e, h);
   });
