@@ -59,6 +59,11 @@ if [[ $what == bench || $what == all ]]; then
                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --host-grad-buffers 24" \
                    "plain qwen3-4b 32" "slideformer qwen3-4b 32 --gpu-memory-limit-gib 24" \
                    "deepspeed qwen3-4b 32 --gpu-memory-limit-gib 24 --ds-loss fused" ;;
+    # Session 3: why the optimizer got slower per step at 4B b8 after the chunked stream (NOTES)
+    table5) set -- "slideformer qwen3-4b 8 --resident-layers 0" \
+                   "slideformer qwen3-4b 8 --resident-layers 0 --grad-chunk-elems 1000000000" \
+                   "slideformer qwen3-4b 8 --resident-layers 0 --switch-interval 0.0002" \
+                   "plain qwen3-4b 8" "slideformer qwen3-4b 8" ;;
   esac
   if [[ $# -eq 0 ]]; then
     set -- "plain qwen3-4b 8" "slideformer qwen3-4b 8" "plain qwen3-4b 32" "slideformer qwen3-4b 32" \
