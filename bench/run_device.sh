@@ -23,7 +23,7 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == optim || $what == all ]]; then
   python3 -m slideformer.bench.optimizer --params 2e9 --threads 8,12,15,16 \
-    --variants scalar,scalar512,avx512,avx512_plain_out,avx512_prefetch,avx512_one_div 2>&1 | tee -a "$OUT/optimizer.jsonl" | tail -2
+    --variants portable,no_prefetch 2>&1 | tee -a "$OUT/optimizer.jsonl" | tail -2
 fi
 if [[ $what == loss || $what == all ]]; then
   PYTHONPATH=$PYTHONPATH:/tmp/liger python3 -m slideformer.bench.loss 2>&1 | tee -a "$OUT/loss.jsonl" | tail -8
@@ -64,6 +64,10 @@ if [[ $what == bench || $what == all ]]; then
                    "slideformer qwen3-4b 8 --resident-layers 0 --grad-chunk-elems 1000000000" \
                    "slideformer qwen3-4b 8 --resident-layers 0 --switch-interval 0.0002" \
                    "plain qwen3-4b 8" "slideformer qwen3-4b 8" ;;
+    # Session 3, after the per-unit landing flags: issue 3's 4B rows against plain and DeepSpeed in one run
+    table6) set -- "slideformer qwen3-4b 8 --resident-layers 0" "slideformer qwen3-4b 8 --resident-layers 0 --host-grad-buffers 36" \
+                   "plain qwen3-4b 8" "slideformer qwen3-4b 8" "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24" \
+                   "deepspeed qwen3-4b 8 --gpu-memory-limit-gib 24" "plain qwen3-4b 32" "slideformer qwen3-4b 32 --gpu-memory-limit-gib 24" ;;
   esac
   if [[ $# -eq 0 ]]; then
     set -- "plain qwen3-4b 8" "slideformer qwen3-4b 8" "plain qwen3-4b 32" "slideformer qwen3-4b 32" \

@@ -6,6 +6,9 @@ import torch
 # Triton kernels run in its interpreter on the CPU; the variable must be set before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# ``@triton.jit`` reads the variable when a kernel module is imported: import ours now, not first inside
+# a test that has unset it (that made the interpreted tests fail whenever a subset of files ran).
+import slideformer.kernels  # noqa: E402,F401
 
 torch.set_num_threads(2)
 

@@ -128,3 +128,64 @@ def test_compact_state_tracks_fp32_adamw():
     got = hi.float() + lo.float()
     assert float((got - ref).norm() / (ref - p).norm()) < 0.01
     assert float((v.float() - rv).norm() / rv.norm()) < 0.05
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_native_update_follows_the_landing_flags(compact):
+    """One call per unit updates each chunk once its flag shows the ticket, and only then; an abort ends
+    the wait for a chunk that never lands."""
+    import threading
+    import time
+
+    from slideformer.optim.adamw import Landing, adamw_compact_
+
+    n, chunk, ticket = 1000, 300, 7
+    torch.manual_seed(0)
+    g = torch.randn(n).bfloat16()
+    if compact:
+        state = [torch.randn(n).bfloat16(), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16),
+                 torch.zeros(n, dtype=torch.bfloat16)]
+        ref = [t.clone() for t in state]
+
+        def update(s, landing=None):
+            adamw_compact_(s[0], s[1], g, s[2], s[3], step=1, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                           backend="native", threads=2, landing=landing)
+    else:
+        state = [torch.randn(n), torch.zeros(n), torch.zeros(n)]
+        ref = [t.clone() for t in state]
+
+        def update(s, landing=None):
+            adamw_update_(s[0], g, s[1], s[2], step=1, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                          backend="native", threads=2, landing=landing)
+    update(ref)
+    before = state[0].clone()
+    flags, abort = torch.zeros(4, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    flags[0] = ticket - 1  # a previous send's ticket: not this one
+    th = threading.Thread(target=lambda: update(state, Landing(flags, ticket, chunk, abort)))
+    th.start()
+    time.sleep(0.05)
+    assert torch.equal(state[0], before)  # nothing has landed
+    flags[0] = ticket
+    time.sleep(0.05)
+    assert not torch.equal(state[0][:chunk], before[:chunk]) and torch.equal(state[0][chunk:], before[chunk:])
+    flags[1:] = ticket
+    th.join(5)
+    assert not th.is_alive()
+    for a, b in zip(state, ref):
+        assert torch.equal(a, b)  # chunk by chunk is the same update as one piece
+
+    flags.zero_()
+    failure = []
+
+    def waits_forever():
+        try:
+            update(state, Landing(flags, ticket, chunk, abort))
+        except RuntimeError as e:
+            failure.append(str(e))
+
+    th = threading.Thread(target=waits_forever)
+    th.start()
+    time.sleep(0.05)
+    abort.fill_(1)
+    th.join(5)
+    assert not th.is_alive() and "aborted" in failure[0]

@@ -19,12 +19,8 @@ from ..optim import native
 
 # Compile-time variants of csrc/adamw.cpp, measured side by side (bench/NOTES.md, session 3).
 VARIANTS = {
-    "scalar": ("-DSF_NO_INTRIN",),
-    "scalar512": ("-DSF_NO_INTRIN", "-mprefer-vector-width=512"),
-    "avx512": (),
-    "avx512_plain_out": ("-DSF_PLAIN_OUT",),
-    "avx512_prefetch": ("-DSF_PREFETCH=1024",),
-    "avx512_one_div": ("-DSF_RCP",),
+    "portable": ("-DSF_NO_INTRIN",),  # what a CPU without AVX-512 runs
+    "no_prefetch": ("-DSF_PREFETCH=0",),
 }
 
 

@@ -419,13 +419,14 @@ class SlideEngine:
         rep["gpu_window"] = self.runtime.gpu_bytes()
         return rep
 
-    def close(self) -> None:
-        self.runtime.close()
+    def close(self, abort: bool = False) -> None:
+        """Release threads, pinned memory and tier files; ``abort`` after a failure (see Runtime.close)."""
+        self.runtime.close(abort)
         self.activations.close()
         self.store.close()
 
     def __enter__(self) -> "SlideEngine":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(abort=exc_type is not None)

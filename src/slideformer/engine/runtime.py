@@ -14,9 +14,11 @@ Hand-offs, and what makes each safe:
   waits for before writing that slot's gradients again.
 - slot grads -> host buffer: the main thread takes a free host gradient buffer (waiting on a condition
   that the worker signals when it returns one after an update).
-- host grads -> optimizer (worker thread): the gradient is copied in chunks (``grad_chunk_elems``), each
-  with its own d2h event; the worker blocks on a chunk's event before updating that chunk, so the
-  update overlaps the rest of the copy, then sets the unit's ``updated`` flag after the last chunk.
+- host grads -> optimizer (worker thread): the gradient is copied in chunks (``grad_chunk_elems``); after
+  each chunk the d2h stream writes the send's ticket into that chunk's flag in pinned memory
+  (``optim.Landing``). The worker makes one kernel call per unit, which updates each chunk as soon as
+  its flag shows, so the update overlaps the rest of the copy without the worker taking the GIL per
+  chunk; it then sets the unit's ``updated`` flag.
   Among the jobs whose first chunk has landed it takes the lowest unit first (``schedule.next_update``):
   that is the order the next forward needs them in, so updates still running when backward ends overlap
   that forward.
@@ -27,12 +29,18 @@ Hand-offs, and what makes each safe:
 - Errors: the first failure in any thread is kept and raised in the main thread at its next wait;
   the other threads then skip their work but still release what they hold, so nothing hangs.
 
-On the CPU (``device="cpu"``) every copy is a plain synchronous copy and there are no events, but the
-worker thread, the flags and the order of operations are the same, so CI exercises this code.
+- The GIL: the worker and loader threads release it inside their kernels and copies, and need it back
+  for a moment after each; the runtime shortens the interpreter's switch interval while it runs
+  (``SWITCH_INTERVAL_S``), or the GPU-driving thread would keep them waiting up to 5 ms each time.
+
+On the CPU (``device="cpu"``) every copy is a plain synchronous copy, its flags are set by the main
+thread, and there are no events, but the worker thread, the flags and the order of operations are the
+same, so CI exercises this code.
 """
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -42,12 +50,15 @@ import torch
 from ..config import EngineConfig
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter
-from ..optim.adamw import adamw_compact_, adamw_update_, resolve_backend
+from ..optim.adamw import Landing, adamw_compact_, adamw_update_, resolve_backend
 from ..window.schedule import Visit, next_update
 from ..window.slots import Slot
 from .profile import StepProfiler
 
 STAGING_ELEMS = 32 * 2**20  # "staged" host weights: cast the master in 32M-element chunks
+# How long one thread may hold the GIL while another waits for it (Python's default is 5 ms). Measured at
+# Qwen3-4B b8 with a kernel call per chunk: 1.186 s per step at 5 ms, 1.067 s at 0.2 ms (table5-d2d9182).
+SWITCH_INTERVAL_S = 2e-4
 
 
 @dataclass
@@ -62,12 +73,11 @@ class UpdateJob:
 @dataclass
 class SentGrads:
     buffer: int  # index into HostStore.grad_buffers, returned to the pool after the update
-    chunks: list  # (start, end, d2h event or None on the CPU): the update of a chunk starts when it lands
+    landing: Landing  # when each chunk is on the host
 
     def landed(self) -> bool:
         """The first chunk is on the host: the update can start."""
-        ev = self.chunks[0][2]
-        return ev is None or ev.query()
+        return self.landing.landed(0)
 
 
 class Runtime:
@@ -110,7 +120,13 @@ class Runtime:
         needs_scratch = dt != torch.float32 and self.optimizer_backend == "torch"
         self._scratch = torch.empty(max(u.numel for u in adapter.units) if needs_scratch else 0, dtype=torch.float32)
         # Host gradient buffers: free flags under a condition; the main thread takes, the worker returns.
+        # Each has a row of landing flags, one per chunk; tickets number the sends.
         self._grad_free = [True] * len(store.grad_buffers)
+        chunks = -(-max(u.numel for u in adapter.units) // cfg.grad_chunk_elems)
+        self._landing_flags = torch.zeros(len(store.grad_buffers), chunks, dtype=torch.int64, pin_memory=self.cuda)
+        self._abort = torch.zeros(1, dtype=torch.int64)
+        self._tickets = 0
+        self._ticket = torch.zeros((), dtype=torch.int64, device=self.device) if self.cuda else None
         self._grad_cv = threading.Condition()
         self._jobs: queue.Queue[UpdateJob | None] = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="slideformer-optimizer", daemon=True)
@@ -137,6 +153,8 @@ class Runtime:
                 th.start()
                 self._tier_threads.append(th)
         self._closed = False
+        self._switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL_S))
 
     # -- resident units ------------------------------------------------------------------------------
     def upload_resident(self) -> None:
@@ -303,22 +321,25 @@ class Runtime:
         n = self.adapter.units[unit].numel
         dst = self.store.grad_buffers[buf][:n]
         step = self.cfg.grad_chunk_elems
-        bounds = [(a, min(n, a + step)) for a in range(0, n, step)]
+        self._tickets += 1
+        flags = self._landing_flags[buf]
+        landing = Landing(flags, self._tickets, step, self._abort)
         if not self.cuda:
             dst.copy_(slot.grads[:n])
-            return SentGrads(buf, [(a, b, None) for a, b in bounds])
+            flags.fill_(self._tickets)
+            return SentGrads(buf, landing)
         done = self.compute.record_event()
-        chunks = []
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(done)
             start = self._mark(self.d2h)
-            for a, b in bounds:
-                dst[a:b].copy_(slot.grads[a:b], non_blocking=True)
-                chunks.append((a, b, self.d2h.record_event()))
-            slot.grads_sent = chunks[-1][2]
+            self._ticket.fill_(self._tickets)  # a kernel on this stream: ordered before the flag copies below
+            for k, a in enumerate(range(0, n, step)):
+                dst[a: a + step].copy_(slot.grads[a: min(n, a + step)], non_blocking=True)
+                flags[k].copy_(self._ticket, non_blocking=True)
+            slot.grads_sent = self.d2h.record_event()
             if self.profiler:
                 self.profiler.copy("d2h", start, self._mark(self.d2h))
-        return SentGrads(buf, chunks)
+        return SentGrads(buf, landing)
 
     def _take_grad_buffer(self, unit: int) -> int:
         with self._grad_cv:
@@ -381,26 +402,23 @@ class Runtime:
                     exp_avg, exp_avg_sq = s.tier.views(job.unit, tier_buf)
                 else:
                     exp_avg, exp_avg_sq = s.exp_avg[job.unit], s.exp_avg_sq[job.unit]
-                grad = s.grad_buffers[job.grads.buffer]
+                n = self.adapter.units[job.unit].numel
+                grad = s.grad_buffers[job.grads.buffer][:n]
                 own_copy = s.weights is not None and s.weights is not s.master
-                # Chunk by chunk, each as soon as its copy has landed: the update overlaps the rest of the copy.
-                for a, b, landed in job.grads.chunks:
-                    if landed is not None:
-                        landed.synchronize()
-                    t0 = time.perf_counter()
-                    if s.compact:
-                        adamw_compact_(s.master[job.unit][a:b], s.master_lo[job.unit][a:b], grad[a:b], exp_avg[a:b],
-                                       exp_avg_sq[a:b], step=job.step, lr=job.lr, betas=c.betas, eps=c.eps,
-                                       weight_decay=c.weight_decay, grad_coef=job.grad_coef,
-                                       seed=c.seed * 1_000_003 + job.unit, offset=a, backend=self.optimizer_backend,
-                                       threads=c.optimizer_threads)
-                    else:
-                        adamw_update_(s.master[job.unit][a:b], grad[a:b], exp_avg[a:b], exp_avg_sq[a:b],
-                                      step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
-                                      grad_coef=job.grad_coef, out=s.weights[job.unit][a:b] if own_copy else None,
-                                      scratch=self._scratch, backend=self.optimizer_backend, threads=c.optimizer_threads)
-                    if self.profiler:
-                        self.profiler.add_host("optimizer", time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                if s.compact:
+                    adamw_compact_(s.master[job.unit], s.master_lo[job.unit], grad, exp_avg, exp_avg_sq,
+                                   step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
+                                   grad_coef=job.grad_coef, seed=c.seed * 1_000_003 + job.unit,
+                                   backend=self.optimizer_backend, threads=c.optimizer_threads, landing=job.grads.landing)
+                else:
+                    adamw_update_(s.master[job.unit], grad, exp_avg, exp_avg_sq, step=job.step, lr=job.lr,
+                                  betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, grad_coef=job.grad_coef,
+                                  out=s.weights[job.unit] if own_copy else None, scratch=self._scratch,
+                                  backend=self.optimizer_backend, threads=c.optimizer_threads,
+                                  landing=job.grads.landing)
+                if self.profiler:  # includes waits for chunks still in flight: rare, the optimizer trails the copies
+                    self.profiler.add_host("optimizer", time.perf_counter() - t0)
         except BaseException as e:  # surfaced to the main thread at its next wait
             self._fail(e)
         finally:
@@ -435,10 +453,15 @@ class Runtime:
         state = sum(t.numel() * t.element_size() for ts in self.resident.values() for t in ts)
         return sum(s.nbytes for s in slots) + state
 
-    def close(self) -> None:
+    def close(self, abort: bool = False) -> None:
+        """Stop the threads after their queued work; ``abort`` (after a failure in the main thread) first
+        ends any wait for gradient chunks that a failed GPU will never deliver."""
         if self._closed:
             return
         self._closed = True
+        if abort:
+            self._abort.fill_(1)
+        sys.setswitchinterval(self._switch_interval)
         # The optimizer first: its last jobs may still need the tier's reads; then the tier threads,
         # which finish their queued writes; the loader last (pending loads wait for those updates).
         self._jobs.put(None)

@@ -9,26 +9,60 @@ Two interchangeable backends, exact to rounding against ``torch.optim.AdamW``:
 """
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 
 from . import native
 
 
+@dataclass
+class Landing:
+    """How a unit's gradient arrives: in chunks of ``chunk`` elements, chunk k on the host once
+    ``flags[k] >= ticket`` (the runtime's copy stream writes the ticket after each chunk). The native
+    kernel updates each chunk as it lands, in one call; ``abort[0] != 0`` ends the wait (the GPU failed)."""
+
+    flags: torch.Tensor  # int64, one entry per chunk (pinned on a GPU run)
+    ticket: int
+    chunk: int
+    abort: torch.Tensor  # int64 [1]
+
+    def landed(self, k: int = 0) -> bool:
+        return int(self.flags[k]) >= self.ticket
+
+    def wait(self, numel: int) -> None:
+        """Until the last chunk has landed (the torch backend updates a unit in one piece)."""
+        last = (numel - 1) // self.chunk
+        t0 = time.monotonic()
+        while not self.landed(last):
+            if int(self.abort[0]) or time.monotonic() - t0 > 120:
+                raise RuntimeError("the gradient stream was aborted" if int(self.abort[0]) else
+                                   f"gradient chunk {last} never landed (no copy for 120 s)")
+            time.sleep(2e-5)
+
+    def kwargs(self) -> dict:
+        return dict(flags=self.flags, ticket=self.ticket, chunk=self.chunk, abort=self.abort)
+
+
 def adamw_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                   *, step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                   grad_coef: float = 1.0, out: torch.Tensor | None = None, scratch: torch.Tensor | None = None,
-                  backend: str = "torch", threads: int | None = None) -> None:
+                  backend: str = "torch", threads: int | None = None, landing: Landing | None = None) -> None:
     """Decoupled-weight-decay Adam, exactly torch.optim.AdamW's update for the ``step``-th step.
 
     ``out``, when given, receives the updated weights in its dtype (the compute copy sent to the GPU).
+    ``landing``, when given, says when each chunk of ``grad`` is there to be read.
     """
     if backend == "native":
         mod = native.load(strict=True)
         mod.adamw_step(master, grad, exp_avg, exp_avg_sq, out, step, lr, betas[0], betas[1], eps, weight_decay,
-                       grad_coef, threads or native.default_threads())
+                       grad_coef, threads or native.default_threads(), **(landing.kwargs() if landing else {}))
         return
     if backend != "torch":
         raise ValueError(f"unknown optimizer backend {backend!r}; use 'native' or 'torch'")
+    if landing is not None:
+        landing.wait(grad.numel())
     if grad.dtype != torch.float32:
         if scratch is None or scratch.numel() < grad.numel():
             raise ValueError("a non-fp32 gradient needs an fp32 scratch buffer at least as large")
@@ -76,7 +110,7 @@ def _bf16_stochastic(x: torch.Tensor, seed: int, offset: int = 0) -> torch.Tenso
 def adamw_compact_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                    exp_avg_sq: torch.Tensor, *, step: int, lr: float, betas: tuple[float, float], eps: float,
                    weight_decay: float, grad_coef: float = 1.0, seed: int = 0, offset: int = 0,
-                   backend: str = "native", threads: int | None = None) -> None:
+                   backend: str = "native", threads: int | None = None, landing: Landing | None = None) -> None:
     """AdamW on compact state: master = hi + lo (bf16 each), bf16 moments rounded stochastically.
 
     ``offset``: where these tensors start in their unit (the rounding bits hash the position in the unit,
@@ -88,8 +122,11 @@ def adamw_compact_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, exp_a
     if backend == "native":
         native.load(strict=True).adamw_step_compact(hi, lo, grad, exp_avg, exp_avg_sq, step, lr, betas[0], betas[1],
                                                      eps, weight_decay, grad_coef, seed, offset,
-                                                     threads or native.default_threads())
+                                                     threads or native.default_threads(),
+                                                     **(landing.kwargs() if landing else {}))
         return
+    if landing is not None:
+        landing.wait(grad.numel())
     b1, b2 = betas
     w1 = torch.tensor(1.0 - b1, dtype=torch.float32)
     f = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731  (fp32 scalars, as the kernel has)
