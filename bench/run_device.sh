@@ -8,13 +8,11 @@ OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 what=${1:-all}; shift || true
-# Baselines' packages the machine lacks travel as wheels in .whl (see bench/README.md); install those named.
+# Packages the machine lacks (DeepSpeed and its dependencies, Liger-Kernel) travel as wheels in .whl
+# (see bench/README.md). Liger is used only where asked for (--fused-ops liger, the loss benchmark).
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    $(ls .whl/*.whl | grep -v liger) && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
-if compgen -G ".whl/liger*.whl" > /dev/null; then  # only the loss benchmark compares against it
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/liger .whl/liger*.whl
+    .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; free -g | head -2;
   python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"; git rev-parse --short HEAD; } > "$OUT/machine.txt" 2>&1
@@ -26,7 +24,7 @@ if [[ $what == optim || $what == all ]]; then
     --variants portable,no_prefetch 2>&1 | tee -a "$OUT/optimizer.jsonl" | tail -2
 fi
 if [[ $what == loss || $what == all ]]; then
-  PYTHONPATH=$PYTHONPATH:/tmp/liger python3 -m slideformer.bench.loss 2>&1 | tee -a "$OUT/loss.jsonl" | tail -8
+  python3 -m slideformer.bench.loss 2>&1 | tee -a "$OUT/loss.jsonl" | tail -8
 fi
 if [[ $what == profile ]]; then  # issue 6: the costliest GPU ops of one Llama-8B step, streamed and resident
   for extra in "--resident-layers 0" "--resident-layers 31"; do

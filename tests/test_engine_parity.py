@@ -6,6 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from slideformer import EngineConfig, SlideEngine, lr_at
+from slideformer.config import ConfigError
 
 from tiny import FAMILIES, batch, build
 
@@ -329,3 +330,25 @@ def test_chunked_gradient_stream_updates_the_same(state, tmp_path):
     lc, c = run(grad_chunk_elems=100, offload_dir=str(tmp_path))  # and with the moments on the NVMe tier
     assert la == lb == lc
     assert all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
+
+
+def test_liger_ops_change_only_the_engines_own_modules():
+    """fused_ops='liger' rebinds the forwards of the engine's skeleton (every RMSNorm, every SwiGLU MLP),
+    never transformers' classes: another model of the family in the process keeps its own code."""
+    from slideformer.model.adapter import ModelAdapter
+    from slideformer.model.fused_ops import apply_liger
+
+    model = build("qwen3-tied")
+    ad = ModelAdapter(model.config)
+    n = apply_liger(ad.layers + [ad.norm], model.config.hidden_act)
+    per_layer = 4 + 1  # input, post-attention, q and k norms; the MLP
+    assert n == per_layer * ad.num_layers + 1
+    assert all(lay.mlp.forward.__func__.__name__ == "_swiglu_forward" for lay in ad.layers)
+    assert "forward" not in vars(model.model.layers[0].mlp)  # the user's model: untouched
+    assert "forward" not in vars(model.model.norm)
+    assert apply_liger(ad.layers, "gelu") == 4 * ad.num_layers  # a non-SiLU MLP keeps its forward
+
+
+def test_liger_ops_refused_where_they_cannot_run():
+    with pytest.raises(ConfigError, match="[Ll]iger"):
+        EngineConfig(device="cpu", fused_ops="liger").validate()

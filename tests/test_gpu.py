@@ -29,13 +29,18 @@ def cuda_engine_train(model, steps, **cfg):
     return state, losses
 
 
-@pytest.mark.parametrize("family,slots,depth,clip", [("llama", 2, 1, None), ("qwen3-tied", 3, 2, 0.05),
-                                                     ("qwen2", 4, 1, None)])
-def test_fp32_cuda_matches_pytorch(family, slots, depth, clip):
+@pytest.mark.parametrize("family,slots,depth,clip,fused", [("llama", 2, 1, None, "none"),
+                                                           ("qwen3-tied", 3, 2, 0.05, "none"),
+                                                           ("qwen2", 4, 1, None, "none"),
+                                                           ("llama", 2, 1, None, "liger"),
+                                                           ("qwen3-tied", 3, 2, 0.05, "liger")])
+def test_fp32_cuda_matches_pytorch(family, slots, depth, clip, fused):
+    if fused == "liger":
+        pytest.importorskip("liger_kernel")
     model = build(family)
     batches = [batch(model.config.vocab_size, seed=s) for s in range(3)]
     state, losses = cuda_engine_train(model, batches, compute_dtype=torch.float32, lr=1e-2, window_slots=slots,
-                                      prefetch_depth=depth, max_grad_norm=clip)
+                                      prefetch_depth=depth, max_grad_norm=clip, fused_ops=fused)
     ref, ref_losses = reference_train(model, batches, lr=1e-2, max_grad_norm=clip)
     # the GPU sums in another order than the CPU: a looser bound than the CPU parity tests
     ref_sd = ref.state_dict()

@@ -55,6 +55,9 @@ class EngineConfig:
     # 0.79-0.92x the time and at most 0.22x the memory of F.cross_entropy, bench/NOTES.md) or "torch"
     # (autograd per chunk: the plain-PyTorch reference).
     loss_kernel: Literal["torch", "fused"] = "fused"
+    # RMSNorm and SwiGLU in the layers: "none" (transformers' modules) or "liger" (Liger-Kernel's fused
+    # Triton kernels, CUDA only; model/fused_ops.py). Not yet the default: not measured on the H200.
+    fused_ops: Literal["none", "liger"] = "none"
     # Tokens per chunk of the loss head: bounds the transient [tokens x vocab] logits.
     loss_chunk_tokens: int = 1024
     # CPU optimizer: "auto" (our one-pass C++ kernel when it builds, else torch's fused), "native", "torch";
@@ -129,6 +132,16 @@ class EngineConfig:
             raise ConfigError(f"nvme_buffers must be >= 1, got {self.nvme_buffers}")
         if self.loss_kernel not in ("torch", "fused"):
             raise ConfigError(f"loss_kernel must be 'torch' or 'fused', got {self.loss_kernel!r}")
+        if self.fused_ops not in ("none", "liger"):
+            raise ConfigError(f"fused_ops must be 'none' or 'liger', got {self.fused_ops!r}")
+        if self.fused_ops == "liger":
+            from .model.fused_ops import liger_available
+
+            if not liger_available():
+                raise ConfigError("fused_ops='liger' needs Liger-Kernel: pip install liger-kernel")
+            if self.device == "cpu":
+                raise ConfigError("fused_ops='liger' runs on CUDA only (its kernels do not run in Triton's CPU "
+                                  "interpreter); use fused_ops='none' on the CPU")
         if self.loss_chunk_tokens < 1:
             raise ConfigError(f"loss_chunk_tokens must be >= 1, got {self.loss_chunk_tokens}")
         return self

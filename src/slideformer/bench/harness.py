@@ -63,6 +63,7 @@ def run_slideformer(args, config):
                        host_grad_buffers=args.host_grad_buffers, grad_chunk_elems=args.grad_chunk_elems,
                        max_grad_norm=args.max_grad_norm, loss_chunk_tokens=args.loss_chunk,
                        resident_layers=0 if auto else int(args.resident_layers), loss_kernel=args.loss_kernel,
+                       fused_ops=args.fused_ops,
                        optimizer_state=args.optimizer_state, offload_dir=args.offload_dir, nvme_fraction=args.nvme_fraction,
                        gpu_memory_limit=int(args.gpu_memory_limit_gib * 2**30) if args.gpu_memory_limit_gib else None)
     if auto and args.device == "cuda":  # what `slideformer train` picks
@@ -236,6 +237,7 @@ def main(argv=None):
     ap.add_argument("--ds-loss", default="hf", choices=["hf", "fused"],
                     help="DeepSpeed's loss: HF's full logits, or our fused linear cross-entropy (not yet run)")
     ap.add_argument("--loss-kernel", default=EngineConfig.loss_kernel, choices=["torch", "fused"])
+    ap.add_argument("--fused-ops", default=EngineConfig.fused_ops, choices=["none", "liger"])
     ap.add_argument("--optimizer-state", default="fp32", choices=["fp32", "compact"])
     ap.add_argument("--offload-dir", default=None, help="NVMe tier directory for the moments of --nvme-fraction of the layers")
     ap.add_argument("--nvme-fraction", type=float, default=1.0)
@@ -281,7 +283,7 @@ def main(argv=None):
         "settings": {k: getattr(args, k) for k in ("slots", "depth", "host_weights", "host_grad_buffers", "grad_chunk_elems",
                                                    "switch_interval", "max_grad_norm",
                                                    "gpu_memory_limit_gib", "loss_chunk", "resident_layers",
-                                                   "loss_kernel", "optimizer_state", "ds_loss", "offload_dir",
+                                                   "loss_kernel", "fused_ops", "optimizer_state", "ds_loss", "offload_dir",
                                                    "nvme_fraction")},
     }
     if args.profile_ops and cuda:

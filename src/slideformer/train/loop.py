@@ -132,7 +132,7 @@ def train(cfg: TrainConfig) -> dict:
                         host_grad_buffers=o.host_grad_buffers, optimizer_threads=o.optimizer_threads,
                         offload_dir=o.offload_dir, nvme_fraction=o.nvme_fraction, optimizer_state=o.optimizer_state,
                         resident_layers=0 if o.resident_layers == "auto" else o.resident_layers,
-                        loss_kernel=o.loss_kernel)
+                        loss_kernel=o.loss_kernel, fused_ops=o.fused_ops)
     from transformers import AutoConfig
 
     from ..presets import preset_config
