@@ -66,6 +66,10 @@ if [[ $what == bench || $what == all ]]; then
     table6) set -- "slideformer qwen3-4b 8 --resident-layers 0" "slideformer qwen3-4b 8 --resident-layers 0 --host-grad-buffers 36" \
                    "plain qwen3-4b 8" "slideformer qwen3-4b 8" "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24" \
                    "deepspeed qwen3-4b 8 --gpu-memory-limit-gib 24" "plain qwen3-4b 32" "slideformer qwen3-4b 32 --gpu-memory-limit-gib 24" ;;
+    # Liger's RMSNorm and SwiGLU (fused_ops) against transformers' modules, GPU-bound cases
+    table7) set -- "slideformer qwen3-4b 32 --gpu-memory-limit-gib 24 --fused-ops liger" \
+                   "slideformer qwen3-4b 32 --gpu-memory-limit-gib 24" \
+                   "slideformer qwen3-4b 8 --fused-ops liger" "plain qwen3-4b 8" ;;
   esac
   if [[ $# -eq 0 ]]; then
     set -- "plain qwen3-4b 8" "slideformer qwen3-4b 8" "plain qwen3-4b 32" "slideformer qwen3-4b 32" \
