@@ -218,11 +218,10 @@ void run_range(float* __restrict p, const typename G::T* __restrict g, float* __
 
 #ifdef SF_AVX512
 // The hot case by hand (bf16 gradient in, bf16 copy out), 16 lanes at a time, bit-identical to the
-// scalar loop. Measured on the H200 host (optimizer-d2d9182, G params/s at 16 threads): portable loop
-// 4.86, this loop 5.43, with prefetch 1 KB ahead 6.12 (the hardware prefetcher alone leaves the cores
-// waiting on memory), with ordinary stores for the copy 5.30 (non-temporal ones skip reading each line
-// first: 28 instead of 30 bytes per parameter), with one division instead of two 5.62 (within noise:
-// not compute-bound).
+// scalar loop. The copy goes out with non-temporal stores (an ordinary store first reads each line: 30
+// instead of 28 bytes per parameter). On the H200 host it runs at 5.2-5.7 G params/s against torch's
+// fused kernel's 4.3-4.6; whether the software prefetch 1 KB ahead helps is not settled (+13% in one
+// run, -13% in another: within the run-to-run spread, bench/NOTES.md session 3).
 #ifndef SF_PREFETCH
 #define SF_PREFETCH 1024
 #endif
