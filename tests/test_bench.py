@@ -40,3 +40,12 @@ def test_report_table_and_plot(tmp_path):
     assert "slideformer (slots=2)" in md and "| 2.00x |" in md  # the default variant against plain
     report.plot(report.load([f]), tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_optimizer_benchmark_reports_every_candidate():
+    from slideformer.bench import optimizer
+
+    rec = optimizer.main(["--params", "200000", "--threads", "1,2", "--rounds", "1"])
+    for key in ("stream_copy_gbs", "native_t1_gparams", "native_t2_gparams", "chunked_t1_gparams",
+                "torch_fused_t2_gparams", "native_vs_torch_fused"):
+        assert rec[key] > 0, key

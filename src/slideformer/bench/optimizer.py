@@ -24,14 +24,19 @@ VARIANTS = {
 }
 
 
-def best(fn, reps: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
+def interleaved(cands: dict, rounds: int) -> dict[str, float]:
+    """Best time of each candidate over ``rounds`` round-robin passes (after one warm-up pass): the host's
+    speed drifts by ~10% within one process (bench/NOTES.md, session 3), so measuring candidates one
+    after another would rank them by when they ran."""
+    for fn in cands.values():
         fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+    times = {k: float("inf") for k in cands}
+    for _ in range(rounds):
+        for k, fn in cands.items():
+            t = time.perf_counter()
+            fn()
+            times[k] = min(times[k], time.perf_counter() - t)
+    return times
 
 
 def main(argv=None) -> dict:
@@ -39,56 +44,50 @@ def main(argv=None) -> dict:
     ap.add_argument("--params", type=float, default=2e9)
     ap.add_argument("--threads", default="8,12,15,16")
     ap.add_argument("--variants", default="", help="comma-separated builds of the kernel to compare, from VARIANTS")
+    ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args(argv)
     n = int(args.params)
     threads = [int(t) for t in args.threads.split(",")]
-    rec: dict = {"params": n, "cores": torch.get_num_threads()}
-    torch.set_num_threads(max(threads))
+    top = max(threads)
+    rec: dict = {"params": n, "cores": torch.get_num_threads(), "rounds": args.rounds}
+    torch.set_num_threads(top)
     a, b, c = torch.ones(n), torch.ones(n), torch.ones(n)
-    rec["stream_copy_gbs"] = 8 * n / best(lambda: a.copy_(b)) / 1e9
-    rec["stream_triad_gbs"] = 12 * n / best(lambda: torch.add(b, c, alpha=0.5, out=a)) / 1e9
+    bw = interleaved({"copy": lambda: a.copy_(b), "triad": lambda: torch.add(b, c, alpha=0.5, out=a)}, args.rounds)
+    rec["stream_copy_gbs"] = 8 * n / bw["copy"] / 1e9
+    rec["stream_triad_gbs"] = 12 * n / bw["triad"] / 1e9
     p, m, v = a, b.zero_(), c.zero_()
     g = torch.randn(n // 8).bfloat16().repeat(8)
     out = torch.empty(n, dtype=torch.bfloat16)
-    mod = native.load(strict=True)
+    gf = g.float()
     step = [0]
 
-    def native_step(t, mod=mod):
-        step[0] += 1
-        mod.adamw_step(p, g, m, v, out, step[0], 1e-5, 0.9, 0.999, 1e-8, 0.0, 1.0, t)
-
-    for t in threads:
-        dt = best(lambda t=t: native_step(t))
-        rec[f"native_t{t}_gparams"] = n / dt / 1e9
-        rec[f"native_t{t}_gbs"] = 28 * n / dt / 1e9
-    # as the engine calls it: one call per 16M-element chunk of gradient (EngineConfig.grad_chunk_elems)
-    chunk = 16 << 20
-    pieces = list(zip(*(x.split(chunk) for x in (p, g, m, v, out))))
-
-    def chunked_step(t):
+    def adamw(mod, t, pieces=((p, g, m, v, out),)):
         step[0] += 1
         for pp, gg, mm, vv, oo in pieces:
             mod.adamw_step(pp, gg, mm, vv, oo, step[0], 1e-5, 0.9, 0.999, 1e-8, 0.0, 1.0, t)
 
-    t = max(threads) - 1
-    rec[f"chunked_t{t}_gparams"] = n / best(lambda: chunked_step(t)) / 1e9
-    names = [v for v in args.variants.split(",") if v]
-    with ThreadPoolExecutor(len(names) or 1) as ex:  # each build is one compiler process
-        built = dict(zip(names, ex.map(lambda v: native.build("_" + v, VARIANTS[v]), names)))
-    for name, variant in built.items():
-        t = max(threads)
-        dt = best(lambda: native_step(t, variant))
-        rec[f"{name}_t{t}_gparams"] = n / dt / 1e9
-    gf = g.float()
+    names = [x for x in args.variants.split(",") if x]
+    with ThreadPoolExecutor(len(names) + 1) as ex:  # each build is one compiler process
+        built = dict(zip(["native"] + names, ex.map(lambda x: native.build(*(("", ()) if x == "native" else
+                                                                               ("_" + x, VARIANTS[x]))),
+                                                       ["native"] + names)))
+    mod = built["native"]
+    # the engine's pattern: 16M-element pieces (EngineConfig.grad_chunk_elems), one parallel pass each
+    pieces = list(zip(*(x.split(16 << 20) for x in (p, g, m, v, out))))
     st = torch.tensor(1.0)
-    for t in (max(threads),):
-        torch.set_num_threads(t)
-        dt = best(lambda: torch._fused_adamw_([p], [gf], [m], [v], [], [st], lr=1e-5, beta1=0.9, beta2=0.999,
-                                               weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False))
-        rec[f"torch_fused_t{t}_gparams"] = n / dt / 1e9
+    cands = {f"native_t{t}": (lambda t=t: adamw(mod, t)) for t in threads}
+    cands[f"chunked_t{top - 1}"] = lambda: adamw(mod, top - 1, pieces)
+    cands.update({f"{k}_t{top}": (lambda k=k: adamw(built[k], top)) for k in names})
+    cands[f"torch_fused_t{top}"] = lambda: torch._fused_adamw_(
+        [p], [gf], [m], [v], [], [st], lr=1e-5, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False,
+        maximize=False)
+    for k, dt in interleaved(cands, args.rounds).items():
+        rec[f"{k}_gparams"] = n / dt / 1e9
+        if k.startswith("native"):
+            rec[f"{k}_gbs"] = 28 * n / dt / 1e9
+    rec["native_vs_torch_fused"] = rec[f"native_t{top}_gparams"] / rec[f"torch_fused_t{top}_gparams"]
     print(json.dumps(rec), flush=True)
     return rec
-
 
 if __name__ == "__main__":
     main()
