@@ -350,5 +350,11 @@ def test_liger_ops_change_only_the_engines_own_modules():
 
 
 def test_liger_ops_refused_where_they_cannot_run():
+    from slideformer.model.fused_ops import liger_available, resolve
+
     with pytest.raises(ConfigError, match="[Ll]iger"):
         EngineConfig(device="cpu", fused_ops="liger").validate()
+    assert resolve("auto", "cpu") == "none"  # the default: Liger where it can run, silently nothing elsewhere
+    assert resolve("auto", "cuda") == ("liger" if liger_available() else "none")
+    with SlideEngine.from_config(build("llama").config, EngineConfig(device="cpu")) as eng:
+        assert eng.fused_ops == "none"

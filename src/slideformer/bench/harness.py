@@ -99,6 +99,10 @@ def run_plain(args, config):
     config._attn_implementation = "sdpa"
     with torch.device(args.device):
         model = AutoModelForCausalLM.from_config(config, dtype=args.dtype)
+    if args.fused_ops == "liger":  # explicit only: plain's default is transformers' modules, as users run it
+        from ..model.fused_ops import apply_liger
+
+        apply_liger(list(model.model.layers) + [model.model.norm], config.hidden_act)
     model.gradient_checkpointing_enable()
     model.config.use_cache = False
     model.train()
@@ -237,7 +241,8 @@ def main(argv=None):
     ap.add_argument("--ds-loss", default="hf", choices=["hf", "fused"],
                     help="DeepSpeed's loss: HF's full logits, or our fused linear cross-entropy (not yet run)")
     ap.add_argument("--loss-kernel", default=EngineConfig.loss_kernel, choices=["torch", "fused"])
-    ap.add_argument("--fused-ops", default=EngineConfig.fused_ops, choices=["none", "liger"])
+    ap.add_argument("--fused-ops", default=EngineConfig.fused_ops, choices=["auto", "none", "liger"],
+                    help="slideformer: its layers' RMSNorm/SwiGLU; plain: the same rebinding on the HF model")
     ap.add_argument("--optimizer-state", default="fp32", choices=["fp32", "compact"])
     ap.add_argument("--offload-dir", default=None, help="NVMe tier directory for the moments of --nvme-fraction of the layers")
     ap.add_argument("--nvme-fraction", type=float, default=1.0)

@@ -26,6 +26,7 @@ from ..config import ConfigError, EngineConfig
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter, bind_parameters
 from ..model.fused_ops import apply_liger
+from ..model.fused_ops import resolve as resolve_fused_ops
 from ..plan.memory import ModelShape, Placement, fit, parse_bytes
 from ..window.schedule import plan_step
 from .activations import ActivationStore
@@ -89,7 +90,8 @@ class SlideEngine:
         self.cfg = (cfg or EngineConfig()).validate()
         self.device = torch.device(self.cfg.device)
         self.adapter = ModelAdapter(hf_config, self.cfg.compute_dtype)
-        if self.cfg.fused_ops == "liger":
+        self.fused_ops = resolve_fused_ops(self.cfg.fused_ops, self.cfg.device)
+        if self.fused_ops == "liger":
             apply_liger(self.adapter.layers + [self.adapter.norm], getattr(hf_config, "hidden_act", ""))
         self.shape = ModelShape.from_adapter(self.adapter)
         self._limit = None if self.cfg.gpu_memory_limit is None else parse_bytes(self.cfg.gpu_memory_limit)

@@ -25,6 +25,13 @@ def liger_available() -> bool:
     return True
 
 
+def resolve(requested: str, device: str) -> str:
+    """"auto" becomes "liger" on CUDA when Liger-Kernel is installed, else "none"."""
+    if requested == "auto":
+        return "liger" if device.startswith("cuda") and liger_available() else "none"
+    return requested
+
+
 def _rms_norm_forward(self, x):
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 

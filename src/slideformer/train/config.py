@@ -39,7 +39,7 @@ class OffloadConfig:
     # (gpu_memory_limit, else 90% of the card) leaves room for at this batch and cutoff_len
     resident_layers: int | str = "auto"
     loss_kernel: str = "fused"  # Triton fused linear cross-entropy, or "torch" (autograd per chunk)
-    fused_ops: str = "none"  # "liger": Liger-Kernel's RMSNorm and SwiGLU in the layers (CUDA, when installed)
+    fused_ops: str = "auto"  # "liger" (Liger-Kernel's RMSNorm and SwiGLU; auto: on CUDA when installed), "none"
 
 
 @dataclass
