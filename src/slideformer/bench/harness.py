@@ -71,6 +71,7 @@ def run_slideformer(args, config):
         cfg = dataclasses.replace(cfg, resident_layers=auto_resident_layers(cfg, shape, args.batch, args.seq),
                                   gpu_memory_limit=gpu_budget(cfg))
     engine = SlideEngine.from_config(config, cfg)
+    args.fused_ops = engine.fused_ops  # recorded as resolved ("auto" depends on what is installed)
     params = engine.adapter.num_params
     gen = torch.Generator().manual_seed(0)
 
@@ -103,6 +104,8 @@ def run_plain(args, config):
         from ..model.fused_ops import apply_liger
 
         apply_liger(list(model.model.layers) + [model.model.norm], config.hidden_act)
+    else:
+        args.fused_ops = "none"
     model.gradient_checkpointing_enable()
     model.config.use_cache = False
     model.train()
@@ -144,6 +147,8 @@ def run_plain(args, config):
 def run_deepspeed(args, config):
     import deepspeed
     from transformers import AutoModelForCausalLM
+
+    args.fused_ops = "none"  # transformers' modules
 
     for k, v in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29517", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
         os.environ.setdefault(k, v)

@@ -25,13 +25,17 @@ def load(paths) -> list[dict]:
 
 
 DEFAULTS = {"slots": 3, "depth": 1, "host_weights": "persistent", "host_grad_buffers": 4, "loss_chunk": 1024, "resident_layers": "auto",
-            "loss_kernel": "fused", "optimizer_state": "fp32", "offload_dir": None, "nvme_fraction": 1.0}
+            "loss_kernel": "fused", "optimizer_state": "fp32", "offload_dir": None, "nvme_fraction": 1.0,
+            "grad_chunk_elems": 16 << 20, "switch_interval": None}
 
 
 def variant(r) -> str:
-    """The system's name plus any engine setting that differs from the default."""
+    """The system's name plus any setting that differs from the default (files before session 3 ran
+    without fused_ops: "none")."""
     st = r.get("settings") or {}
     extra = [f"{k}={st[k]}" for k, d in DEFAULTS.items() if r["system"] == "slideformer" and k in st and st[k] != d]
+    if st.get("fused_ops", "none") not in ("none", "auto"):
+        extra.append(f"fused_ops={st['fused_ops']}")
     if r["system"] == "deepspeed" and st.get("ds_loss", "hf") != "hf":
         extra.append(f"loss={st['ds_loss']}")
     return r["system"] + (f" ({', '.join(extra)})" if extra else "")
@@ -62,7 +66,8 @@ def table(rows: list[dict]) -> str:
             r = c.get(s)
             row.append(f"{r['tokens_per_s']:.0f} ({r['gpu_peak_alloc_gib']:.1f} / {r['host_peak_rss_gib']:.0f})" if r else "—")
         for s in others:
-            a, b = c.get("slideformer"), c.get(s)
+            # the ratio's slideformer: its defaults (before session 3 without Liger, since with it on CUDA)
+            a, b = c.get("slideformer") or c.get("slideformer (fused_ops=liger)"), c.get(s)
             row.append(f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x" if a and b else "—")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
