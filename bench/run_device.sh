@@ -70,6 +70,11 @@ if [[ $what == bench || $what == all ]]; then
     table7) set -- "slideformer qwen3-4b 32 --gpu-memory-limit-gib 24 --fused-ops liger" \
                    "slideformer qwen3-4b 32 --gpu-memory-limit-gib 24" \
                    "slideformer qwen3-4b 8 --fused-ops liger" "plain qwen3-4b 8" ;;
+    # Issue 3's table in one run with the session-3 defaults (Liger on), and plain with the same Liger rebinding
+    table8) set -- "plain qwen3-4b 8" "plain qwen3-4b 8 --fused-ops liger" "slideformer qwen3-4b 8" \
+                   "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24" "deepspeed qwen3-4b 8 --gpu-memory-limit-gib 24" \
+                   "plain qwen3-4b 32" "plain qwen3-4b 32 --fused-ops liger" "slideformer qwen3-4b 32 --gpu-memory-limit-gib 24" \
+                   "deepspeed qwen3-4b 32 --gpu-memory-limit-gib 24 --ds-loss fused" ;;
   esac
   if [[ $# -eq 0 ]]; then
     set -- "plain qwen3-4b 8" "slideformer qwen3-4b 8" "plain qwen3-4b 32" "slideformer qwen3-4b 32" \
