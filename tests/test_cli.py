@@ -44,6 +44,10 @@ def test_plan_json_and_exit_codes(capsys):
     assert main(base + ["--offload-dir", "/nvme", "--optimizer-state", "compact"]) == 0
     compact = json.loads(capsys.readouterr().out)
     assert compact["nvme_bytes"] == out["nvme_bytes"] // 2  # bf16 moments on the tier
+    assert main(base[:-3] + ["--json", "--offload-dir", "/nvme", "--nvme-master"]) == 0  # persistent bf16 weights
+    tier_master = json.loads(capsys.readouterr().out)
+    assert tier_master["nvme_bytes"] == out["nvme_bytes"] * 3 // 2  # the fp32 master joins the moments
+    assert tier_master["host"]["master"] < out["host"]["master"]
 
 
 def test_export_drops_the_training_state(tmp_path):

@@ -167,3 +167,13 @@ def test_non_blocking_step_returns_the_same_loss_on_cuda():
         got = [eng.train_step(b, blocking=False) for b in steps]
     assert all(t.is_cuda for t in got)
     assert [float(t) for t in got] == pytest.approx(losses, rel=1e-6)
+
+
+def test_master_on_the_nvme_tier_on_cuda(tmp_path):
+    """bf16 compute copy pinned in RAM, fp32 master and moments in the tier's files: the same training."""
+    model = build("llama")
+    batches = [batch(97, seed=s) for s in range(3)]
+    ram, la = cuda_engine_train(model, batches, compute_dtype=torch.bfloat16, lr=1e-3)
+    tier, lb = cuda_engine_train(model, batches, compute_dtype=torch.bfloat16, lr=1e-3, offload_dir=str(tmp_path),
+                                 nvme_master=True)
+    assert la == lb and all(torch.equal(ram[k], tier[k]) for k in ram)

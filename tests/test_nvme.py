@@ -26,6 +26,54 @@ def test_tier_trains_like_ram(tmp_path, fraction, buffers, clip):
     assert not list(tmp_path.iterdir())  # files removed at close
 
 
+@pytest.mark.parametrize("fraction,clip", [(1.0, None), (0.5, 0.05)])
+def test_master_on_the_tier_trains_like_ram(tmp_path, fraction, clip):
+    """nvme_master: the tier's units keep master and moments in their files, the compute copy in RAM."""
+    model = build("qwen3-tied")
+    steps = [batch(97, seed=s) for s in range(3)]
+    a, la = engine_train(model, steps, lr=1e-2, max_grad_norm=clip, host_grad_buffers=1)
+    b, lb = engine_train(model, steps, lr=1e-2, max_grad_norm=clip, host_grad_buffers=1, offload_dir=str(tmp_path),
+                         nvme_fraction=fraction, nvme_master=True)
+    assert la == lb
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_master_on_the_tier_loads_saves_and_resumes(tmp_path):
+    """Weights loaded from a Hugging Face directory go to the tier unit by unit; a checkpoint written
+    from the tier resumes in RAM (and back) as the same training."""
+    model = build("llama")
+    model.save_pretrained(tmp_path / "hf")
+    steps = [batch(97, seed=s) for s in range(4)]
+    tier = dict(**CPU, offload_dir=str(tmp_path / "nvme"), nvme_master=True)
+
+    def run(cfg, resume=None, save=None, todo=steps):
+        with SlideEngine.from_pretrained(tmp_path / "hf", EngineConfig(**cfg)) as e:
+            if resume:
+                e.load_checkpoint(resume)
+            losses = [e.train_step(b) for b in todo]
+            if save:
+                e.save_checkpoint(save)
+            return losses, {k: v.clone() for k, v in e.state_dict().items()}, e.memory_report()
+
+    ref_losses, ref, ram_rep = run(CPU)
+    l1, _, rep = run(tier, save=tmp_path / "ck", todo=steps[:2])
+    assert rep["host_master"] < ram_rep["host_master"] and rep["nvme_disk"] > 0
+    l2, state, _ = run(CPU, resume=tmp_path / "ck", todo=steps[2:])  # from the tier into RAM
+    assert l1 + l2 == ref_losses and all(torch.equal(state[k], ref[k]) for k in ref)
+    run(CPU, save=tmp_path / "ck_ram", todo=steps[:2])
+    l3, state, _ = run(tier, resume=tmp_path / "ck_ram", todo=steps[2:])  # from RAM into the tier
+    assert l3 == l2 and all(torch.equal(state[k], ref[k]) for k in ref)
+
+
+def test_master_on_the_tier_needs_what_it_relies_on(tmp_path):
+    from slideformer.config import ConfigError
+
+    with pytest.raises(ConfigError, match="offload_dir"):
+        EngineConfig(device="cpu", nvme_master=True).validate()
+    with pytest.raises(ConfigError, match="persistent"):
+        EngineConfig(device="cpu", nvme_master=True, offload_dir=str(tmp_path), host_weights="staged").validate()
+
+
 def test_compact_state_on_the_tier_trains_like_ram(tmp_path):
     """bf16 moments (compact optimizer state) on the tier: half the disk, the same training."""
     model = build("qwen3-tied")
@@ -62,7 +110,8 @@ def test_tier_accounting_and_checkpoint_round_trip(tmp_path):
         assert rep["nvme_disk"] >= 3 * 2 * layer * 4  # every layer's two moments
         assert rep["host_moments"] == 2 * 4 * (eng.adapter.embed_unit.numel + eng.adapter.head_unit.numel)
         eng.save_checkpoint(tmp_path / "ck", {"next": 1})
-        tier_m = eng.store.moments(eng.adapter.layer_unit(1).index)
+        st = eng.store.unit_state(eng.adapter.layer_unit(1).index)
+        tier_m = st["exp_avg"], st["exp_avg_sq"]
     ram = SlideEngine(model, EngineConfig(**CPU))
     with ram:
         ram.load_checkpoint(tmp_path / "ck")
@@ -105,7 +154,7 @@ def test_failed_write_stops_training_clearly(tmp_path, monkeypatch):
 
     eng = SlideEngine(build("llama"), EngineConfig(**CPU, offload_dir=str(tmp_path)))
     with eng:
-        monkeypatch.setattr(nvme.NvmeMoments, "write", broken)
+        monkeypatch.setattr(nvme.NvmeTier, "write", broken)
         with pytest.raises(RuntimeError) as info:
             eng.train_step(batch(97))
             eng.synchronize()
@@ -129,9 +178,9 @@ def test_next_steps_read_waits_for_this_steps_write(tmp_path, monkeypatch):
     """A slow disk: the next step's read-ahead of a unit must not overtake the write of its new moments."""
     import time
 
-    from slideformer.host.nvme import NvmeMoments
+    from slideformer.host.nvme import NvmeTier
 
-    write = NvmeMoments.write
+    write = NvmeTier.write
 
     def slow_write(self, unit, buf):
         time.sleep(0.03)
@@ -140,7 +189,7 @@ def test_next_steps_read_waits_for_this_steps_write(tmp_path, monkeypatch):
     model = build("llama")
     steps = [batch(97, seed=s) for s in range(4)]
     a, la = engine_train(model, steps, lr=1e-2, host_grad_buffers=1)
-    monkeypatch.setattr(NvmeMoments, "write", slow_write)
+    monkeypatch.setattr(NvmeTier, "write", slow_write)
     b, lb = engine_train(model, steps, lr=1e-2, host_grad_buffers=1, offload_dir=str(tmp_path), nvme_buffers=4)
     assert la == lb
     assert all(torch.equal(a[k], b[k]) for k in a)

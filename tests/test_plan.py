@@ -4,7 +4,7 @@ import torch
 
 from slideformer import EngineConfig, SlideEngine
 from slideformer.model import ModelAdapter
-from slideformer.plan import DoesNotFit, ModelShape, Placement, fit, gpu_bytes, host_bytes, parse_bytes
+from slideformer.plan import DoesNotFit, ModelShape, Placement, fit, gpu_bytes, host_bytes, nvme_bytes, parse_bytes
 from slideformer.presets import preset_config
 
 from test_engine_parity import engine_train
@@ -50,6 +50,20 @@ def test_window_and_host_match_engine_accounting(ring, compact):
         rep = eng.memory_report()
         assert host["master"] == rep["host_master"] and host["moments"] == rep["host_moments"]
         assert host["grads"] == rep["host_grads"] and host["weights"] == rep["host_weights"]
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_host_plan_matches_engine_with_the_master_on_the_tier(tmp_path, dt):
+    model = build("llama")
+    cfg = EngineConfig(device="cpu", compute_dtype=dt, offload_dir=str(tmp_path), nvme_fraction=0.5, nvme_master=True)
+    with SlideEngine(model, cfg) as eng:
+        sh = ModelShape.from_adapter(eng.adapter)
+        layers = round(0.5 * sh.layers)
+        host = host_bytes(sh, 1, 8, Placement(), dtype_bytes=dt.itemsize, nvme_layers=layers, nvme_master=True)
+        rep = eng.memory_report()
+        assert host["master"] == rep["host_master"] < 4 * sh.params
+        assert host["moments"] == rep["host_moments"] and host["weights"] == rep["host_weights"] > 0
+        assert nvme_bytes(sh, layers, master=True) <= rep["nvme_disk"] < nvme_bytes(sh, layers, master=True) + layers * 4096
 
 
 def test_fit_prefers_gpu_activations_then_offloads_then_refuses():

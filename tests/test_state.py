@@ -48,11 +48,11 @@ def test_checkpoint_loads_in_transformers(tmp_path):
 def test_corruption_is_detected(tmp_path):
     model = build("llama")
     run(model, 1, save=tmp_path / "ck", save_at=1)
-    f = tmp_path / "ck" / "state" / "moments.safetensors"
+    f = tmp_path / "ck" / "state" / "layer1.safetensors"  # one unit's master and moments
     data = bytearray(f.read_bytes())
     data[-5] ^= 0xFF
     f.write_bytes(bytes(data))
-    with pytest.raises(CorruptCheckpointError, match="moments.safetensors is corrupt"):
+    with pytest.raises(CorruptCheckpointError, match="layer1.safetensors is corrupt"):
         run(model, 2, start=1, resume=tmp_path / "ck")
     (tmp_path / "ck" / "state" / "trainer.json").unlink()
     with pytest.raises(CorruptCheckpointError, match="not a complete slideformer checkpoint"):
@@ -74,7 +74,7 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path):
         real = state.save_file
         def dying(tensors, path, *a, **k):
             real(tensors, path, *a, **k)
-            if path.endswith("moments.safetensors"):
+            if path.endswith("layer1.safetensors"):
                 os.kill(os.getpid(), signal.SIGKILL)
         state.save_file = dying
         eng.save_checkpoint({str(tmp_path / "ck")!r}, {{"next": 2}})

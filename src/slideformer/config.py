@@ -51,6 +51,9 @@ class EngineConfig:
     offload_dir: str | None = None
     nvme_fraction: float = 1.0
     nvme_buffers: int = 4
+    # The tier's units keep their fp32 master on the tier too (12 instead of 8 bytes per parameter there,
+    # 4 fewer in RAM); their bf16 compute copy stays in RAM. Needs host_weights="persistent", fp32 state.
+    nvme_master: bool = False
     # Loss head: "fused" (kernels/: the logits chunk turned into its gradient in place; on the H200
     # 0.79-0.92x the time and at most 0.22x the memory of F.cross_entropy, bench/NOTES.md) or "torch"
     # (autograd per chunk: the plain-PyTorch reference).
@@ -129,6 +132,12 @@ class EngineConfig:
                               "compute_dtype=torch.bfloat16, or use optimizer_state='fp32'")
         if not 0.0 <= self.nvme_fraction <= 1.0:
             raise ConfigError(f"nvme_fraction must lie in [0, 1], got {self.nvme_fraction}")
+        if self.nvme_master:
+            if self.offload_dir is None:
+                raise ConfigError("nvme_master puts the master on the NVMe tier: set offload_dir too")
+            if self.host_weights != "persistent" or self.optimizer_state != "fp32":
+                raise ConfigError("nvme_master needs host_weights='persistent' (the window reads the RAM copy, not "
+                                  "the master) and optimizer_state='fp32' (compact state's master is that copy)")
         if self.nvme_buffers < 1:
             raise ConfigError(f"nvme_buffers must be >= 1, got {self.nvme_buffers}")
         if self.loss_kernel not in ("torch", "fused"):

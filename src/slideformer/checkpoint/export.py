@@ -31,8 +31,9 @@ def save_pretrained(out: str | os.PathLike, adapter: ModelAdapter, store: HostSt
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for u in adapter.units:
+        params = store.unit_params(u.index)
         for spec in u.params:
-            t = store.param(u.index, spec).to(dtype).contiguous()
+            t = params[spec.key].to(dtype).contiguous()
             nbytes = t.numel() * t.element_size()
             if size and size + nbytes > MAX_SHARD_BYTES:
                 shards.append({})

@@ -1,7 +1,9 @@
 """Stream a Hugging Face safetensors checkpoint into the host store's flat fp32 masters.
 
 Tensors are read one at a time through safetensors' memory map and copied (with the dtype cast)
-straight into their slot in the unit's flat buffer, so the model is never held twice in RAM.
+straight into their slot in the unit's flat buffer, so the model is never held twice in RAM; a unit is
+committed (its compute copy refreshed, or its master written to the NVMe tier) once all its tensors
+are in.
 """
 from __future__ import annotations
 
@@ -40,20 +42,42 @@ def checkpoint_files(path: str | os.PathLike) -> list[Path]:
     raise CheckpointError(f"no {SINGLE} or {INDEX} in {root}: slideformer loads safetensors checkpoints")
 
 
+class _UnitWriter:
+    """Collects a unit's parameters into its master and commits the unit when all have arrived: straight
+    into RAM, or (master on the NVMe tier) into a temporary buffer written to the tier at once, so that
+    only the units still being filled are ever held in RAM."""
+
+    def __init__(self, store: HostStore):
+        self.store = store
+        self.open: dict[int, tuple[torch.Tensor, set[str]]] = {}
+
+    def put(self, unit, spec, value: torch.Tensor) -> None:
+        if unit.index not in self.open:
+            buf = self.store.master[unit.index]
+            self.open[unit.index] = (torch.zeros(unit.numel, dtype=self.store.master_dtype) if buf is None else buf, set())
+        buf, seen = self.open[unit.index]
+        buf[spec.offset: spec.offset + spec.numel].view(spec.shape).copy_(value)
+        seen.add(spec.key)
+        if len(seen) == len(unit.params):
+            self.store.set_master(unit.index, buf)
+            del self.open[unit.index]
+
+
 def load_safetensors(path: str | os.PathLike, adapter: ModelAdapter, store: HostStore) -> None:
     wanted = adapter.checkpoint_keys()
     seen: set[str] = set()
+    writer = _UnitWriter(store)
     for file in checkpoint_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():
-                    if key not in wanted:
+                    if key not in wanted or key in seen:
                         continue  # e.g. a tied lm_head.weight, or rotary buffers saved by old versions
                     unit, spec = wanted[key]
                     t = f.get_tensor(key)
                     if tuple(t.shape) != spec.shape:
                         raise CheckpointError(f"{file}: {key} has shape {tuple(t.shape)}, the config implies {spec.shape}")
-                    store.view(unit.index, store.master, spec).copy_(t)
+                    writer.put(unit, spec, t)
                     seen.add(key)
         except CheckpointError:
             raise
@@ -62,8 +86,6 @@ def load_safetensors(path: str | os.PathLike, adapter: ModelAdapter, store: Host
     missing = sorted(set(wanted) - seen)
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]}")
-    for u in adapter.units:
-        store.refresh_weights(u.index)
 
 
 def random_init(adapter: ModelAdapter, store: HostStore, seed: int = 0, device: str | torch.device = "cpu") -> None:
@@ -73,24 +95,23 @@ def random_init(adapter: ModelAdapter, store: HostStore, seed: int = 0, device: 
     """
     std = getattr(adapter.config, "initializer_range", 0.02)
     gen = torch.Generator(device=device).manual_seed(seed)
+    writer = _UnitWriter(store)
     for u in adapter.units:
         for spec in u.params:
-            v = store.view(u.index, store.master, spec)
             if spec.key.endswith("norm.weight"):
-                v.fill_(1.0)
+                v = torch.ones(spec.shape)
             elif spec.key.endswith(".bias"):
-                v.zero_()
+                v = torch.zeros(spec.shape)
             else:
-                v.copy_(torch.empty(spec.shape, device=device).normal_(0.0, std, generator=gen))
-        store.refresh_weights(u.index)
+                v = torch.empty(spec.shape, device=device).normal_(0.0, std, generator=gen)
+            writer.put(u, spec, v)
 
 
 def load_state_from_module(model: torch.nn.Module, adapter: ModelAdapter, store: HostStore) -> None:
     """Copy an in-memory Hugging Face model's weights into the store."""
     state = model.state_dict()
+    writer = _UnitWriter(store)
     for key, (unit, spec) in adapter.checkpoint_keys().items():
         if key not in state:
             raise CheckpointError(f"model has no parameter {key}")
-        store.view(unit.index, store.master, spec).copy_(state[key])
-    for u in adapter.units:
-        store.refresh_weights(u.index)
+        writer.put(unit, spec, state[key])

@@ -2,8 +2,9 @@
 
 A checkpoint directory holds
 - the Hugging Face model (``model.safetensors`` or shards, ``config.json``): what transformers loads;
-- ``state/master.safetensors``, ``state/moments.safetensors``: the fp32 master weights and Adam moments,
-  one flat tensor per unit, so that resume is bit-identical (the exported weights may be bf16);
+- ``state/<unit>.safetensors``, one file per unit (embed, layer0, ..., head): its fp32 master weights
+  and Adam moments as flat tensors, so that resume is bit-identical (the exported weights may be bf16).
+  One file per unit so that state living on the NVMe tier passes through RAM one unit at a time;
 - ``state/trainer.json``: the optimizer step, the caller's own state (data position, RNG, schedule)
   and a CRC32 of every file in the checkpoint, checked on load.
 No pickle anywhere. Everything is written into ``<dir>.tmp``, flushed to disk, then renamed into place,
@@ -27,7 +28,7 @@ from . import export
 
 STATE_DIR = "state"
 TRAINER = "trainer.json"
-FORMAT = 1
+FORMAT = 2  # 1: two files (master, moments) for all units
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -63,15 +64,8 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
     (tmp / STATE_DIR).mkdir(parents=True)
     try:
         export.save_pretrained(tmp, adapter, store, dtype)
-        n = len(adapter.units)
-        master = {_unit_key(adapter, u): store.master[u] for u in range(n)}
-        if store.master_lo is not None:  # compact state: the master is hi + lo
-            master.update({f"{_unit_key(adapter, u)}.lo": store.master_lo[u] for u in range(n)})
-        save_file(master, str(tmp / STATE_DIR / "master.safetensors"))
-        moments = {}
-        for u in range(n):
-            moments[f"{_unit_key(adapter, u)}.exp_avg"], moments[f"{_unit_key(adapter, u)}.exp_avg_sq"] = store.moments(u)
-        save_file(moments, str(tmp / STATE_DIR / "moments.safetensors"))
+        for u in range(len(adapter.units)):
+            save_file(store.unit_state(u), str(tmp / STATE_DIR / f"{_unit_key(adapter, u)}.safetensors"))
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         for f in files:
             with open(f, "rb") as fh:
@@ -114,24 +108,22 @@ def load_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
             raise CorruptCheckpointError(f"checkpoint file {f} is missing")
         if _crc(f) != crc:
             raise CorruptCheckpointError(f"checkpoint file {f} is corrupt (CRC32 {_crc(f)}, expected {crc})")
-    n = len(adapter.units)
-    with safe_open(str(root / STATE_DIR / "master.safetensors"), framework="pt") as f:
-        for u in range(n):
-            t = f.get_tensor(_unit_key(adapter, u))
-            if t.numel() != store.master[u].numel():
-                raise CorruptCheckpointError(f"{root}: unit {_unit_key(adapter, u)} has {t.numel()} values, "
-                                             f"the model has {store.master[u].numel()}: a checkpoint of another model?")
-            if t.dtype != store.master[u].dtype:
+    for u in range(len(adapter.units)):
+        f = root / STATE_DIR / f"{_unit_key(adapter, u)}.safetensors"
+        if not f.is_file():
+            raise CorruptCheckpointError(f"{f} is missing: a checkpoint of another model?")
+        with safe_open(str(f), framework="pt") as fh:
+            saved = {k: fh.get_tensor(k) for k in fh.keys()}
+        for k, want in store.unit_layout(u).items():
+            t = saved.get(k)
+            if t is None:
+                raise CorruptCheckpointError(f"{f} lacks {k!r}: saved with another optimizer_state? Resume with the same")
+            if t.numel() != want[0]:
+                raise CorruptCheckpointError(f"{f}: {k} has {t.numel()} values, the model has {want[0]}: a "
+                                             "checkpoint of another model?")
+            if t.dtype != want[1]:
                 raise CorruptCheckpointError(f"{root}: saved with optimizer_state="
                                              f"{'compact' if t.dtype == torch.bfloat16 else 'fp32'}; resume with the same")
-            store.master[u].copy_(t)
-            if store.master_lo is not None:
-                store.master_lo[u].copy_(f.get_tensor(f"{_unit_key(adapter, u)}.lo"))
-    with safe_open(str(root / STATE_DIR / "moments.safetensors"), framework="pt") as f:
-        for u in range(n):
-            store.set_moments(u, f.get_tensor(f"{_unit_key(adapter, u)}.exp_avg"),
-                              f.get_tensor(f"{_unit_key(adapter, u)}.exp_avg_sq"))
-    for u in range(n):
-        store.refresh_weights(u)
+        store.set_unit_state(u, saved)
     store.step = int(meta["step"])
     return meta["trainer"]

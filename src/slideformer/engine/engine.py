@@ -105,7 +105,7 @@ class SlideEngine:
         self.store = HostStore(self.adapter.units, self.cfg.compute_dtype, pin=self.device.type == "cuda",
                                host_weights=self.cfg.host_weights, layer_grad_buffers=ring,
                                nvme_dir=self.cfg.offload_dir, nvme_units=nvme, nvme_buffers=self.cfg.nvme_buffers,
-                               compact=self.cfg.optimizer_state == "compact")
+                               compact=self.cfg.optimizer_state == "compact", nvme_master=self.cfg.nvme_master)
         # Resident units: the last `resident_layers` decoder layers, and embedding and head too when every
         # layer is resident (the whole model then trains on the GPU, as plain training would).
         k = min(self.cfg.resident_layers, n)
@@ -382,7 +382,7 @@ class SlideEngine:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Hugging Face-named fp32 master weights (views; copies for compact state), after pending updates."""
         self._state_to_host()
-        return {spec.key: self.store.param(u.index, spec) for u in self.adapter.units for spec in u.params}
+        return {k: v for u in self.adapter.units for k, v in self.store.unit_params(u.index).items()}
 
     def save_pretrained(self, out: str | os.PathLike, dtype: torch.dtype | None = None):
         """Write a Hugging Face checkpoint (config + safetensors) that from_pretrained loads."""

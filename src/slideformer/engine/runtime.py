@@ -386,37 +386,44 @@ class Runtime:
             self._run_update(job)
 
     def _moments_ready(self, unit: int) -> bool:
-        return self.store.exp_avg[unit] is not None or self._tier_ready[unit].is_set()
+        return not self.store.on_tier(unit) or self._tier_ready[unit].is_set()
 
     def _run_update(self, job: UpdateJob) -> None:
         tier_buf = None
         try:
             if self._error is None:
                 s, c = self.store, self.cfg
-                if s.exp_avg[job.unit] is None:  # on the NVMe tier: its moments are (being) read ahead
+                master = s.master[job.unit]
+                if s.on_tier(job.unit):  # its state is (being) read ahead
                     self._tier_ready[job.unit].wait()
                     self._tier_ready[job.unit].clear()
                     tier_buf = self._tier_buf.pop(job.unit, None)
                     if tier_buf is None:  # the read failed: its error is already kept
                         return
-                    exp_avg, exp_avg_sq = s.tier.views(job.unit, tier_buf)
+                    exp_avg, exp_avg_sq, *rest = s.tier.views(job.unit, tier_buf)
+                    if rest:
+                        master = rest[0]
                 else:
                     exp_avg, exp_avg_sq = s.exp_avg[job.unit], s.exp_avg_sq[job.unit]
                 n = self.adapter.units[job.unit].numel
                 grad = s.grad_buffers[job.grads.buffer][:n]
                 own_copy = s.weights is not None and s.weights is not s.master
+                out = s.weights[job.unit] if own_copy else None
                 t0 = time.perf_counter()
                 if s.compact:
-                    adamw_compact_(s.master[job.unit], s.master_lo[job.unit], grad, exp_avg, exp_avg_sq,
+                    adamw_compact_(master, s.master_lo[job.unit], grad, exp_avg, exp_avg_sq,
                                    step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
                                    grad_coef=job.grad_coef, seed=c.seed * 1_000_003 + job.unit,
                                    backend=self.optimizer_backend, threads=c.optimizer_threads, landing=job.grads.landing)
                 else:
-                    adamw_update_(s.master[job.unit], grad, exp_avg, exp_avg_sq, step=job.step, lr=job.lr,
+                    cast_out = out is not None and out.dtype in (torch.bfloat16, torch.float16)
+                    adamw_update_(master, grad, exp_avg, exp_avg_sq, step=job.step, lr=job.lr,
                                   betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, grad_coef=job.grad_coef,
-                                  out=s.weights[job.unit] if own_copy else None, scratch=self._scratch,
+                                  out=out if cast_out else None, scratch=self._scratch,
                                   backend=self.optimizer_backend, threads=c.optimizer_threads,
                                   landing=job.grads.landing)
+                    if out is not None and not cast_out:  # an fp32 copy of a master on the tier
+                        out.copy_(master)
                 if self.profiler:  # includes waits for chunks still in flight: rare, the optimizer trails the copies
                     self.profiler.add_host("optimizer", time.perf_counter() - t0)
         except BaseException as e:  # surfaced to the main thread at its next wait

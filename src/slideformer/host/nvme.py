@@ -1,9 +1,10 @@
-"""The NVMe tier: Adam moments of some units live in files under ``offload_dir``.
+"""The NVMe tier: the optimizer state of some units lives in files under ``offload_dir``.
 
-Each unit on the tier has one file holding its exp_avg and exp_avg_sq (fp32, 4096-byte padded),
-reserved with posix_fallocate at start, so a disk too small fails at once with the size it needs,
-not hours in. The runtime reads a unit's moments into one of a few RAM buffers ahead of its update
-and writes them back behind it (engine/runtime.py owns those threads); this class only moves bytes.
+Each unit on the tier has one file holding its fields, one after another: exp_avg and exp_avg_sq, and
+with ``nvme_master`` the fp32 master weights too (4096-byte padded). It is reserved with
+posix_fallocate at start, so a disk too small fails at once with the size it needs, not hours in.
+The runtime reads a unit's state into one of a few RAM buffers ahead of its update and writes it back
+behind it (engine/runtime.py owns those threads); this class only moves bytes.
 
 I/O uses O_DIRECT where the filesystem supports it (page cache would spend the RAM the tier saves),
 else buffered I/O followed by POSIX_FADV_DONTNEED. Every write records a CRC32 of the file's bytes
@@ -32,15 +33,16 @@ def _crc(view: memoryview, crc: int = 0) -> int:
     return crc
 
 
-class NvmeMoments:
+class NvmeTier:
     def __init__(self, directory: str | os.PathLike, numels: dict[int, int], buffers: int,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, fields: int = 2):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.numels = numels
-        self.dtype = dtype  # fp32 moments, or bf16 ones (compact optimizer state)
+        self.dtype = dtype  # fp32 state, or bf16 moments (compact optimizer state)
+        self.fields = fields  # 2: exp_avg, exp_avg_sq; 3: and the master
         size = torch.empty((), dtype=dtype).element_size()
-        self.nbytes = {u: -(-2 * n * size // ALIGN) * ALIGN for u, n in numels.items()}
+        self.nbytes = {u: -(-fields * n * size // ALIGN) * ALIGN for u, n in numels.items()}
         need = sum(self.nbytes.values())
         self.files: dict[int, Path] = {}
         self._fds: dict[int, int] = {}
@@ -48,19 +50,20 @@ class NvmeMoments:
         self.crc: dict[int, int] = {}
         zero_crc: dict[int, int] = {}
         for u, size in self.nbytes.items():
-            path = self.dir / f"slideformer-{os.getpid()}-unit{u}.moments"
+            path = self.dir / f"slideformer-{os.getpid()}-unit{u}.state"
             fd = self._open(path)
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:
                 self.close()
                 raise TierError(e.errno, f"offload_dir {self.dir}: cannot reserve {need / 2**30:.1f} GiB for the "
-                                f"optimizer moments on the NVMe tier ({e.strerror}); free space there, lower the "
+                                f"optimizer state on the NVMe tier ({e.strerror}); free space there, lower the "
                                 "fraction of units on the tier, or point offload_dir elsewhere") from e
             self.files[u], self._fds[u] = path, fd
             if size not in zero_crc:
                 zero_crc[size] = self._zero_crc(size)
             self.crc[u] = zero_crc[size]  # fallocate'd space reads as zeros: the moments' initial value
+            # (a master on the tier is written before training starts: see HostStore.set_master)
         width = max(self.nbytes.values())
         self._raw = [torch.zeros(width + ALIGN, dtype=torch.uint8) for _ in range(buffers)]
         self.buffers = [r[(-r.data_ptr()) % ALIGN:][:width] for r in self._raw]  # 4096-aligned for O_DIRECT
@@ -87,11 +90,10 @@ class NvmeMoments:
     def disk_bytes(self) -> int:
         return sum(self.nbytes.values())
 
-    def views(self, unit: int, buf: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """exp_avg and exp_avg_sq of ``unit`` inside RAM buffer ``buf``."""
+    def views(self, unit: int, buf: int) -> tuple[torch.Tensor, ...]:
+        """The fields of ``unit`` (exp_avg, exp_avg_sq[, master]) inside RAM buffer ``buf``."""
         n = self.numels[unit]
-        flat = self.buffers[buf].view(self.dtype)[: 2 * n]
-        return flat[:n], flat[n: 2 * n]
+        return tuple(self.buffers[buf].view(self.dtype)[: self.fields * n].split(n))
 
     def read(self, unit: int, buf: int) -> None:
         view = memoryview(self.buffers[buf].numpy())[: self.nbytes[unit]]
@@ -105,7 +107,7 @@ class NvmeMoments:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         if _crc(view) != self.crc[unit]:
             raise TierError(errno.EIO, f"NVMe state file {self.files[unit]} is corrupt (CRC32 mismatch): the "
-                            "moments read back are not those written; resume from the last checkpoint")
+                            "state read back is not what was written; resume from the last checkpoint")
 
     def write(self, unit: int, buf: int) -> None:
         view = memoryview(self.buffers[buf].numpy())[: self.nbytes[unit]]
@@ -121,16 +123,18 @@ class NvmeMoments:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         self.crc[unit] = crc
 
-    def copy_out(self, unit: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The unit's moments as new tensors (for checkpoints; the pipeline must be idle)."""
+    def copy_out(self, unit: int) -> tuple[torch.Tensor, ...]:
+        """The unit's fields as new tensors (for checkpoints; the pipeline must be idle)."""
         self.read(unit, 0)
         return tuple(t.clone() for t in self.views(unit, 0))
 
-    def copy_in(self, unit: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-        """Replace the unit's moments (restoring a checkpoint; the pipeline must be idle)."""
-        m, v = self.views(unit, 0)
-        m.copy_(exp_avg)
-        v.copy_(exp_avg_sq)
+    def copy_in(self, unit: int, **fields: torch.Tensor) -> None:
+        """Replace some of the unit's fields (``exp_avg``, ``exp_avg_sq``, ``master``), keeping the others
+        (initialisation and checkpoint restore; the pipeline must be idle)."""
+        self.read(unit, 0)
+        views = dict(zip(("exp_avg", "exp_avg_sq", "master"), self.views(unit, 0)))
+        for name, t in fields.items():
+            views[name].copy_(t)
         self.write(unit, 0)
 
     def close(self) -> None:

@@ -11,6 +11,11 @@ Per unit, flat 1-D tensors laid out as in ``UnitSpec``:
   every gradient until backward ends) or share a ring of ``layer_grad_buffers`` that the runtime hands
   out and the optimizer returns: 4 layer buffers instead of 32 save 12 GB for an 8B model.
 
+Units on the NVMe tier (host/nvme.py) have no moments here (``exp_avg[u] is None``), and with
+``nvme_master`` no master either; their compute copy stays in RAM, since the window reads it every step.
+Readers and writers of whole-unit state (checkpoints, loaders, export) go through ``unit_state``,
+``set_unit_state``, ``set_master`` and ``unit_params``, which read or write the tier as needed.
+
 Every buffer is allocated and zeroed once here; nothing else allocates host training state, so
 ``bytes_by_category`` is the whole account.
 """
@@ -35,7 +40,7 @@ def _arena(units: list, dtype: torch.dtype, pin: bool, registered: list) -> list
 class HostStore:
     def __init__(self, units: list[UnitSpec], compute_dtype: torch.dtype, pin: bool, host_weights: str = "persistent",
                  layer_grad_buffers: int | None = None, nvme_dir=None, nvme_units: set[int] = frozenset(),
-                 nvme_buffers: int = 4, compact: bool = False):
+                 nvme_buffers: int = 4, compact: bool = False, nvme_master: bool = False):
         self.units = units
         self.compute_dtype = compute_dtype
         self.pin = pin
@@ -45,22 +50,28 @@ class HostStore:
         # weights the GPU reads; moments are bf16. 8 bytes per parameter instead of 12 (+2).
         self.compact = compact
         master_dtype = torch.bfloat16 if compact else torch.float32
-        self.master = _arena(units, master_dtype, pin and compute_dtype == master_dtype, self._registered)
+        self.master_dtype = master_dtype
+        # Moments (and with nvme_master the master) in RAM for units not on the NVMe tier, None for those that are.
+        in_ram = [u for u in units if u.index not in nvme_units]
+        self.nvme_master = nvme_master and bool(nvme_units)
+        if self.nvme_master:
+            it = iter(_arena(in_ram, master_dtype, pin and compute_dtype == master_dtype, self._registered))
+            self.master = [None if u.index in nvme_units else next(it) for u in units]
+        else:
+            self.master = _arena(units, master_dtype, pin and compute_dtype == master_dtype, self._registered)
         self.master_lo = _arena(units, torch.bfloat16, False, self._registered) if compact else None
         moment_dtype = torch.bfloat16 if compact else torch.float32
-        # Moments in RAM for units not on the NVMe tier (None for those that are: see host/nvme.py).
-        in_ram = [u for u in units if u.index not in nvme_units]
         m = iter(_arena(in_ram, moment_dtype, False, self._registered))
         v = iter(_arena(in_ram, moment_dtype, False, self._registered))
         self.exp_avg = [None if u.index in nvme_units else next(m) for u in units]
         self.exp_avg_sq = [None if u.index in nvme_units else next(v) for u in units]
         self.tier = None
         if nvme_units:
-            from .nvme import NvmeMoments
+            from .nvme import NvmeTier
 
-            self.tier = NvmeMoments(nvme_dir, {u: units[u].numel for u in sorted(nvme_units)}, nvme_buffers,
-                                    moment_dtype)
-        if compute_dtype == master_dtype:
+            self.tier = NvmeTier(nvme_dir, {u: units[u].numel for u in sorted(nvme_units)}, nvme_buffers,
+                                 moment_dtype, fields=3 if self.nvme_master else 2)
+        if compute_dtype == master_dtype and not self.nvme_master:
             self.weights: list[torch.Tensor] | None = self.master
         elif host_weights == "persistent":
             self.weights = _arena(units, compute_dtype, pin, self._registered)
@@ -78,18 +89,71 @@ class HostStore:
         self.grad_buffers = _arena(shapes, compute_dtype, pin, self._registered)
         self.step = 0  # optimizer steps applied
 
-    def moments(self, unit: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A unit's (exp_avg, exp_avg_sq), read from the tier if it lives there (checkpoints only)."""
-        if self.exp_avg[unit] is not None:
-            return self.exp_avg[unit], self.exp_avg_sq[unit]
-        return self.tier.copy_out(unit)
+    # -- whole-unit state, wherever it lives (checkpoints, loaders, export; the pipeline must be idle) --
+    def on_tier(self, unit: int) -> bool:
+        return self.exp_avg[unit] is None
 
-    def set_moments(self, unit: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
-        if self.exp_avg[unit] is not None:
-            self.exp_avg[unit].copy_(exp_avg)
-            self.exp_avg_sq[unit].copy_(exp_avg_sq)
+    def unit_layout(self, unit: int) -> dict[str, tuple[int, torch.dtype]]:
+        """The names, sizes and dtypes of the unit's saved state."""
+        n = self.units[unit].numel
+        lay = {"master": (n, self.master_dtype)}
+        if self.master_lo is not None:
+            lay["master_lo"] = (n, torch.bfloat16)
+        moment_dtype = torch.bfloat16 if self.compact else torch.float32
+        lay.update(exp_avg=(n, moment_dtype), exp_avg_sq=(n, moment_dtype))
+        return lay
+
+    def unit_state(self, unit: int) -> dict[str, torch.Tensor]:
+        """master (+ master_lo), exp_avg, exp_avg_sq: views of RAM, or copies read from the tier."""
+        st = {}
+        if self.on_tier(unit):
+            fields = self.tier.copy_out(unit)
+            st.update(exp_avg=fields[0], exp_avg_sq=fields[1])
+            st["master"] = fields[2] if self.nvme_master else self.master[unit]
         else:
-            self.tier.copy_in(unit, exp_avg, exp_avg_sq)
+            st.update(master=self.master[unit], exp_avg=self.exp_avg[unit], exp_avg_sq=self.exp_avg_sq[unit])
+        if self.master_lo is not None:
+            st["master_lo"] = self.master_lo[unit]
+        return st
+
+    def set_unit_state(self, unit: int, st: dict[str, torch.Tensor]) -> None:
+        """Restore what ``unit_state`` gave (a checkpoint), and the compute copy from it."""
+        if self.master_lo is not None:
+            self.master_lo[unit].copy_(st["master_lo"])
+        if self.on_tier(unit):
+            fields = {k: st[k] for k in ("exp_avg", "exp_avg_sq")}
+            if self.nvme_master:
+                fields["master"] = st["master"]
+            else:
+                self.master[unit].copy_(st["master"])
+            self.tier.copy_in(unit, **fields)
+        else:
+            for k in ("master", "exp_avg", "exp_avg_sq"):
+                getattr(self, k)[unit].copy_(st[k])
+        self.refresh_weights(unit, st["master"])
+
+    def master_of(self, unit: int) -> torch.Tensor:
+        """The unit's master: a view of RAM, or a copy read from the tier."""
+        return self.tier.copy_out(unit)[2] if self.master[unit] is None else self.master[unit]
+
+    def set_master(self, unit: int, master: torch.Tensor) -> None:
+        """Set a unit's whole master (initialisation, loading weights), and the compute copy from it."""
+        if self.master[unit] is None:
+            self.tier.copy_in(unit, master=master)
+        else:
+            self.master[unit].copy_(master)
+        self.refresh_weights(unit, master)
+
+    def unit_params(self, unit: int) -> dict[str, torch.Tensor]:
+        """Each parameter's master value in fp32 (hi + lo for compact state), by checkpoint key."""
+        hi = self.master_of(unit)
+        out = {}
+        for spec in self.units[unit].params:
+            v = hi[spec.offset: spec.offset + spec.numel].view(spec.shape)
+            if self.master_lo is not None:
+                v = v.float() + self.master_lo[unit][spec.offset: spec.offset + spec.numel].view(spec.shape).float()
+            out[spec.key] = v
+        return out
 
     def close(self) -> None:
         if self.tier is not None:
@@ -98,18 +162,11 @@ class HostStore:
             pinned.unpin(t)
         self._registered.clear()
 
-    def view(self, unit: int, tensors: list[torch.Tensor], spec) -> torch.Tensor:
-        return tensors[unit][spec.offset: spec.offset + spec.numel].view(spec.shape)
-
-    def param(self, unit: int, spec) -> torch.Tensor:
-        """One parameter's master value in fp32 (hi + lo for compact state)."""
-        hi = self.view(unit, self.master, spec)
-        return hi if self.master_lo is None else hi.float() + self.view(unit, self.master_lo, spec).float()
-
-    def refresh_weights(self, unit: int) -> None:
-        """Re-derive the compute copy of ``unit`` from its master (after load or update)."""
+    def refresh_weights(self, unit: int, master: torch.Tensor | None = None) -> None:
+        """Re-derive the compute copy of ``unit`` from its master (after load or update); ``master`` when
+        the caller holds it (a master on the tier is not in ``self.master``)."""
         if self.weights is not None and self.weights is not self.master:
-            self.weights[unit].copy_(self.master[unit])
+            self.weights[unit].copy_(self.master[unit] if master is None else master)
 
     def bytes_by_category(self) -> dict[str, int]:
         def total(ts):
@@ -118,7 +175,7 @@ class HostStore:
         own_weights = self.weights is not None and self.weights is not self.master
         ram = [t for t in self.exp_avg + self.exp_avg_sq if t is not None]
         return {
-            "master": total(self.master) + total(self.master_lo),
+            "master": total([t for t in self.master if t is not None]) + total(self.master_lo),
             "moments": total(ram),
             "nvme_buffers": 0 if self.tier is None else sum(b.numel() for b in self.tier.buffers),
             "weights": total(self.weights) if own_weights else 0,

@@ -134,18 +134,22 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, dtype_bytes
 
 def host_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, host_weights: str = "persistent",
                dtype_bytes: int = 2, layer_grad_buffers: int | None = 4, nvme_layers: int = 0,
-               compact: bool = False) -> dict[str, int]:
+               compact: bool = False, nvme_master: bool = False) -> dict[str, int]:
     """Host RAM by category (pass ``layer_grad_buffers=None`` when clipping: one buffer per layer;
-    ``nvme_layers``: layers whose moments are on the NVMe tier, see ``nvme_bytes``; ``compact``: bf16
-    master hi + lo and bf16 moments, the hi half being the GPU's weights)."""
+    ``nvme_layers``: layers whose moments (and with ``nvme_master`` fp32 master) are on the NVMe tier,
+    see ``nvme_bytes``; ``compact``: bf16 master hi + lo and bf16 moments, the hi half being the GPU's
+    weights)."""
     N = shape.params
     offloaded = shape.layers - min(shape.layers, p.gpu_activation_layers)
     ring = shape.layers if layer_grad_buffers is None else min(shape.layers, layer_grad_buffers)
+    tier_master = 4 * min(nvme_layers, shape.layers) * shape.layer_params if nvme_master else 0
     return {
-        "master": 4 * N,
+        "master": 4 * N - tier_master,
         "moments": (4 if compact else 8) * N - nvme_bytes(shape, nvme_layers, compact),
-        # a separate compute copy exists only for persistent host weights in bf16/fp16 with fp32 state
-        "weights": dtype_bytes * N if host_weights == "persistent" and not compact and dtype_bytes < 4 else 0,
+        # a separate compute copy exists for persistent host weights in bf16/fp16 with fp32 state, and
+        # whenever the master is on the tier
+        "weights": dtype_bytes * N if host_weights == "persistent" and not compact and (dtype_bytes < 4 or tier_master)
+        else 0,
         "grads": dtype_bytes * (shape.embed_params + shape.head_params + ring * shape.layer_params),
         "activations": offloaded * batch * seq * shape.hidden * dtype_bytes,
     }
@@ -204,10 +208,10 @@ def auto_resident_layers(cfg, shape: ModelShape, batch: int, seq: int) -> int:
     return min(k, shape.layers - nvme)
 
 
-def nvme_bytes(shape: ModelShape, nvme_layers: int, compact: bool = False) -> int:
+def nvme_bytes(shape: ModelShape, nvme_layers: int, compact: bool = False, master: bool = False) -> int:
     """Disk for the Adam moments (exp_avg and exp_avg_sq: fp32, or bf16 when ``compact``) of
-    ``nvme_layers`` decoder layers."""
-    return min(nvme_layers, shape.layers) * shape.layer_params * (4 if compact else 8)
+    ``nvme_layers`` decoder layers, and their fp32 master with ``master``."""
+    return min(nvme_layers, shape.layers) * shape.layer_params * ((4 if compact else 8) + (4 if master else 0))
 
 
 def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Placement = Placement()) -> Placement:
@@ -245,7 +249,7 @@ class MachineRates:
 
 
 def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: MachineRates = MachineRates(),
-              compact: bool = False, nvme_layers: int = 0) -> dict[str, float]:
+              compact: bool = False, nvme_layers: int = 0, nvme_master: bool = False) -> dict[str, float]:
     """Predicted seconds per step: the largest of GPU compute (8 x params x tokens, recompute included),
     the CPU optimizer, the weight copies and the NVMe tier's moment traffic (read and written once per
     step), plus 10% for what does not overlap (the first and last units of a step). Within 10% of the
@@ -258,7 +262,7 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
         "gpu_compute_s": 8 * shape.params * tokens / rates.gpu_flops,
         "optimizer_s": on_cpu / rates.optimizer_params_per_s / (1.5 if compact else 1.0),
         "h2d_s": 2 * 2 * streamed / rates.pcie_bytes_per_s,
-        "nvme_s": 2 * nvme_bytes(shape, nvme_layers, compact) / rates.disk_bytes_per_s,
+        "nvme_s": 2 * nvme_bytes(shape, nvme_layers, compact, nvme_master) / rates.disk_bytes_per_s,
     }
     out["step_s"] = 1.1 * max(out.values())
     return out
