@@ -341,12 +341,35 @@ def test_liger_ops_change_only_the_engines_own_modules():
     model = build("qwen3-tied")
     ad = ModelAdapter(model.config)
     n = apply_liger(ad.layers + [ad.norm], model.config.hidden_act)
-    per_layer = 4 + 1  # input, post-attention, q and k norms; the MLP
+    per_layer = 4 + 1 + 1  # input, post-attention, q and k norms; the MLP; the attention's RoPE
     assert n == per_layer * ad.num_layers + 1
     assert all(lay.mlp.forward.__func__.__name__ == "_swiglu_forward" for lay in ad.layers)
-    assert "forward" not in vars(model.model.layers[0].mlp)  # the user's model: untouched
-    assert "forward" not in vars(model.model.norm)
-    assert apply_liger(ad.layers, "gelu") == 4 * ad.num_layers  # a non-SiLU MLP keeps its forward
+    assert ad.layers[0].self_attn.forward.__func__.__globals__["apply_rotary_pos_emb"].__name__ == "_liger_rope"
+    for m in (model.model.layers[0].mlp, model.model.norm, model.model.layers[0].self_attn):
+        assert "forward" not in vars(m)  # the user's model: untouched
+    assert apply_liger(ad.layers, "gelu") == 5 * ad.num_layers  # a non-SiLU MLP keeps its forward
+
+
+def test_attention_forward_with_another_rope_is_the_same_code():
+    """The attention's rebound forward is its class's code with only the RoPE function swapped: with a
+    counting wrapper around transformers' own RoPE, it gives the same output and calls the wrapper."""
+    from slideformer.model.fused_ops import apply_liger
+
+    model = build("llama")
+    attn = model.model.layers[0].self_attn
+    rope_fn = type(attn).forward.__globals__["apply_rotary_pos_emb"]
+    calls = []
+
+    def counting(*a, **k):
+        calls.append(1)
+        return rope_fn(*a, **k)
+
+    x = torch.randn(2, 5, model.config.hidden_size)
+    pos = model.model.rotary_emb(x, torch.arange(5)[None].expand(2, 5))
+    ref = attn(x, position_embeddings=pos, attention_mask=None)[0]
+    apply_liger([model.model.layers[0]], "gelu", rope=counting)
+    out = attn(x, position_embeddings=pos, attention_mask=None)[0]
+    assert calls and torch.equal(out, ref)
 
 
 def test_liger_ops_refused_where_they_cannot_run():

@@ -1,16 +1,19 @@
-"""Liger-Kernel's fused RMSNorm and SwiGLU on the engine's own layer modules.
+"""Liger-Kernel's fused RMSNorm, SwiGLU and RoPE on the engine's own layer modules.
 
 Liger's ``apply_liger_kernel_to_*`` functions replace transformers' module-level classes and functions,
 which changes every model of that family in the process (a user's reference model too). Here only the
-engine's skeleton instances change: each RMSNorm's and each MLP's ``forward`` is rebound. RoPE stays
-transformers': its function is looked up in the modeling module's globals, so it cannot change per
-instance. CUDA only: Liger's Triton kernels do not run in Triton's CPU interpreter.
+engine's skeleton instances change: each RMSNorm's and each MLP's ``forward`` is rebound, and each
+attention module gets its class's own ``forward`` code run with Liger's RoPE in place of the
+``apply_rotary_pos_emb`` its modeling module defines (a copy of the function with one global swapped).
+CUDA only: Liger's Triton kernels do not run in Triton's CPU interpreter.
 
-Why these two: the Llama-8B step profile (bench/NOTES.md, session 3) puts the unfused RMSNorm at about
-6% of GPU time and SwiGLU at about 2%, spread over many small elementwise kernels.
+Why these: the Llama-8B step profile (bench/NOTES.md, session 3) put the unfused RMSNorm at about 6% of
+GPU time, RoPE about 5% and SwiGLU about 2%, spread over many small elementwise kernels. Measured with
+RMSNorm and SwiGLU: -22% GPU time at Qwen3-4B b32 (RoPE not measured yet).
 """
 from __future__ import annotations
 
+import inspect
 import types
 
 from torch import nn
@@ -46,13 +49,34 @@ def _swiglu_forward(self, x):
     return self.down_proj(LigerSiLUMulFunction.apply(self.gate_proj(x), self.up_proj(x)))
 
 
-def apply_liger(modules: list[nn.Module], hidden_act: str) -> int:
-    """Rebind the RMSNorms and SwiGLU MLPs found in ``modules``; returns how many were rebound."""
+def _liger_rope(*args, **kwargs):
+    from liger_kernel.transformers.rope import liger_rotary_pos_emb
+
+    return liger_rotary_pos_emb(*args, **kwargs)
+
+
+def forward_with(fn, **globals_):
+    """A copy of function ``fn`` in which the global names given resolve to other objects."""
+    scope = dict(fn.__globals__)
+    scope.update(globals_)
+    new = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
+    return new
+
+
+def apply_liger(modules: list[nn.Module], hidden_act: str, rope=_liger_rope) -> int:
+    """Rebind the RMSNorms, SwiGLU MLPs and RoPE of the attention modules found in ``modules``; returns
+    how many modules were rebound."""
     count = 0
     for root in modules:
         for m in root.modules():
             name = type(m).__name__
-            if name.endswith("RMSNorm") and hasattr(m, "variance_epsilon"):
+            fwd = type(m).forward
+            if name.endswith("Attention") and inspect.unwrap(fwd) is fwd and \
+                    "apply_rotary_pos_emb" in fwd.__code__.co_names:  # (a decorated forward keeps its RoPE)
+                m.forward = types.MethodType(forward_with(fwd, apply_rotary_pos_emb=rope), m)
+                count += 1
+            elif name.endswith("RMSNorm") and hasattr(m, "variance_epsilon"):
                 m.forward = types.MethodType(_rms_norm_forward, m)
                 count += 1
             elif name.endswith("MLP") and hidden_act in ("silu", "swish") and \
