@@ -22,10 +22,11 @@ Hand-offs, and what makes each safe:
   Among the jobs whose first chunk has landed it takes the lowest unit first (``schedule.next_update``):
   that is the order the next forward needs them in, so updates still running when backward ends overlap
   that forward.
-- NVMe moments -> optimizer: the reader thread reads a unit's moments into a free RAM buffer and sets
-  the unit's ``tier ready`` flag; the worker waits for it (and only picks units whose moments are in),
-  updates, then hands the buffer to the writer thread, which writes it back and frees the buffer. The
-  reader reads a unit again (next step) only after that write has finished (``tier written``).
+- NVMe state -> optimizer: the disk reader thread reads a unit's state into a free RAM buffer and sets
+  the unit's ``tier ready`` flag; the worker waits for it (and only picks units whose state is in),
+  updates, then hands the buffer to the disk writer thread, which writes it back and frees the buffer.
+  The reader reads a unit again (next step) only after that write has finished (``tier written``).
+  The same two threads carry offloaded activations to and from NVMe (engine/activations.py).
 - Errors: the first failure in any thread is kept and raised in the main thread at its next wait;
   the other threads then skip their work but still release what they hold, so nothing hangs.
 
@@ -134,9 +135,17 @@ class Runtime:
         self._loads: queue.Queue[tuple | None] = queue.Queue()
         self._loader = threading.Thread(target=self._load_work, name="slideformer-loader", daemon=True)
         self._loader.start()
-        # NVMe tier: a reader fills RAM buffers with moments ahead of their update, a writer empties them
-        # behind it. Two threads, so that a read waiting for a free buffer never blocks the write that frees one.
-        self._tier_threads: list[threading.Thread] = []
+        # Disk I/O: a reader and a writer thread, each running the jobs queued for it in order (the NVMe
+        # tier's state; offloaded activations on NVMe, engine/activations.py). Two threads, so that a read
+        # waiting for a free buffer never blocks the write that frees one.
+        self._reads: queue.Queue = queue.Queue()
+        self._writes: queue.Queue = queue.Queue()
+        self._io_threads = [threading.Thread(target=self._io_work, args=(q,), name=name, daemon=True)
+                            for q, name in ((self._reads, "slideformer-disk-read"), (self._writes, "slideformer-disk-write"))]
+        for th in self._io_threads:
+            th.start()
+        # NVMe tier: the reader fills RAM buffers with a unit's state ahead of its update, the writer
+        # empties them behind it.
         if store.tier is not None:
             self._tier_free = [True] * len(store.tier.buffers)
             self._tier_cv = threading.Condition()
@@ -146,12 +155,6 @@ class Runtime:
             self._tier_written = {u: threading.Event() for u in store.tier.numels}
             for e in self._tier_written.values():
                 e.set()
-            self._reads: queue.Queue[int | None] = queue.Queue()
-            self._writes: queue.Queue[tuple | None] = queue.Queue()
-            for target, name in ((self._read_work, "slideformer-nvme-read"), (self._write_work, "slideformer-nvme-write")):
-                th = threading.Thread(target=target, name=name, daemon=True)
-                th.start()
-                self._tier_threads.append(th)
         self._closed = False
         self._switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL_S))
@@ -188,47 +191,60 @@ class Runtime:
                             weight_decay=c.weight_decay, eps=c.eps, amsgrad=False, maximize=False)
         slot.params[:n].copy_(master)
 
+    # -- disk I/O -------------------------------------------------------------------------------------
+    def submit_read(self, job) -> None:
+        self._reads.put(job)
+
+    def submit_write(self, job) -> None:
+        self._writes.put(job)
+
+    def _io_work(self, jobs: queue.Queue) -> None:
+        while (job := jobs.get()) is not None:
+            try:
+                job()
+            except BaseException as e:  # each job also releases what it holds in its own finally
+                self._fail(e)
+            finally:
+                jobs.task_done()
+
+    def wait_written(self, done: threading.Event) -> bool:
+        """Wait for a write's ``done`` flag; False if a failure elsewhere means it may never come."""
+        while not done.wait(0.05):
+            if self._error is not None:
+                return False
+        return True
+
     # -- the NVMe tier -----------------------------------------------------------------------------
     def begin_step(self, update_order: list[int]) -> None:
-        """Start reading tier moments in the order this step's updates will want them."""
+        """Start reading tier state in the order this step's updates will want it."""
         if self.store.tier is not None:
             for u in update_order:
                 if u in self._tier_ready:
-                    self._reads.put(u)
+                    self._reads.put(lambda u=u: self._tier_read(u))
 
-    def _read_work(self) -> None:
-        while (unit := self._reads.get()) is not None:
-            try:
-                with self._tier_cv:
-                    while not any(self._tier_free):
-                        self._tier_cv.wait()
-                    buf = self._tier_free.index(True)
-                    self._tier_free[buf] = False
-                while not self._tier_written[unit].wait(0.05) and self._error is None:
-                    pass
-                if self._error is None:
-                    self._tier_written[unit].clear()
-                    self.store.tier.read(unit, buf)
-                self._tier_buf[unit] = buf
-            except BaseException as e:
-                self._fail(e)
-            finally:
-                self._tier_ready[unit].set()
+    def _tier_read(self, unit: int) -> None:
+        try:
+            with self._tier_cv:
+                while not any(self._tier_free):
+                    self._tier_cv.wait()
+                buf = self._tier_free.index(True)
+                self._tier_free[buf] = False
+            if self.wait_written(self._tier_written[unit]):
+                self._tier_written[unit].clear()
+                self.store.tier.read(unit, buf)
+            self._tier_buf[unit] = buf
+        finally:
+            self._tier_ready[unit].set()
 
-    def _write_work(self) -> None:
-        while (job := self._writes.get()) is not None:
-            unit, buf = job
-            try:
-                if self._error is None:
-                    self.store.tier.write(unit, buf)
-            except BaseException as e:
-                self._fail(e)
-            finally:
-                self._tier_written[unit].set()
-                with self._tier_cv:
-                    self._tier_free[buf] = True
-                    self._tier_cv.notify_all()
-                self._writes.task_done()
+    def _tier_write(self, unit: int, buf: int) -> None:
+        try:
+            if self._error is None:
+                self.store.tier.write(unit, buf)
+        finally:
+            self._tier_written[unit].set()
+            with self._tier_cv:
+                self._tier_free[buf] = True
+                self._tier_cv.notify_all()
 
     # -- weights into the window ------------------------------------------------------------------
     def load(self, unit: int, slot: Slot) -> None:
@@ -430,7 +446,7 @@ class Runtime:
             self._fail(e)
         finally:
             if tier_buf is not None:
-                self._writes.put((job.unit, tier_buf))  # written behind; the buffer returns after the write
+                self._writes.put(lambda u=job.unit, b=tier_buf: self._tier_write(u, b))  # the buffer returns after
             self._return_grad_buffer(job.grads.buffer)
             self._updated[job.unit].set()
 
@@ -446,9 +462,8 @@ class Runtime:
         """Wait until every queued update has been applied and written (before reading or saving state)."""
         for u in range(len(self._updated)):
             self.wait_updated(u)
-        if self.store.tier is not None:
-            self._writes.join()
-            self._raise_worker_error()
+        self._writes.join()
+        self._raise_worker_error()
 
     def _raise_worker_error(self) -> None:
         if self._error is not None:
@@ -469,15 +484,14 @@ class Runtime:
         if abort:
             self._abort.fill_(1)
         sys.setswitchinterval(self._switch_interval)
-        # The optimizer first: its last jobs may still need the tier's reads; then the tier threads,
+        # The optimizer first: its last jobs may still need the tier's reads; then the disk threads,
         # which finish their queued writes; the loader last (pending loads wait for those updates).
         self._jobs.put(None)
         self._worker.join()
-        if self.store.tier is not None:
-            self._reads.put(None)
-            self._writes.put(None)
-            for th in self._tier_threads:
-                th.join()
+        self._reads.put(None)
+        self._writes.put(None)
+        for th in self._io_threads:
+            th.join()
         self._loads.put(None)
         self._loader.join()
         if self.cuda:
