@@ -109,12 +109,14 @@ def test_gpu_memory_does_not_grow_after_first_step():
         assert torch.cuda.max_memory_allocated() <= peak_second
 
 
-def test_activation_offload_on_gpu_is_bit_identical():
+@pytest.mark.parametrize("to_nvme", [False, True])
+def test_activation_offload_on_gpu_is_bit_identical(tmp_path, to_nvme):
     model = build("llama")
     batches = [[batch(97, b=4, s=32, seed=s), batch(97, b=2, s=16, seed=s + 9)] for s in range(3)]
     kw = dict(compute_dtype=torch.float32, lr=1e-3, window_slots=2)  # fp32: flash-attention backward (bf16) is not deterministic
     a, la = cuda_engine_train(model, batches, **kw)
-    b, lb = cuda_engine_train(model, batches, offload_activations=True, gpu_activation_layers=0, **kw)
+    nvme = dict(activations_to_nvme=True, offload_dir=str(tmp_path)) if to_nvme else {}
+    b, lb = cuda_engine_train(model, batches, offload_activations=True, gpu_activation_layers=0, **nvme, **kw)
     assert la == lb
     assert all(torch.equal(a[k], b[k]) for k in a)
 

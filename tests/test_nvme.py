@@ -193,3 +193,55 @@ def test_next_steps_read_waits_for_this_steps_write(tmp_path, monkeypatch):
     b, lb = engine_train(model, steps, lr=1e-2, host_grad_buffers=1, offload_dir=str(tmp_path), nvme_buffers=4)
     assert la == lb
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("keep", [0, 2])
+def test_activations_on_nvme_are_bit_identical(tmp_path, keep):
+    """Offloaded layer inputs through a file (3 staging buffers, the disk threads) train exactly as kept."""
+    model = build("qwen2-tied")
+    steps = [[batch(97, seed=s), batch(97, b=3, s=9, seed=s + 7)] for s in range(2)]  # uneven micro-batches
+    a, la = engine_train(model, steps, lr=1e-2)
+    cfg = dict(lr=1e-2, offload_activations=True, gpu_activation_layers=keep, offload_dir=str(tmp_path),
+               activations_to_nvme=True)
+    with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, loss_kernel="torch", **cfg)) as e:
+        lb = [e.train_step(b) for b in steps]
+        b = {k: v.clone() for k, v in e.state_dict().items()}
+        rep = e.memory_report()
+        layers = model.config.num_hidden_layers - keep
+        assert rep["nvme_activations"] >= layers * 17 * model.config.hidden_size * 4  # 2x12 + 3x9... tokens
+        assert rep["host_activations"] == 3 * e.activations._staging[0].numel() * 4  # staging only
+    assert la == lb
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not list(tmp_path.iterdir())  # the file is removed at close
+
+
+def test_activations_on_nvme_fail_clearly(tmp_path, monkeypatch):
+    from slideformer.host import nvme
+
+    cfg = EngineConfig(**CPU, offload_activations=True, gpu_activation_layers=0, offload_dir=str(tmp_path),
+                       activations_to_nvme=True)
+
+    def full(fd, off, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with SlideEngine(build("llama"), cfg) as eng, monkeypatch.context() as m:
+        m.setattr(os, "posix_fallocate", full)
+        with pytest.raises(TierError, match="activations on NVMe .*No space left"):
+            eng.train_step(batch(97))
+
+    def broken(self, index, buf):
+        raise TierError(errno.EIO, "activations: injected write failure")
+
+    monkeypatch.setattr(nvme.NvmeScratch, "write", broken)
+    eng = SlideEngine(build("llama"), cfg)
+    with pytest.raises(RuntimeError, match="failed") as err:
+        with eng:
+            eng.train_step(batch(97))
+    assert "injected write failure" in repr(err.value.__cause__) or "injected" in str(err.value)
+
+
+def test_activations_on_nvme_need_offload_dir():
+    from slideformer.config import ConfigError
+
+    with pytest.raises(ConfigError, match="offload_dir"):
+        EngineConfig(device="cpu", activations_to_nvme=True).validate()

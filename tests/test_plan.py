@@ -155,3 +155,16 @@ def test_auto_resident_layers_keep_matmuls_efficient_and_stop_when_not_needed():
     assert choose_resident_layers(sh, 64, 1024, 24 * GiB) == 0
     # a card that holds everything trains everything on it
     assert choose_resident_layers(sh, 8, 1024, 139 * GiB) == sh.layers
+
+
+def test_activations_on_nvme_keep_three_layers_in_ram_and_cost_disk_time():
+    from slideformer.plan import step_time
+
+    sh = shape("llama3-8b")
+    p = fit(sh, 64, 1024, 14 * GiB)
+    assert p.gpu_activation_layers < sh.layers - 3  # some layer inputs are offloaded
+    ram = host_bytes(sh, 64, 1024, p)["activations"]
+    disk = host_bytes(sh, 64, 1024, p, activations_to_nvme=True)["activations"]
+    assert disk == 3 * 64 * 1024 * sh.hidden * 2 < ram
+    t_ram, t_disk = step_time(sh, 64, 1024, p)["nvme_s"], step_time(sh, 64, 1024, p, activations_to_nvme=True)["nvme_s"]
+    assert t_ram == 0 and t_disk == pytest.approx(2 * ram / 1e9)  # written and read once a step at 1 GB/s

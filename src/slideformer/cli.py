@@ -64,7 +64,8 @@ def cmd_plan(args) -> int:
     g = gpu_bytes(shape, args.batch_size, args.seq_len, placement)
     compact = args.optimizer_state == "compact"
     h = host_bytes(shape, args.batch_size, args.seq_len, placement, args.host_weights, nvme_layers=nvme_layers,
-                   compact=compact, nvme_master=args.nvme_master)
+                   compact=compact, nvme_master=args.nvme_master,
+                   activations_to_nvme=args.activations_to_nvme)
     host_total = sum(h.values())
     fits = fits_gpu and host_total <= cpu_limit
     max_batch = 0
@@ -74,7 +75,8 @@ def cmd_plan(args) -> int:
         except DoesNotFit:
             break
         if sum(host_bytes(shape, b, args.seq_len, p, args.host_weights, nvme_layers=nvme_layers,
-                          compact=compact, nvme_master=args.nvme_master).values()) > cpu_limit:
+                          compact=compact, nvme_master=args.nvme_master,
+                   activations_to_nvme=args.activations_to_nvme).values()) > cpu_limit:
             break
         max_batch = b
     out = {"model": args.model, "params": shape.params, "seq_len": args.seq_len, "batch_size": args.batch_size,
@@ -82,7 +84,7 @@ def cmd_plan(args) -> int:
            "gpu_limit": gpu_limit, "host_limit": cpu_limit, "fits": fits, "max_batch_size": max_batch,
            "placement": vars(placement)}
     timing = step_time(shape, args.batch_size, args.seq_len, placement, compact=compact, nvme_layers=nvme_layers,
-                       nvme_master=args.nvme_master)
+                       nvme_master=args.nvme_master, activations_to_nvme=args.activations_to_nvme)
     if gpu_limit and fits_gpu and not compact:  # what training some layers on the GPU would buy (fp32 state only)
         # the budget `slideformer train` would give them: --gpu-memory, else 90% of the card (plan.gpu_budget)
         budget = gpu_limit if args.gpu_memory else int(0.9 * gpu_limit)
@@ -91,7 +93,8 @@ def cmd_plan(args) -> int:
         out["suggested_resident_layers"] = k
         out["predicted_step_s_resident"] = step_time(shape, args.batch_size, args.seq_len, with_k, compact=compact,
                                                      nvme_layers=min(nvme_layers, shape.layers - k),
-                                                     nvme_master=args.nvme_master)["step_s"]
+                                                     nvme_master=args.nvme_master,
+                                                     activations_to_nvme=args.activations_to_nvme)["step_s"]
     out["predicted_step_s"] = timing["step_s"]
     out["predicted_tokens_per_s"] = args.batch_size * args.seq_len / timing["step_s"]
     out["timing"] = timing
@@ -158,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--offload-dir", help="NVMe tier directory: the moments of --nvme-fraction of the layers go there")
     pl.add_argument("--nvme-fraction", type=float, default=1.0)
     pl.add_argument("--nvme-master", action="store_true", help="the tier's layers keep their fp32 master there too")
+    pl.add_argument("--activations-to-nvme", action="store_true",
+                    help="offloaded layer inputs go to files under --offload-dir (RAM: 3 staging buffers)")
     pl.add_argument("--host-weights", default="persistent", choices=["persistent", "staged"])
     pl.add_argument("--loss-kernel", default=EngineConfig.loss_kernel, choices=["torch", "fused"])
     pl.add_argument("--optimizer-state", default=EngineConfig.optimizer_state, choices=["fp32", "compact"])

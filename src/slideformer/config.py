@@ -40,6 +40,9 @@ class EngineConfig:
     # to pinned host memory; they come back one layer ahead of need in backward.
     offload_activations: bool = False
     gpu_activation_layers: int = 2
+    # Offloaded layer inputs go on to a file under `offload_dir` (RAM holds 3 staging buffers only), at
+    # the disk's speed: for when RAM, not time, is short.
+    activations_to_nvme: bool = False
     # Host buffers that decoder-layer gradients land in, reused as the optimizer frees them (None: one per
     # layer). Clipping always uses one per layer: every gradient is held until the global norm is known.
     host_grad_buffers: int | None = 4
@@ -132,6 +135,8 @@ class EngineConfig:
                               "compute_dtype=torch.bfloat16, or use optimizer_state='fp32'")
         if not 0.0 <= self.nvme_fraction <= 1.0:
             raise ConfigError(f"nvme_fraction must lie in [0, 1], got {self.nvme_fraction}")
+        if self.activations_to_nvme and self.offload_dir is None:
+            raise ConfigError("activations_to_nvme writes offloaded layer inputs under offload_dir: set it too")
         if self.nvme_master:
             if self.offload_dir is None:
                 raise ConfigError("nvme_master puts the master on the NVMe tier: set offload_dir too")

@@ -65,7 +65,7 @@ def run_slideformer(args, config):
                        resident_layers=0 if auto else int(args.resident_layers), loss_kernel=args.loss_kernel,
                        fused_ops=args.fused_ops,
                        optimizer_state=args.optimizer_state, offload_dir=args.offload_dir, nvme_fraction=args.nvme_fraction,
-                       nvme_master=args.nvme_master,
+                       nvme_master=args.nvme_master, activations_to_nvme=args.activations_to_nvme,
                        gpu_memory_limit=int(args.gpu_memory_limit_gib * 2**30) if args.gpu_memory_limit_gib else None)
     if auto and args.device == "cuda":  # what `slideformer train` picks
         shape = ModelShape.from_adapter(ModelAdapter(config, args.dtype))
@@ -253,6 +253,7 @@ def main(argv=None):
     ap.add_argument("--offload-dir", default=None, help="NVMe tier directory for the moments of --nvme-fraction of the layers")
     ap.add_argument("--nvme-fraction", type=float, default=1.0)
     ap.add_argument("--nvme-master", action="store_true", help="the tier's layers keep their fp32 master there too")
+    ap.add_argument("--activations-to-nvme", action="store_true", help="offloaded layer inputs go to --offload-dir")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--profile-ops", type=int, default=0, metavar="N",
                     help="after the timed steps, profile one more step and record its N costliest GPU ops")
@@ -296,7 +297,7 @@ def main(argv=None):
                                                    "switch_interval", "max_grad_norm",
                                                    "gpu_memory_limit_gib", "loss_chunk", "resident_layers",
                                                    "loss_kernel", "fused_ops", "optimizer_state", "ds_loss", "offload_dir",
-                                                   "nvme_fraction", "nvme_master")},
+                                                   "nvme_fraction", "nvme_master", "activations_to_nvme")},
     }
     if args.profile_ops and cuda:
         rec["op_profile"] = profile_ops(step, finish, args.profile_ops)

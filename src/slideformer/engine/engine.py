@@ -122,7 +122,8 @@ class SlideEngine:
                               share_edge=not self.adapter.tied)
         self.runtime = Runtime(self.adapter, self.store, self.cfg, self.plan)
         offload = set(range(max(0, n - self.cfg.gpu_activation_layers))) if self.cfg.offload_activations else set()
-        self.activations = ActivationStore(self.runtime, n, offload)
+        self.activations = ActivationStore(self.runtime, n, offload,
+                                           nvme_dir=self.cfg.offload_dir if self.cfg.activations_to_nvme else None)
         self._embed_slot = next((v.group, v.slot) for v in self.plan if v.unit == self.adapter.embed_unit.index)
         self._loads_after: dict[int, list] = {}
         for v in self.plan:
@@ -421,6 +422,7 @@ class SlideEngine:
         rep = {f"host_{k}": v for k, v in self.store.bytes_by_category().items()}
         rep["host_activations"] = self.activations.host_bytes
         rep["nvme_disk"] = 0 if self.store.tier is None else self.store.tier.disk_bytes
+        rep["nvme_activations"] = self.activations.disk_bytes
         rep["gpu_window"] = self.runtime.gpu_bytes()
         return rep
 

@@ -27,6 +27,27 @@ class TierError(OSError):
     """The NVMe tier cannot hold or return the state (full disk, failed write, corrupt file)."""
 
 
+def _open(path: Path, direct: bool) -> tuple[int, bool]:
+    """A new file, with O_DIRECT where asked for and the filesystem has it; returns (fd, direct)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+    if direct and hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, flags | os.O_DIRECT, 0o600), True
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # EINVAL: the filesystem (tmpfs) has no O_DIRECT
+                raise
+    return os.open(path, flags, 0o600), False
+
+
+def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised 1-D tensor whose data starts on a 4096-byte boundary and whose byte size is a
+    multiple of 4096 (O_DIRECT needs both)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    nbytes = -(-numel * size // ALIGN) * ALIGN
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    return raw[(-raw.data_ptr()) % ALIGN:][:nbytes].view(dtype)
+
+
 def _crc(view: memoryview, crc: int = 0) -> int:
     for s in range(0, len(view), IO_CHUNK):
         crc = zlib.crc32(view[s: s + IO_CHUNK], crc)  # releases the GIL for large buffers
@@ -65,8 +86,7 @@ class NvmeTier:
             self.crc[u] = zero_crc[size]  # fallocate'd space reads as zeros: the moments' initial value
             # (a master on the tier is written before training starts: see HostStore.set_master)
         width = max(self.nbytes.values())
-        self._raw = [torch.zeros(width + ALIGN, dtype=torch.uint8) for _ in range(buffers)]
-        self.buffers = [r[(-r.data_ptr()) % ALIGN:][:width] for r in self._raw]  # 4096-aligned for O_DIRECT
+        self.buffers = [aligned_empty(width, torch.uint8).zero_() for _ in range(buffers)]
 
     @staticmethod
     def _zero_crc(size: int) -> int:
@@ -76,15 +96,8 @@ class NvmeTier:
         return crc
 
     def _open(self, path: Path) -> int:
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
-        if self.direct and hasattr(os, "O_DIRECT"):
-            try:
-                return os.open(path, flags | os.O_DIRECT, 0o600)
-            except OSError as e:
-                if e.errno != errno.EINVAL:  # EINVAL: the filesystem (tmpfs) has no O_DIRECT
-                    raise
-        self.direct = False
-        return os.open(path, flags, 0o600)
+        fd, self.direct = _open(path, self.direct)
+        return fd
 
     @property
     def disk_bytes(self) -> int:
@@ -144,3 +157,69 @@ class NvmeTier:
             f.unlink(missing_ok=True)
         self._fds.clear()
         self.files.clear()
+
+
+class NvmeScratch:
+    """One file of fixed-size records for transient data (offloaded activations), grown with
+    posix_fallocate when a step needs more records or larger ones. Records are written and read whole,
+    from 4096-aligned buffers (``aligned_empty``), each with a CRC32 checked on read."""
+
+    def __init__(self, directory: str | os.PathLike, what: str):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.what = what
+        self.path = self.dir / f"slideformer-{os.getpid()}-{what}.scratch"
+        self.fd, self.direct = _open(self.path, True)
+        self.record_bytes = 0
+        self.records = 0
+        self.crc: dict[int, int] = {}
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.record_bytes * self.records
+
+    def reserve(self, records: int, record_bytes: int) -> None:
+        """Room for ``records`` records of ``record_bytes`` (rounded up to 4096); a full disk fails here."""
+        record_bytes = -(-record_bytes // ALIGN) * ALIGN
+        if records <= self.records and record_bytes <= self.record_bytes:
+            return
+        records, record_bytes = max(records, self.records), max(record_bytes, self.record_bytes)
+        try:
+            os.posix_fallocate(self.fd, 0, records * record_bytes)
+        except OSError as e:
+            raise TierError(e.errno, f"offload_dir {self.dir}: cannot reserve {records * record_bytes / 2**30:.1f} GiB "
+                            f"for {self.what} on NVMe ({e.strerror}); free space there, or keep them in RAM") from e
+        self.records, self.record_bytes = records, record_bytes
+        self.crc.clear()
+
+    def write(self, index: int, buf: torch.Tensor) -> None:
+        view = memoryview(buf.view(torch.uint8).numpy())
+        assert len(view) <= self.record_bytes and index < self.records
+        crc, done, off = _crc(view), 0, index * self.record_bytes
+        try:
+            while done < len(view):
+                done += os.pwritev(self.fd, [view[done: done + IO_CHUNK]], off + done)
+        except OSError as e:
+            raise TierError(e.errno, f"writing {self.what} to {self.path} failed ({e.strerror}); training stops "
+                            "here, the last checkpoint is intact") from e
+        self.crc[index] = crc
+
+    def read(self, index: int, buf: torch.Tensor) -> None:
+        view = memoryview(buf.view(torch.uint8).numpy())
+        done, off = 0, index * self.record_bytes
+        while done < len(view):
+            got = os.preadv(self.fd, [view[done: done + IO_CHUNK]], off + done)
+            if got <= 0:
+                raise TierError(errno.EIO, f"{self.path} is truncated at record {index}")
+            done += got
+        if not self.direct:
+            os.posix_fadvise(self.fd, off, len(view), os.POSIX_FADV_DONTNEED)
+        if _crc(view) != self.crc.get(index):
+            raise TierError(errno.EIO, f"{self.what} read back from {self.path} (record {index}) are corrupt "
+                            "(CRC32 mismatch)")
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+            self.path.unlink(missing_ok=True)

@@ -134,7 +134,7 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, dtype_bytes
 
 def host_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, host_weights: str = "persistent",
                dtype_bytes: int = 2, layer_grad_buffers: int | None = 4, nvme_layers: int = 0,
-               compact: bool = False, nvme_master: bool = False) -> dict[str, int]:
+               compact: bool = False, nvme_master: bool = False, activations_to_nvme: bool = False) -> dict[str, int]:
     """Host RAM by category (pass ``layer_grad_buffers=None`` when clipping: one buffer per layer;
     ``nvme_layers``: layers whose moments (and with ``nvme_master`` fp32 master) are on the NVMe tier,
     see ``nvme_bytes``; ``compact``: bf16 master hi + lo and bf16 moments, the hi half being the GPU's
@@ -151,7 +151,8 @@ def host_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, host_weigh
         "weights": dtype_bytes * N if host_weights == "persistent" and not compact and (dtype_bytes < 4 or tier_master)
         else 0,
         "grads": dtype_bytes * (shape.embed_params + shape.head_params + ring * shape.layer_params),
-        "activations": offloaded * batch * seq * shape.hidden * dtype_bytes,
+        # offloaded layer inputs in RAM, or on NVMe through 3 staging buffers (engine/activations.py)
+        "activations": (min(offloaded, 3) if activations_to_nvme else offloaded) * batch * seq * shape.hidden * dtype_bytes,
     }
 
 
@@ -249,7 +250,8 @@ class MachineRates:
 
 
 def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: MachineRates = MachineRates(),
-              compact: bool = False, nvme_layers: int = 0, nvme_master: bool = False) -> dict[str, float]:
+              compact: bool = False, nvme_layers: int = 0, nvme_master: bool = False,
+              activations_to_nvme: bool = False) -> dict[str, float]:
     """Predicted seconds per step: the largest of GPU compute (8 x params x tokens, recompute included),
     the CPU optimizer, the weight copies and the NVMe tier's moment traffic (read and written once per
     step), plus 10% for what does not overlap (the first and last units of a step). Within 10% of the
@@ -262,7 +264,9 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
         "gpu_compute_s": 8 * shape.params * tokens / rates.gpu_flops,
         "optimizer_s": on_cpu / rates.optimizer_params_per_s / (1.5 if compact else 1.0),
         "h2d_s": 2 * 2 * streamed / rates.pcie_bytes_per_s,
-        "nvme_s": 2 * nvme_bytes(shape, nvme_layers, compact, nvme_master) / rates.disk_bytes_per_s,
+        "nvme_s": 2 * (nvme_bytes(shape, nvme_layers, compact, nvme_master)
+                       + (activations_to_nvme * (shape.layers - min(shape.layers, p.gpu_activation_layers))
+                          * tokens * shape.hidden * 2)) / rates.disk_bytes_per_s,
     }
     out["step_s"] = 1.1 * max(out.values())
     return out

@@ -30,6 +30,7 @@ class OffloadConfig:
     prefetch_depth: int = 1
     host_weights: str = "persistent"
     offload_activations: bool = False
+    activations_to_nvme: bool = False  # offloaded layer inputs go on to files under offload_dir
     host_grad_buffers: int | None = 4
     optimizer_threads: int | None = None
     offload_dir: str | None = None  # NVMe tier for the Adam moments of nvme_fraction of the layers

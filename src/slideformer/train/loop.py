@@ -89,7 +89,7 @@ def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) ->
     nvme_layers = round(ecfg.nvme_fraction * shape.layers) if ecfg.offload_dir else 0
     ram = host_bytes(shape, batch, seq, placement, ecfg.host_weights, dt,
                      None if ecfg.max_grad_norm is not None else ecfg.host_grad_buffers, nvme_layers,
-                     ecfg.optimizer_state == "compact", ecfg.nvme_master)
+                     ecfg.optimizer_state == "compact", ecfg.nvme_master, ecfg.activations_to_nvme)
     total, have = sum(ram.values()), host_memory()
     if total > 0.95 * have:
         raise DoesNotFit(f"training needs about {total / 2**30:.1f} GiB of host RAM "
@@ -129,6 +129,7 @@ def train(cfg: TrainConfig) -> dict:
                         compute_dtype=torch.bfloat16 if bf16 else torch.float32, seed=cfg.seed,
                         gpu_memory_limit=o.gpu_memory_limit, window_slots=o.window_slots, prefetch_depth=o.prefetch_depth,
                         host_weights=o.host_weights, offload_activations=o.offload_activations,
+                        activations_to_nvme=o.activations_to_nvme,
                         host_grad_buffers=o.host_grad_buffers, optimizer_threads=o.optimizer_threads,
                         offload_dir=o.offload_dir, nvme_fraction=o.nvme_fraction, nvme_master=o.nvme_master,
                         optimizer_state=o.optimizer_state,
