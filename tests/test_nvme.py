@@ -14,28 +14,19 @@ from tiny import batch, build
 CPU = dict(device="cpu", compute_dtype=torch.float32, lr=1e-2, weight_decay=0.1)
 
 
-@pytest.mark.parametrize("fraction,buffers,clip", [(1.0, 1, None), (0.5, 2, None), (1.0, 2, 0.05)])
-def test_tier_trains_like_ram(tmp_path, fraction, buffers, clip):
+@pytest.mark.parametrize("fraction,buffers,clip,master", [(1.0, 1, None, False), (0.5, 2, None, False),
+                                                          (1.0, 2, 0.05, False), (1.0, 1, None, True),
+                                                          (0.5, 2, 0.05, True)])
+def test_tier_trains_like_ram(tmp_path, fraction, buffers, clip, master):
+    """Moments (and with nvme_master the fp32 master) in files: the same training as in RAM."""
     model = build("llama")
     steps = [batch(97, seed=s) for s in range(3)]
     a, la = engine_train(model, steps, lr=1e-2, max_grad_norm=clip, host_grad_buffers=1)
     b, lb = engine_train(model, steps, lr=1e-2, max_grad_norm=clip, host_grad_buffers=1, offload_dir=str(tmp_path),
-                         nvme_fraction=fraction, nvme_buffers=buffers)
+                         nvme_fraction=fraction, nvme_buffers=buffers, nvme_master=master)
     assert la == lb
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not list(tmp_path.iterdir())  # files removed at close
-
-
-@pytest.mark.parametrize("fraction,clip", [(1.0, None), (0.5, 0.05)])
-def test_master_on_the_tier_trains_like_ram(tmp_path, fraction, clip):
-    """nvme_master: the tier's units keep master and moments in their files, the compute copy in RAM."""
-    model = build("qwen3-tied")
-    steps = [batch(97, seed=s) for s in range(3)]
-    a, la = engine_train(model, steps, lr=1e-2, max_grad_norm=clip, host_grad_buffers=1)
-    b, lb = engine_train(model, steps, lr=1e-2, max_grad_norm=clip, host_grad_buffers=1, offload_dir=str(tmp_path),
-                         nvme_fraction=fraction, nvme_master=True)
-    assert la == lb
-    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_master_on_the_tier_loads_saves_and_resumes(tmp_path):
