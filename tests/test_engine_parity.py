@@ -379,5 +379,5 @@ def test_liger_ops_refused_where_they_cannot_run():
         EngineConfig(device="cpu", fused_ops="liger").validate()
     assert resolve("auto", "cpu") == "none"  # the default: Liger where it can run, silently nothing elsewhere
     assert resolve("auto", "cuda") == ("liger" if liger_available() else "none")
-    with SlideEngine.from_config(build("llama").config, EngineConfig(device="cpu")) as eng:
-        assert eng.fused_ops == "none"
+    with SlideEngine.from_config(build("llama").config, EngineConfig(device=torch.device("cpu"))) as eng:
+        assert eng.fused_ops == "none"  # (a torch.device works as well as a string)

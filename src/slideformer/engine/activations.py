@@ -105,6 +105,8 @@ class ActivationStore:
                         copied.synchronize()
                     if self.rt._error is None:
                         self.scratch.write(record, _whole_blocks(buf, n))
+                except BaseException as e:
+                    self.rt._fail(e)  # before the flag: the read it wakes sees the error
                 finally:
                     written.set()
                     self._release(buf)
@@ -144,8 +146,10 @@ class ActivationStore:
                 def read():
                     try:
                         holder["buf"] = buf = self._take_staging()
-                        if self.rt.wait_written(written):
+                        if self.rt.wait_written(written) and self.rt._error is None:
                             self.scratch.read(record, _whole_blocks(buf, n))
+                    except BaseException as e:
+                        self.rt._fail(e)  # before the flag: take() sees the error
                     finally:
                         ready.set()
 
@@ -176,6 +180,8 @@ class ActivationStore:
             shapes, ready, holder = self._reading.pop(layer)
             while not ready.wait(0.05) and self.rt._error is None:
                 pass
+            if "buf" in holder and self.rt._error is not None:
+                self._release(holder["buf"])
             self.rt._raise_worker_error()
             buf, start, views = holder["buf"], 0, []
             for s in shapes:

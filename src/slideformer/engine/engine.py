@@ -90,7 +90,7 @@ class SlideEngine:
         self.cfg = (cfg or EngineConfig()).validate()
         self.device = torch.device(self.cfg.device)
         self.adapter = ModelAdapter(hf_config, self.cfg.compute_dtype)
-        self.fused_ops = resolve_fused_ops(self.cfg.fused_ops, self.cfg.device)
+        self.fused_ops = resolve_fused_ops(self.cfg.fused_ops, str(self.cfg.device))
         if self.fused_ops == "liger":
             apply_liger(self.adapter.layers + [self.adapter.norm], getattr(hf_config, "hidden_act", ""))
         self.shape = ModelShape.from_adapter(self.adapter)
@@ -428,9 +428,13 @@ class SlideEngine:
 
     def close(self, abort: bool = False) -> None:
         """Release threads, pinned memory and tier files; ``abort`` after a failure (see Runtime.close)."""
-        self.runtime.close(abort)
-        self.activations.close()
-        self.store.close()
+        try:
+            self.runtime.close(abort)
+        finally:  # files and pinned memory go back even if the runtime's last wait failed
+            try:
+                self.activations.close()
+            finally:
+                self.store.close()
 
     def __enter__(self) -> "SlideEngine":
         return self

@@ -40,6 +40,7 @@ same, so CI exercises this code.
 """
 from __future__ import annotations
 
+import collections
 import queue
 import sys
 import threading
@@ -60,6 +61,32 @@ STAGING_ELEMS = 32 * 2**20  # "staged" host weights: cast the master in 32M-elem
 # How long one thread may hold the GIL while another waits for it (Python's default is 5 ms). Measured at
 # Qwen3-4B b8 with a kernel call per chunk: 1.186 s per step at 5 ms, 1.067 s at 0.2 ms (table5-d2d9182).
 SWITCH_INTERVAL_S = 2e-4
+
+
+class _SwitchInterval:
+    """The switch interval belongs to the process: the first open runtime shortens it, the last one to
+    close puts back what it found."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._users = 0
+        self._saved = sys.getswitchinterval()
+
+    def acquire(self) -> None:
+        with self._lock:
+            if self._users == 0:
+                self._saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._saved, SWITCH_INTERVAL_S))
+            self._users += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                sys.setswitchinterval(self._saved)
+
+
+_SWITCH_INTERVAL = _SwitchInterval()
 
 
 @dataclass
@@ -150,14 +177,14 @@ class Runtime:
             self._tier_free = [True] * len(store.tier.buffers)
             self._tier_cv = threading.Condition()
             self._tier_buf: dict[int, int] = {}
+            self._tier_pending: collections.deque[int] = collections.deque()
             self._tier_ready = {u: threading.Event() for u in store.tier.numels}
             # A unit's file is read again (next step) only after this step's write of it has finished.
             self._tier_written = {u: threading.Event() for u in store.tier.numels}
             for e in self._tier_written.values():
                 e.set()
         self._closed = False
-        self._switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._switch_interval, SWITCH_INTERVAL_S))
+        _SWITCH_INTERVAL.acquire()
 
     # -- resident units ------------------------------------------------------------------------------
     def upload_resident(self) -> None:
@@ -208,7 +235,8 @@ class Runtime:
                 jobs.task_done()
 
     def wait_written(self, done: threading.Event) -> bool:
-        """Wait for a write's ``done`` flag; False if a failure elsewhere means it may never come."""
+        """Wait for another thread's ``done`` flag (a write, an update); False if a failure elsewhere
+        means it may never come."""
         while not done.wait(0.05):
             if self._error is not None:
                 return False
@@ -216,35 +244,44 @@ class Runtime:
 
     # -- the NVMe tier -----------------------------------------------------------------------------
     def begin_step(self, update_order: list[int]) -> None:
-        """Start reading tier state in the order this step's updates will want it."""
+        """Queue this step's tier reads in the order its updates will want them. A read goes to the disk
+        reader only once a RAM buffer is free for it: the reader thread never waits for one (activation
+        reads share it, and backward may need those before any buffer comes free)."""
         if self.store.tier is not None:
-            for u in update_order:
-                if u in self._tier_ready:
-                    self._reads.put(lambda u=u: self._tier_read(u))
-
-    def _tier_read(self, unit: int) -> None:
-        try:
             with self._tier_cv:
-                while not any(self._tier_free):
-                    self._tier_cv.wait()
+                self._tier_pending.extend(u for u in update_order if u in self._tier_ready)
+            self._tier_schedule()
+
+    def _tier_schedule(self) -> None:
+        with self._tier_cv:
+            while self._tier_pending and True in self._tier_free:
                 buf = self._tier_free.index(True)
                 self._tier_free[buf] = False
-            if self.wait_written(self._tier_written[unit]):
+                unit = self._tier_pending.popleft()
+                self._reads.put(lambda u=unit, b=buf: self._tier_read(u, b))
+
+    def _tier_read(self, unit: int, buf: int) -> None:
+        try:
+            if self.wait_written(self._tier_written[unit]) and self._error is None:
                 self._tier_written[unit].clear()
                 self.store.tier.read(unit, buf)
-            self._tier_buf[unit] = buf
+        except BaseException as e:
+            self._fail(e)  # before the flag: whoever it wakes sees the error
         finally:
+            self._tier_buf[unit] = buf
             self._tier_ready[unit].set()
 
     def _tier_write(self, unit: int, buf: int) -> None:
         try:
             if self._error is None:
                 self.store.tier.write(unit, buf)
+        except BaseException as e:
+            self._fail(e)
         finally:
             self._tier_written[unit].set()
             with self._tier_cv:
                 self._tier_free[buf] = True
-                self._tier_cv.notify_all()
+            self._tier_schedule()
 
     # -- weights into the window ------------------------------------------------------------------
     def load(self, unit: int, slot: Slot) -> None:
@@ -271,9 +308,8 @@ class Runtime:
     def _load_now(self, unit: int, slot: Slot, used) -> None:
         if self.profiler and not self._updated[unit].is_set():
             with self.profiler.timed("loader_wait_optimizer"):
-                self._updated[unit].wait()
-        self._updated[unit].wait()
-        if self._error is not None:
+                self.wait_written(self._updated[unit])
+        if not self.wait_written(self._updated[unit]) or self._error is not None:
             return
         n = self.adapter.units[unit].numel
         dst = slot.params[:n]
@@ -411,10 +447,11 @@ class Runtime:
                 s, c = self.store, self.cfg
                 master = s.master[job.unit]
                 if s.on_tier(job.unit):  # its state is (being) read ahead
-                    self._tier_ready[job.unit].wait()
+                    while not self._tier_ready[job.unit].wait(0.05) and self._error is None:
+                        pass
                     self._tier_ready[job.unit].clear()
                     tier_buf = self._tier_buf.pop(job.unit, None)
-                    if tier_buf is None:  # the read failed: its error is already kept
+                    if tier_buf is None or self._error is not None:  # a read failed: its error is kept
                         return
                     exp_avg, exp_avg_sq, *rest = s.tier.views(job.unit, tier_buf)
                     if rest:
@@ -481,9 +518,10 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
-        if abort:
+        if abort:  # every thread's waits end, and their remaining work is skipped
+            self._fail(RuntimeError("the engine was closed after a failure in the calling thread"))
             self._abort.fill_(1)
-        sys.setswitchinterval(self._switch_interval)
+        _SWITCH_INTERVAL.release()
         # The optimizer first: its last jobs may still need the tier's reads; then the disk threads,
         # which finish their queued writes; the loader last (pending loads wait for those updates).
         self._jobs.put(None)

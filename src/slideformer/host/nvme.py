@@ -195,6 +195,7 @@ class NvmeScratch:
     def write(self, index: int, buf: torch.Tensor) -> None:
         view = memoryview(buf.view(torch.uint8).numpy())
         assert len(view) <= self.record_bytes and index < self.records
+        self.crc.pop(index, None)  # until this write completes the record holds nothing valid (not last step's)
         crc, done, off = _crc(view), 0, index * self.record_bytes
         try:
             while done < len(view):
@@ -202,6 +203,8 @@ class NvmeScratch:
         except OSError as e:
             raise TierError(e.errno, f"writing {self.what} to {self.path} failed ({e.strerror}); training stops "
                             "here, the last checkpoint is intact") from e
+        if not self.direct:  # page cache would spend the RAM this saves
+            os.posix_fadvise(self.fd, off, len(view), os.POSIX_FADV_DONTNEED)
         self.crc[index] = crc
 
     def read(self, index: int, buf: torch.Tensor) -> None:

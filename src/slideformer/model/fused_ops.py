@@ -23,7 +23,8 @@ def liger_available() -> bool:
     try:
         import liger_kernel.ops.rms_norm  # noqa: F401
         import liger_kernel.ops.swiglu  # noqa: F401
-    except ImportError:
+        import liger_kernel.transformers.rope  # noqa: F401
+    except Exception:  # not installed, or its Triton does not import: transformers' modules serve
         return False
     return True
 
