@@ -64,6 +64,7 @@ def test_host_plan_matches_engine_with_the_master_on_the_tier(tmp_path, dt):
         assert host["master"] == rep["host_master"] < 4 * sh.params
         assert host["moments"] == rep["host_moments"] and host["weights"] == rep["host_weights"] > 0
         assert nvme_bytes(sh, layers, master=True) <= rep["nvme_disk"] < nvme_bytes(sh, layers, master=True) + layers * 4096
+        assert host["nvme_buffers"] <= rep["host_nvme_buffers"] < host["nvme_buffers"] + 4 * 4096
 
 
 def test_fit_prefers_gpu_activations_then_offloads_then_refuses():

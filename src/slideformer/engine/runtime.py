@@ -18,7 +18,9 @@ Hand-offs, and what makes each safe:
   each chunk the d2h stream writes the send's ticket into that chunk's flag in pinned memory
   (``optim.Landing``). The worker makes one kernel call per unit, which updates each chunk as soon as
   its flag shows, so the update overlaps the rest of the copy without the worker taking the GIL per
-  chunk; it then sets the unit's ``updated`` flag.
+  chunk; it then sets the unit's ``updated`` flag. That a flag's arrival implies its chunk's bytes have
+  landed rests on what CUDA events rest on too: copies on one stream run one after the other, and the
+  copy engine finishes one before it starts the next.
   Among the jobs whose first chunk has landed it takes the lowest unit first (``schedule.next_update``):
   that is the order the next forward needs them in, so updates still running when backward ends overlap
   that forward.
@@ -514,7 +516,8 @@ class Runtime:
 
     def close(self, abort: bool = False) -> None:
         """Stop the threads after their queued work; ``abort`` (after a failure in the main thread) first
-        ends any wait for gradient chunks that a failed GPU will never deliver."""
+        makes every thread skip its remaining work and ends any wait for gradient chunks that a failed
+        GPU will never deliver: the host state may then be part-updated (resume from a checkpoint)."""
         if self._closed:
             return
         self._closed = True

@@ -134,7 +134,8 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, dtype_bytes
 
 def host_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, host_weights: str = "persistent",
                dtype_bytes: int = 2, layer_grad_buffers: int | None = 4, nvme_layers: int = 0,
-               compact: bool = False, nvme_master: bool = False, activations_to_nvme: bool = False) -> dict[str, int]:
+               compact: bool = False, nvme_master: bool = False, activations_to_nvme: bool = False,
+               nvme_buffers: int = 4) -> dict[str, int]:
     """Host RAM by category (pass ``layer_grad_buffers=None`` when clipping: one buffer per layer;
     ``nvme_layers``: layers whose moments (and with ``nvme_master`` fp32 master) are on the NVMe tier,
     see ``nvme_bytes``; ``compact``: bf16 master hi + lo and bf16 moments, the hi half being the GPU's
@@ -151,6 +152,9 @@ def host_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, host_weigh
         "weights": dtype_bytes * N if host_weights == "persistent" and not compact and (dtype_bytes < 4 or tier_master)
         else 0,
         "grads": dtype_bytes * (shape.embed_params + shape.head_params + ring * shape.layer_params),
+        # the tier's RAM buffers: a layer's state each, read ahead and written behind (host/nvme.py)
+        "nvme_buffers": nvme_buffers * shape.layer_params * ((4 if compact else 8) + (4 if nvme_master else 0))
+        if nvme_layers else 0,
         # offloaded layer inputs in RAM, or on NVMe through 3 staging buffers (engine/activations.py)
         "activations": (min(offloaded, 3) if activations_to_nvme else offloaded) * batch * seq * shape.hidden * dtype_bytes,
     }

@@ -89,7 +89,7 @@ def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) ->
     nvme_layers = round(ecfg.nvme_fraction * shape.layers) if ecfg.offload_dir else 0
     ram = host_bytes(shape, batch, seq, placement, ecfg.host_weights, dt,
                      None if ecfg.max_grad_norm is not None else ecfg.host_grad_buffers, nvme_layers,
-                     ecfg.optimizer_state == "compact", ecfg.nvme_master, ecfg.activations_to_nvme)
+                     ecfg.optimizer_state == "compact", ecfg.nvme_master, ecfg.activations_to_nvme, ecfg.nvme_buffers)
     total, have = sum(ram.values()), host_memory()
     if total > 0.95 * have:
         raise DoesNotFit(f"training needs about {total / 2**30:.1f} GiB of host RAM "
