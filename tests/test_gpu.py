@@ -179,3 +179,24 @@ def test_master_on_the_nvme_tier_on_cuda(tmp_path):
     tier, lb = cuda_engine_train(model, batches, compute_dtype=torch.bfloat16, lr=1e-3, offload_dir=str(tmp_path),
                                  nvme_master=True)
     assert la == lb and all(torch.equal(ram[k], tier[k]) for k in ram)
+
+
+def test_sending_gradients_never_synchronizes(monkeypatch):
+    """The chunk copies and their landing flags (a 0-d device tensor copied into pinned memory) must all
+    be asynchronous: a hidden synchronisation there would stall the GPU-driving thread every unit."""
+    from slideformer.engine import runtime as rt_mod
+
+    send = rt_mod.Runtime.send_grads
+
+    def strict(self, unit, slot):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return send(self, unit, slot)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(rt_mod.Runtime, "send_grads", strict)
+    model = build("llama")
+    state, _ = cuda_engine_train(model, [batch(97, seed=s) for s in range(2)], compute_dtype=torch.bfloat16,
+                                 lr=1e-3, grad_chunk_elems=1000)
+    assert all(torch.isfinite(v).all() for v in state.values())
