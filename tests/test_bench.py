@@ -14,6 +14,17 @@ def test_harness_cpu_smoke(system, tmp_path):
         assert set(rec["host_bytes"]) >= {"host_master", "host_moments", "host_grads"}
 
 
+def test_timeline_lists_every_update_of_the_timed_steps():
+    rec = harness.main(["--system", "slideformer", "--model", "tiny", "--device", "cpu", "--seq", "32", "--batch", "2",
+                        "--warmup", "1", "--steps", "2", "--timeline"])
+    host = rec["timeline"]["host"]
+    units = 4 + 2  # the tiny model's 4 layers, its embedding and its head
+    assert [k for k, *_ in host] == ["optimizer"] * 2 * units
+    assert sorted({u for _, u, _, _ in host}) == list(range(units))
+    assert all(0 <= s <= e for _, _, s, e in host) and host[0][2] == 0.0
+    assert "timeline" not in rec["breakdown_per_step_s"]
+
+
 def test_harness_with_a_gpu_budget_records_the_placement(tmp_path):
     rec = harness.main(["--system", "slideformer", "--model", "tiny", "--device", "cpu", "--seq", "32", "--batch", "4",
                         "--warmup", "1", "--steps", "1", "--gpu-memory-limit-gib", "0.05"])

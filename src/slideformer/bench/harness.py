@@ -87,7 +87,8 @@ def run_slideformer(args, config):
         sync(args)
 
     def extra():
-        rep = {"resident_layers_chosen": cfg.resident_layers, "breakdown": engine.profile(), "host_bytes": engine.memory_report()}
+        rep = {"resident_layers_chosen": cfg.resident_layers, "breakdown": engine.profile(timeline=args.timeline),
+               "host_bytes": engine.memory_report()}
         if engine._placements:
             rep["placement"] = {f"{b}x{s}": vars(p) for (b, s), p in engine._placements.items()}
         return rep
@@ -255,6 +256,8 @@ def main(argv=None):
     ap.add_argument("--nvme-master", action="store_true", help="the tier's layers keep their fp32 master there too")
     ap.add_argument("--activations-to-nvme", action="store_true", help="offloaded layer inputs go to --offload-dir")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--timeline", action="store_true",
+                    help="slideformer: record each GPU visit and CPU update of the timed steps (engine/profile.py)")
     ap.add_argument("--profile-ops", type=int, default=0, metavar="N",
                     help="after the timed steps, profile one more step and record its N costliest GPU ops")
     ap.add_argument("--out", default=None)
@@ -303,6 +306,8 @@ def main(argv=None):
         rec["op_profile"] = profile_ops(step, finish, args.profile_ops)
     ex = extra()
     if "breakdown" in ex:
+        if "timeline" in ex["breakdown"]:
+            rec["timeline"] = ex["breakdown"].pop("timeline")
         b = {k: v / args.steps for k, v in ex["breakdown"].items()}
         rec["breakdown_per_step_s"] = b
         parts = [b.get("gpu_compute_s", 0), b.get("h2d_busy_s", 0), b.get("d2h_busy_s", 0), b.get("host_optimizer_s", 0)]

@@ -171,7 +171,7 @@ class SlideEngine:
             unit = self.adapter.units[v.unit]
             rt.begin_compute(slot)
             getattr(self, f"_{v.phase}")(st, unit, slot)
-            rt.end_compute(slot)
+            rt.end_compute(slot, v.unit)
             if v.last:
                 self._gradient_done(st, v.unit, slot)
             for nxt in self._loads_after.get(t, ()):
@@ -390,8 +390,9 @@ class SlideEngine:
         self._state_to_host()
         return export.save_pretrained(out, self.adapter, self.store, dtype or self.cfg.compute_dtype)
 
-    def profile(self, reset: bool = True) -> dict[str, float]:
-        """Seconds per category since the last call (needs ``EngineConfig(profile=True)``)."""
+    def profile(self, reset: bool = True, timeline: bool = False) -> dict:
+        """Seconds per category since the last call (needs ``EngineConfig(profile=True)``); with
+        ``timeline``, also each record (engine/profile.py) under the key "timeline"."""
         prof = self.runtime.profiler
         if prof is None:
             raise RuntimeError("profiling is off: construct the engine with EngineConfig(profile=True)")
@@ -399,6 +400,8 @@ class SlideEngine:
         if self.runtime.cuda:
             torch.cuda.synchronize(self.device)
         out = prof.summary()
+        if timeline:
+            out["timeline"] = prof.timeline()
         if reset:
             prof.reset()
         return out

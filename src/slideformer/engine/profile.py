@@ -5,6 +5,11 @@ On CUDA, events on the compute stream bracket each visit: the time between "visi
 visits are the GPU idle because the Python thread was blocked (mostly waiting for the CPU
 optimizer's update of the next unit) or launching kernels. Copy-stream busy time comes from events
 around each copy. Host-side waits are wall-clock times measured in the thread that waits.
+
+``timeline()`` gives the same records one by one (the order in which the CPU optimizer took its
+units and when, each GPU visit's wait and compute): what the per-category sums cannot show, such as
+whether the optimizer idles while the next forward runs. GPU times are relative to the first visit,
+host times to the first host record; the two clocks are not aligned.
 """
 from __future__ import annotations
 
@@ -21,9 +26,10 @@ class StepProfiler:
         self.reset()
 
     def reset(self) -> None:
-        self._visits: list[tuple] = []  # (start, ready, end) events
+        self._visits: list[tuple] = []  # (unit, start, ready, end) events
         self._copies: dict[str, list[tuple]] = defaultdict(list)
         self.host: dict[str, float] = defaultdict(float)
+        self._spans: list[tuple] = []  # (key, unit, start, end) wall-clock seconds
 
     # -- recorders (called by Runtime) ------------------------------------------------------------
     def mark(self, stream):
@@ -33,9 +39,9 @@ class StepProfiler:
         e.record(stream)
         return e
 
-    def visit(self, start, ready, end) -> None:
+    def visit(self, unit: int, start, ready, end) -> None:
         if self.cuda:
-            self._visits.append((start, ready, end))
+            self._visits.append((unit, start, ready, end))
 
     def copy(self, kind: str, start, end) -> None:
         if self.cuda:
@@ -43,6 +49,11 @@ class StepProfiler:
 
     def add_host(self, key: str, seconds: float) -> None:
         self.host[key] += seconds
+
+    def span(self, key: str, unit: int, start: float, end: float) -> None:
+        """One timed piece of host work (perf_counter seconds), summed into ``key`` and kept for the timeline."""
+        self.add_host(key, end - start)
+        self._spans.append((key, unit, start, end))
 
     @contextlib.contextmanager
     def timed(self, key: str):
@@ -58,10 +69,23 @@ class StepProfiler:
         out = {f"host_{k}_s": v for k, v in self.host.items()}
         if self.cuda and self._visits:
             ms = lambda a, b: a.elapsed_time(b) / 1e3  # noqa: E731
-            out["gpu_span_s"] = ms(self._visits[0][0], self._visits[-1][2])
-            out["gpu_wait_weights_s"] = sum(ms(s, r) for s, r, _ in self._visits)
-            out["gpu_compute_s"] = sum(ms(r, e) for _, r, e in self._visits)
+            out["gpu_span_s"] = ms(self._visits[0][1], self._visits[-1][3])
+            out["gpu_wait_weights_s"] = sum(ms(s, r) for _, s, r, _ in self._visits)
+            out["gpu_compute_s"] = sum(ms(r, e) for _, _, r, e in self._visits)
             out["gpu_idle_s"] = out["gpu_span_s"] - out["gpu_wait_weights_s"] - out["gpu_compute_s"]
             for kind, pairs in self._copies.items():
                 out[f"{kind}_busy_s"] = sum(ms(s, e) for s, e in pairs)
+        return out
+
+    def timeline(self) -> dict[str, list]:
+        """Each record since the last reset, in milliseconds (call after a synchronize): GPU visits as
+        [unit, start, weights ready, end] from the first visit, host spans as [what, unit, start, end]
+        from the first span."""
+        out: dict[str, list] = {"gpu": [], "host": []}
+        if self.cuda and self._visits:
+            t0 = self._visits[0][1]
+            out["gpu"] = [[u] + [round(t0.elapsed_time(e), 3) for e in (s, r, e_)] for u, s, r, e_ in self._visits]
+        if self._spans:
+            h0 = min(s for _, _, s, _ in self._spans)
+            out["host"] = [[k, u, round(1e3 * (s - h0), 3), round(1e3 * (e - h0), 3)] for k, u, s, e in self._spans]
         return out

@@ -354,11 +354,11 @@ class Runtime:
             self.compute.wait_event(slot.loaded)
         self._visit_ready = self._mark(self.compute) if self.cuda else None
 
-    def end_compute(self, slot: Slot) -> None:
+    def end_compute(self, slot: Slot, unit: int) -> None:
         if self.cuda:
             slot.used = self.compute.record_event()
             if self.profiler:
-                self.profiler.visit(self._visit_start, self._visit_ready, self._mark(self.compute))
+                self.profiler.visit(unit, self._visit_start, self._visit_ready, self._mark(self.compute))
 
     def _mark(self, stream):
         return self.profiler.mark(stream) if self.profiler else None
@@ -480,7 +480,7 @@ class Runtime:
                     if out is not None and not cast_out:  # an fp32 copy of a master on the tier
                         out.copy_(master)
                 if self.profiler:  # includes waits for chunks still in flight: rare, the optimizer trails the copies
-                    self.profiler.add_host("optimizer", time.perf_counter() - t0)
+                    self.profiler.span("optimizer", job.unit, t0, time.perf_counter())
         except BaseException as e:  # surfaced to the main thread at its next wait
             self._fail(e)
         finally:
