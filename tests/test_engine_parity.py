@@ -372,6 +372,29 @@ def test_attention_forward_with_another_rope_is_the_same_code():
     assert calls and torch.equal(out, ref)
 
 
+@pytest.mark.interpret
+def test_liger_rope_in_the_attention_matches_transformers():
+    """Liger's RoPE kernel (Triton, interpreted on the CPU) inside the rebound attention: the same output
+    and gradients as transformers' RoPE."""
+    pytest.importorskip("liger_kernel")
+    from slideformer.model.fused_ops import apply_liger
+
+    model = build("llama")
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(2, 5, model.config.hidden_size, requires_grad=True)
+    pos = model.model.rotary_emb(x, torch.arange(5)[None].expand(2, 5))
+    params = list(attn.parameters())
+
+    def run():
+        y = attn(x, position_embeddings=pos, attention_mask=None)[0]
+        return [y] + list(torch.autograd.grad((y * y).sum(), [x] + params))
+
+    ref = run()
+    apply_liger([model.model.layers[0]], "gelu")  # only the attention runs here: its norms are Liger's too
+    for a, b in zip(run(), ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_liger_ops_refused_where_they_cannot_run():
     from slideformer.model.fused_ops import liger_available, resolve
 
