@@ -243,6 +243,19 @@ def test_resident_layers_train_like_pytorch(resident, clip):
     assert_same(state, ref, losses, ref_losses)
 
 
+@pytest.mark.parametrize("family", ["qwen3-tied", "llama"])
+@pytest.mark.parametrize("layers,clip", [(0, None), (1, 0.05)])
+def test_resident_edges_train_like_pytorch(family, layers, clip):
+    """Embedding and head (tied, or untied and sharing no slot) trained on the device, layers streamed."""
+    model = build(family)
+    batches = [[batch(97, seed=s), batch(97, seed=s + 11)] for s in range(3)]
+    big = [{k: torch.cat([m[k] for m in mbs]) for k in ("input_ids", "labels")} for mbs in batches]
+    state, losses = engine_train(model, batches, lr=1e-3, resident_layers=layers, resident_edges=True,
+                                 max_grad_norm=clip, weight_decay=0.1)
+    ref, ref_losses = reference_train(model, big, lr=1e-3, max_grad_norm=clip, weight_decay=0.1)
+    assert_same(state, ref, losses, ref_losses)
+
+
 def test_resident_state_survives_checkpoints(tmp_path):
     model = build("llama")
     steps = [batch(97, seed=s) for s in range(4)]

@@ -4,7 +4,8 @@ import torch
 
 from slideformer import EngineConfig, SlideEngine
 from slideformer.model import ModelAdapter
-from slideformer.plan import DoesNotFit, ModelShape, Placement, fit, gpu_bytes, host_bytes, nvme_bytes, parse_bytes
+from slideformer.plan import (DoesNotFit, ModelShape, Placement, choose_resident_layers, fit, gpu_bytes, host_bytes,
+                              nvme_bytes, parse_bytes)
 from slideformer.presets import preset_config
 
 from test_engine_parity import engine_train
@@ -125,12 +126,14 @@ def test_resident_layers_in_the_model_and_the_engine():
 
     assert choose_resident_layers(sh, 8, 1024, 24 * GiB) < sh.layers <= choose_resident_layers(sh, 8, 1024, 139 * GiB)
     assert step_time(sh, 8, 1024, Placement(resident_layers=sh.layers))["optimizer_s"] == 0
-    model = build("llama")
-    for k in (0, 1, 3):
-        cfg = EngineConfig(device="cpu", compute_dtype=torch.float32, resident_layers=k)
-        with SlideEngine(model, cfg) as eng:
-            est = gpu_bytes(ModelShape.from_adapter(eng.adapter), 1, 8, Placement(resident_layers=k), dtype_bytes=4)
-            assert est["window"] == eng.memory_report()["gpu_window"]
+    for family in ("llama", "qwen3-tied"):
+        model = build(family)
+        for k, edges in ((0, False), (1, False), (3, False), (0, True), (1, True)):
+            cfg = EngineConfig(device="cpu", compute_dtype=torch.float32, resident_layers=k, resident_edges=edges)
+            with SlideEngine(model, cfg) as eng:
+                est = gpu_bytes(ModelShape.from_adapter(eng.adapter), 1, 8,
+                                Placement(resident_layers=k, resident_edges=edges), dtype_bytes=4)
+                assert est["window"] == eng.memory_report()["gpu_window"], (family, k, edges)
 
 
 def test_auto_resident_layers_keep_matmuls_efficient_and_stop_when_not_needed():
@@ -169,3 +172,21 @@ def test_activations_on_nvme_keep_three_layers_in_ram_and_cost_disk_time():
     assert disk == 3 * 64 * 1024 * sh.hidden * 2 < ram
     t_ram, t_disk = step_time(sh, 64, 1024, p)["nvme_s"], step_time(sh, 64, 1024, p, activations_to_nvme=True)["nvme_s"]
     assert t_ram == 0 and t_disk == pytest.approx(2 * ram / 1e9)  # written and read once a step at 1 GB/s
+
+
+def test_auto_residency_puts_embedding_and_head_first_where_they_fit():
+    from slideformer.plan import auto_residency
+
+    sh = shape("qwen3-4b")
+    capped = auto_residency(EngineConfig(gpu_memory_limit="24GiB"), sh, 8, 1024)
+    alone = choose_resident_layers(sh, 8, 1024, 24 * GiB)
+    # the tied 389M-parameter embedding/head in place of ~4 layers: at least as much CPU work taken off
+    assert capped["resident_edges"] and capped["resident_layers"] < alone
+    assert sh.embed_params + sh.head_params + capped["resident_layers"] * sh.layer_params >= alone * sh.layer_params
+    assert auto_residency(EngineConfig(gpu_memory_limit="139GiB"), sh, 8, 1024) == \
+        {"resident_layers": sh.layers, "resident_edges": False}  # everything (edges implied)
+    # Llama-8B's untied 2 x 525M parameters do not fit an 8 GiB budget: layers only, if any
+    assert not auto_residency(EngineConfig(gpu_memory_limit="8GiB"), shape("llama3-8b"), 8, 1024)["resident_edges"]
+    assert auto_residency(EngineConfig(gpu_memory_limit="24GiB", optimizer_state="compact",
+                                       compute_dtype=torch.bfloat16), sh, 8, 1024) == \
+        {"resident_layers": 0, "resident_edges": False}

@@ -150,12 +150,12 @@ def test_resident_layers_auto_is_accepted_and_trains(tmp_path):
 def test_auto_resident_layers_follows_the_budget():
     from slideformer import EngineConfig
     from slideformer.presets import preset_config
-    from slideformer.train.loop import auto_resident_layers
+    from slideformer.train.loop import auto_residency
 
     c = load_config(None, FAST)
     examples = [([1] * 64, [1] * 64)]
     hf = preset_config("tiny")
     roomy = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, gpu_memory_limit="1GiB")
-    assert auto_resident_layers(c, hf, roomy, examples) == hf.num_hidden_layers
+    assert auto_residency(c, hf, roomy, examples)["resident_layers"] == hf.num_hidden_layers
     tight = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, gpu_memory_limit="7MiB")
-    assert 0 <= auto_resident_layers(c, hf, tight, examples) < hf.num_hidden_layers
+    assert 0 <= auto_residency(c, hf, tight, examples)["resident_layers"] < hf.num_hidden_layers

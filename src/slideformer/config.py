@@ -26,6 +26,9 @@ class EngineConfig:
     # Decoder layers (the last ones) that stay on the GPU with their optimizer state and are updated there
     # (16 bytes/param of GPU memory). All of them: the embedding and head too, i.e. plain GPU training.
     resident_layers: int = 0
+    # The embedding and head train on the GPU too, whatever resident_layers says (all layers resident
+    # implies it): they are the last gradient of a step and the first weights of the next.
+    resident_edges: bool = False
     # GPU window: how many decoder-layer slots exist, and how many visits ahead weights stream in.
     window_slots: int = 3
     prefetch_depth: int = 1
@@ -126,8 +129,9 @@ class EngineConfig:
             raise ConfigError(f"gpu_activation_layers must be >= 0, got {self.gpu_activation_layers}")
         if self.resident_layers < 0:
             raise ConfigError(f"resident_layers must be >= 0, got {self.resident_layers}")
-        if self.resident_layers and self.optimizer_state == "compact":
-            raise ConfigError("resident_layers with optimizer_state='compact' is not supported yet; drop one of them")
+        if (self.resident_layers or self.resident_edges) and self.optimizer_state == "compact":
+            raise ConfigError("resident_layers or resident_edges with optimizer_state='compact' is not supported "
+                              "yet; drop one of them")
         if self.optimizer_state not in ("fp32", "compact"):
             raise ConfigError(f"optimizer_state must be 'fp32' or 'compact', got {self.optimizer_state!r}")
         if self.optimizer_state == "compact" and self.compute_dtype != torch.bfloat16:

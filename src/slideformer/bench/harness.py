@@ -32,7 +32,7 @@ import torch
 from .. import EngineConfig, SlideEngine
 from ..engine.loss import chunked_head_loss, fused_head_loss
 from ..model import ModelAdapter
-from ..plan import ModelShape, auto_resident_layers, gpu_budget
+from ..plan import ModelShape, auto_residency, gpu_budget
 from ..presets import preset_config
 
 
@@ -62,14 +62,15 @@ def run_slideformer(args, config):
                        prefetch_depth=args.depth, host_weights=args.host_weights, profile=True,
                        host_grad_buffers=args.host_grad_buffers, grad_chunk_elems=args.grad_chunk_elems,
                        max_grad_norm=args.max_grad_norm, loss_chunk_tokens=args.loss_chunk,
-                       resident_layers=0 if auto else int(args.resident_layers), loss_kernel=args.loss_kernel,
+                       resident_layers=0 if auto else int(args.resident_layers), resident_edges=args.resident_edges,
+                       loss_kernel=args.loss_kernel,
                        fused_ops=args.fused_ops,
                        optimizer_state=args.optimizer_state, offload_dir=args.offload_dir, nvme_fraction=args.nvme_fraction,
                        nvme_master=args.nvme_master, activations_to_nvme=args.activations_to_nvme,
                        gpu_memory_limit=int(args.gpu_memory_limit_gib * 2**30) if args.gpu_memory_limit_gib else None)
     if auto and args.device == "cuda":  # what `slideformer train` picks
         shape = ModelShape.from_adapter(ModelAdapter(config, args.dtype))
-        cfg = dataclasses.replace(cfg, resident_layers=auto_resident_layers(cfg, shape, args.batch, args.seq),
+        cfg = dataclasses.replace(cfg, **auto_residency(cfg, shape, args.batch, args.seq),
                                   gpu_memory_limit=gpu_budget(cfg))
     engine = SlideEngine.from_config(config, cfg)
     args.fused_ops = engine.fused_ops  # recorded as resolved ("auto" depends on what is installed)
@@ -87,7 +88,8 @@ def run_slideformer(args, config):
         sync(args)
 
     def extra():
-        rep = {"resident_layers_chosen": cfg.resident_layers, "breakdown": engine.profile(timeline=args.timeline),
+        rep = {"resident_layers_chosen": cfg.resident_layers, "resident_edges_chosen": cfg.resident_edges,
+               "breakdown": engine.profile(timeline=args.timeline),
                "host_bytes": engine.memory_report()}
         if engine._placements:
             rep["placement"] = {f"{b}x{s}": vars(p) for (b, s), p in engine._placements.items()}
@@ -242,6 +244,8 @@ def main(argv=None):
     ap.add_argument("--max-grad-norm", type=float, default=None)
     ap.add_argument("--gpu-memory-limit-gib", type=float, default=None)
     ap.add_argument("--loss-chunk", type=int, default=1024)
+    ap.add_argument("--resident-edges", action="store_true",
+                    help="embedding and head on the GPU (with an explicit --resident-layers; auto chooses itself)")
     ap.add_argument("--resident-layers", default="auto",
                     help="decoder layers trained on the GPU; 'auto' (default): as many as the budget allows, "
                          "as `slideformer train` chooses")
@@ -315,6 +319,7 @@ def main(argv=None):
         rec["host_bytes"] = ex["host_bytes"]
         rec["placement"] = ex.get("placement")
         rec["resident_layers_chosen"] = ex["resident_layers_chosen"]
+        rec["resident_edges_chosen"] = ex["resident_edges_chosen"]
     line = json.dumps(rec)
     print(line, flush=True)
     if args.out:

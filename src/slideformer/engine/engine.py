@@ -106,11 +106,12 @@ class SlideEngine:
                                host_weights=self.cfg.host_weights, layer_grad_buffers=ring,
                                nvme_dir=self.cfg.offload_dir, nvme_units=nvme, nvme_buffers=self.cfg.nvme_buffers,
                                compact=self.cfg.optimizer_state == "compact", nvme_master=self.cfg.nvme_master)
-        # Resident units: the last `resident_layers` decoder layers, and embedding and head too when every
-        # layer is resident (the whole model then trains on the GPU, as plain training would).
+        # Resident units: the last `resident_layers` decoder layers, and embedding and head with
+        # `resident_edges` or when every layer is resident (the whole model then trains on the GPU, as
+        # plain training would).
         k = min(self.cfg.resident_layers, n)
         resident = {self.adapter.layer_unit(i).index for i in range(n - k, n)}
-        if k == n:
+        if k == n or self.cfg.resident_edges:
             resident |= {self.adapter.embed_unit.index, self.adapter.head_unit.index}
         if resident & nvme:
             raise ConfigError("resident_layers and the NVMe tier (nvme_fraction) overlap: a layer on the GPU keeps "

@@ -98,12 +98,17 @@ class Placement:
     loss_chunk_tokens: int = 1024
     resident_layers: int = 0  # decoder layers trained on the GPU (all of them: embedding and head too)
     loss_kernel: str = "fused"
+    resident_edges: bool = False  # embedding and head trained on the GPU, whatever the layers do
 
     @classmethod
     def of(cls, cfg, **kw) -> "Placement":
         """The parts an EngineConfig fixes; the planner chooses the rest (or ``kw`` sets them)."""
         return cls(window_slots=cfg.window_slots, loss_chunk_tokens=cfg.loss_chunk_tokens,
-                   resident_layers=cfg.resident_layers, loss_kernel=cfg.loss_kernel, **kw)
+                   resident_layers=cfg.resident_layers, loss_kernel=cfg.loss_kernel,
+                   resident_edges=cfg.resident_edges, **kw)
+
+    def edges_resident(self, shape: "ModelShape") -> bool:
+        return self.resident_edges or self.resident_layers >= shape.layers
 
 
 def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, dtype_bytes: int = 2) -> dict[str, int]:
@@ -112,11 +117,11 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, dtype_bytes
     kept = min(shape.layers, p.gpu_activation_layers)
     V, H = shape.vocab, shape.hidden
     k = min(p.resident_layers, shape.layers)
-    everything = k == shape.layers
+    edges = p.edges_resident(shape)
     # untied: the head's weights take the embedding's slot (window/schedule.py); tied: the head slot holds the norm
     edge = shape.embed_params + shape.head_params if shape.tied else max(shape.embed_params, shape.head_params)
-    streamed_slots = 0 if everything else edge + min(p.window_slots, shape.layers - k) * shape.layer_params
-    resident = k * shape.layer_params + (shape.embed_params + shape.head_params if everything else 0)
+    streamed_slots = (0 if edges else edge) + min(p.window_slots, shape.layers - k) * shape.layer_params
+    resident = k * shape.layer_params + (shape.embed_params + shape.head_params if edges else 0)
     out = {
         # slots hold bf16 weights and gradients; a resident unit adds its fp32 master and moments (12 B)
         "window": 2 * dtype_bytes * (streamed_slots + resident) + 12 * resident,
@@ -194,23 +199,45 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
     if placed is None or placed.gpu_activation_layers >= shape.layers:
         return best  # nothing competes for the memory
     t = step_time(shape, batch, seq, replace(base, resident_layers=0), rates)
+    per_param = t["optimizer_s"] / max(1, shape.params - (shape.embed_params + shape.head_params
+                                                          if base.resident_edges else 0))
+    on_cpu = lambda k: shape.params - k * shape.layer_params - (  # noqa: E731
+        shape.embed_params + shape.head_params if base.resident_edges else 0)
     needed = 0
-    while needed < best and t["optimizer_s"] * (shape.params - needed * shape.layer_params) / shape.params \
-            > 0.5 * t["gpu_compute_s"]:
+    while needed < best and per_param * on_cpu(needed) > 0.5 * t["gpu_compute_s"]:
         needed += 1
     return needed
 
 
-def auto_resident_layers(cfg, shape: ModelShape, batch: int, seq: int) -> int:
-    """``resident_layers="auto"`` for an EngineConfig: ``choose_resident_layers`` under its GPU budget
-    (``gpu_budget``; the caller hands the engine that budget too, so that micro-batches and activations
-    are planned for the memory the choice assumed). Layers on the NVMe tier stream, and compact state
-    trains no layer on the GPU yet."""
+def auto_residency(cfg, shape: ModelShape, batch: int, seq: int) -> dict:
+    """``resident_layers="auto"`` for an EngineConfig: the ``resident_layers`` and ``resident_edges`` to
+    set, chosen by ``choose_resident_layers`` under its GPU budget (``gpu_budget``; the caller hands the
+    engine that budget too, so that micro-batches and activations are planned for the memory the choice
+    assumed). The embedding and head go resident too where that keeps micro-batches efficient and the
+    predicted step gets shorter: they are the last gradient of a step and the first weights of the next,
+    so streaming them also leaves the GPU idle at every step boundary while the CPU updates them (a cost
+    the time model leaves out). Layers on the NVMe tier stream; compact state trains nothing on the GPU yet."""
     if cfg.optimizer_state == "compact":
-        return 0
-    k = choose_resident_layers(shape, batch, seq, gpu_budget(cfg), Placement.of(cfg))
+        return {"resident_layers": 0, "resident_edges": False}
+    budget, base = gpu_budget(cfg), Placement.of(cfg)
     nvme = round(cfg.nvme_fraction * shape.layers) if cfg.offload_dir else 0
-    return min(k, shape.layers - nvme)
+    plain = replace(base, resident_edges=False)
+    k = min(choose_resident_layers(shape, batch, seq, budget, plain), shape.layers - nvme)
+    without = {"resident_layers": k, "resident_edges": False}
+    if k == shape.layers:
+        return without  # everything trains on the GPU, edges included
+    with_edges = replace(base, resident_edges=True)
+    ke = min(choose_resident_layers(shape, batch, seq, budget, with_edges), shape.layers - nvme)
+    try:
+        pe = fit(shape, batch, seq, budget, replace(with_edges, resident_layers=ke))
+        p0 = fit(shape, batch, seq, budget, replace(plain, resident_layers=k))
+    except DoesNotFit:
+        return without
+    if min(pe.micro_batch, batch) * seq < min(batch * seq, EFFICIENT_TOKENS, min(p0.micro_batch, batch) * seq):
+        return without
+    if step_time(shape, batch, seq, pe)["step_s"] < step_time(shape, batch, seq, p0)["step_s"]:
+        return {"resident_layers": ke, "resident_edges": True}
+    return without
 
 
 def nvme_bytes(shape: ModelShape, nvme_layers: int, compact: bool = False, master: bool = False) -> int:
@@ -262,7 +289,8 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
     measured 4B b8 and b32 steps; the disk term is not measured yet."""
     tokens = batch * seq
     k = min(p.resident_layers, shape.layers)
-    on_cpu = shape.params - k * shape.layer_params - (shape.embed_params + shape.head_params if k == shape.layers else 0)
+    on_cpu = shape.params - k * shape.layer_params - (shape.embed_params + shape.head_params
+                                                      if p.edges_resident(shape) else 0)
     streamed = max(0, on_cpu - min(p.window_slots, shape.layers - k) * shape.layer_params)  # the rest is reused
     out = {
         "gpu_compute_s": 8 * shape.params * tokens / rates.gpu_flops,

@@ -40,6 +40,7 @@ class OffloadConfig:
     # the last N layers train on the GPU (see `slideformer plan`); "auto": as many as the GPU budget
     # (gpu_memory_limit, else 90% of the card) leaves room for at this batch and cutoff_len
     resident_layers: int | str = "auto"
+    resident_edges: bool = False  # embedding and head on the GPU too (with "auto" the planner decides)
     loss_kernel: str = "fused"  # Triton fused linear cross-entropy, or "torch" (autograd per chunk)
     fused_ops: str = "auto"  # "liger" (Liger-Kernel's RMSNorm and SwiGLU; auto: on CUDA when installed), "none"
 

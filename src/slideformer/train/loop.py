@@ -98,14 +98,15 @@ def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) ->
                          "or a smaller model")
 
 
-def auto_resident_layers(cfg: TrainConfig, hf_config, ecfg: EngineConfig, examples) -> int:
-    """As many layers on the GPU as the budget leaves room for at this step's shape (the planner's call)."""
+def auto_residency(cfg: TrainConfig, hf_config, ecfg: EngineConfig, examples) -> dict:
+    """What trains on the GPU (``resident_layers``, ``resident_edges``) at this step's shape under the
+    budget: the planner's call (plan.auto_residency)."""
     from ..model import ModelAdapter
     from .. import plan
 
     shape = plan.ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype))
     seq = cfg.cutoff_len if cfg.packing else min(cfg.cutoff_len, max(len(ids) for ids, _ in examples))
-    return plan.auto_resident_layers(ecfg, shape, cfg.micro_batch_size * cfg.gradient_accumulation_steps, seq)
+    return plan.auto_residency(ecfg, shape, cfg.micro_batch_size * cfg.gradient_accumulation_steps, seq)
 
 
 def _checkpoints(out: Path) -> list[Path]:
@@ -134,6 +135,7 @@ def train(cfg: TrainConfig) -> dict:
                         offload_dir=o.offload_dir, nvme_fraction=o.nvme_fraction, nvme_master=o.nvme_master,
                         optimizer_state=o.optimizer_state,
                         resident_layers=0 if o.resident_layers == "auto" else o.resident_layers,
+                        resident_edges=o.resident_edges,
                         loss_kernel=o.loss_kernel, fused_ops=o.fused_ops)
     from transformers import AutoConfig
 
@@ -143,7 +145,7 @@ def train(cfg: TrainConfig) -> dict:
     if o.resident_layers == "auto" and device == "cuda":
         from ..plan import gpu_budget
 
-        ecfg = dataclasses.replace(ecfg, resident_layers=auto_resident_layers(cfg, hf_config, ecfg, examples),
+        ecfg = dataclasses.replace(ecfg, **auto_residency(cfg, hf_config, ecfg, examples),
                                    gpu_memory_limit=gpu_budget(ecfg))
     check_fits(cfg, hf_config, ecfg, max(len(ids) for ids, _ in examples))
     if cfg.model_name_or_path == "tiny":
