@@ -40,8 +40,9 @@ def cmd_plan(args) -> int:
     from dataclasses import replace
 
     from .model import ModelAdapter
-    from .plan import (DoesNotFit, ModelShape, Placement, fit, gpu_bytes, host_bytes, host_memory,
-                       choose_resident_layers, nvme_bytes, parse_bytes, step_time)
+    from . import EngineConfig
+    from .plan import (DoesNotFit, ModelShape, Placement, auto_residency, fit, gpu_bytes, host_bytes, host_memory,
+                       nvme_bytes, parse_bytes, step_time)
     from .presets import PRESETS, preset_config
 
     if args.model in PRESETS:
@@ -88,9 +89,13 @@ def cmd_plan(args) -> int:
     if gpu_limit and fits_gpu and not compact:  # what training some layers on the GPU would buy (fp32 state only)
         # the budget `slideformer train` would give them: --gpu-memory, else 90% of the card (plan.gpu_budget)
         budget = gpu_limit if args.gpu_memory else int(0.9 * gpu_limit)
-        k = choose_resident_layers(shape, args.batch_size, args.seq_len, budget, base)
-        with_k = fit(shape, args.batch_size, args.seq_len, budget, replace(base, resident_layers=k))
+        chosen = auto_residency(EngineConfig(device="cpu", gpu_memory_limit=budget, loss_kernel=args.loss_kernel,
+                                             offload_dir=args.offload_dir, nvme_fraction=args.nvme_fraction),
+                                shape, args.batch_size, args.seq_len)
+        k = chosen["resident_layers"]
+        with_k = fit(shape, args.batch_size, args.seq_len, budget, replace(base, **chosen))
         out["suggested_resident_layers"] = k
+        out["suggested_resident_edges"] = chosen["resident_edges"]
         out["predicted_step_s_resident"] = step_time(shape, args.batch_size, args.seq_len, with_k, compact=compact,
                                                      nvme_layers=min(nvme_layers, shape.layers - k),
                                                      nvme_master=args.nvme_master,
@@ -113,7 +118,8 @@ def cmd_plan(args) -> int:
               f"machine's rates): GPU {timing['gpu_compute_s']:.2f} s, optimizer {timing['optimizer_s']:.2f} s, "
               f"weights in {timing['h2d_s']:.2f} s" + (f", NVMe tier {timing['nvme_s']:.1f} s" if nvme_layers else ""))
         if "suggested_resident_layers" in out:
-            print(f"with resident_layers={out['suggested_resident_layers']} (trained on the GPU): predicted step "
+            edges = " and resident_edges" if out["suggested_resident_edges"] else ""
+            print(f"with resident_layers={out['suggested_resident_layers']}{edges} (trained on the GPU): predicted step "
                   f"{out['predicted_step_s_resident']:.2f} s")
         print(("fits" if fits else "does NOT fit" + ("" if fits_gpu else f": {reason}")) + f"; largest batch that fits: {max_batch}")
     return EXIT_OK if fits else EXIT_DOES_NOT_FIT
