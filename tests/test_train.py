@@ -147,7 +147,7 @@ def test_resident_layers_auto_is_accepted_and_trains(tmp_path):
         load_config(None, ["offload.resident_layers=many"])
 
 
-def test_auto_resident_layers_follows_the_budget():
+def test_auto_residency_follows_the_budget():
     from slideformer import EngineConfig
     from slideformer.presets import preset_config
     from slideformer.train.loop import auto_residency
