@@ -90,7 +90,9 @@ def cmd_plan(args) -> int:
         # the budget `slideformer train` would give them: --gpu-memory, else 90% of the card (plan.gpu_budget)
         budget = gpu_limit if args.gpu_memory else int(0.9 * gpu_limit)
         chosen = auto_residency(EngineConfig(device="cpu", gpu_memory_limit=budget, loss_kernel=args.loss_kernel,
-                                             offload_dir=args.offload_dir, nvme_fraction=args.nvme_fraction),
+                                             offload_dir=args.offload_dir, nvme_fraction=args.nvme_fraction,
+                                             nvme_master=args.nvme_master and bool(args.offload_dir),
+                                             activations_to_nvme=args.activations_to_nvme and bool(args.offload_dir)),
                                 shape, args.batch_size, args.seq_len)
         k = chosen["resident_layers"]
         with_k = fit(shape, args.batch_size, args.seq_len, budget, replace(base, **chosen))

@@ -302,13 +302,13 @@ def main(argv=None):
         "gpu": torch.cuda.get_device_name() if cuda else "none", "torch": torch.__version__,
         "settings": {k: getattr(args, k) for k in ("slots", "depth", "host_weights", "host_grad_buffers", "grad_chunk_elems",
                                                    "switch_interval", "max_grad_norm",
-                                                   "gpu_memory_limit_gib", "loss_chunk", "resident_layers",
+                                                   "gpu_memory_limit_gib", "loss_chunk", "resident_layers", "resident_edges",
                                                    "loss_kernel", "fused_ops", "optimizer_state", "ds_loss", "offload_dir",
                                                    "nvme_fraction", "nvme_master", "activations_to_nvme")},
     }
+    ex = extra()  # before the profiled step below, which is not one of the timed ones
     if args.profile_ops and cuda:
         rec["op_profile"] = profile_ops(step, finish, args.profile_ops)
-    ex = extra()
     if "breakdown" in ex:
         if "timeline" in ex["breakdown"]:
             rec["timeline"] = ex["breakdown"].pop("timeline")

@@ -60,6 +60,7 @@ from ..window.slots import Slot
 from .profile import StepProfiler
 
 STAGING_ELEMS = 32 * 2**20  # "staged" host weights: cast the master in 32M-element chunks
+RESIDENT_PIECE = 32 * 2**20  # resident units' GPU AdamW: elements per fused call
 # How long one thread may hold the GIL while another waits for it (Python's default is 5 ms). Measured at
 # Qwen3-4B b8 with a kernel call per chunk: 1.186 s per step at 5 ms, 1.067 s at 0.2 ms (table5-d2d9182).
 SWITCH_INTERVAL_S = 2e-4
@@ -211,13 +212,17 @@ class Runtime:
         master, m, v = self.resident[unit]
         slot = self.slots["resident"][unit]
         n, c = master.numel(), self.cfg
-        g = slot.grads[:n].float()
-        if grad_coef != 1.0:
-            g.mul_(grad_coef)
         step_t = self._resident_step[unit]
         step_t.fill_(float(step))  # a kernel, not a host-to-device copy: no synchronisation
-        torch._fused_adamw_([master], [g], [m], [v], [], [step_t], lr=lr, beta1=c.betas[0], beta2=c.betas[1],
-                            weight_decay=c.weight_decay, eps=c.eps, amsgrad=False, maximize=False)
+        # In pieces: the fp32 gradient it needs is then RESIDENT_PIECE elements, not the unit's (2 GB for an
+        # 8B model's untied head, which the memory plan does not hold room for).
+        for a in range(0, n, RESIDENT_PIECE):
+            b = min(n, a + RESIDENT_PIECE)
+            g = slot.grads[a:b].float()
+            if grad_coef != 1.0:
+                g.mul_(grad_coef)
+            torch._fused_adamw_([master[a:b]], [g], [m[a:b]], [v[a:b]], [], [step_t], lr=lr, beta1=c.betas[0],
+                                beta2=c.betas[1], weight_decay=c.weight_decay, eps=c.eps, amsgrad=False, maximize=False)
         slot.params[:n].copy_(master)
 
     # -- disk I/O -------------------------------------------------------------------------------------

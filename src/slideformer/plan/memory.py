@@ -235,7 +235,9 @@ def auto_residency(cfg, shape: ModelShape, batch: int, seq: int) -> dict:
         return without
     if min(pe.micro_batch, batch) * seq < min(batch * seq, EFFICIENT_TOKENS, min(p0.micro_batch, batch) * seq):
         return without
-    if step_time(shape, batch, seq, pe)["step_s"] < step_time(shape, batch, seq, p0)["step_s"]:
+    tier = dict(nvme_master=cfg.nvme_master, activations_to_nvme=cfg.activations_to_nvme)
+    if step_time(shape, batch, seq, pe, nvme_layers=min(nvme, shape.layers - ke), **tier)["step_s"] < \
+            step_time(shape, batch, seq, p0, nvme_layers=min(nvme, shape.layers - k), **tier)["step_s"]:
         return {"resident_layers": ke, "resident_edges": True}
     return without
 
@@ -292,8 +294,11 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
     on_cpu = shape.params - k * shape.layer_params - (shape.embed_params + shape.head_params
                                                       if p.edges_resident(shape) else 0)
     streamed = max(0, on_cpu - min(p.window_slots, shape.layers - k) * shape.layer_params)  # the rest is reused
+    offloaded = shape.layers - min(shape.layers, p.gpu_activation_layers)
     out = {
         "gpu_compute_s": 8 * shape.params * tokens / rates.gpu_flops,
+        # offloaded layer inputs: out and back once a step, each way on its own copy engine
+        "activations_s": offloaded * tokens * shape.hidden * 2 / rates.pcie_bytes_per_s,
         "optimizer_s": on_cpu / rates.optimizer_params_per_s / (1.5 if compact else 1.0),
         "h2d_s": 2 * 2 * streamed / rates.pcie_bytes_per_s,
         "nvme_s": 2 * (nvme_bytes(shape, nvme_layers, compact, nvme_master)
