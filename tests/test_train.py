@@ -159,3 +159,9 @@ def test_auto_residency_follows_the_budget():
     assert auto_residency(c, hf, roomy, examples)["resident_layers"] == hf.num_hidden_layers
     tight = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, gpu_memory_limit="7MiB")
     assert 0 <= auto_residency(c, hf, tight, examples)["resident_layers"] < hf.num_hidden_layers
+    # a fixed offload.resident_edges is kept (here the planner would take them); the layers are still its call
+    assert auto_residency(c, hf, tight, examples)["resident_edges"] is True
+    declined = load_config(None, FAST + ["offload.resident_edges=false"])
+    assert auto_residency(declined, hf, tight, examples)["resident_edges"] is False
+    with pytest.raises(ConfigError, match="resident_edges must be true, false or auto"):
+        load_config(None, FAST + ["offload.resident_edges=maybe"])

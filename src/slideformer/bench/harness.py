@@ -70,8 +70,8 @@ def run_slideformer(args, config):
                        gpu_memory_limit=int(args.gpu_memory_limit_gib * 2**30) if args.gpu_memory_limit_gib else None)
     if auto and args.device == "cuda":  # what `slideformer train` picks
         shape = ModelShape.from_adapter(ModelAdapter(config, args.dtype))
-        cfg = dataclasses.replace(cfg, **auto_residency(cfg, shape, args.batch, args.seq),
-                                  gpu_memory_limit=gpu_budget(cfg))
+        chosen = auto_residency(cfg, shape, args.batch, args.seq, True if args.resident_edges else None)
+        cfg = dataclasses.replace(cfg, **chosen, gpu_memory_limit=gpu_budget(cfg))
     engine = SlideEngine.from_config(config, cfg)
     args.fused_ops = engine.fused_ops  # recorded as resolved ("auto" depends on what is installed)
     params = engine.adapter.num_params
@@ -245,7 +245,7 @@ def main(argv=None):
     ap.add_argument("--gpu-memory-limit-gib", type=float, default=None)
     ap.add_argument("--loss-chunk", type=int, default=1024)
     ap.add_argument("--resident-edges", action="store_true",
-                    help="embedding and head on the GPU (with an explicit --resident-layers; auto chooses itself)")
+                    help="embedding and head on the GPU (else, with --resident-layers auto, the planner decides)")
     ap.add_argument("--resident-layers", default="auto",
                     help="decoder layers trained on the GPU; 'auto' (default): as many as the budget allows, "
                          "as `slideformer train` chooses")

@@ -209,14 +209,15 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
     return needed
 
 
-def auto_residency(cfg, shape: ModelShape, batch: int, seq: int) -> dict:
+def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | None = None) -> dict:
     """``resident_layers="auto"`` for an EngineConfig: the ``resident_layers`` and ``resident_edges`` to
     set, chosen by ``choose_resident_layers`` under its GPU budget (``gpu_budget``; the caller hands the
     engine that budget too, so that micro-batches and activations are planned for the memory the choice
     assumed). The embedding and head go resident too where that keeps micro-batches efficient and the
     predicted step gets shorter: they are the last gradient of a step and the first weights of the next,
     so streaming them also leaves the GPU idle at every step boundary while the CPU updates them (a cost
-    the time model leaves out). Layers on the NVMe tier stream; compact state trains nothing on the GPU yet."""
+    the time model leaves out). ``edges`` True or False fixes that part and leaves the layers to the
+    planner. Layers on the NVMe tier stream; compact state trains nothing on the GPU yet."""
     if cfg.optimizer_state == "compact":
         return {"resident_layers": 0, "resident_edges": False}
     budget, base = gpu_budget(cfg), Placement.of(cfg)
@@ -224,10 +225,12 @@ def auto_residency(cfg, shape: ModelShape, batch: int, seq: int) -> dict:
     plain = replace(base, resident_edges=False)
     k = min(choose_resident_layers(shape, batch, seq, budget, plain), shape.layers - nvme)
     without = {"resident_layers": k, "resident_edges": False}
-    if k == shape.layers:
-        return without  # everything trains on the GPU, edges included
+    if k == shape.layers or edges is False:
+        return without  # (all layers resident: the edges too)
     with_edges = replace(base, resident_edges=True)
     ke = min(choose_resident_layers(shape, batch, seq, budget, with_edges), shape.layers - nvme)
+    if edges:  # asked for: the layers that fit beside them (the engine's own check refuses if none does)
+        return {"resident_layers": ke, "resident_edges": True}
     try:
         pe = fit(shape, batch, seq, budget, replace(with_edges, resident_layers=ke))
         p0 = fit(shape, batch, seq, budget, replace(plain, resident_layers=k))

@@ -40,7 +40,8 @@ class OffloadConfig:
     # the last N layers train on the GPU (see `slideformer plan`); "auto": as many as the GPU budget
     # (gpu_memory_limit, else 90% of the card) leaves room for at this batch and cutoff_len
     resident_layers: int | str = "auto"
-    resident_edges: bool = False  # embedding and head on the GPU too (with "auto" the planner decides)
+    resident_edges: bool | str = "auto"  # embedding and head on the GPU too; "auto": the planner's call
+    # (with resident_layers "auto"; with a fixed resident_layers, "auto" means no)
     loss_kernel: str = "fused"  # Triton fused linear cross-entropy, or "torch" (autograd per chunk)
     fused_ops: str = "auto"  # "liger" (Liger-Kernel's RMSNorm and SwiGLU; auto: on CUDA when installed), "none"
 
@@ -99,6 +100,8 @@ class TrainConfig:
             raise ConfigError("set max_steps > 0 or num_train_epochs > 0")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ConfigError("max_grad_norm must be > 0, or null for no clipping")
+        if self.offload.resident_edges not in (True, False, "auto"):
+            raise ConfigError(f"offload.resident_edges must be true, false or auto, got {self.offload.resident_edges!r}")
         if self.device == "cuda" and self.bf16 is False and self.offload.gpu_memory_limit:
             raise ConfigError("gpu_memory_limit plans for bf16 compute; set bf16: true or drop offload.gpu_memory_limit")
         return self

@@ -106,7 +106,8 @@ def auto_residency(cfg: TrainConfig, hf_config, ecfg: EngineConfig, examples) ->
 
     shape = plan.ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype))
     seq = cfg.cutoff_len if cfg.packing else min(cfg.cutoff_len, max(len(ids) for ids, _ in examples))
-    return plan.auto_residency(ecfg, shape, cfg.micro_batch_size * cfg.gradient_accumulation_steps, seq)
+    edges = None if cfg.offload.resident_edges == "auto" else cfg.offload.resident_edges
+    return plan.auto_residency(ecfg, shape, cfg.micro_batch_size * cfg.gradient_accumulation_steps, seq, edges)
 
 
 def _checkpoints(out: Path) -> list[Path]:
@@ -135,7 +136,7 @@ def train(cfg: TrainConfig) -> dict:
                         offload_dir=o.offload_dir, nvme_fraction=o.nvme_fraction, nvme_master=o.nvme_master,
                         optimizer_state=o.optimizer_state,
                         resident_layers=0 if o.resident_layers == "auto" else o.resident_layers,
-                        resident_edges=o.resident_edges,
+                        resident_edges=o.resident_edges is True,
                         loss_kernel=o.loss_kernel, fused_ops=o.fused_ops)
     from transformers import AutoConfig
 
