@@ -165,3 +165,10 @@ def test_auto_residency_follows_the_budget():
     assert auto_residency(declined, hf, tight, examples)["resident_edges"] is False
     with pytest.raises(ConfigError, match="resident_edges must be true, false or auto"):
         load_config(None, FAST + ["offload.resident_edges=maybe"])
+
+
+def test_train_says_once_where_the_model_trains(tmp_path, capsys):
+    train(cfg(tmp_path, "max_steps=2"))
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("slideformer: ")]
+    assert len(lines) == 1  # once, at start
+    assert "trained on the device: 0 of 4 layers" in lines[0] and "CPU AdamW" in lines[0] and "on cpu" in lines[0]

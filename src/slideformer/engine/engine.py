@@ -25,6 +25,7 @@ from ..checkpoint import state as ckpt_state
 from ..config import ConfigError, EngineConfig
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter, bind_parameters
+from ..optim import native
 from ..model.fused_ops import apply_liger
 from ..model.fused_ops import resolve as resolve_fused_ops
 from ..plan.memory import ModelShape, Placement, fit, parse_bytes
@@ -421,6 +422,28 @@ class SlideEngine:
         self._resident_on_gpu = False  # the loaded state goes up at the next step
         self.lr = float(state.get("lr", self.lr))
         return state
+
+    def describe(self) -> str:
+        """One line on where the model trains: what a user should see once at start."""
+        ad, n = self.adapter, self.adapter.num_layers
+        layers = sum(1 for u in self.resident if ad.units[u].kind == "layer")
+        edges = ad.embed_unit.index in self.resident and layers < n
+        p = ad.num_params
+        size = f"{p / 1e9:.2f} B" if p >= 1e9 else f"{p / 1e6:.1f} M" if p >= 1e6 else f"{p / 1e3:.1f} K"
+        kept = "all layers" if layers == n else f"{layers} of {n} layers"
+        threads = self.cfg.optimizer_threads or native.default_threads()
+        parts = [f"{size} params, {str(self.cfg.compute_dtype).replace('torch.', '')} on {self.device}",
+                 f"trained on the device: {kept}{' + embedding and head' if edges else ''}",
+                 f"streamed: {n - layers} layers through {self.cfg.window_slots} slots",
+                 f"fused ops {self.fused_ops}",
+                 f"CPU AdamW {self.runtime.optimizer_backend} on {threads} thread{'s' * (threads != 1)}, "
+                 f"{self.cfg.optimizer_state} state"]
+        if self.store.tier is not None:
+            parts.append(f"NVMe tier: {len(self.store.tier.numels)} layers' moments"
+                         f"{' and master' if self.store.nvme_master else ''}")
+        if self._limit:
+            parts.append(f"GPU budget {self._limit / 2**30:.1f} GiB")
+        return "; ".join(parts)
 
     def memory_report(self) -> dict[str, int]:
         rep = {f"host_{k}": v for k, v in self.store.bytes_by_category().items()}

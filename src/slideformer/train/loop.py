@@ -154,6 +154,7 @@ def train(cfg: TrainConfig) -> dict:
     else:
         engine = SlideEngine.from_pretrained(cfg.model_name_or_path, ecfg)
 
+    print(f"slideformer: {engine.describe()}", flush=True)
     start, epoch, offset = 0, 0, 0
     resume = cfg.resume_from_checkpoint
     if resume == "auto":
