@@ -20,12 +20,13 @@ after the disk write that reads it, or the h2d copy that reads it, has finished.
 """
 from __future__ import annotations
 
+import math
 import threading
 
 import torch
 
 from ..host import pinned
-from ..host.nvme import NvmeScratch, aligned_empty
+from ..host.nvme import ALIGN, NvmeScratch, aligned_empty
 
 STAGING_BUFFERS = 3  # NVMe: one being written, one being read back, one being copied to the GPU
 
@@ -141,12 +142,12 @@ class ActivationStore:
             if layer >= 0 and layer in self._disk:
                 shapes, written = self._disk.pop(layer)
                 ready, holder = threading.Event(), {}
-                record, n = self._record[layer], sum(_numel(s) for s in shapes)
+                record, n = self._record[layer], sum(math.prod(s) for s in shapes)
 
                 def read():
                     try:
                         holder["buf"] = buf = self._take_staging()
-                        if self.rt.wait_written(written) and self.rt._error is None:
+                        if self.rt.wait_flag(written) and self.rt._error is None:
                             self.scratch.read(record, _whole_blocks(buf, n))
                     except BaseException as e:
                         self.rt._fail(e)  # before the flag: take() sees the error
@@ -178,15 +179,14 @@ class ActivationStore:
         self.prefetch(layer)  # not prefetched ahead (first offloaded layer, or depth 0): fetch now
         if self.scratch is not None:
             shapes, ready, holder = self._reading.pop(layer)
-            while not ready.wait(0.05) and self.rt._error is None:
-                pass
+            self.rt.wait_flag(ready)
             if "buf" in holder and self.rt._error is not None:
                 self._release(holder["buf"])
             self.rt._raise_worker_error()
             buf, start, views = holder["buf"], 0, []
             for s in shapes:
-                views.append(buf[start: start + _numel(s)].view(s))
-                start += _numel(s)
+                views.append(buf[start: start + math.prod(s)].view(s))
+                start += math.prod(s)
             out, ready_ev = self._to_device(views, None)
             self._release(buf, ready_ev)
         else:
@@ -229,14 +229,7 @@ class ActivationStore:
             self.scratch.close()
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _whole_blocks(buf: torch.Tensor, n: int) -> torch.Tensor:
     """The first ``n`` elements of a staging buffer, extended to whole 4096-byte blocks (O_DIRECT)."""
-    per_block = 4096 // buf.element_size()
+    per_block = ALIGN // buf.element_size()
     return buf[: -(-n // per_block) * per_block]

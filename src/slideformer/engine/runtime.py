@@ -241,7 +241,7 @@ class Runtime:
             finally:
                 jobs.task_done()
 
-    def wait_written(self, done: threading.Event) -> bool:
+    def wait_flag(self, done: threading.Event) -> bool:
         """Wait for another thread's ``done`` flag (a write, an update); False if a failure elsewhere
         means it may never come."""
         while not done.wait(0.05):
@@ -269,7 +269,7 @@ class Runtime:
 
     def _tier_read(self, unit: int, buf: int) -> None:
         try:
-            if self.wait_written(self._tier_written[unit]) and self._error is None:
+            if self.wait_flag(self._tier_written[unit]) and self._error is None:
                 self._tier_written[unit].clear()
                 self.store.tier.read(unit, buf)
         except BaseException as e:
@@ -315,8 +315,8 @@ class Runtime:
     def _load_now(self, unit: int, slot: Slot, used) -> None:
         if self.profiler and not self._updated[unit].is_set():
             with self.profiler.timed("loader_wait_optimizer"):
-                self.wait_written(self._updated[unit])
-        if not self.wait_written(self._updated[unit]) or self._error is not None:
+                self.wait_flag(self._updated[unit])
+        if not self.wait_flag(self._updated[unit]) or self._error is not None:
             return
         n = self.adapter.units[unit].numel
         dst = slot.params[:n]
@@ -454,8 +454,7 @@ class Runtime:
                 s, c = self.store, self.cfg
                 master = s.master[job.unit]
                 if s.on_tier(job.unit):  # its state is (being) read ahead
-                    while not self._tier_ready[job.unit].wait(0.05) and self._error is None:
-                        pass
+                    self.wait_flag(self._tier_ready[job.unit])
                     self._tier_ready[job.unit].clear()
                     tier_buf = self._tier_buf.pop(job.unit, None)
                     if tier_buf is None or self._error is not None:  # a read failed: its error is kept

@@ -42,10 +42,31 @@ def _open(path: Path, direct: bool) -> tuple[int, bool]:
 def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised 1-D tensor whose data starts on a 4096-byte boundary and whose byte size is a
     multiple of 4096 (O_DIRECT needs both)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    nbytes = -(-numel * size // ALIGN) * ALIGN
+    nbytes = -(-numel * dtype.itemsize // ALIGN) * ALIGN
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
     return raw[(-raw.data_ptr()) % ALIGN:][:nbytes].view(dtype)
+
+
+def _write_all(fd: int, view: memoryview, offset: int, direct: bool) -> None:
+    """``view`` to ``fd`` at ``offset`` in IO_CHUNK pieces (raises OSError), then out of the page cache."""
+    done = 0
+    while done < len(view):
+        done += os.pwritev(fd, [view[done: done + IO_CHUNK]], offset + done)
+    if not direct:  # page cache would spend the RAM the file saves
+        os.posix_fadvise(fd, offset, len(view), os.POSIX_FADV_DONTNEED)
+
+
+def _read_all(fd: int, view: memoryview, offset: int, direct: bool) -> int:
+    """Fill ``view`` from ``fd`` at ``offset``; returns the bytes read (fewer: the file ends early)."""
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done: done + IO_CHUNK]], offset + done)
+        if got <= 0:
+            break
+        done += got
+    if not direct:
+        os.posix_fadvise(fd, offset, len(view), os.POSIX_FADV_DONTNEED)
+    return done
 
 
 def _crc(view: memoryview, crc: int = 0) -> int:
@@ -62,8 +83,7 @@ class NvmeTier:
         self.numels = numels
         self.dtype = dtype  # fp32 state, or bf16 moments (compact optimizer state)
         self.fields = fields  # 2: exp_avg, exp_avg_sq; 3: and the master
-        size = torch.empty((), dtype=dtype).element_size()
-        self.nbytes = {u: -(-fields * n * size // ALIGN) * ALIGN for u, n in numels.items()}
+        self.nbytes = {u: -(-fields * n * dtype.itemsize // ALIGN) * ALIGN for u, n in numels.items()}
         need = sum(self.nbytes.values())
         self.files: dict[int, Path] = {}
         self._fds: dict[int, int] = {}
@@ -110,14 +130,9 @@ class NvmeTier:
 
     def read(self, unit: int, buf: int) -> None:
         view = memoryview(self.buffers[buf].numpy())[: self.nbytes[unit]]
-        fd, done = self._fds[unit], 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done: done + IO_CHUNK]], done)
-            if got <= 0:
-                raise TierError(errno.EIO, f"NVMe state file {self.files[unit]} is truncated at byte {done}")
-            done += got
-        if not self.direct:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        done = _read_all(self._fds[unit], view, 0, self.direct)
+        if done < len(view):
+            raise TierError(errno.EIO, f"NVMe state file {self.files[unit]} is truncated at byte {done}")
         if _crc(view) != self.crc[unit]:
             raise TierError(errno.EIO, f"NVMe state file {self.files[unit]} is corrupt (CRC32 mismatch): the "
                             "state read back is not what was written; resume from the last checkpoint")
@@ -125,15 +140,11 @@ class NvmeTier:
     def write(self, unit: int, buf: int) -> None:
         view = memoryview(self.buffers[buf].numpy())[: self.nbytes[unit]]
         crc = _crc(view)
-        fd, done = self._fds[unit], 0
         try:
-            while done < len(view):
-                done += os.pwritev(fd, [view[done: done + IO_CHUNK]], done)
+            _write_all(self._fds[unit], view, 0, self.direct)
         except OSError as e:
             raise TierError(e.errno, f"writing NVMe state file {self.files[unit]} failed ({e.strerror}); "
                             "training stops here, the last checkpoint is intact") from e
-        if not self.direct:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         self.crc[unit] = crc
 
     def copy_out(self, unit: int) -> tuple[torch.Tensor, ...]:
@@ -196,27 +207,18 @@ class NvmeScratch:
         view = memoryview(buf.view(torch.uint8).numpy())
         assert len(view) <= self.record_bytes and index < self.records
         self.crc.pop(index, None)  # until this write completes the record holds nothing valid (not last step's)
-        crc, done, off = _crc(view), 0, index * self.record_bytes
+        crc = _crc(view)
         try:
-            while done < len(view):
-                done += os.pwritev(self.fd, [view[done: done + IO_CHUNK]], off + done)
+            _write_all(self.fd, view, index * self.record_bytes, self.direct)
         except OSError as e:
             raise TierError(e.errno, f"writing {self.what} to {self.path} failed ({e.strerror}); training stops "
                             "here, the last checkpoint is intact") from e
-        if not self.direct:  # page cache would spend the RAM this saves
-            os.posix_fadvise(self.fd, off, len(view), os.POSIX_FADV_DONTNEED)
         self.crc[index] = crc
 
     def read(self, index: int, buf: torch.Tensor) -> None:
         view = memoryview(buf.view(torch.uint8).numpy())
-        done, off = 0, index * self.record_bytes
-        while done < len(view):
-            got = os.preadv(self.fd, [view[done: done + IO_CHUNK]], off + done)
-            if got <= 0:
-                raise TierError(errno.EIO, f"{self.path} is truncated at record {index}")
-            done += got
-        if not self.direct:
-            os.posix_fadvise(self.fd, off, len(view), os.POSIX_FADV_DONTNEED)
+        if _read_all(self.fd, view, index * self.record_bytes, self.direct) < len(view):
+            raise TierError(errno.EIO, f"{self.path} is truncated at record {index}")
         if _crc(view) != self.crc.get(index):
             raise TierError(errno.EIO, f"{self.what} read back from {self.path} (record {index}) are corrupt "
                             "(CRC32 mismatch)")

@@ -60,7 +60,7 @@ class HostStore:
         else:
             self.master = _arena(units, master_dtype, pin and compute_dtype == master_dtype, self._registered)
         self.master_lo = _arena(units, torch.bfloat16, False, self._registered) if compact else None
-        moment_dtype = torch.bfloat16 if compact else torch.float32
+        self.moment_dtype = moment_dtype = torch.bfloat16 if compact else torch.float32
         m = iter(_arena(in_ram, moment_dtype, False, self._registered))
         v = iter(_arena(in_ram, moment_dtype, False, self._registered))
         self.exp_avg = [None if u.index in nvme_units else next(m) for u in units]
@@ -99,8 +99,7 @@ class HostStore:
         lay = {"master": (n, self.master_dtype)}
         if self.master_lo is not None:
             lay["master_lo"] = (n, torch.bfloat16)
-        moment_dtype = torch.bfloat16 if self.compact else torch.float32
-        lay.update(exp_avg=(n, moment_dtype), exp_avg_sq=(n, moment_dtype))
+        lay.update(exp_avg=(n, self.moment_dtype), exp_avg_sq=(n, self.moment_dtype))
         return lay
 
     def unit_state(self, unit: int) -> dict[str, torch.Tensor]:
