@@ -25,6 +25,15 @@ def test_timeline_lists_every_update_of_the_timed_steps():
     assert "timeline" not in rec["breakdown_per_step_s"]
 
 
+def test_offload_activations_flag_moves_layer_inputs_to_the_host():
+    args = ["--system", "slideformer", "--model", "tiny", "--device", "cpu", "--seq", "32", "--batch", "2",
+            "--warmup", "1", "--steps", "1"]
+    kept = harness.main(args)
+    off = harness.main(args + ["--offload-activations", "1"])  # the tiny model's 4 layers: 3 offloaded
+    assert kept["host_bytes"]["host_activations"] == 0 and kept["settings"]["offload_activations"] is None
+    assert off["host_bytes"]["host_activations"] == 3 * 2 * 32 * 128 * 4 and off["settings"]["offload_activations"] == 1
+
+
 def test_harness_with_a_gpu_budget_records_the_placement(tmp_path):
     rec = harness.main(["--system", "slideformer", "--model", "tiny", "--device", "cpu", "--seq", "32", "--batch", "4",
                         "--warmup", "1", "--steps", "1", "--gpu-memory-limit-gib", "0.05"])

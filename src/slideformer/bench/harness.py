@@ -67,6 +67,8 @@ def run_slideformer(args, config):
                        fused_ops=args.fused_ops,
                        optimizer_state=args.optimizer_state, offload_dir=args.offload_dir, nvme_fraction=args.nvme_fraction,
                        nvme_master=args.nvme_master, activations_to_nvme=args.activations_to_nvme,
+                       offload_activations=args.offload_activations is not None,
+                       gpu_activation_layers=args.offload_activations or 0,
                        gpu_memory_limit=int(args.gpu_memory_limit_gib * 2**30) if args.gpu_memory_limit_gib else None)
     if auto and args.device == "cuda":  # what `slideformer train` picks
         shape = ModelShape.from_adapter(ModelAdapter(config, args.dtype))
@@ -258,6 +260,9 @@ def main(argv=None):
     ap.add_argument("--offload-dir", default=None, help="NVMe tier directory for the moments of --nvme-fraction of the layers")
     ap.add_argument("--nvme-fraction", type=float, default=1.0)
     ap.add_argument("--nvme-master", action="store_true", help="the tier's layers keep their fp32 master there too")
+    ap.add_argument("--offload-activations", type=int, metavar="KEEP",
+                    help="offload every layer input to host memory but the last KEEP (without a GPU budget; "
+                         "under one the planner decides)")
     ap.add_argument("--activations-to-nvme", action="store_true", help="offloaded layer inputs go to --offload-dir")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--timeline", action="store_true",
@@ -304,7 +309,8 @@ def main(argv=None):
                                                    "switch_interval", "max_grad_norm",
                                                    "gpu_memory_limit_gib", "loss_chunk", "resident_layers", "resident_edges",
                                                    "loss_kernel", "fused_ops", "optimizer_state", "ds_loss", "offload_dir",
-                                                   "nvme_fraction", "nvme_master", "activations_to_nvme")},
+                                                   "nvme_fraction", "nvme_master", "activations_to_nvme",
+                                                   "offload_activations")},
     }
     ex = extra()  # before the profiled step below, which is not one of the timed ones
     if args.profile_ops and cuda:
