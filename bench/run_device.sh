@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on the GPU machine, in one call: the GPU tests, then the benchmark cases.
 #   run from the repo root on the device machine; results go to $OUT (or ./bench/out).
-# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1|table2|table3 | case ...]
+# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table8|b64|timeline | case ...]
 #   (a case: "system model batch [extra args]")
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -24,7 +24,7 @@ if [[ $what == optim || $what == all ]]; then
     --variants portable,no_prefetch 2>&1 | tee -a "$OUT/optimizer.jsonl" | tail -2
 fi
 if [[ $what == loss || $what == all ]]; then
-  python3 -m slideformer.bench.loss 2>&1 | tee -a "$OUT/loss.jsonl" | tail -8
+  python3 -m slideformer.bench.loss --chunks 8192 2>&1 | tee -a "$OUT/loss.jsonl" | tail -8
 fi
 if [[ $what == profile ]]; then  # issue 6: the costliest GPU ops of one Llama-8B step, streamed and resident
   for extra in "--resident-layers 0" "--resident-layers 31"; do
@@ -34,7 +34,7 @@ if [[ $what == profile ]]; then  # issue 6: the costliest GPU ops of one Llama-8
 fi
 if [[ $what == capacity ]]; then  # issue 5: a model whose fp32 training state exceeds the RAM (see NOTES)
   df -h /tmp | tail -1 | tee "$OUT/disk.txt"
-  timeout 560 python3 -m slideformer.bench --system slideformer --model qwen2.5-14b --batch 8 --optimizer-state compact \
+  timeout "${CAPACITY_TIMEOUT:-560}" python3 -m slideformer.bench --system slideformer --model qwen2.5-14b --batch 8 --optimizer-state compact \
     --gpu-memory-limit-gib 24 --offload-dir /tmp/nvme --nvme-fraction 0.5 --warmup 1 --steps 2 \
     --out "$OUT/capacity.jsonl" 2>&1 | tail -3 | cut -c1-600
 fi
@@ -75,6 +75,9 @@ if [[ $what == bench || $what == all ]]; then
                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24" "deepspeed qwen3-4b 8 --gpu-memory-limit-gib 24" \
                    "plain qwen3-4b 32" "plain qwen3-4b 32 --fused-ops liger" "slideformer qwen3-4b 32 --gpu-memory-limit-gib 24" \
                    "deepspeed qwen3-4b 32 --gpu-memory-limit-gib 24 --ds-loss fused" ;;
+    # Issue 5 at 8B b64: RSS and GPU under 24 GiB, and what offloading every layer input costs (no budget)
+    b64) set -- "slideformer llama3-8b 64 --gpu-memory-limit-gib 24" "slideformer llama3-8b 64 --resident-layers 0" \
+                "slideformer llama3-8b 64 --resident-layers 0 --offload-activations 0" ;;
     # Where the 4B b8 streamed step loses its last 0.2 s (NOTES, session 3): every update and visit, with
     # 4 and with 36 gradient buffers
     timeline) set -- "slideformer qwen3-4b 8 --resident-layers 0 --timeline" \

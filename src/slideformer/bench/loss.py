@@ -2,12 +2,15 @@
 and against Liger-Kernel's fused loss where liger_kernel is importable.
 
     python -m slideformer.bench.loss            # the issue's cases; one JSON line each
+    python -m slideformer.bench.loss --chunks 8192,16384   # also the fused loss at these chunk sizes
 
 Each case times forward + backward (CUDA events, median of several runs after warm-up) and records
 the peak memory allocated above the inputs.
 """
 from __future__ import annotations
 
+import argparse
+import functools
 import json
 import statistics
 
@@ -45,7 +48,12 @@ def liger_loss():
 
 
 def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--chunks", default="", help="comma-separated token chunk sizes to time besides the default")
+    args = ap.parse_args(argv)
     systems = [("unfused", reference_linear_cross_entropy), ("fused", fused_linear_cross_entropy)]
+    systems += [(f"fused_c{c}", functools.partial(fused_linear_cross_entropy, chunk_tokens=int(c)))
+                for c in filter(None, args.chunks.split(","))]
     if (liger := liger_loss()) is not None:
         systems.append(("liger", liger))
     for V, H, T in CASES:
