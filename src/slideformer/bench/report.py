@@ -27,7 +27,8 @@ def load(paths) -> list[dict]:
 DEFAULTS = {"slots": 3, "depth": 1, "host_weights": "persistent", "host_grad_buffers": 4, "loss_chunk": 1024, "resident_layers": "auto",
             "loss_kernel": "fused", "optimizer_state": "fp32", "offload_dir": None, "nvme_fraction": 1.0,
             "grad_chunk_elems": 16 << 20, "switch_interval": None, "nvme_master": False,
-            "activations_to_nvme": False, "resident_edges": False, "offload_activations": None}
+            "activations_to_nvme": False, "resident_edges": False, "offload_activations": None,
+            "resident_at": "start"}
 
 
 def variant(r) -> str:
