@@ -200,3 +200,21 @@ def test_auto_residency_puts_embedding_and_head_first_where_they_fit():
     assert auto_residency(EngineConfig(gpu_memory_limit="24GiB", optimizer_state="compact",
                                        compute_dtype=torch.bfloat16), sh, 8, 1024) == \
         {"resident_layers": 0, "resident_edges": False}
+
+
+def test_auto_host_weights_drops_the_bf16_copy_where_ram_is_short():
+    """On the H200 machine (125 GiB): Qwen3-4B keeps its bf16 host copy; Llama-8B b64 under 24 GiB,
+    measured at 112 GiB of RSS with it, stages instead (2 bytes/param less)."""
+    from slideformer.plan import auto_host_weights, config_host_bytes
+
+    ram = 125 * GiB
+    cfg = EngineConfig(gpu_memory_limit="24GiB")
+    four, eight = shape("qwen3-4b"), shape("llama3-8b")
+    assert auto_host_weights(cfg, four, 8, 1024, fit(four, 8, 1024, 24 * GiB), ram) == "persistent"
+    p = fit(eight, 64, 1024, 24 * GiB)
+    assert auto_host_weights(cfg, eight, 64, 1024, p, ram) == "staged"
+    staged = sum(config_host_bytes(cfg, eight, 64, 1024, p, "staged").values())
+    assert staged <= 0.85 * ram < sum(config_host_bytes(cfg, eight, 64, 1024, p, "persistent").values())
+    # the tier's fp32 master needs the RAM copy: kept whatever the RAM
+    tier = EngineConfig(offload_dir="/nvme", nvme_master=True)
+    assert auto_host_weights(tier, eight, 64, 1024, p, ram // 4) == "persistent"

@@ -8,7 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from slideformer import EngineConfig
 from slideformer.cli import main
+from slideformer.model import ModelAdapter
 from slideformer.config import ConfigError
 from slideformer.data import DataError
 from slideformer.train.config import load_config
@@ -172,3 +174,25 @@ def test_train_says_once_where_the_model_trains(tmp_path, capsys):
     lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("slideformer: ")]
     assert len(lines) == 1  # once, at start
     assert "trained on the device: 0 of 4 layers" in lines[0] and "CPU AdamW" in lines[0] and "on cpu" in lines[0]
+
+
+def test_host_weights_auto_stages_when_the_copy_would_crowd_the_ram(monkeypatch):
+    """check_fits decides offload.host_weights: auto from the machine's RAM: with the bf16 copy the state
+    needs over 85% of it, without it under 95%, so the run stages rather than refusing or swapping."""
+    from slideformer import plan
+    from slideformer.presets import preset_config
+    from slideformer.train.loop import check_fits
+
+    c = load_config(None, FAST + ["bf16=true"])
+    hf = preset_config("tiny")
+    eng = EngineConfig(device="cpu", compute_dtype=torch.bfloat16)
+    sh = plan.ModelShape.from_adapter(ModelAdapter(hf, torch.bfloat16))
+    p = plan.Placement.of(eng, micro_batch=c.micro_batch_size)
+    with_copy = sum(plan.config_host_bytes(eng, sh, c.micro_batch_size, 64, p, "persistent").values())
+    monkeypatch.setattr(plan, "host_memory", lambda: int(with_copy / 0.9))
+    assert check_fits(c, hf, eng, 64).host_weights == "staged"
+    monkeypatch.setattr(plan, "host_memory", lambda: int(with_copy / 0.8))
+    assert check_fits(c, hf, eng, 64).host_weights == "persistent"
+    fixed = load_config(None, FAST + ["bf16=true", "offload.host_weights=persistent"])
+    monkeypatch.setattr(plan, "host_memory", lambda: int(with_copy / 0.9))
+    assert check_fits(fixed, hf, eng, 64).host_weights == "persistent"

@@ -32,7 +32,7 @@ import torch
 from .. import EngineConfig, SlideEngine
 from ..engine.loss import chunked_head_loss, fused_head_loss
 from ..model import ModelAdapter
-from ..plan import ModelShape, auto_residency, gpu_budget
+from ..plan import ModelShape, Placement, auto_host_weights, auto_residency, fit, gpu_budget
 from ..presets import preset_config
 
 
@@ -59,7 +59,8 @@ def sync(args):
 def run_slideformer(args, config):
     auto = args.resident_layers == "auto"
     cfg = EngineConfig(lr=1e-5, device=args.device, compute_dtype=args.dtype, window_slots=args.slots,
-                       prefetch_depth=args.depth, host_weights=args.host_weights, profile=True,
+                       prefetch_depth=args.depth, profile=True,
+                       host_weights="persistent" if args.host_weights == "auto" else args.host_weights,
                        host_grad_buffers=args.host_grad_buffers, grad_chunk_elems=args.grad_chunk_elems,
                        max_grad_norm=args.max_grad_norm, loss_chunk_tokens=args.loss_chunk,
                        resident_layers=0 if auto else int(args.resident_layers), resident_edges=args.resident_edges,
@@ -71,10 +72,15 @@ def run_slideformer(args, config):
                        offload_activations=args.offload_activations is not None,
                        gpu_activation_layers=args.offload_activations or 0,
                        gpu_memory_limit=int(args.gpu_memory_limit_gib * 2**30) if args.gpu_memory_limit_gib else None)
+    shape = ModelShape.from_adapter(ModelAdapter(config, args.dtype))
     if auto and args.device == "cuda":  # what `slideformer train` picks
-        shape = ModelShape.from_adapter(ModelAdapter(config, args.dtype))
         chosen = auto_residency(cfg, shape, args.batch, args.seq, True if args.resident_edges else None)
         cfg = dataclasses.replace(cfg, **chosen, gpu_memory_limit=gpu_budget(cfg))
+    if args.host_weights == "auto":  # as `slideformer train` decides it (offload.host_weights: auto)
+        placed = fit(shape, args.batch, args.seq, gpu_budget(cfg), Placement.of(cfg)) if cfg.gpu_memory_limit \
+            else Placement.of(cfg)
+        args.host_weights = auto_host_weights(cfg, shape, args.batch, args.seq, placed)
+        cfg = dataclasses.replace(cfg, host_weights=args.host_weights)
     engine = SlideEngine.from_config(config, cfg)
     args.fused_ops = engine.fused_ops  # recorded as resolved ("auto" depends on what is installed)
     params = engine.adapter.num_params
@@ -238,7 +244,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--slots", type=int, default=3)
     ap.add_argument("--depth", type=int, default=1)
-    ap.add_argument("--host-weights", default="persistent")
+    ap.add_argument("--host-weights", default="auto", choices=("auto", "persistent", "staged"),
+                    help="auto: persistent where the training state leaves 15%% of the RAM free (plan.auto_host_weights)")
     ap.add_argument("--host-grad-buffers", type=int, default=EngineConfig.host_grad_buffers,
                     help="pinned host gradient buffers the layers share (the optimizer's backlog)")
     ap.add_argument("--grad-chunk-elems", type=int, default=EngineConfig.grad_chunk_elems)

@@ -28,7 +28,9 @@ class OffloadConfig:
     gpu_memory_limit: str | None = None
     window_slots: int = 3
     prefetch_depth: int = 1
-    host_weights: str = "persistent"
+    # "persistent" (a bf16 host copy the optimizer refreshes), "staged" (cast at copy time, 2 bytes/param
+    # less RAM) or "auto": persistent where the training state leaves 15% of the RAM free
+    host_weights: str = "auto"
     offload_activations: bool = False
     activations_to_nvme: bool = False  # offloaded layer inputs go on to files under offload_dir
     host_grad_buffers: int | None = 4
@@ -100,6 +102,8 @@ class TrainConfig:
             raise ConfigError("set max_steps > 0 or num_train_epochs > 0")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ConfigError("max_grad_norm must be > 0, or null for no clipping")
+        if self.offload.host_weights not in ("auto", "persistent", "staged"):
+            raise ConfigError(f"offload.host_weights must be auto, persistent or staged, got {self.offload.host_weights!r}")
         if self.offload.resident_edges not in (True, False, "auto"):
             raise ConfigError(f"offload.resident_edges must be true, false or auto, got {self.offload.resident_edges!r}")
         if self.device == "cuda" and self.bf16 is False and self.offload.gpu_memory_limit:

@@ -65,10 +65,12 @@ def build_examples(cfg: TrainConfig, tok) -> tuple[list[tuple[list[int], list[in
     return examples, skipped
 
 
-def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) -> None:
-    """The planner's check, before anything is allocated: GPU (when on CUDA) and host RAM."""
+def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) -> EngineConfig:
+    """The planner's check, before anything is allocated: GPU (when on CUDA) and host RAM. Returns
+    ``ecfg`` with ``offload.host_weights: auto`` decided (plan.auto_host_weights)."""
     from ..model import ModelAdapter
-    from ..plan import DoesNotFit, ModelShape, Placement, fit, gpu_bytes, host_bytes, host_memory, parse_bytes
+    from ..plan import (DoesNotFit, ModelShape, Placement, auto_host_weights, config_host_bytes, fit, gpu_bytes,
+                        host_memory, parse_bytes)
 
     shape = ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype))
     seq = cfg.cutoff_len if cfg.packing else min(cfg.cutoff_len, longest)  # packed rows are always full
@@ -86,16 +88,17 @@ def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) ->
                              "split and offload, or lower micro_batch_size (see `slideformer plan`)")
     else:
         placement = Placement.of(ecfg, micro_batch=cfg.micro_batch_size)
-    nvme_layers = round(ecfg.nvme_fraction * shape.layers) if ecfg.offload_dir else 0
-    ram = host_bytes(shape, batch, seq, placement, ecfg.host_weights, dt,
-                     None if ecfg.max_grad_norm is not None else ecfg.host_grad_buffers, nvme_layers,
-                     ecfg.optimizer_state == "compact", ecfg.nvme_master, ecfg.activations_to_nvme, ecfg.nvme_buffers)
-    total, have = sum(ram.values()), host_memory()
+    have = host_memory()
+    if cfg.offload.host_weights == "auto":
+        ecfg = dataclasses.replace(ecfg, host_weights=auto_host_weights(ecfg, shape, batch, seq, placement, have))
+    ram = config_host_bytes(ecfg, shape, batch, seq, placement)
+    total = sum(ram.values())
     if total > 0.95 * have:
         raise DoesNotFit(f"training needs about {total / 2**30:.1f} GiB of host RAM "
                          f"({', '.join(f'{k} {v / 2**30:.1f}' for k, v in ram.items())}), this machine has "
                          f"{have / 2**30:.1f} GiB; use offload.host_weights: staged, offload.offload_dir (NVMe), "
-                         "or a smaller model")
+                         "offload.optimizer_state: compact, or a smaller model")
+    return ecfg
 
 
 def auto_residency(cfg: TrainConfig, hf_config, ecfg: EngineConfig, examples) -> dict:
@@ -130,7 +133,8 @@ def train(cfg: TrainConfig) -> dict:
                         max_grad_norm=cfg.max_grad_norm, device=device,
                         compute_dtype=torch.bfloat16 if bf16 else torch.float32, seed=cfg.seed,
                         gpu_memory_limit=o.gpu_memory_limit, window_slots=o.window_slots, prefetch_depth=o.prefetch_depth,
-                        host_weights=o.host_weights, offload_activations=o.offload_activations,
+                        host_weights="persistent" if o.host_weights == "auto" else o.host_weights,
+                        offload_activations=o.offload_activations,
                         activations_to_nvme=o.activations_to_nvme,
                         host_grad_buffers=o.host_grad_buffers, optimizer_threads=o.optimizer_threads,
                         offload_dir=o.offload_dir, nvme_fraction=o.nvme_fraction, nvme_master=o.nvme_master,
@@ -148,7 +152,7 @@ def train(cfg: TrainConfig) -> dict:
 
         ecfg = dataclasses.replace(ecfg, **auto_residency(cfg, hf_config, ecfg, examples),
                                    gpu_memory_limit=gpu_budget(ecfg))
-    check_fits(cfg, hf_config, ecfg, max(len(ids) for ids, _ in examples))
+    ecfg = check_fits(cfg, hf_config, ecfg, max(len(ids) for ids, _ in examples))
     if cfg.model_name_or_path == "tiny":
         engine = SlideEngine.from_config(hf_config, ecfg)
     else:
