@@ -24,7 +24,7 @@ if [[ $what == optim || $what == all ]]; then
     --variants portable,no_prefetch 2>&1 | tee -a "$OUT/optimizer.jsonl" | tail -2
 fi
 if [[ $what == loss || $what == all ]]; then
-  python3 -m slideformer.bench.loss --chunks 8192 2>&1 | tee -a "$OUT/loss.jsonl" | tail -8
+  timeout "${LOSS_TIMEOUT:-600}" python3 -m slideformer.bench.loss --chunks 8192 2>&1 | tee -a "$OUT/loss.jsonl" | tail -8
 fi
 if [[ $what == profile ]]; then  # issue 6: the costliest GPU ops of one Llama-8B step, streamed and resident
   for extra in "--resident-layers 0" "--resident-layers 31"; do
@@ -78,6 +78,15 @@ if [[ $what == bench || $what == all ]]; then
     # Issue 5 at 8B b64: RSS and GPU under 24 GiB, and what offloading every layer input costs (no budget)
     b64) set -- "slideformer llama3-8b 64 --gpu-memory-limit-gib 24" "slideformer llama3-8b 64 --resident-layers 0" \
                 "slideformer llama3-8b 64 --resident-layers 0 --offload-activations 0" ;;
+    # Session 4: resident layers at the start vs the end (4B b8, 24 GiB), resident edges at 4B b32 (24 GiB)
+    # against plain+Liger, and 8B b64 with staged host weights: RSS under 24 GiB, activation offload on/off
+    table9) set -- "plain qwen3-4b 8 --fused-ops liger" "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24" \
+                   "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --resident-at end" \
+                   "plain qwen3-4b 32 --fused-ops liger" "slideformer qwen3-4b 32 --gpu-memory-limit-gib 24" \
+                   "slideformer qwen3-4b 32 --gpu-memory-limit-gib 24 --resident-layers 0" \
+                   "slideformer llama3-8b 64 --gpu-memory-limit-gib 24" \
+                   "slideformer llama3-8b 64 --resident-layers 0 --host-weights staged" \
+                   "slideformer llama3-8b 64 --resident-layers 0 --host-weights staged --offload-activations 0" ;;
     # Where the 4B b8 streamed step loses its last 0.2 s (NOTES, session 3): every update and visit, with
     # 4 and with 36 gradient buffers
     timeline) set -- "slideformer qwen3-4b 8 --resident-layers 0 --timeline" \
