@@ -41,8 +41,8 @@ def cmd_plan(args) -> int:
 
     from .model import ModelAdapter
     from . import EngineConfig
-    from .plan import (DoesNotFit, ModelShape, Placement, auto_residency, fit, gpu_bytes, host_bytes, host_memory,
-                       nvme_bytes, parse_bytes, step_time)
+    from .plan import (DoesNotFit, ModelShape, Placement, auto_host_weights, auto_residency, fit, gpu_bytes, host_bytes,
+                       host_memory, nvme_bytes, parse_bytes, step_time)
     from .presets import PRESETS, preset_config
 
     if args.model in PRESETS:
@@ -64,6 +64,11 @@ def cmd_plan(args) -> int:
     nvme_layers = round(args.nvme_fraction * shape.layers) if args.offload_dir else 0
     g = gpu_bytes(shape, args.batch_size, args.seq_len, placement)
     compact = args.optimizer_state == "compact"
+    if args.host_weights == "auto":  # as `slideformer train` decides it
+        as_trained = EngineConfig(device="cpu", optimizer_state=args.optimizer_state, offload_dir=args.offload_dir,
+                                  nvme_fraction=args.nvme_fraction, nvme_master=args.nvme_master and bool(args.offload_dir),
+                                  activations_to_nvme=args.activations_to_nvme and bool(args.offload_dir))
+        args.host_weights = auto_host_weights(as_trained, shape, args.batch_size, args.seq_len, placement, cpu_limit)
     h = host_bytes(shape, args.batch_size, args.seq_len, placement, args.host_weights, nvme_layers=nvme_layers,
                    compact=compact, nvme_master=args.nvme_master,
                    activations_to_nvme=args.activations_to_nvme)
@@ -83,7 +88,7 @@ def cmd_plan(args) -> int:
     out = {"model": args.model, "params": shape.params, "seq_len": args.seq_len, "batch_size": args.batch_size,
            "gpu_bytes": g["peak"], "gpu": g, "host_bytes": host_total, "host": h, "nvme_bytes": nvme_bytes(shape, nvme_layers, compact, args.nvme_master),
            "gpu_limit": gpu_limit, "host_limit": cpu_limit, "fits": fits, "max_batch_size": max_batch,
-           "placement": vars(placement)}
+           "placement": vars(placement), "host_weights": args.host_weights}
     timing = step_time(shape, args.batch_size, args.seq_len, placement, compact=compact, nvme_layers=nvme_layers,
                        nvme_master=args.nvme_master, activations_to_nvme=args.activations_to_nvme)
     if gpu_limit and fits_gpu and not compact:  # what training some layers on the GPU would buy (fp32 state only)
@@ -111,7 +116,8 @@ def cmd_plan(args) -> int:
         gib = lambda x: f"{x / 2**30:.1f} GiB"  # noqa: E731
         print(f"{args.model}: {shape.params / 1e9:.2f} B params, batch {args.batch_size} x seq {args.seq_len}")
         print("GPU  " + ", ".join(f"{k} {gib(v)}" for k, v in g.items()) + (f"  (limit {gib(gpu_limit)})" if gpu_limit else ""))
-        print("host " + ", ".join(f"{k} {gib(v)}" for k, v in h.items()) + f" = {gib(host_total)}  (limit {gib(cpu_limit)})")
+        print("host " + ", ".join(f"{k} {gib(v)}" for k, v in h.items()) + f" = {gib(host_total)}  (limit {gib(cpu_limit)}; "
+              f"host_weights {args.host_weights})")
         if nvme_layers:
             print(f"NVMe {gib(out['nvme_bytes'])} under {args.offload_dir}")
         print(f"placement: micro-batch {min(placement.micro_batch, args.batch_size)}, "
@@ -171,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--nvme-master", action="store_true", help="the tier's layers keep their fp32 master there too")
     pl.add_argument("--activations-to-nvme", action="store_true",
                     help="offloaded layer inputs go to files under --offload-dir (RAM: 3 staging buffers)")
-    pl.add_argument("--host-weights", default="persistent", choices=["persistent", "staged"])
+    pl.add_argument("--host-weights", default="auto", choices=["auto", "persistent", "staged"],
+                    help="auto (as `slideformer train`): persistent where the state leaves 15%% of the RAM free")
     pl.add_argument("--loss-kernel", default=EngineConfig.loss_kernel, choices=["torch", "fused"])
     pl.add_argument("--optimizer-state", default=EngineConfig.optimizer_state, choices=["fp32", "compact"])
     pl.add_argument("--json", action="store_true")

@@ -39,7 +39,7 @@ class OffloadConfig:
     nvme_fraction: float = 1.0
     nvme_master: bool = False  # the tier's layers keep their fp32 master there too (4 bytes/param less RAM)
     optimizer_state: str = "fp32"  # or "compact" (8 bytes/param; see bench/NOTES.md for its measured effect)
-    # the last N layers train on the GPU (see `slideformer plan`); "auto": as many as the GPU budget
+    # the first N layers train on the GPU (see `slideformer plan`); "auto": as many as the GPU budget
     # (gpu_memory_limit, else 90% of the card) leaves room for at this batch and cutoff_len
     resident_layers: int | str = "auto"
     resident_edges: bool | str = "auto"  # embedding and head on the GPU too; "auto": the planner's call
