@@ -87,6 +87,9 @@ if [[ $what == bench || $what == all ]]; then
                    "slideformer llama3-8b 64 --gpu-memory-limit-gib 24" \
                    "slideformer llama3-8b 64 --resident-layers 0 --host-weights staged" \
                    "slideformer llama3-8b 64 --resident-layers 0 --host-weights staged --offload-activations 0" ;;
+    # Session 4's last call: 4B b32 on the whole card against plain+Liger, and GPU caps below DeepSpeed's peak
+    table10) set -- "plain qwen3-4b 32 --fused-ops liger" "slideformer qwen3-4b 32" \
+                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 17" "slideformer qwen3-4b 32 --gpu-memory-limit-gib 15" ;;
     # Where the 4B b8 streamed step loses its last 0.2 s (NOTES, session 3): every update and visit, with
     # 4 and with 36 gradient buffers
     timeline) set -- "slideformer qwen3-4b 8 --resident-layers 0 --timeline" \
