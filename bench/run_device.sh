@@ -24,7 +24,7 @@ if [[ $what == optim || $what == all ]]; then
     --variants portable,no_prefetch 2>&1 | tee -a "$OUT/optimizer.jsonl" | tail -2
 fi
 if [[ $what == loss || $what == all ]]; then
-  timeout "${LOSS_TIMEOUT:-600}" python3 -m slideformer.bench.loss --chunks 8192 2>&1 | tee -a "$OUT/loss.jsonl" | tail -8
+  timeout "${LOSS_TIMEOUT:-600}" python3 -m slideformer.bench.loss --chunks 4096,16384 2>&1 | tee -a "$OUT/loss.jsonl" | tail -8
 fi
 if [[ $what == profile ]]; then  # issue 6: the costliest GPU ops of one Llama-8B step, streamed and resident
   for extra in "--resident-layers 0" "--resident-layers 31"; do

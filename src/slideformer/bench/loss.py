@@ -2,7 +2,7 @@
 and against Liger-Kernel's fused loss where liger_kernel is importable.
 
     python -m slideformer.bench.loss            # the cases; one JSON line each
-    python -m slideformer.bench.loss --chunks 8192,16384   # also the fused loss at these chunk sizes
+    python -m slideformer.bench.loss --chunks 4096,16384   # also the fused loss at these chunk sizes
 
 Each case times forward + backward (CUDA events, median of several runs after warm-up) and records
 the peak memory allocated above the inputs.

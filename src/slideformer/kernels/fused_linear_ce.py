@@ -17,7 +17,7 @@ from .cross_entropy import cross_entropy_grad_
 
 
 def linear_cross_entropy_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, scale: float,
-                               ignore_index: int = -100, softcap: float | None = None, chunk_tokens: int = 4096,
+                               ignore_index: int = -100, softcap: float | None = None, chunk_tokens: int = 8192,
                                grad_weight: torch.Tensor | None = None):
     """(loss sum x scale as an fp32 scalar, grad_hidden [T, H], grad_weight [V, H] fp32).
 
@@ -78,11 +78,13 @@ class _FusedLinearCE(torch.autograd.Function):
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                ignore_index: int = -100, reduction: str = "mean", softcap: float | None = None,
-                               chunk_tokens: int = 4096) -> torch.Tensor:
+                               chunk_tokens: int = 8192) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` against ``labels``, differentiable in hidden and weight.
 
     hidden: [..., H], weight: [V, H], labels: [...] (``ignore_index`` skipped). reduction "mean" divides
-    by the number of non-ignored labels, "sum" does not.
+    by the number of non-ignored labels, "sum" does not. ``chunk_tokens``: tokens per chunk; each chunk
+    reads and writes the fp32 [V, H] weight-gradient accumulator once, so larger chunks cost less time
+    and more memory (8192 at V=152k: 5.4 GiB peak, 1-3% faster than 4096 on the H200; loss-8cb727f).
     """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
