@@ -78,10 +78,9 @@ if [[ $what == bench || $what == all ]]; then
     # Issue 5 at 8B b64: RSS and GPU under 24 GiB, and what offloading every layer input costs (no budget)
     b64) set -- "slideformer llama3-8b 64 --gpu-memory-limit-gib 24" "slideformer llama3-8b 64 --resident-layers 0" \
                 "slideformer llama3-8b 64 --resident-layers 0 --offload-activations 0" ;;
-    # Session 4: resident layers at the start vs the end (4B b8, 24 GiB), resident edges at 4B b32 (24 GiB)
+    # Session 4: resident layers at the start (the run at 8cb727f also had them at the end), resident edges at 4B b32 (24 GiB)
     # against plain+Liger, and 8B b64 with staged host weights: RSS under 24 GiB, activation offload on/off
     table9) set -- "plain qwen3-4b 8 --fused-ops liger" "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24" \
-                   "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --resident-at end" \
                    "plain qwen3-4b 32 --fused-ops liger" "slideformer qwen3-4b 32 --gpu-memory-limit-gib 24" \
                    "slideformer qwen3-4b 32 --gpu-memory-limit-gib 24 --resident-layers 0" \
                    "slideformer llama3-8b 64 --gpu-memory-limit-gib 24" \

@@ -24,13 +24,11 @@ class EngineConfig:
     device: str = "cuda"
     compute_dtype: torch.dtype = torch.bfloat16
     # Decoder layers that stay on the GPU with their optimizer state and are updated there (16 bytes/param
-    # of GPU memory). All of them: the embedding and head too, i.e. plain GPU training.
+    # of GPU memory). All of them: the embedding and head too, i.e. plain GPU training. They are the
+    # first layers: the streamed ones' gradients then come first in backward, so the CPU updates them
+    # during all of it, and the next forward begins with work that waits for no update (4B b8 under
+    # 24 GiB: 0.690 s against 0.815 with the last layers resident; bench/NOTES.md, table9).
     resident_layers: int = 0
-    # Which end of the stack they are taken from. "start": the first layers, so the CPU updates the
-    # streamed ones during the whole backward (their gradients come first) and the next step's forward
-    # begins with work that waits for no update. "end": the last layers (before session 4). The NVMe
-    # tier's layers sit at the other end.
-    resident_at: Literal["start", "end"] = "start"
     # The embedding and head train on the GPU too, whatever resident_layers says (all layers resident
     # implies it): they are the last gradient of a step and the first weights of the next.
     resident_edges: bool = False
@@ -57,8 +55,8 @@ class EngineConfig:
     # Gradients leave the GPU in chunks of this many elements (32 MB in bf16), each with its own event,
     # and the CPU update of a chunk starts as soon as it lands.
     grad_chunk_elems: int = 1 << 24
-    # NVMe tier: the Adam moments of `nvme_fraction` of the decoder layers (at the end opposite the
-    # resident ones) live in files under
+    # NVMe tier: the Adam moments of the last `nvme_fraction` of the decoder layers (the resident ones are
+    # the first) live in files under
     # `offload_dir`, read ahead of each update into `nvme_buffers` RAM buffers and written behind it.
     offload_dir: str | None = None
     nvme_fraction: float = 1.0
@@ -143,8 +141,6 @@ class EngineConfig:
         if self.optimizer_state == "compact" and self.compute_dtype != torch.bfloat16:
             raise ConfigError("optimizer_state='compact' keeps the weights the GPU reads in bf16: set "
                               "compute_dtype=torch.bfloat16, or use optimizer_state='fp32'")
-        if self.resident_at not in ("start", "end"):
-            raise ConfigError(f"resident_at must be 'start' or 'end', got {self.resident_at!r}")
         if not 0.0 <= self.nvme_fraction <= 1.0:
             raise ConfigError(f"nvme_fraction must lie in [0, 1], got {self.nvme_fraction}")
         if self.activations_to_nvme and self.offload_dir is None:

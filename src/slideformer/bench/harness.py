@@ -64,7 +64,6 @@ def run_slideformer(args, config):
                        host_grad_buffers=args.host_grad_buffers, grad_chunk_elems=args.grad_chunk_elems,
                        max_grad_norm=args.max_grad_norm, loss_chunk_tokens=args.loss_chunk,
                        resident_layers=0 if auto else int(args.resident_layers), resident_edges=args.resident_edges,
-                       resident_at=args.resident_at,
                        loss_kernel=args.loss_kernel,
                        fused_ops=args.fused_ops,
                        optimizer_state=args.optimizer_state, offload_dir=args.offload_dir, nvme_fraction=args.nvme_fraction,
@@ -259,8 +258,6 @@ def main(argv=None):
     ap.add_argument("--resident-layers", default="auto",
                     help="decoder layers trained on the GPU; 'auto' (default): as many as the budget allows, "
                          "as `slideformer train` chooses")
-    ap.add_argument("--resident-at", choices=("start", "end"), default="start",
-                    help="which end of the stack resident layers come from (EngineConfig.resident_at)")
     ap.add_argument("--ds-loss", default="hf", choices=["hf", "fused"],
                     help="DeepSpeed's loss: HF's full logits, or our fused linear cross-entropy (not yet run)")
     ap.add_argument("--loss-kernel", default=EngineConfig.loss_kernel, choices=["torch", "fused"])
@@ -317,7 +314,7 @@ def main(argv=None):
         "gpu": torch.cuda.get_device_name() if cuda else "none", "torch": torch.__version__,
         "settings": {k: getattr(args, k) for k in ("slots", "depth", "host_weights", "host_grad_buffers", "grad_chunk_elems",
                                                    "switch_interval", "max_grad_norm",
-                                                   "gpu_memory_limit_gib", "loss_chunk", "resident_layers", "resident_edges", "resident_at",
+                                                   "gpu_memory_limit_gib", "loss_chunk", "resident_layers", "resident_edges",
                                                    "loss_kernel", "fused_ops", "optimizer_state", "ds_loss", "offload_dir",
                                                    "nvme_fraction", "nvme_master", "activations_to_nvme",
                                                    "offload_activations")},

@@ -101,19 +101,17 @@ class SlideEngine:
         self._placements: dict[tuple[int, int], Placement] = {}
         ring = None if self.cfg.max_grad_norm is not None else self.cfg.host_grad_buffers  # clipping holds all
         n = self.adapter.num_layers
-        # Resident layers from one end of the stack (cfg.resident_at), the NVMe tier's from the other.
-        order = [self.adapter.layer_unit(i).index for i in range(n)]
-        if self.cfg.resident_at == "end":
-            order.reverse()
+        # Resident layers are the first ones (config.py says why), the NVMe tier's the last ones.
+        layers = [self.adapter.layer_unit(i).index for i in range(n)]
         k = min(self.cfg.resident_layers, n)
-        nvme = set() if self.cfg.offload_dir is None else set(order[::-1][:round(self.cfg.nvme_fraction * n)])
+        nvme = set() if self.cfg.offload_dir is None else set(layers[n - round(self.cfg.nvme_fraction * n):])
         self.store = HostStore(self.adapter.units, self.cfg.compute_dtype, pin=self.device.type == "cuda",
                                host_weights=self.cfg.host_weights, layer_grad_buffers=ring,
                                nvme_dir=self.cfg.offload_dir, nvme_units=nvme, nvme_buffers=self.cfg.nvme_buffers,
                                compact=self.cfg.optimizer_state == "compact", nvme_master=self.cfg.nvme_master)
         # Resident units: `resident_layers` decoder layers, and embedding and head with `resident_edges` or
         # when every layer is resident (the whole model then trains on the GPU, as plain training would).
-        resident = set(order[:k])
+        resident = set(layers[:k])
         if k == n or self.cfg.resident_edges:
             resident |= {self.adapter.embed_unit.index, self.adapter.head_unit.index}
         if resident & nvme:
