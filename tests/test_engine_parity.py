@@ -271,6 +271,27 @@ def test_resident_layers_and_the_nvme_tier_take_opposite_ends(tmp_path):
     assert_same(state, ref, losses, ref_losses)
 
 
+@pytest.mark.parametrize("family,clip", [("llama", None), ("qwen3-tied", 0.05)])
+def test_token_chunked_mlps_train_like_pytorch(family, clip):
+    """mlp_chunk_tokens (model/chunked_mlp.py): every layer's MLP runs in chunks of 7 tokens, each under its
+    own checkpoint in backward; the training is PyTorch's."""
+    model = build(family)
+    batches = [[batch(97, seed=s), batch(97, seed=s + 11)] for s in range(3)]
+    big = [{k: torch.cat([m[k] for m in mbs]) for k in ("input_ids", "labels")} for mbs in batches]
+    rows = []
+    cfg = EngineConfig(device="cpu", compute_dtype=torch.float32, lr=1e-3, weight_decay=0.1, max_grad_norm=clip,
+                       loss_kernel="torch", mlp_chunk_tokens=7)
+    with SlideEngine(model, cfg) as eng:
+        eng.adapter.layers[1].mlp.down_proj.register_forward_pre_hook(lambda m, i: rows.append(i[0].shape[0]))
+        losses = [eng.train_step(b) for b in batches]
+        state = {k: v.clone() for k, v in eng.state_dict().items()}
+    # 24 tokens a micro-batch: chunks of 7, 7, 7 and 3, in the forward and twice in backward (recompute
+    # of the layer, then of each chunk under its checkpoint)
+    assert rows[:4] == [7, 7, 7, 3] and max(rows) == 7 and len(rows) == 3 * 2 * 3 * 4
+    ref, ref_losses = reference_train(model, big, lr=1e-3, max_grad_norm=clip, weight_decay=0.1)
+    assert_same(state, ref, losses, ref_losses)
+
+
 def test_resident_update_in_pieces_is_the_same_update(monkeypatch):
     from slideformer.engine import runtime
 

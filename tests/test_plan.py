@@ -1,4 +1,6 @@
 """The memory planner: pure functions, checked against the engine's own accounting and its choices."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -218,3 +220,22 @@ def test_auto_host_weights_drops_the_bf16_copy_where_ram_is_short():
     # the tier's fp32 master needs the RAM copy: kept whatever the RAM
     tier = EngineConfig(offload_dir="/nvme", nvme_master=True)
     assert auto_host_weights(tier, eight, 64, 1024, p, ram // 4) == "persistent"
+
+
+def test_a_sequence_too_long_for_micro_batches_gets_token_chunked_mlps():
+    """Llama-8B, one sequence of 64k tokens under 24 GiB: its layer backward alone (~20 GB of MLP
+    intermediates) is over the budget; with the MLPs in 4096-token chunks it fits. Shorter sequences
+    that fit by offloading inputs are not chunked (chunks cost one more MLP forward; offload is free)."""
+    sh = shape("llama3-8b")
+    p = fit(sh, 1, 65536, 24 * GiB)
+    assert p.mlp_chunk_tokens == 4096 and gpu_bytes(sh, 1, 65536, p)["peak"] <= 24 * GiB
+    assert gpu_bytes(sh, 1, 65536, replace(p, mlp_chunk_tokens=None))["peak"] > 24 * GiB
+    assert fit(sh, 1, 32768, 24 * GiB).mlp_chunk_tokens is None
+    with pytest.raises(DoesNotFit, match="not even batch 1 fits at seq 1048576"):
+        fit(sh, 1, 1 << 20, 24 * GiB)
+    # the engine takes the planner's chunk with its placement
+    model = build("llama")
+    with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, gpu_memory_limit=10**9)) as eng:
+        eng._placements[(2, 12)] = Placement(micro_batch=2, mlp_chunk_tokens=5)
+        eng.train_step(batch(97))
+        assert eng.mlp_chunking.tokens == 5

@@ -74,6 +74,10 @@ class EngineConfig:
     fused_ops: Literal["auto", "none", "liger"] = "auto"
     # Tokens per chunk of the loss head: bounds the transient [tokens x vocab] logits.
     loss_chunk_tokens: int = 1024
+    # Each layer's MLP in chunks of this many tokens, each under its own checkpoint (model/chunked_mlp.py):
+    # a layer's backward then holds one chunk's MLP intermediates, for sequences too long for micro-batches
+    # to bound. None: whole micro-batches; under gpu_memory_limit the planner sets it where nothing else fits.
+    mlp_chunk_tokens: int | None = None
     # CPU optimizer: "auto" (our one-pass C++ kernel when it builds, else torch's fused), "native", "torch";
     # and its thread count (None: all cores but one, which drives the GPU).
     optimizer_backend: Literal["auto", "native", "torch"] = "auto"
@@ -165,6 +169,8 @@ class EngineConfig:
             if self.device == "cpu":
                 raise ConfigError("fused_ops='liger' runs on CUDA only (its kernels do not run in Triton's CPU "
                                   "interpreter); use fused_ops='none' on the CPU")
+        if self.mlp_chunk_tokens is not None and self.mlp_chunk_tokens < 1:
+            raise ConfigError(f"mlp_chunk_tokens must be >= 1 or None, got {self.mlp_chunk_tokens}")
         if self.loss_chunk_tokens < 1:
             raise ConfigError(f"loss_chunk_tokens must be >= 1, got {self.loss_chunk_tokens}")
         return self

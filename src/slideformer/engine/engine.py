@@ -26,6 +26,7 @@ from ..config import ConfigError, EngineConfig
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter, bind_parameters
 from ..optim import native
+from ..model.chunked_mlp import MlpChunking
 from ..model.fused_ops import apply_liger
 from ..model.fused_ops import resolve as resolve_fused_ops
 from ..plan.memory import ModelShape, Placement, fit, parse_bytes
@@ -94,6 +95,8 @@ class SlideEngine:
         self.fused_ops = resolve_fused_ops(self.cfg.fused_ops, str(self.cfg.device))
         if self.fused_ops == "liger":
             apply_liger(self.adapter.layers + [self.adapter.norm], getattr(hf_config, "hidden_act", ""))
+        # (after Liger: the chunks run whatever MLP forward is bound)
+        self.mlp_chunking = MlpChunking([layer.mlp for layer in self.adapter.layers], self.cfg.mlp_chunk_tokens)
         self.shape = ModelShape.from_adapter(self.adapter)
         self._limit = None if self.cfg.gpu_memory_limit is None else parse_bytes(self.cfg.gpu_memory_limit)
         if self._limit is not None:  # refuse before allocating anything if not even one sequence fits
@@ -304,6 +307,7 @@ class SlideEngine:
         p = self._placements[key]
         n = self.adapter.num_layers
         self.activations.offload_layers = set(range(max(0, n - p.gpu_activation_layers)))
+        self.mlp_chunking.tokens = p.mlp_chunk_tokens
         out = []
         for it, (rows, _) in zip(items, shapes):
             for start in range(0, rows, p.micro_batch):

@@ -19,7 +19,8 @@ Micro-batches are free in this engine (weights cross PCIe once per step however 
 the planner bounds a layer's backward by splitting the batch, and keeps as many layer inputs on the
 GPU as the budget allows, offloading the rest: it prefers micro-batches of at least EFFICIENT_TOKENS
 tokens (matmuls at full speed), then the most layer inputs on the GPU (less pinned host memory and PCIe
-traffic), then the largest micro-batch.
+traffic), then the largest micro-batch. Where even one sequence does not fit, the MLPs run in token
+chunks (model/chunked_mlp.py; one more MLP forward per layer).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ HEAD_GRAD_BYTES = {"torch": 6,  # per lm_head element: the fp32 accumulator and 
                    "fused": 4}  # the fp32 accumulator only (cuBLAS adds into it)
 SAFETY = 1.05  # allocator rounding and what the model leaves out
 EFFICIENT_TOKENS = 8192
+MLP_CHUNK_TOKENS = (4096, 1024, 256)  # tried in turn where one sequence's layer backward does not fit
 
 
 class DoesNotFit(ValueError):
@@ -99,6 +101,7 @@ class Placement:
     resident_layers: int = 0  # decoder layers trained on the GPU (all of them: embedding and head too)
     loss_kernel: str = "fused"
     resident_edges: bool = False  # embedding and head trained on the GPU, whatever the layers do
+    mlp_chunk_tokens: int | None = None  # a layer's MLP in token chunks (model/chunked_mlp.py)
 
     @classmethod
     def of(cls, cfg, **kw) -> "Placement":
@@ -107,7 +110,7 @@ class Placement:
             kw.setdefault("gpu_activation_layers", cfg.gpu_activation_layers)
         return cls(window_slots=cfg.window_slots, loss_chunk_tokens=cfg.loss_chunk_tokens,
                    resident_layers=cfg.resident_layers, loss_kernel=cfg.loss_kernel,
-                   resident_edges=cfg.resident_edges, **kw)
+                   resident_edges=cfg.resident_edges, mlp_chunk_tokens=cfg.mlp_chunk_tokens, **kw)
 
     def edges_resident(self, shape: "ModelShape") -> bool:
         return self.resident_edges or self.resident_layers >= shape.layers
@@ -131,8 +134,8 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, dtype_bytes
         "hidden_flow": 2 * T * H * dtype_bytes,
         "loss_head": V * H * HEAD_GRAD_BYTES[p.loss_kernel] + min(p.loss_chunk_tokens, t) * V * LOGIT_BYTES[p.loss_kernel]
                      + HEAD_TOKEN_HIDDEN[p.loss_kernel] * t * H * dtype_bytes,
-        "layer_backward": t * (LAYER_TOKEN_FFN * shape.ffn + LAYER_TOKEN_HIDDEN * H) * dtype_bytes
-                          + shape.layer_params * dtype_bytes,
+        "layer_backward": (min(t, p.mlp_chunk_tokens or t) * LAYER_TOKEN_FFN * shape.ffn + t * LAYER_TOKEN_HIDDEN * H)
+                          * dtype_bytes + shape.layer_params * dtype_bytes,
     }
     out["peak"] = int(SAFETY * (out["window"] + out["activations"] + out["hidden_flow"]
                                 + max(out["loss_head"], out["layer_backward"])))
@@ -291,6 +294,14 @@ def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Placement = P
     if options:
         return max(options, key=lambda p: (min(p.micro_batch * seq, EFFICIENT_TOKENS), p.gpu_activation_layers,
                                            p.micro_batch))
+    if base.mlp_chunk_tokens is None:  # a sequence too long for micro-batches: its MLPs in token chunks
+        for chunk in MLP_CHUNK_TOKENS:
+            if chunk < seq:
+                try:
+                    return fit(shape, batch, seq, limit, replace(base, mlp_chunk_tokens=chunk))
+                except DoesNotFit:
+                    pass
+        base = replace(base, mlp_chunk_tokens=MLP_CHUNK_TOKENS[-1] if MLP_CHUNK_TOKENS[-1] < seq else None)
     smallest = replace(base, micro_batch=1, gpu_activation_layers=0)
     best = max((b for b in range(1, batch) if gpu_bytes(shape, b, seq, smallest)["peak"] <= limit), default=0)
     need = gpu_bytes(shape, batch, seq, smallest)["peak"]
