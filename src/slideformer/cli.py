@@ -121,7 +121,8 @@ def cmd_plan(args) -> int:
         if nvme_layers:
             print(f"NVMe {gib(out['nvme_bytes'])} under {args.offload_dir}")
         print(f"placement: micro-batch {min(placement.micro_batch, args.batch_size)}, "
-              f"{min(placement.gpu_activation_layers, shape.layers)}/{shape.layers} layer inputs on the GPU")
+              f"{min(placement.gpu_activation_layers, shape.layers)}/{shape.layers} layer inputs on the GPU"
+              + (f", MLPs in {placement.mlp_chunk_tokens}-token chunks" if placement.mlp_chunk_tokens else ""))
         print(f"predicted step {timing['step_s']:.2f} s ({out['predicted_tokens_per_s']:.0f} tok/s on the H200 "
               f"machine's rates): GPU {timing['gpu_compute_s']:.2f} s, optimizer {timing['optimizer_s']:.2f} s, "
               f"weights in {timing['h2d_s']:.2f} s" + (f", NVMe tier {timing['nvme_s']:.1f} s" if nvme_layers else ""))
