@@ -89,6 +89,16 @@ if [[ $what == bench || $what == all ]]; then
     # Session 4's last call: 4B b32 on the whole card against plain+Liger, and GPU caps below DeepSpeed's peak
     table10) set -- "plain qwen3-4b 32 --fused-ops liger" "slideformer qwen3-4b 32" \
                     "slideformer qwen3-4b 8 --gpu-memory-limit-gib 17" "slideformer qwen3-4b 32 --gpu-memory-limit-gib 15" ;;
+    # Next: gradient buffers at 4B b8 under 24 GiB (NOTES, session 4: a backlog lets the CPU update during
+    # the next forward), and its timeline
+    table11) set -- "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24" "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --host-grad-buffers 8" \
+                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --host-grad-buffers 12" \
+                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --host-grad-buffers 27" \
+                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --timeline" ;;
+    # Next: issue 3's rows not yet run (b64 against plain+Liger, 8B b32) and DeepSpeed b8 beside today's default
+    table12) set -- "plain qwen3-4b 64 --fused-ops liger" "slideformer qwen3-4b 64 --gpu-memory-limit-gib 24" \
+                    "slideformer llama3-8b 32 --gpu-memory-limit-gib 24" "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24" \
+                    "deepspeed qwen3-4b 8 --gpu-memory-limit-gib 24" ;;
     # Where the 4B b8 streamed step loses its last 0.2 s (NOTES, session 3): every update and visit, with
     # 4 and with 36 gradient buffers
     timeline) set -- "slideformer qwen3-4b 8 --resident-layers 0 --timeline" \
