@@ -64,3 +64,16 @@ def test_optimizer_failure_surfaces(monkeypatch):
             eng.train_step(batch(97))  # the failure surfaces in this step or at the next wait
             eng.train_step(batch(97))
         assert isinstance(info.value.__cause__, MemoryError)
+
+
+def test_engine_refuses_a_host_state_over_the_ram_before_allocating(monkeypatch):
+    """A library user gets the planner's message, not the OOM killer: master, moments and gradient
+    buffers are counted against the RAM before the host store exists."""
+    from slideformer.engine import engine as engine_mod
+    from slideformer.host import store
+    from slideformer.plan import DoesNotFit
+
+    monkeypatch.setattr(engine_mod, "host_memory", lambda: 2**14)  # a 16 KiB machine
+    monkeypatch.setattr(store.HostStore, "__init__", lambda *a, **k: pytest.fail("allocated before refusing"))
+    with pytest.raises(DoesNotFit, match=r"host state needs about .* GiB of host RAM \(master .*moments .*offload_dir"):
+        SlideEngine(build("llama"), EngineConfig(device="cpu", compute_dtype=torch.float32))

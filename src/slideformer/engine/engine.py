@@ -29,7 +29,7 @@ from ..optim import native
 from ..model.chunked_mlp import MlpChunking
 from ..model.fused_ops import apply_liger
 from ..model.fused_ops import resolve as resolve_fused_ops
-from ..plan.memory import ModelShape, Placement, fit, parse_bytes
+from ..plan.memory import ModelShape, Placement, check_host_fits, config_host_bytes, fit, host_memory, parse_bytes
 from ..window.schedule import plan_step
 from .activations import ActivationStore
 from .loss import chunked_head_loss, fused_head_loss
@@ -101,6 +101,9 @@ class SlideEngine:
         self._limit = None if self.cfg.gpu_memory_limit is None else parse_bytes(self.cfg.gpu_memory_limit)
         if self._limit is not None:  # refuse before allocating anything if not even one sequence fits
             fit(self.shape, 1, 1, self._limit, Placement.of(self.cfg))
+        # and if the host state alone (no layer inputs yet: they depend on the batch) is over the RAM
+        check_host_fits(config_host_bytes(self.cfg, self.shape, 0, 1, Placement.of(self.cfg)), host_memory(),
+                        "this model's host state")
         self._placements: dict[tuple[int, int], Placement] = {}
         ring = None if self.cfg.max_grad_norm is not None else self.cfg.host_grad_buffers  # clipping holds all
         n = self.adapter.num_layers

@@ -182,6 +182,17 @@ def config_host_bytes(cfg, shape: ModelShape, batch: int, seq: int, p: Placement
 RAM_FRACTION = 0.85  # of the machine's RAM, for the training state: the rest for the OS, Python, CUDA
 
 
+def check_host_fits(ram: dict[str, int], have: int, what: str = "training") -> None:
+    """Refuse, before anything is allocated, host RAM (``ram`` by category) over 95% of ``have``: the
+    kernel's OOM killer would otherwise end the run mid-way, with nothing said."""
+    total = sum(ram.values())
+    if total > 0.95 * have:
+        raise DoesNotFit(f"{what} needs about {total / 2**30:.1f} GiB of host RAM "
+                         f"({', '.join(f'{k} {v / 2**30:.1f}' for k, v in ram.items())}), this machine has "
+                         f"{have / 2**30:.1f} GiB; use staged host weights (host_weights), the NVMe tier "
+                         "(offload_dir, nvme_fraction), compact optimizer state, or a smaller model")
+
+
 def auto_host_weights(cfg, shape: ModelShape, batch: int, seq: int, p: Placement, ram: int | None = None) -> str:
     """``host_weights="auto"``: a persistent bf16 host copy (no cast at copy time) where it leaves
     (1 - RAM_FRACTION) of the RAM free, else "staged" (2 bytes/param less: Llama-8B b64 under 24 GiB

@@ -69,8 +69,8 @@ def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) ->
     """The planner's check, before anything is allocated: GPU (when on CUDA) and host RAM. Returns
     ``ecfg`` with ``offload.host_weights: auto`` decided (plan.auto_host_weights)."""
     from ..model import ModelAdapter
-    from ..plan import (DoesNotFit, ModelShape, Placement, auto_host_weights, config_host_bytes, fit, gpu_bytes,
-                        host_memory, parse_bytes)
+    from ..plan import (DoesNotFit, ModelShape, Placement, auto_host_weights, check_host_fits, config_host_bytes, fit,
+                        gpu_bytes, host_memory, parse_bytes)
 
     shape = ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype))
     seq = cfg.cutoff_len if cfg.packing else min(cfg.cutoff_len, longest)  # packed rows are always full
@@ -91,13 +91,7 @@ def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) ->
     have = host_memory()
     if cfg.offload.host_weights == "auto":
         ecfg = dataclasses.replace(ecfg, host_weights=auto_host_weights(ecfg, shape, batch, seq, placement, have))
-    ram = config_host_bytes(ecfg, shape, batch, seq, placement)
-    total = sum(ram.values())
-    if total > 0.95 * have:
-        raise DoesNotFit(f"training needs about {total / 2**30:.1f} GiB of host RAM "
-                         f"({', '.join(f'{k} {v / 2**30:.1f}' for k, v in ram.items())}), this machine has "
-                         f"{have / 2**30:.1f} GiB; use offload.host_weights: staged, offload.offload_dir (NVMe), "
-                         "offload.optimizer_state: compact, or a smaller model")
+    check_host_fits(config_host_bytes(ecfg, shape, batch, seq, placement), have)
     return ecfg
 
 
