@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on the GPU machine, in one call: the GPU tests, then the benchmark cases.
 #   run from the repo root on the device machine; results go to $OUT (or ./bench/out).
-# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table8|b64|timeline | case ...]
+# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table12|b64|timeline | case ...]
 #   (a case: "system model batch [extra args]")
 set -uo pipefail
 OUT=${OUT:-bench/out}

@@ -239,3 +239,32 @@ def test_a_sequence_too_long_for_micro_batches_gets_token_chunked_mlps():
         eng._placements[(2, 12)] = Placement(micro_batch=2, mlp_chunk_tokens=5)
         eng.train_step(batch(97))
         assert eng.mlp_chunking.tokens == 5
+
+
+def test_resident_layers_never_cost_the_mlps_token_chunks():
+    """A resident layer that would push one long sequence into token-chunked MLPs (recompute) is not taken."""
+    sh = shape("llama3-8b")
+    k = choose_resident_layers(sh, 1, 16384, 24 * GiB)
+    assert fit(sh, 1, 16384, 24 * GiB, Placement(resident_layers=k)).mlp_chunk_tokens is None
+    assert fit(sh, 1, 16384, 24 * GiB, Placement(resident_layers=k + 1)).mlp_chunk_tokens is not None
+    # and the time model charges chunked MLPs their second forward
+    from slideformer.plan import step_time
+
+    p = Placement(micro_batch=1)
+    assert step_time(sh, 1, 65536, replace(p, mlp_chunk_tokens=4096))["gpu_compute_s"] > \
+        step_time(sh, 1, 65536, p)["gpu_compute_s"]
+
+
+def test_host_messages_and_choices_follow_the_config():
+    from slideformer.plan import auto_host_weights, check_host_fits, config_host_bytes
+
+    sh = shape("llama3-8b")
+    p = fit(sh, 8, 1024, 24 * GiB)
+    # fp32 compute keeps no separate copy: staging would save nothing, so it is not chosen
+    fp32 = EngineConfig(compute_dtype=torch.float32)
+    assert auto_host_weights(fp32, sh, 8, 1024, p, 1 << 30) == "persistent"
+    staged = EngineConfig(host_weights="staged", offload_dir="/nvme", nvme_fraction=1.0, nvme_master=False)
+    with pytest.raises(DoesNotFit) as e:
+        check_host_fits(config_host_bytes(staged, sh, 8, 1024, p), 1 << 30, staged)
+    msg = str(e.value)
+    assert "staged host weights" not in msg and "nvme_master" in msg and "compact optimizer state" in msg

@@ -41,8 +41,8 @@ def cmd_plan(args) -> int:
 
     from .model import ModelAdapter
     from . import EngineConfig
-    from .plan import (DoesNotFit, ModelShape, Placement, auto_host_weights, auto_residency, fit, gpu_bytes, host_bytes,
-                       host_memory, nvme_bytes, parse_bytes, step_time)
+    from .plan import (DoesNotFit, ModelShape, Placement, auto_host_weights, auto_residency, config_host_bytes, fit,
+                       gpu_bytes, host_memory, nvme_bytes, nvme_layer_count, parse_bytes, step_time)
     from .presets import PRESETS, preset_config
 
     if args.model in PRESETS:
@@ -61,17 +61,22 @@ def cmd_plan(args) -> int:
         fits_gpu = True
     except DoesNotFit as e:
         placement, fits_gpu, reason = replace(base, micro_batch=1, gpu_activation_layers=0), False, str(e)
-    nvme_layers = round(args.nvme_fraction * shape.layers) if args.offload_dir else 0
+    # the engine settings `slideformer train` would use (clipping by default: a gradient buffer per layer)
+    as_trained = EngineConfig(device="cpu", loss_kernel=args.loss_kernel, max_grad_norm=args.max_grad_norm or None,
+                              optimizer_state=args.optimizer_state, offload_dir=args.offload_dir,
+                              nvme_fraction=args.nvme_fraction, nvme_master=args.nvme_master and bool(args.offload_dir),
+                              activations_to_nvme=args.activations_to_nvme and bool(args.offload_dir))
+    nvme_layers = nvme_layer_count(as_trained, shape.layers)
     g = gpu_bytes(shape, args.batch_size, args.seq_len, placement)
     compact = args.optimizer_state == "compact"
-    if args.host_weights == "auto":  # as `slideformer train` decides it
-        as_trained = EngineConfig(device="cpu", optimizer_state=args.optimizer_state, offload_dir=args.offload_dir,
-                                  nvme_fraction=args.nvme_fraction, nvme_master=args.nvme_master and bool(args.offload_dir),
-                                  activations_to_nvme=args.activations_to_nvme and bool(args.offload_dir))
-        args.host_weights = auto_host_weights(as_trained, shape, args.batch_size, args.seq_len, placement, cpu_limit)
-    h = host_bytes(shape, args.batch_size, args.seq_len, placement, args.host_weights, nvme_layers=nvme_layers,
-                   compact=compact, nvme_master=args.nvme_master,
-                   activations_to_nvme=args.activations_to_nvme)
+
+    def host_at(b: int, p: Placement) -> tuple[str, dict]:
+        """host_weights as the trainer decides it at batch ``b``, and the host bytes by category."""
+        hw = args.host_weights if args.host_weights != "auto" else \
+            auto_host_weights(as_trained, shape, b, args.seq_len, p, cpu_limit)
+        return hw, config_host_bytes(as_trained, shape, b, args.seq_len, p, hw)
+
+    host_weights, h = host_at(args.batch_size, placement)
     host_total = sum(h.values())
     fits = fits_gpu and host_total <= cpu_limit
     max_batch = 0
@@ -80,25 +85,19 @@ def cmd_plan(args) -> int:
             p = fit(shape, b, args.seq_len, gpu_limit, base) if gpu_limit else base
         except DoesNotFit:
             break
-        if sum(host_bytes(shape, b, args.seq_len, p, args.host_weights, nvme_layers=nvme_layers,
-                          compact=compact, nvme_master=args.nvme_master,
-                   activations_to_nvme=args.activations_to_nvme).values()) > cpu_limit:
+        if sum(host_at(b, p)[1].values()) > cpu_limit:
             break
         max_batch = b
     out = {"model": args.model, "params": shape.params, "seq_len": args.seq_len, "batch_size": args.batch_size,
            "gpu_bytes": g["peak"], "gpu": g, "host_bytes": host_total, "host": h, "nvme_bytes": nvme_bytes(shape, nvme_layers, compact, args.nvme_master),
            "gpu_limit": gpu_limit, "host_limit": cpu_limit, "fits": fits, "max_batch_size": max_batch,
-           "placement": vars(placement), "host_weights": args.host_weights}
+           "placement": vars(placement), "host_weights": host_weights}
     timing = step_time(shape, args.batch_size, args.seq_len, placement, compact=compact, nvme_layers=nvme_layers,
                        nvme_master=args.nvme_master, activations_to_nvme=args.activations_to_nvme)
     if gpu_limit and fits_gpu and not compact:  # what training some layers on the GPU would buy (fp32 state only)
         # the budget `slideformer train` would give them: --gpu-memory, else 90% of the card (plan.gpu_budget)
         budget = gpu_limit if args.gpu_memory else int(0.9 * gpu_limit)
-        chosen = auto_residency(EngineConfig(device="cpu", gpu_memory_limit=budget, loss_kernel=args.loss_kernel,
-                                             offload_dir=args.offload_dir, nvme_fraction=args.nvme_fraction,
-                                             nvme_master=args.nvme_master and bool(args.offload_dir),
-                                             activations_to_nvme=args.activations_to_nvme and bool(args.offload_dir)),
-                                shape, args.batch_size, args.seq_len)
+        chosen = auto_residency(replace(as_trained, gpu_memory_limit=budget), shape, args.batch_size, args.seq_len)
         k = chosen["resident_layers"]
         with_k = fit(shape, args.batch_size, args.seq_len, budget, replace(base, **chosen))
         out["suggested_resident_layers"] = k
@@ -117,7 +116,7 @@ def cmd_plan(args) -> int:
         print(f"{args.model}: {shape.params / 1e9:.2f} B params, batch {args.batch_size} x seq {args.seq_len}")
         print("GPU  " + ", ".join(f"{k} {gib(v)}" for k, v in g.items()) + (f"  (limit {gib(gpu_limit)})" if gpu_limit else ""))
         print("host " + ", ".join(f"{k} {gib(v)}" for k, v in h.items()) + f" = {gib(host_total)}  (limit {gib(cpu_limit)}; "
-              f"host_weights {args.host_weights})")
+              f"host_weights {host_weights})")
         if nvme_layers:
             print(f"NVMe {gib(out['nvme_bytes'])} under {args.offload_dir}")
         print(f"placement: micro-batch {min(placement.micro_batch, args.batch_size)}, "
@@ -125,7 +124,8 @@ def cmd_plan(args) -> int:
               + (f", MLPs in {placement.mlp_chunk_tokens}-token chunks" if placement.mlp_chunk_tokens else ""))
         print(f"predicted step {timing['step_s']:.2f} s ({out['predicted_tokens_per_s']:.0f} tok/s on the H200 "
               f"machine's rates): GPU {timing['gpu_compute_s']:.2f} s, optimizer {timing['optimizer_s']:.2f} s, "
-              f"weights in {timing['h2d_s']:.2f} s" + (f", NVMe tier {timing['nvme_s']:.1f} s" if nvme_layers else ""))
+              f"weights in {timing['h2d_s']:.2f} s" + (f", NVMe tier {timing['nvme_s']:.1f} s" if nvme_layers else "")
+              + (f", embedding update at the step boundary {timing['edge_stall_s']:.2f} s" if timing["edge_stall_s"] else ""))
         if "suggested_resident_layers" in out:
             edges = " and resident_edges" if out["suggested_resident_edges"] else ""
             print(f"with resident_layers={out['suggested_resident_layers']}{edges} (trained on the GPU): predicted step "
@@ -181,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--host-weights", default="auto", choices=["auto", "persistent", "staged"],
                     help="auto (as `slideformer train`): persistent where the state leaves 15%% of the RAM free")
     pl.add_argument("--loss-kernel", default=EngineConfig.loss_kernel, choices=["torch", "fused"])
+    pl.add_argument("--max-grad-norm", type=float, default=1.0,
+                    help="as the trainer's max_grad_norm (default 1.0; 0: no clipping, which lets gradients share "
+                         "a ring of host buffers)")
     pl.add_argument("--optimizer-state", default=EngineConfig.optimizer_state, choices=["fp32", "compact"])
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)

@@ -29,7 +29,8 @@ from ..optim import native
 from ..model.chunked_mlp import MlpChunking
 from ..model.fused_ops import apply_liger
 from ..model.fused_ops import resolve as resolve_fused_ops
-from ..plan.memory import ModelShape, Placement, check_host_fits, config_host_bytes, fit, host_memory, parse_bytes
+from ..plan.memory import (ModelShape, Placement, check_host_fits, config_host_bytes, fit, host_memory,
+                           nvme_layer_count, parse_bytes)
 from ..window.schedule import plan_step
 from .activations import ActivationStore
 from .loss import chunked_head_loss, fused_head_loss
@@ -103,14 +104,14 @@ class SlideEngine:
             fit(self.shape, 1, 1, self._limit, Placement.of(self.cfg))
         # and if the host state alone (no layer inputs yet: they depend on the batch) is over the RAM
         check_host_fits(config_host_bytes(self.cfg, self.shape, 0, 1, Placement.of(self.cfg)), host_memory(),
-                        "this model's host state")
+                        self.cfg, "this model's host state")
         self._placements: dict[tuple[int, int], Placement] = {}
         ring = None if self.cfg.max_grad_norm is not None else self.cfg.host_grad_buffers  # clipping holds all
         n = self.adapter.num_layers
         # Resident layers are the first ones (config.py says why), the NVMe tier's the last ones.
         layers = [self.adapter.layer_unit(i).index for i in range(n)]
         k = min(self.cfg.resident_layers, n)
-        nvme = set() if self.cfg.offload_dir is None else set(layers[n - round(self.cfg.nvme_fraction * n):])
+        nvme = set(layers[n - nvme_layer_count(self.cfg, n):])
         self.store = HostStore(self.adapter.units, self.cfg.compute_dtype, pin=self.device.type == "cuda",
                                host_weights=self.cfg.host_weights, layer_grad_buffers=ring,
                                nvme_dir=self.cfg.offload_dir, nvme_units=nvme, nvme_buffers=self.cfg.nvme_buffers,

@@ -29,7 +29,7 @@ class MlpChunking:
                 return forward(x)
             chunks = x.reshape(-1, x.shape[-1]).split(n)
             if torch.is_grad_enabled():
-                out = [checkpoint(forward, c, use_reentrant=False) for c in chunks]
+                out = [checkpoint(forward, c, use_reentrant=False, preserve_rng_state=False) for c in chunks]
             else:
                 out = [forward(c) for c in chunks]
             return torch.cat(out).view(*x.shape[:-1], -1)

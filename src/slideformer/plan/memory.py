@@ -170,27 +170,42 @@ def host_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, host_weigh
     }
 
 
+def nvme_layer_count(cfg, layers: int) -> int:
+    """How many decoder layers an EngineConfig puts on the NVMe tier (the last ones; engine/engine.py)."""
+    return round(cfg.nvme_fraction * layers) if cfg.offload_dir else 0
+
+
 def config_host_bytes(cfg, shape: ModelShape, batch: int, seq: int, p: Placement,
                       host_weights: str | None = None) -> dict[str, int]:
     """``host_bytes`` for an EngineConfig (``host_weights`` overrides the config's)."""
     return host_bytes(shape, batch, seq, p, host_weights or cfg.host_weights, cfg.compute_dtype.itemsize,
                       None if cfg.max_grad_norm is not None else cfg.host_grad_buffers,
-                      round(cfg.nvme_fraction * shape.layers) if cfg.offload_dir else 0,
+                      nvme_layer_count(cfg, shape.layers),
                       cfg.optimizer_state == "compact", cfg.nvme_master, cfg.activations_to_nvme, cfg.nvme_buffers)
 
 
 RAM_FRACTION = 0.85  # of the machine's RAM, for the training state: the rest for the OS, Python, CUDA
 
 
-def check_host_fits(ram: dict[str, int], have: int, what: str = "training") -> None:
-    """Refuse, before anything is allocated, host RAM (``ram`` by category) over 95% of ``have``: the
-    kernel's OOM killer would otherwise end the run mid-way, with nothing said."""
+def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training") -> None:
+    """Refuse, before anything is allocated, host RAM (``ram`` by category, for EngineConfig ``cfg``) over
+    95% of ``have``: the kernel's OOM killer would otherwise end the run mid-way, with nothing said. The
+    message names the settings that would need less and are not in use yet."""
     total = sum(ram.values())
-    if total > 0.95 * have:
-        raise DoesNotFit(f"{what} needs about {total / 2**30:.1f} GiB of host RAM "
-                         f"({', '.join(f'{k} {v / 2**30:.1f}' for k, v in ram.items())}), this machine has "
-                         f"{have / 2**30:.1f} GiB; use staged host weights (host_weights), the NVMe tier "
-                         "(offload_dir, nvme_fraction), compact optimizer state, or a smaller model")
+    if total <= 0.95 * have:
+        return
+    hints = []
+    if ram.get("weights"):
+        hints.append("staged host weights (host_weights)")
+    if not cfg.offload_dir:
+        hints.append("the NVMe tier (offload_dir, nvme_fraction)")
+    elif cfg.nvme_fraction < 1 or not cfg.nvme_master:
+        hints.append("more of the NVMe tier (nvme_fraction 1.0, nvme_master)")
+    if cfg.optimizer_state != "compact":
+        hints.append("compact optimizer state (optimizer_state)")
+    raise DoesNotFit(f"{what} needs about {total / 2**30:.1f} GiB of host RAM "
+                     f"({', '.join(f'{k} {v / 2**30:.1f}' for k, v in ram.items())}), this machine has "
+                     f"{have / 2**30:.1f} GiB; use {', '.join(hints + ['a smaller model'])}")
 
 
 def auto_host_weights(cfg, shape: ModelShape, batch: int, seq: int, p: Placement, ram: int | None = None) -> str:
@@ -200,7 +215,8 @@ def auto_host_weights(cfg, shape: ModelShape, batch: int, seq: int, p: Placement
     if cfg.nvme_master:
         return "persistent"  # the window reads the tier's layers from their RAM copy
     total = sum(config_host_bytes(cfg, shape, batch, seq, p, "persistent").values())
-    return "persistent" if total <= RAM_FRACTION * (ram or host_memory()) else "staged"
+    saved = total - sum(config_host_bytes(cfg, shape, batch, seq, p, "staged").values())
+    return "staged" if saved and total > RAM_FRACTION * (ram or host_memory()) else "persistent"
 
 
 def gpu_budget(cfg) -> int:
@@ -229,6 +245,8 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
     for k in range(shape.layers + 1):
         try:
             p = fit(shape, batch, seq, limit, replace(base, resident_layers=k))
+            if p.mlp_chunk_tokens != base.mlp_chunk_tokens:
+                break  # this layer would cost the MLPs token chunks (recompute): not worth it
         except DoesNotFit:
             break
         if min(p.micro_batch, batch) * seq < want:
@@ -253,13 +271,13 @@ def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | N
     engine that budget too, so that micro-batches and activations are planned for the memory the choice
     assumed). The embedding and head go resident too where that keeps micro-batches efficient and the
     predicted step gets shorter: they are the last gradient of a step and the first weights of the next,
-    so streaming them also leaves the GPU idle at every step boundary while the CPU updates them (a cost
-    the time model leaves out). ``edges`` True or False fixes that part and leaves the layers to the
+    so streaming them also leaves the GPU idle at every step boundary while the CPU updates them
+    (step_time's edge_stall_s). ``edges`` True or False fixes that part and leaves the layers to the
     planner. Layers on the NVMe tier stream; compact state trains nothing on the GPU yet."""
     if cfg.optimizer_state == "compact":
         return {"resident_layers": 0, "resident_edges": False}
     budget, base = gpu_budget(cfg), Placement.of(cfg)
-    nvme = round(cfg.nvme_fraction * shape.layers) if cfg.offload_dir else 0
+    nvme = nvme_layer_count(cfg, shape.layers)
     plain = replace(base, resident_edges=False)
     k = min(choose_resident_layers(shape, batch, seq, budget, plain), shape.layers - nvme)
     without = {"resident_layers": k, "resident_edges": False}
@@ -292,7 +310,8 @@ def nvme_bytes(shape: ModelShape, nvme_layers: int, compact: bool = False, maste
 
 def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Placement = Placement()) -> Placement:
     """The placement to train ``batch`` x ``seq`` under ``limit`` GPU bytes (see the module docstring):
-    ``base`` fixes the window, loss and resident layers; micro-batch and kept activations are chosen.
+    ``base`` fixes the window, loss and resident layers; micro-batch and kept activations are chosen, and
+    token-chunked MLPs where nothing fits without them.
     Raises DoesNotFit with the largest batch that would fit."""
     options = []
     for mb in (d for d in range(1, batch + 1) if batch % d == 0):
@@ -318,7 +337,9 @@ def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Placement = P
     need = gpu_bytes(shape, batch, seq, smallest)["peak"]
     raise DoesNotFit(
         f"batch {batch} x seq {seq} needs at least {need / 2**30:.1f} GiB of GPU memory with every activation "
-        f"offloaded and one sequence per micro-batch, over the {limit / 2**30:.1f} GiB budget; "
+        f"offloaded, one sequence per micro-batch"
+        + (f" and MLPs in {base.mlp_chunk_tokens}-token chunks" if base.mlp_chunk_tokens else "")
+        + f", over the {limit / 2**30:.1f} GiB budget; "
         + (f"the largest batch that fits at seq {seq} is {best}" if best else
            f"not even batch 1 fits at seq {seq}: shorten the sequences or raise gpu_memory_limit"))
 
@@ -346,7 +367,10 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
     streamed = max(0, on_cpu - min(p.window_slots, shape.layers - k) * shape.layer_params)  # the rest is reused
     offloaded = shape.layers - min(shape.layers, p.gpu_activation_layers)
     out = {
-        "gpu_compute_s": 8 * shape.params * tokens / rates.gpu_flops,
+        # token-chunked MLPs run their forward once more (6 x hidden x ffn FLOPs a token and layer)
+        "gpu_compute_s": (8 * shape.params + (6 * shape.layers * shape.hidden * shape.ffn
+                                              if p.mlp_chunk_tokens and p.mlp_chunk_tokens < min(batch, p.micro_batch) * seq
+                                              else 0)) * tokens / rates.gpu_flops,
         # offloaded layer inputs: out and back once a step, each way on its own copy engine
         "activations_s": offloaded * tokens * shape.hidden * 2 / rates.pcie_bytes_per_s,
         "optimizer_s": on_cpu / rates.optimizer_params_per_s / (1.5 if compact else 1.0),
@@ -357,7 +381,8 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
     }
     # Streamed, the embedding is the last gradient of a step and the first weights of the next: the GPU
     # waits for its CPU update at every step boundary, whatever else overlaps.
-    stall = 0.0 if p.edges_resident(shape) else shape.embed_params / rates.optimizer_params_per_s
+    stall = 0.0 if p.edges_resident(shape) else \
+        shape.embed_params / rates.optimizer_params_per_s / (1.5 if compact else 1.0)
     out["step_s"] = 1.1 * max(out.values()) + stall
     out["edge_stall_s"] = stall
     return out
