@@ -373,7 +373,7 @@ class SlideEngine:
                 input_ids=ids.to(dev, torch.long, non_blocking=True),
                 labels=shifted.reshape(-1).to(dev, torch.long, non_blocking=True),
                 attention_mask=None if am is None else am.to(dev, non_blocking=True),
-                position_ids=torch.arange(S, device=dev).unsqueeze(0) if pos is None else pos.to(dev),
+                position_ids=torch.arange(S, device=dev).unsqueeze(0) if pos is None else pos.to(dev, non_blocking=True),
             ))
         if denom == 0:
             raise BatchError("every label in the step is ignored (-100): there is nothing to train on")
