@@ -69,3 +69,15 @@ def test_optimizer_benchmark_reports_every_candidate():
     for key in ("stream_copy_gbs", "native_t1_gparams", "native_t2_gparams", "chunked_t1_gparams",
                 "torch_fused_t2_gparams", "native_vs_torch_fused"):
         assert rec[key] > 0, key
+
+
+def test_convergence_run_compares_compact_with_fp32_state():
+    """The compact-vs-fp32 fine-tuning run end to end on a sliver of its corpora: both arms start from the
+    same pretrained weights, improve on the held-out documentation, and stay close after a few steps."""
+    from slideformer.bench import convergence
+
+    s = convergence.main(["--pretrain-steps", "6", "--steps", "4", "--eval-every", "2", "--seeds", "0",
+                          "--limit-chars", "60000", "--seq", "64", "--batch", "4"])
+    (fp32,), (compact,) = s["final_eval_fp32"], s["final_eval_compact"]
+    assert fp32 < s["pretrained_eval_loss"] and compact < s["pretrained_eval_loss"]
+    assert s["max_abs_diff"] < 0.01
