@@ -109,6 +109,21 @@ def test_gpu_memory_does_not_grow_after_first_step():
         assert torch.cuda.max_memory_allocated() <= peak_second
 
 
+def test_profile_counts_resident_adamw_as_gpu_work_not_idle():
+    """The resident units' AdamW runs on the compute stream between visits: the breakdown reports it
+    (gpu_adamw_busy_s), and idle is what is left."""
+    model = build("llama")
+    cfg = EngineConfig(device="cuda", compute_dtype=torch.bfloat16, lr=1e-3, resident_layers=3, profile=True)
+    with SlideEngine(model, cfg) as eng:
+        eng.train_step(batch(97, b=4, s=32))
+        eng.profile()
+        eng.train_step(batch(97, b=4, s=32, seed=1))
+        b = eng.profile()
+    assert b["gpu_adamw_busy_s"] > 0
+    assert b["gpu_idle_s"] == pytest.approx(b["gpu_span_s"] - b["gpu_wait_weights_s"] - b["gpu_compute_s"]
+                                            - b["gpu_adamw_busy_s"])
+
+
 def test_nothing_is_pinned_after_the_first_step(monkeypatch):
     """Pinning costs ~0.55 s/GB: the store pins at start, the activation arena at the first step (and
     only again when a step needs more); same-shaped and smaller steps pin nothing."""

@@ -72,9 +72,11 @@ class StepProfiler:
             out["gpu_span_s"] = ms(self._visits[0][1], self._visits[-1][3])
             out["gpu_wait_weights_s"] = sum(ms(s, r) for _, s, r, _ in self._visits)
             out["gpu_compute_s"] = sum(ms(r, e) for _, _, r, e in self._visits)
-            out["gpu_idle_s"] = out["gpu_span_s"] - out["gpu_wait_weights_s"] - out["gpu_compute_s"]
             for kind, pairs in self._copies.items():
                 out[f"{kind}_busy_s"] = sum(ms(s, e) for s, e in pairs)
+            # resident units' AdamW runs on the compute stream between visits: busy, not idle
+            out["gpu_idle_s"] = out["gpu_span_s"] - out["gpu_wait_weights_s"] - out["gpu_compute_s"] \
+                - out.get("gpu_adamw_busy_s", 0.0)
         return out
 
     def timeline(self) -> dict[str, list]:

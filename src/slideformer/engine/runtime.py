@@ -212,6 +212,7 @@ class Runtime:
         master, m, v = self.resident[unit]
         slot = self.slots["resident"][unit]
         n, c = master.numel(), self.cfg
+        start = self._mark(self.compute) if self.cuda else None
         step_t = self._resident_step[unit]
         step_t.fill_(float(step))  # a kernel, not a host-to-device copy: no synchronisation
         # In pieces: the fp32 gradient it needs is then RESIDENT_PIECE elements, not the unit's (2 GB for an
@@ -224,6 +225,8 @@ class Runtime:
             torch._fused_adamw_([master[a:b]], [g], [m[a:b]], [v[a:b]], [], [step_t], lr=lr, beta1=c.betas[0],
                                 beta2=c.betas[1], weight_decay=c.weight_decay, eps=c.eps, amsgrad=False, maximize=False)
         slot.params[:n].copy_(master)
+        if self.cuda and self.profiler:  # GPU work between visits: not idle time
+            self.profiler.copy("gpu_adamw", start, self._mark(self.compute))
 
     # -- disk I/O -------------------------------------------------------------------------------------
     def submit_read(self, job) -> None:
