@@ -438,7 +438,7 @@ class SlideEngine:
         edges = ad.embed_unit.index in self.resident and layers < n
         p = ad.num_params
         size = f"{p / 1e9:.2f} B" if p >= 1e9 else f"{p / 1e6:.1f} M" if p >= 1e6 else f"{p / 1e3:.1f} K"
-        kept = "all layers" if layers == n else f"{layers} of {n} layers"
+        kept = "all layers" if layers == n else f"the first {layers} of {n} layers" if layers else f"0 of {n} layers"
         threads = self.cfg.optimizer_threads or native.default_threads()
         parts = [f"{size} params, {str(self.cfg.compute_dtype).replace('torch.', '')} on {self.device}",
                  f"trained on the device: {kept}{' + embedding and head' if edges else ''}",
@@ -447,7 +447,7 @@ class SlideEngine:
                  f"CPU AdamW {self.runtime.optimizer_backend} on {threads} thread{'s' * (threads != 1)}, "
                  f"{self.cfg.optimizer_state} state"]
         if self.store.tier is not None:
-            parts.append(f"NVMe tier: {len(self.store.tier.numels)} layers' moments"
+            parts.append(f"NVMe tier: the last {len(self.store.tier.numels)} layers' moments"
                          f"{' and master' if self.store.nvme_master else ''}")
         if self._limit:
             parts.append(f"GPU budget {self._limit / 2**30:.1f} GiB")
