@@ -98,7 +98,8 @@ if [[ $what == bench || $what == all ]]; then
     # Next: issue 3's rows not yet run (b64 against plain+Liger, 8B b32) and DeepSpeed b8 beside today's default
     table12) set -- "plain qwen3-4b 64 --fused-ops liger" "slideformer qwen3-4b 64 --gpu-memory-limit-gib 24" \
                     "slideformer llama3-8b 32 --gpu-memory-limit-gib 24" "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24" \
-                    "deepspeed qwen3-4b 8 --gpu-memory-limit-gib 24" ;;
+                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 17" "deepspeed qwen3-4b 8 --gpu-memory-limit-gib 24" \
+                    "slideformer qwen3-4b 32 --gpu-memory-limit-gib 15" "deepspeed qwen3-4b 32 --gpu-memory-limit-gib 24 --ds-loss fused" ;;
     # Where the 4B b8 streamed step loses its last 0.2 s (NOTES, session 3): every update and visit, with
     # 4 and with 36 gradient buffers
     timeline) set -- "slideformer qwen3-4b 8 --resident-layers 0 --timeline" \
