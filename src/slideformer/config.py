@@ -84,7 +84,8 @@ class EngineConfig:
     optimizer_threads: int | None = None
     # "fp32": fp32 master and moments (exact AdamW). "compact": bf16 master with a bf16 compensation term
     # and bf16 moments rounded stochastically: 8 instead of 14 bytes/param of host RAM, 18 instead of 28
-    # bytes of optimizer traffic. Needs bf16 compute. See bench/NOTES.md for its measured effect.
+    # bytes of optimizer traffic; resident units keep the lo half and moments on the GPU (10 instead of 16
+    # bytes/param there). Needs bf16 compute. See bench/NOTES.md for its measured effect.
     optimizer_state: Literal["fp32", "compact"] = "fp32"
     seed: int = 0
     # Record where step time goes (CUDA events per visit and copy); see engine/profile.py.
@@ -137,9 +138,6 @@ class EngineConfig:
             raise ConfigError(f"gpu_activation_layers must be >= 0, got {self.gpu_activation_layers}")
         if self.resident_layers < 0:
             raise ConfigError(f"resident_layers must be >= 0, got {self.resident_layers}")
-        if (self.resident_layers or self.resident_edges) and self.optimizer_state == "compact":
-            raise ConfigError("resident_layers or resident_edges with optimizer_state='compact' is not supported "
-                              "yet; drop one of them")
         if self.optimizer_state not in ("fp32", "compact"):
             raise ConfigError(f"optimizer_state must be 'fp32' or 'compact', got {self.optimizer_state!r}")
         if self.optimizer_state == "compact" and self.compute_dtype != torch.bfloat16:

@@ -132,8 +132,11 @@ class Runtime:
         self.slots["resident"] = {u: Slot(adapter.units[u].numel, dt, self.device) for u in resident}
         # Resident units train on the GPU: fp32 master and moments there, updated by torch's fused AdamW
         # on the compute stream right after their gradient completes. No copies, no CPU optimizer.
-        self.resident = {u: [torch.zeros(adapter.units[u].numel, dtype=torch.float32, device=self.device)
-                             for _ in range(3)] for u in sorted(resident)}  # master, exp_avg, exp_avg_sq
+        # fp32 state: master, exp_avg, exp_avg_sq. Compact: the master's bf16 lo half and bf16 moments (its hi
+        # half is the slot's weights themselves).
+        state_dtype = torch.bfloat16 if store.compact else torch.float32
+        self.resident = {u: [torch.zeros(adapter.units[u].numel, dtype=state_dtype, device=self.device)
+                             for _ in range(3)] for u in sorted(resident)}
         self._resident_step = {u: torch.zeros((), dtype=torch.float32, device=self.device) for u in resident}
         self._staging: list[tuple[torch.Tensor, object]] = []
         if store.weights is None:
@@ -193,26 +196,45 @@ class Runtime:
     def upload_resident(self) -> None:
         """Host state -> GPU for resident units (before the first step, and after a checkpoint load)."""
         for u, (master, m, v) in self.resident.items():
-            master.copy_(self.store.master[u])
+            weights = self.slots["resident"][u].params[: master.numel()]
+            if self.store.compact:  # (master is the lo half; hi is the weights)
+                weights.copy_(self.store.master[u])
+                master.copy_(self.store.master_lo[u])
+            else:
+                master.copy_(self.store.master[u])
+                weights.copy_(master)
             m.copy_(self.store.exp_avg[u])
             v.copy_(self.store.exp_avg_sq[u])
-            self.slots["resident"][u].params[: master.numel()].copy_(master)
 
     def download_resident(self) -> None:
         """GPU -> host state for resident units (before reading or saving it)."""
         for u, (master, m, v) in self.resident.items():
-            self.store.master[u].copy_(master)
+            if self.store.compact:
+                self.store.master[u].copy_(self.slots["resident"][u].params[: master.numel()])
+                self.store.master_lo[u].copy_(master)
+            else:
+                self.store.master[u].copy_(master)
             self.store.exp_avg[u].copy_(m)
             self.store.exp_avg_sq[u].copy_(v)
             self.store.refresh_weights(u)
 
     def update_resident(self, unit: int, step: int, lr: float, grad_coef: float) -> None:
         """AdamW for a resident unit, enqueued on the compute stream: the next kernel reading its slot
-        (the next step's forward) runs after it, in stream order."""
+        (the next step's forward) runs after it, in stream order. (For compact state ``master`` below is
+        the master's lo half.)"""
         master, m, v = self.resident[unit]
         slot = self.slots["resident"][unit]
         n, c = master.numel(), self.cfg
         start = self._mark(self.compute) if self.cuda else None
+        if self.store.compact:  # the CPU worker's arithmetic and rounding bits, in torch ops on the device
+            for a in range(0, n, RESIDENT_PIECE):
+                b = min(n, a + RESIDENT_PIECE)
+                adamw_compact_(slot.params[a:b], master[a:b], slot.grads[a:b], m[a:b], v[a:b], step=step, lr=lr,
+                               betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, grad_coef=grad_coef,
+                               seed=c.seed * 1_000_003 + unit, offset=a, backend="torch")
+            if self.cuda and self.profiler:
+                self.profiler.copy("gpu_adamw", start, self._mark(self.compute))
+            return
         step_t = self._resident_step[unit]
         step_t.fill_(float(step))  # a kernel, not a host-to-device copy: no synchronisation
         # In pieces: the fp32 gradient it needs is then RESIDENT_PIECE elements, not the unit's (2 GB for an

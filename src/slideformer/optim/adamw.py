@@ -102,7 +102,7 @@ def compact_seeds(seed: int, step: int) -> tuple[int, int]:
 
 
 def _bf16_stochastic(x: torch.Tensor, seed: int, offset: int = 0) -> torch.Tensor:
-    noise = _mix32(torch.arange(offset, offset + x.numel(), dtype=torch.int64) ^ seed) & 0xFFFF
+    noise = _mix32(torch.arange(offset, offset + x.numel(), dtype=torch.int64, device=x.device) ^ seed) & 0xFFFF
     bits = x.view(torch.int32).to(torch.int64) & M32
     return ((bits + noise) >> 16).to(torch.int16).view(torch.bfloat16)
 

@@ -102,6 +102,9 @@ class Placement:
     loss_kernel: str = "fused"
     resident_edges: bool = False  # embedding and head trained on the GPU, whatever the layers do
     mlp_chunk_tokens: int | None = None  # a layer's MLP in token chunks (model/chunked_mlp.py)
+    # GPU bytes per resident parameter besides its bf16 weights and gradient: fp32 master and moments (12),
+    # or for compact state the master's bf16 lo half and bf16 moments (6)
+    resident_state_bytes: int = 12
 
     @classmethod
     def of(cls, cfg, **kw) -> "Placement":
@@ -110,7 +113,8 @@ class Placement:
             kw.setdefault("gpu_activation_layers", cfg.gpu_activation_layers)
         return cls(window_slots=cfg.window_slots, loss_chunk_tokens=cfg.loss_chunk_tokens,
                    resident_layers=cfg.resident_layers, loss_kernel=cfg.loss_kernel,
-                   resident_edges=cfg.resident_edges, mlp_chunk_tokens=cfg.mlp_chunk_tokens, **kw)
+                   resident_edges=cfg.resident_edges, mlp_chunk_tokens=cfg.mlp_chunk_tokens,
+                   resident_state_bytes=6 if cfg.optimizer_state == "compact" else 12, **kw)
 
     def edges_resident(self, shape: "ModelShape") -> bool:
         return self.resident_edges or self.resident_layers >= shape.layers
@@ -128,8 +132,8 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, dtype_bytes
     streamed_slots = (0 if edges else edge) + min(p.window_slots, shape.layers - k) * shape.layer_params
     resident = k * shape.layer_params + (shape.embed_params + shape.head_params if edges else 0)
     out = {
-        # slots hold bf16 weights and gradients; a resident unit adds its fp32 master and moments (12 B)
-        "window": 2 * dtype_bytes * (streamed_slots + resident) + 12 * resident,
+        # slots hold bf16 weights and gradients; a resident unit adds its optimizer state
+        "window": 2 * dtype_bytes * (streamed_slots + resident) + p.resident_state_bytes * resident,
         "activations": kept * T * H * dtype_bytes,
         "hidden_flow": 2 * T * H * dtype_bytes,
         "loss_head": V * H * HEAD_GRAD_BYTES[p.loss_kernel] + min(p.loss_chunk_tokens, t) * V * LOGIT_BYTES[p.loss_kernel]
@@ -273,9 +277,7 @@ def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | N
     predicted step gets shorter: they are the last gradient of a step and the first weights of the next,
     so streaming them also leaves the GPU idle at every step boundary while the CPU updates them
     (step_time's edge_stall_s). ``edges`` True or False fixes that part and leaves the layers to the
-    planner. Layers on the NVMe tier stream; compact state trains nothing on the GPU yet."""
-    if cfg.optimizer_state == "compact":
-        return {"resident_layers": 0, "resident_edges": False}
+    planner. Layers on the NVMe tier stream."""
     budget, base = gpu_budget(cfg), Placement.of(cfg)
     nvme = nvme_layer_count(cfg, shape.layers)
     plain = replace(base, resident_edges=False)
@@ -294,7 +296,8 @@ def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | N
         return without
     if min(pe.micro_batch, batch) * seq < min(batch * seq, EFFICIENT_TOKENS, min(p0.micro_batch, batch) * seq):
         return without
-    tier = dict(nvme_master=cfg.nvme_master, activations_to_nvme=cfg.activations_to_nvme)
+    tier = dict(nvme_master=cfg.nvme_master, activations_to_nvme=cfg.activations_to_nvme,
+                compact=cfg.optimizer_state == "compact")
     # A gain under 2% is not worth the layer inputs their GPU memory pushes to pinned RAM (8B b64: 17 GB)
     if step_time(shape, batch, seq, pe, nvme_layers=min(nvme, shape.layers - ke), **tier)["step_s"] < \
             0.98 * step_time(shape, batch, seq, p0, nvme_layers=min(nvme, shape.layers - k), **tier)["step_s"]:
