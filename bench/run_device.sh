@@ -94,7 +94,8 @@ if [[ $what == bench || $what == all ]]; then
     table11) set -- "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24" "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --host-grad-buffers 8" \
                     "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --host-grad-buffers 12" \
                     "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --host-grad-buffers 27" \
-                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --timeline" "slideformer qwen3-4b 8 --timeline" ;;
+                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --timeline" "slideformer qwen3-4b 8 --timeline" \
+                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --optimizer-state compact" ;;
     # Next: issue 3's rows not yet run (b64 against plain+Liger, 8B b32) and DeepSpeed b8 beside today's default
     table12) set -- "plain qwen3-4b 64 --fused-ops liger" "slideformer qwen3-4b 64 --gpu-memory-limit-gib 24" \
                     "slideformer llama3-8b 32 --gpu-memory-limit-gib 24" "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24" \
