@@ -269,8 +269,12 @@ def test_host_messages_and_choices_follow_the_config():
     # fp32 compute keeps no separate copy: staging would save nothing, so it is not chosen
     fp32 = EngineConfig(compute_dtype=torch.float32)
     assert auto_host_weights(fp32, sh, 8, 1024, p, 1 << 30) == "persistent"
-    staged = EngineConfig(host_weights="staged", offload_dir="/nvme", nvme_fraction=1.0, nvme_master=False)
+    staged = EngineConfig(host_weights="staged", offload_dir="/nvme", nvme_fraction=1.0)
     with pytest.raises(DoesNotFit) as e:
         check_host_fits(config_host_bytes(staged, sh, 8, 1024, p), 1 << 30, staged)
-    msg = str(e.value)
-    assert "staged host weights" not in msg and "nvme_master" in msg and "compact optimizer state" in msg
+    msg = str(e.value)  # what is in use is not suggested, nor nvme_master, which needs persistent weights
+    assert "staged host weights" not in msg and "nvme_master" not in msg and "nvme_fraction" not in msg
+    assert "compact optimizer state" in msg
+    tier = EngineConfig(offload_dir="/nvme", nvme_fraction=1.0)
+    with pytest.raises(DoesNotFit, match=r"staged host weights \(offload.host_weights\).*offload.nvme_master"):
+        check_host_fits(config_host_bytes(tier, sh, 8, 1024, p), 1 << 30, tier, prefix="offload.")

@@ -94,7 +94,7 @@ def cmd_plan(args) -> int:
            "placement": vars(placement), "host_weights": host_weights}
     timing = step_time(shape, args.batch_size, args.seq_len, placement, compact=compact, nvme_layers=nvme_layers,
                        nvme_master=args.nvme_master, activations_to_nvme=args.activations_to_nvme)
-    if gpu_limit and fits_gpu and not compact:  # what training some layers on the GPU would buy (fp32 state only)
+    if gpu_limit and fits_gpu:  # what training some layers on the GPU would buy
         # the budget `slideformer train` would give them: --gpu-memory, else 90% of the card (plan.gpu_budget)
         budget = gpu_limit if args.gpu_memory else int(0.9 * gpu_limit)
         chosen = auto_residency(replace(as_trained, gpu_memory_limit=budget), shape, args.batch_size, args.seq_len)

@@ -69,7 +69,10 @@ class StepProfiler:
         out = {f"host_{k}_s": v for k, v in self.host.items()}
         if self.cuda and self._visits:
             ms = lambda a, b: a.elapsed_time(b) / 1e3  # noqa: E731
-            out["gpu_span_s"] = ms(self._visits[0][1], self._visits[-1][3])
+            # to the last GPU work: a visit, or a resident unit's AdamW after it (clipping, the embedding)
+            adamw = self._copies.get("gpu_adamw", [])
+            out["gpu_span_s"] = max([ms(self._visits[0][1], self._visits[-1][3])]
+                                    + [ms(self._visits[0][1], e) for _, e in adamw[-1:]])
             out["gpu_wait_weights_s"] = sum(ms(s, r) for _, s, r, _ in self._visits)
             out["gpu_compute_s"] = sum(ms(r, e) for _, _, r, e in self._visits)
             for kind, pairs in self._copies.items():

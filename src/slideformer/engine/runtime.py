@@ -53,6 +53,7 @@ import torch
 
 from ..config import EngineConfig
 from ..host.store import HostStore
+from ..kernels.compact_adamw import compact_adamw_
 from ..model.adapter import ModelAdapter
 from ..optim.adamw import Landing, adamw_compact_, adamw_update_, resolve_backend
 from ..window.schedule import Visit, next_update
@@ -137,7 +138,8 @@ class Runtime:
         state_dtype = torch.bfloat16 if store.compact else torch.float32
         self.resident = {u: [torch.zeros(adapter.units[u].numel, dtype=state_dtype, device=self.device)
                              for _ in range(3)] for u in sorted(resident)}
-        self._resident_step = {u: torch.zeros((), dtype=torch.float32, device=self.device) for u in resident}
+        self._resident_step = {} if store.compact else \
+            {u: torch.zeros((), dtype=torch.float32, device=self.device) for u in resident}  # torch's fused AdamW
         self._staging: list[tuple[torch.Tensor, object]] = []
         if store.weights is None:
             n = min(STAGING_ELEMS, max(u.numel for u in adapter.units))
@@ -226,12 +228,9 @@ class Runtime:
         slot = self.slots["resident"][unit]
         n, c = master.numel(), self.cfg
         start = self._mark(self.compute) if self.cuda else None
-        if self.store.compact:  # the CPU worker's arithmetic and rounding bits, in torch ops on the device
-            for a in range(0, n, RESIDENT_PIECE):
-                b = min(n, a + RESIDENT_PIECE)
-                adamw_compact_(slot.params[a:b], master[a:b], slot.grads[a:b], m[a:b], v[a:b], step=step, lr=lr,
-                               betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, grad_coef=grad_coef,
-                               seed=c.seed * 1_000_003 + unit, offset=a, backend="torch")
+        if self.store.compact:  # the CPU worker's arithmetic and rounding bits, one Triton pass on the device
+            compact_adamw_(slot.params[:n], master, slot.grads[:n], m, v, step=step, lr=lr, betas=c.betas, eps=c.eps,
+                           weight_decay=c.weight_decay, grad_coef=grad_coef, seed=c.seed * 1_000_003 + unit)
             if self.cuda and self.profiler:
                 self.profiler.copy("gpu_adamw", start, self._mark(self.compute))
             return

@@ -1,5 +1,6 @@
 """Kernels for the step's memory and time bottlenecks (Triton, ours)."""
+from .compact_adamw import compact_adamw_
 from .cross_entropy import cross_entropy_grad_, triton_usable
 from .fused_linear_ce import fused_linear_cross_entropy, reference_linear_cross_entropy
 
-__all__ = ["cross_entropy_grad_", "fused_linear_cross_entropy", "reference_linear_cross_entropy", "triton_usable"]
+__all__ = ["compact_adamw_", "cross_entropy_grad_", "fused_linear_cross_entropy", "reference_linear_cross_entropy", "triton_usable"]

@@ -191,22 +191,25 @@ def config_host_bytes(cfg, shape: ModelShape, batch: int, seq: int, p: Placement
 RAM_FRACTION = 0.85  # of the machine's RAM, for the training state: the rest for the OS, Python, CUDA
 
 
-def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training") -> None:
+def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training", prefix: str = "") -> None:
     """Refuse, before anything is allocated, host RAM (``ram`` by category, for EngineConfig ``cfg``) over
     95% of ``have``: the kernel's OOM killer would otherwise end the run mid-way, with nothing said. The
-    message names the settings that would need less and are not in use yet."""
+    message names the settings (``prefix``: the trainer's "offload.") that would need less and are not in
+    use yet."""
     total = sum(ram.values())
     if total <= 0.95 * have:
         return
-    hints = []
+    hints, k = [], prefix
     if ram.get("weights"):
-        hints.append("staged host weights (host_weights)")
+        hints.append(f"staged host weights ({k}host_weights)")
     if not cfg.offload_dir:
-        hints.append("the NVMe tier (offload_dir, nvme_fraction)")
-    elif cfg.nvme_fraction < 1 or not cfg.nvme_master:
-        hints.append("more of the NVMe tier (nvme_fraction 1.0, nvme_master)")
+        hints.append(f"the NVMe tier ({k}offload_dir, {k}nvme_fraction)")
+    elif cfg.nvme_fraction < 1:
+        hints.append(f"more of the NVMe tier ({k}nvme_fraction)")
+    elif not cfg.nvme_master and cfg.optimizer_state == "fp32" and cfg.host_weights == "persistent":
+        hints.append(f"the master on the NVMe tier too ({k}nvme_master)")
     if cfg.optimizer_state != "compact":
-        hints.append("compact optimizer state (optimizer_state)")
+        hints.append(f"compact optimizer state ({k}optimizer_state)")
     raise DoesNotFit(f"{what} needs about {total / 2**30:.1f} GiB of host RAM "
                      f"({', '.join(f'{k} {v / 2**30:.1f}' for k, v in ram.items())}), this machine has "
                      f"{have / 2**30:.1f} GiB; use {', '.join(hints + ['a smaller model'])}")

@@ -91,7 +91,7 @@ def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) ->
     have = host_memory()
     if cfg.offload.host_weights == "auto":
         ecfg = dataclasses.replace(ecfg, host_weights=auto_host_weights(ecfg, shape, batch, seq, placement, have))
-    check_host_fits(config_host_bytes(ecfg, shape, batch, seq, placement), have, ecfg)
+    check_host_fits(config_host_bytes(ecfg, shape, batch, seq, placement), have, ecfg, prefix="offload.")
     return ecfg
 
 
