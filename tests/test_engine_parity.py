@@ -230,11 +230,12 @@ def test_packed_rows_train_like_separate_rows():
     assert l3[0] != pytest.approx(l2[0], rel=1e-3)
 
 
-@pytest.mark.parametrize("resident", [1, 3])
+@pytest.mark.parametrize("family,resident", [("qwen3-tied", 1), ("qwen3-tied", 3), ("llama", 2)])
 @pytest.mark.parametrize("clip", [None, 0.05])
-def test_resident_layers_train_like_pytorch(resident, clip):
-    """Some (1) or all (3: the whole model, embedding and head included) layers trained on the device."""
-    model = build("qwen3-tied")
+def test_resident_layers_train_like_pytorch(family, resident, clip):
+    """Some (the first 1 or 2; untied: the head shares the embedding's slot) or all (3: the whole model,
+    embedding and head included) layers trained on the device."""
+    model = build(family)
     batches = [[batch(97, seed=s), batch(97, seed=s + 11)] for s in range(3)]
     big = [{k: torch.cat([m[k] for m in mbs]) for k in ("input_ids", "labels")} for mbs in batches]
     state, losses = engine_train(model, batches, lr=1e-3, resident_layers=resident,
