@@ -6,7 +6,9 @@ in the unit), so updating in pieces or on another device rounds the same way. Th
 optim/csrc/adamw.cpp; its PyTorch reference (optim/adamw.py: adamw_compact_) takes some 90 kernels and
 fp32 temporaries of 56 bytes per element on a GPU. This kernel reads 10 and writes 8 bytes per parameter
 and allocates nothing. bf16 values are handled as raw 16-bit patterns (round-to-nearest-even by integer
-arithmetic), so Triton's CPU interpreter computes exactly what the GPU does, up to fused multiply-adds.
+arithmetic), so no bf16 conversion of the interpreter's or the GPU's decides a result; they still differ
+from the reference in the last bit now and then (the GPU fuses multiply-adds, the interpreter keeps
+scalar arguments in fp64).
 """
 from __future__ import annotations
 
