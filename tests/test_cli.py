@@ -55,3 +55,26 @@ def test_export_drops_the_training_state(tmp_path):
     assert main(["export", str(tmp_path / "o" / "checkpoint-2"), str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "model.safetensors").is_file() and not (tmp_path / "hf" / "state").exists()
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf") is not None
+
+
+def test_plan_suggests_what_train_would_choose(capsys):
+    """`plan` takes the trainer's engine settings: compact state's resident layers (10 GPU bytes a
+    parameter, not 16) and a bf16 host copy decided per batch."""
+    import json
+
+    from slideformer import EngineConfig
+    from slideformer.plan import ModelShape, auto_residency
+    from slideformer.presets import preset_config
+    from slideformer.model import ModelAdapter
+
+    args = ["plan", "--model", "qwen3-4b", "--seq-len", "1024", "--batch-size", "8", "--gpu-memory", "24GiB",
+            "--cpu-memory", "125GiB", "--json"]
+    outs = {}
+    for state in ("fp32", "compact"):
+        assert main(args + ["--optimizer-state", state]) == 0
+        outs[state] = json.loads(capsys.readouterr().out)
+        cfg = EngineConfig(device="cpu", gpu_memory_limit="24GiB", optimizer_state=state, max_grad_norm=1.0)
+        chosen = auto_residency(cfg, ModelShape.from_adapter(ModelAdapter(preset_config("qwen3-4b"))), 8, 1024)
+        assert outs[state]["suggested_resident_layers"] == chosen["resident_layers"]
+    assert outs["compact"]["suggested_resident_layers"] > outs["fp32"]["suggested_resident_layers"]
+    assert outs["fp32"]["host_weights"] == "persistent"

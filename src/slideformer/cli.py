@@ -52,7 +52,12 @@ def cmd_plan(args) -> int:
 
         config = AutoConfig.from_pretrained(args.model)
     shape = ModelShape.from_adapter(ModelAdapter(config))
-    base = Placement(loss_kernel=args.loss_kernel)
+    # the engine settings `slideformer train` would use (clipping by default: a gradient buffer per layer)
+    as_trained = EngineConfig(device="cpu", loss_kernel=args.loss_kernel, max_grad_norm=args.max_grad_norm or None,
+                              optimizer_state=args.optimizer_state, offload_dir=args.offload_dir,
+                              nvme_fraction=args.nvme_fraction, nvme_master=args.nvme_master and bool(args.offload_dir),
+                              activations_to_nvme=args.activations_to_nvme and bool(args.offload_dir))
+    base = Placement.of(as_trained)
     gpu_limit = parse_bytes(args.gpu_memory) if args.gpu_memory else (
         torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None)
     cpu_limit = parse_bytes(args.cpu_memory) if args.cpu_memory else host_memory()
@@ -61,11 +66,6 @@ def cmd_plan(args) -> int:
         fits_gpu = True
     except DoesNotFit as e:
         placement, fits_gpu, reason = replace(base, micro_batch=1, gpu_activation_layers=0), False, str(e)
-    # the engine settings `slideformer train` would use (clipping by default: a gradient buffer per layer)
-    as_trained = EngineConfig(device="cpu", loss_kernel=args.loss_kernel, max_grad_norm=args.max_grad_norm or None,
-                              optimizer_state=args.optimizer_state, offload_dir=args.offload_dir,
-                              nvme_fraction=args.nvme_fraction, nvme_master=args.nvme_master and bool(args.offload_dir),
-                              activations_to_nvme=args.activations_to_nvme and bool(args.offload_dir))
     nvme_layers = nvme_layer_count(as_trained, shape.layers)
     g = gpu_bytes(shape, args.batch_size, args.seq_len, placement)
     compact = args.optimizer_state == "compact"
