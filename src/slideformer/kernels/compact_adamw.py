@@ -63,8 +63,9 @@ if triton is not None:
         # the reference's two forms of m0 + (1 - b1)(g - m0), whichever is exact for its b1
         m = tl.where(w1 < 0.5, m0 + w1 * (g - m0), g - (g - m0) * (1.0 - w1))
         v = _bf16_load(v_ptr, idx, mask) * b2 + one_minus_b2 * g * g
-        denom = tl.sqrt(v) / bc2_sqrt + eps
-        p = (_bf16_load(hi_ptr, idx, mask) + _bf16_load(lo_ptr, idx, mask)) * decay - step_size * m / denom
+        # IEEE square root and division (Triton's plain ones are approximate on the GPU), as the CPU has
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        p = (_bf16_load(hi_ptr, idx, mask) + _bf16_load(lo_ptr, idx, mask)) * decay - tl.div_rn(step_size * m, denom)
         hi = _nearest(p)
         lo = _nearest(p - (hi << 16).to(tl.int32).to(tl.float32, bitcast=True))
         pos = offset + idx
