@@ -278,3 +278,30 @@ def test_host_messages_and_choices_follow_the_config():
     tier = EngineConfig(offload_dir="/nvme", nvme_fraction=1.0)
     with pytest.raises(DoesNotFit, match=r"staged host weights \(offload.host_weights\).*offload.nvme_master"):
         check_host_fits(config_host_bytes(tier, sh, 8, 1024, p), 1 << 30, tier, prefix="offload.")
+
+
+def test_the_loss_chunk_is_the_largest_that_fits_beside_the_rest():
+    """Each chunk of the fused loss passes once over the fp32 lm_head-gradient accumulator, so the planner
+    takes the largest chunk that fits once micro-batch and kept inputs are chosen; a configured one stays."""
+    from slideformer.plan.memory import LOSS_CHUNK_TOKENS
+
+    sh = shape("qwen3-4b")
+    roomy = fit(sh, 32, 1024, 120 * GiB)
+    assert roomy.loss_chunk_tokens == LOSS_CHUNK_TOKENS[0]
+    tight = fit(sh, 8, 1024, 24 * GiB, Placement(resident_layers=9, resident_edges=True))
+    plain = fit(sh, 8, 1024, 24 * GiB, Placement(resident_layers=9, resident_edges=True, loss_chunk_tokens=1024))
+    # the chunk changes nothing else, and grows only as far as the budget allows
+    assert replace(tight, loss_chunk_tokens=1024) == plain
+    assert gpu_bytes(sh, 8, 1024, tight)["peak"] <= 24 * GiB
+    bigger = [c for c in LOSS_CHUNK_TOKENS if c > tight.loss_chunk_tokens]
+    assert bigger  # (this budget is tight: the smallest chunk)
+    assert all(gpu_bytes(sh, 8, 1024, replace(tight, loss_chunk_tokens=c))["peak"] > 24 * GiB for c in bigger)
+    # the engine computes its loss in the planner's chunks
+    model = build("llama")
+    with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, gpu_memory_limit=10**9)) as eng:
+        eng.train_step(batch(97))
+        assert eng._loss_chunk == eng._placements[(2, 12)].loss_chunk_tokens == LOSS_CHUNK_TOKENS[0]
+    with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, gpu_memory_limit=10**9,
+                                         loss_chunk_tokens=5)) as eng:
+        eng.train_step(batch(97))
+        assert eng._loss_chunk == 5

@@ -72,8 +72,10 @@ class EngineConfig:
     # model/fused_ops.py), "none" (transformers' modules), or "auto": "liger" on CUDA when Liger-Kernel is
     # installed. On the H200 it cut GPU compute by 22% at Qwen3-4B b32 (bench/NOTES.md, session 3).
     fused_ops: Literal["auto", "none", "liger"] = "auto"
-    # Tokens per chunk of the loss head: bounds the transient [tokens x vocab] logits.
-    loss_chunk_tokens: int = 1024
+    # Tokens per chunk of the loss head: bounds the transient [tokens x vocab] logits. None: under a GPU
+    # budget the planner takes the largest of 8192..1024 that fits beside everything else (each chunk passes
+    # once over the fp32 lm_head-gradient accumulator: fewer is faster), else 1024.
+    loss_chunk_tokens: int | None = None
     # Each layer's MLP in chunks of this many tokens, each under its own checkpoint (model/chunked_mlp.py):
     # a layer's backward then holds one chunk's MLP intermediates, for sequences too long for micro-batches
     # to bound. None: whole micro-batches; under gpu_memory_limit the planner sets it where nothing else fits.
@@ -169,6 +171,6 @@ class EngineConfig:
                                   "interpreter); use fused_ops='none' on the CPU")
         if self.mlp_chunk_tokens is not None and self.mlp_chunk_tokens < 1:
             raise ConfigError(f"mlp_chunk_tokens must be >= 1 or None, got {self.mlp_chunk_tokens}")
-        if self.loss_chunk_tokens < 1:
+        if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 1:
             raise ConfigError(f"loss_chunk_tokens must be >= 1, got {self.loss_chunk_tokens}")
         return self

@@ -33,6 +33,7 @@ from .. import EngineConfig, SlideEngine
 from ..engine.loss import chunked_head_loss, fused_head_loss
 from ..model import ModelAdapter
 from ..plan import ModelShape, Placement, auto_host_weights, auto_residency, fit, gpu_budget
+from ..plan.memory import LOSS_CHUNK_TOKENS
 from ..presets import preset_config
 
 
@@ -138,7 +139,8 @@ def run_plain(args, config):
         gw = torch.zeros_like(W, dtype=torch.float32)
         head_loss = fused_head_loss if args.loss_kernel == "fused" else chunked_head_loss
         loss, gh = head_loss(hidden.detach().flatten(0, 1), labels.flatten(), None, W,
-                             int((labels != -100).sum()), args.loss_chunk, None, gw, accumulate=False)
+                             int((labels != -100).sum()), args.loss_chunk or LOSS_CHUNK_TOKENS[0], None, gw,
+                             accumulate=False)
         hidden.backward(gh.view_as(hidden))
         W.grad = gw.to(W.dtype) if W.grad is None else W.grad + gw.to(W.dtype)
         del gw
@@ -252,7 +254,9 @@ def main(argv=None):
                     help="sys.setswitchinterval for the run: how long the GPU-driving thread may hold the GIL")
     ap.add_argument("--max-grad-norm", type=float, default=None)
     ap.add_argument("--gpu-memory-limit-gib", type=float, default=None)
-    ap.add_argument("--loss-chunk", type=int, default=1024)
+    ap.add_argument("--loss-chunk", type=int, default=None,
+                    help="loss head tokens per chunk (default: slideformer's planner chooses under its budget; "
+                         "plain takes the largest, 8192, as the planner does on a roomy card)")
     ap.add_argument("--resident-edges", action="store_true",
                     help="embedding and head on the GPU (else, with --resident-layers auto, the planner decides)")
     ap.add_argument("--resident-layers", default="auto",

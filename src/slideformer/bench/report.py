@@ -24,7 +24,8 @@ def load(paths) -> list[dict]:
     return rows
 
 
-DEFAULTS = {"slots": 3, "depth": 1, "host_weights": "persistent", "host_grad_buffers": 4, "loss_chunk": 1024, "resident_layers": "auto",
+DEFAULTS = {"slots": 3, "depth": 1, "host_weights": "persistent", "host_grad_buffers": 4, "loss_chunk": (None, 1024),
+            "resident_layers": "auto",
             "loss_kernel": "fused", "optimizer_state": "fp32", "offload_dir": None, "nvme_fraction": 1.0,
             "grad_chunk_elems": 16 << 20, "switch_interval": None, "nvme_master": False,
             "activations_to_nvme": False, "resident_edges": False, "offload_activations": None,
@@ -35,7 +36,8 @@ def variant(r) -> str:
     """The system's name plus any setting that differs from the default (files before session 3 ran
     without fused_ops: "none")."""
     st = r.get("settings") or {}
-    extra = [f"{k}={st[k]}" for k, d in DEFAULTS.items() if r["system"] == "slideformer" and k in st and st[k] != d]
+    extra = [f"{k}={st[k]}" for k, d in DEFAULTS.items() if r["system"] == "slideformer" and k in st
+             and st[k] not in (d if isinstance(d, tuple) else (d,))]  # (a tuple: the defaults over time)
     if st.get("fused_ops", "none") not in ("none", "auto"):
         extra.append(f"fused_ops={st['fused_ops']}")
     if r["system"] == "deepspeed" and st.get("ds_loss", "hf") != "hf":

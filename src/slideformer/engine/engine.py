@@ -29,8 +29,8 @@ from ..optim import native
 from ..model.chunked_mlp import MlpChunking
 from ..model.fused_ops import apply_liger
 from ..model.fused_ops import resolve as resolve_fused_ops
-from ..plan.memory import (ModelShape, Placement, check_host_fits, config_host_bytes, fit, host_memory,
-                           nvme_layer_count, parse_bytes)
+from ..plan.memory import (LOSS_CHUNK_TOKENS, ModelShape, Placement, check_host_fits, config_host_bytes, fit,
+                           host_memory, nvme_layer_count, parse_bytes)
 from ..window.schedule import plan_step
 from .activations import ActivationStore
 from .loss import chunked_head_loss, fused_head_loss
@@ -106,6 +106,7 @@ class SlideEngine:
         check_host_fits(config_host_bytes(self.cfg, self.shape, 0, 1, Placement.of(self.cfg)), host_memory(),
                         self.cfg, "this model's host state")
         self._placements: dict[tuple[int, int], Placement] = {}
+        self._loss_chunk = self.cfg.loss_chunk_tokens or LOSS_CHUNK_TOKENS[-1]  # (under a budget: the planner's)
         ring = None if self.cfg.max_grad_norm is not None else self.cfg.host_grad_buffers  # clipping holds all
         n = self.adapter.num_layers
         # Resident layers are the first ones (config.py says why), the NVMe tier's the last ones.
@@ -239,7 +240,7 @@ class SlideEngine:
         head_loss = fused_head_loss if self.cfg.loss_kernel == "fused" else chunked_head_loss
         for i, (h, mb) in enumerate(zip(st.hidden, st.mbs)):
             part, gh = head_loss(h.flatten(0, 1), mb.labels, ad.norm, w, st.denom,
-                                 self.cfg.loss_chunk_tokens, acc_n, acc_w, accumulate=i > 0)
+                                 self._loss_chunk, acc_n, acc_w, accumulate=i > 0)
             st.loss += part
             st.grad_hidden.append(gh.view_as(h))
         if acc_w is not gw:
@@ -312,6 +313,7 @@ class SlideEngine:
         n = self.adapter.num_layers
         self.activations.offload_layers = set(range(max(0, n - p.gpu_activation_layers)))
         self.mlp_chunking.tokens = p.mlp_chunk_tokens
+        self._loss_chunk = p.loss_chunk_tokens or LOSS_CHUNK_TOKENS[-1]
         out = []
         for it, (rows, _) in zip(items, shapes):
             for start in range(0, rows, p.micro_batch):

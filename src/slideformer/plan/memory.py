@@ -39,6 +39,7 @@ HEAD_GRAD_BYTES = {"torch": 6,  # per lm_head element: the fp32 accumulator and 
 SAFETY = 1.05  # allocator rounding and what the model leaves out
 EFFICIENT_TOKENS = 8192
 MLP_CHUNK_TOKENS = (4096, 1024, 256)  # tried in turn where one sequence's layer backward does not fit
+LOSS_CHUNK_TOKENS = (8192, 4096, 2048, 1024)  # the loss head's chunk: the largest that fits is taken
 
 
 class DoesNotFit(ValueError):
@@ -97,7 +98,7 @@ class Placement:
     window_slots: int = 3
     micro_batch: int = 1 << 30  # sequences per micro-batch (capped at the batch)
     gpu_activation_layers: int = 1 << 30  # layer inputs kept on the GPU (the last ones); the rest offloaded
-    loss_chunk_tokens: int = 1024
+    loss_chunk_tokens: int | None = None  # None: fit() chooses (LOSS_CHUNK_TOKENS); counted as the smallest
     resident_layers: int = 0  # decoder layers trained on the GPU (all of them: embedding and head too)
     loss_kernel: str = "fused"
     resident_edges: bool = False  # embedding and head trained on the GPU, whatever the layers do
@@ -136,7 +137,8 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, dtype_bytes
         "window": 2 * dtype_bytes * (streamed_slots + resident) + p.resident_state_bytes * resident,
         "activations": kept * T * H * dtype_bytes,
         "hidden_flow": 2 * T * H * dtype_bytes,
-        "loss_head": V * H * HEAD_GRAD_BYTES[p.loss_kernel] + min(p.loss_chunk_tokens, t) * V * LOGIT_BYTES[p.loss_kernel]
+        "loss_head": V * H * HEAD_GRAD_BYTES[p.loss_kernel]
+                     + min(p.loss_chunk_tokens or LOSS_CHUNK_TOKENS[-1], t) * V * LOGIT_BYTES[p.loss_kernel]
                      + HEAD_TOKEN_HIDDEN[p.loss_kernel] * t * H * dtype_bytes,
         "layer_backward": (min(t, p.mlp_chunk_tokens or t) * LAYER_TOKEN_FFN * shape.ffn + t * LAYER_TOKEN_HIDDEN * H)
                           * dtype_bytes + shape.layer_params * dtype_bytes,
@@ -316,8 +318,8 @@ def nvme_bytes(shape: ModelShape, nvme_layers: int, compact: bool = False, maste
 
 def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Placement = Placement()) -> Placement:
     """The placement to train ``batch`` x ``seq`` under ``limit`` GPU bytes (see the module docstring):
-    ``base`` fixes the window, loss and resident layers; micro-batch and kept activations are chosen, and
-    token-chunked MLPs where nothing fits without them.
+    ``base`` fixes the window, loss and resident layers; micro-batch and kept activations are chosen, then
+    the loss head's chunk (unless ``base`` fixes it), and token-chunked MLPs where nothing fits without them.
     Raises DoesNotFit with the largest batch that would fit."""
     options = []
     for mb in (d for d in range(1, batch + 1) if batch % d == 0):
@@ -328,8 +330,14 @@ def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Placement = P
         kept = min(shape.layers, int((limit - base_peak) / SAFETY) // per_layer)
         options.append(replace(base, micro_batch=mb, gpu_activation_layers=kept))
     if options:
-        return max(options, key=lambda p: (min(p.micro_batch * seq, EFFICIENT_TOKENS), p.gpu_activation_layers,
+        best = max(options, key=lambda p: (min(p.micro_batch * seq, EFFICIENT_TOKENS), p.gpu_activation_layers,
                                            p.micro_batch))
+        if base.loss_chunk_tokens is not None:
+            return best
+        # then the largest loss chunk that fits beside that choice (it changes nothing else)
+        return next((q for q in (replace(best, loss_chunk_tokens=c) for c in LOSS_CHUNK_TOKENS)
+                     if gpu_bytes(shape, batch, seq, q)["peak"] <= limit),
+                    replace(best, loss_chunk_tokens=LOSS_CHUNK_TOKENS[-1]))
     if base.mlp_chunk_tokens is None:  # a sequence too long for micro-batches: its MLPs in token chunks
         for chunk in MLP_CHUNK_TOKENS:
             if chunk < seq:
