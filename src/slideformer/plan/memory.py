@@ -30,7 +30,9 @@ from dataclasses import dataclass, replace
 LAYER_TOKEN_FFN = 10  # bf16 values per token per ffn unit at the peak of a layer's backward
 LAYER_TOKEN_HIDDEN = 6
 LOGIT_BYTES = {"torch": 16,  # bf16 logits, fp32 copy, fp32 log-softmax, fp32 gradient (x1 each), bf16 gradient
-               "fused": 2}  # the logits chunk becomes its own gradient in place
+               "fused": 4}  # the chunk becomes its own gradient in place; the fp32-output addmm of the
+# lm_head gradient takes a second bf16 copy of it (loss-8cb727f: 8192- against 4096-token chunks cost 3.8
+# more bytes per added logit)
 # the fused head runs the final norm on the whole micro-batch: its normed output, fp32 saved input and
 # the gradients around it (the autograd head's share of these was fitted into LOGIT_BYTES)
 HEAD_TOKEN_HIDDEN = {"torch": 0, "fused": 8}
