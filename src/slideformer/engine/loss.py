@@ -3,7 +3,8 @@
 Two implementations with one contract:
 - ``chunked_head_loss``: PyTorch autograd per chunk (about 16 bytes per logit of the chunk);
 - ``fused_head_loss``: the kernels package's fused linear cross-entropy (the logits chunk becomes its
-  own gradient in place: 2 bytes per logit), with the norm's backward through autograd.
+  own gradient in place: 4 bytes per logit with the copy the fp32-output addmm makes), with the norm's
+  backward through autograd.
 The [tokens x vocab] logits exist one chunk at a time in both, and all-ignored chunks cost nothing.
 """
 from __future__ import annotations

@@ -6,7 +6,8 @@ The GPU peak is modelled as
     + max(loss head, one layer's backward)
 
 where the loss head holds an fp32 accumulator for the [vocab, hidden] gradient and one chunk of logits
-(the fused kernel: 2 bytes per logit, the chunk becoming its own gradient, plus the final norm's buffers;
+(the fused kernel: 4 bytes per logit, the chunk becoming its own gradient and the lm_head gradient's
+addmm copying it, plus the final norm's buffers;
 the autograd head: 16 bytes per logit and a bf16 chunk gradient of [vocab, hidden]), and a layer's
 backward holds about 10 x ffn + 6 x hidden bf16 values per token of the micro-batch (HF's MLP keeps
 gate, up, act and product and their gradients; the norms upcast to fp32) plus the layer's gradient.
