@@ -230,24 +230,27 @@ class Runtime:
         start = self._mark(self.compute) if self.cuda else None
         if self.store.compact:  # the CPU worker's arithmetic and rounding bits, one Triton pass on the device
             compact_adamw_(slot.params[:n], master, slot.grads[:n], m, v, step=step, lr=lr, betas=c.betas, eps=c.eps,
-                           weight_decay=c.weight_decay, grad_coef=grad_coef, seed=c.seed * 1_000_003 + unit)
-            if self.cuda and self.profiler:
-                self.profiler.copy("gpu_adamw", start, self._mark(self.compute))
-            return
-        step_t = self._resident_step[unit]
-        step_t.fill_(float(step))  # a kernel, not a host-to-device copy: no synchronisation
-        # In pieces: the fp32 gradient it needs is then RESIDENT_PIECE elements, not the unit's (2 GB for an
-        # 8B model's untied head, which the memory plan does not hold room for).
-        for a in range(0, n, RESIDENT_PIECE):
-            b = min(n, a + RESIDENT_PIECE)
-            g = slot.grads[a:b].float()
-            if grad_coef != 1.0:
-                g.mul_(grad_coef)
-            torch._fused_adamw_([master[a:b]], [g], [m[a:b]], [v[a:b]], [], [step_t], lr=lr, beta1=c.betas[0],
-                                beta2=c.betas[1], weight_decay=c.weight_decay, eps=c.eps, amsgrad=False, maximize=False)
-        slot.params[:n].copy_(master)
+                           weight_decay=c.weight_decay, grad_coef=grad_coef, seed=self._compact_seed(unit))
+        else:
+            step_t = self._resident_step[unit]
+            step_t.fill_(float(step))  # a kernel, not a host-to-device copy: no synchronisation
+            # In pieces: the fp32 gradient it needs is then RESIDENT_PIECE elements, not the unit's (2 GB for an
+            # 8B model's untied head, which the memory plan does not hold room for).
+            for a in range(0, n, RESIDENT_PIECE):
+                b = min(n, a + RESIDENT_PIECE)
+                g = slot.grads[a:b].float()
+                if grad_coef != 1.0:
+                    g.mul_(grad_coef)
+                torch._fused_adamw_([master[a:b]], [g], [m[a:b]], [v[a:b]], [], [step_t], lr=lr, beta1=c.betas[0],
+                                    beta2=c.betas[1], weight_decay=c.weight_decay, eps=c.eps, amsgrad=False,
+                                    maximize=False)
+            slot.params[:n].copy_(master)
         if self.cuda and self.profiler:  # GPU work between visits: not idle time
             self.profiler.copy("gpu_adamw", start, self._mark(self.compute))
+
+    def _compact_seed(self, unit: int) -> int:
+        """The seed of a unit's compact-state rounding bits: the same wherever the unit is updated."""
+        return self.cfg.seed * 1_000_003 + unit
 
     # -- disk I/O -------------------------------------------------------------------------------------
     def submit_read(self, job) -> None:
@@ -496,7 +499,7 @@ class Runtime:
                 if s.compact:
                     adamw_compact_(master, s.master_lo[job.unit], grad, exp_avg, exp_avg_sq,
                                    step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
-                                   grad_coef=job.grad_coef, seed=c.seed * 1_000_003 + job.unit,
+                                   grad_coef=job.grad_coef, seed=self._compact_seed(job.unit),
                                    backend=self.optimizer_backend, threads=c.optimizer_threads, landing=job.grads.landing)
                 else:
                     cast_out = out is not None and out.dtype in (torch.bfloat16, torch.float16)
