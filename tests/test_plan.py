@@ -210,22 +210,34 @@ def test_auto_residency_puts_embedding_and_head_first_where_they_fit():
     assert compact["resident_edges"] and compact["resident_layers"] > capped["resident_layers"]
 
 
-def test_auto_host_weights_drops_the_bf16_copy_where_ram_is_short():
-    """On the H200 machine (125 GiB): Qwen3-4B keeps its bf16 host copy; Llama-8B b64 under 24 GiB,
-    measured at 112 GiB of RSS with it, stages instead (2 bytes/param less)."""
-    from slideformer.plan import auto_host_weights, config_host_bytes
+def test_auto_host_drops_the_bf16_copy_and_gradient_buffers_where_ram_is_short():
+    """On the H200 machine (125 GiB): Qwen3-4B keeps its bf16 host copy and gets a gradient buffer per
+    layer; Llama-8B b64 under 24 GiB, measured at 112 GiB of RSS with the copy, stages instead (2 bytes/param
+    less), and takes only the gradient buffers that fit beside its state."""
+    from slideformer.plan import auto_host, config_host_bytes
+    from slideformer.plan.memory import MIN_GRAD_BUFFERS
 
     ram = 125 * GiB
     cfg = EngineConfig(gpu_memory_limit="24GiB")
     four, eight = shape("qwen3-4b"), shape("llama3-8b")
-    assert auto_host_weights(cfg, four, 8, 1024, fit(four, 8, 1024, 24 * GiB), ram) == "persistent"
+    c = auto_host(cfg, four, 8, 1024, fit(four, 8, 1024, 24 * GiB), ram)
+    assert (c.host_weights, c.host_grad_buffers) == ("persistent", None)
     p = fit(eight, 64, 1024, 24 * GiB)
-    assert auto_host_weights(cfg, eight, 64, 1024, p, ram) == "staged"
-    staged = sum(config_host_bytes(cfg, eight, 64, 1024, p, "staged").values())
-    assert staged <= 0.85 * ram < sum(config_host_bytes(cfg, eight, 64, 1024, p, "persistent").values())
+    c = auto_host(cfg, eight, 64, 1024, p, ram)
+    assert c.host_weights == "staged" and MIN_GRAD_BUFFERS <= c.host_grad_buffers < eight.layers
+    total = sum(config_host_bytes(c, eight, 64, 1024, p).values())
+    assert total <= 0.85 * ram < total + 2 * eight.layer_params  # one more buffer would not fit
+    smallest = replace(c, host_grad_buffers=MIN_GRAD_BUFFERS)
+    assert sum(config_host_bytes(smallest, eight, 64, 1024, p, "persistent").values()) > 0.85 * ram
+    # what the caller fixed stays fixed
+    fixed = auto_host(replace(cfg, host_grad_buffers=2), four, 8, 1024, p, ram, buffers=False)
+    assert fixed.host_grad_buffers == 2
+    assert auto_host(cfg, eight, 64, 1024, p, ram, weights=False).host_weights == "persistent"
+    # with too little RAM for any more, the ring keeps its minimum
+    assert auto_host(cfg, eight, 64, 1024, p, ram // 4).host_grad_buffers == MIN_GRAD_BUFFERS
     # the tier's fp32 master needs the RAM copy: kept whatever the RAM
     tier = EngineConfig(offload_dir="/nvme", nvme_master=True)
-    assert auto_host_weights(tier, eight, 64, 1024, p, ram // 4) == "persistent"
+    assert auto_host(tier, eight, 64, 1024, p, ram // 4).host_weights == "persistent"
 
 
 def test_a_sequence_too_long_for_micro_batches_gets_token_chunked_mlps():
@@ -262,13 +274,13 @@ def test_resident_layers_never_cost_the_mlps_token_chunks():
 
 
 def test_host_messages_and_choices_follow_the_config():
-    from slideformer.plan import auto_host_weights, check_host_fits, config_host_bytes
+    from slideformer.plan import auto_host, check_host_fits, config_host_bytes
 
     sh = shape("llama3-8b")
     p = fit(sh, 8, 1024, 24 * GiB)
     # fp32 compute keeps no separate copy: staging would save nothing, so it is not chosen
     fp32 = EngineConfig(compute_dtype=torch.float32)
-    assert auto_host_weights(fp32, sh, 8, 1024, p, 1 << 30) == "persistent"
+    assert auto_host(fp32, sh, 8, 1024, p, 1 << 30).host_weights == "persistent"
     staged = EngineConfig(host_weights="staged", offload_dir="/nvme", nvme_fraction=1.0)
     with pytest.raises(DoesNotFit) as e:
         check_host_fits(config_host_bytes(staged, sh, 8, 1024, p), 1 << 30, staged)

@@ -41,7 +41,7 @@ def cmd_plan(args) -> int:
 
     from .model import ModelAdapter
     from . import EngineConfig
-    from .plan import (DoesNotFit, ModelShape, Placement, auto_host_weights, auto_residency, config_host_bytes, fit,
+    from .plan import (DoesNotFit, ModelShape, Placement, auto_host, auto_residency, config_host_bytes, fit,
                        gpu_bytes, host_memory, nvme_bytes, nvme_layer_count, parse_bytes, step_time)
     from .presets import PRESETS, preset_config
 
@@ -71,10 +71,11 @@ def cmd_plan(args) -> int:
     compact = args.optimizer_state == "compact"
 
     def host_at(b: int, p: Placement) -> tuple[str, dict]:
-        """host_weights as the trainer decides it at batch ``b``, and the host bytes by category."""
-        hw = args.host_weights if args.host_weights != "auto" else \
-            auto_host_weights(as_trained, shape, b, args.seq_len, p, cpu_limit)
-        return hw, config_host_bytes(as_trained, shape, b, args.seq_len, p, hw)
+        """host_weights as the trainer decides it at batch ``b`` (and its gradient buffers), and the host
+        bytes by category."""
+        c = replace(as_trained, host_weights="persistent" if args.host_weights == "auto" else args.host_weights)
+        c = auto_host(c, shape, b, args.seq_len, p, cpu_limit, weights=args.host_weights == "auto")
+        return c.host_weights, config_host_bytes(c, shape, b, args.seq_len, p)
 
     host_weights, h = host_at(args.batch_size, placement)
     host_total = sum(h.values())

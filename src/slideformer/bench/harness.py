@@ -32,7 +32,7 @@ import torch
 from .. import EngineConfig, SlideEngine
 from ..engine.loss import chunked_head_loss, fused_head_loss
 from ..model import ModelAdapter
-from ..plan import ModelShape, Placement, auto_host_weights, auto_residency, fit, gpu_budget
+from ..plan import ModelShape, Placement, auto_host, auto_residency, fit, gpu_budget
 from ..plan.memory import LOSS_CHUNK_TOKENS
 from ..presets import preset_config
 
@@ -62,7 +62,8 @@ def run_slideformer(args, config):
     cfg = EngineConfig(lr=1e-5, device=args.device, compute_dtype=args.dtype, window_slots=args.slots,
                        prefetch_depth=args.depth, profile=True,
                        host_weights="persistent" if args.host_weights == "auto" else args.host_weights,
-                       host_grad_buffers=args.host_grad_buffers, grad_chunk_elems=args.grad_chunk_elems,
+                       host_grad_buffers=4 if args.host_grad_buffers == "auto" else args.host_grad_buffers,
+                       grad_chunk_elems=args.grad_chunk_elems,
                        max_grad_norm=args.max_grad_norm, loss_chunk_tokens=args.loss_chunk,
                        resident_layers=0 if auto else int(args.resident_layers), resident_edges=args.resident_edges,
                        loss_kernel=args.loss_kernel,
@@ -76,11 +77,12 @@ def run_slideformer(args, config):
     if auto and args.device == "cuda":  # what `slideformer train` picks
         chosen = auto_residency(cfg, shape, args.batch, args.seq, True if args.resident_edges else None)
         cfg = dataclasses.replace(cfg, **chosen, gpu_memory_limit=gpu_budget(cfg))
-    if args.host_weights == "auto":  # as `slideformer train` decides it (offload.host_weights: auto)
+    if "auto" in (args.host_weights, args.host_grad_buffers):  # as `slideformer train` decides them
         placed = fit(shape, args.batch, args.seq, gpu_budget(cfg), Placement.of(cfg)) if cfg.gpu_memory_limit \
             else Placement.of(cfg)
-        args.host_weights = auto_host_weights(cfg, shape, args.batch, args.seq, placed)
-        cfg = dataclasses.replace(cfg, host_weights=args.host_weights)
+        cfg = auto_host(cfg, shape, args.batch, args.seq, placed, weights=args.host_weights == "auto",
+                        buffers=args.host_grad_buffers == "auto")
+        args.host_weights, args.host_grad_buffers = cfg.host_weights, cfg.host_grad_buffers
     engine = SlideEngine.from_config(config, cfg)
     args.fused_ops = engine.fused_ops  # recorded as resolved ("auto" depends on what is installed)
     params = engine.adapter.num_params
@@ -247,8 +249,9 @@ def main(argv=None):
     ap.add_argument("--depth", type=int, default=1)
     ap.add_argument("--host-weights", default="auto", choices=("auto", "persistent", "staged"),
                     help="auto: persistent where the training state leaves 15%% of the RAM free (plan.auto_host_weights)")
-    ap.add_argument("--host-grad-buffers", type=int, default=EngineConfig.host_grad_buffers,
-                    help="pinned host gradient buffers the layers share (the optimizer's backlog)")
+    ap.add_argument("--host-grad-buffers", type=lambda v: v if v == "auto" else int(v), default="auto",
+                    help="pinned host gradient buffers the layers share (the optimizer's backlog); auto: one per "
+                         "streamed layer where RAM allows (plan.auto_host)")
     ap.add_argument("--grad-chunk-elems", type=int, default=EngineConfig.grad_chunk_elems)
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the run: how long the GPU-driving thread may hold the GIL")

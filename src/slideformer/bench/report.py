@@ -24,7 +24,7 @@ def load(paths) -> list[dict]:
     return rows
 
 
-DEFAULTS = {"slots": 3, "depth": 1, "host_weights": "persistent", "host_grad_buffers": 4, "loss_chunk": (None, 1024),
+DEFAULTS = {"slots": 3, "depth": 1, "host_weights": "persistent", "host_grad_buffers": (4, None), "loss_chunk": (None, 1024),
             "resident_layers": "auto",
             "loss_kernel": "fused", "optimizer_state": "fp32", "offload_dir": None, "nvme_fraction": 1.0,
             "grad_chunk_elems": 16 << 20, "switch_interval": None, "nvme_master": False,

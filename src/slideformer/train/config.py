@@ -33,7 +33,9 @@ class OffloadConfig:
     host_weights: str = "auto"
     offload_activations: bool = False
     activations_to_nvme: bool = False  # offloaded layer inputs go on to files under offload_dir
-    host_grad_buffers: int | None = 4
+    # pinned buffers decoder-layer gradients land in (null: one per layer); "auto": one per streamed layer
+    # where RAM allows, else as many as fit (at least 4). Clipping always holds one per layer.
+    host_grad_buffers: int | str | None = "auto"
     optimizer_threads: int | None = None
     offload_dir: str | None = None  # NVMe tier for the Adam moments of nvme_fraction of the layers
     nvme_fraction: float = 1.0
@@ -104,6 +106,9 @@ class TrainConfig:
             raise ConfigError("max_grad_norm must be > 0, or null for no clipping")
         if self.offload.host_weights not in ("auto", "persistent", "staged"):
             raise ConfigError(f"offload.host_weights must be auto, persistent or staged, got {self.offload.host_weights!r}")
+        hgb = self.offload.host_grad_buffers
+        if not (hgb is None or hgb == "auto" or (isinstance(hgb, int) and hgb >= 1)):
+            raise ConfigError(f"offload.host_grad_buffers must be auto, null or an integer >= 1, got {hgb!r}")
         if self.offload.resident_edges not in (True, False, "auto"):
             raise ConfigError(f"offload.resident_edges must be true, false or auto, got {self.offload.resident_edges!r}")
         if self.device == "cuda" and self.bf16 is False and self.offload.gpu_memory_limit:

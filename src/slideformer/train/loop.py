@@ -67,9 +67,9 @@ def build_examples(cfg: TrainConfig, tok) -> tuple[list[tuple[list[int], list[in
 
 def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) -> EngineConfig:
     """The planner's check, before anything is allocated: GPU (when on CUDA) and host RAM. Returns
-    ``ecfg`` with ``offload.host_weights: auto`` decided (plan.auto_host_weights)."""
+    ``ecfg`` with ``offload.host_weights`` and ``offload.host_grad_buffers`` "auto" decided (plan.auto_host)."""
     from ..model import ModelAdapter
-    from ..plan import (DoesNotFit, ModelShape, Placement, auto_host_weights, check_host_fits, config_host_bytes, fit,
+    from ..plan import (DoesNotFit, ModelShape, Placement, auto_host, check_host_fits, config_host_bytes, fit,
                         gpu_bytes, host_memory, parse_bytes)
 
     shape = ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype))
@@ -89,8 +89,8 @@ def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) ->
     else:
         placement = Placement.of(ecfg, micro_batch=cfg.micro_batch_size)
     have = host_memory()
-    if cfg.offload.host_weights == "auto":
-        ecfg = dataclasses.replace(ecfg, host_weights=auto_host_weights(ecfg, shape, batch, seq, placement, have))
+    ecfg = auto_host(ecfg, shape, batch, seq, placement, have, weights=cfg.offload.host_weights == "auto",
+                     buffers=cfg.offload.host_grad_buffers == "auto")
     check_host_fits(config_host_bytes(ecfg, shape, batch, seq, placement), have, ecfg, prefix="offload.")
     return ecfg
 
@@ -130,7 +130,8 @@ def train(cfg: TrainConfig) -> dict:
                         host_weights="persistent" if o.host_weights == "auto" else o.host_weights,
                         offload_activations=o.offload_activations,
                         activations_to_nvme=o.activations_to_nvme,
-                        host_grad_buffers=o.host_grad_buffers, optimizer_threads=o.optimizer_threads,
+                        host_grad_buffers=4 if o.host_grad_buffers == "auto" else o.host_grad_buffers,
+                        optimizer_threads=o.optimizer_threads,
                         offload_dir=o.offload_dir, nvme_fraction=o.nvme_fraction, nvme_master=o.nvme_master,
                         optimizer_state=o.optimizer_state,
                         resident_layers=0 if o.resident_layers == "auto" else o.resident_layers,
