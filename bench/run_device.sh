@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on the GPU machine, in one call: the GPU tests, then the benchmark cases.
 #   run from the repo root on the device machine; results go to $OUT (or ./bench/out).
-# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table13|b64|timeline | case ...]
+# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table14|b64|timeline | case ...]
 #   (a case: "system model batch [extra args]")
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -109,6 +109,13 @@ if [[ $what == bench || $what == all ]]; then
                     "slideformer qwen3-4b 8 --resident-layers 0" "slideformer qwen3-4b 8 --resident-layers 0 --host-grad-buffers 36" \
                     "deepspeed qwen3-4b 8 --gpu-memory-limit-gib 24" \
                     "plain qwen3-4b 64 --fused-ops liger" "slideformer qwen3-4b 64 --gpu-memory-limit-gib 24" ;;
+    # Session 5's last call: the new defaults (a gradient buffer per streamed layer) at b8, compact beside them,
+    # the 8B rows under 24 GiB, and b32 against plain+Liger and DeepSpeed, in one run
+    table14) set -- "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24" \
+                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --optimizer-state compact" \
+                    "slideformer llama3-8b 32 --gpu-memory-limit-gib 24" "slideformer llama3-8b 8 --gpu-memory-limit-gib 24" \
+                    "plain qwen3-4b 32 --fused-ops liger" "slideformer qwen3-4b 32 --gpu-memory-limit-gib 24" \
+                    "deepspeed qwen3-4b 32 --gpu-memory-limit-gib 24 --ds-loss fused" ;;
     # Where the 4B b8 streamed step loses its last 0.2 s (NOTES, session 3): every update and visit, with
     # 4 and with 36 gradient buffers
     timeline) set -- "slideformer qwen3-4b 8 --resident-layers 0 --timeline" \

@@ -183,8 +183,9 @@ def test_token_chunked_mlps_bound_a_long_sequence_on_gpu():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    # (no grouped-query attention: the efficient fp32 kernel wants as many key/value heads as query heads)
     cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=4096, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).float()
