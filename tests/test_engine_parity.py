@@ -33,7 +33,8 @@ def engine_train(model, steps, *, lrs=None, **cfg):
     # The autograd loss head runs the reference's own ops, so parity holds to rounding; the fused
     # head (the default) is held to it in test_fused_loss_head_matches_pytorch.
     cfg.setdefault("loss_kernel", "torch")
-    eng = SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, **cfg))
+    cfg.setdefault("compute_dtype", torch.float32)
+    eng = SlideEngine(model, EngineConfig(device="cpu", **cfg))
     losses = []
     with eng:
         for k, b in enumerate(steps):
@@ -138,11 +139,14 @@ def test_padding_mask_and_ignored_labels():
     assert_same(state, ref, losses, ref_losses)
 
 
-def test_staged_host_weights_match_persistent():
+@pytest.mark.parametrize("staged", ["staged", 1])
+def test_staged_host_weights_match_persistent(staged):
+    """bf16 compute: a copy cast at load time (all units, or the last layer only) is the same bits as the
+    one the optimizer refreshes."""
     model = build("llama")
     batches = [batch(97, seed=s) for s in range(2)]
-    a, la = engine_train(model, batches, lr=1e-2, host_weights="persistent")
-    b, lb = engine_train(model, batches, lr=1e-2, host_weights="staged")
+    a, la = engine_train(model, batches, lr=1e-2, compute_dtype=torch.bfloat16, host_weights="persistent")
+    b, lb = engine_train(model, batches, lr=1e-2, compute_dtype=torch.bfloat16, host_weights=staged)
     assert la == lb
     assert all(torch.equal(a[k], b[k]) for k in a)
 

@@ -55,6 +55,19 @@ def test_window_and_host_match_engine_accounting(ring, compact):
         assert host["grads"] == rep["host_grads"] and host["weights"] == rep["host_weights"]
 
 
+@pytest.mark.parametrize("host_weights", ["persistent", 1, "staged"])
+def test_host_weights_match_engine_accounting(host_weights):
+    """bf16 compute: the host copy of every unit, of all but the last layer, or of none."""
+    model = build("llama")
+    cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, host_weights=host_weights)
+    with SlideEngine(model, cfg) as eng:
+        sh = ModelShape.from_adapter(eng.adapter)
+        assert host_bytes(sh, 1, 8, Placement(), host_weights)["weights"] == eng.memory_report()["host_weights"]
+        staged = [u for u, w in enumerate(eng.store.weights) if w is None]
+        assert staged == {"persistent": [], 1: [eng.adapter.layer_unit(sh.layers - 1).index],
+                          "staged": list(range(len(eng.adapter.units)))}[host_weights]
+
+
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
 def test_host_plan_matches_engine_with_the_master_on_the_tier(tmp_path, dt):
     model = build("llama")
@@ -212,8 +225,8 @@ def test_auto_residency_puts_embedding_and_head_first_where_they_fit():
 
 def test_auto_host_drops_the_bf16_copy_and_gradient_buffers_where_ram_is_short():
     """On the H200 machine (125 GiB): Qwen3-4B keeps its bf16 host copy and gets a gradient buffer per
-    layer; Llama-8B b64 under 24 GiB, measured at 112 GiB of RSS with the copy, stages instead (2 bytes/param
-    less), and takes only the gradient buffers that fit beside its state."""
+    layer; Llama-8B b64 under 24 GiB, measured at 112 GiB of RSS with the copy, stages the fewest layers
+    that fit (2 bytes/param less each), and takes only the gradient buffers that fit beside its state."""
     from slideformer.plan import auto_host, config_host_bytes
     from slideformer.plan.memory import MIN_GRAD_BUFFERS
 
@@ -224,11 +237,17 @@ def test_auto_host_drops_the_bf16_copy_and_gradient_buffers_where_ram_is_short()
     assert (c.host_weights, c.host_grad_buffers) == ("persistent", None)
     p = fit(eight, 64, 1024, 24 * GiB)
     c = auto_host(cfg, eight, 64, 1024, p, ram)
-    assert c.host_weights == "staged" and MIN_GRAD_BUFFERS <= c.host_grad_buffers < eight.layers
+    k = c.host_weights
+    assert isinstance(k, int) and 0 < k < eight.layers and c.host_grad_buffers == MIN_GRAD_BUFFERS
+    fewest = replace(c, host_grad_buffers=MIN_GRAD_BUFFERS)
+    assert sum(config_host_bytes(fewest, eight, 64, 1024, p, k).values()) <= 0.85 * ram \
+        < sum(config_host_bytes(fewest, eight, 64, 1024, p, k - 1).values())  # one fewer staged would not fit
+    # with a little more RAM the copy fits whole, and the rest goes to gradient buffers, as many as fit
+    roomy = 134 * GiB
+    c = auto_host(cfg, eight, 64, 1024, p, roomy)
+    assert c.host_weights == "persistent" and MIN_GRAD_BUFFERS < c.host_grad_buffers < eight.layers
     total = sum(config_host_bytes(c, eight, 64, 1024, p).values())
-    assert total <= 0.85 * ram < total + 2 * eight.layer_params  # one more buffer would not fit
-    smallest = replace(c, host_grad_buffers=MIN_GRAD_BUFFERS)
-    assert sum(config_host_bytes(smallest, eight, 64, 1024, p, "persistent").values()) > 0.85 * ram
+    assert total <= 0.85 * roomy < total + 2 * eight.layer_params
     # what the caller fixed stays fixed
     fixed = auto_host(replace(cfg, host_grad_buffers=2), four, 8, 1024, p, ram, buffers=False)
     assert fixed.host_grad_buffers == 2

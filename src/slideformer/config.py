@@ -37,8 +37,11 @@ class EngineConfig:
     prefetch_depth: int = 1
     # Where the compute-dtype weights sent to the GPU come from:
     #   "persistent": a host copy refreshed by the optimizer (+2 bytes/param, no work at copy time);
-    #   "staged":     cast from the fp32 master chunk by chunk into pinned staging at copy time.
-    host_weights: Literal["persistent", "staged"] = "persistent"
+    #   "staged":     cast from the fp32 master chunk by chunk into pinned staging at copy time;
+    #   an int k:     the last k decoder layers staged, the other units persistent: where RAM holds most
+    #                 of the copy (the last layers stay in the window from forward into backward, so they
+    #                 are loaded, and cast, once a step; the others twice).
+    host_weights: Literal["persistent", "staged"] | int = "persistent"
     # A cap on the engine's GPU memory ("24GiB", "80GB" or bytes): the planner (plan/memory.py) then
     # splits each batch into micro-batches and offloads layer inputs so that a step fits under it.
     gpu_memory_limit: str | int | None = None
@@ -112,8 +115,10 @@ class EngineConfig:
                 f"prefetch_depth={self.prefetch_depth} needs window_slots >= prefetch_depth + 1 "
                 f"(got window_slots={self.window_slots}); raise window_slots or lower prefetch_depth"
             )
-        if self.host_weights not in ("persistent", "staged"):
-            raise ConfigError(f"host_weights must be 'persistent' or 'staged', got {self.host_weights!r}")
+        if self.host_weights not in ("persistent", "staged") and not (
+                isinstance(self.host_weights, int) and not isinstance(self.host_weights, bool) and self.host_weights >= 0):
+            raise ConfigError(f"host_weights must be 'persistent', 'staged' or a number of staged layers (>= 0), "
+                              f"got {self.host_weights!r}")
         if self.compute_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ConfigError(f"compute_dtype must be bfloat16, float16 or float32, got {self.compute_dtype}")
         dev = torch.device(self.device)

@@ -247,8 +247,9 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--slots", type=int, default=3)
     ap.add_argument("--depth", type=int, default=1)
-    ap.add_argument("--host-weights", default="auto", choices=("auto", "persistent", "staged"),
-                    help="auto: persistent where the training state leaves 15%% of the RAM free (plan.auto_host_weights)")
+    ap.add_argument("--host-weights", default="auto", type=lambda v: v if v in ("auto", "persistent", "staged") else int(v),
+                    help="persistent, staged, a number of staged layers, or auto: persistent where the training "
+                         "state leaves 15%% of the RAM free, else the fewest staged layers that do (plan.auto_host)")
     ap.add_argument("--host-grad-buffers", type=lambda v: v if v == "auto" else int(v), default="auto",
                     help="pinned host gradient buffers the layers share (the optimizer's backlog); auto: one per "
                          "streamed layer where RAM allows (plan.auto_host)")

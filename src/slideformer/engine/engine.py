@@ -113,8 +113,11 @@ class SlideEngine:
         layers = [self.adapter.layer_unit(i).index for i in range(n)]
         k = min(self.cfg.resident_layers, n)
         nvme = set(layers[n - nvme_layer_count(self.cfg, n):])
+        hw = self.cfg.host_weights  # units without a compute copy on the host: cast at copy time
+        staged = {u.index for u in self.adapter.units} if hw == "staged" else \
+            set() if hw == "persistent" else set(layers[n - min(hw, n):])
         self.store = HostStore(self.adapter.units, self.cfg.compute_dtype, pin=self.device.type == "cuda",
-                               host_weights=self.cfg.host_weights, layer_grad_buffers=ring,
+                               staged_units=staged, layer_grad_buffers=ring,
                                nvme_dir=self.cfg.offload_dir, nvme_units=nvme, nvme_buffers=self.cfg.nvme_buffers,
                                compact=self.cfg.optimizer_state == "compact", nvme_master=self.cfg.nvme_master)
         # Resident units: `resident_layers` decoder layers, and embedding and head with `resident_edges` or

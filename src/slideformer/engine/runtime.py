@@ -141,8 +141,9 @@ class Runtime:
         self._resident_step = {} if store.compact else \
             {u: torch.zeros((), dtype=torch.float32, device=self.device) for u in resident}  # torch's fused AdamW
         self._staging: list[tuple[torch.Tensor, object]] = []
-        if store.weights is None:
-            n = min(STAGING_ELEMS, max(u.numel for u in adapter.units))
+        staged = [u.numel for u, w in zip(adapter.units, store.weights) if w is None]
+        if staged:
+            n = min(STAGING_ELEMS, max(staged))
             self._staging = [(torch.empty(n, dtype=dt, pin_memory=self.cuda), None) for _ in range(2)]
         self.profiler: StepProfiler | None = StepProfiler(self.cuda) if cfg.profile else None
         self._visit_start = None
@@ -348,13 +349,14 @@ class Runtime:
         n = self.adapter.units[unit].numel
         dst = slot.params[:n]
         if not self.cuda:
-            dst.copy_(self.store.weights[unit] if self.store.weights is not None else self.store.master[unit])
+            w = self.store.weights[unit]
+            dst.copy_(w if w is not None else self.store.master[unit])
             return
         with torch.cuda.stream(self.h2d):
             if used is not None:
                 self.h2d.wait_event(used)
             start = self._mark(self.h2d)
-            if self.store.weights is not None:
+            if self.store.weights[unit] is not None:
                 dst.copy_(self.store.weights[unit], non_blocking=True)
             else:
                 self._copy_staged(self.store.master[unit], dst)
@@ -493,8 +495,7 @@ class Runtime:
                     exp_avg, exp_avg_sq = s.exp_avg[job.unit], s.exp_avg_sq[job.unit]
                 n = self.adapter.units[job.unit].numel
                 grad = s.grad_buffers[job.grads.buffer][:n]
-                own_copy = s.weights is not None and s.weights is not s.master
-                out = s.weights[job.unit] if own_copy else None
+                out = s.weights[job.unit] if s.weights is not s.master else None  # (None: staged)
                 t0 = time.perf_counter()
                 if s.compact:
                     adamw_compact_(master, s.master_lo[job.unit], grad, exp_avg, exp_avg_sq,

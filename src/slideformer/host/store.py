@@ -3,9 +3,9 @@
 Per unit, flat 1-D tensors laid out as in ``UnitSpec``:
 - ``master``   fp32 weights, the source of truth;
 - ``exp_avg``, ``exp_avg_sq``  fp32 Adam moments;
-- ``weights``  the compute-dtype copy the GPU window reads ("persistent" mode; pinned under CUDA).
-  With fp32 compute it *is* the master. In "staged" mode it is absent and the window casts the
-  master through shared pinned staging at copy time instead (2 bytes/param less RAM, more CPU work);
+- ``weights``  the compute-dtype copy the GPU window reads (pinned under CUDA). With fp32 compute it
+  *is* the master. ``staged_units`` have none (``weights[u] is None``): the window casts their master
+  through shared pinned staging at copy time instead (2 bytes/param less RAM, more CPU work);
 - ``grad_buffers``  compute-dtype gradients arriving from the GPU (pinned under CUDA). The embedding
   and head units own one each; decoder layers either own one each (needed when clipping, which holds
   every gradient until backward ends) or share a ring of ``layer_grad_buffers`` that the runtime hands
@@ -38,13 +38,12 @@ def _arena(units: list, dtype: torch.dtype, pin: bool, registered: list) -> list
 
 
 class HostStore:
-    def __init__(self, units: list[UnitSpec], compute_dtype: torch.dtype, pin: bool, host_weights: str = "persistent",
+    def __init__(self, units: list[UnitSpec], compute_dtype: torch.dtype, pin: bool, staged_units: set[int] = frozenset(),
                  layer_grad_buffers: int | None = None, nvme_dir=None, nvme_units: set[int] = frozenset(),
                  nvme_buffers: int = 4, compact: bool = False, nvme_master: bool = False):
         self.units = units
         self.compute_dtype = compute_dtype
         self.pin = pin
-        self.host_weights = host_weights
         self._registered: list[torch.Tensor] = []
         # Compact state (optimizer_state="compact"): the master is hi + lo, both bf16, and hi doubles as the
         # weights the GPU reads; moments are bf16. 8 bytes per parameter instead of 12 (+2).
@@ -72,11 +71,10 @@ class HostStore:
             self.tier = NvmeTier(nvme_dir, {u: units[u].numel for u in sorted(nvme_units)}, nvme_buffers,
                                  moment_dtype, fields=3 if self.nvme_master else 2)
         if compute_dtype == master_dtype and not self.nvme_master:
-            self.weights: list[torch.Tensor] | None = self.master
-        elif host_weights == "persistent":
-            self.weights = _arena(units, compute_dtype, pin, self._registered)
+            self.weights: list[torch.Tensor | None] = self.master
         else:
-            self.weights = None
+            it = iter(_arena([u for u in units if u.index not in staged_units], compute_dtype, pin, self._registered))
+            self.weights = [None if u.index in staged_units else next(it) for u in units]
         layers = [u for u in units if u.kind == "layer"]
         if layer_grad_buffers is None or layer_grad_buffers >= len(layers):
             shapes = units  # every unit owns its buffer
@@ -164,19 +162,19 @@ class HostStore:
     def refresh_weights(self, unit: int, master: torch.Tensor | None = None) -> None:
         """Re-derive the compute copy of ``unit`` from its master (after load or update); ``master`` when
         the caller holds it (a master on the tier is not in ``self.master``)."""
-        if self.weights is not None and self.weights is not self.master:
+        if self.weights is not self.master and self.weights[unit] is not None:
             self.weights[unit].copy_(self.master[unit] if master is None else master)
 
     def bytes_by_category(self) -> dict[str, int]:
         def total(ts):
             return sum(t.numel() * t.element_size() for t in ts) if ts is not None else 0
 
-        own_weights = self.weights is not None and self.weights is not self.master
+        own_weights = self.weights is not self.master
         ram = [t for t in self.exp_avg + self.exp_avg_sq if t is not None]
         return {
             "master": total([t for t in self.master if t is not None]) + total(self.master_lo),
             "moments": total(ram),
             "nvme_buffers": 0 if self.tier is None else sum(b.numel() for b in self.tier.buffers),
-            "weights": total(self.weights) if own_weights else 0,
+            "weights": total([t for t in self.weights if t is not None]) if own_weights else 0,
             "grads": total(self.grad_buffers),
         }

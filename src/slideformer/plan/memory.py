@@ -168,8 +168,9 @@ def host_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, host_weigh
         "moments": (4 if compact else 8) * N - nvme_bytes(shape, nvme_layers, compact),
         # a separate compute copy exists for persistent host weights in bf16/fp16 with fp32 state, and
         # whenever the master is on the tier
-        "weights": dtype_bytes * N if host_weights == "persistent" and not compact and (dtype_bytes < 4 or tier_master)
-        else 0,
+        "weights": dtype_bytes * (N if host_weights == "persistent" else 0 if host_weights == "staged"
+                                  else N - min(host_weights, shape.layers) * shape.layer_params)
+        if not compact and (dtype_bytes < 4 or tier_master) else 0,
         "grads": dtype_bytes * (shape.embed_params + shape.head_params + ring * shape.layer_params),
         # the tier's RAM buffers: a layer's state each, read ahead and written behind (host/nvme.py)
         "nvme_buffers": nvme_buffers * shape.layer_params * ((4 if compact else 8) + (4 if nvme_master else 0))
@@ -229,12 +230,15 @@ def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Placement, ram: i
     host_weights "auto", ``buffers``: host_grad_buffers "auto"), each where the training state still leaves
     (1 - RAM_FRACTION) of the RAM free.
 
-    - host_weights: a persistent bf16 host copy (no cast at copy time), else "staged" (2 bytes/param
-      less: Llama-8B b64 under 24 GiB measured 112 GiB of RSS with the copy on a 125 GiB machine).
+    - host_weights: a persistent bf16 host copy (no cast at copy time); where it does not fit, the fewest
+      staged layers (an int) that make it fit, else "staged" for all (2 bytes/param less). Llama-8B b8
+      under 24 GiB with all staged measured 2.38 s, bound by host memory bandwidth: each layer is cast
+      twice a step (table14).
     - host_grad_buffers: a buffer per streamed layer, else as many as fit and at least MIN_GRAD_BUFFERS.
       With few buffers backward waits for the CPU and the CPU then idles through the next forward; with
       one per layer the backlog waits in RAM (Qwen3-4B b8 under 24 GiB: 0.82 s with 4, 0.73 s with 27;
-      table11). The weights are decided first, with the ring at its smallest."""
+      table11). The weights are decided first, with the ring at its smallest: a staged layer costs two
+      casts a step, a missing buffer less."""
     budget = RAM_FRACTION * (ram or host_memory())
 
     def total(c) -> int:
@@ -243,10 +247,13 @@ def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Placement, ram: i
     if buffers:
         cfg = replace(cfg, host_grad_buffers=MIN_GRAD_BUFFERS)
     if weights:
-        staged = replace(cfg, host_weights="staged")
-        keep = cfg.nvme_master or total(staged) == total(replace(cfg, host_weights="persistent")) \
-            or total(replace(cfg, host_weights="persistent")) <= budget  # (the tier's master needs the copy)
-        cfg = replace(cfg, host_weights="persistent" if keep else "staged")
+        full = replace(cfg, host_weights="persistent")
+        per_layer = total(full) - total(replace(cfg, host_weights=1))  # 0 where no copy is kept anyway
+        if cfg.nvme_master or not per_layer or total(full) <= budget:  # (the tier's master needs the copy)
+            cfg = full
+        else:
+            k = -int((budget - total(full)) // per_layer)  # the fewest staged layers that fit
+            cfg = replace(cfg, host_weights=k if k < shape.layers else "staged")
     if buffers:
         per_layer = cfg.compute_dtype.itemsize * shape.layer_params
         more = int((budget - total(cfg)) // per_layer) if per_layer else 0

@@ -29,8 +29,9 @@ class OffloadConfig:
     window_slots: int = 3
     prefetch_depth: int = 1
     # "persistent" (a bf16 host copy the optimizer refreshes), "staged" (cast at copy time, 2 bytes/param
-    # less RAM) or "auto": persistent where the training state leaves 15% of the RAM free
-    host_weights: str = "auto"
+    # less RAM), a number k (the last k layers staged) or "auto": persistent where the training state
+    # leaves 15% of the RAM free, else the fewest staged layers that do
+    host_weights: str | int = "auto"
     offload_activations: bool = False
     activations_to_nvme: bool = False  # offloaded layer inputs go on to files under offload_dir
     # pinned buffers decoder-layer gradients land in (null: one per layer); "auto": one per streamed layer
@@ -104,8 +105,10 @@ class TrainConfig:
             raise ConfigError("set max_steps > 0 or num_train_epochs > 0")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ConfigError("max_grad_norm must be > 0, or null for no clipping")
-        if self.offload.host_weights not in ("auto", "persistent", "staged"):
-            raise ConfigError(f"offload.host_weights must be auto, persistent or staged, got {self.offload.host_weights!r}")
+        hw = self.offload.host_weights
+        if hw not in ("auto", "persistent", "staged") and not (isinstance(hw, int) and not isinstance(hw, bool) and hw >= 0):
+            raise ConfigError(f"offload.host_weights must be auto, persistent, staged or a number of staged layers, "
+                              f"got {hw!r}")
         hgb = self.offload.host_grad_buffers
         if not (hgb is None or hgb == "auto" or (isinstance(hgb, int) and hgb >= 1)):
             raise ConfigError(f"offload.host_grad_buffers must be auto, null or an integer >= 1, got {hgb!r}")
