@@ -203,7 +203,10 @@ def test_token_chunked_mlps_bound_a_long_sequence_on_gpu():
     b, lb, chunked = run(512)
     assert whole - chunked > 0.3 * 10 * 4096 * (4096 - 512) * 4  # fp32: most of the intermediates gone
     assert lb == pytest.approx(la, rel=1e-5)
-    assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
+    # chunks sum each weight gradient over tokens in another order; Adam's first steps move weights by
+    # ~lr x sign(g), so an element whose gradient is rounding noise may move either way: compare norms
+    for k in a:
+        assert float((a[k] - b[k]).norm() / a[k].norm()) < 1e-3, k
 
 
 @pytest.mark.parametrize("to_nvme", [False, True])
