@@ -39,6 +39,9 @@ def test_harness_with_a_gpu_budget_records_the_placement(tmp_path):
                         "--warmup", "1", "--steps", "1", "--gpu-memory-limit-gib", "0.05"])
     (p,) = rec["placement"].values()
     assert p["micro_batch"] <= 4 and rec["settings"]["gpu_memory_limit_gib"] == 0.05
+    # what was asked, and what auto chose (the tiny model's state is far under any RAM: all of it)
+    assert rec["settings"]["host_grad_buffers"] == rec["settings"]["host_weights"] == "auto"
+    assert rec["host_grad_buffers_chosen"] is None and rec["host_weights_chosen"] == "persistent"
 
 
 def test_report_table_and_plot(tmp_path):
@@ -53,11 +56,15 @@ def test_report_table_and_plot(tmp_path):
          "host_peak_rss_gib": 2.0, "settings": {"slots": 3}},
         {"system": "plain", "model": "m", "seq": 8, "batch": 2, "tokens_per_s": 100.0, "gpu_peak_alloc_gib": 3.0,
          "host_peak_rss_gib": 1.0, "settings": {}},
+        {"system": "slideformer", "model": "m", "seq": 8, "batch": 2, "tokens_per_s": 90.0, "gpu_peak_alloc_gib": 1.0,
+         "host_peak_rss_gib": 2.0, "settings": {"gpu_memory_limit_gib": 1, "host_grad_buffers": "auto"}},
     ]
     f = tmp_path / "r.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     md = report.table(report.load([f]))
-    assert "slideformer (slots=2)" in md and "| 2.00x |" in md  # the default variant against plain
+    assert "slideformer (slots=2)" in md and "| 2.000x |" in md  # the default variant against plain
+    # under a cap plain has no line: the ratio is against plain on the whole card, marked
+    assert "| 0.900x* |" in md and "against plain training on the whole card" in md
     report.plot(report.load([f]), tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
 

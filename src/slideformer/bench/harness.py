@@ -82,7 +82,6 @@ def run_slideformer(args, config):
             else Placement.of(cfg)
         cfg = auto_host(cfg, shape, args.batch, args.seq, placed, weights=args.host_weights == "auto",
                         buffers=args.host_grad_buffers == "auto")
-        args.host_weights, args.host_grad_buffers = cfg.host_weights, cfg.host_grad_buffers
     engine = SlideEngine.from_config(config, cfg)
     args.fused_ops = engine.fused_ops  # recorded as resolved ("auto" depends on what is installed)
     params = engine.adapter.num_params
@@ -100,6 +99,7 @@ def run_slideformer(args, config):
 
     def extra():
         rep = {"resident_layers_chosen": cfg.resident_layers, "resident_edges_chosen": cfg.resident_edges,
+               "host_weights_chosen": cfg.host_weights, "host_grad_buffers_chosen": cfg.host_grad_buffers,
                "breakdown": engine.profile(timeline=args.timeline),
                "host_bytes": engine.memory_report()}
         if engine._placements:
@@ -342,6 +342,8 @@ def main(argv=None):
         rec["placement"] = ex.get("placement")
         rec["resident_layers_chosen"] = ex["resident_layers_chosen"]
         rec["resident_edges_chosen"] = ex["resident_edges_chosen"]
+        rec["host_weights_chosen"] = ex["host_weights_chosen"]
+        rec["host_grad_buffers_chosen"] = ex["host_grad_buffers_chosen"]
     line = json.dumps(rec)
     print(line, flush=True)
     if args.out:

@@ -24,7 +24,10 @@ def load(paths) -> list[dict]:
     return rows
 
 
-DEFAULTS = {"slots": 3, "depth": 1, "host_weights": "persistent", "host_grad_buffers": (4, None), "loss_chunk": (None, 1024),
+# (settings record what was asked; "auto" choices are in the record's *_chosen keys. Files before session 5
+# recorded the resolved host_weights and host_grad_buffers.)
+DEFAULTS = {"slots": 3, "depth": 1, "host_weights": ("auto", "persistent"), "host_grad_buffers": ("auto", 4, None),
+            "loss_chunk": (None, 1024),
             "resident_layers": "auto",
             "loss_kernel": "fused", "optimizer_state": "fp32", "offload_dir": None, "nvme_fraction": 1.0,
             "grad_chunk_elems": 16 << 20, "switch_interval": None, "nvme_master": False,
@@ -51,7 +54,9 @@ def _cap(r) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: one row per (model, seq, batch, cap), one column per system, and slideformer's ratios."""
+    """Markdown: one row per (model, seq, batch, cap), one column per system, and slideformer's ratios.
+    Where plain training has no line under a row's cap (it does not fit, or was run on the whole card as
+    the peak to compare with), the ratio is against plain on the whole card in the same file, marked *."""
     cells: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for r in rows:
         if (r.get("settings") or {}).get("max_grad_norm"):
@@ -64,16 +69,20 @@ def table(rows: list[dict]) -> str:
     others = [s for s in systems if not s.startswith("slideformer")]
     head += [f"slideformer / {s}" for s in others]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for (_, model, seq, batch, cap), c in sorted(cells.items(), key=lambda kv: kv[0][1:]):
+    for (f, model, seq, batch, cap), c in sorted(cells.items(), key=lambda kv: kv[0][1:]):
         row = [model, str(seq), str(batch), cap]
         for s in systems:
             r = c.get(s)
             row.append(f"{r['tokens_per_s']:.0f} ({r['gpu_peak_alloc_gib']:.1f} / {r['host_peak_rss_gib']:.0f})" if r else "—")
         for s in others:
             # the ratio's slideformer: its defaults (before session 3 without Liger, since with it on CUDA)
-            a, b = c.get("slideformer") or c.get("slideformer (fused_ops=liger)"), c.get(s)
-            row.append(f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}x" if a and b else "—")
+            a, b, mark = c.get("slideformer") or c.get("slideformer (fused_ops=liger)"), c.get(s), ""
+            if a and not b and s.startswith("plain") and cap != "none":
+                b, mark = cells.get((f, model, seq, batch, "none"), {}).get(s), "*"
+            row.append(f"{a['tokens_per_s'] / b['tokens_per_s']:.3f}x{mark}" if a and b else "—")
         lines.append("| " + " | ".join(row) + " |")
+    if any("x*" in line for line in lines):
+        lines.append("\n\\* against plain training on the whole card (no cap), in the same run.")
     return "\n".join(lines)
 
 
