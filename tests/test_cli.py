@@ -78,3 +78,11 @@ def test_plan_suggests_what_train_would_choose(capsys):
         assert outs[state]["suggested_resident_layers"] == chosen["resident_layers"]
     assert outs["compact"]["suggested_resident_layers"] > outs["fp32"]["suggested_resident_layers"]
     assert outs["fp32"]["host_weights"] == "persistent"
+    # bound by the CPU update at b8, fp32 state gets compact state's prediction (as compact plans it itself)
+    assert outs["fp32"]["predicted_step_s_compact"] == outs["compact"]["predicted_step_s_resident"] \
+        < outs["fp32"]["predicted_step_s_resident"]
+    assert outs["fp32"]["host_bytes_compact"] < 0.7 * outs["fp32"]["host_bytes"]  # 8 instead of 14 bytes/param
+    assert "predicted_step_s_compact" not in outs["compact"]
+    # GPU-bound at b64: nothing to suggest
+    assert main(args[:6] + ["64"] + args[7:]) == 0
+    assert "predicted_step_s_compact" not in json.loads(capsys.readouterr().out)

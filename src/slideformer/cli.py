@@ -98,15 +98,28 @@ def cmd_plan(args) -> int:
     if gpu_limit and fits_gpu:  # what training some layers on the GPU would buy
         # the budget `slideformer train` would give them: --gpu-memory, else 90% of the card (plan.gpu_budget)
         budget = gpu_limit if args.gpu_memory else int(0.9 * gpu_limit)
-        chosen = auto_residency(replace(as_trained, gpu_memory_limit=budget), shape, args.batch_size, args.seq_len)
-        k = chosen["resident_layers"]
-        with_k = fit(shape, args.batch_size, args.seq_len, budget, replace(base, **chosen))
-        out["suggested_resident_layers"] = k
+
+        def as_train_would(cfg):
+            """The layers (and edges) `train` would put on the GPU with ``cfg``, their placement and step."""
+            chosen = auto_residency(replace(cfg, gpu_memory_limit=budget), shape, args.batch_size, args.seq_len)
+            p = fit(shape, args.batch_size, args.seq_len, budget, replace(Placement.of(cfg), **chosen))
+            return chosen, p, step_time(shape, args.batch_size, args.seq_len, p, compact=cfg.optimizer_state == "compact",
+                                        nvme_layers=min(nvme_layers, shape.layers - chosen["resident_layers"]),
+                                        nvme_master=args.nvme_master, activations_to_nvme=args.activations_to_nvme)
+
+        chosen, _, t = as_train_would(as_trained)
+        out["suggested_resident_layers"] = chosen["resident_layers"]
         out["suggested_resident_edges"] = chosen["resident_edges"]
-        out["predicted_step_s_resident"] = step_time(shape, args.batch_size, args.seq_len, with_k, compact=compact,
-                                                     nvme_layers=min(nvme_layers, shape.layers - k),
-                                                     nvme_master=args.nvme_master,
-                                                     activations_to_nvme=args.activations_to_nvme)["step_s"]
+        out["predicted_step_s_resident"] = t["step_s"]
+        if not compact and not args.nvme_master and t["optimizer_s"] > t["gpu_compute_s"]:
+            # bound by the CPU update: compact state moves 18 instead of 28 bytes a parameter, and its
+            # resident layers take 10 instead of 16 GPU bytes (4B b8 under 24 GiB: 0.635 -> 0.515 s, table14)
+            cc = replace(as_trained, optimizer_state="compact")
+            _, pc, tc = as_train_would(cc)
+            out["predicted_step_s_compact"] = tc["step_s"]
+            out["host_bytes_compact"] = sum(config_host_bytes(auto_host(cc, shape, args.batch_size, args.seq_len, pc,
+                                                                        cpu_limit), shape, args.batch_size,
+                                                              args.seq_len, pc).values())
     out["predicted_step_s"] = timing["step_s"]
     out["predicted_tokens_per_s"] = args.batch_size * args.seq_len / timing["step_s"]
     out["timing"] = timing
@@ -131,6 +144,10 @@ def cmd_plan(args) -> int:
             edges = " and resident_edges" if out["suggested_resident_edges"] else ""
             print(f"with resident_layers={out['suggested_resident_layers']}{edges} (trained on the GPU): predicted step "
                   f"{out['predicted_step_s_resident']:.2f} s")
+        if "predicted_step_s_compact" in out:
+            print(f"bound by the CPU optimizer: with optimizer_state=compact (bf16 master halves and moments; it matched "
+                  f"fp32 state in bench/NOTES.md's fine-tuning run) predicted step {out['predicted_step_s_compact']:.2f} s, "
+                  f"host {gib(out['host_bytes_compact'])}")
         print(("fits" if fits else "does NOT fit" + ("" if fits_gpu else f": {reason}")) + f"; largest batch that fits: {max_batch}")
     return EXIT_OK if fits else EXIT_DOES_NOT_FIT
 
