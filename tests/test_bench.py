@@ -57,7 +57,12 @@ def test_report_table_and_plot(tmp_path):
         {"system": "plain", "model": "m", "seq": 8, "batch": 2, "tokens_per_s": 100.0, "gpu_peak_alloc_gib": 3.0,
          "host_peak_rss_gib": 1.0, "settings": {}},
         {"system": "slideformer", "model": "m", "seq": 8, "batch": 2, "tokens_per_s": 90.0, "gpu_peak_alloc_gib": 1.0,
-         "host_peak_rss_gib": 2.0, "settings": {"gpu_memory_limit_gib": 1, "host_grad_buffers": "auto"}},
+         "host_peak_rss_gib": 2.0, "settings": {"gpu_memory_limit_gib": 1, "host_grad_buffers": "auto"},
+         "host_grad_buffers_chosen": None},
+        # asked for explicitly in a file that records the ask: its own column, not the default's
+        {"system": "slideformer", "model": "m", "seq": 8, "batch": 2, "tokens_per_s": 80.0, "gpu_peak_alloc_gib": 1.0,
+         "host_peak_rss_gib": 2.0, "settings": {"gpu_memory_limit_gib": 1, "host_grad_buffers": 4},
+         "host_grad_buffers_chosen": 4},
     ]
     f = tmp_path / "r.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -65,6 +70,7 @@ def test_report_table_and_plot(tmp_path):
     assert "slideformer (slots=2)" in md and "| 2.000x |" in md  # the default variant against plain
     # under a cap plain has no line: the ratio is against plain on the whole card, marked
     assert "| 0.900x* |" in md and "against plain training on the whole card" in md
+    assert "slideformer (host_grad_buffers=4)" in md and "| 80 (1.0 / 2) |" in md
     report.plot(report.load([f]), tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
 

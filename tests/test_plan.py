@@ -235,6 +235,12 @@ def test_auto_host_drops_the_bf16_copy_and_gradient_buffers_where_ram_is_short()
     four, eight = shape("qwen3-4b"), shape("llama3-8b")
     c = auto_host(cfg, four, 8, 1024, fit(four, 8, 1024, 24 * GiB), ram)
     assert (c.host_weights, c.host_grad_buffers) == ("persistent", None)
+    # resident layers keep their gradients on the GPU: a buffer per streamed layer only; clipping: all
+    resident = replace(cfg, resident_layers=8)
+    assert auto_host(resident, four, 8, 1024, fit(four, 8, 1024, 24 * GiB, Placement(resident_layers=8)),
+                     ram).host_grad_buffers == four.layers - 8
+    assert auto_host(replace(cfg, max_grad_norm=1.0), eight, 64, 1024, fit(eight, 64, 1024, 24 * GiB),
+                     ram).host_grad_buffers is None
     p = fit(eight, 64, 1024, 24 * GiB)
     c = auto_host(cfg, eight, 64, 1024, p, ram)
     k = c.host_weights
@@ -254,6 +260,10 @@ def test_auto_host_drops_the_bf16_copy_and_gradient_buffers_where_ram_is_short()
     assert auto_host(cfg, eight, 64, 1024, p, ram, weights=False).host_weights == "persistent"
     # with too little RAM for any more, the ring keeps its minimum
     assert auto_host(cfg, eight, 64, 1024, p, ram // 4).host_grad_buffers == MIN_GRAD_BUFFERS
+    # where staging every decoder layer is enough, the embedding and head keep their copies
+    every = replace(cfg, host_weights=eight.layers, host_grad_buffers=MIN_GRAD_BUFFERS)
+    just = int(sum(config_host_bytes(every, eight, 64, 1024, p).values()) / 0.85) + 1
+    assert auto_host(cfg, eight, 64, 1024, p, just).host_weights == eight.layers
     # the tier's fp32 master needs the RAM copy: kept whatever the RAM
     tier = EngineConfig(offload_dir="/nvme", nvme_master=True)
     assert auto_host(tier, eight, 64, 1024, p, ram // 4).host_weights == "persistent"

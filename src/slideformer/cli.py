@@ -70,14 +70,14 @@ def cmd_plan(args) -> int:
     g = gpu_bytes(shape, args.batch_size, args.seq_len, placement)
     compact = args.optimizer_state == "compact"
 
-    def host_at(b: int, p: Placement) -> tuple[str, dict]:
-        """host_weights as the trainer decides it at batch ``b`` (and its gradient buffers), and the host
-        bytes by category."""
+    def host_at(b: int, p: Placement) -> tuple:
+        """The engine settings with host_weights and gradient buffers as the trainer decides them at batch
+        ``b``, and the host bytes by category."""
         c = replace(as_trained, host_weights="persistent" if args.host_weights == "auto" else args.host_weights)
         c = auto_host(c, shape, b, args.seq_len, p, cpu_limit, weights=args.host_weights == "auto")
-        return c.host_weights, config_host_bytes(c, shape, b, args.seq_len, p)
+        return c, config_host_bytes(c, shape, b, args.seq_len, p)
 
-    host_weights, h = host_at(args.batch_size, placement)
+    chosen_host, h = host_at(args.batch_size, placement)
     host_total = sum(h.values())
     fits = fits_gpu and host_total <= cpu_limit
     max_batch = 0
@@ -92,7 +92,8 @@ def cmd_plan(args) -> int:
     out = {"model": args.model, "params": shape.params, "seq_len": args.seq_len, "batch_size": args.batch_size,
            "gpu_bytes": g["peak"], "gpu": g, "host_bytes": host_total, "host": h, "nvme_bytes": nvme_bytes(shape, nvme_layers, compact, args.nvme_master),
            "gpu_limit": gpu_limit, "host_limit": cpu_limit, "fits": fits, "max_batch_size": max_batch,
-           "placement": vars(placement), "host_weights": host_weights}
+           "placement": vars(placement), "host_weights": chosen_host.host_weights,
+           "host_grad_buffers": chosen_host.host_grad_buffers}
     timing = step_time(shape, args.batch_size, args.seq_len, placement, compact=compact, nvme_layers=nvme_layers,
                        nvme_master=args.nvme_master, activations_to_nvme=args.activations_to_nvme)
     if gpu_limit and fits_gpu:  # what training some layers on the GPU would buy
@@ -130,7 +131,8 @@ def cmd_plan(args) -> int:
         print(f"{args.model}: {shape.params / 1e9:.2f} B params, batch {args.batch_size} x seq {args.seq_len}")
         print("GPU  " + ", ".join(f"{k} {gib(v)}" for k, v in g.items()) + (f"  (limit {gib(gpu_limit)})" if gpu_limit else ""))
         print("host " + ", ".join(f"{k} {gib(v)}" for k, v in h.items()) + f" = {gib(host_total)}  (limit {gib(cpu_limit)}; "
-              f"host_weights {host_weights})")
+              f"host_weights {chosen_host.host_weights}, gradient buffers "
+              f"{chosen_host.host_grad_buffers or 'one per layer'})")
         if nvme_layers:
             print(f"NVMe {gib(out['nvme_bytes'])} under {args.offload_dir}")
         print(f"placement: micro-batch {min(placement.micro_batch, args.batch_size)}, "
@@ -196,8 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     pl.add_argument("--nvme-master", action="store_true", help="the tier's layers keep their fp32 master there too")
     pl.add_argument("--activations-to-nvme", action="store_true",
                     help="offloaded layer inputs go to files under --offload-dir (RAM: 3 staging buffers)")
-    pl.add_argument("--host-weights", default="auto", choices=["auto", "persistent", "staged"],
-                    help="auto (as `slideformer train`): persistent where the state leaves 15%% of the RAM free")
+    pl.add_argument("--host-weights", default="auto",
+                    type=lambda v: v if v in ("auto", "persistent", "staged") else int(v),
+                    help="persistent, staged, a number of staged layers, or auto (as `slideformer train`): "
+                         "persistent where the state leaves 15%% of the RAM free, else the fewest staged layers")
     pl.add_argument("--loss-kernel", default=EngineConfig.loss_kernel, choices=["torch", "fused"])
     pl.add_argument("--max-grad-norm", type=float, default=1.0,
                     help="as the trainer's max_grad_norm (default 1.0; 0: no clipping, which lets gradients share "

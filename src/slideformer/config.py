@@ -157,7 +157,7 @@ class EngineConfig:
         if self.nvme_master:
             if self.offload_dir is None:
                 raise ConfigError("nvme_master puts the master on the NVMe tier: set offload_dir too")
-            if self.host_weights != "persistent" or self.optimizer_state != "fp32":
+            if self.host_weights not in ("persistent", 0) or self.optimizer_state != "fp32":
                 raise ConfigError("nvme_master needs host_weights='persistent' (the window reads the RAM copy, not "
                                   "the master) and optimizer_state='fp32' (compact state's master is that copy)")
         if self.nvme_buffers < 1:

@@ -39,7 +39,10 @@ def variant(r) -> str:
     """The system's name plus any setting that differs from the default (files before session 3 ran
     without fused_ops: "none")."""
     st = r.get("settings") or {}
-    extra = [f"{k}={st[k]}" for k, d in DEFAULTS.items() if r["system"] == "slideformer" and k in st
+    defaults = dict(DEFAULTS)
+    if "host_grad_buffers_chosen" in r:  # (a file that records the ask: only "auto" is the default)
+        defaults.update(host_weights="auto", host_grad_buffers="auto")
+    extra = [f"{k}={st[k]}" for k, d in defaults.items() if r["system"] == "slideformer" and k in st
              and st[k] not in (d if isinstance(d, tuple) else (d,))]  # (a tuple: the defaults over time)
     if st.get("fused_ops", "none") not in ("none", "auto"):
         extra.append(f"fused_ops={st['fused_ops']}")

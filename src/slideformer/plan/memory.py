@@ -186,9 +186,10 @@ def nvme_layer_count(cfg, layers: int) -> int:
 
 
 def config_host_bytes(cfg, shape: ModelShape, batch: int, seq: int, p: Placement,
-                      host_weights: str | None = None) -> dict[str, int]:
+                      host_weights: str | int | None = None) -> dict[str, int]:
     """``host_bytes`` for an EngineConfig (``host_weights`` overrides the config's)."""
-    return host_bytes(shape, batch, seq, p, host_weights or cfg.host_weights, cfg.compute_dtype.itemsize,
+    return host_bytes(shape, batch, seq, p, cfg.host_weights if host_weights is None else host_weights,
+                      cfg.compute_dtype.itemsize,
                       None if cfg.max_grad_norm is not None else cfg.host_grad_buffers,
                       nvme_layer_count(cfg, shape.layers),
                       cfg.optimizer_state == "compact", cfg.nvme_master, cfg.activations_to_nvme, cfg.nvme_buffers)
@@ -253,12 +254,13 @@ def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Placement, ram: i
             cfg = full
         else:
             k = -int((budget - total(full)) // per_layer)  # the fewest staged layers that fit
-            cfg = replace(cfg, host_weights=k if k < shape.layers else "staged")
-    if buffers:
+            cfg = replace(cfg, host_weights=k if k <= shape.layers else "staged")
+    if buffers:  # (clipping holds one per layer whatever is asked)
+        streamed = shape.layers - min(cfg.resident_layers, shape.layers)  # resident layers keep theirs on the GPU
         per_layer = cfg.compute_dtype.itemsize * shape.layer_params
-        more = int((budget - total(cfg)) // per_layer) if per_layer else 0
-        n = MIN_GRAD_BUFFERS + max(0, more)
-        cfg = replace(cfg, host_grad_buffers=None if n >= shape.layers else n)
+        n = MIN_GRAD_BUFFERS + max(0, int((budget - total(cfg)) // per_layer) if per_layer else 0)
+        cfg = replace(cfg, host_grad_buffers=None if cfg.max_grad_norm is not None or n >= shape.layers == streamed
+                      else min(n, max(streamed, 1)))
     return cfg
 
 
