@@ -7,7 +7,7 @@ import torch
 from slideformer import EngineConfig, SlideEngine
 from slideformer.model import ModelAdapter
 from slideformer.plan import (DoesNotFit, ModelShape, Placement, choose_resident_layers, fit, gpu_bytes, host_bytes,
-                              nvme_bytes, parse_bytes)
+                              config_host_bytes, nvme_bytes, parse_bytes)
 from slideformer.presets import preset_config
 
 from test_engine_parity import engine_train
@@ -37,6 +37,20 @@ def test_gpu_model_matches_h200_measurements(name, batch, slots, kernel, measure
     """max_memory_allocated on the H200 (bench/results/2026-11-30-*.jsonl): never under, at most 10% over."""
     peak = gpu_bytes(shape(name), batch, 1024, Placement(window_slots=slots, loss_kernel=kernel))["peak"] / GiB
     assert measured_gib <= peak <= 1.10 * measured_gib
+
+
+@pytest.mark.parametrize("name,batch,state,host_weights,ring,resident,kept,rss_gib", [
+    ("qwen3-4b", 8, "fp32", "persistent", None, 8, 36, 61.6),  # table14-f6d277d
+    ("qwen3-4b", 8, "compact", "persistent", None, 16, 16, 40.0),  # table14-f6d277d
+    ("llama3-8b", 32, "fp32", "staged", 21, 0, 5, 108.7),  # table14-f6d277d
+    ("llama3-8b", 8, "fp32", 5, 4, 0, 26, 108.4)])  # hostweights-78182d2
+def test_host_model_matches_h200_rss(name, batch, state, host_weights, ring, resident, kept, rss_gib):
+    """Peak RSS on the H200 was the host model's total plus the process itself (Python, torch, CUDA
+    libraries: 1.6-1.8 GiB) in every session-5 run; RAM_FRACTION leaves room for that."""
+    cfg = EngineConfig(optimizer_state=state, host_weights=host_weights, host_grad_buffers=ring)
+    p = Placement(micro_batch=8, resident_layers=resident, gpu_activation_layers=kept, resident_edges=True)
+    planned = sum(config_host_bytes(cfg, shape(name), batch, 1024, p).values()) / GiB
+    assert planned + 1.5 <= rss_gib <= planned + 2.0
 
 
 @pytest.mark.parametrize("ring,compact", [(1, False), (4, False), (None, False), (4, True)])
