@@ -29,7 +29,8 @@ def run(model, steps, start=0, resume=None, save=None, save_at=None, **cfg):
         return {k: v.clone() for k, v in eng.state_dict().items()}
 
 
-@pytest.mark.parametrize("cfg", [{}, {"max_grad_norm": 0.05}, {"host_grad_buffers": 1}])
+@pytest.mark.parametrize("cfg", [{}, {"max_grad_norm": 0.05}, {"host_grad_buffers": 1},
+                                 {"compute_dtype": torch.bfloat16, "host_weights": 1}])  # a bf16 copy for all but one layer
 def test_resume_is_bit_identical(tmp_path, cfg):
     model = build("qwen2-tied")
     straight = run(model, 6, **cfg)
