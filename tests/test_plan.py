@@ -1,4 +1,5 @@
 """The memory planner: pure functions, checked against the engine's own accounting and its choices."""
+import re
 from dataclasses import replace
 
 import pytest
@@ -60,6 +61,7 @@ def test_window_and_host_match_engine_accounting(ring, compact):
     cfg = EngineConfig(device="cpu", compute_dtype=dt, host_grad_buffers=ring,
                        optimizer_state="compact" if compact else "fp32")
     with SlideEngine(model, cfg) as eng:
+        assert ("1 gradient buffers for 3 streamed layers" in eng.describe()) == (ring == 1)
         sh = ModelShape.from_adapter(eng.adapter)
         db = 2 if compact else 4
         assert gpu_bytes(sh, 1, 8, Placement(), dtype_bytes=db)["window"] == eng.memory_report()["gpu_window"]
@@ -80,6 +82,9 @@ def test_host_weights_match_engine_accounting(host_weights):
         staged = [u for u, w in enumerate(eng.store.weights) if w is None]
         assert staged == {"persistent": [], 1: [eng.adapter.layer_unit(sh.layers - 1).index],
                           "staged": list(range(len(eng.adapter.units)))}[host_weights]
+        said = {"persistent": None, 1: r"host weights cast at copy time for the last 1 layer(;|$)",
+                "staged": r"host weights cast at copy time(;|$)"}[host_weights]
+        assert re.search(said, eng.describe()) if said else "cast at copy time" not in eng.describe()
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])

@@ -451,6 +451,13 @@ class SlideEngine:
                  f"fused ops {self.fused_ops}",
                  f"CPU AdamW {self.runtime.optimizer_backend} on {threads} thread{'s' * (threads != 1)}, "
                  f"{self.cfg.optimizer_state} state"]
+        staged = sum(w is None for w in self.store.weights)  # (none where the weights are the master)
+        if staged:  # RAM-bound choices, which cost time: said where they were made
+            parts.append("host weights cast at copy time" if staged == len(ad.units)
+                         else f"host weights cast at copy time for the last {staged} layer{'s' * (staged != 1)}")
+        ring = len(self.store.grad_buffers) - sum(1 for u in ad.units if u.kind != "layer")
+        if ring < n - layers:
+            parts.append(f"{ring} gradient buffers for {n - layers} streamed layers")
         if self.store.tier is not None:
             parts.append(f"NVMe tier: the last {len(self.store.tier.numels)} layers' moments"
                          f"{' and master' if self.store.nvme_master else ''}")
