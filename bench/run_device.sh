@@ -15,7 +15,9 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; free -g | head -2;
-  python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)"; git rev-parse --short HEAD; } > "$OUT/machine.txt" 2>&1
+  python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)";
+  # (the device's checkout keeps a stale HEAD under the copied tree: the caller names the commit)
+  echo "commit ${SLIDEFORMER_COMMIT:-$(git rev-parse --short HEAD) (HEAD; set SLIDEFORMER_COMMIT)}"; } > "$OUT/machine.txt" 2>&1
 if [[ $what == tests || $what == all ]]; then
   python3 -m pytest -q -m gpu tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -5
 fi
