@@ -321,6 +321,18 @@ def test_resident_layers_never_cost_the_mlps_token_chunks():
         step_time(sh, 1, 65536, p)["gpu_compute_s"]
 
 
+def test_clipping_makes_the_cpu_update_follow_backward():
+    """Exact clipping needs the global norm before any update: the CPU update then follows backward and
+    only the next forward overlaps it. Optimizer-bound (4B b8 streamed) that costs most of backward;
+    GPU-bound (b64) little."""
+    from slideformer.plan import step_time
+
+    sh = shape("qwen3-4b")
+    b8, b64 = Placement(micro_batch=8), Placement(micro_batch=32)
+    assert step_time(sh, 8, 1024, b8, clipping=True)["step_s"] > 1.3 * step_time(sh, 8, 1024, b8)["step_s"]
+    assert step_time(sh, 64, 1024, b64, clipping=True)["step_s"] < 1.1 * step_time(sh, 64, 1024, b64)["step_s"]
+
+
 def test_host_messages_and_choices_follow_the_config():
     from slideformer.plan import auto_host, check_host_fits, config_host_bytes
 

@@ -94,8 +94,9 @@ def cmd_plan(args) -> int:
            "gpu_limit": gpu_limit, "host_limit": cpu_limit, "fits": fits, "max_batch_size": max_batch,
            "placement": vars(placement), "host_weights": chosen_host.host_weights,
            "host_grad_buffers": chosen_host.host_grad_buffers}
+    clip = as_trained.max_grad_norm is not None  # the update then waits for backward's global norm
     timing = step_time(shape, args.batch_size, args.seq_len, placement, compact=compact, nvme_layers=nvme_layers,
-                       nvme_master=args.nvme_master, activations_to_nvme=args.activations_to_nvme)
+                       nvme_master=args.nvme_master, activations_to_nvme=args.activations_to_nvme, clipping=clip)
     if gpu_limit and fits_gpu:  # what training some layers on the GPU would buy
         # the budget `slideformer train` would give them: --gpu-memory, else 90% of the card (plan.gpu_budget)
         budget = gpu_limit if args.gpu_memory else int(0.9 * gpu_limit)
@@ -106,12 +107,15 @@ def cmd_plan(args) -> int:
             p = fit(shape, args.batch_size, args.seq_len, budget, replace(Placement.of(cfg), **chosen))
             return chosen, p, step_time(shape, args.batch_size, args.seq_len, p, compact=cfg.optimizer_state == "compact",
                                         nvme_layers=min(nvme_layers, shape.layers - chosen["resident_layers"]),
-                                        nvme_master=args.nvme_master, activations_to_nvme=args.activations_to_nvme)
+                                        nvme_master=args.nvme_master, activations_to_nvme=args.activations_to_nvme,
+                                        clipping=cfg.max_grad_norm is not None)
 
         chosen, _, t = as_train_would(as_trained)
         out["suggested_resident_layers"] = chosen["resident_layers"]
         out["suggested_resident_edges"] = chosen["resident_edges"]
         out["predicted_step_s_resident"] = t["step_s"]
+        if clip:
+            out["predicted_step_s_unclipped"] = as_train_would(replace(as_trained, max_grad_norm=None))[2]["step_s"]
         if not compact and not args.nvme_master and t["optimizer_s"] > t["gpu_compute_s"]:
             # bound by the CPU update: compact state moves 18 instead of 28 bytes a parameter, and its
             # resident layers take 10 instead of 16 GPU bytes (4B b8 under 24 GiB: 0.635 -> 0.515 s, table14)
@@ -138,14 +142,17 @@ def cmd_plan(args) -> int:
         print(f"placement: micro-batch {min(placement.micro_batch, args.batch_size)}, "
               f"{min(placement.gpu_activation_layers, shape.layers)}/{shape.layers} layer inputs on the GPU"
               + (f", MLPs in {placement.mlp_chunk_tokens}-token chunks" if placement.mlp_chunk_tokens else ""))
-        print(f"predicted step {timing['step_s']:.2f} s ({out['predicted_tokens_per_s']:.0f} tok/s on the H200 "
-              f"machine's rates): GPU {timing['gpu_compute_s']:.2f} s, optimizer {timing['optimizer_s']:.2f} s, "
+        print(f"predicted step {timing['step_s']:.2f} s ({out['predicted_tokens_per_s']:.0f} tok/s; a model of the "
+              f"H200 machine that runs 30-40% slow, for comparing choices): GPU {timing['gpu_compute_s']:.2f} s, optimizer {timing['optimizer_s']:.2f} s, "
               f"weights in {timing['h2d_s']:.2f} s" + (f", NVMe tier {timing['nvme_s']:.1f} s" if nvme_layers else "")
               + (f", embedding update at the step boundary {timing['edge_stall_s']:.2f} s" if timing["edge_stall_s"] else ""))
         if "suggested_resident_layers" in out:
             edges = " and resident_edges" if out["suggested_resident_edges"] else ""
             print(f"with resident_layers={out['suggested_resident_layers']}{edges} (trained on the GPU): predicted step "
                   f"{out['predicted_step_s_resident']:.2f} s")
+        if "predicted_step_s_unclipped" in out and out["predicted_step_s_unclipped"] < 0.95 * out["predicted_step_s_resident"]:
+            print(f"clipping (max_grad_norm) makes the CPU update wait for backward's global norm; without it: "
+                  f"predicted step {out['predicted_step_s_unclipped']:.2f} s")
         if "predicted_step_s_compact" in out:
             print(f"bound by the CPU optimizer: with optimizer_state=compact (bf16 master halves and moments; it matched "
                   f"fp32 state in bench/NOTES.md's fine-tuning run) predicted step {out['predicted_step_s_compact']:.2f} s, "
