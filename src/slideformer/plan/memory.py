@@ -415,8 +415,8 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
     the CPU optimizer, the weight copies and the NVMe tier's moment traffic (read and written once per
     step), plus 10% for what does not overlap, plus the embedding's update at the step boundary where it
     streams. With ``clipping`` the CPU update waits for the global norm, so it follows backward (6 of the
-    8 FLOP units) and only the next forward overlaps it (session 2 measured 1.72 s at 4B b8 streamed, this
-    gives 1.79). Within 10% of session 5's 4B steps with a gradient buffer per streamed layer; ~20% over at
+    8 FLOP units) and only the next forward overlaps it (session 2 measured 1.72 s at 4B b8 streamed; with
+    that session's rates this gives 1.79). Within 10% of session 5's 4B steps with a gradient buffer per streamed layer; ~20% over at
     8B (its GEMMs run faster); not counted: a ring of few gradient buffers (10-15%) and staged casts."""
     tokens = batch * seq
     k = min(p.resident_layers, shape.layers)
