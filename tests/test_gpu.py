@@ -322,6 +322,31 @@ def test_sending_gradients_never_synchronizes(monkeypatch):
     assert all(torch.isfinite(v).all() for v in state.values())
 
 
+@pytest.mark.parametrize("kernel", ["fused", "torch"])
+def test_the_loss_head_never_synchronizes(monkeypatch, kernel):
+    """The head skips chunks without labels by the micro-batch's host copy of them: a device read there
+    would stall the GPU-driving thread until the whole forward had run, once per chunk."""
+    from slideformer.engine.engine import SlideEngine as Engine
+
+    head = Engine._head
+
+    def strict(self, st, unit, slot):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return head(self, st, unit, slot)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(Engine, "_head", strict)
+    model = build("llama")
+    labels = batch(97, b=4, s=32)
+    labels["labels"] = labels["input_ids"].clone()
+    labels["labels"][:2] = -100  # whole chunks without a label
+    state, _ = cuda_engine_train(model, [labels], compute_dtype=torch.bfloat16, lr=1e-3, loss_kernel=kernel,
+                                 loss_chunk_tokens=32)
+    assert all(torch.isfinite(v).all() for v in state.values())
+
+
 @pytest.mark.parametrize("family", ["qwen3-tied", "llama"])
 def test_resident_edges_on_cuda_match_pytorch(family):
     """Embedding and head trained on the GPU (fused AdamW on the compute stream) while layers stream."""

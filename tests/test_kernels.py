@@ -68,6 +68,26 @@ def test_all_ignored_chunks_give_zero_gradient_there():
     assert rel(h1.grad, h2.grad) <= 1e-5 and rel(w1.grad, w2.grad) <= 1e-5
 
 
+def test_chunks_to_skip_come_from_the_host_copy_when_given():
+    """The engine passes its host copy of which labels count, so that skipping all-ignored chunks never
+    synchronises with the GPU; without it the labels are read once, not once per chunk."""
+    from slideformer.kernels.fused_linear_ce import chunks_with_targets
+
+    lab = torch.full((25,), 3)
+    lab[:10] = -100
+    lab[20:] = -100
+    assert chunks_with_targets(lab, 10) == [False, True, False]
+    wrong = torch.full((25,), 5)  # the host copy decides, not the labels
+    assert chunks_with_targets(wrong, 10, targets=lab != -100) == [False, True, False]
+    # and the kernel skips what it says: the first chunk costs nothing (and gets no gradient)
+    h, w, _ = inputs(T=25)
+    from slideformer.kernels.fused_linear_ce import linear_cross_entropy_grads
+
+    a = linear_cross_entropy_grads(h, w, lab.to(DEV), 0.1, chunk_tokens=10)
+    b = linear_cross_entropy_grads(h, w, lab.to(DEV), 0.1, chunk_tokens=10, targets=lab != -100)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and torch.count_nonzero(a[1][:10]) == 0
+
+
 def test_tied_weight_gradients_add_up():
     """The lm_head shares its matrix with the embedding: both uses' gradients must reach it."""
     h, w, lab = inputs(V=97)

@@ -59,6 +59,7 @@ class _Step:
 class MicroBatch:
     input_ids: torch.Tensor  # [B, S] on the device
     labels: torch.Tensor  # [B*S] shifted left by one, -100 = ignored
+    targets: torch.Tensor  # [B*S] bool on the host, labels != -100: the loss head skips chunks without a sync
     attention_mask: torch.Tensor | None
     position_ids: torch.Tensor  # [1, S], or [B, S] restarting at 0 for each packed sample
     masks: dict | None = None  # per attention type, built after the embedding
@@ -243,7 +244,7 @@ class SlideEngine:
         head_loss = fused_head_loss if self.cfg.loss_kernel == "fused" else chunked_head_loss
         for i, (h, mb) in enumerate(zip(st.hidden, st.mbs)):
             part, gh = head_loss(h.flatten(0, 1), mb.labels, ad.norm, w, st.denom,
-                                 self._loss_chunk, acc_n, acc_w, accumulate=i > 0)
+                                 self._loss_chunk, acc_n, acc_w, accumulate=i > 0, targets=mb.targets)
             st.loss += part
             st.grad_hidden.append(gh.view_as(h))
         if acc_w is not gw:
@@ -377,6 +378,7 @@ class SlideEngine:
                 rows=(rows.to(dev, non_blocking=True), where.to(dev, non_blocking=True)),
                 input_ids=ids.to(dev, torch.long, non_blocking=True),
                 labels=shifted.reshape(-1).to(dev, torch.long, non_blocking=True),
+                targets=(shifted != -100).reshape(-1),
                 attention_mask=None if am is None else am.to(dev, non_blocking=True),
                 position_ids=torch.arange(S, device=dev).unsqueeze(0) if pos is None else pos.to(dev, non_blocking=True),
             ))

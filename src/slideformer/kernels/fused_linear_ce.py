@@ -16,22 +16,33 @@ import torch.nn.functional as F
 from .cross_entropy import cross_entropy_grad_
 
 
+def chunks_with_targets(labels: torch.Tensor, chunk_tokens: int, ignore_index: int = -100,
+                        targets: torch.Tensor | None = None) -> list[bool]:
+    """Which ``chunk_tokens``-token chunks of ``labels`` have a label to train on. From ``targets`` (the
+    caller's host copy of ``labels != ignore_index``) without touching the device; else in one transfer,
+    not one GPU synchronisation per chunk (each would stall the thread that drives the GPU)."""
+    mask = (targets if targets is not None else labels != ignore_index).reshape(-1).cpu()
+    return [bool(mask[s: s + chunk_tokens].any()) for s in range(0, mask.numel(), chunk_tokens)]
+
+
 def linear_cross_entropy_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, scale: float,
                                ignore_index: int = -100, softcap: float | None = None, chunk_tokens: int = 8192,
-                               grad_weight: torch.Tensor | None = None):
+                               grad_weight: torch.Tensor | None = None, targets: torch.Tensor | None = None):
     """(loss sum x scale as an fp32 scalar, grad_hidden [T, H], grad_weight [V, H] fp32).
 
     ``grad_weight``, when given (fp32), is accumulated into: the engine sums micro-batches there.
+    ``targets``: see ``chunks_with_targets``.
     """
     T = hidden.shape[0]
     grad_hidden = torch.zeros_like(hidden)
     if grad_weight is None:
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    live = chunks_with_targets(labels, chunk_tokens, ignore_index, targets)
     for s in range(0, T, chunk_tokens):
-        lab = labels[s: s + chunk_tokens]
-        if not bool((lab != ignore_index).any()):
+        if not live[s // chunk_tokens]:
             continue
+        lab = labels[s: s + chunk_tokens]
         h = hidden[s: s + chunk_tokens]
         logits = h @ weight.T  # [t, V] in the compute dtype; becomes its own gradient below
         loss += cross_entropy_grad_(logits, lab.contiguous(), scale, ignore_index, softcap).sum()
