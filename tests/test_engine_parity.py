@@ -124,6 +124,27 @@ def test_clipping_is_active_and_reported():
     assert norm > 1e-3  # the threshold was really crossed
 
 
+@pytest.mark.parametrize("loss_kernel", ["torch", "fused"])
+def test_loss_chunks_without_labels_are_skipped_exactly(loss_kernel):
+    """A whole loss chunk without a label (a row that is all prompt) is skipped by the micro-batch's host
+    copy of which labels count: the training still equals PyTorch's. A micro-batch whose rows are all
+    unpadded drops its attention mask (the same causal attention, built without reading the mask)."""
+    model = build("llama")
+    batches = []
+    for s in range(3):
+        b = batch(97, b=3, s=8, seed=s)
+        # row 1 keeps one label, at position 4: after the shift it is target 11, so of the 4-token chunks
+        # [8, 12) trains and [12, 16) is skipped (a mask taken before the shift would skip the wrong one)
+        keep = b["labels"][1, 4].clone()
+        b["labels"][1] = -100
+        b["labels"][1, 4] = keep
+        b["attention_mask"] = torch.ones_like(b["input_ids"])
+        batches.append(b)
+    state, losses = engine_train(model, batches, lr=1e-2, loss_kernel=loss_kernel, loss_chunk_tokens=4)
+    ref, ref_losses = reference_train(model, batches, lr=1e-2)
+    assert_same(state, ref, losses, ref_losses)
+
+
 def test_padding_mask_and_ignored_labels():
     model = build("qwen3-tied")
     batches = []

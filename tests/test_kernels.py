@@ -86,6 +86,12 @@ def test_chunks_to_skip_come_from_the_host_copy_when_given():
     a = linear_cross_entropy_grads(h, w, lab.to(DEV), 0.1, chunk_tokens=10)
     b = linear_cross_entropy_grads(h, w, lab.to(DEV), 0.1, chunk_tokens=10, targets=lab != -100)
     assert all(torch.equal(x, y) for x, y in zip(a, b)) and torch.count_nonzero(a[1][:10]) == 0
+    # a chunk the host copy calls empty is skipped even though it has labels (so the copy is what is read)
+    none = torch.zeros(25, dtype=torch.bool)
+    loss, gh, gw = linear_cross_entropy_grads(h, w, lab.to(DEV), 0.1, chunk_tokens=10, targets=none)
+    assert float(loss) == 0 and torch.count_nonzero(gh) == 0 and torch.count_nonzero(gw) == 0
+    with pytest.raises(ValueError, match="25 labels"):
+        chunks_with_targets(lab, 10, targets=none[:24])
 
 
 def test_tied_weight_gradients_add_up():

@@ -62,6 +62,7 @@ class MicroBatch:
     targets: torch.Tensor  # [B*S] bool on the host, labels != -100: the loss head skips chunks without a sync
     attention_mask: torch.Tensor | None
     position_ids: torch.Tensor  # [1, S], or [B, S] restarting at 0 for each packed sample
+    packed: bool = False  # position_ids restart: the mask functions must look at them (a device read)
     masks: dict | None = None  # per attention type, built after the embedding
     rope: tuple | None = None  # (cos, sin)
     rows: tuple | None = None  # (unique token ids, each position's index into them): the embedding's backward
@@ -210,7 +211,8 @@ class SlideEngine:
         with torch.no_grad():
             for mb in st.mbs:
                 h = F.embedding(mb.input_ids, w, self.adapter.padding_idx)  # [B, S, H]
-                mb.masks = self.adapter.attention_masks(h, mb.attention_mask, mb.position_ids)
+                # (unpacked rows: no position ids, or transformers reads them on the device to look for packing)
+                mb.masks = self.adapter.attention_masks(h, mb.attention_mask, mb.position_ids if mb.packed else None)
                 mb.rope = self.rotary(h, mb.position_ids)
                 st.hidden.append(h)
 
@@ -361,6 +363,8 @@ class SlideEngine:
                 am = torch.as_tensor(am).view(B, S)
                 if "labels" not in item:
                     labels = labels.masked_fill(am == 0, -100)
+                if bool(am.all()):  # no padding: no mask, and no device read of it in the mask functions
+                    am = None
             pos = item.get("position_ids")
             if pos is not None:  # packed rows: positions restart per sample, attention stays within it
                 pos = torch.as_tensor(pos).reshape(B, S).long()
@@ -378,9 +382,10 @@ class SlideEngine:
                 rows=(rows.to(dev, non_blocking=True), where.to(dev, non_blocking=True)),
                 input_ids=ids.to(dev, torch.long, non_blocking=True),
                 labels=shifted.reshape(-1).to(dev, torch.long, non_blocking=True),
-                targets=(shifted != -100).reshape(-1),
+                targets=(shifted != -100).reshape(-1).cpu(),
                 attention_mask=None if am is None else am.to(dev, non_blocking=True),
                 position_ids=torch.arange(S, device=dev).unsqueeze(0) if pos is None else pos.to(dev, non_blocking=True),
+                packed=pos is not None,
             ))
         if denom == 0:
             raise BatchError("every label in the step is ignored (-100): there is nothing to train on")
@@ -459,7 +464,7 @@ class SlideEngine:
                          else f"host weights cast at copy time for the last {staged} layer{'s' * (staged != 1)}")
         ring = len(self.store.grad_buffers) - sum(1 for u in ad.units if u.kind != "layer")
         if ring < n - layers:
-            parts.append(f"{ring} gradient buffers for {n - layers} streamed layers")
+            parts.append(f"{ring} gradient buffer{'s' * (ring != 1)} for {n - layers} streamed layers")
         if self.store.tier is not None:
             parts.append(f"NVMe tier: the last {len(self.store.tier.numels)} layers' moments"
                          f"{' and master' if self.store.nvme_master else ''}")

@@ -21,6 +21,8 @@ def chunks_with_targets(labels: torch.Tensor, chunk_tokens: int, ignore_index: i
     """Which ``chunk_tokens``-token chunks of ``labels`` have a label to train on. From ``targets`` (the
     caller's host copy of ``labels != ignore_index``) without touching the device; else in one transfer,
     not one GPU synchronisation per chunk (each would stall the thread that drives the GPU)."""
+    if targets is not None and targets.numel() != labels.numel():
+        raise ValueError(f"targets has {targets.numel()} entries for {labels.numel()} labels")
     mask = (targets if targets is not None else labels != ignore_index).reshape(-1).cpu()
     return [bool(mask[s: s + chunk_tokens].any()) for s in range(0, mask.numel(), chunk_tokens)]
 

@@ -275,7 +275,7 @@ def gpu_budget(cfg) -> int:
 
 
 def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, base: Placement = Placement(),
-                           rates: "MachineRates | None" = None) -> int:
+                           rates: "MachineRates | None" = None, clipping: bool = False) -> int:
     """How many decoder layers to train on the GPU (``resident_layers="auto"``).
 
     As many as fit with micro-batches of at least EFFICIENT_TOKENS (or the whole batch): all of them
@@ -283,7 +283,9 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
     layers take GPU memory that layer inputs would otherwise keep, no more than the step needs: once the
     CPU optimizer's predicted time is under half the GPU's, another resident layer saves no time and
     pushes inputs to pinned host memory and PCIe (Llama-8B b64 under 24 GiB: 4 resident layers left 16 GB
-    of inputs in RAM). The half leaves room for the time model's error (its GPU rate underestimates 8B's)."""
+    of inputs in RAM). The half leaves room for the time model's error (its GPU rate underestimates 8B's).
+    With ``clipping`` the update follows backward and only the next forward (a quarter of the GPU work)
+    can hide it: a quarter, with no margin (that model already counts no overlap with backward)."""
     rates = rates or MachineRates()
     want = min(batch * seq, EFFICIENT_TOKENS)
     best, placed = 0, None
@@ -305,7 +307,7 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
     on_cpu = lambda k: shape.params - k * shape.layer_params - (  # noqa: E731
         shape.embed_params + shape.head_params if base.resident_edges else 0)
     needed = 0
-    while needed < best and per_param * on_cpu(needed) > 0.5 * t["gpu_compute_s"]:
+    while needed < best and per_param * on_cpu(needed) > (0.25 if clipping else 0.5) * t["gpu_compute_s"]:
         needed += 1
     return needed
 
@@ -321,13 +323,14 @@ def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | N
     planner. Layers on the NVMe tier stream."""
     budget, base = gpu_budget(cfg), Placement.of(cfg)
     nvme = nvme_layer_count(cfg, shape.layers)
+    clipping = cfg.max_grad_norm is not None
     plain = replace(base, resident_edges=False)
-    k = min(choose_resident_layers(shape, batch, seq, budget, plain), shape.layers - nvme)
+    k = min(choose_resident_layers(shape, batch, seq, budget, plain, clipping=clipping), shape.layers - nvme)
     without = {"resident_layers": k, "resident_edges": False}
     if k == shape.layers or edges is False:
         return without  # (all layers resident: the edges too)
     with_edges = replace(base, resident_edges=True)
-    ke = min(choose_resident_layers(shape, batch, seq, budget, with_edges), shape.layers - nvme)
+    ke = min(choose_resident_layers(shape, batch, seq, budget, with_edges, clipping=clipping), shape.layers - nvme)
     if edges:  # asked for: the layers that fit beside them (the engine's own check refuses if none does)
         return {"resident_layers": ke, "resident_edges": True}
     try:
@@ -338,7 +341,7 @@ def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | N
     if min(pe.micro_batch, batch) * seq < min(batch * seq, EFFICIENT_TOKENS, min(p0.micro_batch, batch) * seq):
         return without
     tier = dict(nvme_master=cfg.nvme_master, activations_to_nvme=cfg.activations_to_nvme,
-                compact=cfg.optimizer_state == "compact")
+                compact=cfg.optimizer_state == "compact", clipping=clipping)
     # A gain under 2% is not worth the layer inputs their GPU memory pushes to pinned RAM (8B b64: 17 GB)
     if step_time(shape, batch, seq, pe, nvme_layers=min(nvme, shape.layers - ke), **tier)["step_s"] < \
             0.98 * step_time(shape, batch, seq, p0, nvme_layers=min(nvme, shape.layers - k), **tier)["step_s"]:
@@ -415,8 +418,9 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
     the CPU optimizer, the weight copies and the NVMe tier's moment traffic (read and written once per
     step), plus 10% for what does not overlap, plus the embedding's update at the step boundary where it
     streams. With ``clipping`` the CPU update waits for the global norm, so it follows backward (6 of the
-    8 FLOP units) and only the next forward overlaps it (session 2 measured 1.72 s at 4B b8 streamed; with
-    that session's rates this gives 1.79). Within 10% of session 5's 4B steps with a gradient buffer per streamed layer; ~20% over at
+    8 FLOP units) and only the next forward overlaps it; the embedding's update is then the first of that
+    serial chain, not a stall on top (session 2 measured 1.72 s at 4B b8 streamed; with that session's
+    rates this gives 1.68). Within 10% of session 5's 4B steps with a gradient buffer per streamed layer; ~20% over at
     8B (its GEMMs run faster); not counted: a ring of few gradient buffers (10-15%) and staged casts."""
     tokens = batch * seq
     k = min(p.resident_layers, shape.layers)
@@ -441,8 +445,10 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
     # waits for its CPU update at every step boundary, whatever else overlaps.
     stall = 0.0 if p.edges_resident(shape) else \
         shape.embed_params / rates.optimizer_params_per_s / (1.5 if compact else 1.0)
+    step = 1.1 * max(out.values()) + stall
     if clipping:
         out["after_backward_s"] = 0.75 * out["gpu_compute_s"] + out["optimizer_s"]
-    out["step_s"] = 1.1 * max(out.values()) + stall
+        step = max(step, out["after_backward_s"])
+    out["step_s"] = step
     out["edge_stall_s"] = stall
     return out
