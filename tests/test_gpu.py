@@ -322,26 +322,29 @@ def test_sending_gradients_never_synchronizes(monkeypatch):
     assert all(torch.isfinite(v).all() for v in state.values())
 
 
-@pytest.mark.parametrize("kernel", ["fused", "torch"])
-def test_the_loss_head_never_synchronizes(monkeypatch, kernel):
-    """The head skips chunks without labels by the micro-batch's host copy of them: a device read there
-    would stall the GPU-driving thread until the whole forward had run, once per chunk."""
+@pytest.mark.parametrize("visit,kernel", [("_head", "fused"), ("_head", "torch"), ("_embed_fwd", "fused")])
+def test_the_head_and_the_embedding_never_synchronize(monkeypatch, visit, kernel):
+    """The head skips chunks without labels by the micro-batch's host copy of them, and the embedding's
+    visit builds the attention masks without handing transformers device tensors to inspect (position ids
+    of unpacked rows, an all-ones mask): a device read in either would stall the GPU-driving thread until
+    all the queued work had run."""
     from slideformer.engine.engine import SlideEngine as Engine
 
-    head = Engine._head
+    run = getattr(Engine, visit)
 
     def strict(self, st, unit, slot):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return head(self, st, unit, slot)
+            return run(self, st, unit, slot)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    monkeypatch.setattr(Engine, "_head", strict)
+    monkeypatch.setattr(Engine, visit, strict)
     model = build("llama")
     labels = batch(97, b=4, s=32)
     labels["labels"] = labels["input_ids"].clone()
     labels["labels"][:2] = -100  # whole chunks without a label
+    labels["attention_mask"] = torch.ones_like(labels["input_ids"])  # no padding: dropped on the host
     state, _ = cuda_engine_train(model, [labels], compute_dtype=torch.bfloat16, lr=1e-3, loss_kernel=kernel,
                                  loss_chunk_tokens=32)
     assert all(torch.isfinite(v).all() for v in state.values())
