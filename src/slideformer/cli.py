@@ -89,13 +89,13 @@ def cmd_plan(args) -> int:
         if sum(host_at(b, p)[1].values()) > cpu_limit:
             break
         max_batch = b
+    clip = as_trained.max_grad_norm is not None  # the update then waits for backward's global norm
     out = {"model": args.model, "params": shape.params, "seq_len": args.seq_len, "batch_size": args.batch_size,
-           "clipping": as_trained.max_grad_norm is not None,
+           "clipping": clip,
            "gpu_bytes": g["peak"], "gpu": g, "host_bytes": host_total, "host": h, "nvme_bytes": nvme_bytes(shape, nvme_layers, compact, args.nvme_master),
            "gpu_limit": gpu_limit, "host_limit": cpu_limit, "fits": fits, "max_batch_size": max_batch,
            "placement": vars(placement), "host_weights": chosen_host.host_weights,
            "host_grad_buffers": chosen_host.host_grad_buffers}
-    clip = as_trained.max_grad_norm is not None  # the update then waits for backward's global norm
     timing = step_time(shape, args.batch_size, args.seq_len, placement, compact=compact, nvme_layers=nvme_layers,
                        nvme_master=args.nvme_master, activations_to_nvme=args.activations_to_nvme, clipping=clip)
     if gpu_limit and fits_gpu:  # what training some layers on the GPU would buy

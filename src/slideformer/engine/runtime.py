@@ -347,17 +347,16 @@ class Runtime:
         if not self.wait_flag(self._updated[unit]) or self._error is not None:
             return
         n = self.adapter.units[unit].numel
-        dst = slot.params[:n]
+        dst, w = slot.params[:n], self.store.weights[unit]  # (w None: staged, cast from the master)
         if not self.cuda:
-            w = self.store.weights[unit]
             dst.copy_(w if w is not None else self.store.master[unit])
             return
         with torch.cuda.stream(self.h2d):
             if used is not None:
                 self.h2d.wait_event(used)
             start = self._mark(self.h2d)
-            if self.store.weights[unit] is not None:
-                dst.copy_(self.store.weights[unit], non_blocking=True)
+            if w is not None:
+                dst.copy_(w, non_blocking=True)
             else:
                 self._copy_staged(self.store.master[unit], dst)
             slot.loaded = self.h2d.record_event()

@@ -249,11 +249,12 @@ def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Placement, ram: i
         cfg = replace(cfg, host_grad_buffers=MIN_GRAD_BUFFERS)
     if weights:
         full = replace(cfg, host_weights="persistent")
-        per_layer = total(full) - total(replace(cfg, host_weights=1))  # 0 where no copy is kept anyway
-        if cfg.nvme_master or not per_layer or total(full) <= budget:  # (the tier's master needs the copy)
+        need = total(full)
+        per_layer = need - total(replace(cfg, host_weights=1))  # 0 where no copy is kept anyway
+        if cfg.nvme_master or not per_layer or need <= budget:  # (the tier's master needs the copy)
             cfg = full
         else:
-            k = -int((budget - total(full)) // per_layer)  # the fewest staged layers that fit
+            k = -int((budget - need) // per_layer)  # the fewest staged layers that fit
             cfg = replace(cfg, host_weights=k if k <= shape.layers else "staged")
     if buffers:  # (clipping holds one per layer whatever is asked)
         streamed = shape.layers - min(cfg.resident_layers, shape.layers)  # resident layers keep theirs on the GPU
