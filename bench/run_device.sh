@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on the GPU machine, in one call: the GPU tests, then the benchmark cases.
 #   run from the repo root on the device machine; results go to $OUT (or ./bench/out).
-# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table14|b64|timeline | case ...]
+# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table15|b64|timeline | case ...]
 #   (a case: "system model batch [extra args]")
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -118,6 +118,14 @@ if [[ $what == bench || $what == all ]]; then
                     "slideformer llama3-8b 32 --gpu-memory-limit-gib 24" "slideformer llama3-8b 8 --gpu-memory-limit-gib 24" \
                     "plain qwen3-4b 32 --fused-ops liger" "slideformer qwen3-4b 32 --gpu-memory-limit-gib 24" \
                     "deepspeed qwen3-4b 32 --gpu-memory-limit-gib 24 --ds-loss fused" ;;
+    # Session 6: compact state at 8B b8, where 4B b64 under 24 GiB loses to plain+Liger (profiles of both,
+    # resident edges), and what exact clipping (the trainer's default) costs at 4B b8
+    table15) set -- "slideformer llama3-8b 8 --gpu-memory-limit-gib 24 --optimizer-state compact" \
+                    "slideformer qwen3-4b 64 --gpu-memory-limit-gib 24 --profile-ops 30" \
+                    "plain qwen3-4b 64 --fused-ops liger --profile-ops 30" \
+                    "slideformer qwen3-4b 64 --gpu-memory-limit-gib 24 --resident-edges" \
+                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --max-grad-norm 1" \
+                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24" ;;
     # Where the 4B b8 streamed step loses its last 0.2 s (NOTES, session 3): every update and visit, with
     # 4 and with 36 gradient buffers
     timeline) set -- "slideformer qwen3-4b 8 --resident-layers 0 --timeline" \
