@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on the GPU machine, in one call: the GPU tests, then the benchmark cases.
 #   run from the repo root on the device machine; results go to $OUT (or ./bench/out).
-# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table15|b64|timeline | case ...]
+# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table16|b64|timeline | case ...]
 #   (a case: "system model batch [extra args]")
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -126,6 +126,12 @@ if [[ $what == bench || $what == all ]]; then
                     "slideformer qwen3-4b 64 --gpu-memory-limit-gib 24 --resident-edges" \
                     "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --max-grad-norm 1" \
                     "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24" ;;
+    # Session 6: is 4B b64's 5% GEMM gap to plain the micro-batches of 32? (kernel and matmul-shape profiles,
+    # all layers resident on the whole card with one and two micro-batches); 4B b8's idle CPU, update by update
+    table16) set -- "plain qwen3-4b 64 --fused-ops liger --profile-ops 40" \
+                    "slideformer qwen3-4b 64 --resident-layers 36 --profile-ops 40" \
+                    "slideformer qwen3-4b 64 --resident-layers 36 --micro-batch 32 --profile-ops 40" \
+                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --timeline" ;;
     # Where the 4B b8 streamed step loses its last 0.2 s (NOTES, session 3): every update and visit, with
     # 4 and with 36 gradient buffers
     timeline) set -- "slideformer qwen3-4b 8 --resident-layers 0 --timeline" \

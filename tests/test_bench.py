@@ -94,3 +94,14 @@ def test_convergence_run_compares_compact_with_fp32_state():
     (fp32,), (compact,) = s["final_eval_fp32"], s["final_eval_compact"]
     assert fp32 < s["pretrained_eval_loss"] and compact < s["pretrained_eval_loss"]
     assert s["max_abs_diff"] < 0.01
+
+
+def test_profile_names_the_shapes_of_each_matrix_product():
+    """The kernel table says which GEMM kernel is slow; the matmul table says which product launched it."""
+    import torch
+
+    a, b, c = torch.randn(64, 32), torch.randn(32, 16), torch.randn(16, 8)
+    out = harness.profile_ops(lambda: (a @ b) @ c, lambda: None, 5)
+    shapes = sorted(r["shapes"] for r in out["matmuls"])
+    assert shapes == [[[64, 16], [16, 8]], [[64, 32], [32, 16]]]
+    assert all(r["op"] == "aten::mm" and r["calls"] == 1 for r in out["matmuls"])

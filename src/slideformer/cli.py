@@ -148,7 +148,8 @@ def cmd_plan(args) -> int:
         print(f"predicted step {timing['step_s']:.2f} s ({out['predicted_tokens_per_s']:.0f} tok/s by the time model "
               f"of the H200 machine, within 10% of unclipped 4B measurements): GPU {timing['gpu_compute_s']:.2f} s, "
               f"optimizer {timing['optimizer_s']:.2f} s"
-              + (f" (clipping: it follows backward, {timing['after_backward_s']:.2f} s)" if clip else "")
+              + (f" (clipping: it follows backward, {timing['after_backward_s']:.2f} s)"
+                 if clip and timing["after_backward_s"] >= timing["step_s"] else "")
               + f", weights in {timing['h2d_s']:.2f} s" + (f", NVMe tier {timing['nvme_s']:.1f} s" if nvme_layers else "")
               + (f", embedding update at the step boundary {timing['edge_stall_s']:.2f} s"
                  if timing["edge_stall_s"] and not clip else ""))

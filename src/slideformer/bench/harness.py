@@ -218,19 +218,24 @@ class _FusedLossLM(torch.nn.Module):
         return SimpleNamespace(loss=fused_linear_cross_entropy(h, self.lm.lm_head.weight, shifted))
 
 
-def profile_ops(step, finish, top: int) -> list[dict]:
-    """One step under the torch profiler: the ``top`` ops by GPU time (self time, so nested ops are not
-    counted twice), each with its share of the step's GPU time. What issue 6 asks to look at before
-    writing a kernel."""
+def profile_ops(step, finish, top: int) -> dict:
+    """One step under the torch profiler: the ``top`` GPU kernels by GPU time (self time, so nested ops are
+    not counted twice), each with its share of the step's GPU time, and the ``top`` matrix products by
+    operand shapes (which GEMM a slow kernel belongs to). What issue 6 asks to look at before writing a
+    kernel."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
         step()
         finish()
-    rows = [(e.key, e.self_device_time_total / 1e6, e.count) for e in prof.key_averages()]
+    rows = [(e.key, e.self_device_time_total / 1e6, e.count) for e in prof.key_averages() if e.self_device_time_total]
     total = sum(t for _, t, _ in rows) or 1.0
     rows.sort(key=lambda r: -r[1])
-    return [{"op": k, "gpu_s": t, "calls": n, "share": t / total} for k, t, n in rows[:top]]
+    mms = [(e.key, e.input_shapes, e.device_time_total / 1e6, e.count)
+           for e in prof.key_averages(group_by_input_shape=True) if e.key in ("aten::mm", "aten::addmm", "aten::bmm")]
+    mms.sort(key=lambda r: -r[2])
+    return {"kernels": [{"op": k, "gpu_s": t, "calls": n, "share": t / total} for k, t, n in rows[:top]],
+            "matmuls": [{"op": k, "shapes": sh, "gpu_s": t, "calls": n} for k, sh, t, n in mms[:top]]}
 
 
 RUNNERS = {"slideformer": run_slideformer, "plain": run_plain, "deepspeed": run_deepspeed}
@@ -329,7 +334,8 @@ def main(argv=None):
     }
     ex = extra()  # before the profiled step below, which is not one of the timed ones
     if args.profile_ops and cuda:
-        rec["op_profile"] = profile_ops(step, finish, args.profile_ops)
+        prof = profile_ops(step, finish, args.profile_ops)
+        rec["op_profile"], rec["matmul_profile"] = prof["kernels"], prof["matmuls"]
     if "breakdown" in ex:
         if "timeline" in ex["breakdown"]:
             rec["timeline"] = ex["breakdown"].pop("timeline")
