@@ -132,8 +132,9 @@ def test_compact_state_tracks_fp32_adamw():
 
 @pytest.mark.parametrize("compact", [False, True])
 def test_native_update_follows_the_landing_flags(compact):
-    """One call per unit updates each chunk once its flag shows the ticket, and only then; an abort ends
-    the wait for a chunk that never lands."""
+    """One call per unit updates each chunk once its flag shows the ticket, and only then, and returns how
+    long it waited for them (the profile's honest update time); an abort ends the wait for a chunk that
+    never lands."""
     import threading
     import time
 
@@ -148,20 +149,21 @@ def test_native_update_follows_the_landing_flags(compact):
         ref = [t.clone() for t in state]
 
         def update(s, landing=None):
-            adamw_compact_(s[0], s[1], g, s[2], s[3], step=1, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+            return adamw_compact_(s[0], s[1], g, s[2], s[3], step=1, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                            backend="native", threads=2, landing=landing)
     else:
         state = [torch.randn(n), torch.zeros(n), torch.zeros(n)]
         ref = [t.clone() for t in state]
 
         def update(s, landing=None):
-            adamw_update_(s[0], g, s[1], s[2], step=1, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+            return adamw_update_(s[0], g, s[1], s[2], step=1, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                           backend="native", threads=2, landing=landing)
-    update(ref)
+    assert update(ref) == 0.0
     before = state[0].clone()
     flags, abort = torch.zeros(4, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
     flags[0] = ticket - 1  # a previous send's ticket: not this one
-    th = threading.Thread(target=lambda: update(state, Landing(flags, ticket, chunk, abort)))
+    waited = []
+    th = threading.Thread(target=lambda: waited.append(update(state, Landing(flags, ticket, chunk, abort))))
     th.start()
     time.sleep(0.05)
     assert torch.equal(state[0], before)  # nothing has landed
@@ -173,6 +175,8 @@ def test_native_update_follows_the_landing_flags(compact):
     assert not th.is_alive()
     for a, b in zip(state, ref):
         assert torch.equal(a, b)  # chunk by chunk is the same update as one piece
+    assert 0.09 < waited[0] < 5  # two sleeps of 0.05 s before chunks landed
+    assert update([t.clone() for t in ref], Landing(flags, ticket, chunk, abort)) == 0.0  # all there already
 
     flags.zero_()
     failure = []

@@ -342,7 +342,9 @@ def main(argv=None):
         b = {k: v / args.steps for k, v in ex["breakdown"].items()}
         rec["breakdown_per_step_s"] = b
         gpu = b.get("gpu_compute_s", 0) + b.get("gpu_adamw_busy_s", 0)  # the resident units' AdamW is GPU work too
-        parts = [gpu, b.get("h2d_busy_s", 0), b.get("d2h_busy_s", 0), b.get("host_optimizer_s", 0)]
+        # the CPU update's own time: without the waits for gradient chunks still in flight
+        b["host_optimizer_own_s"] = b.get("host_optimizer_s", 0) - b.get("host_optimizer_wait_landing_s", 0)
+        parts = [gpu, b.get("h2d_busy_s", 0), b.get("d2h_busy_s", 0), b["host_optimizer_own_s"]]
         rec["pipeline_efficiency"] = max(parts) / dt
         rec["host_bytes"] = ex["host_bytes"]
         rec["placement"] = ex.get("placement")

@@ -497,21 +497,22 @@ class Runtime:
                 out = s.weights[job.unit] if s.weights is not s.master else None  # (None: staged)
                 t0 = time.perf_counter()
                 if s.compact:
-                    adamw_compact_(master, s.master_lo[job.unit], grad, exp_avg, exp_avg_sq,
+                    waited = adamw_compact_(master, s.master_lo[job.unit], grad, exp_avg, exp_avg_sq,
                                    step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
                                    grad_coef=job.grad_coef, seed=self._compact_seed(job.unit),
                                    backend=self.optimizer_backend, threads=c.optimizer_threads, landing=job.grads.landing)
                 else:
                     cast_out = out is not None and out.dtype in (torch.bfloat16, torch.float16)
-                    adamw_update_(master, grad, exp_avg, exp_avg_sq, step=job.step, lr=job.lr,
+                    waited = adamw_update_(master, grad, exp_avg, exp_avg_sq, step=job.step, lr=job.lr,
                                   betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, grad_coef=job.grad_coef,
                                   out=out if cast_out else None, scratch=self._scratch,
                                   backend=self.optimizer_backend, threads=c.optimizer_threads,
                                   landing=job.grads.landing)
                     if out is not None and not cast_out:  # an fp32 copy of a master on the tier
                         out.copy_(master)
-                if self.profiler:  # includes waits for chunks still in flight: rare, the optimizer trails the copies
+                if self.profiler:  # the span includes waits for chunks still in flight, also counted on their own
                     self.profiler.span("optimizer", job.unit, t0, time.perf_counter())
+                    self.profiler.add_host("optimizer_wait_landing", waited)
         except BaseException as e:  # surfaced to the main thread at its next wait
             self._fail(e)
         finally:

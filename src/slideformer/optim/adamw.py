@@ -31,8 +31,9 @@ class Landing:
     def landed(self, k: int = 0) -> bool:
         return int(self.flags[k]) >= self.ticket
 
-    def wait(self, numel: int) -> None:
-        """Until the last chunk has landed (the torch backend updates a unit in one piece)."""
+    def wait(self, numel: int) -> float:
+        """Until the last chunk has landed (the torch backend updates a unit in one piece); returns the
+        seconds waited."""
         last = (numel - 1) // self.chunk
         t0 = time.monotonic()
         while not self.landed(last):
@@ -40,6 +41,7 @@ class Landing:
                 raise RuntimeError("the gradient stream was aborted" if int(self.abort[0]) else
                                    f"gradient chunk {last} never landed (no copy for 120 s)")
             time.sleep(2e-5)
+        return time.monotonic() - t0
 
     def kwargs(self) -> dict:
         return dict(flags=self.flags, ticket=self.ticket, chunk=self.chunk, abort=self.abort)
@@ -48,21 +50,20 @@ class Landing:
 def adamw_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                   *, step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                   grad_coef: float = 1.0, out: torch.Tensor | None = None, scratch: torch.Tensor | None = None,
-                  backend: str = "torch", threads: int | None = None, landing: Landing | None = None) -> None:
+                  backend: str = "torch", threads: int | None = None, landing: Landing | None = None) -> float:
     """Decoupled-weight-decay Adam, exactly torch.optim.AdamW's update for the ``step``-th step.
 
     ``out``, when given, receives the updated weights in its dtype (the compute copy sent to the GPU).
-    ``landing``, when given, says when each chunk of ``grad`` is there to be read.
+    ``landing``, when given, says when each chunk of ``grad`` is there to be read. Returns the seconds
+    spent waiting for chunks (the rest of the call is the update's own time).
     """
     if backend == "native":
         mod = native.load(strict=True)
-        mod.adamw_step(master, grad, exp_avg, exp_avg_sq, out, step, lr, betas[0], betas[1], eps, weight_decay,
-                       grad_coef, threads or native.default_threads(), **(landing.kwargs() if landing else {}))
-        return
+        return mod.adamw_step(master, grad, exp_avg, exp_avg_sq, out, step, lr, betas[0], betas[1], eps, weight_decay,
+                              grad_coef, threads or native.default_threads(), **(landing.kwargs() if landing else {}))
     if backend != "torch":
         raise ValueError(f"unknown optimizer backend {backend!r}; use 'native' or 'torch'")
-    if landing is not None:
-        landing.wait(grad.numel())
+    waited = landing.wait(grad.numel()) if landing is not None else 0.0
     if grad.dtype != torch.float32:
         if scratch is None or scratch.numel() < grad.numel():
             raise ValueError("a non-fp32 gradient needs an fp32 scratch buffer at least as large")
@@ -77,6 +78,7 @@ def adamw_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
                         beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
     if out is not None:
         out.copy_(master)
+    return waited
 
 
 M32 = 0xFFFFFFFF
@@ -110,23 +112,21 @@ def _bf16_stochastic(x: torch.Tensor, seed: int, offset: int = 0) -> torch.Tenso
 def adamw_compact_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                    exp_avg_sq: torch.Tensor, *, step: int, lr: float, betas: tuple[float, float], eps: float,
                    weight_decay: float, grad_coef: float = 1.0, seed: int = 0, offset: int = 0,
-                   backend: str = "native", threads: int | None = None, landing: Landing | None = None) -> None:
+                   backend: str = "native", threads: int | None = None, landing: Landing | None = None) -> float:
     """AdamW on compact state: master = hi + lo (bf16 each), bf16 moments rounded stochastically.
 
     ``offset``: where these tensors start in their unit (the rounding bits hash the position in the unit,
     so updating a unit in chunks gives the same result as in one call).
 
     Same arithmetic in both backends, equal to rounding (the kernel fuses multiply-adds); the PyTorch one
-    is the reference and the fallback.
+    is the reference and the fallback. Returns the seconds spent waiting for gradient chunks.
     """
     if backend == "native":
-        native.load(strict=True).adamw_step_compact(hi, lo, grad, exp_avg, exp_avg_sq, step, lr, betas[0], betas[1],
-                                                     eps, weight_decay, grad_coef, seed, offset,
-                                                     threads or native.default_threads(),
-                                                     **(landing.kwargs() if landing else {}))
-        return
-    if landing is not None:
-        landing.wait(grad.numel())
+        return native.load(strict=True).adamw_step_compact(hi, lo, grad, exp_avg, exp_avg_sq, step, lr, betas[0],
+                                                            betas[1], eps, weight_decay, grad_coef, seed, offset,
+                                                            threads or native.default_threads(),
+                                                            **(landing.kwargs() if landing else {}))
+    waited = landing.wait(grad.numel()) if landing is not None else 0.0
     b1, b2 = betas
     w1 = torch.tensor(1.0 - b1, dtype=torch.float32)
     f = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731  (fp32 scalars, as the kernel has)
@@ -141,6 +141,7 @@ def adamw_compact_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, exp_a
     seed_m, seed_v = compact_seeds(seed, step)
     exp_avg.copy_(_bf16_stochastic(m, seed_m, offset))
     exp_avg_sq.copy_(_bf16_stochastic(v, seed_v, offset))
+    return waited
 
 
 def resolve_backend(requested: str) -> str:

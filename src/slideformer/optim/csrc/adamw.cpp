@@ -152,7 +152,12 @@ Landing landing_of(const c10::optional<torch::Tensor>& flags, int64_t ticket, in
   return l;
 }
 
-void wait_landed(const Landing& l, int64_t k) {
+// Returns the seconds spent waiting (0 when the chunk was already there).
+double wait_landed(const Landing& l, int64_t k) {
+  if (l.flags[k] >= l.ticket) {
+    std::atomic_thread_fence(std::memory_order_acquire);
+    return 0.0;
+  }
   const auto start = std::chrono::steady_clock::now();
   for (int64_t spin = 0; l.flags[k] < l.ticket; ++spin) {
     TORCH_CHECK(l.abort == nullptr || *l.abort == 0, "the gradient stream was aborted");
@@ -162,15 +167,20 @@ void wait_landed(const Landing& l, int64_t k) {
     else std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
   std::atomic_thread_fence(std::memory_order_acquire);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// Runs ``body`` on each chunk once it has landed; returns the seconds spent waiting for chunks, so that
+// the caller can tell the update's own time from the gradient stream's.
 template <typename F>
-void for_each_landed(int64_t n, const Landing& l, F&& body) {
+double for_each_landed(int64_t n, const Landing& l, F&& body) {
   const int64_t step = l.flags != nullptr ? l.chunk : std::max<int64_t>(n, 1);
+  double waited = 0.0;
   for (int64_t a = 0, k = 0; a < n; a += step, ++k) {
-    if (l.flags != nullptr) wait_landed(l, k);
+    if (l.flags != nullptr) waited += wait_landed(l, k);
     body(a, std::min(n, a + step));
   }
+  return waited;
 }
 
 inline float bf16_to_f32(uint16_t h) {
@@ -298,7 +308,7 @@ void dispatch_out(const torch::Tensor& p, const torch::Tensor& g, const torch::T
   }
 }
 
-void adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
+double adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
                 c10::optional<torch::Tensor> out, int64_t step, double lr, double beta1, double beta2, double eps,
                 double weight_decay, double grad_coef, int64_t threads, c10::optional<torch::Tensor> flags,
                 int64_t ticket, int64_t chunk, c10::optional<torch::Tensor> abort) {
@@ -316,7 +326,7 @@ void adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, 
   const Hyper h = make_hyper(step, lr, beta1, beta2, eps, weight_decay, grad_coef);
   const Landing landing = landing_of(flags, ticket, chunk, abort, n);
   pybind11::gil_scoped_release no_gil;
-  for_each_landed(n, landing, [&](int64_t b, int64_t e) {
+  return for_each_landed(n, landing, [&](int64_t b, int64_t e) {
     switch (grad.scalar_type()) {
       case at::kFloat: dispatch_out<F32>(param, grad, exp_avg, exp_avg_sq, out, b, e, h, threads); break;
       case at::kBFloat16: dispatch_out<BF16>(param, grad, exp_avg, exp_avg_sq, out, b, e, h, threads); break;
@@ -368,7 +378,7 @@ void compact_range(uint16_t* __restrict hi, uint16_t* __restrict lo, const typen
   }
 }
 
-void adamw_step_compact(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad, torch::Tensor exp_avg,
+double adamw_step_compact(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad, torch::Tensor exp_avg,
                         torch::Tensor exp_avg_sq, int64_t step, double lr, double beta1, double beta2, double eps,
                         double weight_decay, double grad_coef, int64_t seed, int64_t offset, int64_t threads,
                         c10::optional<torch::Tensor> flags, int64_t ticket, int64_t chunk,
@@ -389,7 +399,7 @@ void adamw_step_compact(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad, 
   TORCH_CHECK(bf16_grad || grad.scalar_type() == at::kFloat, "grad must be bf16 or fp32");
   const Landing landing = landing_of(flags, ticket, chunk, abort, n);
   pybind11::gil_scoped_release no_gil;
-  for_each_landed(n, landing, [&](int64_t begin, int64_t end) {
+  return for_each_landed(n, landing, [&](int64_t begin, int64_t end) {
     parallel_ranges(begin, end, threads, [&](int64_t b, int64_t e) {
       if (bf16_grad)
         compact_range<BF16>(hp, lp, reinterpret_cast<const uint16_t*>(grad.data_ptr()), mp, vp, b, e, h, seed_m,
@@ -404,11 +414,11 @@ void adamw_step_compact(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad, 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace pybind11::literals;
-  m.def("adamw_step", &adamw_step, "one-pass AdamW (fp32 master and moments, optional bf16/fp16 copy out)",
+  m.def("adamw_step", &adamw_step, "one-pass AdamW (fp32 master and moments, optional bf16/fp16 copy out); returns the seconds it waited for gradient chunks",
         "param"_a, "grad"_a, "exp_avg"_a, "exp_avg_sq"_a, "out"_a, "step"_a, "lr"_a, "beta1"_a, "beta2"_a, "eps"_a,
         "weight_decay"_a, "grad_coef"_a, "threads"_a, "flags"_a = pybind11::none(), "ticket"_a = 0, "chunk"_a = 0,
         "abort"_a = pybind11::none());
-  m.def("adamw_step_compact", &adamw_step_compact, "one-pass AdamW on compact state (bf16 hi/lo master, bf16 moments)",
+  m.def("adamw_step_compact", &adamw_step_compact, "one-pass AdamW on compact state (bf16 hi/lo master, bf16 moments); returns the seconds it waited for gradient chunks",
         "hi"_a, "lo"_a, "grad"_a, "exp_avg"_a, "exp_avg_sq"_a, "step"_a, "lr"_a, "beta1"_a, "beta2"_a, "eps"_a,
         "weight_decay"_a, "grad_coef"_a, "seed"_a, "offset"_a, "threads"_a, "flags"_a = pybind11::none(),
         "ticket"_a = 0, "chunk"_a = 0, "abort"_a = pybind11::none());
