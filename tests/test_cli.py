@@ -73,7 +73,9 @@ def test_plan_suggests_what_train_would_choose(capsys):
     for state in ("fp32", "compact"):
         assert main(args + ["--optimizer-state", state]) == 0
         outs[state] = json.loads(capsys.readouterr().out)
-        cfg = EngineConfig(device="cpu", gpu_memory_limit="24GiB", optimizer_state=state, max_grad_norm=1.0)
+        # (speculative_layers "auto": train passes every layer for the residency choice)
+        cfg = EngineConfig(device="cpu", gpu_memory_limit="24GiB", optimizer_state=state, max_grad_norm=1.0,
+                           speculative_layers=36)
         chosen = auto_residency(cfg, ModelShape.from_adapter(ModelAdapter(preset_config("qwen3-4b"))), 8, 1024)
         assert outs[state]["suggested_resident_layers"] == chosen["resident_layers"]
     assert outs["compact"]["suggested_resident_layers"] > outs["fp32"]["suggested_resident_layers"]
@@ -83,9 +85,14 @@ def test_plan_suggests_what_train_would_choose(capsys):
         < outs["fp32"]["predicted_step_s_resident"]
     assert outs["fp32"]["host_bytes_compact"] < 0.7 * outs["fp32"]["host_bytes"]  # 8 instead of 14 bytes/param
     assert "predicted_step_s_compact" not in outs["compact"]
-    # clipping (the trainer's default) makes the update wait for backward: predicted slower than without
-    assert outs["fp32"]["clipping"] and outs["fp32"]["predicted_step_s_resident_unclipped"] < \
-        outs["fp32"]["predicted_step_s_resident"]
+    # clipping (the trainer's default): with a spare state for every streamed layer the updates run before
+    # the norm as they would unclipped; where RAM has no room for spares they wait for backward: slower
+    assert outs["fp32"]["clipping"] and outs["fp32"]["speculative_layers"] == 36
+    assert outs["fp32"]["predicted_step_s_resident_unclipped"] == outs["fp32"]["predicted_step_s_resident"]
+    assert main(args[:-2] + ["72GiB", "--json"]) == 0
+    short = json.loads(capsys.readouterr().out)
+    assert short["speculative_layers"] <= 2 and short["fits"]  # (72 GiB: room for one)
+    assert short["predicted_step_s_resident_unclipped"] < 0.8 * short["predicted_step_s_resident"]
     # GPU-bound at b64: nothing to suggest
     assert main(args[:6] + ["64"] + args[7:]) == 0
     assert "predicted_step_s_compact" not in json.loads(capsys.readouterr().out)

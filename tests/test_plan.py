@@ -71,6 +71,41 @@ def test_window_and_host_match_engine_accounting(ring, compact):
         assert host["grads"] == rep["host_grads"] and host["weights"] == rep["host_weights"]
 
 
+@pytest.mark.parametrize("compact", [False, True])
+def test_spare_states_match_engine_accounting(compact):
+    """speculative_layers under clipping: a spare copy of a layer's state each (12 bytes/param, 8 compact),
+    in the plan as in the store; without clipping none is allocated."""
+    model = build("llama")
+    for clip in (1.0, None):
+        cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, max_grad_norm=clip, speculative_layers=2,
+                           optimizer_state="compact" if compact else "fp32")
+        with SlideEngine(model, cfg) as eng:
+            sh = ModelShape.from_adapter(eng.adapter)
+            planned = config_host_bytes(cfg, sh, 1, 8, Placement())["spares"]
+            assert planned == eng.memory_report()["host_spares"] == \
+                (2 * sh.layer_params * (8 if compact else 12) if clip else 0)
+            assert ("clipping: 2 of 3 streamed layers updated before the global norm" in eng.describe()) == bool(clip)
+
+
+def test_auto_host_gives_spare_states_to_the_streamed_layers_where_ram_allows():
+    """H200 machine (125 GiB): Qwen3-4B b8 under 24 GiB with 8 resident layers: a spare for each of the 28
+    streamed layers (41 GiB); with less RAM as many as fit; none without clipping (nothing to wait for)."""
+    from slideformer.plan import auto_host, config_host_bytes, spares_that_fit
+
+    four = shape("qwen3-4b")
+    cfg = EngineConfig(gpu_memory_limit="24GiB", max_grad_norm=1.0, resident_layers=8, resident_edges=True)
+    p = fit(four, 8, 1024, 24 * GiB, Placement.of(cfg))
+    assert auto_host(cfg, four, 8, 1024, p, 125 * GiB, spares=True).speculative_layers == 28
+    some = auto_host(cfg, four, 8, 1024, p, 80 * GiB, spares=True)
+    assert 0 < some.speculative_layers < 28
+    total = sum(config_host_bytes(some, four, 8, 1024, p).values())
+    assert total <= 0.85 * 80 * GiB < total + 12 * four.layer_params
+    assert auto_host(replace(cfg, max_grad_norm=None), four, 8, 1024, p, 125 * GiB, spares=True).speculative_layers == 0
+    # before the residency choice: what fits with every layer streamed
+    assert spares_that_fit(cfg, four, 8, 1024, 125 * GiB) == four.layers
+    assert spares_that_fit(replace(cfg, max_grad_norm=None), four, 8, 1024, 125 * GiB) == 0
+
+
 @pytest.mark.parametrize("host_weights", ["persistent", 1, "staged"])
 def test_host_weights_match_engine_accounting(host_weights):
     """bf16 compute: the host copy of every unit, of all but the last layer, or of none."""
@@ -347,6 +382,13 @@ def test_clipping_makes_the_cpu_update_follow_backward():
 
     assert layers(8, 1.0) > layers(8, None) and layers(32, 1.0) > layers(32, None)
     assert layers(64, 1.0) == layers(64, None) == 0
+    # speculative updates (a spare state per streamed layer): the update runs during backward as unclipped,
+    # where the norm is within the limit; with half of them, half the update still follows backward
+    full, half = (step_time(sh, 8, 1024, b8, clipping=True, speculative_layers=n) for n in (36, 18))
+    assert full["step_s"] == step_time(sh, 8, 1024, b8)["step_s"]
+    assert full["after_backward_s"] < half["after_backward_s"] < step_time(sh, 8, 1024, b8, clipping=True)["after_backward_s"]
+    spec = replace(EngineConfig(gpu_memory_limit="24GiB", max_grad_norm=1.0), speculative_layers=36)
+    assert auto_residency(spec, sh, 8, 1024) == auto_residency(replace(spec, max_grad_norm=None), sh, 8, 1024)
 
 
 def test_host_messages_and_choices_follow_the_config():

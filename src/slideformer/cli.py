@@ -42,7 +42,7 @@ def cmd_plan(args) -> int:
     from .model import ModelAdapter
     from . import EngineConfig
     from .plan import (DoesNotFit, ModelShape, Placement, auto_host, auto_residency, config_host_bytes, fit,
-                       gpu_bytes, host_memory, nvme_bytes, nvme_layer_count, parse_bytes, step_time)
+                       gpu_bytes, host_memory, nvme_bytes, nvme_layer_count, parse_bytes, spares_that_fit, step_time)
     from .presets import PRESETS, preset_config
 
     if args.model in PRESETS:
@@ -57,10 +57,13 @@ def cmd_plan(args) -> int:
                               optimizer_state=args.optimizer_state, offload_dir=args.offload_dir,
                               nvme_fraction=args.nvme_fraction, nvme_master=args.nvme_master and bool(args.offload_dir),
                               activations_to_nvme=args.activations_to_nvme and bool(args.offload_dir))
+    cpu_limit = parse_bytes(args.cpu_memory) if args.cpu_memory else host_memory()
+    # speculative_layers "auto": what fits for the residency choice, then host_at decides at the placement
+    as_trained = replace(as_trained, speculative_layers=spares_that_fit(as_trained, shape, args.batch_size,
+                                                                        args.seq_len, cpu_limit))
     base = Placement.of(as_trained)
     gpu_limit = parse_bytes(args.gpu_memory) if args.gpu_memory else (
         torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None)
-    cpu_limit = parse_bytes(args.cpu_memory) if args.cpu_memory else host_memory()
     try:
         placement = fit(shape, args.batch_size, args.seq_len, gpu_limit, base) if gpu_limit else base
         fits_gpu = True
@@ -74,7 +77,7 @@ def cmd_plan(args) -> int:
         """The engine settings with host_weights and gradient buffers as the trainer decides them at batch
         ``b``, and the host bytes by category."""
         c = replace(as_trained, host_weights="persistent" if args.host_weights == "auto" else args.host_weights)
-        c = auto_host(c, shape, b, args.seq_len, p, cpu_limit, weights=args.host_weights == "auto")
+        c = auto_host(c, shape, b, args.seq_len, p, cpu_limit, weights=args.host_weights == "auto", spares=True)
         return c, config_host_bytes(c, shape, b, args.seq_len, p)
 
     chosen_host, h = host_at(args.batch_size, placement)
@@ -95,9 +98,10 @@ def cmd_plan(args) -> int:
            "gpu_bytes": g["peak"], "gpu": g, "host_bytes": host_total, "host": h, "nvme_bytes": nvme_bytes(shape, nvme_layers, compact, args.nvme_master),
            "gpu_limit": gpu_limit, "host_limit": cpu_limit, "fits": fits, "max_batch_size": max_batch,
            "placement": vars(placement), "host_weights": chosen_host.host_weights,
-           "host_grad_buffers": chosen_host.host_grad_buffers}
+           "host_grad_buffers": chosen_host.host_grad_buffers, "speculative_layers": chosen_host.speculative_layers}
     timing = step_time(shape, args.batch_size, args.seq_len, placement, compact=compact, nvme_layers=nvme_layers,
-                       nvme_master=args.nvme_master, activations_to_nvme=args.activations_to_nvme, clipping=clip)
+                       nvme_master=args.nvme_master, activations_to_nvme=args.activations_to_nvme, clipping=clip,
+                       speculative_layers=chosen_host.speculative_layers)
     if gpu_limit and fits_gpu:  # what training some layers on the GPU would buy
         # the budget `slideformer train` would give them: --gpu-memory, else 90% of the card (plan.gpu_budget)
         budget = gpu_limit if args.gpu_memory else int(0.9 * gpu_limit)
@@ -106,10 +110,12 @@ def cmd_plan(args) -> int:
             """The layers (and edges) `train` would put on the GPU with ``cfg``, their placement and step."""
             chosen = auto_residency(replace(cfg, gpu_memory_limit=budget), shape, args.batch_size, args.seq_len)
             p = fit(shape, args.batch_size, args.seq_len, budget, replace(Placement.of(cfg), **chosen))
+            spec = auto_host(replace(cfg, **chosen), shape, args.batch_size, args.seq_len, p, cpu_limit,
+                             weights=args.host_weights == "auto", spares=True).speculative_layers
             return chosen, p, step_time(shape, args.batch_size, args.seq_len, p, compact=cfg.optimizer_state == "compact",
                                         nvme_layers=min(nvme_layers, shape.layers - chosen["resident_layers"]),
                                         nvme_master=args.nvme_master, activations_to_nvme=args.activations_to_nvme,
-                                        clipping=cfg.max_grad_norm is not None)
+                                        clipping=cfg.max_grad_norm is not None, speculative_layers=spec)
 
         chosen, _, t = as_train_would(as_trained)
         out["suggested_resident_layers"] = chosen["resident_layers"]
@@ -126,7 +132,7 @@ def cmd_plan(args) -> int:
             if tc["step_s"] < 0.95 * t["step_s"]:
                 out["predicted_step_s_compact"] = tc["step_s"]
                 out["host_bytes_compact"] = sum(config_host_bytes(
-                    auto_host(cc, shape, args.batch_size, args.seq_len, pc, cpu_limit), shape, args.batch_size,
+                    auto_host(cc, shape, args.batch_size, args.seq_len, pc, cpu_limit, spares=True), shape, args.batch_size,
                     args.seq_len, pc).values())
     out["predicted_step_s"] = timing["step_s"]
     out["predicted_tokens_per_s"] = args.batch_size * args.seq_len / timing["step_s"]
@@ -139,7 +145,8 @@ def cmd_plan(args) -> int:
         print("GPU  " + ", ".join(f"{k} {gib(v)}" for k, v in g.items()) + (f"  (limit {gib(gpu_limit)})" if gpu_limit else ""))
         print("host " + ", ".join(f"{k} {gib(v)}" for k, v in h.items()) + f" = {gib(host_total)}  (limit {gib(cpu_limit)}; "
               f"host_weights {chosen_host.host_weights}, gradient buffers "
-              f"{chosen_host.host_grad_buffers or 'one per layer'})")
+              f"{chosen_host.host_grad_buffers or 'one per layer'}"
+              + (f", {chosen_host.speculative_layers} speculative layers" if clip else "") + ")")
         if nvme_layers:
             print(f"NVMe {gib(out['nvme_bytes'])} under {args.offload_dir}")
         print(f"placement: micro-batch {min(placement.micro_batch, args.batch_size)}, "
@@ -159,8 +166,8 @@ def cmd_plan(args) -> int:
                   f"{out['predicted_step_s_resident']:.2f} s")
         unclipped = out.get("predicted_step_s_resident_unclipped")
         if unclipped and unclipped < 0.95 * out["predicted_step_s_resident"]:
-            print(f"clipping (max_grad_norm) makes the CPU update wait for backward's global norm; without it: "
-                  f"predicted step {unclipped:.2f} s")
+            print(f"clipping (max_grad_norm) makes the CPU update of the layers without a spare state wait for "
+                  f"backward's global norm; without it: predicted step {unclipped:.2f} s")
         if "predicted_step_s_compact" in out:
             print(f"bound by the CPU optimizer: with optimizer_state=compact (bf16 master halves and moments; it matched "
                   f"fp32 state in bench/NOTES.md's fine-tuning run) predicted step {out['predicted_step_s_compact']:.2f} s, "

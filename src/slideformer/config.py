@@ -55,6 +55,11 @@ class EngineConfig:
     # Host buffers that decoder-layer gradients land in, reused as the optimizer frees them (None: one per
     # layer). Clipping always uses one per layer: every gradient is held until the global norm is known.
     host_grad_buffers: int | None = 4
+    # Under clipping (max_grad_norm), how many streamed decoder layers the CPU may update before the global
+    # norm is known, each into a spare copy of its optimizer state (12 bytes/param, 8 compact): the update
+    # stands where the norm is within the limit, else it runs again (engine/runtime.py). 0: every update
+    # waits for backward to end.
+    speculative_layers: int = 0
     # Gradients leave the GPU in chunks of this many elements (32 MB in bf16), each with its own event,
     # and the CPU update of a chunk starts as soon as it lands.
     grad_chunk_elems: int = 1 << 24
@@ -141,6 +146,8 @@ class EngineConfig:
             raise ConfigError(f"grad_chunk_elems must be >= 1, got {self.grad_chunk_elems}")
         if self.host_grad_buffers is not None and self.host_grad_buffers < 1:
             raise ConfigError(f"host_grad_buffers must be >= 1 or None (one per layer), got {self.host_grad_buffers}")
+        if self.speculative_layers < 0:
+            raise ConfigError(f"speculative_layers must be >= 0, got {self.speculative_layers}")
         if self.gpu_activation_layers < 0:
             raise ConfigError(f"gpu_activation_layers must be >= 0, got {self.gpu_activation_layers}")
         if self.resident_layers < 0:

@@ -32,7 +32,7 @@ import torch
 from .. import EngineConfig, SlideEngine
 from ..engine.loss import chunked_head_loss, fused_head_loss
 from ..model import ModelAdapter
-from ..plan import ModelShape, Placement, auto_host, auto_residency, fit, gpu_budget
+from ..plan import ModelShape, Placement, auto_host, auto_residency, fit, gpu_budget, spares_that_fit
 from ..plan.memory import LOSS_CHUNK_TOKENS
 from ..presets import preset_config
 
@@ -63,6 +63,7 @@ def run_slideformer(args, config):
                        prefetch_depth=args.depth, profile=True,
                        host_weights="persistent" if args.host_weights == "auto" else args.host_weights,
                        host_grad_buffers=4 if args.host_grad_buffers == "auto" else args.host_grad_buffers,
+                       speculative_layers=0 if args.speculative_layers == "auto" else args.speculative_layers,
                        grad_chunk_elems=args.grad_chunk_elems,
                        max_grad_norm=args.max_grad_norm, loss_chunk_tokens=args.loss_chunk,
                        resident_layers=0 if auto else int(args.resident_layers), resident_edges=args.resident_edges,
@@ -74,14 +75,16 @@ def run_slideformer(args, config):
                        gpu_activation_layers=args.offload_activations or 0,
                        gpu_memory_limit=int(args.gpu_memory_limit_gib * 2**30) if args.gpu_memory_limit_gib else None)
     shape = ModelShape.from_adapter(ModelAdapter(config, args.dtype))
+    if args.speculative_layers == "auto":  # (for the residency choice; auto_host below decides)
+        cfg = dataclasses.replace(cfg, speculative_layers=spares_that_fit(cfg, shape, args.batch, args.seq))
     if auto and args.device == "cuda":  # what `slideformer train` picks
         chosen = auto_residency(cfg, shape, args.batch, args.seq, True if args.resident_edges else None)
         cfg = dataclasses.replace(cfg, **chosen, gpu_memory_limit=gpu_budget(cfg))
-    if "auto" in (args.host_weights, args.host_grad_buffers):  # as `slideformer train` decides them
+    if "auto" in (args.host_weights, args.host_grad_buffers, args.speculative_layers):  # as `slideformer train` does
         placed = fit(shape, args.batch, args.seq, gpu_budget(cfg), Placement.of(cfg)) if cfg.gpu_memory_limit \
             else Placement.of(cfg)
         cfg = auto_host(cfg, shape, args.batch, args.seq, placed, weights=args.host_weights == "auto",
-                        buffers=args.host_grad_buffers == "auto")
+                        buffers=args.host_grad_buffers == "auto", spares=args.speculative_layers == "auto")
     engine = SlideEngine.from_config(config, cfg)
     args.fused_ops = engine.fused_ops  # recorded as resolved ("auto" depends on what is installed)
     params = engine.adapter.num_params
@@ -100,6 +103,7 @@ def run_slideformer(args, config):
     def extra():
         rep = {"resident_layers_chosen": cfg.resident_layers, "resident_edges_chosen": cfg.resident_edges,
                "host_weights_chosen": cfg.host_weights, "host_grad_buffers_chosen": cfg.host_grad_buffers,
+               "speculative_layers_chosen": cfg.speculative_layers if cfg.max_grad_norm is not None else 0,
                "breakdown": engine.profile(timeline=args.timeline),
                "host_bytes": engine.memory_report()}
         if engine._placements:
@@ -258,6 +262,9 @@ def main(argv=None):
     ap.add_argument("--host-grad-buffers", type=lambda v: v if v == "auto" else int(v), default="auto",
                     help="pinned host gradient buffers the layers share (the optimizer's backlog); auto: one per "
                          "streamed layer where RAM allows (plan.auto_host)")
+    ap.add_argument("--speculative-layers", type=lambda v: v if v == "auto" else int(v), default="auto",
+                    help="with --max-grad-norm: layers updated before the global norm is known, into spare "
+                         "states; auto: every streamed layer where RAM allows (plan.auto_host)")
     ap.add_argument("--grad-chunk-elems", type=int, default=EngineConfig.grad_chunk_elems)
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the run: how long the GPU-driving thread may hold the GIL")
@@ -325,7 +332,8 @@ def main(argv=None):
         "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "build_s": build_s, "commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name() if cuda else "none", "torch": torch.__version__,
-        "settings": {k: getattr(args, k) for k in ("slots", "depth", "host_weights", "host_grad_buffers", "grad_chunk_elems",
+        "settings": {k: getattr(args, k) for k in ("slots", "depth", "host_weights", "host_grad_buffers",
+                                                   "speculative_layers", "grad_chunk_elems",
                                                    "switch_interval", "max_grad_norm",
                                                    "gpu_memory_limit_gib", "loss_chunk", "resident_layers", "resident_edges",
                                                    "loss_kernel", "fused_ops", "optimizer_state", "ds_loss", "offload_dir",
@@ -352,6 +360,7 @@ def main(argv=None):
         rec["resident_edges_chosen"] = ex["resident_edges_chosen"]
         rec["host_weights_chosen"] = ex["host_weights_chosen"]
         rec["host_grad_buffers_chosen"] = ex["host_grad_buffers_chosen"]
+        rec["speculative_layers_chosen"] = ex["speculative_layers_chosen"]
     line = json.dumps(rec)
     print(line, flush=True)
     if args.out:

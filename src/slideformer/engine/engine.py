@@ -7,8 +7,10 @@ micro-batches there are, and a layer's gradients are summed on the GPU before th
 
 Forward runs without autograd and keeps only each layer's input; backward recomputes a layer from
 that input. As soon as a unit's gradient is complete it goes to the host and the CPU optimizer
-updates that unit while the GPU continues with the layers below. With clipping, the updates wait
-for the global norm at the end of backward and then run in forward order, so the next step's
+updates that unit while the GPU continues with the layers below. With clipping, the update needs
+the global norm, known at the end of backward: layers with a spare state (``speculative_layers``)
+are updated before it, out of place, and the update stands if the norm is within the limit
+(engine/runtime.py); the others wait for it and then run in forward order, so the next step's
 forward consumes them as they finish.
 """
 from __future__ import annotations
@@ -121,7 +123,8 @@ class SlideEngine:
         self.store = HostStore(self.adapter.units, self.cfg.compute_dtype, pin=self.device.type == "cuda",
                                staged_units=staged, layer_grad_buffers=ring,
                                nvme_dir=self.cfg.offload_dir, nvme_units=nvme, nvme_buffers=self.cfg.nvme_buffers,
-                               compact=self.cfg.optimizer_state == "compact", nvme_master=self.cfg.nvme_master)
+                               compact=self.cfg.optimizer_state == "compact", nvme_master=self.cfg.nvme_master,
+                               spare_states=self.cfg.speculative_layers if self.cfg.max_grad_norm is not None else 0)
         # Resident units: `resident_layers` decoder layers, and embedding and head with `resident_edges` or
         # when every layer is resident (the whole model then trains on the GPU, as plain training would).
         resident = set(layers[:k])
@@ -196,6 +199,7 @@ class SlideEngine:
         self._grad_norm = total
         if self.cfg.max_grad_norm is not None:
             coef = min(1.0, self.cfg.max_grad_norm / (float(total) + 1e-6))
+            rt.resolve_speculation(coef)  # the updates already run stand if coef is 1, else run again
             for unit, sent in sorted(st.finished, key=lambda f: f[0]):  # forward order: the next step needs unit 0 first
                 if unit in self.resident:
                     rt.update_resident(unit, st.index, self.lr, coef)
@@ -302,6 +306,8 @@ class SlideEngine:
         sent = self.runtime.send_grads(unit, slot)
         if self.cfg.max_grad_norm is None:
             self.runtime.submit_update(UpdateJob(unit, sent, st.index, self.lr, 1.0))
+        elif (spare := self.runtime.reserve_spare(unit)) is not None:  # before the norm: speculative
+            self.runtime.submit_update(UpdateJob(unit, sent, st.index, self.lr, 1.0, spare=spare))
         else:
             st.finished.append((unit, sent))
 
@@ -465,6 +471,10 @@ class SlideEngine:
         ring = len(self.store.grad_buffers) - sum(1 for u in ad.units if u.kind != "layer")
         if ring < n - layers:
             parts.append(f"{ring} gradient buffer{'s' * (ring != 1)} for {n - layers} streamed layers")
+        if self.cfg.max_grad_norm is not None and layers < n:  # clipping: how much of the update waits for the norm
+            spec = min(len(self.store.spares), n - layers)
+            parts.append(f"clipping: {spec} of {n - layers} streamed layers updated before the global norm"
+                         if spec else "clipping: the CPU update waits for the global norm")
         if self.store.tier is not None:
             parts.append(f"NVMe tier: the last {len(self.store.tier.numels)} layers' moments"
                          f"{' and master' if self.store.nvme_master else ''}")

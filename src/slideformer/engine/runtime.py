@@ -24,6 +24,14 @@ Hand-offs, and what makes each safe:
   Among the jobs whose first chunk has landed it takes the lowest unit first (``schedule.next_update``):
   that is the order the next forward needs them in, so updates still running when backward ends overlap
   that forward.
+- Speculative updates (clipping): exact clipping scales every gradient by a coefficient known only when
+  backward ends. Rather than leave the CPU idle until then, the engine submits a decoder layer's update
+  as soon as its gradient lands with the coefficient 1, written out of place into a spare copy of the
+  state (``HostStore.spares``; ``reserve_spare`` in the main thread) and kept, with its gradient buffer,
+  until the verdict (``resolve_speculation``, queued behind the step's jobs). If the norm is within
+  the limit the coefficient is exactly 1: the spare becomes the unit's state (``HostStore.adopt``) and
+  its ``updated`` flag is set; otherwise the spare is dropped and the update runs again, in place,
+  from the untouched state with the real coefficient. Either way the result is the exact update's.
 - NVMe state -> optimizer: the disk reader thread reads a unit's state into a free RAM buffer and sets
   the unit's ``tier ready`` flag; the worker waits for it (and only picks units whose state is in),
   updates, then hands the buffer to the disk writer thread, which writes it back and frees the buffer.
@@ -100,6 +108,13 @@ class UpdateJob:
     step: int
     lr: float
     grad_coef: float
+    spare: int | None = None  # speculative (clipping): written into this spare state, kept until the verdict
+
+
+@dataclass
+class _Verdict:
+    """Clipping's coefficient, once backward has ended: whether the speculative updates stand."""
+    grad_coef: float
 
 
 @dataclass
@@ -165,7 +180,11 @@ class Runtime:
         self._tickets = 0
         self._ticket = torch.zeros((), dtype=torch.int64, device=self.device) if self.cuda else None
         self._grad_cv = threading.Condition()
-        self._jobs: queue.Queue[UpdateJob | None] = queue.Queue()
+        # Spare states for speculative updates: the main thread reserves, the worker gives back.
+        self._spares_free = list(range(len(store.spares)))
+        self._spares_lock = threading.Lock()
+        self._speculated: list[UpdateJob] = []  # done, awaiting the verdict (worker thread only)
+        self._jobs: queue.Queue[UpdateJob | _Verdict | None] = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="slideformer-optimizer", daemon=True)
         self._worker.start()
         self._loads: queue.Queue[tuple | None] = queue.Queue()
@@ -452,6 +471,40 @@ class Runtime:
         self._raise_worker_error()
         self._jobs.put(job)
 
+    def reserve_spare(self, unit: int) -> int | None:
+        """A spare state for a speculative update of ``unit``, if the unit can take one and one is free."""
+        if not self.store.can_spare(unit):
+            return None
+        with self._spares_lock:
+            return self._spares_free.pop() if self._spares_free else None
+
+    def resolve_speculation(self, grad_coef: float) -> None:
+        """The step's clipping coefficient: queued behind the step's speculative updates (module docstring)."""
+        self._raise_worker_error()
+        self._jobs.put(_Verdict(grad_coef))
+
+    def _free_spare(self, spare: int) -> None:
+        with self._spares_lock:
+            self._spares_free.append(spare)
+
+    def _judge(self, verdict: _Verdict, pending: list[UpdateJob]) -> None:
+        """Worker thread: settle every speculative update of the step, done or still pending."""
+        keep = verdict.grad_coef == 1.0  # (exactly: the clip coefficient is clamped to 1.0)
+        for job in self._speculated:
+            if keep and self._error is None:
+                self.store.adopt(job.unit, job.spare)  # the unit's old state becomes the spare
+                self._free_spare(job.spare)
+                self._return_grad_buffer(job.grads.buffer)
+                self._updated[job.unit].set()
+            else:  # again, in place, with the real coefficient (or, after a failure, only released)
+                self._free_spare(job.spare)
+                pending.append(UpdateJob(job.unit, job.grads, job.step, job.lr, verdict.grad_coef))
+        self._speculated = []
+        for job in pending:  # not run yet: they run in place, with the coefficient
+            if job.spare is not None:
+                self._free_spare(job.spare)
+                job.spare, job.grad_coef = None, verdict.grad_coef
+
     def _work(self) -> None:
         pending: list[UpdateJob] = []
         stopping = False
@@ -462,6 +515,8 @@ class Runtime:
                     job = self._jobs.get(block=not pending and not stopping)
                     if job is None:
                         stopping = True
+                    elif isinstance(job, _Verdict):
+                        self._judge(job, pending)
                     else:
                         pending.append(job)
                     if stopping and not pending:
@@ -476,7 +531,7 @@ class Runtime:
         return not self.store.on_tier(unit) or self._tier_ready[unit].is_set()
 
     def _run_update(self, job: UpdateJob) -> None:
-        tier_buf = None
+        tier_buf, kept = None, False
         try:
             if self._error is None:
                 s, c = self.store, self.cfg
@@ -495,31 +550,46 @@ class Runtime:
                 n = self.adapter.units[job.unit].numel
                 grad = s.grad_buffers[job.grads.buffer][:n]
                 out = s.weights[job.unit] if s.weights is not s.master else None  # (None: staged)
+                src = None
+                if job.spare is not None:  # out of place, into the spare; the unit's state is read only
+                    src = tuple(s.state_fields(job.unit).values())
+                    dst = s.spares[job.spare]
+                    master, exp_avg, exp_avg_sq = dst["master"], dst["exp_avg"], dst["exp_avg_sq"]
+                    # (the separate compute copy is written in place: nothing reads it before the verdict,
+                    # which rewrites it if the update does not stand)
                 t0 = time.perf_counter()
                 if s.compact:
-                    waited = adamw_compact_(master, s.master_lo[job.unit], grad, exp_avg, exp_avg_sq,
+                    lo = s.master_lo[job.unit] if job.spare is None else s.spares[job.spare]["master_lo"]
+                    waited = adamw_compact_(master, lo, grad, exp_avg, exp_avg_sq,
                                    step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
                                    grad_coef=job.grad_coef, seed=self._compact_seed(job.unit),
-                                   backend=self.optimizer_backend, threads=c.optimizer_threads, landing=job.grads.landing)
+                                   backend=self.optimizer_backend, threads=c.optimizer_threads, landing=job.grads.landing,
+                                   src=src)
                 else:
                     cast_out = out is not None and out.dtype in (torch.bfloat16, torch.float16)
                     waited = adamw_update_(master, grad, exp_avg, exp_avg_sq, step=job.step, lr=job.lr,
                                   betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, grad_coef=job.grad_coef,
                                   out=out if cast_out else None, scratch=self._scratch,
                                   backend=self.optimizer_backend, threads=c.optimizer_threads,
-                                  landing=job.grads.landing)
+                                  landing=job.grads.landing, src=src)
                     if out is not None and not cast_out:  # an fp32 copy of a master on the tier
                         out.copy_(master)
                 if self.profiler:  # the span includes waits for chunks still in flight, also counted on their own
                     self.profiler.span("optimizer", job.unit, t0, time.perf_counter())
                     self.profiler.add_host("optimizer_wait_landing", waited)
+                if job.spare is not None:
+                    self._speculated.append(job)  # its buffer and flag wait for the verdict
+                    kept = True
         except BaseException as e:  # surfaced to the main thread at its next wait
             self._fail(e)
         finally:
             if tier_buf is not None:
                 self._writes.put(lambda u=job.unit, b=tier_buf: self._tier_write(u, b))  # the buffer returns after
-            self._return_grad_buffer(job.grads.buffer)
-            self._updated[job.unit].set()
+            if not kept:
+                if job.spare is not None:
+                    self._free_spare(job.spare)
+                self._return_grad_buffer(job.grads.buffer)
+                self._updated[job.unit].set()
 
     def _fail(self, e: BaseException) -> None:
         if self._error is None:  # the first failure is the cause; later ones are its consequences

@@ -11,6 +11,11 @@ Per unit, flat 1-D tensors laid out as in ``UnitSpec``:
   every gradient until backward ends) or share a ring of ``layer_grad_buffers`` that the runtime hands
   out and the optimizer returns: 4 layer buffers instead of 32 save 12 GB for an 8B model.
 
+- ``spares``  extra copies of a decoder layer's optimizer state (``spare_states`` of them), into which
+  the optimizer writes an update it may have to take back: under clipping it updates layers before the
+  global norm is known (engine/runtime.py). ``adopt`` swaps a spare in as the unit's state, and the
+  unit's old buffers become that spare, so no state is copied.
+
 Units on the NVMe tier (host/nvme.py) have no moments here (``exp_avg[u] is None``), and with
 ``nvme_master`` no master either; their compute copy stays in RAM, since the window reads it every step.
 Readers and writers of whole-unit state (checkpoints, loaders, export) go through ``unit_state``,
@@ -40,7 +45,7 @@ def _arena(units: list, dtype: torch.dtype, pin: bool, registered: list) -> list
 class HostStore:
     def __init__(self, units: list[UnitSpec], compute_dtype: torch.dtype, pin: bool, staged_units: set[int] = frozenset(),
                  layer_grad_buffers: int | None = None, nvme_dir=None, nvme_units: set[int] = frozenset(),
-                 nvme_buffers: int = 4, compact: bool = False, nvme_master: bool = False):
+                 nvme_buffers: int = 4, compact: bool = False, nvme_master: bool = False, spare_states: int = 0):
         self.units = units
         self.compute_dtype = compute_dtype
         self.pin = pin
@@ -85,7 +90,44 @@ class HostStore:
             ring = list(range(len(others), len(shapes)))
             self.grad_owner = [ring if u.kind == "layer" else [others.index(u)] for u in units]
         self.grad_buffers = _arena(shapes, compute_dtype, pin, self._registered)
+        # Spare states, for decoder layers in RAM (all of one size): the master half the GPU reads (compact
+        # state, fp32 compute) is pinned as the master is, since a spare becomes a unit's master.
+        spare_units = [layers[0]] * (spare_states if layers and len({u.numel for u in layers}) == 1 else 0)
+        fields = {"master": _arena(spare_units, master_dtype, pin and compute_dtype == master_dtype, self._registered)}
+        if compact:
+            fields["master_lo"] = _arena(spare_units, torch.bfloat16, False, self._registered)
+        fields["exp_avg"] = _arena(spare_units, moment_dtype, False, self._registered)
+        fields["exp_avg_sq"] = _arena(spare_units, moment_dtype, False, self._registered)
+        self.spares = [{k: v[i] for k, v in fields.items()} for i in range(len(spare_units))]
         self.step = 0  # optimizer steps applied
+
+    # -- spare states (speculative updates) -----------------------------------------------------------
+    def can_spare(self, unit: int) -> bool:
+        """Whether the unit's state can be written to a spare: a decoder layer in RAM."""
+        u = self.units[unit]
+        return bool(self.spares) and u.kind == "layer" and not self.on_tier(unit) and u.numel == self.spares[0]["master"].numel() \
+            and self.master[unit] is not None
+
+    def state_fields(self, unit: int) -> dict[str, torch.Tensor]:
+        """The unit's optimizer state in RAM (the buffers an update reads and writes), by spare field name."""
+        out = {"master": self.master[unit]}
+        if self.master_lo is not None:
+            out["master_lo"] = self.master_lo[unit]
+        out.update(exp_avg=self.exp_avg[unit], exp_avg_sq=self.exp_avg_sq[unit])
+        return out
+
+    def adopt(self, unit: int, spare: int) -> None:
+        """Make spare ``spare`` the unit's state and the unit's old state that spare (a swap of buffers).
+        With a shared master and compute copy (compact state, fp32 compute) the weights follow."""
+        old = self.state_fields(unit)
+        new = self.spares[spare]
+        shared = self.weights is self.master
+        self.master[unit] = new["master"]
+        if self.master_lo is not None:
+            self.master_lo[unit] = new["master_lo"]
+        self.exp_avg[unit], self.exp_avg_sq[unit] = new["exp_avg"], new["exp_avg_sq"]
+        assert not shared or self.weights[unit] is new["master"]
+        self.spares[spare] = old
 
     # -- whole-unit state, wherever it lives (checkpoints, loaders, export; the pipeline must be idle) --
     def on_tier(self, unit: int) -> bool:
@@ -173,6 +215,7 @@ class HostStore:
         ram = [t for t in self.exp_avg + self.exp_avg_sq if t is not None]
         return {
             "master": total([t for t in self.master if t is not None]) + total(self.master_lo),
+            "spares": sum(total(list(sp.values())) for sp in self.spares),
             "moments": total(ram),
             "nvme_buffers": 0 if self.tier is None else sum(b.numel() for b in self.tier.buffers),
             "weights": total([t for t in self.weights if t is not None]) if own_weights else 0,

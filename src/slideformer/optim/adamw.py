@@ -50,20 +50,27 @@ class Landing:
 def adamw_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                   *, step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                   grad_coef: float = 1.0, out: torch.Tensor | None = None, scratch: torch.Tensor | None = None,
-                  backend: str = "torch", threads: int | None = None, landing: Landing | None = None) -> float:
+                  backend: str = "torch", threads: int | None = None, landing: Landing | None = None,
+                  src: tuple[torch.Tensor, ...] | None = None) -> float:
     """Decoupled-weight-decay Adam, exactly torch.optim.AdamW's update for the ``step``-th step.
 
     ``out``, when given, receives the updated weights in its dtype (the compute copy sent to the GPU).
-    ``landing``, when given, says when each chunk of ``grad`` is there to be read. Returns the seconds
-    spent waiting for chunks (the rest of the call is the update's own time).
+    ``landing``, when given, says when each chunk of ``grad`` is there to be read. ``src``, when given
+    (master, exp_avg, exp_avg_sq), is the state the update starts from, left as it was: the update is
+    written out of place. Returns the seconds spent waiting for chunks (the rest of the call is the
+    update's own time).
     """
     if backend == "native":
         mod = native.load(strict=True)
         return mod.adamw_step(master, grad, exp_avg, exp_avg_sq, out, step, lr, betas[0], betas[1], eps, weight_decay,
-                              grad_coef, threads or native.default_threads(), **(landing.kwargs() if landing else {}))
+                              grad_coef, threads or native.default_threads(), **(landing.kwargs() if landing else {}),
+                              src=None if src is None else list(src))
     if backend != "torch":
         raise ValueError(f"unknown optimizer backend {backend!r}; use 'native' or 'torch'")
     waited = landing.wait(grad.numel()) if landing is not None else 0.0
+    if src is not None:  # (torch's kernel works in place: start from a copy)
+        for d, a in zip((master, exp_avg, exp_avg_sq), src):
+            d.copy_(a)
     if grad.dtype != torch.float32:
         if scratch is None or scratch.numel() < grad.numel():
             raise ValueError("a non-fp32 gradient needs an fp32 scratch buffer at least as large")
@@ -112,11 +119,13 @@ def _bf16_stochastic(x: torch.Tensor, seed: int, offset: int = 0) -> torch.Tenso
 def adamw_compact_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                    exp_avg_sq: torch.Tensor, *, step: int, lr: float, betas: tuple[float, float], eps: float,
                    weight_decay: float, grad_coef: float = 1.0, seed: int = 0, offset: int = 0,
-                   backend: str = "native", threads: int | None = None, landing: Landing | None = None) -> float:
+                   backend: str = "native", threads: int | None = None, landing: Landing | None = None,
+                   src: tuple[torch.Tensor, ...] | None = None) -> float:
     """AdamW on compact state: master = hi + lo (bf16 each), bf16 moments rounded stochastically.
 
     ``offset``: where these tensors start in their unit (the rounding bits hash the position in the unit,
-    so updating a unit in chunks gives the same result as in one call).
+    so updating a unit in chunks gives the same result as in one call). ``src``: (hi, lo, exp_avg,
+    exp_avg_sq) to start from, left as they were (see ``adamw_update_``).
 
     Same arithmetic in both backends, equal to rounding (the kernel fuses multiply-adds); the PyTorch one
     is the reference and the fallback. Returns the seconds spent waiting for gradient chunks.
@@ -125,8 +134,12 @@ def adamw_compact_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, exp_a
         return native.load(strict=True).adamw_step_compact(hi, lo, grad, exp_avg, exp_avg_sq, step, lr, betas[0],
                                                             betas[1], eps, weight_decay, grad_coef, seed, offset,
                                                             threads or native.default_threads(),
-                                                            **(landing.kwargs() if landing else {}))
+                                                            **(landing.kwargs() if landing else {}),
+                                                            src=None if src is None else list(src))
     waited = landing.wait(grad.numel()) if landing is not None else 0.0
+    if src is not None:
+        for d, a in zip((hi, lo, exp_avg, exp_avg_sq), src):
+            d.copy_(a)
     b1, b2 = betas
     w1 = torch.tensor(1.0 - b1, dtype=torch.float32)
     f = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731  (fp32 scalars, as the kernel has)

@@ -154,11 +154,11 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, dtype_bytes
 def host_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, host_weights: str = "persistent",
                dtype_bytes: int = 2, layer_grad_buffers: int | None = 4, nvme_layers: int = 0,
                compact: bool = False, nvme_master: bool = False, activations_to_nvme: bool = False,
-               nvme_buffers: int = 4) -> dict[str, int]:
+               nvme_buffers: int = 4, spare_layers: int = 0) -> dict[str, int]:
     """Host RAM by category (pass ``layer_grad_buffers=None`` when clipping: one buffer per layer;
     ``nvme_layers``: layers whose moments (and with ``nvme_master`` fp32 master) are on the NVMe tier,
     see ``nvme_bytes``; ``compact``: bf16 master hi + lo and bf16 moments, the hi half being the GPU's
-    weights)."""
+    weights; ``spare_layers``: spare copies of a layer's state for speculative updates under clipping)."""
     N = shape.params
     offloaded = shape.layers - min(shape.layers, p.gpu_activation_layers)
     ring = shape.layers if layer_grad_buffers is None else min(shape.layers, layer_grad_buffers)
@@ -177,6 +177,7 @@ def host_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, host_weigh
         if nvme_layers else 0,
         # offloaded layer inputs in RAM, or on NVMe through 3 staging buffers (engine/activations.py)
         "activations": (min(offloaded, 3) if activations_to_nvme else offloaded) * batch * seq * shape.hidden * dtype_bytes,
+        "spares": spare_layers * shape.layer_params * (8 if compact else 12),
     }
 
 
@@ -192,7 +193,8 @@ def config_host_bytes(cfg, shape: ModelShape, batch: int, seq: int, p: Placement
                       cfg.compute_dtype.itemsize,
                       None if cfg.max_grad_norm is not None else cfg.host_grad_buffers,
                       nvme_layer_count(cfg, shape.layers),
-                      cfg.optimizer_state == "compact", cfg.nvme_master, cfg.activations_to_nvme, cfg.nvme_buffers)
+                      cfg.optimizer_state == "compact", cfg.nvme_master, cfg.activations_to_nvme, cfg.nvme_buffers,
+                      cfg.speculative_layers if cfg.max_grad_norm is not None else 0)
 
 
 RAM_FRACTION = 0.85  # of the machine's RAM, for the training state: the rest for the OS, Python, CUDA
@@ -226,10 +228,10 @@ MIN_GRAD_BUFFERS = 4  # the gradient ring where RAM is short: backward then runs
 
 
 def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Placement, ram: int | None = None, *,
-              weights: bool = True, buffers: bool = True):
+              weights: bool = True, buffers: bool = True, spares: bool = False):
     """The EngineConfig ``cfg`` with the host settings its caller leaves to the planner decided (``weights``:
-    host_weights "auto", ``buffers``: host_grad_buffers "auto"), each where the training state still leaves
-    (1 - RAM_FRACTION) of the RAM free.
+    host_weights "auto", ``buffers``: host_grad_buffers "auto", ``spares``: speculative_layers "auto"),
+    each where the training state still leaves (1 - RAM_FRACTION) of the RAM free.
 
     - host_weights: a persistent bf16 host copy (no cast at copy time); where it does not fit, the fewest
       staged layers (an int) that make it fit, else "staged" for all (2 bytes/param less). Llama-8B b8
@@ -239,7 +241,9 @@ def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Placement, ram: i
       With few buffers backward waits for the CPU and the CPU then idles through the next forward; with
       one per layer the backlog waits in RAM (Qwen3-4B b8 under 24 GiB: 0.82 s with 4, 0.73 s with 27;
       table11). The weights are decided first, with the ring at its smallest: a staged layer costs two
-      casts a step, a missing buffer less."""
+      casts a step, a missing buffer less.
+    - speculative_layers (clipping only; 0 without): a spare state for every streamed layer in RAM, else
+      as many as fit. Decided last: without them clipping costs what it did before they existed."""
     budget = RAM_FRACTION * (ram or host_memory())
 
     def total(c) -> int:
@@ -262,7 +266,23 @@ def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Placement, ram: i
         n = MIN_GRAD_BUFFERS + max(0, int((budget - total(cfg)) // per_layer) if per_layer else 0)
         cfg = replace(cfg, host_grad_buffers=None if cfg.max_grad_norm is not None or n >= shape.layers == streamed
                       else min(n, max(streamed, 1)))
+    if spares:
+        cfg = replace(cfg, speculative_layers=0)
+        if cfg.max_grad_norm is not None:
+            in_ram = shape.layers - min(cfg.resident_layers, shape.layers) - nvme_layer_count(cfg, shape.layers)
+            per_layer = shape.layer_params * (8 if cfg.optimizer_state == "compact" else 12)
+            fit_n = int((budget - total(cfg)) // per_layer) if per_layer else 0
+            cfg = replace(cfg, speculative_layers=max(0, min(in_ram, fit_n)))
     return cfg
+
+
+def spares_that_fit(cfg, shape: ModelShape, batch: int, seq: int, ram: int | None = None) -> int:
+    """speculative_layers "auto" before the residency choice (which depends on it, auto_residency): the
+    spare states that fit in RAM with every layer streamed and the host settings as ``cfg`` has them."""
+    if cfg.max_grad_norm is None:
+        return 0
+    return auto_host(replace(cfg, resident_layers=0), shape, batch, seq, Placement.of(cfg), ram, weights=False,
+                     buffers=False, spares=True).speculative_layers
 
 
 def gpu_budget(cfg) -> int:
@@ -321,10 +341,12 @@ def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | N
     predicted step gets shorter: they are the last gradient of a step and the first weights of the next,
     so streaming them also leaves the GPU idle at every step boundary while the CPU updates them
     (step_time's edge_stall_s). ``edges`` True or False fixes that part and leaves the layers to the
-    planner. Layers on the NVMe tier stream."""
+    planner. Layers on the NVMe tier stream. Under clipping the update waits for backward's global norm
+    (a reason for more resident layers) unless ``speculative_layers`` covers every layer in RAM (where it
+    is "auto", the trainer passes ``spares_that_fit``)."""
     budget, base = gpu_budget(cfg), Placement.of(cfg)
     nvme = nvme_layer_count(cfg, shape.layers)
-    clipping = cfg.max_grad_norm is not None
+    clipping = cfg.max_grad_norm is not None and cfg.speculative_layers < shape.layers - nvme
     plain = replace(base, resident_edges=False)
     k = min(choose_resident_layers(shape, batch, seq, budget, plain, clipping=clipping), shape.layers - nvme)
     without = {"resident_layers": k, "resident_edges": False}
@@ -414,14 +436,17 @@ class MachineRates:
 
 def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: MachineRates = MachineRates(),
               compact: bool = False, nvme_layers: int = 0, nvme_master: bool = False,
-              activations_to_nvme: bool = False, clipping: bool = False) -> dict[str, float]:
+              activations_to_nvme: bool = False, clipping: bool = False,
+              speculative_layers: int = 0) -> dict[str, float]:
     """Predicted seconds per step: the largest of GPU compute (8 x params x tokens, recompute included),
     the CPU optimizer, the weight copies and the NVMe tier's moment traffic (read and written once per
     step), plus 10% for what does not overlap, plus the embedding's update at the step boundary where it
     streams. With ``clipping`` the CPU update waits for the global norm, so it follows backward (6 of the
     8 FLOP units) and only the next forward overlaps it; the embedding's update is then the first of that
     serial chain, not a stall on top (session 2 measured 1.72 s at 4B b8 streamed; with that session's
-    rates this gives 1.68). Within 10% of session 5's 4B steps with a gradient buffer per streamed layer; ~20% over at
+    rates this gives 1.68). ``speculative_layers`` of the streamed layers are updated before the norm
+    (engine/runtime.py): only the rest follows backward, where the norm stays within the limit. Within
+    10% of session 5's 4B steps with a gradient buffer per streamed layer; ~20% over at
     8B (its GEMMs run faster); not counted: a ring of few gradient buffers (10-15%) and staged casts."""
     tokens = batch * seq
     k = min(p.resident_layers, shape.layers)
@@ -448,7 +473,9 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
         shape.embed_params / rates.optimizer_params_per_s / (1.5 if compact else 1.0)
     step = 1.1 * max(out.values()) + stall
     if clipping:
-        out["after_backward_s"] = 0.75 * out["gpu_compute_s"] + out["optimizer_s"]
+        ahead = max(0, min(speculative_layers, shape.layers - k - nvme_layers)) * shape.layer_params
+        out["after_backward_s"] = 0.75 * out["gpu_compute_s"] + \
+            (on_cpu - ahead) / rates.optimizer_params_per_s / (1.5 if compact else 1.0)
         step = max(step, out["after_backward_s"])
     out["step_s"] = step
     out["edge_stall_s"] = stall

@@ -37,6 +37,10 @@ class OffloadConfig:
     # pinned buffers decoder-layer gradients land in (null: one per layer); "auto": one per streamed layer
     # where RAM allows, else as many as fit (at least 4). Clipping always holds one per layer.
     host_grad_buffers: int | str | None = "auto"
+    # with clipping: layers the CPU updates before the global norm is known, each into a spare copy of its
+    # state (12 bytes/param, 8 compact), kept where the norm is within max_grad_norm; "auto": every
+    # streamed layer where RAM allows, else as many as fit
+    speculative_layers: int | str = "auto"
     optimizer_threads: int | None = None
     offload_dir: str | None = None  # NVMe tier for the Adam moments of nvme_fraction of the layers
     nvme_fraction: float = 1.0
@@ -112,6 +116,9 @@ class TrainConfig:
         hgb = self.offload.host_grad_buffers
         if not (hgb is None or hgb == "auto" or (isinstance(hgb, int) and hgb >= 1)):
             raise ConfigError(f"offload.host_grad_buffers must be auto, null or an integer >= 1, got {hgb!r}")
+        sl = self.offload.speculative_layers
+        if not (sl == "auto" or (isinstance(sl, int) and not isinstance(sl, bool) and sl >= 0)):
+            raise ConfigError(f"offload.speculative_layers must be auto or an integer >= 0, got {sl!r}")
         if self.offload.resident_edges not in (True, False, "auto"):
             raise ConfigError(f"offload.resident_edges must be true, false or auto, got {self.offload.resident_edges!r}")
         if self.device == "cuda" and self.bf16 is False and self.offload.gpu_memory_limit:

@@ -67,7 +67,8 @@ def build_examples(cfg: TrainConfig, tok) -> tuple[list[tuple[list[int], list[in
 
 def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) -> EngineConfig:
     """The planner's check, before anything is allocated: GPU (when on CUDA) and host RAM. Returns
-    ``ecfg`` with ``offload.host_weights`` and ``offload.host_grad_buffers`` "auto" decided (plan.auto_host)."""
+    ``ecfg`` with ``offload.host_weights``, ``offload.host_grad_buffers`` and ``offload.speculative_layers``
+    "auto" decided (plan.auto_host)."""
     from ..model import ModelAdapter
     from ..plan import (DoesNotFit, ModelShape, Placement, auto_host, check_host_fits, config_host_bytes, fit,
                         gpu_bytes, host_memory, parse_bytes)
@@ -90,7 +91,7 @@ def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) ->
         placement = Placement.of(ecfg, micro_batch=cfg.micro_batch_size)
     have = host_memory()
     ecfg = auto_host(ecfg, shape, batch, seq, placement, have, weights=cfg.offload.host_weights == "auto",
-                     buffers=cfg.offload.host_grad_buffers == "auto")
+                     buffers=cfg.offload.host_grad_buffers == "auto", spares=cfg.offload.speculative_layers == "auto")
     check_host_fits(config_host_bytes(ecfg, shape, batch, seq, placement), have, ecfg, prefix="offload.")
     return ecfg
 
@@ -131,6 +132,7 @@ def train(cfg: TrainConfig) -> dict:
                         offload_activations=o.offload_activations,
                         activations_to_nvme=o.activations_to_nvme,
                         host_grad_buffers=4 if o.host_grad_buffers == "auto" else o.host_grad_buffers,
+                        speculative_layers=0 if o.speculative_layers == "auto" else o.speculative_layers,
                         optimizer_threads=o.optimizer_threads,
                         offload_dir=o.offload_dir, nvme_fraction=o.nvme_fraction, nvme_master=o.nvme_master,
                         optimizer_state=o.optimizer_state,
@@ -142,6 +144,14 @@ def train(cfg: TrainConfig) -> dict:
     from ..presets import preset_config
 
     hf_config = preset_config("tiny") if cfg.model_name_or_path == "tiny" else AutoConfig.from_pretrained(cfg.model_name_or_path)
+    if o.speculative_layers == "auto":  # (for the residency choice: check_fits then decides how many fit)
+        from ..model import ModelAdapter
+        from ..plan import ModelShape, spares_that_fit
+
+        seq = cfg.cutoff_len if cfg.packing else min(cfg.cutoff_len, max(len(ids) for ids, _ in examples))
+        ecfg = dataclasses.replace(ecfg, speculative_layers=spares_that_fit(
+            ecfg, ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype)),
+            cfg.micro_batch_size * cfg.gradient_accumulation_steps, seq))
     if o.resident_layers == "auto" and device == "cuda":
         from ..plan import gpu_budget
 

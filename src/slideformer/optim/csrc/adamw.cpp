@@ -204,21 +204,33 @@ struct F16 { using T = at::Half; static float load(at::Half x) { return static_c
              static at::Half store(float x) { return at::Half(x); } };
 struct None { using T = uint8_t; };
 
+// Where a unit's state is read from (p0, m0, v0) and written to (p, m, v): the same buffers for an update
+// in place, others for one out of place (a speculative update under clipping, engine/runtime.py, which
+// keeps the old state until the global norm says whether the update stands). Each element is read
+// before it is written, so in place the two may alias.
+template <typename T>
+struct State {
+  const T *p0, *m0, *v0;
+  T *p, *m, *v;
+};
+
 template <typename G, typename O, bool LerpLow>
-void run_range(float* __restrict p, const typename G::T* __restrict g, float* __restrict m, float* __restrict v,
-               typename O::T* __restrict out, int64_t begin, int64_t end, const Hyper hp) {
+void run_range(const State<float> st, const typename G::T* __restrict g, typename O::T* __restrict out,
+               int64_t begin, int64_t end, const Hyper hp) {
   // Copies of the hyperparameters in registers: stores through p/m/v cannot alias them.
   const float decay = hp.lr_wd_decay, w1 = hp.w1, b2 = hp.beta2, omb2 = hp.one_minus_beta2, eps = hp.eps;
   const float step_size = hp.step_size, bc2_sqrt = hp.bc2_sqrt, coef = hp.coef;
+  const float *p0 = st.p0, *m0 = st.m0, *v0 = st.v0;
+  float *p = st.p, *m = st.m, *v = st.v;
 #pragma omp simd
   for (int64_t i = begin; i < end; ++i) {
     const float gi = G::load(g[i]) * coef;
-    const float mi0 = m[i];
+    const float mi0 = m0[i];
     // torch's lerp(a, b, w): a + w * (b - a) for w < 0.5, else b - (b - a) * (1 - w)
     const float mi = LerpLow ? mi0 + w1 * (gi - mi0) : gi - (gi - mi0) * (1.0f - w1);
-    const float vi = v[i] * b2 + omb2 * gi * gi;
+    const float vi = v0[i] * b2 + omb2 * gi * gi;
     const float denom = std::sqrt(vi) / bc2_sqrt + eps;
-    const float pi = p[i] * decay - step_size * mi / denom;
+    const float pi = p0[i] * decay - step_size * mi / denom;
     p[i] = pi;
     m[i] = mi;
     v[i] = vi;
@@ -236,8 +248,10 @@ void run_range(float* __restrict p, const typename G::T* __restrict g, float* __
 #define SF_PREFETCH 1024
 #endif
 template <bool LerpLow>
-int64_t run_range_avx512(float* __restrict p, const uint16_t* __restrict g, float* __restrict m,
-                         float* __restrict v, uint16_t* __restrict out, int64_t begin, int64_t end, const Hyper hp) {
+int64_t run_range_avx512(const State<float> st, const uint16_t* __restrict g, uint16_t* __restrict out,
+                         int64_t begin, int64_t end, const Hyper hp) {
+  const float *p0 = st.p0, *m0 = st.m0, *v0 = st.v0;
+  float *p = st.p, *m = st.m, *v = st.v;
   const __m512 decay = _mm512_set1_ps(hp.lr_wd_decay), w1 = _mm512_set1_ps(hp.w1),
                omw1 = _mm512_set1_ps(1.0f - hp.w1), b2 = _mm512_set1_ps(hp.beta2),
                omb2 = _mm512_set1_ps(hp.one_minus_beta2), eps = _mm512_set1_ps(hp.eps),
@@ -248,22 +262,22 @@ int64_t run_range_avx512(float* __restrict p, const uint16_t* __restrict g, floa
   // Non-temporal stores need 32-byte alignment of the copy: the scalar loop takes the lanes before it.
   while (i < end && (reinterpret_cast<uintptr_t>(out + i) & 31u) != 0) ++i;
   const int64_t head = i;
-  run_range<BF16, BF16, LerpLow>(p, g, m, v, out, begin, head, hp);
+  run_range<BF16, BF16, LerpLow>(st, g, out, begin, head, hp);
   for (; i + 16 <= end; i += 16) {
 #if SF_PREFETCH > 0
-    _mm_prefetch(reinterpret_cast<const char*>(p + i) + SF_PREFETCH, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(m + i) + SF_PREFETCH, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(v + i) + SF_PREFETCH, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p0 + i) + SF_PREFETCH, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(m0 + i) + SF_PREFETCH, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(v0 + i) + SF_PREFETCH, _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(g + i) + SF_PREFETCH / 2, _MM_HINT_T0);
 #endif
     const __m256i graw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + i));
     const __m512 gi = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(graw), 16)), coef);
-    const __m512 m0 = _mm512_loadu_ps(m + i);
-    const __m512 d = _mm512_sub_ps(gi, m0);
-    const __m512 mi = LerpLow ? _mm512_fmadd_ps(w1, d, m0) : _mm512_fnmadd_ps(d, omw1, gi);
-    const __m512 vi = _mm512_fmadd_ps(_mm512_loadu_ps(v + i), b2, _mm512_mul_ps(_mm512_mul_ps(omb2, gi), gi));
+    const __m512 mold = _mm512_loadu_ps(m0 + i);
+    const __m512 d = _mm512_sub_ps(gi, mold);
+    const __m512 mi = LerpLow ? _mm512_fmadd_ps(w1, d, mold) : _mm512_fnmadd_ps(d, omw1, gi);
+    const __m512 vi = _mm512_fmadd_ps(_mm512_loadu_ps(v0 + i), b2, _mm512_mul_ps(_mm512_mul_ps(omb2, gi), gi));
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2_sqrt), eps);
-    const __m512 pi = _mm512_fmsub_ps(_mm512_loadu_ps(p + i), decay, _mm512_div_ps(_mm512_mul_ps(step_size, mi), denom));
+    const __m512 pi = _mm512_fmsub_ps(_mm512_loadu_ps(p0 + i), decay, _mm512_div_ps(_mm512_mul_ps(step_size, mi), denom));
     _mm512_storeu_ps(p + i, pi);
     _mm512_storeu_ps(m + i, mi);
     _mm512_storeu_ps(v + i, vi);
@@ -279,39 +293,55 @@ int64_t run_range_avx512(float* __restrict p, const uint16_t* __restrict g, floa
 #endif
 
 template <typename G, typename O>
-void run(float* p, const typename G::T* g, float* m, float* v, typename O::T* out, int64_t begin, int64_t end,
-         Hyper h, int64_t threads) {
+void run(const State<float> st, const typename G::T* g, typename O::T* out, int64_t begin, int64_t end, Hyper h,
+         int64_t threads) {
   parallel_ranges(begin, end, threads, [&](int64_t b, int64_t e) {
 #ifdef SF_AVX512
     if constexpr (std::is_same_v<G, BF16> && std::is_same_v<O, BF16>) {
-      b = h.w1 < 0.5f ? run_range_avx512<true>(p, g, m, v, out, b, e, h) : run_range_avx512<false>(p, g, m, v, out, b, e, h);
+      b = h.w1 < 0.5f ? run_range_avx512<true>(st, g, out, b, e, h) : run_range_avx512<false>(st, g, out, b, e, h);
       _mm_sfence();  // the streamed copy is visible before the caller records its host-to-device copy
     }
 #endif
-    if (h.w1 < 0.5f) run_range<G, O, true>(p, g, m, v, out, b, e, h);
-    else run_range<G, O, false>(p, g, m, v, out, b, e, h);
+    if (h.w1 < 0.5f) run_range<G, O, true>(st, g, out, b, e, h);
+    else run_range<G, O, false>(st, g, out, b, e, h);
   });
 }
 
 template <typename G>
-void dispatch_out(const torch::Tensor& p, const torch::Tensor& g, const torch::Tensor& m, const torch::Tensor& v,
-                  const c10::optional<torch::Tensor>& out, int64_t begin, int64_t end, Hyper h, int64_t threads) {
+void dispatch_out(const State<float> st, const torch::Tensor& g, const c10::optional<torch::Tensor>& out,
+                  int64_t begin, int64_t end, Hyper h, int64_t threads) {
   auto* gp = reinterpret_cast<const typename G::T*>(g.data_ptr());
   if (!out.has_value()) {
-    run<G, None>(p.data_ptr<float>(), gp, m.data_ptr<float>(), v.data_ptr<float>(), nullptr, begin, end, h, threads);
+    run<G, None>(st, gp, nullptr, begin, end, h, threads);
   } else if (out->scalar_type() == at::kBFloat16) {
-    run<G, BF16>(p.data_ptr<float>(), gp, m.data_ptr<float>(), v.data_ptr<float>(),
-                 reinterpret_cast<uint16_t*>(out->data_ptr()), begin, end, h, threads);
+    run<G, BF16>(st, gp, reinterpret_cast<uint16_t*>(out->data_ptr()), begin, end, h, threads);
   } else {
-    run<G, F16>(p.data_ptr<float>(), gp, m.data_ptr<float>(), v.data_ptr<float>(),
-                reinterpret_cast<at::Half*>(out->data_ptr()), begin, end, h, threads);
+    run<G, F16>(st, gp, reinterpret_cast<at::Half*>(out->data_ptr()), begin, end, h, threads);
   }
 }
 
+// The state an update reads: ``src`` (master, moments) when given, else the buffers it writes.
+template <typename T>
+State<T> state_of(const std::vector<torch::Tensor>& dst, const c10::optional<std::vector<torch::Tensor>>& src,
+                  at::ScalarType dtype) {
+  const int64_t n = dst[0].numel();
+  if (src.has_value()) {
+    TORCH_CHECK(src->size() == dst.size(), "src: one tensor per state tensor");
+    for (size_t k = 0; k < dst.size(); ++k)
+      TORCH_CHECK((*src)[k].is_cpu() && (*src)[k].is_contiguous() && (*src)[k].scalar_type() == dtype &&
+                      (*src)[k].numel() == n,
+                  "src: contiguous CPU tensors of the state's dtype and size");
+  }
+  const auto& in = src.has_value() ? *src : dst;
+  auto ptr = [](const torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); };
+  return State<T>{ptr(in[0]), ptr(in[1]), ptr(in[2]), ptr(dst[0]), ptr(dst[1]), ptr(dst[2])};
+}
+
 double adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg, torch::Tensor exp_avg_sq,
-                c10::optional<torch::Tensor> out, int64_t step, double lr, double beta1, double beta2, double eps,
-                double weight_decay, double grad_coef, int64_t threads, c10::optional<torch::Tensor> flags,
-                int64_t ticket, int64_t chunk, c10::optional<torch::Tensor> abort) {
+                  c10::optional<torch::Tensor> out, int64_t step, double lr, double beta1, double beta2, double eps,
+                  double weight_decay, double grad_coef, int64_t threads, c10::optional<torch::Tensor> flags,
+                  int64_t ticket, int64_t chunk, c10::optional<torch::Tensor> abort,
+                  c10::optional<std::vector<torch::Tensor>> src) {
   for (const auto* t : {&param, &exp_avg, &exp_avg_sq})
     TORCH_CHECK(t->is_cpu() && t->is_contiguous() && t->scalar_type() == at::kFloat, "master and moments: contiguous fp32 CPU");
   const int64_t n = param.numel();
@@ -325,12 +355,13 @@ double adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg
               "grad must be fp32, bf16 or fp16");
   const Hyper h = make_hyper(step, lr, beta1, beta2, eps, weight_decay, grad_coef);
   const Landing landing = landing_of(flags, ticket, chunk, abort, n);
+  const State<float> st = state_of<float>({param, exp_avg, exp_avg_sq}, src, at::kFloat);
   pybind11::gil_scoped_release no_gil;
   return for_each_landed(n, landing, [&](int64_t b, int64_t e) {
     switch (grad.scalar_type()) {
-      case at::kFloat: dispatch_out<F32>(param, grad, exp_avg, exp_avg_sq, out, b, e, h, threads); break;
-      case at::kBFloat16: dispatch_out<BF16>(param, grad, exp_avg, exp_avg_sq, out, b, e, h, threads); break;
-      default: dispatch_out<F16>(param, grad, exp_avg, exp_avg_sq, out, b, e, h, threads); break;
+      case at::kFloat: dispatch_out<F32>(st, grad, out, b, e, h, threads); break;
+      case at::kBFloat16: dispatch_out<BF16>(st, grad, out, b, e, h, threads); break;
+      default: dispatch_out<F16>(st, grad, out, b, e, h, threads); break;
     }
   });
 }
@@ -354,20 +385,27 @@ inline uint16_t f32_to_bf16_sr(float f, uint32_t noise16) {
   return static_cast<uint16_t>((bits + noise16) >> 16);
 }
 
+// The compact state read (hi0, lo0, m0, v0) and written (hi, lo, m, v): the same buffers in place.
+struct CompactState {
+  const uint16_t *hi0, *lo0, *m0, *v0;
+  uint16_t *hi, *lo, *m, *v;
+};
+
 template <typename G>
-void compact_range(uint16_t* __restrict hi, uint16_t* __restrict lo, const typename G::T* __restrict g,
-                   uint16_t* __restrict m, uint16_t* __restrict v, int64_t begin, int64_t end, const Hyper hp,
-                   uint32_t seed_m, uint32_t seed_v, int64_t offset) {
+void compact_range(const CompactState st, const typename G::T* __restrict g, int64_t begin, int64_t end,
+                   const Hyper hp, uint32_t seed_m, uint32_t seed_v, int64_t offset) {
   const float decay = hp.lr_wd_decay, w1 = hp.w1, b2 = hp.beta2, omb2 = hp.one_minus_beta2, eps = hp.eps;
   const float step_size = hp.step_size, bc2_sqrt = hp.bc2_sqrt, coef = hp.coef;
+  const uint16_t *hi0 = st.hi0, *lo0 = st.lo0, *m0 = st.m0, *v0 = st.v0;
+  uint16_t *hi = st.hi, *lo = st.lo, *m = st.m, *v = st.v;
 #pragma omp simd
   for (int64_t i = begin; i < end; ++i) {
     const float gi = G::load(g[i]) * coef;
-    const float mi0 = bf16_to_f32(m[i]);
+    const float mi0 = bf16_to_f32(m0[i]);
     const float mi = w1 < 0.5f ? mi0 + w1 * (gi - mi0) : gi - (gi - mi0) * (1.0f - w1);
-    const float vi = bf16_to_f32(v[i]) * b2 + omb2 * gi * gi;
+    const float vi = bf16_to_f32(v0[i]) * b2 + omb2 * gi * gi;
     const float denom = std::sqrt(vi) / bc2_sqrt + eps;
-    const float p0 = bf16_to_f32(hi[i]) + bf16_to_f32(lo[i]);
+    const float p0 = bf16_to_f32(hi0[i]) + bf16_to_f32(lo0[i]);
     const float pi = p0 * decay - step_size * mi / denom;
     const uint16_t h = f32_to_bf16(pi);
     hi[i] = h;
@@ -379,10 +417,10 @@ void compact_range(uint16_t* __restrict hi, uint16_t* __restrict lo, const typen
 }
 
 double adamw_step_compact(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad, torch::Tensor exp_avg,
-                        torch::Tensor exp_avg_sq, int64_t step, double lr, double beta1, double beta2, double eps,
-                        double weight_decay, double grad_coef, int64_t seed, int64_t offset, int64_t threads,
-                        c10::optional<torch::Tensor> flags, int64_t ticket, int64_t chunk,
-                        c10::optional<torch::Tensor> abort) {
+                          torch::Tensor exp_avg_sq, int64_t step, double lr, double beta1, double beta2, double eps,
+                          double weight_decay, double grad_coef, int64_t seed, int64_t offset, int64_t threads,
+                          c10::optional<torch::Tensor> flags, int64_t ticket, int64_t chunk,
+                          c10::optional<torch::Tensor> abort, c10::optional<std::vector<torch::Tensor>> src) {
   const int64_t n = hi.numel();
   for (const auto* t : {&hi, &lo, &exp_avg, &exp_avg_sq})
     TORCH_CHECK(t->is_cpu() && t->is_contiguous() && t->scalar_type() == at::kBFloat16 && t->numel() == n,
@@ -391,10 +429,16 @@ double adamw_step_compact(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad
   const Hyper h = make_hyper(step, lr, beta1, beta2, eps, weight_decay, grad_coef);
   const uint32_t base = mix32(static_cast<uint32_t>(seed) ^ mix32(static_cast<uint32_t>(step)));
   const uint32_t seed_m = mix32(base ^ 0x6d6d6d6du), seed_v = mix32(base ^ 0x76767676u);
-  auto* hp = reinterpret_cast<uint16_t*>(hi.data_ptr());
-  auto* lp = reinterpret_cast<uint16_t*>(lo.data_ptr());
-  auto* mp = reinterpret_cast<uint16_t*>(exp_avg.data_ptr());
-  auto* vp = reinterpret_cast<uint16_t*>(exp_avg_sq.data_ptr());
+  const std::vector<torch::Tensor> dst{hi, lo, exp_avg, exp_avg_sq};
+  if (src.has_value()) {
+    TORCH_CHECK(src->size() == 4, "src: hi, lo, exp_avg, exp_avg_sq");
+    for (const auto& t : *src)
+      TORCH_CHECK(t.is_cpu() && t.is_contiguous() && t.scalar_type() == at::kBFloat16 && t.numel() == n,
+                  "src: contiguous bf16 CPU tensors of the state's size");
+  }
+  const auto& in = src.has_value() ? *src : dst;
+  auto ptr = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+  const CompactState st{ptr(in[0]), ptr(in[1]), ptr(in[2]), ptr(in[3]), ptr(hi), ptr(lo), ptr(exp_avg), ptr(exp_avg_sq)};
   const bool bf16_grad = grad.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16_grad || grad.scalar_type() == at::kFloat, "grad must be bf16 or fp32");
   const Landing landing = landing_of(flags, ticket, chunk, abort, n);
@@ -402,10 +446,9 @@ double adamw_step_compact(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad
   return for_each_landed(n, landing, [&](int64_t begin, int64_t end) {
     parallel_ranges(begin, end, threads, [&](int64_t b, int64_t e) {
       if (bf16_grad)
-        compact_range<BF16>(hp, lp, reinterpret_cast<const uint16_t*>(grad.data_ptr()), mp, vp, b, e, h, seed_m,
-                            seed_v, offset);
+        compact_range<BF16>(st, reinterpret_cast<const uint16_t*>(grad.data_ptr()), b, e, h, seed_m, seed_v, offset);
       else
-        compact_range<F32>(hp, lp, grad.data_ptr<float>(), mp, vp, b, e, h, seed_m, seed_v, offset);
+        compact_range<F32>(st, grad.data_ptr<float>(), b, e, h, seed_m, seed_v, offset);
     });
   });
 }
@@ -417,9 +460,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw_step", &adamw_step, "one-pass AdamW (fp32 master and moments, optional bf16/fp16 copy out); returns the seconds it waited for gradient chunks",
         "param"_a, "grad"_a, "exp_avg"_a, "exp_avg_sq"_a, "out"_a, "step"_a, "lr"_a, "beta1"_a, "beta2"_a, "eps"_a,
         "weight_decay"_a, "grad_coef"_a, "threads"_a, "flags"_a = pybind11::none(), "ticket"_a = 0, "chunk"_a = 0,
-        "abort"_a = pybind11::none());
+        "abort"_a = pybind11::none(), "src"_a = pybind11::none());
   m.def("adamw_step_compact", &adamw_step_compact, "one-pass AdamW on compact state (bf16 hi/lo master, bf16 moments); returns the seconds it waited for gradient chunks",
         "hi"_a, "lo"_a, "grad"_a, "exp_avg"_a, "exp_avg_sq"_a, "step"_a, "lr"_a, "beta1"_a, "beta2"_a, "eps"_a,
         "weight_decay"_a, "grad_coef"_a, "seed"_a, "offset"_a, "threads"_a, "flags"_a = pybind11::none(),
-        "ticket"_a = 0, "chunk"_a = 0, "abort"_a = pybind11::none());
+        "ticket"_a = 0, "chunk"_a = 0, "abort"_a = pybind11::none(), "src"_a = pybind11::none());
 }
