@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on the GPU machine, in one call: the GPU tests, then the benchmark cases.
 #   run from the repo root on the device machine; results go to $OUT (or ./bench/out).
-# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table16|b64|timeline | case ...]
+# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table17|b64|timeline | case ...]
 #   (a case: "system model batch [extra args]")
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -132,6 +132,16 @@ if [[ $what == bench || $what == all ]]; then
                     "slideformer qwen3-4b 64 --resident-layers 36 --profile-ops 40" \
                     "slideformer qwen3-4b 64 --resident-layers 36 --micro-batch 32 --profile-ops 40" \
                     "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --timeline" ;;
+    # Session 6: clipping with speculative updates (a spare state per streamed layer) where the norm stays
+    # within the limit (1e9) and where it never does (1e-6), beside unclipped and exact waiting; which ops
+    # launch 4B b64's extra GEMM kernels (plain against all layers resident, one micro-batch of 64)
+    table17) set -- "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24" \
+                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --max-grad-norm 1e9" \
+                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --max-grad-norm 1e-6" \
+                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --max-grad-norm 1e9 --speculative-layers 0" \
+                    "slideformer qwen3-4b 32 --gpu-memory-limit-gib 24 --max-grad-norm 1e9" \
+                    "plain qwen3-4b 64 --fused-ops liger --profile-ops 40" \
+                    "slideformer qwen3-4b 64 --resident-layers 36 --profile-ops 40" ;;
     # Where the 4B b8 streamed step loses its last 0.2 s (NOTES, session 3): every update and visit, with
     # 4 and with 36 gradient buffers
     timeline) set -- "slideformer qwen3-4b 8 --resident-layers 0 --timeline" \

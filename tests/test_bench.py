@@ -105,3 +105,16 @@ def test_profile_names_the_shapes_of_each_matrix_product():
     shapes = sorted(r["shapes"] for r in out["matmuls"])
     assert shapes == [[[64, 16], [16, 8]], [[64, 32], [32, 16]]]
     assert all(r["op"] == "aten::mm" and r["calls"] == 1 for r in out["matmuls"])
+
+
+def test_kernel_launchers_name_the_aten_op_and_its_callers():
+    """A kernel is filed under the innermost aten op above its launch (with operand shapes) and two callers."""
+    from types import SimpleNamespace as E
+
+    lin = E(name="aten::linear", input_shapes=[], cpu_parent=E(name="MyLayer", input_shapes=[], cpu_parent=None))
+    mm = E(name="aten::mm", input_shapes=[[8, 4], [4, 2]], cpu_parent=lin)
+    launch = E(name="cudaLaunchKernel", input_shapes=[], cpu_parent=mm,
+               kernels=[E(name="gemm", duration=2000.0), E(name="other", duration=5.0)])
+    prof = E(events=lambda: [launch, launch, mm])
+    out = harness.kernel_launchers(prof, {"gemm"})
+    assert out == {"gemm": [["aten::mm [[8, 4], [4, 2]] < aten::linear < MyLayer", 2, 0.004]]}

@@ -239,7 +239,32 @@ def profile_ops(step, finish, top: int) -> dict:
            for e in prof.key_averages(group_by_input_shape=True) if e.key in ("aten::mm", "aten::addmm", "aten::bmm")]
     mms.sort(key=lambda r: -r[2])
     return {"kernels": [{"op": k, "gpu_s": t, "calls": n, "share": t / total} for k, t, n in rows[:top]],
-            "matmuls": [{"op": k, "shapes": sh, "gpu_s": t, "calls": n} for k, sh, t, n in mms[:top]]}
+            "matmuls": [{"op": k, "shapes": sh, "gpu_s": t, "calls": n} for k, sh, t, n in mms[:top]],
+            "launchers": kernel_launchers(prof, {k for k, _, _ in rows[:top]})}
+
+
+def kernel_launchers(prof, kernels: set[str]) -> dict[str, list]:
+    """For each of ``kernels``, the ops that launched it: the innermost aten op with its operand shapes and
+    two of its callers, with calls and GPU seconds. Where a kernel table shows an extra or slower kernel,
+    this says which op and shapes it belongs to."""
+    found: dict[str, dict[str, list]] = {}
+    for e in prof.events():
+        for k in getattr(e, "kernels", None) or ():
+            if k.name not in kernels:
+                continue
+            op, chain = e, []
+            while op is not None and not op.name.startswith("aten::"):
+                op = op.cpu_parent
+            op = op or e
+            chain.append(f"{op.name} {op.input_shapes}" if op.input_shapes else op.name)
+            up = op.cpu_parent
+            while up is not None and len(chain) < 3:
+                chain.append(up.name)
+                up = up.cpu_parent
+            c = found.setdefault(k.name, {}).setdefault(" < ".join(chain), [0, 0.0])
+            c[0] += 1
+            c[1] += k.duration / 1e6
+    return {k: sorted(([label, n, t] for label, (n, t) in v.items()), key=lambda r: -r[2])[:6] for k, v in found.items()}
 
 
 RUNNERS = {"slideformer": run_slideformer, "plain": run_plain, "deepspeed": run_deepspeed}
@@ -343,7 +368,7 @@ def main(argv=None):
     ex = extra()  # before the profiled step below, which is not one of the timed ones
     if args.profile_ops and cuda:
         prof = profile_ops(step, finish, args.profile_ops)
-        rec["op_profile"], rec["matmul_profile"] = prof["kernels"], prof["matmuls"]
+        rec["op_profile"], rec["matmul_profile"], rec["kernel_launchers"] = prof["kernels"], prof["matmuls"], prof["launchers"]
     if "breakdown" in ex:
         if "timeline" in ex["breakdown"]:
             rec["timeline"] = ex["breakdown"].pop("timeline")
