@@ -5,7 +5,9 @@ and against Liger-Kernel's fused loss where liger_kernel is importable.
     python -m slideformer.bench.loss --chunks 4096,16384   # also the fused loss at these chunk sizes
 
 Each case times forward + backward (CUDA events, median of several runs after warm-up) and records
-the peak memory allocated above the inputs.
+the peak memory allocated above the inputs, gradients included. (Files before 2026-11-30's
+loss-96c4ebe measured above the inputs plus the previous run's gradients: Liger's peak then came out
+near zero, since it computes its gradients in the forward, in place of the ones it frees.)
 """
 from __future__ import annotations
 
@@ -21,8 +23,10 @@ from ..kernels import fused_linear_cross_entropy, reference_linear_cross_entropy
 CASES = [(v, h, t) for v in (151936, 128256) for h in (2560, 4096) for t in (16384, 65536)]
 
 
-def measure(fn, reps: int = 5) -> tuple[float, int]:
+def measure(fn, reset, reps: int = 5) -> tuple[float, int]:
+    """(median seconds of ``fn``, its peak bytes above what is allocated after ``reset``)."""
     fn()
+    reset()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -63,11 +67,14 @@ def main(argv=None) -> None:
         lab = torch.randint(0, V, (T,), device="cuda", generator=g)
         rec = {"vocab": V, "hidden": H, "tokens": T}
         for name, f in systems:
-            def step(f=f, x=x, w=w, lab=lab):
+            def reset(x=x, w=w):
                 x.grad = w.grad = None
+
+            def step(f=f, x=x, w=w, lab=lab):
+                reset()
                 f(x, w, lab).backward()
             try:
-                t, mem = measure(step)
+                t, mem = measure(step, reset)
                 rec[f"{name}_s"], rec[f"{name}_peak_gib"] = t, mem / 2**30
             except torch.OutOfMemoryError:
                 rec[f"{name}_s"] = rec[f"{name}_peak_gib"] = None
