@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on the GPU machine, in one call: the GPU tests, then the benchmark cases.
 #   run from the repo root on the device machine; results go to $OUT (or ./bench/out).
-# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table17|b64|timeline | case ...]
+# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table18|b64|timeline | case ...]
 #   (a case: "system model batch [extra args]")
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -142,6 +142,14 @@ if [[ $what == bench || $what == all ]]; then
                     "slideformer qwen3-4b 32 --gpu-memory-limit-gib 24 --max-grad-norm 1e9" \
                     "plain qwen3-4b 64 --fused-ops liger --profile-ops 40" \
                     "slideformer qwen3-4b 64 --resident-layers 36 --profile-ops 40" ;;
+    # Session 6's last call: backward's recompute without the down projection's product (the extra GEMM
+    # per layer against plain), at b64 and b32 against plain+Liger; clipping with non-temporal spare writes
+    table18) set -- "plain qwen3-4b 64 --fused-ops liger" "slideformer qwen3-4b 64 --gpu-memory-limit-gib 24" \
+                    "slideformer qwen3-4b 64 --gpu-memory-limit-gib 24 --resident-edges" \
+                    "plain qwen3-4b 32 --fused-ops liger" "slideformer qwen3-4b 32 --gpu-memory-limit-gib 24" \
+                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24" \
+                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --max-grad-norm 1e9" \
+                    "slideformer llama3-8b 32 --gpu-memory-limit-gib 24" ;;
     # Where the 4B b8 streamed step loses its last 0.2 s (NOTES, session 3): every update and visit, with
     # 4 and with 36 gradient buffers
     timeline) set -- "slideformer qwen3-4b 8 --resident-layers 0 --timeline" \

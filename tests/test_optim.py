@@ -193,3 +193,39 @@ def test_native_update_follows_the_landing_flags(compact):
     abort.fill_(1)
     th.join(5)
     assert not th.is_alive() and "aborted" in failure[0]
+
+
+@pytest.mark.parametrize("backend", ["native", "torch"])
+@pytest.mark.parametrize("compact", [False, True])
+def test_update_out_of_place_leaves_the_source(backend, compact):
+    """``src``: the update reads the state there and writes it elsewhere (a speculative update into a spare
+    state, engine/runtime.py): the same bits as in place, the source untouched. bf16 gradient and copy
+    out, odd length: the vector path (non-temporal stores where the destination is aligned) and its tail."""
+    from slideformer.optim.adamw import adamw_compact_
+
+    n = 4099
+    torch.manual_seed(0)
+    g = torch.randn(n).bfloat16()
+    if compact:
+        state = [torch.randn(n).bfloat16(), (torch.randn(n) * 1e-3).bfloat16(), (torch.randn(n) * 0.1).bfloat16(),
+                 (torch.rand(n) * 0.01).bfloat16()]
+
+        def update(s, src=None):
+            adamw_compact_(*s[:2], g, *s[2:], step=3, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
+                           seed=5, backend=backend, threads=2, src=src)
+    else:
+        state = [torch.randn(n), torch.randn(n) * 0.1, torch.rand(n) * 0.01, torch.empty(n, dtype=torch.bfloat16)]
+
+        def update(s, src=None):
+            adamw_update_(s[0], g, s[1], s[2], out=s[3], step=3, lr=1e-2, betas=(0.9, 0.999), eps=1e-8,
+                          weight_decay=0.1, scratch=torch.empty(n), backend=backend, threads=2,
+                          src=None if src is None else src[:3])
+    keep = [t.clone() for t in state]
+    in_place = [t.clone() for t in state]
+    update(in_place)
+    out = [torch.empty_like(t) for t in state]
+    update(out, tuple(state))
+    for a, b in zip(out, in_place):
+        assert torch.equal(a, b)
+    for a, b in zip(state[:3] if not compact else state, keep):
+        assert torch.equal(a, b)

@@ -29,6 +29,7 @@ from ..host.store import HostStore
 from ..model.adapter import ModelAdapter, bind_parameters
 from ..optim import native
 from ..model.chunked_mlp import MlpChunking
+from ..model.recompute import OutputFreeRecompute
 from ..model.fused_ops import apply_liger
 from ..model.fused_ops import resolve as resolve_fused_ops
 from ..plan.memory import (LOSS_CHUNK_TOKENS, ModelShape, Placement, check_host_fits, config_host_bytes, fit,
@@ -102,6 +103,7 @@ class SlideEngine:
             apply_liger(self.adapter.layers + [self.adapter.norm], getattr(hf_config, "hidden_act", ""))
         # (after Liger: the chunks run whatever MLP forward is bound)
         self.mlp_chunking = MlpChunking([layer.mlp for layer in self.adapter.layers], self.cfg.mlp_chunk_tokens)
+        self.recompute = OutputFreeRecompute(self.adapter.layers)
         self.shape = ModelShape.from_adapter(self.adapter)
         self._limit = None if self.cfg.gpu_memory_limit is None else parse_bytes(self.cfg.gpu_memory_limit)
         if self._limit is not None:  # refuse before allocating anything if not even one sequence fits
@@ -269,7 +271,8 @@ class SlideEngine:
         plist = list(params.values())
         for i, (x, mb) in enumerate(zip(inputs, st.mbs)):
             x = x.detach().requires_grad_(True)
-            with torch.enable_grad():
+            # (not with token-chunked MLPs: their checkpoints recompute the projection in backward)
+            with torch.enable_grad(), self.recompute.active(self.mlp_chunking.tokens is None):
                 y = self._run_layer(layer, unit.layer, x, mb)
             g = torch.autograd.grad(y, [x] + plist, st.grad_hidden[i])
             st.grad_hidden[i] = g[0]

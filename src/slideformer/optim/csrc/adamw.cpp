@@ -263,6 +263,10 @@ int64_t run_range_avx512(const State<float> st, const uint16_t* __restrict g, ui
   while (i < end && (reinterpret_cast<uintptr_t>(out + i) & 31u) != 0) ++i;
   const int64_t head = i;
   run_range<BF16, BF16, LerpLow>(st, g, out, begin, head, hp);
+  // Out of place (a speculative update into a spare state) the destination is not in cache: ordinary
+  // stores would first read each line (40 instead of 28 bytes a parameter), non-temporal ones do not.
+  const bool stream = p != p0 && ((reinterpret_cast<uintptr_t>(p + i) | reinterpret_cast<uintptr_t>(m + i) |
+                                   reinterpret_cast<uintptr_t>(v + i)) & 63u) == 0;
   for (; i + 16 <= end; i += 16) {
 #if SF_PREFETCH > 0
     _mm_prefetch(reinterpret_cast<const char*>(p0 + i) + SF_PREFETCH, _MM_HINT_T0);
@@ -278,9 +282,15 @@ int64_t run_range_avx512(const State<float> st, const uint16_t* __restrict g, ui
     const __m512 vi = _mm512_fmadd_ps(_mm512_loadu_ps(v0 + i), b2, _mm512_mul_ps(_mm512_mul_ps(omb2, gi), gi));
     const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2_sqrt), eps);
     const __m512 pi = _mm512_fmsub_ps(_mm512_loadu_ps(p0 + i), decay, _mm512_div_ps(_mm512_mul_ps(step_size, mi), denom));
-    _mm512_storeu_ps(p + i, pi);
-    _mm512_storeu_ps(m + i, mi);
-    _mm512_storeu_ps(v + i, vi);
+    if (stream) {
+      _mm512_stream_ps(p + i, pi);
+      _mm512_stream_ps(m + i, mi);
+      _mm512_stream_ps(v + i, vi);
+    } else {
+      _mm512_storeu_ps(p + i, pi);
+      _mm512_storeu_ps(m + i, mi);
+      _mm512_storeu_ps(v + i, vi);
+    }
     // round to nearest even as f32_to_bf16 does; NaN lanes become the canonical quiet NaN
     const __m512i bits = _mm512_castps_si512(pi);
     __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, round),
