@@ -21,6 +21,7 @@ from ..optim import native
 VARIANTS = {
     "portable": ("-DSF_NO_INTRIN",),  # what a CPU without AVX-512 runs
     "no_prefetch": ("-DSF_PREFETCH=0",),
+    "stream_in_place": ("-DSF_STREAM_IN_PLACE=1",),  # non-temporal stores in place too (NOTES, table18)
 }
 
 

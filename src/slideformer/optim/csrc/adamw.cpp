@@ -265,8 +265,13 @@ int64_t run_range_avx512(const State<float> st, const uint16_t* __restrict g, ui
   run_range<BF16, BF16, LerpLow>(st, g, out, begin, head, hp);
   // Out of place (a speculative update into a spare state) the destination is not in cache: ordinary
   // stores would first read each line (40 instead of 28 bytes a parameter), non-temporal ones do not.
-  const bool stream = p != p0 && ((reinterpret_cast<uintptr_t>(p + i) | reinterpret_cast<uintptr_t>(m + i) |
-                                   reinterpret_cast<uintptr_t>(v + i)) & 63u) == 0;
+  // (SF_STREAM_IN_PLACE: in place too, a build the optimizer benchmark compares; bench/NOTES.md, table18)
+#ifndef SF_STREAM_IN_PLACE
+#define SF_STREAM_IN_PLACE 0
+#endif
+  const bool stream = (p != p0 || SF_STREAM_IN_PLACE) &&
+                      ((reinterpret_cast<uintptr_t>(p + i) | reinterpret_cast<uintptr_t>(m + i) |
+                        reinterpret_cast<uintptr_t>(v + i)) & 63u) == 0;
   for (; i + 16 <= end; i += 16) {
 #if SF_PREFETCH > 0
     _mm_prefetch(reinterpret_cast<const char*>(p0 + i) + SF_PREFETCH, _MM_HINT_T0);
