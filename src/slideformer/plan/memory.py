@@ -445,8 +445,8 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
     8 FLOP units) and only the next forward overlaps it; the embedding's update is then the first of that
     serial chain, not a stall on top (session 2 measured 1.72 s at 4B b8 streamed; with that session's
     rates this gives 1.68). ``speculative_layers`` of the streamed layers are updated before the norm
-    (engine/runtime.py): only the rest follows backward, where the norm stays within the limit. Within
-    10% of session 5's 4B steps with a gradient buffer per streamed layer; ~20% over at
+    (engine/runtime.py): only the rest follows backward, where the norm stays within the limit. The GPU
+    term is within 1% of table18's 4B b32 and b64 GPU work. Within 10% of session 5's and 6's 4B steps with a gradient buffer per streamed layer; ~20% over at
     8B (its GEMMs run faster); not counted: a ring of few gradient buffers (10-15%) and staged casts."""
     tokens = batch * seq
     k = min(p.resident_layers, shape.layers)
@@ -454,11 +454,13 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
                                                       if p.edges_resident(shape) else 0)
     streamed = max(0, on_cpu - min(p.window_slots, shape.layers - k) * shape.layer_params)  # the rest is reused
     offloaded = shape.layers - min(shape.layers, p.gpu_activation_layers)
+    chunked = p.mlp_chunk_tokens and p.mlp_chunk_tokens < min(batch, p.micro_batch) * seq
     out = {
-        # token-chunked MLPs run their forward once more (6 x hidden x ffn FLOPs a token and layer)
-        "gpu_compute_s": (8 * shape.params + (6 * shape.layers * shape.hidden * shape.ffn
-                                              if p.mlp_chunk_tokens and p.mlp_chunk_tokens < min(batch, p.micro_batch) * seq
-                                              else 0)) * tokens / rates.gpu_flops,
+        # forward, recompute and backward (2 + 2 + 4 FLOPs a parameter and token), less the recompute of the
+        # down projection (2 x hidden x ffn a token and layer; model/recompute.py); token-chunked MLPs
+        # recompute it, and run their whole forward once more (6 x hidden x ffn)
+        "gpu_compute_s": (8 * shape.params + (6 if chunked else -2) * shape.layers * shape.hidden * shape.ffn)
+        * tokens / rates.gpu_flops,
         # offloaded layer inputs: out and back once a step, each way on its own copy engine
         "activations_s": offloaded * tokens * shape.hidden * 2 / rates.pcie_bytes_per_s,
         "optimizer_s": on_cpu / rates.optimizer_params_per_s / (1.5 if compact else 1.0),
