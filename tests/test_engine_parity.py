@@ -523,41 +523,66 @@ def test_liger_ops_refused_where_they_cannot_run():
         assert eng.fused_ops == "none"  # (a torch.device works as well as a string)
 
 
+def wait_for_speculation(eng):
+    """Hold each verdict until every speculative update of the step has run (by default a late one runs
+    in place after it): the tests then take the adopt or redo path every step, not by timing."""
+    import time
+
+    rt = eng.runtime
+    resolve = rt.resolve_speculation
+
+    def resolve_when_done(coef):
+        reserved = len(eng.store.spares) - len(rt._spares_free)
+        t0 = time.monotonic()
+        while len(rt._speculated) < reserved and time.monotonic() - t0 < 30:
+            time.sleep(1e-3)
+        resolve(coef)
+
+    rt.resolve_speculation = resolve_when_done
+
+
 @pytest.mark.parametrize("clip", [0.05, 100.0])  # every step clipped / none
 @pytest.mark.parametrize("spares,backend", [(1, "native"), (3, "native"), (3, "torch")])
 def test_speculative_updates_under_clipping_train_like_pytorch(clip, spares, backend):
     """speculative_layers: layers updated before the global norm is known, out of place into spare states.
     Where the norm is within the limit the spare is adopted, else the update runs again: bit for bit the
-    training of updates that wait for the norm, and PyTorch's."""
+    training of updates that wait for the norm, and PyTorch's. Also with the verdict's natural timing."""
     model = build("llama")
     batches = [[batch(97, seed=s), batch(97, seed=s + 11)] for s in range(3)]
     big = [{k: torch.cat([m[k] for m in mbs]) for k in ("input_ids", "labels")} for mbs in batches]
     kw = dict(lr=1e-3, max_grad_norm=clip, weight_decay=0.1, optimizer_backend=backend)
     waiting, waiting_losses = engine_train(model, batches, **kw)
-    adopted = []
-    with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, loss_kernel="torch",
-                                         speculative_layers=spares, **kw)) as eng:
-        layers = [eng.adapter.layer_unit(i).index for i in range(3)]
-        assert len(eng.store.spares) == spares
-        losses = []
-        for b in batches:
-            before = [eng.store.master[u] for u in layers]
-            losses.append(eng.train_step(b))
-            eng.synchronize()
-            adopted.append(sum(eng.store.master[u] is not t for u, t in zip(layers, before)))
-        state = {k: v.clone() for k, v in eng.state_dict().items()}
-    for key, v in waiting.items():
-        assert torch.equal(state[key], v), key
-    assert losses == waiting_losses
-    # (never clipped: the updates run before the norm are adopted, a spare's worth a step at least)
-    assert all(a >= 1 for a in adopted) if clip == 100.0 else adopted == [0, 0, 0]
+    for forced in (True, False):
+        adopted = []
+        with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, loss_kernel="torch",
+                                             speculative_layers=spares, **kw)) as eng:
+            if forced:
+                wait_for_speculation(eng)
+            layers = [eng.adapter.layer_unit(i).index for i in range(3)]
+            assert len(eng.store.spares) == spares
+            losses = []
+            for b in batches:
+                before = [eng.store.master[u] for u in layers]
+                losses.append(eng.train_step(b))
+                eng.synchronize()
+                adopted.append(sum(eng.store.master[u] is not t for u, t in zip(layers, before)))
+            state = {k: v.clone() for k, v in eng.state_dict().items()}
+            counts = dict(eng.runtime.speculation)
+        for key, v in waiting.items():
+            assert torch.equal(state[key], v), (forced, key)
+        assert losses == waiting_losses
+        assert sum(counts.values()) == 3 * spares  # every spare used every step
+        if forced:  # never clipped: each step's speculative updates are adopted; always clipped: redone
+            assert adopted == ([spares] * 3 if clip == 100.0 else [0, 0, 0])
+            assert counts == ({"kept": 3 * spares, "redone": 0, "late": 0} if clip == 100.0 else
+                              {"kept": 0, "redone": 3 * spares, "late": 0})
     ref, ref_losses = reference_train(model, big, lr=1e-3, max_grad_norm=clip, weight_decay=0.1)
     assert_same(state, ref, losses, ref_losses)
 
 
 def test_speculative_updates_of_compact_state_are_exact():
-    """Compact state (bf16 hi/lo master, stochastically rounded moments) speculated: the same bits as
-    updates that wait for the norm, clipped or not."""
+    """Compact state (bf16 hi/lo master, stochastically rounded moments) speculated and adopted or redone:
+    the same bits as updates that wait for the norm."""
     model = build("qwen3-tied")
     batches = [batch(97, seed=s) for s in range(3)]
     for clip in (0.05, 100.0):
@@ -566,8 +591,12 @@ def test_speculative_updates_of_compact_state_are_exact():
             cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, optimizer_state="compact", lr=1e-2,
                                max_grad_norm=clip, speculative_layers=spares)
             with SlideEngine(model, cfg) as eng:
+                wait_for_speculation(eng)
                 losses = [eng.train_step(b) for b in batches]
+                eng.synchronize()
                 out.append(({k: v.clone() for k, v in eng.state_dict().items()}, losses))
+                if spares:
+                    assert eng.runtime.speculation["kept" if clip == 100.0 else "redone"] == 9
         assert out[0][1] == out[1][1]
         for key, v in out[0][0].items():
             assert torch.equal(out[1][0][key], v), (clip, key)

@@ -85,6 +85,13 @@ def test_spare_states_match_engine_accounting(compact):
             assert planned == eng.memory_report()["host_spares"] == \
                 (2 * sh.layer_params * (8 if compact else 12) if clip else 0)
             assert ("clipping: 2 of 3 streamed layers updated before the global norm" in eng.describe()) == bool(clip)
+    # no more spares than layers the CPU updates from RAM: 3 layers, 1 resident
+    cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, max_grad_norm=1.0, speculative_layers=5,
+                       resident_layers=1)
+    with SlideEngine(model, cfg) as eng:
+        assert len(eng.store.spares) == 2
+        assert config_host_bytes(cfg, ModelShape.from_adapter(eng.adapter), 1, 8, Placement.of(cfg))["spares"] == \
+            eng.memory_report()["host_spares"]
 
 
 def test_auto_host_gives_spare_states_to_the_streamed_layers_where_ram_allows():
@@ -101,6 +108,9 @@ def test_auto_host_gives_spare_states_to_the_streamed_layers_where_ram_allows():
     total = sum(config_host_bytes(some, four, 8, 1024, p).values())
     assert total <= 0.85 * 80 * GiB < total + 12 * four.layer_params
     assert auto_host(replace(cfg, max_grad_norm=None), four, 8, 1024, p, 125 * GiB, spares=True).speculative_layers == 0
+    # decided last: spares the caller set beforehand (spares_that_fit) never make the weights staged
+    assert auto_host(replace(cfg, speculative_layers=36), four, 8, 1024, p, 80 * GiB, spares=True) == some
+    assert some.host_weights == "persistent"
     # before the residency choice: what fits with every layer streamed
     assert spares_that_fit(cfg, four, 8, 1024, 125 * GiB) == four.layers
     assert spares_that_fit(replace(cfg, max_grad_norm=None), four, 8, 1024, 125 * GiB) == 0

@@ -23,7 +23,7 @@ def test_graph_only_linear_has_linears_gradients(bias):
     assert out.shape == (2, 5, 4)
     got = torch.autograd.grad(out, [x, w] + ([b] if bias else []), g)
     for a, r in zip(got, ref):
-        torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6)
+        assert a.is_contiguous() and torch.equal(a, r)
 
 
 def test_the_engine_skips_the_projection_in_backward_only(monkeypatch):

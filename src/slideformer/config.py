@@ -146,7 +146,8 @@ class EngineConfig:
             raise ConfigError(f"grad_chunk_elems must be >= 1, got {self.grad_chunk_elems}")
         if self.host_grad_buffers is not None and self.host_grad_buffers < 1:
             raise ConfigError(f"host_grad_buffers must be >= 1 or None (one per layer), got {self.host_grad_buffers}")
-        if self.speculative_layers < 0:
+        if isinstance(self.speculative_layers, bool) or not isinstance(self.speculative_layers, int) \
+                or self.speculative_layers < 0:
             raise ConfigError(f"speculative_layers must be >= 0, got {self.speculative_layers}")
         if self.gpu_activation_layers < 0:
             raise ConfigError(f"gpu_activation_layers must be >= 0, got {self.gpu_activation_layers}")

@@ -103,7 +103,8 @@ def run_slideformer(args, config):
     def extra():
         rep = {"resident_layers_chosen": cfg.resident_layers, "resident_edges_chosen": cfg.resident_edges,
                "host_weights_chosen": cfg.host_weights, "host_grad_buffers_chosen": cfg.host_grad_buffers,
-               "speculative_layers_chosen": cfg.speculative_layers if cfg.max_grad_norm is not None else 0,
+               "speculative_layers_chosen": len(engine.store.spares),
+               "speculation": dict(engine.runtime.speculation),  # (units, warm-up steps included)
                "breakdown": engine.profile(timeline=args.timeline),
                "host_bytes": engine.memory_report()}
         if engine._placements:
@@ -386,6 +387,7 @@ def main(argv=None):
         rec["host_weights_chosen"] = ex["host_weights_chosen"]
         rec["host_grad_buffers_chosen"] = ex["host_grad_buffers_chosen"]
         rec["speculative_layers_chosen"] = ex["speculative_layers_chosen"]
+        rec["speculation"] = ex["speculation"]
     line = json.dumps(rec)
     print(line, flush=True)
     if args.out:

@@ -32,7 +32,8 @@ DEFAULTS = {"slots": 3, "depth": 1, "host_weights": ("auto", "persistent"), "hos
             "loss_kernel": "fused", "optimizer_state": "fp32", "offload_dir": None, "nvme_fraction": 1.0,
             "grad_chunk_elems": 16 << 20, "switch_interval": None, "nvme_master": False,
             "activations_to_nvme": False, "resident_edges": False, "offload_activations": None,
-            "resident_at": "start", "max_grad_norm": None, "speculative_layers": "auto"}  # a setting only table9-8cb727f varied (resident layers at the end)
+            "resident_at": "start",  # a setting only table9-8cb727f varied (resident layers at the end)
+            "max_grad_norm": None, "speculative_layers": "auto"}
 
 
 def variant(r) -> str:

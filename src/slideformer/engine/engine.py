@@ -33,7 +33,7 @@ from ..model.recompute import OutputFreeRecompute
 from ..model.fused_ops import apply_liger
 from ..model.fused_ops import resolve as resolve_fused_ops
 from ..plan.memory import (LOSS_CHUNK_TOKENS, ModelShape, Placement, check_host_fits, config_host_bytes, fit,
-                           host_memory, nvme_layer_count, parse_bytes)
+                           host_memory, nvme_layer_count, parse_bytes, speculative_spares)
 from ..window.schedule import plan_step
 from .activations import ActivationStore
 from .loss import chunked_head_loss, fused_head_loss
@@ -126,7 +126,7 @@ class SlideEngine:
                                staged_units=staged, layer_grad_buffers=ring,
                                nvme_dir=self.cfg.offload_dir, nvme_units=nvme, nvme_buffers=self.cfg.nvme_buffers,
                                compact=self.cfg.optimizer_state == "compact", nvme_master=self.cfg.nvme_master,
-                               spare_states=self.cfg.speculative_layers if self.cfg.max_grad_norm is not None else 0)
+                               spare_states=speculative_spares(self.cfg, n))
         # Resident units: `resident_layers` decoder layers, and embedding and head with `resident_edges` or
         # when every layer is resident (the whole model then trains on the GPU, as plain training would).
         resident = set(layers[:k])
@@ -412,7 +412,9 @@ class SlideEngine:
             self.runtime.download_resident()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Hugging Face-named fp32 master weights (views; copies for compact state), after pending updates."""
+        """Hugging Face-named fp32 master weights (views; copies for compact state), after pending updates.
+        The views are of this step's buffers: a later speculative update may hand the unit other ones
+        (host/store.py ``adopt``), so copy what is kept."""
         self._state_to_host()
         return {k: v for u in self.adapter.units for k, v in self.store.unit_params(u.index).items()}
 
@@ -475,7 +477,7 @@ class SlideEngine:
         if ring < n - layers:
             parts.append(f"{ring} gradient buffer{'s' * (ring != 1)} for {n - layers} streamed layers")
         if self.cfg.max_grad_norm is not None and layers < n:  # clipping: how much of the update waits for the norm
-            spec = min(len(self.store.spares), n - layers)
+            spec = len(self.store.spares)
             parts.append(f"clipping: {spec} of {n - layers} streamed layers updated before the global norm"
                          if spec else "clipping: the CPU update waits for the global norm")
         if self.store.tier is not None:

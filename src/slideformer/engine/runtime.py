@@ -184,6 +184,9 @@ class Runtime:
         self._spares_free = list(range(len(store.spares)))
         self._spares_lock = threading.Lock()
         self._speculated: list[UpdateJob] = []  # done, awaiting the verdict (worker thread only)
+        # Units whose speculative update stood ("kept"), ran again ("redone"), or had not started by the
+        # verdict and ran in place ("late"): how much of the CPU update clipping still serialises.
+        self.speculation = {"kept": 0, "redone": 0, "late": 0}
         self._jobs: queue.Queue[UpdateJob | _Verdict | None] = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="slideformer-optimizer", daemon=True)
         self._worker.start()
@@ -496,14 +499,17 @@ class Runtime:
                 self._free_spare(job.spare)
                 self._return_grad_buffer(job.grads.buffer)
                 self._updated[job.unit].set()
+                self.speculation["kept"] += 1
             else:  # again, in place, with the real coefficient (or, after a failure, only released)
                 self._free_spare(job.spare)
                 pending.append(UpdateJob(job.unit, job.grads, job.step, job.lr, verdict.grad_coef))
+                self.speculation["redone"] += 1
         self._speculated = []
         for job in pending:  # not run yet: they run in place, with the coefficient
             if job.spare is not None:
                 self._free_spare(job.spare)
                 job.spare, job.grad_coef = None, verdict.grad_coef
+                self.speculation["late"] += 1
 
     def _work(self) -> None:
         pending: list[UpdateJob] = []

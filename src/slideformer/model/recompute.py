@@ -22,7 +22,7 @@ from torch import nn
 
 
 class _GraphOnlyLinear(torch.autograd.Function):
-    """``F.linear``'s graph and gradients (the same products autograd computes), no forward product."""
+    """``F.linear``'s graph and gradients (the products autograd's backward computes), no forward product."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -35,7 +35,7 @@ class _GraphOnlyLinear(torch.autograd.Function):
         x, w = ctx.saved_tensors
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         gx = g2.mm(w).view_as(x) if ctx.needs_input_grad[0] else None
-        gw = x2.t().mm(g2).t() if ctx.needs_input_grad[1] else None  # (autograd's mm backward, transposed)
+        gw = g2.t().mm(x2) if ctx.needs_input_grad[1] else None  # (as autograd: contiguous, [out, in])
         gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb
 

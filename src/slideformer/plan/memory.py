@@ -186,6 +186,14 @@ def nvme_layer_count(cfg, layers: int) -> int:
     return round(cfg.nvme_fraction * layers) if cfg.offload_dir else 0
 
 
+def speculative_spares(cfg, layers: int) -> int:
+    """The spare states an EngineConfig gets: ``speculative_layers`` under clipping, at most one per decoder
+    layer the CPU updates from RAM (resident layers update on the GPU, the tier's from their buffers)."""
+    if cfg.max_grad_norm is None:
+        return 0
+    return max(0, min(cfg.speculative_layers, layers - min(cfg.resident_layers, layers) - nvme_layer_count(cfg, layers)))
+
+
 def config_host_bytes(cfg, shape: ModelShape, batch: int, seq: int, p: Placement,
                       host_weights: str | int | None = None) -> dict[str, int]:
     """``host_bytes`` for an EngineConfig (``host_weights`` overrides the config's)."""
@@ -194,7 +202,7 @@ def config_host_bytes(cfg, shape: ModelShape, batch: int, seq: int, p: Placement
                       None if cfg.max_grad_norm is not None else cfg.host_grad_buffers,
                       nvme_layer_count(cfg, shape.layers),
                       cfg.optimizer_state == "compact", cfg.nvme_master, cfg.activations_to_nvme, cfg.nvme_buffers,
-                      cfg.speculative_layers if cfg.max_grad_norm is not None else 0)
+                      speculative_spares(cfg, shape.layers))
 
 
 RAM_FRACTION = 0.85  # of the machine's RAM, for the training state: the rest for the OS, Python, CUDA
@@ -209,6 +217,8 @@ def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training",
     if total <= 0.95 * have:
         return
     hints, k = [], prefix
+    if ram.get("spares"):
+        hints.append(f"fewer spare states for clipping ({k}speculative_layers)")
     if ram.get("weights"):
         hints.append(f"staged host weights ({k}host_weights)")
     if not cfg.offload_dir:
@@ -249,6 +259,8 @@ def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Placement, ram: i
     def total(c) -> int:
         return sum(config_host_bytes(c, shape, batch, seq, p).values())
 
+    if spares:  # (decided last: none held while the others are)
+        cfg = replace(cfg, speculative_layers=0)
     if buffers:
         cfg = replace(cfg, host_grad_buffers=MIN_GRAD_BUFFERS)
     if weights:
@@ -267,7 +279,6 @@ def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Placement, ram: i
         cfg = replace(cfg, host_grad_buffers=None if cfg.max_grad_norm is not None or n >= shape.layers == streamed
                       else min(n, max(streamed, 1)))
     if spares:
-        cfg = replace(cfg, speculative_layers=0)
         if cfg.max_grad_norm is not None:
             in_ram = shape.layers - min(cfg.resident_layers, shape.layers) - nvme_layer_count(cfg, shape.layers)
             per_layer = shape.layer_params * (8 if cfg.optimizer_state == "compact" else 12)
@@ -343,7 +354,9 @@ def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | N
     (step_time's edge_stall_s). ``edges`` True or False fixes that part and leaves the layers to the
     planner. Layers on the NVMe tier stream. Under clipping the update waits for backward's global norm
     (a reason for more resident layers) unless ``speculative_layers`` covers every layer in RAM (where it
-    is "auto", the trainer passes ``spares_that_fit``)."""
+    is "auto", the trainer passes ``spares_that_fit``). That plans for the norm within the limit, as it
+    is in most steps of a fine-tuning run; in steps where it is over, the updates run again after
+    backward, as slow as waiting (engine runtime's ``speculation`` counts them)."""
     budget, base = gpu_budget(cfg), Placement.of(cfg)
     nvme = nvme_layer_count(cfg, shape.layers)
     clipping = cfg.max_grad_norm is not None and cfg.speculative_layers < shape.layers - nvme
