@@ -115,6 +115,8 @@ def test_kernel_launchers_name_the_aten_op_and_its_callers():
     mm = E(name="aten::mm", input_shapes=[[8, 4], [4, 2]], cpu_parent=lin)
     launch = E(name="cudaLaunchKernel", input_shapes=[], cpu_parent=mm,
                kernels=[E(name="gemm", duration=2000.0), E(name="other", duration=5.0)])
+    # the op holds its runtime call's kernel too: counted once, at the call
+    mm.cpu_children, mm.kernels = [launch], [E(name="gemm", duration=2000.0)]
     prof = E(events=lambda: [launch, launch, mm])
     out = harness.kernel_launchers(prof, {"gemm"})
     assert out == {"gemm": [["aten::mm [[8, 4], [4, 2]] < aten::linear < MyLayer", 2, 0.004]]}

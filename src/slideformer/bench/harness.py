@@ -250,8 +250,11 @@ def kernel_launchers(prof, kernels: set[str]) -> dict[str, list]:
     this says which op and shapes it belongs to."""
     found: dict[str, dict[str, list]] = {}
     for e in prof.events():
+        # a launch can be filed under an op and under its runtime call too (table17: the counts exceeded
+        # the kernel table's): count it at the deepest event that holds it
+        below = {(k.name, k.duration) for c in getattr(e, "cpu_children", None) or () for k in getattr(c, "kernels", None) or ()}
         for k in getattr(e, "kernels", None) or ():
-            if k.name not in kernels:
+            if k.name not in kernels or (k.name, k.duration) in below:
                 continue
             op, chain = e, []
             while op is not None and not op.name.startswith("aten::"):
