@@ -278,11 +278,11 @@ def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Placement, ram: i
         n = MIN_GRAD_BUFFERS + max(0, int((budget - total(cfg)) // per_layer) if per_layer else 0)
         cfg = replace(cfg, host_grad_buffers=None if cfg.max_grad_norm is not None or n >= shape.layers == streamed
                       else min(n, max(streamed, 1)))
-    if spares and cfg.max_grad_norm is not None:
-        in_ram = shape.layers - min(cfg.resident_layers, shape.layers) - nvme_layer_count(cfg, shape.layers)
+    if spares and cfg.max_grad_norm is not None:  # as many as fit, at most one per layer updated from RAM
         per_layer = shape.layer_params * (8 if cfg.optimizer_state == "compact" else 12)
         fit_n = int((budget - total(cfg)) // per_layer) if per_layer else 0
-        cfg = replace(cfg, speculative_layers=max(0, min(in_ram, fit_n)))
+        cfg = replace(cfg, speculative_layers=speculative_spares(replace(cfg, speculative_layers=max(0, fit_n)),
+                                                                 shape.layers))
     return cfg
 
 
