@@ -105,8 +105,8 @@ class HostStore:
     def can_spare(self, unit: int) -> bool:
         """Whether the unit's state can be written to a spare: a decoder layer in RAM."""
         u = self.units[unit]
-        return bool(self.spares) and u.kind == "layer" and not self.on_tier(unit) and u.numel == self.spares[0]["master"].numel() \
-            and self.master[unit] is not None
+        return bool(self.spares) and u.kind == "layer" and not self.on_tier(unit) \
+            and u.numel == self.spares[0]["master"].numel()
 
     def state_fields(self, unit: int) -> dict[str, torch.Tensor]:
         """The unit's optimizer state in RAM (the buffers an update reads and writes), by spare field name."""
@@ -119,15 +119,9 @@ class HostStore:
     def adopt(self, unit: int, spare: int) -> None:
         """Make spare ``spare`` the unit's state and the unit's old state that spare (a swap of buffers).
         With a shared master and compute copy (compact state, fp32 compute) the weights follow."""
-        old = self.state_fields(unit)
-        new = self.spares[spare]
-        shared = self.weights is self.master
-        self.master[unit] = new["master"]
-        if self.master_lo is not None:
-            self.master_lo[unit] = new["master_lo"]
-        self.exp_avg[unit], self.exp_avg_sq[unit] = new["exp_avg"], new["exp_avg_sq"]
-        assert not shared or self.weights[unit] is new["master"]
-        self.spares[spare] = old
+        self.spares[spare], new = self.state_fields(unit), self.spares[spare]
+        for field, t in new.items():  # (the field names are the state lists' names)
+            getattr(self, field)[unit] = t
 
     # -- whole-unit state, wherever it lives (checkpoints, loaders, export; the pipeline must be idle) --
     def on_tier(self, unit: int) -> bool:
