@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on the GPU machine, in one call: the GPU tests, then the benchmark cases.
 #   run from the repo root on the device machine; results go to $OUT (or ./bench/out).
-# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table18|b64|timeline | case ...]
+# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table19|b64|timeline | case ...]
 #   (a case: "system model batch [extra args]")
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -150,6 +150,11 @@ if [[ $what == bench || $what == all ]]; then
                     "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24" \
                     "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --max-grad-norm 1e9" \
                     "slideformer llama3-8b 32 --gpu-memory-limit-gib 24" ;;
+    # Session 7: Llama-8B under 24 GiB with compact state (no host copy to stage; how much of the b8 update
+    # waits for gradients), and b32 with fp32 state and two layers of prefetch
+    table19) set -- "slideformer llama3-8b 32 --gpu-memory-limit-gib 24 --optimizer-state compact" \
+                    "slideformer llama3-8b 8 --gpu-memory-limit-gib 24 --optimizer-state compact" \
+                    "slideformer llama3-8b 32 --gpu-memory-limit-gib 24 --depth 2" ;;
     # Where the 4B b8 streamed step loses its last 0.2 s (NOTES, session 3): every update and visit, with
     # 4 and with 36 gradient buffers
     timeline) set -- "slideformer qwen3-4b 8 --resident-layers 0 --timeline" \
