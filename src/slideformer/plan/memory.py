@@ -435,9 +435,9 @@ def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Placement = P
 @dataclass(frozen=True)
 class MachineRates:
     """Rates measured on the H200 machine (bench/results, 2026-11-30); pass others for other machines."""
-    # bf16 FLOP/s of a step's GPU work (8 x params x tokens over gpu_compute_s) with Liger's kernels:
-    # 550-560 T at Qwen3-4B, 640-680 T at Llama-8B (table13/14, session 5)
-    gpu_flops: float = 560e12
+    # bf16 FLOP/s of a step's GPU work (step_time's count over gpu_compute_s) with Liger's kernels:
+    # 540-550 T at Qwen3-4B, 594 T at Llama-8B (its larger GEMMs; table18)
+    gpu_flops: float = 565e12
     # the engine's CPU update, one-pass AdamW on 15 cores beside the copies: 4.4-5.3 G params/s (same runs).
     # (With these two the planner's choices are those of session 4's 385e12 and 3.46e9 in 176 cases: only
     # their ratio decides; the absolute times are now within 10% at 4B.)
@@ -450,7 +450,7 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
               compact: bool = False, nvme_layers: int = 0, nvme_master: bool = False,
               activations_to_nvme: bool = False, clipping: bool = False,
               speculative_layers: int = 0) -> dict[str, float]:
-    """Predicted seconds per step: the largest of GPU compute (8 x params x tokens, recompute included),
+    """Predicted seconds per step: the largest of GPU compute (8 x layer params x tokens, recompute included),
     the CPU optimizer, the weight copies and the NVMe tier's moment traffic (read and written once per
     step), plus 10% for what does not overlap, plus the embedding's update at the step boundary where it
     streams. With ``clipping`` the CPU update waits for the global norm, so it follows backward (6 of the
@@ -458,8 +458,9 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
     serial chain, not a stall on top (session 2 measured 1.72 s at 4B b8 streamed; with that session's
     rates this gives 1.68). ``speculative_layers`` of the streamed layers are updated before the norm
     (engine/runtime.py): only the rest follows backward, where the norm stays within the limit. The GPU
-    term is within 1% of table18's 4B b32 and b64 GPU work. Within 10% of session 5's and 6's 4B steps with a gradient buffer per streamed layer; ~20% over at
-    8B (its GEMMs run faster); not counted: a ring of few gradient buffers (10-15%) and staged casts."""
+    term is 3% under table18's 4B GPU work and 5% over its 8B (larger GEMMs run faster). Steps within 10%
+    of session 5's and 6's 4B steps with a gradient buffer per streamed layer; not counted: a ring of few
+    gradient buffers (10-15%) and staged casts."""
     tokens = batch * seq
     k = min(p.resident_layers, shape.layers)
     on_cpu = shape.params - k * shape.layer_params - (shape.embed_params + shape.head_params
@@ -468,11 +469,12 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
     offloaded = shape.layers - min(shape.layers, p.gpu_activation_layers)
     chunked = p.mlp_chunk_tokens and p.mlp_chunk_tokens < min(batch, p.micro_batch) * seq
     out = {
-        # forward, recompute and backward (2 + 2 + 4 FLOPs a parameter and token), less the recompute of the
-        # down projection (2 x hidden x ffn a token and layer; model/recompute.py); token-chunked MLPs
-        # recompute it, and run their whole forward once more (6 x hidden x ffn)
-        "gpu_compute_s": (8 * shape.params + (6 if chunked else -2) * shape.layers * shape.hidden * shape.ffn)
-        * tokens / rates.gpu_flops,
+        # the layers' forward, recompute and backward (2 + 2 + 4 FLOPs a parameter and token), less the
+        # recompute of the down projection (2 x hidden x ffn a token and layer; model/recompute.py);
+        # token-chunked MLPs recompute it, and run their whole forward once more (6 x hidden x ffn). The
+        # head's three products are not recomputed (6 x vocab x hidden); the embedding is a lookup.
+        "gpu_compute_s": (8 * shape.layers * shape.layer_params + 6 * shape.vocab * shape.hidden
+                          + (6 if chunked else -2) * shape.layers * shape.hidden * shape.ffn) * tokens / rates.gpu_flops,
         # offloaded layer inputs: out and back once a step, each way on its own copy engine
         "activations_s": offloaded * tokens * shape.hidden * 2 / rates.pcie_bytes_per_s,
         "optimizer_s": on_cpu / rates.optimizer_params_per_s / (1.5 if compact else 1.0),
