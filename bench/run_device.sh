@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on the GPU machine, in one call: the GPU tests, then the benchmark cases.
 #   run from the repo root on the device machine; results go to $OUT (or ./bench/out).
-# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table19|b64|timeline | case ...]
+# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table20|b64|timeline | case ...]
 #   (a case: "system model batch [extra args]")
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -155,6 +155,13 @@ if [[ $what == bench || $what == all ]]; then
     table19) set -- "slideformer llama3-8b 32 --gpu-memory-limit-gib 24 --optimizer-state compact" \
                     "slideformer llama3-8b 8 --gpu-memory-limit-gib 24 --optimizer-state compact" \
                     "slideformer llama3-8b 32 --gpu-memory-limit-gib 24 --depth 2" ;;
+    # Session 7: DeepSpeed beside today's defaults at b8 and b32 (last measured in table13/14), and two layers
+    # of prefetch at 4B (table19: Llama-8B b32's staged loads hidden, efficiency 0.937 -> 0.987)
+    table20) set -- "deepspeed qwen3-4b 8 --gpu-memory-limit-gib 24" "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24" \
+                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --depth 2" \
+                    "deepspeed qwen3-4b 32 --gpu-memory-limit-gib 24 --ds-loss fused" \
+                    "slideformer qwen3-4b 32 --gpu-memory-limit-gib 24" \
+                    "slideformer qwen3-4b 32 --gpu-memory-limit-gib 24 --depth 2" ;;
     # Where the 4B b8 streamed step loses its last 0.2 s (NOTES, session 3): every update and visit, with
     # 4 and with 36 gradient buffers
     timeline) set -- "slideformer qwen3-4b 8 --resident-layers 0 --timeline" \

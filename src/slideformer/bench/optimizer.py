@@ -4,7 +4,8 @@
 
 STREAM-like copy (8 B/element) and triad (12 B/element) through torch on fp32 arrays give the host's
 bandwidth; then one-pass AdamW (bf16 gradient in, bf16 copy out: 28 B/param) at several thread counts,
-and torch's fused AdamW on fp32 tensors (28 B/param, no casts) for comparison. One JSON line.
+the same update on compact state (bf16 gradient, hi/lo master and moments, stochastic rounding: 18
+B/param), and torch's fused AdamW on fp32 tensors (28 B/param, no casts) for comparison. One JSON line.
 """
 from __future__ import annotations
 
@@ -79,13 +80,16 @@ def main(argv=None) -> dict:
     cands = {f"native_t{t}": (lambda t=t: adamw(mod, t)) for t in threads}
     cands[f"chunked_t{top - 1}"] = lambda: adamw(mod, top - 1, pieces)
     cands.update({f"{k}_t{top}": (lambda k=k: adamw(built[k], top)) for k in names})
+    hi, lo, cm, cv = (torch.zeros(n, dtype=torch.bfloat16) for _ in range(4))
+    cands[f"compact_t{top}"] = lambda: mod.adamw_step_compact(hi, lo, g, cm, cv, step[0] + 1, 1e-5, 0.9, 0.999, 1e-8,
+                                                              0.0, 1.0, 0, 0, top)
     cands[f"torch_fused_t{top}"] = lambda: torch._fused_adamw_(
         [p], [gf], [m], [v], [], [st], lr=1e-5, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False,
         maximize=False)
     for k, dt in interleaved(cands, args.rounds).items():
         rec[f"{k}_gparams"] = n / dt / 1e9
-        if k.startswith("native"):
-            rec[f"{k}_gbs"] = 28 * n / dt / 1e9
+        if k.startswith(("native", "compact")):
+            rec[f"{k}_gbs"] = (18 if k.startswith("compact") else 28) * n / dt / 1e9
     rec["native_vs_torch_fused"] = rec[f"native_t{top}_gparams"] / rec[f"torch_fused_t{top}_gparams"]
     print(json.dumps(rec), flush=True)
     return rec
