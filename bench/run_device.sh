@@ -15,6 +15,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; free -g | head -2;
+  lscpu | grep -E "Model name|Thread\(s\) per core|Socket"; gcc --version | head -1;
   python3 -c "import torch, transformers; print(torch.__version__, transformers.__version__)";
   # (the device's checkout keeps a stale HEAD under the copied tree: the caller names the commit)
   echo "commit ${SLIDEFORMER_COMMIT:-$(git rev-parse --short HEAD) (HEAD; set SLIDEFORMER_COMMIT)}"; } > "$OUT/machine.txt" 2>&1
