@@ -45,6 +45,13 @@ def test_config_errors_name_the_fix(kw, match):
         EngineConfig(**{**CPU, **kw}).validate()
 
 
+def test_prefetch_depth_defaults_to_what_the_window_allows():
+    """Two visits ahead by default, one with two slots: setting window_slots alone never fails validation."""
+    assert EngineConfig(**CPU).validate().lookahead == 2
+    assert EngineConfig(**{**CPU, "window_slots": 2}).validate().lookahead == 1
+    assert EngineConfig(**{**CPU, "prefetch_depth": 1}).validate().lookahead == 1
+
+
 def test_cuda_requested_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("CUDA is available")

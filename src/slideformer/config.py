@@ -32,9 +32,11 @@ class EngineConfig:
     # The embedding and head train on the GPU too, whatever resident_layers says (all layers resident
     # implies it): they are the last gradient of a step and the first weights of the next.
     resident_edges: bool = False
-    # GPU window: how many decoder-layer slots exist, and how many visits ahead weights stream in.
+    # GPU window: how many decoder-layer slots exist, and how many visits ahead weights stream in (None:
+    # two where the slots allow; a staged layer's cast then hides behind two visits: Llama-8B b32 under
+    # 24 GiB 3.27 -> 3.14 s, 4B b8 -3%, b32 the same; bench/NOTES.md, session 7).
     window_slots: int = 3
-    prefetch_depth: int = 1
+    prefetch_depth: int | None = None
     # Where the compute-dtype weights sent to the GPU come from:
     #   "persistent": a host copy refreshed by the optimizer (+2 bytes/param, no work at copy time);
     #   "staged":     cast from the fp32 master chunk by chunk into pinned staging at copy time;
@@ -101,6 +103,11 @@ class EngineConfig:
     # Record where step time goes (CUDA events per visit and copy); see engine/profile.py.
     profile: bool = False
 
+    @property
+    def lookahead(self) -> int:
+        """The prefetch depth in force: prefetch_depth, or its default."""
+        return self.prefetch_depth if self.prefetch_depth is not None else min(2, self.window_slots - 1)
+
     def validate(self) -> "EngineConfig":
         if not self.lr >= 0:
             raise ConfigError(f"lr must be >= 0, got {self.lr}")
@@ -115,7 +122,7 @@ class EngineConfig:
             raise ConfigError(f"max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm}")
         if self.window_slots < 2:
             raise ConfigError(f"window_slots must be >= 2 (one computing, one loading), got {self.window_slots}")
-        if not 1 <= self.prefetch_depth <= self.window_slots - 1:
+        if self.prefetch_depth is not None and not 1 <= self.prefetch_depth <= self.window_slots - 1:
             raise ConfigError(
                 f"prefetch_depth={self.prefetch_depth} needs window_slots >= prefetch_depth + 1 "
                 f"(got window_slots={self.window_slots}); raise window_slots or lower prefetch_depth"

@@ -284,7 +284,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--slots", type=int, default=3)
-    ap.add_argument("--depth", type=int, default=1)
+    ap.add_argument("--depth", type=int, default=None, help="prefetch depth (default: the engine's, 2 with 3 slots)")
     ap.add_argument("--host-weights", default="auto", type=lambda v: v if v in ("auto", "persistent", "staged") else int(v),
                     help="persistent, staged, a number of staged layers, or auto: persistent where the training "
                          "state leaves 15%% of the RAM free, else the fewest staged layers that do (plan.auto_host)")

@@ -26,7 +26,7 @@ def load(paths) -> list[dict]:
 
 # (settings record what was asked; "auto" choices are in the record's *_chosen keys. Files before session 5
 # recorded the resolved host_weights and host_grad_buffers.)
-DEFAULTS = {"slots": 3, "depth": 1, "host_weights": ("auto", "persistent"), "host_grad_buffers": ("auto", 4, None),
+DEFAULTS = {"slots": 3, "depth": (None, 1),  # (1 was the default before session 7) "host_weights": ("auto", "persistent"), "host_grad_buffers": ("auto", 4, None),
             "loss_chunk": (None, 1024),
             "resident_layers": "auto",
             "loss_kernel": "fused", "optimizer_state": "fp32", "offload_dir": None, "nvme_fraction": 1.0,

@@ -138,7 +138,7 @@ class SlideEngine:
         self.resident = frozenset(resident)
         self._resident_on_gpu = False  # uploaded at the first step and after a checkpoint load
         # Untied: the head's weights take the embedding's slot after its forward (window/schedule.py).
-        self.plan = plan_step(n, self.cfg.window_slots, self.cfg.prefetch_depth, self.resident,
+        self.plan = plan_step(n, self.cfg.window_slots, self.cfg.lookahead, self.resident,
                               share_edge=not self.adapter.tied)
         self.runtime = Runtime(self.adapter, self.store, self.cfg, self.plan)
         offload = set(range(max(0, n - self.cfg.gpu_activation_layers))) if self.cfg.offload_activations else set()

@@ -27,7 +27,7 @@ class OffloadConfig:
     """The engine's placement settings (see EngineConfig)."""
     gpu_memory_limit: str | None = None
     window_slots: int = 3
-    prefetch_depth: int = 1
+    prefetch_depth: int | None = None  # null: two visits ahead where window_slots allows
     # "persistent" (a bf16 host copy the optimizer refreshes), "staged" (cast at copy time, 2 bytes/param
     # less RAM), a number k (the last k layers staged) or "auto": persistent where the training state
     # leaves 15% of the RAM free, else the fewest staged layers that do
