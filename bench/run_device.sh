@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on the GPU machine, in one call: the GPU tests, then the benchmark cases.
 #   run from the repo root on the device machine; results go to $OUT (or ./bench/out).
-# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table20|b64|timeline | case ...]
+# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table21|b64|timeline | case ...]
 #   (a case: "system model batch [extra args]")
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -163,6 +163,10 @@ if [[ $what == bench || $what == all ]]; then
                     "deepspeed qwen3-4b 32 --gpu-memory-limit-gib 24 --ds-loss fused" \
                     "slideformer qwen3-4b 32 --gpu-memory-limit-gib 24" \
                     "slideformer qwen3-4b 32 --gpu-memory-limit-gib 24 --depth 2" ;;
+    # Session 7: the new defaults (two visits of prefetch; the planner's GPU term, which gives 4B b64 resident
+    # edges) at 4B b64 against plain+Liger, and Llama-8B b64 (RSS target) and b8 under 24 GiB
+    table21) set -- "plain qwen3-4b 64 --fused-ops liger" "slideformer qwen3-4b 64 --gpu-memory-limit-gib 24" \
+                    "slideformer llama3-8b 64 --gpu-memory-limit-gib 24" "slideformer llama3-8b 8 --gpu-memory-limit-gib 24" ;;
     # Where the 4B b8 streamed step loses its last 0.2 s (NOTES, session 3): every update and visit, with
     # 4 and with 36 gradient buffers
     timeline) set -- "slideformer qwen3-4b 8 --resident-layers 0 --timeline" \
