@@ -355,7 +355,7 @@ def main(argv=None):
     rec = {
         "system": args.system, "model": args.model, "params": params, "seq": args.seq, "batch": args.batch,
         "micro_batch": args.micro_batch or args.batch, "step_s": dt, "tokens_per_s": tokens / dt,
-        "model_tflops": 6 * params * tokens / dt / 1e12, "loss": float(loss),
+        "model_tflops": 6 * params * tokens / dt / 1e12, "loss": float(loss.detach() if torch.is_tensor(loss) else loss),
         "gpu_peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "gpu_peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
         "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
