@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on the GPU machine, in one call: the GPU tests, then the benchmark cases.
 #   run from the repo root on the device machine; results go to $OUT (or ./bench/out).
-# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table21|b64|timeline | case ...]
+# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table22|b64|timeline | case ...]
 #   (a case: "system model batch [extra args]")
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -24,7 +24,7 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == optim || $what == all ]]; then
   python3 -m slideformer.bench.optimizer --params 2e9 --threads 8,12,15,16 \
-    --variants portable,no_prefetch,stream_in_place 2>&1 | tee -a "$OUT/optimizer.jsonl" | tail -2
+    --variants ${OPTIM_VARIANTS-portable,no_prefetch,stream_in_place} 2>&1 | tee -a "$OUT/optimizer.jsonl" | tail -2
 fi
 if [[ $what == loss || $what == all ]]; then
   timeout "${LOSS_TIMEOUT:-600}" python3 -m slideformer.bench.loss --chunks 4096,16384 2>&1 | tee -a "$OUT/loss.jsonl" | tail -8
@@ -167,6 +167,13 @@ if [[ $what == bench || $what == all ]]; then
     # edges) at 4B b64 against plain+Liger, and Llama-8B b64 (RSS target) and b8 under 24 GiB
     table21) set -- "plain qwen3-4b 64 --fused-ops liger" "slideformer qwen3-4b 64 --gpu-memory-limit-gib 24" \
                     "slideformer llama3-8b 64 --gpu-memory-limit-gib 24" "slideformer llama3-8b 8 --gpu-memory-limit-gib 24" ;;
+    # Session 7: is the out-of-place update faster in the engine too (4B b8 unclipped against speculative,
+    # same run; the optimizer benchmark compares the kernels)? Llama-8B b8 with fp32 state trading staged
+    # layers for gradient buffers (table21: 4 buffers, the main thread waited 0.78 s for one); DeepSpeed at b64
+    table22) set -- "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24" \
+                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --max-grad-norm 1e9" \
+                    "slideformer llama3-8b 8 --gpu-memory-limit-gib 24 --host-weights 20 --host-grad-buffers 18" \
+                    "deepspeed qwen3-4b 64 --gpu-memory-limit-gib 24 --ds-loss fused" ;;
     # Where the 4B b8 streamed step loses its last 0.2 s (NOTES, session 3): every update and visit, with
     # 4 and with 36 gradient buffers
     timeline) set -- "slideformer qwen3-4b 8 --resident-layers 0 --timeline" \

@@ -80,7 +80,7 @@ def test_optimizer_benchmark_reports_every_candidate():
 
     rec = optimizer.main(["--params", "200000", "--threads", "1,2", "--rounds", "1"])
     for key in ("stream_copy_gbs", "native_t1_gparams", "native_t2_gparams", "chunked_t1_gparams",
-                "compact_t2_gparams", "torch_fused_t2_gparams", "native_vs_torch_fused"):
+                "compact_t2_gparams", "out_of_place_t2_gparams", "torch_fused_t2_gparams", "native_vs_torch_fused"):
         assert rec[key] > 0, key
 
 

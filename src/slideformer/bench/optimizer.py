@@ -4,7 +4,7 @@
 
 STREAM-like copy (8 B/element) and triad (12 B/element) through torch on fp32 arrays give the host's
 bandwidth; then one-pass AdamW (bf16 gradient in, bf16 copy out: 28 B/param) at several thread counts,
-the same update on compact state (bf16 gradient, hi/lo master and moments, stochastic rounding: 18
+the same update out of place (into a spare state), the same update on compact state (bf16 gradient, hi/lo master and moments, stochastic rounding: 18
 B/param), and torch's fused AdamW on fp32 tensors (28 B/param, no casts) for comparison. One JSON line.
 """
 from __future__ import annotations
@@ -80,6 +80,11 @@ def main(argv=None) -> dict:
     cands = {f"native_t{t}": (lambda t=t: adamw(mod, t)) for t in threads}
     cands[f"chunked_t{top - 1}"] = lambda: adamw(mod, top - 1, pieces)
     cands.update({f"{k}_t{top}": (lambda k=k: adamw(built[k], top)) for k in names})
+    # out of place (the engine's speculative updates: state read from one copy, written to a spare, with
+    # non-temporal stores), against in place above
+    p2, m2, v2 = (torch.empty(n) for _ in range(3))
+    cands[f"out_of_place_t{top}"] = lambda: mod.adamw_step(p2, g, m2, v2, out, step[0] + 1, 1e-5, 0.9, 0.999, 1e-8,
+                                                           0.0, 1.0, top, src=[p, m, v])
     hi, lo, cm, cv = (torch.zeros(n, dtype=torch.bfloat16) for _ in range(4))
     cands[f"compact_t{top}"] = lambda: mod.adamw_step_compact(hi, lo, g, cm, cv, step[0] + 1, 1e-5, 0.9, 0.999, 1e-8,
                                                               0.0, 1.0, 0, 0, top)
@@ -88,9 +93,10 @@ def main(argv=None) -> dict:
         maximize=False)
     for k, dt in interleaved(cands, args.rounds).items():
         rec[f"{k}_gparams"] = n / dt / 1e9
-        if k.startswith(("native", "compact")):
+        if k.startswith(("native", "compact", "out_of_place")):
             rec[f"{k}_gbs"] = (18 if k.startswith("compact") else 28) * n / dt / 1e9
     rec["native_vs_torch_fused"] = rec[f"native_t{top}_gparams"] / rec[f"torch_fused_t{top}_gparams"]
+    rec["out_of_place_vs_in_place"] = rec[f"out_of_place_t{top}_gparams"] / rec[f"native_t{top}_gparams"]
     print(json.dumps(rec), flush=True)
     return rec
 
