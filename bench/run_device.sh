@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on the GPU machine, in one call: the GPU tests, then the benchmark cases.
 #   run from the repo root on the device machine; results go to $OUT (or ./bench/out).
-# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table22|b64|timeline | case ...]
+# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table23|b64|timeline | case ...]
 #   (a case: "system model batch [extra args]")
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -24,7 +24,7 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == optim || $what == all ]]; then
   python3 -m slideformer.bench.optimizer --params 2e9 --threads 8,12,15,16 \
-    --variants ${OPTIM_VARIANTS-portable,no_prefetch,stream_in_place} 2>&1 | tee -a "$OUT/optimizer.jsonl" | tail -2
+    --variants="${OPTIM_VARIANTS-portable,no_prefetch,stream_in_place}" 2>&1 | tee -a "$OUT/optimizer.jsonl" | tail -2
 fi
 if [[ $what == loss || $what == all ]]; then
   timeout "${LOSS_TIMEOUT:-600}" python3 -m slideformer.bench.loss --chunks 4096,16384 2>&1 | tee -a "$OUT/loss.jsonl" | tail -8
@@ -174,6 +174,10 @@ if [[ $what == bench || $what == all ]]; then
                     "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --max-grad-norm 1e9" \
                     "slideformer llama3-8b 8 --gpu-memory-limit-gib 24 --host-weights 20 --host-grad-buffers 18" \
                     "deepspeed qwen3-4b 64 --gpu-memory-limit-gib 24 --ds-loss fused" ;;
+    # Session 7's last call: where compact state's CPU update loses its speed at Llama-8B b8 (every update and
+    # visit), beside the fp32 4B b8 step's
+    table23) set -- "slideformer llama3-8b 8 --gpu-memory-limit-gib 24 --optimizer-state compact --timeline" \
+                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --timeline" ;;
     # Where the 4B b8 streamed step loses its last 0.2 s (NOTES, session 3): every update and visit, with
     # 4 and with 36 gradient buffers
     timeline) set -- "slideformer qwen3-4b 8 --resident-layers 0 --timeline" \
