@@ -86,8 +86,10 @@ def main(argv=None) -> dict:
     cands[f"out_of_place_t{top}"] = lambda: mod.adamw_step(p2, g, m2, v2, out, step[0] + 1, 1e-5, 0.9, 0.999, 1e-8,
                                                            0.0, 1.0, top, src=[p, m, v])
     hi, lo, cm, cv = (torch.zeros(n, dtype=torch.bfloat16) for _ in range(4))
-    cands[f"compact_t{top}"] = lambda: mod.adamw_step_compact(hi, lo, g, cm, cv, step[0] + 1, 1e-5, 0.9, 0.999, 1e-8,
-                                                              0.0, 1.0, 0, 0, top)
+    # (at every thread count: does it scale with cores, i.e. is it bound by its arithmetic, or not?)
+    cands.update({f"compact_t{t}": (lambda t=t: mod.adamw_step_compact(hi, lo, g, cm, cv, step[0] + 1, 1e-5, 0.9,
+                                                                       0.999, 1e-8, 0.0, 1.0, 0, 0, t))
+                  for t in threads})
     cands[f"torch_fused_t{top}"] = lambda: torch._fused_adamw_(
         [p], [gf], [m], [v], [], [st], lr=1e-5, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False,
         maximize=False)
