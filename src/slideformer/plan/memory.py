@@ -442,6 +442,8 @@ class MachineRates:
     # (With these two the planner's choices are those of session 4's 385e12 and 3.46e9 in 176 cases: only
     # their ratio decides; the absolute times are now within 10% at 4B.)
     optimizer_params_per_s: float = 5.0e9
+    # the resident units' AdamW on the GPU, fp32 state (compact: 2.3x): 76-78 G params/s (table11, table14)
+    gpu_adamw_params_per_s: float = 77e9
     pcie_bytes_per_s: float = 55e9
     disk_bytes_per_s: float = 1e9  # the NVMe tier's reads and writes (about 1 GB/s on that machine)
 
@@ -451,16 +453,16 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
               activations_to_nvme: bool = False, clipping: bool = False,
               speculative_layers: int = 0) -> dict[str, float]:
     """Predicted seconds per step: the largest of GPU compute (8 x layer params x tokens, recompute included),
-    the CPU optimizer, the weight copies and the NVMe tier's moment traffic (read and written once per
-    step), plus 10% for what does not overlap, plus the embedding's update at the step boundary where it
+    the CPU optimizer (and the GPU work it cannot overlap), the weight copies and the NVMe tier's moment
+    traffic (read and written once per step), plus the embedding's update at the step boundary where it
     streams. With ``clipping`` the CPU update waits for the global norm, so it follows backward (6 of the
     8 FLOP units) and only the next forward overlaps it; the embedding's update is then the first of that
     serial chain, not a stall on top (session 2 measured 1.72 s at 4B b8 streamed; with that session's
     rates this gives 1.68). ``speculative_layers`` of the streamed layers are updated before the norm
     (engine/runtime.py): only the rest follows backward, where the norm stays within the limit. The GPU
-    term is 3% under table18's 4B GPU work and 5% over its 8B (larger GEMMs run faster). Steps within 10%
-    of session 5's and 6's 4B steps with a gradient buffer per streamed layer; not counted: a ring of few
-    gradient buffers (10-15%) and staged casts."""
+    term is 3% under table18's 4B GPU work and 5% over its 8B (larger GEMMs run faster). Steps within 6%
+    of session 7's 4B b8-b64 and 8B b32/b64 steps under 24 GiB (tests/test_plan.py); not counted: a ring
+    of few gradient buffers (8B b8: 1.675 s measured, 1.47 predicted) and staged casts."""
     tokens = batch * seq
     k = min(p.resident_layers, shape.layers)
     on_cpu = shape.params - k * shape.layer_params - (shape.embed_params + shape.head_params
@@ -475,6 +477,7 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
         # head's three products are not recomputed (6 x vocab x hidden); the embedding is a lookup.
         "gpu_compute_s": (8 * shape.layers * shape.layer_params + 6 * shape.vocab * shape.hidden
                           + (6 if chunked else -2) * shape.layers * shape.hidden * shape.ffn) * tokens / rates.gpu_flops,
+        "gpu_adamw_s": (shape.params - on_cpu) / rates.gpu_adamw_params_per_s / (2.3 if compact else 1.0),
         # offloaded layer inputs: out and back once a step, each way on its own copy engine
         "activations_s": offloaded * tokens * shape.hidden * 2 / rates.pcie_bytes_per_s,
         "optimizer_s": on_cpu / rates.optimizer_params_per_s / (1.5 if compact else 1.0),
@@ -487,7 +490,12 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
     # waits for its CPU update at every step boundary, whatever else overlaps.
     stall = 0.0 if p.edges_resident(shape) else \
         shape.embed_params / rates.optimizer_params_per_s / (1.5 if compact else 1.0)
-    step = 1.1 * max(out.values()) + stall
+    # What does not overlap. GPU-bound, little: prefetching two visits ahead leaves 1-3% (table19-21:
+    # efficiency 0.975-0.99). CPU-bound, the head and the last streamed layer: between the last update the
+    # forward needs and the first gradient of backward the CPU has nothing to do (table23's timeline).
+    gap = (6 * shape.vocab * shape.hidden + 8 * shape.layer_params) * tokens / rates.gpu_flops if on_cpu else 0.0
+    step = max(1.02 * (out["gpu_compute_s"] + out["gpu_adamw_s"]), out["optimizer_s"] + gap,
+               1.1 * max(out["activations_s"], out["h2d_s"], out["nvme_s"])) + stall
     if clipping:
         ahead = max(0, min(speculative_layers, shape.layers - k - nvme_layers)) * shape.layer_params
         out["after_backward_s"] = 0.75 * out["gpu_compute_s"] + \
