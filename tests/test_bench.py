@@ -64,15 +64,46 @@ def test_report_table_and_plot(tmp_path):
          "host_peak_rss_gib": 2.0, "settings": {"gpu_memory_limit_gib": 1, "host_grad_buffers": 4},
          "host_grad_buffers_chosen": 4},
     ]
+    base = {"model": "m", "seq": 8, "gpu_peak_alloc_gib": 1.0, "host_peak_rss_gib": 2.0}
+    rows += [
+        # a file from before session 5 records host_weights resolved, without *_chosen keys: still a variant
+        {**base, "system": "slideformer", "batch": 4, "tokens_per_s": 70.0, "settings": {"host_weights": "staged"}},
+        # depth: 1 was the default before session 7, None (two visits) since; 2 asked for is a variant
+        {**base, "system": "slideformer", "batch": 4, "tokens_per_s": 60.0, "settings": {"depth": None}},
+        {**base, "system": "slideformer", "batch": 4, "tokens_per_s": 50.0, "settings": {"depth": 2}},
+        # a baseline that ran out of GPU memory: its cell says so, and no ratio is taken against it
+        {**base, "system": "deepspeed", "batch": 4, "tokens_per_s": None, "error": "out of GPU memory", "settings": {}},
+    ]
     f = tmp_path / "r.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in rows))
     md = report.table(report.load([f]))
+    assert "slideformer (host_weights=staged)" in md and "slideformer (depth=2)" in md
+    b4 = next(line for line in md.splitlines() if line.startswith("| m | 8 | 4 |"))
+    assert "| 60 (1.0 / 2) |" in b4 and "| out of GPU memory |" in b4 and "x" not in b4.split("out of GPU memory")[1]
     assert "slideformer (slots=2)" in md and "| 2.000x |" in md  # the default variant against plain
     # under a cap plain has no line: the ratio is against plain on the whole card, marked
     assert "| 0.900x* |" in md and "against plain training on the whole card" in md
     assert "slideformer (host_grad_buffers=4)" in md and "| 80 (1.0 / 2) |" in md
     report.plot(report.load([f]), tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_out_of_gpu_memory_is_recorded_as_a_result(tmp_path, monkeypatch):
+    """A baseline that does not fit under the cap leaves a line saying so (then fails, as before)."""
+    import json
+
+    import torch
+
+    def no_room(args, config):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.19 GiB")
+
+    monkeypatch.setitem(harness.RUNNERS, "deepspeed", no_room)
+    out = tmp_path / "r.jsonl"
+    with pytest.raises(torch.OutOfMemoryError):
+        harness.main(["--system", "deepspeed", "--model", "tiny", "--device", "cpu", "--batch", "64", "--out", str(out)])
+    (rec,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rec["error"] == "out of GPU memory" and "1.19 GiB" in rec["detail"]
+    assert rec["batch"] == 64 and rec["system"] == "deepspeed" and "tokens_per_s" not in rec and rec["commit"]
 
 
 def test_optimizer_benchmark_reports_every_candidate():

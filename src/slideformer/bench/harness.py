@@ -64,7 +64,7 @@ def run_slideformer(args, config):
                        host_weights="persistent" if args.host_weights == "auto" else args.host_weights,
                        host_grad_buffers=4 if args.host_grad_buffers == "auto" else args.host_grad_buffers,
                        speculative_layers=0 if args.speculative_layers == "auto" else args.speculative_layers,
-                       grad_chunk_elems=args.grad_chunk_elems,
+                       grad_chunk_elems=args.grad_chunk_elems, optimizer_threads=args.optimizer_threads,
                        max_grad_norm=args.max_grad_norm, loss_chunk_tokens=args.loss_chunk,
                        resident_layers=0 if auto else int(args.resident_layers), resident_edges=args.resident_edges,
                        loss_kernel=args.loss_kernel,
@@ -295,6 +295,8 @@ def main(argv=None):
                     help="with --max-grad-norm: layers updated before the global norm is known, into spare "
                          "states; auto: every streamed layer where RAM allows (plan.auto_host)")
     ap.add_argument("--grad-chunk-elems", type=int, default=EngineConfig.grad_chunk_elems)
+    ap.add_argument("--optimizer-threads", type=int, default=None,
+                    help="the CPU update's threads (default: the engine's, all cores but one)")
     ap.add_argument("--switch-interval", type=float, default=None,
                     help="sys.setswitchinterval for the run: how long the GPU-driving thread may hold the GIL")
     ap.add_argument("--max-grad-norm", type=float, default=None)
@@ -336,39 +338,34 @@ def main(argv=None):
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_limit_gib * 2**30 / total))
     config = preset_config(args.model)
+    rec = {"system": args.system, "model": args.model, "params": None, "seq": args.seq, "batch": args.batch,
+           "micro_batch": args.micro_batch or args.batch}
     t_build = time.perf_counter()
-    params, step, finish, extra, prof = RUNNERS[args.system](args, config)
-    build_s = time.perf_counter() - t_build
-    for _ in range(args.warmup):
-        step()
-    finish()
-    if prof:
-        prof()  # discard warm-up timings
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step()
-    finish()
+    try:
+        params, step, finish, extra, prof = RUNNERS[args.system](args, config)
+        rec["params"] = params
+        build_s = time.perf_counter() - t_build
+        for _ in range(args.warmup):
+            step()
+        finish()
+        if prof:
+            prof()  # discard warm-up timings
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            loss = step()
+        finish()
+    except torch.OutOfMemoryError as e:  # a result too ("does not fit under this cap"): recorded, then raised
+        rec.update(error="out of GPU memory", detail=str(e).splitlines()[0][:300], **_common(args, cuda))
+        _write(rec, args.out)
+        raise
     dt = (time.perf_counter() - t0) / args.steps
     tokens = args.batch * args.seq
-    rec = {
-        "system": args.system, "model": args.model, "params": params, "seq": args.seq, "batch": args.batch,
-        "micro_batch": args.micro_batch or args.batch, "step_s": dt, "tokens_per_s": tokens / dt,
+    rec.update({
+        "step_s": dt, "tokens_per_s": tokens / dt,
         "model_tflops": 6 * params * tokens / dt / 1e12, "loss": float(loss.detach() if torch.is_tensor(loss) else loss),
-        "gpu_peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-        "gpu_peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
-        "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-        "build_s": build_s, "commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name() if cuda else "none", "torch": torch.__version__,
-        "settings": {k: getattr(args, k) for k in ("slots", "depth", "host_weights", "host_grad_buffers",
-                                                   "speculative_layers", "grad_chunk_elems",
-                                                   "switch_interval", "max_grad_norm",
-                                                   "gpu_memory_limit_gib", "loss_chunk", "resident_layers", "resident_edges",
-                                                   "loss_kernel", "fused_ops", "optimizer_state", "ds_loss", "offload_dir",
-                                                   "nvme_fraction", "nvme_master", "activations_to_nvme",
-                                                   "offload_activations")},
-    }
+        "build_s": build_s, **_common(args, cuda)})
     ex = extra()  # before the profiled step below, which is not one of the timed ones
     if args.profile_ops and cuda:
         prof = profile_ops(step, finish, args.profile_ops)
@@ -391,12 +388,34 @@ def main(argv=None):
         rec["host_grad_buffers_chosen"] = ex["host_grad_buffers_chosen"]
         rec["speculative_layers_chosen"] = ex["speculative_layers_chosen"]
         rec["speculation"] = ex["speculation"]
+    _write(rec, args.out)
+    return rec
+
+
+def _common(args, cuda: bool) -> dict:
+    """What every record carries, measured or failed: peaks, provenance and the settings asked for."""
+    return {
+        "gpu_peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+        "gpu_peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
+        "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": torch.cuda.get_device_name() if cuda else "none", "torch": torch.__version__,
+        "settings": {k: getattr(args, k) for k in ("slots", "depth", "host_weights", "host_grad_buffers",
+                                                   "speculative_layers", "grad_chunk_elems", "optimizer_threads",
+                                                   "switch_interval", "max_grad_norm",
+                                                   "gpu_memory_limit_gib", "loss_chunk", "resident_layers", "resident_edges",
+                                                   "loss_kernel", "fused_ops", "optimizer_state", "ds_loss", "offload_dir",
+                                                   "nvme_fraction", "nvme_master", "activations_to_nvme",
+                                                   "offload_activations")},
+    }
+
+
+def _write(rec: dict, out: str | None) -> None:
     line = json.dumps(rec)
     print(line, flush=True)
-    if args.out:
-        with open(args.out, "a") as f:
+    if out:
+        with open(out, "a") as f:
             f.write(line + "\n")
-    return rec
 
 
 if __name__ == "__main__":

@@ -25,8 +25,8 @@ def load(paths) -> list[dict]:
 
 
 # (settings record what was asked; "auto" choices are in the record's *_chosen keys. Files before session 5
-# recorded the resolved host_weights and host_grad_buffers.)
-DEFAULTS = {"slots": 3, "depth": (None, 1),  # (1 was the default before session 7) "host_weights": ("auto", "persistent"), "host_grad_buffers": ("auto", 4, None),
+# recorded the resolved host_weights and host_grad_buffers; depth was 1 by default before session 7.)
+DEFAULTS = {"slots": 3, "depth": (None, 1), "host_weights": ("auto", "persistent"), "host_grad_buffers": ("auto", 4, None),
             "loss_chunk": (None, 1024),
             "resident_layers": "auto",
             "loss_kernel": "fused", "optimizer_state": "fp32", "offload_dir": None, "nvme_fraction": 1.0,
@@ -58,7 +58,8 @@ def _cap(r) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: one row per (model, seq, batch, cap), one column per system, and slideformer's ratios.
+    """Markdown: one row per (model, seq, batch, cap), one column per system, and slideformer's ratios. A
+    run that failed for want of GPU memory shows as such (the harness records it: a result too).
     Where plain training has no line under a row's cap (it does not fit, or was run on the whole card as
     the peak to compare with), the ratio is against plain on the whole card in the same file, marked *."""
     cells: dict[tuple, dict[str, dict]] = defaultdict(dict)
@@ -77,13 +78,15 @@ def table(rows: list[dict]) -> str:
         row = [model, str(seq), str(batch), cap]
         for s in systems:
             r = c.get(s)
-            row.append(f"{r['tokens_per_s']:.0f} ({r['gpu_peak_alloc_gib']:.1f} / {r['host_peak_rss_gib']:.0f})" if r else "—")
+            row.append("—" if not r else r["error"] if r.get("error") else
+                       f"{r['tokens_per_s']:.0f} ({r['gpu_peak_alloc_gib']:.1f} / {r['host_peak_rss_gib']:.0f})")
         for s in others:
             # the ratio's slideformer: its defaults (before session 3 without Liger, since with it on CUDA)
             a, b, mark = c.get("slideformer") or c.get("slideformer (fused_ops=liger)"), c.get(s), ""
             if a and not b and s.startswith("plain") and cap != "none":
                 b, mark = cells.get((f, model, seq, batch, "none"), {}).get(s), "*"
-            row.append(f"{a['tokens_per_s'] / b['tokens_per_s']:.3f}x{mark}" if a and b else "—")
+            ok = a and b and not a.get("error") and not b.get("error")
+            row.append(f"{a['tokens_per_s'] / b['tokens_per_s']:.3f}x{mark}" if ok else "—")
         lines.append("| " + " | ".join(row) + " |")
     if any("x*" in line for line in lines):
         lines.append("\n\\* against plain training on the whole card (no cap), in the same run.")
@@ -99,7 +102,7 @@ def plot(rows: list[dict], out: Path) -> None:
     series: dict[str, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
     for r in rows:  # slideformer with its defaults, and the baselines (the table has every variant); a later
         v = variant(r)  # file's point replaces an earlier one at the same batch
-        if not (r.get("settings") or {}).get("max_grad_norm") and (
+        if not r.get("error") and not (r.get("settings") or {}).get("max_grad_norm") and (
                 r["system"] != "slideformer" or v in ("slideformer", "slideformer (fused_ops=liger)")):
             series[r["model"]][f"{v}, GPU cap {_cap(r)}"][r["batch"]] = r["tokens_per_s"]
     models = sorted(series)
