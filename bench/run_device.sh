@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on the GPU machine, in one call: the GPU tests, then the benchmark cases.
 #   run from the repo root on the device machine; results go to $OUT (or ./bench/out).
-# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table23|b64|timeline | case ...]
+# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table26|b64|timeline | case ...]
 #   (a case: "system model batch [extra args]")
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -178,6 +178,20 @@ if [[ $what == bench || $what == all ]]; then
     # visit), beside the fp32 4B b8 step's
     table23) set -- "slideformer llama3-8b 8 --gpu-memory-limit-gib 24 --optimizer-state compact --timeline" \
                     "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --timeline" ;;
+    # Issue 3's cases never run: DeepSpeed at Llama-8B under 24 GiB (its fp32 state and fp32 gradients may not
+    # fit 125 GiB of RAM), and every system unconstrained (table25)
+    table24) set -- "deepspeed llama3-8b 8 --gpu-memory-limit-gib 24" "slideformer llama3-8b 8 --gpu-memory-limit-gib 24" \
+                    "deepspeed llama3-8b 32 --gpu-memory-limit-gib 24 --ds-loss fused" \
+                    "slideformer llama3-8b 32 --gpu-memory-limit-gib 24" ;;
+    table25) set -- "deepspeed qwen3-4b 8" "slideformer qwen3-4b 8" "deepspeed qwen3-4b 32 --ds-loss fused" \
+                    "slideformer qwen3-4b 32" "deepspeed qwen3-4b 64 --ds-loss fused" "slideformer qwen3-4b 64" \
+                    "slideformer llama3-8b 32" ;;
+    # The CPU update's threads in the pipeline (issue 4's core budget; measured so far only in isolation)
+    # and a shorter GIL switch interval (the handoffs between updates), at 4B b8 under 24 GiB
+    table26) set -- "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24" \
+                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --optimizer-threads 16" \
+                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --optimizer-threads 14" \
+                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --switch-interval 5e-5" ;;
     # Where the 4B b8 streamed step loses its last 0.2 s (NOTES, session 3): every update and visit, with
     # 4 and with 36 gradient buffers
     timeline) set -- "slideformer qwen3-4b 8 --resident-layers 0 --timeline" \
