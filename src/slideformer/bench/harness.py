@@ -111,7 +111,8 @@ def run_slideformer(args, config):
             rep["placement"] = {f"{b}x{s}": vars(p) for (b, s), p in engine._placements.items()}
         return rep
 
-    return params, step, finish, extra, engine.profile
+    prof = engine.runtime.profiler
+    return params, step, finish, extra, (prof.reset, prof.close)
 
 
 def run_plain(args, config):
@@ -342,25 +343,31 @@ def main(argv=None):
            "micro_batch": args.micro_batch or args.batch}
     t_build = time.perf_counter()
     try:
-        params, step, finish, extra, prof = RUNNERS[args.system](args, config)
+        params, step, finish, extra, window = RUNNERS[args.system](args, config)
         rec["params"] = params
         build_s = time.perf_counter() - t_build
         for _ in range(args.warmup):
             step()
-        finish()
-        if prof:
-            prof()  # discard warm-up timings
+        # Steady state, as a long run goes: the timed steps follow the warm-up without draining the
+        # pipeline, and are timed from the return of the last warm-up step to that of the last timed one
+        # (each step waits for the work the previous one left: its updates, its GPU queue). Draining first
+        # charged every timed window a cold start: the CPU idle until backward's first gradient, +5% a
+        # step at Qwen3-4B b8 under 24 GiB with 3 steps (bench/NOTES.md, session 7).
+        if window:
+            window[0]()  # slideformer's profile counts from here...
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         for _ in range(args.steps):
             loss = step()
+        dt = (time.perf_counter() - t0) / args.steps
+        if window:
+            window[1]()  # ...to here: not the drain below, which the next step would overlap
         finish()
     except torch.OutOfMemoryError as e:  # a result too ("does not fit under this cap"): recorded, then raised
         rec.update(error="out of GPU memory", detail=str(e).splitlines()[0][:300], **_common(args, cuda))
         _write(rec, args.out)
         raise
-    dt = (time.perf_counter() - t0) / args.steps
     tokens = args.batch * args.seq
     rec.update({
         "step_s": dt, "tokens_per_s": tokens / dt,

@@ -26,10 +26,20 @@ class StepProfiler:
         self.reset()
 
     def reset(self) -> None:
+        """Count from now; safe while work is in flight (what started before counts from now on)."""
         self._visits: list[tuple] = []  # (unit, start, ready, end) events
         self._copies: dict[str, list[tuple]] = defaultdict(list)
         self.host: dict[str, float] = defaultdict(float)
         self._spans: list[tuple] = []  # (key, unit, start, end) wall-clock seconds
+        self._since, self._until = time.perf_counter(), None
+
+    def close(self) -> None:
+        """Stop counting: a window opened with reset() between two steps of a running pipeline then holds
+        the steps in between and not the drain after them (the benchmark's steady state)."""
+        self._until = time.perf_counter()
+
+    def _closed(self) -> bool:
+        return self._until is not None
 
     # -- recorders (called by Runtime) ------------------------------------------------------------
     def mark(self, stream):
@@ -40,20 +50,22 @@ class StepProfiler:
         return e
 
     def visit(self, unit: int, start, ready, end) -> None:
-        if self.cuda:
+        if self.cuda and not self._closed():
             self._visits.append((unit, start, ready, end))
 
     def copy(self, kind: str, start, end) -> None:
-        if self.cuda:
+        if self.cuda and not self._closed():
             self._copies[kind].append((start, end))
 
     def add_host(self, key: str, seconds: float) -> None:
-        self.host[key] += seconds
+        if not self._closed():
+            self.host[key] += seconds
 
     def span(self, key: str, unit: int, start: float, end: float) -> None:
-        """One timed piece of host work (perf_counter seconds), summed into ``key`` and kept for the timeline."""
-        self.add_host(key, end - start)
-        self._spans.append((key, unit, start, end))
+        """One timed piece of host work (perf_counter seconds), summed into ``key`` and kept for the
+        timeline: the part inside the counting window."""
+        if (clipped := self._clip(key, start, end)) is not None:
+            self._spans.append((key, unit, *clipped))
 
     @contextlib.contextmanager
     def timed(self, key: str):
@@ -61,7 +73,14 @@ class StepProfiler:
         try:
             yield
         finally:
-            self.add_host(key, time.perf_counter() - t)
+            self._clip(key, t, time.perf_counter())
+
+    def _clip(self, key: str, start: float, end: float) -> tuple[float, float] | None:
+        start, end = max(start, self._since), min(end, self._until or end)
+        if end <= start:
+            return None
+        self.host[key] += end - start
+        return start, end
 
     # -- summary ----------------------------------------------------------------------------------
     def summary(self) -> dict[str, float]:
