@@ -187,11 +187,13 @@ if [[ $what == bench || $what == all ]]; then
                     "slideformer qwen3-4b 32" "deepspeed qwen3-4b 64 --ds-loss fused" "slideformer qwen3-4b 64" \
                     "slideformer llama3-8b 32" ;;
     # The CPU update's threads in the pipeline (issue 4's core budget; measured so far only in isolation)
-    # and a shorter GIL switch interval (the handoffs between updates), at 4B b8 under 24 GiB
+    # and a shorter GIL switch interval (the handoffs between updates), at 4B b8 under 24 GiB; where
+    # Llama-8B b8's fp32 step (4 gradient buffers, efficiency 0.79) loses its time
     table26) set -- "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24" \
                     "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --optimizer-threads 16" \
                     "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --optimizer-threads 14" \
-                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --switch-interval 5e-5" ;;
+                    "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --switch-interval 5e-5" \
+                    "slideformer llama3-8b 8 --gpu-memory-limit-gib 24 --timeline" ;;
     # Where the 4B b8 streamed step loses its last 0.2 s (NOTES, session 3): every update and visit, with
     # 4 and with 36 gradient buffers
     timeline) set -- "slideformer qwen3-4b 8 --resident-layers 0 --timeline" \
