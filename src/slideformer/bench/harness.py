@@ -364,9 +364,14 @@ def main(argv=None):
         if window:
             window[1]()  # ...to here: not the drain below, which the next step would overlap
         finish()
-    except torch.OutOfMemoryError as e:  # a result too ("does not fit under this cap"): recorded, then raised
-        rec.update(error="out of GPU memory", detail=str(e).splitlines()[0][:300], **_common(args, cuda))
-        _write(rec, args.out)
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+        # A result too ("does not fit under this cap, or in this RAM"): recorded, then raised. (A host OOM
+        # kill leaves only run_device.sh's FAILED line; pinned allocations fail as RuntimeError.)
+        what = "out of GPU memory" if isinstance(e, torch.OutOfMemoryError) else \
+            "out of host memory" if isinstance(e, MemoryError) or "out of memory" in str(e) else None
+        if what:
+            rec.update(error=what, detail=(str(e).splitlines() or [""])[0][:300], **_common(args, cuda))
+            _write(rec, args.out)
         raise
     tokens = args.batch * args.seq
     rec.update({

@@ -14,6 +14,7 @@ host times to the first host record; the two clocks are not aligned.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections import defaultdict
 
@@ -23,23 +24,23 @@ import torch
 class StepProfiler:
     def __init__(self, cuda: bool):
         self.cuda = cuda
+        self._lock = threading.Lock()  # the main, loader and optimizer threads record; reset() swaps it all
         self.reset()
 
     def reset(self) -> None:
         """Count from now; safe while work is in flight (what started before counts from now on)."""
-        self._visits: list[tuple] = []  # (unit, start, ready, end) events
-        self._copies: dict[str, list[tuple]] = defaultdict(list)
-        self.host: dict[str, float] = defaultdict(float)
-        self._spans: list[tuple] = []  # (key, unit, start, end) wall-clock seconds
-        self._since, self._until = time.perf_counter(), None
+        with self._lock:
+            self._visits: list[tuple] = []  # (unit, start, ready, end) events
+            self._copies: dict[str, list[tuple]] = defaultdict(list)
+            self.host: dict[str, float] = defaultdict(float)
+            self._spans: list[tuple] = []  # (key, unit, start, end) wall-clock seconds
+            self._since, self._until = time.perf_counter(), None
 
     def close(self) -> None:
         """Stop counting: a window opened with reset() between two steps of a running pipeline then holds
         the steps in between and not the drain after them (the benchmark's steady state)."""
-        self._until = time.perf_counter()
-
-    def _closed(self) -> bool:
-        return self._until is not None
+        with self._lock:
+            self._until = time.perf_counter()
 
     # -- recorders (called by Runtime) ------------------------------------------------------------
     def mark(self, stream):
@@ -50,42 +51,46 @@ class StepProfiler:
         return e
 
     def visit(self, unit: int, start, ready, end) -> None:
-        if self.cuda and not self._closed():
-            self._visits.append((unit, start, ready, end))
+        with self._lock:
+            if self.cuda and self._until is None:
+                self._visits.append((unit, start, ready, end))
 
     def copy(self, kind: str, start, end) -> None:
-        if self.cuda and not self._closed():
-            self._copies[kind].append((start, end))
+        with self._lock:
+            if self.cuda and self._until is None:
+                self._copies[kind].append((start, end))
 
-    def add_host(self, key: str, seconds: float) -> None:
-        if not self._closed():
-            self.host[key] += seconds
-
-    def span(self, key: str, unit: int, start: float, end: float) -> None:
+    def span(self, key: str, unit: int, start: float, end: float, waited: float = 0.0) -> None:
         """One timed piece of host work (perf_counter seconds), summed into ``key`` and kept for the
-        timeline: the part inside the counting window."""
-        if (clipped := self._clip(key, start, end)) is not None:
-            self._spans.append((key, unit, *clipped))
+        timeline: the part inside the counting window. ``waited``: seconds of it spent waiting (for
+        gradient chunks), summed into ``key``_wait_landing in proportion to the part kept."""
+        with self._lock:
+            s, e = max(start, self._since), min(end, self._until or end)
+            if e <= s:
+                return
+            self.host[key] += e - s
+            if waited:
+                self.host[f"{key}_wait_landing"] += waited * (e - s) / (end - start)
+            self._spans.append((key, unit, s, e))
 
     @contextlib.contextmanager
     def timed(self, key: str):
+        """A wait, summed into ``key``: the part inside the counting window."""
         t = time.perf_counter()
         try:
             yield
         finally:
-            self._clip(key, t, time.perf_counter())
-
-    def _clip(self, key: str, start: float, end: float) -> tuple[float, float] | None:
-        start, end = max(start, self._since), min(end, self._until or end)
-        if end <= start:
-            return None
-        self.host[key] += end - start
-        return start, end
+            end = time.perf_counter()
+            with self._lock:
+                s, e = max(t, self._since), min(end, self._until or end)
+                if e > s:
+                    self.host[key] += e - s
 
     # -- summary ----------------------------------------------------------------------------------
     def summary(self) -> dict[str, float]:
         """Seconds per category for the steps since the last reset (call after a synchronize)."""
-        out = {f"host_{k}_s": v for k, v in self.host.items()}
+        with self._lock:
+            out = {f"host_{k}_s": v for k, v in self.host.items()}
         if self.cuda and self._visits:
             ms = lambda a, b: a.elapsed_time(b) / 1e3  # noqa: E731
             # to the last GPU work: a visit, or a resident unit's AdamW after it (clipping, the embedding)

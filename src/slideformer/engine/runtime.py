@@ -581,8 +581,7 @@ class Runtime:
                     if out is not None and not cast_out:  # an fp32 copy of a master on the tier
                         out.copy_(master)
                 if self.profiler:  # the span includes waits for chunks still in flight, also counted on their own
-                    self.profiler.span("optimizer", job.unit, t0, time.perf_counter())
-                    self.profiler.add_host("optimizer_wait_landing", waited)
+                    self.profiler.span("optimizer", job.unit, t0, time.perf_counter(), waited=waited)
                 if job.spare is not None:
                     self._speculated.append(job)  # its buffer and flag wait for the verdict
                     kept = True
