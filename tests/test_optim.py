@@ -107,6 +107,38 @@ def test_compact_kernel_matches_its_reference(grad_dtype):
         assert float((a - b).norm() / b.norm()) < 1e-4  # fused multiply-adds in the kernel, not in torch
 
 
+def test_compact_avx512_build_matches_the_default_bit_for_bit():
+    """The hand-vectorised compact update (a benchmark variant, bench/optimizer.py) against the compiler's
+    vector code of the scalar loop: every lane, both lerp branches, NaN and inf gradients, ragged tails."""
+    import re
+
+    from slideformer.bench.optimizer import VARIANTS
+    from slideformer.optim import native
+
+    if not re.search(r"\bavx512bw\b", open("/proc/cpuinfo").read()):
+        pytest.skip("no AVX-512 here: the variant is the scalar loop")
+    ours, default = native.build("_compact_avx512", VARIANTS["compact_avx512"]), native.build()
+
+    def state(n):
+        g = torch.Generator().manual_seed(n)
+        p = torch.randn(n, generator=g)
+        grad = torch.randn(n, generator=g).bfloat16()
+        grad[n // 3] = float("nan")
+        grad[n // 2] = float("inf")
+        return [p.bfloat16(), (p - p.bfloat16().float()).bfloat16(), grad,
+                (torch.randn(n, generator=g) * 0.1).bfloat16(), (torch.rand(n, generator=g) * 0.01).bfloat16()]
+
+    for n in (15, 16, 17, 65536 * 2 + 7):
+        for beta1 in (0.9, 0.3):
+            a, b = state(n), state(n)
+            for step in (1, 2):
+                kw = (step, 1e-2, beta1, 0.999, 1e-8, 0.1, 0.7, 5, 123, 2)
+                ours.adamw_step_compact(*a, *kw)
+                default.adamw_step_compact(*b, *kw)
+            for x, y in zip(a, b):
+                assert torch.equal(x.view(torch.int16), y.view(torch.int16)), (n, beta1)
+
+
 def test_compact_state_tracks_fp32_adamw():
     """Compact mode's documented tolerance: over 300 noisy steps on a quadratic its weights stay within
     1% of exact AdamW's path, and its second moment (bf16, rounded stochastically) within 5%."""

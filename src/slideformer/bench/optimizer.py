@@ -18,11 +18,13 @@ import torch
 
 from ..optim import native
 
-# Compile-time variants of csrc/adamw.cpp, measured side by side (bench/NOTES.md, session 3).
+# Compile-time variants of csrc/adamw.cpp, measured side by side (bench/NOTES.md, session 3); those named
+# compact_* change only the compact update, and are measured on it.
 VARIANTS = {
     "portable": ("-DSF_NO_INTRIN",),  # what a CPU without AVX-512 runs
     "no_prefetch": ("-DSF_PREFETCH=0",),
     "stream_in_place": ("-DSF_STREAM_IN_PLACE=1",),  # non-temporal stores in place too (NOTES, table18)
+    "compact_avx512": ("-DSF_COMPACT_AVX512=1",),  # the compact update spelled out (NOTES, session 7)
 }
 
 
@@ -79,17 +81,20 @@ def main(argv=None) -> dict:
     st = torch.tensor(1.0)
     cands = {f"native_t{t}": (lambda t=t: adamw(mod, t)) for t in threads}
     cands[f"chunked_t{top - 1}"] = lambda: adamw(mod, top - 1, pieces)
-    cands.update({f"{k}_t{top}": (lambda k=k: adamw(built[k], top)) for k in names})
+    cands.update({f"{k}_t{top}": (lambda k=k: adamw(built[k], top)) for k in names if not k.startswith("compact_")})
     # out of place (the engine's speculative updates: state read from one copy, written to a spare, with
     # non-temporal stores), against in place above
     p2, m2, v2 = (torch.empty(n) for _ in range(3))
     cands[f"out_of_place_t{top}"] = lambda: mod.adamw_step(p2, g, m2, v2, out, step[0] + 1, 1e-5, 0.9, 0.999, 1e-8,
                                                            0.0, 1.0, top, src=[p, m, v])
     hi, lo, cm, cv = (torch.zeros(n, dtype=torch.bfloat16) for _ in range(4))
+
+    def compact(m, t):
+        m.adamw_step_compact(hi, lo, g, cm, cv, step[0] + 1, 1e-5, 0.9, 0.999, 1e-8, 0.0, 1.0, 0, 0, t)
+
     # (at every thread count: does it scale with cores, i.e. is it bound by its arithmetic, or not?)
-    cands.update({f"compact_t{t}": (lambda t=t: mod.adamw_step_compact(hi, lo, g, cm, cv, step[0] + 1, 1e-5, 0.9,
-                                                                       0.999, 1e-8, 0.0, 1.0, 0, 0, t))
-                  for t in threads})
+    cands.update({f"compact_t{t}": (lambda t=t: compact(mod, t)) for t in threads})
+    cands.update({f"{k}_t{top}": (lambda k=k: compact(built[k], top)) for k in names if k.startswith("compact_")})
     cands[f"torch_fused_t{top}"] = lambda: torch._fused_adamw_(
         [p], [gf], [m], [v], [], [st], lr=1e-5, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False,
         maximize=False)

@@ -431,6 +431,74 @@ void compact_range(const CompactState st, const typename G::T* __restrict g, int
   }
 }
 
+// The compact update spelled out in AVX-512 for a bf16 gradient, bit-identical to compact_range (the
+// optimizer benchmark's `compact_avx512` build; tests/test_optim.py compares the two). Off by default:
+// on the H200 hosts compact ran 5.7-7.0 G params/s against fp32's 5.5-6.6 though it moves 18 bytes a
+// parameter, not 28; whether the compiler's vector code is the cause is for the benchmark to say
+// (bench/NOTES.md, session 7). Returns where it stopped.
+#ifndef SF_COMPACT_AVX512
+#define SF_COMPACT_AVX512 0
+#endif
+#if defined(SF_AVX512) && SF_COMPACT_AVX512
+inline __m512i mix32x16(__m512i x) {  // mix32, 16 lanes
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(0x7feb352d));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(0x846ca68bu)));
+  return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+}
+
+inline __m512 load_bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+inline void store_high_halves(uint16_t* p, __m512i bits) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+}
+
+inline __m512i round_bf16x16(__m512 f) {  // f32_to_bf16 in the high halves: nearest even, NaN quiet
+  const __m512i bits = _mm512_castps_si512(f);
+  const __m512i r = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)),
+                                     _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)));
+  return _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+}
+
+template <bool LerpLow>
+int64_t compact_range_avx512(const CompactState st, const uint16_t* __restrict g, int64_t begin, int64_t end,
+                             const Hyper hp, uint32_t seed_m, uint32_t seed_v, int64_t offset) {
+  const __m512 decay = _mm512_set1_ps(hp.lr_wd_decay), w1 = _mm512_set1_ps(hp.w1),
+               omw1 = _mm512_set1_ps(1.0f - hp.w1), b2 = _mm512_set1_ps(hp.beta2),
+               omb2 = _mm512_set1_ps(hp.one_minus_beta2), eps = _mm512_set1_ps(hp.eps),
+               step_size = _mm512_set1_ps(hp.step_size), coef = _mm512_set1_ps(hp.coef),
+               bc2_sqrt = _mm512_set1_ps(hp.bc2_sqrt);
+  const __m512i sm = _mm512_set1_epi32(static_cast<int>(seed_m)), sv = _mm512_set1_epi32(static_cast<int>(seed_v)),
+                low16 = _mm512_set1_epi32(0xffff),
+                lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  int64_t i = begin;
+  for (; i + 16 <= end; i += 16) {
+    const __m512 gi = _mm512_mul_ps(load_bf16x16(g + i), coef);
+    const __m512 mold = load_bf16x16(st.m0 + i);
+    const __m512 d = _mm512_sub_ps(gi, mold);
+    const __m512 mi = LerpLow ? _mm512_fmadd_ps(w1, d, mold) : _mm512_fnmadd_ps(d, omw1, gi);
+    const __m512 vi = _mm512_fmadd_ps(load_bf16x16(st.v0 + i), b2, _mm512_mul_ps(_mm512_mul_ps(omb2, gi), gi));
+    const __m512 denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(vi), bc2_sqrt), eps);
+    const __m512 p0 = _mm512_add_ps(load_bf16x16(st.hi0 + i), load_bf16x16(st.lo0 + i));
+    const __m512 pi = _mm512_fmsub_ps(p0, decay, _mm512_div_ps(_mm512_mul_ps(step_size, mi), denom));
+    const __m512i h = round_bf16x16(pi);
+    const __m512 hf = _mm512_castsi512_ps(_mm512_andnot_si512(low16, h));  // the bf16 value, as fp32
+    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset + i))), lanes);
+    store_high_halves(st.hi + i, h);
+    store_high_halves(st.lo + i, round_bf16x16(_mm512_sub_ps(pi, hf)));
+    store_high_halves(st.m + i, _mm512_add_epi32(_mm512_castps_si512(mi),
+                                                 _mm512_and_si512(mix32x16(_mm512_xor_si512(idx, sm)), low16)));
+    store_high_halves(st.v + i, _mm512_add_epi32(_mm512_castps_si512(vi),
+                                                 _mm512_and_si512(mix32x16(_mm512_xor_si512(idx, sv)), low16)));
+  }
+  return i;
+}
+#endif
+
 double adamw_step_compact(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad, torch::Tensor exp_avg,
                           torch::Tensor exp_avg_sq, int64_t step, double lr, double beta1, double beta2, double eps,
                           double weight_decay, double grad_coef, int64_t seed, int64_t offset, int64_t threads,
@@ -460,10 +528,16 @@ double adamw_step_compact(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad
   pybind11::gil_scoped_release no_gil;
   return for_each_landed(n, landing, [&](int64_t begin, int64_t end) {
     parallel_ranges(begin, end, threads, [&](int64_t b, int64_t e) {
-      if (bf16_grad)
-        compact_range<BF16>(st, reinterpret_cast<const uint16_t*>(grad.data_ptr()), b, e, h, seed_m, seed_v, offset);
-      else
+      if (bf16_grad) {
+        const auto* g = reinterpret_cast<const uint16_t*>(grad.data_ptr());
+#if defined(SF_AVX512) && SF_COMPACT_AVX512
+        b = h.w1 < 0.5f ? compact_range_avx512<true>(st, g, b, e, h, seed_m, seed_v, offset)
+                        : compact_range_avx512<false>(st, g, b, e, h, seed_m, seed_v, offset);
+#endif
+        compact_range<BF16>(st, g, b, e, h, seed_m, seed_v, offset);  // (all of it, or the lanes after)
+      } else {
         compact_range<F32>(st, grad.data_ptr<float>(), b, e, h, seed_m, seed_v, offset);
+      }
     });
   });
 }
