@@ -4,8 +4,9 @@
 
 STREAM-like copy (8 B/element) and triad (12 B/element) through torch on fp32 arrays give the host's
 bandwidth; then one-pass AdamW (bf16 gradient in, bf16 copy out: 28 B/param) at several thread counts,
-the same update out of place (into a spare state), the same update on compact state (bf16 gradient, hi/lo master and moments, stochastic rounding: 18
-B/param), and torch's fused AdamW on fp32 tensors (28 B/param, no casts) for comparison. One JSON line.
+the same update out of place (into a spare state), the update on compact state (bf16 gradient, hi/lo
+master and moments, stochastic rounding: 18 B/param) at the same thread counts, and torch's fused AdamW
+on fp32 tensors (28 B/param, no casts) for comparison. One JSON line.
 """
 from __future__ import annotations
 

@@ -438,9 +438,7 @@ class MachineRates:
     # bf16 FLOP/s of a step's GPU work (step_time's count over gpu_compute_s) with Liger's kernels:
     # 540-550 T at Qwen3-4B, 594 T at Llama-8B (its larger GEMMs; table18)
     gpu_flops: float = 565e12
-    # the engine's CPU update, one-pass AdamW on 15 cores beside the copies: 4.4-5.3 G params/s (same runs).
-    # (With these two the planner's choices are those of session 4's 385e12 and 3.46e9 in 176 cases: only
-    # their ratio decides; the absolute times are now within 10% at 4B.)
+    # the engine's CPU update, one-pass AdamW on 15 cores beside the copies: 4.4-5.8 G params/s (table13-23)
     optimizer_params_per_s: float = 5.0e9
     # the resident units' AdamW on the GPU, fp32 state (compact: 2.3x): 76-78 G params/s (table11, table14)
     gpu_adamw_params_per_s: float = 77e9
@@ -452,10 +450,10 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
               compact: bool = False, nvme_layers: int = 0, nvme_master: bool = False,
               activations_to_nvme: bool = False, clipping: bool = False,
               speculative_layers: int = 0) -> dict[str, float]:
-    """Predicted seconds per step: the largest of GPU compute (8 x layer params x tokens, recompute included),
-    the CPU optimizer (and the GPU work it cannot overlap), the weight copies and the NVMe tier's moment
-    traffic (read and written once per step), plus the embedding's update at the step boundary where it
-    streams. With ``clipping`` the CPU update waits for the global norm, so it follows backward (6 of the
+    """Predicted seconds per step: the largest of GPU compute (8 x layer params x tokens, recompute
+    included), the CPU optimizer (and the GPU work it cannot overlap), the weight copies and the NVMe
+    tier's moment traffic (read and written once per step), plus the embedding's update at the step
+    boundary where it streams. With ``clipping`` the CPU update waits for the global norm, so it follows backward (6 of the
     8 FLOP units) and only the next forward overlaps it; the embedding's update is then the first of that
     serial chain, not a stall on top (session 2 measured 1.72 s at 4B b8 streamed; with that session's
     rates this gives 1.68). ``speculative_layers`` of the streamed layers are updated before the norm
