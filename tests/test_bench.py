@@ -72,10 +72,11 @@ def test_report_table_and_plot(tmp_path):
     rows += [
         # a file from before session 5 records host_weights resolved, without *_chosen keys: still a variant
         {**base, "system": "slideformer", "batch": 4, "tokens_per_s": 70.0, "settings": {"host_weights": "staged"}},
-        # depth: 1 was the default before session 7 (files without optimizer_threads), unset since; what
-        # was asked otherwise is a variant, as are the optimizer's threads
+        # depth: 1 was the default until a36f3eb, unset since; from 7174db3 (files with optimizer_threads)
+        # 1 is asked for, a variant, as are the optimizer's threads
         {**base, "system": "slideformer", "batch": 4, "tokens_per_s": 60.0,
          "settings": {"depth": None, "optimizer_threads": None}},
+        {**base, "system": "slideformer", "batch": 16, "tokens_per_s": 20.0, "settings": {"depth": None}},
         {**base, "system": "slideformer", "batch": 4, "tokens_per_s": 50.0,
          "settings": {"depth": 2, "optimizer_threads": None}},
         {**base, "system": "slideformer", "batch": 4, "tokens_per_s": 40.0,
@@ -92,6 +93,9 @@ def test_report_table_and_plot(tmp_path):
     head = md.splitlines()[0].split("|")
     b8 = next(line for line in md.splitlines() if line.startswith("| m | 8 | 8 |")).split("|")
     assert b8[head.index(" slideformer tok/s (GPU / host GiB) ")].strip() == "30 (1.0 / 2)"  # an old file's default
+    b16 = next(line for line in md.splitlines() if line.startswith("| m | 8 | 16 |")).split("|")
+    assert b16[head.index(" slideformer tok/s (GPU / host GiB) ")].strip() == "20 (1.0 / 2)"  # table21's default
+    assert "depth=None" not in md
     b4 = next(line for line in md.splitlines() if line.startswith("| m | 8 | 4 |"))
     assert "| 60 (1.0 / 2) |" in b4 and "| out of GPU memory |" in b4 and "x" not in b4.split("out of GPU memory")[1]
     assert "slideformer (slots=2)" in md and "| 2.000x |" in md  # the default variant against plain

@@ -153,7 +153,7 @@ def cmd_plan(args) -> int:
               f"{min(placement.gpu_activation_layers, shape.layers)}/{shape.layers} layer inputs on the GPU"
               + (f", MLPs in {placement.mlp_chunk_tokens}-token chunks" if placement.mlp_chunk_tokens else ""))
         print(f"predicted step {timing['step_s']:.2f} s ({out['predicted_tokens_per_s']:.0f} tok/s by the time model "
-              f"of the H200 machine, within 10% of unclipped 4B measurements): GPU {timing['gpu_compute_s']:.2f} s, "
+              f"of the H200 machine, within 6% of its unclipped 4B and 8B steps): GPU {timing['gpu_compute_s']:.2f} s, "
               f"optimizer {timing['optimizer_s']:.2f} s"
               + (f" (clipping: it follows backward, {timing['after_backward_s']:.2f} s)"
                  if clip and timing["after_backward_s"] >= timing["step_s"] else "")

@@ -311,7 +311,7 @@ def main(argv=None):
                     help="decoder layers trained on the GPU; 'auto' (default): as many as the budget allows, "
                          "as `slideformer train` chooses")
     ap.add_argument("--ds-loss", default="hf", choices=["hf", "fused"],
-                    help="DeepSpeed's loss: HF's full logits, or our fused linear cross-entropy (not yet run)")
+                    help="DeepSpeed's loss: HF's full logits, or our fused linear cross-entropy")
     ap.add_argument("--loss-kernel", default=EngineConfig.loss_kernel, choices=["torch", "fused"])
     ap.add_argument("--fused-ops", default=EngineConfig.fused_ops, choices=["auto", "none", "liger"],
                     help="slideformer: its layers' RMSNorm/SwiGLU; plain: the same rebinding on the HF model")

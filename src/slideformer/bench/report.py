@@ -25,9 +25,9 @@ def load(paths) -> list[dict]:
 
 
 # (settings record what was asked; "auto" choices are in the record's *_chosen keys. Files before session 5
-# recorded the resolved host_weights and host_grad_buffers; depth was 1 by default before session 7, whose
-# files are the first to record optimizer_threads.)
-DEFAULTS = {"slots": 3, "depth": 1, "host_weights": ("auto", "persistent"), "host_grad_buffers": ("auto", 4, None),
+# recorded the resolved host_weights and host_grad_buffers. Depth: 1 was the harness's default until a36f3eb,
+# unset (two visits ahead) since; files from 7174db3 on record optimizer_threads, and there 1 is asked for.)
+DEFAULTS = {"slots": 3, "depth": (None, 1), "host_weights": ("auto", "persistent"), "host_grad_buffers": ("auto", 4, None),
             "optimizer_threads": None,
             "loss_chunk": (None, 1024),
             "resident_layers": "auto",
@@ -45,7 +45,7 @@ def variant(r) -> str:
     defaults = dict(DEFAULTS)
     if "host_grad_buffers_chosen" in r:  # (a file that records the ask: only "auto" is the default)
         defaults.update(host_weights="auto", host_grad_buffers="auto")
-    if "optimizer_threads" in st:  # (session 7 on: depth unset is two visits ahead where the slots allow)
+    if "optimizer_threads" in st:
         defaults.update(depth=None)
     extra = [f"{k}={st[k]}" for k, d in defaults.items() if r["system"] == "slideformer" and k in st
              and st[k] not in (d if isinstance(d, tuple) else (d,))]  # (a tuple: the defaults over time)

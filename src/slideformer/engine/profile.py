@@ -88,7 +88,7 @@ class StepProfiler:
 
     # -- summary ----------------------------------------------------------------------------------
     def summary(self) -> dict[str, float]:
-        """Seconds per category for the steps since the last reset (call after a synchronize)."""
+        """Seconds per category between the last reset and close (or now; call after a synchronize)."""
         with self._lock:
             out = {f"host_{k}_s": v for k, v in self.host.items()}
         if self.cuda and self._visits:
@@ -107,9 +107,9 @@ class StepProfiler:
         return out
 
     def timeline(self) -> dict[str, list]:
-        """Each record since the last reset, in milliseconds (call after a synchronize): GPU visits as
-        [unit, start, weights ready, end] from the first visit, host spans as [what, unit, start, end]
-        from the first span."""
+        """Each record between the last reset and close, in milliseconds (call after a synchronize): GPU
+        visits as [unit, start, weights ready, end] from the first visit, host spans as [what, unit, start,
+        end] from the first span."""
         out: dict[str, list] = {"gpu": [], "host": []}
         if self.cuda and self._visits:
             t0 = self._visits[0][1]

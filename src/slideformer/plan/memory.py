@@ -450,13 +450,13 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
               compact: bool = False, nvme_layers: int = 0, nvme_master: bool = False,
               activations_to_nvme: bool = False, clipping: bool = False,
               speculative_layers: int = 0) -> dict[str, float]:
-    """Predicted seconds per step: the largest of GPU compute (8 x layer params x tokens, recompute
-    included), the CPU optimizer (and the GPU work it cannot overlap), the weight copies and the NVMe
-    tier's moment traffic (read and written once per step), plus the embedding's update at the step
-    boundary where it streams. With ``clipping`` the CPU update waits for the global norm, so it follows backward (6 of the
+    """Predicted seconds per step: the largest of the GPU's work (the layers' and the head's products,
+    recompute included, and the resident units' AdamW; +2%), the CPU optimizer plus the GPU work it cannot
+    overlap, and the weight copies and the NVMe tier's moment traffic (read and written once per step;
+    +10%), plus the embedding's update at the step boundary where it streams. With ``clipping`` the CPU update waits for the global norm, so it follows backward (6 of the
     8 FLOP units) and only the next forward overlaps it; the embedding's update is then the first of that
     serial chain, not a stall on top (session 2 measured 1.72 s at 4B b8 streamed; with that session's
-    rates this gives 1.68). ``speculative_layers`` of the streamed layers are updated before the norm
+    rates this gives 1.64). ``speculative_layers`` of the streamed layers are updated before the norm
     (engine/runtime.py): only the rest follows backward, where the norm stays within the limit. The GPU
     term is 3% under table18's 4B GPU work and 5% over its 8B (larger GEMMs run faster). Steps within 6%
     of session 7's 4B b8-b64 and 8B b32/b64 steps under 24 GiB (tests/test_plan.py); not counted: a ring
