@@ -65,13 +65,10 @@ class StepProfiler:
         timeline: the part inside the counting window. ``waited``: seconds of it spent waiting (for
         gradient chunks), summed into ``key``_wait_landing in proportion to the part kept."""
         with self._lock:
-            s, e = max(start, self._since), min(end, self._until or end)
-            if e <= s:
-                return
-            self.host[key] += e - s
-            if waited:
-                self.host[f"{key}_wait_landing"] += waited * (e - s) / (end - start)
-            self._spans.append((key, unit, s, e))
+            if (kept := self._count(key, start, end)) is not None:
+                if waited:
+                    self.host[f"{key}_wait_landing"] += waited * (kept[1] - kept[0]) / (end - start)
+                self._spans.append((key, unit, *kept))
 
     @contextlib.contextmanager
     def timed(self, key: str):
@@ -82,9 +79,15 @@ class StepProfiler:
         finally:
             end = time.perf_counter()
             with self._lock:
-                s, e = max(t, self._since), min(end, self._until or end)
-                if e > s:
-                    self.host[key] += e - s
+                self._count(key, t, end)
+
+    def _count(self, key: str, start: float, end: float) -> tuple[float, float] | None:
+        """Sum the part of [start, end] inside the counting window into ``key`` (under the lock)."""
+        s, e = max(start, self._since), min(end, self._until or end)
+        if e <= s:
+            return None
+        self.host[key] += e - s
+        return s, e
 
     # -- summary ----------------------------------------------------------------------------------
     def summary(self) -> dict[str, float]:

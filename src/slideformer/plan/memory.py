@@ -177,13 +177,18 @@ def host_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, host_weigh
         if nvme_layers else 0,
         # offloaded layer inputs in RAM, or on NVMe through 3 staging buffers (engine/activations.py)
         "activations": (min(offloaded, 3) if activations_to_nvme else offloaded) * batch * seq * shape.hidden * dtype_bytes,
-        "spares": spare_layers * shape.layer_params * (8 if compact else 12),
+        "spares": spare_layers * shape.layer_params * spare_bytes(compact),
     }
 
 
 def nvme_layer_count(cfg, layers: int) -> int:
     """How many decoder layers an EngineConfig puts on the NVMe tier (the last ones; engine/engine.py)."""
     return round(cfg.nvme_fraction * layers) if cfg.offload_dir else 0
+
+
+def spare_bytes(compact: bool) -> int:
+    """Bytes a parameter of one spare state (master, moments): what a speculative update writes into."""
+    return 8 if compact else 12
 
 
 def speculative_spares(cfg, layers: int) -> int:
@@ -279,7 +284,7 @@ def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Placement, ram: i
         cfg = replace(cfg, host_grad_buffers=None if cfg.max_grad_norm is not None or n >= shape.layers == streamed
                       else min(n, max(streamed, 1)))
     if spares and cfg.max_grad_norm is not None:  # as many as fit, at most one per layer updated from RAM
-        per_layer = shape.layer_params * (8 if cfg.optimizer_state == "compact" else 12)
+        per_layer = shape.layer_params * spare_bytes(cfg.optimizer_state == "compact")
         fit_n = int((budget - total(cfg)) // per_layer) if per_layer else 0
         cfg = replace(cfg, speculative_layers=speculative_spares(replace(cfg, speculative_layers=max(0, fit_n)),
                                                                  shape.layers))
@@ -453,9 +458,9 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
     """Predicted seconds per step: the largest of the GPU's work (the layers' and the head's products,
     recompute included, and the resident units' AdamW; +2%), the CPU optimizer plus the GPU work it cannot
     overlap, and the weight copies and the NVMe tier's moment traffic (read and written once per step;
-    +10%), plus the embedding's update at the step boundary where it streams. With ``clipping`` the CPU update waits for the global norm, so it follows backward (6 of the
-    8 FLOP units) and only the next forward overlaps it; the embedding's update is then the first of that
-    serial chain, not a stall on top (session 2 measured 1.72 s at 4B b8 streamed; with that session's
+    +10%), plus the embedding's update at the step boundary where it streams. With ``clipping`` the CPU
+    update waits for the global norm, so it follows backward (6 of the 8 FLOP units) and only the next
+    forward overlaps it; the embedding's update is then the first of that serial chain, not a stall on top (session 2 measured 1.72 s at 4B b8 streamed; with that session's
     rates this gives 1.64). ``speculative_layers`` of the streamed layers are updated before the norm
     (engine/runtime.py): only the rest follows backward, where the norm stays within the limit. The GPU
     term is 3% under table18's 4B GPU work and 5% over its 8B (larger GEMMs run faster). Steps within 6%
@@ -468,17 +473,19 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
     streamed = max(0, on_cpu - min(p.window_slots, shape.layers - k) * shape.layer_params)  # the rest is reused
     offloaded = shape.layers - min(shape.layers, p.gpu_activation_layers)
     chunked = p.mlp_chunk_tokens and p.mlp_chunk_tokens < min(batch, p.micro_batch) * seq
+    cpu_rate = rates.optimizer_params_per_s * (1.5 if compact else 1.0)  # compact: 18 instead of 28 bytes
+    head_flops = 6 * shape.vocab * shape.hidden  # a token's logits and their two gradients, not recomputed
     out = {
         # the layers' forward, recompute and backward (2 + 2 + 4 FLOPs a parameter and token), less the
         # recompute of the down projection (2 x hidden x ffn a token and layer; model/recompute.py);
         # token-chunked MLPs recompute it, and run their whole forward once more (6 x hidden x ffn). The
         # head's three products are not recomputed (6 x vocab x hidden); the embedding is a lookup.
-        "gpu_compute_s": (8 * shape.layers * shape.layer_params + 6 * shape.vocab * shape.hidden
+        "gpu_compute_s": (8 * shape.layers * shape.layer_params + head_flops
                           + (6 if chunked else -2) * shape.layers * shape.hidden * shape.ffn) * tokens / rates.gpu_flops,
         "gpu_adamw_s": (shape.params - on_cpu) / rates.gpu_adamw_params_per_s / (2.3 if compact else 1.0),
         # offloaded layer inputs: out and back once a step, each way on its own copy engine
         "activations_s": offloaded * tokens * shape.hidden * 2 / rates.pcie_bytes_per_s,
-        "optimizer_s": on_cpu / rates.optimizer_params_per_s / (1.5 if compact else 1.0),
+        "optimizer_s": on_cpu / cpu_rate,
         "h2d_s": 2 * 2 * streamed / rates.pcie_bytes_per_s,
         "nvme_s": 2 * (nvme_bytes(shape, nvme_layers, compact, nvme_master)
                        + (activations_to_nvme * (shape.layers - min(shape.layers, p.gpu_activation_layers))
@@ -487,17 +494,17 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
     # Streamed, the embedding is the last gradient of a step and the first weights of the next: the GPU
     # waits for its CPU update at every step boundary, whatever else overlaps.
     stall = 0.0 if p.edges_resident(shape) else \
-        shape.embed_params / rates.optimizer_params_per_s / (1.5 if compact else 1.0)
+        shape.embed_params / cpu_rate
     # What does not overlap. GPU-bound, little: prefetching two visits ahead leaves 1-3% (table19-21:
     # efficiency 0.975-0.99). CPU-bound, the head and the last streamed layer: between the last update the
     # forward needs and the first gradient of backward the CPU has nothing to do (table23's timeline).
-    gap = (6 * shape.vocab * shape.hidden + 8 * shape.layer_params) * tokens / rates.gpu_flops if on_cpu else 0.0
+    gap = (head_flops + 8 * shape.layer_params) * tokens / rates.gpu_flops if on_cpu else 0.0
     step = max(1.02 * (out["gpu_compute_s"] + out["gpu_adamw_s"]), out["optimizer_s"] + gap,
                1.1 * max(out["activations_s"], out["h2d_s"], out["nvme_s"])) + stall
     if clipping:
         ahead = max(0, min(speculative_layers, shape.layers - k - nvme_layers)) * shape.layer_params
         out["after_backward_s"] = 0.75 * out["gpu_compute_s"] + \
-            (on_cpu - ahead) / rates.optimizer_params_per_s / (1.5 if compact else 1.0)
+            (on_cpu - ahead) / cpu_rate
         step = max(step, out["after_backward_s"])
     out["step_s"] = step
     out["edge_stall_s"] = stall
