@@ -182,3 +182,36 @@ def test_kernel_launchers_name_the_aten_op_and_its_callers():
     prof = E(events=lambda: [launch, launch, mm])
     out = harness.kernel_launchers(prof, {"gemm"})
     assert out == {"gemm": [["aten::mm [[8, 4], [4, 2]] < aten::linear < MyLayer", 2, 0.004]]}
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_baselines_step_gives_the_gradients_of_hf_own_loss(tied):
+    """plain's and torchao's step (slideformer's loss head beside HF's body, one backward) trains the same
+    model as ``model(ids, labels=ids).loss.backward()``: a tied weight gets its head and embedding parts."""
+    import argparse
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from slideformer.presets import preset_config
+
+    config = preset_config("tiny")
+    config.tie_word_embeddings = tied
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
+    args = argparse.Namespace(batch=2, seq=16, device="cpu", dtype=torch.float32, loss_kernel="torch", loss_chunk=8)
+    loss = harness._head_step(args, config, model, torch.Generator().manual_seed(0))
+    ours = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    ids = harness.random_batch(config.vocab_size, 2, 16, torch.Generator().manual_seed(0))["input_ids"]
+    ref = model(input_ids=ids, labels=ids).loss
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-6, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(ours[n], p.grad, rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_torchao_needs_a_gpu():
+    with pytest.raises(SystemExit, match="CUDA"):
+        harness.main(["--system", "torchao", "--model", "tiny", "--device", "cpu"])

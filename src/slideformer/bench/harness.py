@@ -11,6 +11,8 @@ Systems:
   AdamW on the GPU, activation checkpointing of every layer, the same chunked loss head.
 - deepspeed: ZeRO-3 with parameters and optimizer offloaded to pinned CPU memory, DeepSpeedCPUAdam,
   bf16, activation checkpointing, Hugging Face's own loss (what its users run).
+- torchao: its CPUOffloadOptimizer (issue 3's optional baseline): fp32 weights on the GPU under bf16
+  autocast, torch's fused AdamW on the host, the same loss head as plain.
 
 Model TFLOPS = 6 x params x tokens/s; attention FLOPs are not counted, nor is recompute.
 """
@@ -136,22 +138,8 @@ def run_plain(args, config):
     n_params = sum(p.numel() for p in params)
     gen = torch.Generator().manual_seed(0)
 
-    W = model.lm_head.weight
-
     def step():
-        ids = random_batch(config.vocab_size, args.batch, args.seq, gen)["input_ids"].to(args.device)
-        labels = torch.full_like(ids, -100)
-        labels[:, :-1] = ids[:, 1:]
-        hidden = model.model(input_ids=ids).last_hidden_state  # [B, S, H], final norm applied
-        # The same loss head as slideformer (fused or chunked); its weight gradient is summed in fp32.
-        gw = torch.zeros_like(W, dtype=torch.float32)
-        head_loss = fused_head_loss if args.loss_kernel == "fused" else chunked_head_loss
-        loss, gh = head_loss(hidden.detach().flatten(0, 1), labels.flatten(), None, W,
-                             int((labels != -100).sum()), args.loss_chunk or LOSS_CHUNK_TOKENS[0], None, gw,
-                             accumulate=False)
-        hidden.backward(gh.view_as(hidden))
-        W.grad = gw.to(W.dtype) if W.grad is None else W.grad + gw.to(W.dtype)
-        del gw
+        loss = _head_step(args, config, model, gen)
         for m, p in zip(master, params):
             m.grad = p.grad.float()
             p.grad = None
@@ -160,10 +148,53 @@ def run_plain(args, config):
             torch._foreach_copy_(params, master)
         return loss
 
-    def finish():
-        sync(args)
+    return n_params, step, (lambda: sync(args)), (lambda: {}), None
 
-    return n_params, step, finish, (lambda: {}), None
+
+def _head_step(args, config, model, gen, autocast: bool = False) -> torch.Tensor:
+    """Forward and backward of an HF model with slideformer's loss head (fused or chunked): the baselines'
+    shared step. The head's weight gradient is summed in fp32 and enters autograd beside the hidden
+    states' in one backward, so a tied weight's gradient hooks see it whole."""
+    ids = random_batch(config.vocab_size, args.batch, args.seq, gen)["input_ids"].to(args.device)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    with torch.autocast(args.device, dtype=args.dtype, enabled=autocast):
+        hidden = model.model(input_ids=ids).last_hidden_state  # [B, S, H], final norm applied
+    W = model.lm_head.weight
+    gw = torch.zeros_like(W, dtype=torch.float32)
+    head_loss = fused_head_loss if args.loss_kernel == "fused" else chunked_head_loss
+    loss, gh = head_loss(hidden.detach().to(args.dtype).flatten(0, 1), labels.flatten(), None, W.to(args.dtype),
+                         int((labels != -100).sum()), args.loss_chunk or LOSS_CHUNK_TOKENS[0], None, gw,
+                         accumulate=False)
+    torch.autograd.backward([hidden, W], [gh.view_as(hidden).to(hidden.dtype), gw.to(W.dtype)])
+    return loss
+
+
+def run_torchao(args, config):
+    """torchao's CPUOffloadOptimizer as its README runs it: an fp32 model on the GPU under bf16 autocast,
+    the fused torch AdamW on pinned host copies, gradients moved to the host as backward produces them."""
+    if args.device != "cuda":
+        raise SystemExit("torchao's CPUOffloadOptimizer needs a CUDA device")
+    from torchao.optim import CPUOffloadOptimizer
+    from transformers import AutoModelForCausalLM
+
+    config._attn_implementation = "sdpa"
+    with torch.device(args.device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    args.fused_ops = "none"
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    model.train()
+    opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=True, lr=1e-5)
+    gen = torch.Generator().manual_seed(0)
+
+    def step():
+        loss = _head_step(args, config, model, gen, autocast=True)
+        opt.step()  # waits for every host update and the weights' copy back
+        opt.zero_grad()
+        return loss
+
+    return sum(p.numel() for p in model.parameters()), step, (lambda: sync(args)), (lambda: {}), None
 
 
 def run_deepspeed(args, config):
@@ -272,7 +303,7 @@ def kernel_launchers(prof, kernels: set[str]) -> dict[str, list]:
     return {k: sorted(([label, n, t] for label, (n, t) in v.items()), key=lambda r: -r[2])[:6] for k, v in found.items()}
 
 
-RUNNERS = {"slideformer": run_slideformer, "plain": run_plain, "deepspeed": run_deepspeed}
+RUNNERS = {"slideformer": run_slideformer, "plain": run_plain, "deepspeed": run_deepspeed, "torchao": run_torchao}
 
 
 def main(argv=None):

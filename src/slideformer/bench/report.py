@@ -10,7 +10,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-SYSTEMS = ("slideformer", "plain", "deepspeed")
+SYSTEMS = ("slideformer", "plain", "deepspeed", "torchao")
 
 
 def load(paths) -> list[dict]:
