@@ -24,7 +24,7 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == optim || $what == all ]]; then
   python3 -m slideformer.bench.optimizer --params 2e9 --threads 8,12,15,16 \
-    --variants="${OPTIM_VARIANTS-portable,no_prefetch,compact_avx512}" 2>&1 | tee -a "$OUT/optimizer.jsonl" | tail -2
+    --variants="${OPTIM_VARIANTS-portable,no_prefetch,compact_scalar}" 2>&1 | tee -a "$OUT/optimizer.jsonl" | tail -2
 fi
 if [[ $what == loss || $what == all ]]; then
   timeout "${LOSS_TIMEOUT:-600}" python3 -m slideformer.bench.loss --chunks 4096,16384 2>&1 | tee -a "$OUT/loss.jsonl" | tail -8

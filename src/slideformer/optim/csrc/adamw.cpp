@@ -431,13 +431,13 @@ void compact_range(const CompactState st, const typename G::T* __restrict g, int
   }
 }
 
-// The compact update spelled out in AVX-512 for a bf16 gradient, bit-identical to compact_range (the
-// optimizer benchmark's `compact_avx512` build; tests/test_optim.py compares the two). Off by default:
-// on the H200 hosts compact ran 5.7-7.0 G params/s against fp32's 5.5-6.6 though it moves 18 bytes a
-// parameter, not 28; whether the compiler's vector code is the cause is for the benchmark to say
-// (bench/NOTES.md, session 7). Returns where it stopped.
+// The compact update spelled out in AVX-512 for a bf16 gradient, bit-identical to compact_range (tests/
+// test_optim.py compares it with the optimizer benchmark's `compact_scalar` build, the compiler's vector
+// code of compact_range): 7.57 against 6.99 G params/s on the H200 host, 2.10 against 1.99 a core in cache
+// on the development machine (bench/results/2026-11-30-optimizer-d1e6a3a.jsonl, bench/NOTES.md session 8).
+// Returns where it stopped.
 #ifndef SF_COMPACT_AVX512
-#define SF_COMPACT_AVX512 0
+#define SF_COMPACT_AVX512 1
 #endif
 #if defined(SF_AVX512) && SF_COMPACT_AVX512
 inline __m512i mix32x16(__m512i x) {  // mix32, 16 lanes
