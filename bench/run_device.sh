@@ -214,7 +214,15 @@ if [[ $what == bench || $what == all ]]; then
     read -r sys model b extra <<<"$c"
     echo "== $c" | tee -a "$OUT/bench.log"
     timeout 300 python3 -m slideformer.bench --system "$sys" --model "$model" --batch "$b" $extra \
-      --out "$OUT/results.jsonl" >> "$OUT/bench.log" 2>&1 || echo "FAILED: $c (rc=$?)" | tee -a "$OUT/bench.log"
+      --out "$OUT/results.jsonl" >> "$OUT/bench.log" 2>&1
+    rc=$?
+    if [[ $rc -ne 0 ]]; then
+      echo "FAILED: $c (rc=$rc)" | tee -a "$OUT/bench.log"
+      # killed (SIGKILL: with no swap, the host out of RAM) or timed out: no line of its own, so one is written
+      why=$( ((rc == 137)) && echo "killed by the host (SIGKILL)" || { ((rc == 124)) && echo "timed out (300 s)"; } )
+      [[ -n $why ]] && python3 -m slideformer.bench --system "$sys" --model "$model" --batch "$b" $extra \
+        --failed "$why" --out "$OUT/results.jsonl" >> "$OUT/bench.log" 2>&1
+    fi
     tail -1 "$OUT/bench.log" | cut -c1-400
   done
 fi

@@ -137,6 +137,22 @@ def test_out_of_gpu_memory_is_recorded_as_a_result(tmp_path, monkeypatch):
     assert [r["error"] for r in lines] == ["out of GPU memory", "out of host memory"]  # a bug is no result
 
 
+
+def test_a_killed_case_is_recorded_without_running_it(tmp_path, monkeypatch):
+    """run_device.sh writes the line a case killed by the host (out of RAM) could not: the report shows it."""
+    import json
+
+    from slideformer.bench import report
+
+    monkeypatch.setitem(harness.RUNNERS, "deepspeed", lambda args, config: pytest.fail("ran"))
+    out = tmp_path / "r.jsonl"
+    harness.main(["--system", "deepspeed", "--model", "tiny", "--device", "cpu", "--gpu-memory-limit-gib", "24",
+                  "--failed", "killed by the host (SIGKILL)", "--out", str(out)])
+    (rec,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rec["error"] == "killed by the host (SIGKILL)" and rec["host_peak_rss_gib"] is None
+    assert rec["settings"]["gpu_memory_limit_gib"] == 24 and "tokens_per_s" not in rec
+    assert "| killed by the host (SIGKILL) |" in report.table(report.load([out]))
+
 def test_optimizer_benchmark_reports_every_candidate():
     from slideformer.bench import optimizer
 

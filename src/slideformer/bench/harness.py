@@ -359,6 +359,9 @@ def main(argv=None):
                     help="slideformer: record each GPU visit and CPU update of the timed steps (engine/profile.py)")
     ap.add_argument("--profile-ops", type=int, default=0, metavar="N",
                     help="after the timed steps, profile one more step and record its N costliest GPU ops")
+    ap.add_argument("--failed", metavar="WHY",
+                    help="record this case as failed with WHY, without running it: a process the host killed "
+                         "(out of RAM) or a timeout leaves no line of its own (bench/run_device.sh)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.switch_interval:
@@ -372,6 +375,11 @@ def main(argv=None):
     config = preset_config(args.model)
     rec = {"system": args.system, "model": args.model, "params": None, "seq": args.seq, "batch": args.batch,
            "micro_batch": args.micro_batch or args.batch}
+    if args.failed:
+        rec.update(error=args.failed, **{**_common(args, False), "gpu_peak_alloc_gib": None,
+                                         "gpu_peak_reserved_gib": None, "host_peak_rss_gib": None})
+        _write(rec, args.out)
+        return rec
     t_build = time.perf_counter()
     try:
         params, step, finish, extra, window = RUNNERS[args.system](args, config)
