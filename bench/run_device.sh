@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on the GPU machine, in one call: the GPU tests, then the benchmark cases.
 #   run from the repo root on the device machine; results go to $OUT (or ./bench/out).
-# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table28|b64|timeline | case ...]
+# Usage: bench/run_device.sh [tests|optim|loss|profile|capacity|demo|bench|all] [table1..table29|b64|timeline | case ...]
 #   (a case: "system model batch [extra args]")
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -201,6 +201,12 @@ if [[ $what == bench || $what == all ]]; then
     # compact state at 8B b8 under 24 GiB with the hand-vectorised update (the default from d257d00)
     table28) set -- "slideformer llama3-8b 8" "slideformer llama3-8b 32" \
                     "slideformer llama3-8b 8 --gpu-memory-limit-gib 24 --optimizer-state compact" ;;
+    # Issue 3's last cases: plain under the cap (it cannot fit: the line says so), torchao at b64, and
+    # slideformer capped under DeepSpeed's own peak (18.4 GiB at b8, 15.7 at b32) beside it in one run
+    table29) set -- "plain qwen3-4b 8 --gpu-memory-limit-gib 24" "torchao qwen3-4b 64" \
+                    "deepspeed qwen3-4b 8 --gpu-memory-limit-gib 24" "slideformer qwen3-4b 8 --gpu-memory-limit-gib 18" \
+                    "deepspeed qwen3-4b 32 --gpu-memory-limit-gib 24 --ds-loss fused" \
+                    "slideformer qwen3-4b 32 --gpu-memory-limit-gib 15" ;;
     # Where the 4B b8 streamed step loses its last 0.2 s (NOTES, session 3): every update and visit, with
     # 4 and with 36 gradient buffers
     timeline) set -- "slideformer qwen3-4b 8 --resident-layers 0 --timeline" \
