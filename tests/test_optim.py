@@ -262,3 +262,25 @@ def test_update_out_of_place_leaves_the_source(backend, compact):
         assert torch.equal(a, b)
     for a, b in zip(state[:3] if not compact else state, keep):
         assert torch.equal(a, b)
+
+
+def test_without_a_compiler_auto_falls_back_to_torch_with_one_warning(monkeypatch):
+    """No compiler (or headers, or ninja): `auto` takes torch's fused kernel, says so once, and the
+    engine's other entry points still ask for the compiled path strictly."""
+    import warnings
+
+    from slideformer.optim.adamw import resolve_backend
+
+    def no_compiler(*a, **k):
+        raise RuntimeError("Error building extension 'slideformer_adamw': c++: not found")
+
+    monkeypatch.setattr(native, "build", no_compiler)
+    monkeypatch.setattr(native, "_loaded", {})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert resolve_backend("auto") == "torch" and resolve_backend("auto") == "torch"
+    assert len(caught) == 1 and "using torch's fused AdamW" in str(caught[0].message)
+    assert "c++: not found" in str(caught[0].message)
+    monkeypatch.setattr(native, "_loaded", {})
+    with pytest.raises(RuntimeError, match="c\\+\\+: not found"):
+        resolve_backend("native")
