@@ -445,6 +445,10 @@ class MachineRates:
     gpu_flops: float = 565e12
     # the engine's CPU update, one-pass AdamW on 15 cores beside the copies: 4.4-5.8 G params/s (table13-23)
     optimizer_params_per_s: float = 5.0e9
+    # compact state's update over that: it moves 18 bytes a parameter, not 28, but its rounding's hashing
+    # bounds it (it scales with threads): 5.5 G params/s in the pipeline at Llama-8B b8 (table28) against
+    # fp32's 4.4-5.3 (table21, table26); 1.32x alone (optimizer-d1e6a3a)
+    compact_speedup: float = 1.1
     # the resident units' AdamW on the GPU, fp32 state (compact: 2.3x): 76-78 G params/s (table11, table14)
     gpu_adamw_params_per_s: float = 77e9
     pcie_bytes_per_s: float = 55e9
@@ -464,7 +468,8 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
     rates this gives 1.64). ``speculative_layers`` of the streamed layers are updated before the norm
     (engine/runtime.py): only the rest follows backward, where the norm stays within the limit. The GPU
     term is 3% under table18's 4B GPU work and 5% over its 8B (larger GEMMs run faster). Steps within 6%
-    of session 7's 4B b8-b64 and 8B b32/b64 steps under 24 GiB (tests/test_plan.py); not counted: a ring
+    of session 7's 4B b8-b64 and 8B b32/b64 steps and session 8's compact 8B b8 under 24 GiB
+    (tests/test_plan.py); not counted: a ring
     of few gradient buffers (8B b8: 1.675 s measured, 1.47 predicted) and staged casts."""
     tokens = batch * seq
     k = min(p.resident_layers, shape.layers)
@@ -473,7 +478,7 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
     streamed = max(0, on_cpu - min(p.window_slots, shape.layers - k) * shape.layer_params)  # the rest is reused
     offloaded = shape.layers - min(shape.layers, p.gpu_activation_layers)
     chunked = p.mlp_chunk_tokens and p.mlp_chunk_tokens < min(batch, p.micro_batch) * seq
-    cpu_rate = rates.optimizer_params_per_s * (1.5 if compact else 1.0)  # compact: 18 instead of 28 bytes
+    cpu_rate = rates.optimizer_params_per_s * (rates.compact_speedup if compact else 1.0)
     head_flops = 6 * shape.vocab * shape.hidden  # a token's logits and their two gradients, not recomputed
     out = {
         # the layers' forward, recompute and backward (2 + 2 + 4 FLOPs a parameter and token), less the
