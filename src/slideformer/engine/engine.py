@@ -122,13 +122,9 @@ class SlideEngine:
         hw = self.cfg.host_weights  # units without a compute copy on the host: cast at copy time
         staged = {u.index for u in self.adapter.units} if hw == "staged" else \
             set() if hw == "persistent" else set(layers[n - min(hw, n):])
-        self.store = HostStore(self.adapter.units, self.cfg.compute_dtype, pin=self.device.type == "cuda",
-                               staged_units=staged, layer_grad_buffers=ring,
-                               nvme_dir=self.cfg.offload_dir, nvme_units=nvme, nvme_buffers=self.cfg.nvme_buffers,
-                               compact=self.cfg.optimizer_state == "compact", nvme_master=self.cfg.nvme_master,
-                               spare_states=speculative_spares(self.cfg, n))
         # Resident units: `resident_layers` decoder layers, and embedding and head with `resident_edges` or
         # when every layer is resident (the whole model then trains on the GPU, as plain training would).
+        # Their state is the runtime's, on the GPU; the host store keeps none of it.
         resident = set(layers[:k])
         if k == n or self.cfg.resident_edges:
             resident |= {self.adapter.embed_unit.index, self.adapter.head_unit.index}
@@ -136,7 +132,11 @@ class SlideEngine:
             raise ConfigError("resident_layers and the NVMe tier (nvme_fraction) overlap: a layer on the GPU keeps "
                               "its moments there; lower one of them")
         self.resident = frozenset(resident)
-        self._resident_on_gpu = False  # uploaded at the first step and after a checkpoint load
+        self.store = HostStore(self.adapter.units, self.cfg.compute_dtype, pin=self.device.type == "cuda",
+                               staged_units=staged, layer_grad_buffers=ring,
+                               nvme_dir=self.cfg.offload_dir, nvme_units=nvme, nvme_buffers=self.cfg.nvme_buffers,
+                               compact=self.cfg.optimizer_state == "compact", nvme_master=self.cfg.nvme_master,
+                               spare_states=speculative_spares(self.cfg, n), gpu_units=self.resident)
         # Untied: the head's weights take the embedding's slot after its forward (window/schedule.py).
         self.plan = plan_step(n, self.cfg.window_slots, self.cfg.lookahead, self.resident,
                               share_edge=not self.adapter.tied)
@@ -178,9 +178,6 @@ class SlideEngine:
         mbs, denom = self._prepare(batch)
         st = _Step(mbs=mbs, denom=denom, index=self.store.step + 1)
         rt = self.runtime
-        if not self._resident_on_gpu:
-            rt.upload_resident()
-            self._resident_on_gpu = True
         self.activations.begin_step(sum(mb.input_ids.numel() for mb in mbs), self.adapter.config.hidden_size,
                                     self.cfg.compute_dtype)
         rt.begin_step(self._update_order)
@@ -404,23 +401,17 @@ class SlideEngine:
         """Wait for every pending update."""
         self.runtime.synchronize()
 
-    def _state_to_host(self) -> None:
-        """Pending updates done, and resident units' state copied back into the host store (which
-        is what checkpoints and exports read). Not per step: for a whole-model-resident 4B that is 64 GB."""
-        self.synchronize()
-        if self._resident_on_gpu and self.resident:
-            self.runtime.download_resident()
-
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Hugging Face-named fp32 master weights (views; copies for compact state), after pending updates.
+        """Hugging Face-named fp32 master weights (views of RAM; copies for compact state and for units
+        trained on the GPU), after pending updates.
         The views are of this step's buffers: a later speculative update may hand the unit other ones
         (host/store.py ``adopt``), so copy what is kept."""
-        self._state_to_host()
+        self.synchronize()
         return {k: v for u in self.adapter.units for k, v in self.store.unit_params(u.index).items()}
 
     def save_pretrained(self, out: str | os.PathLike, dtype: torch.dtype | None = None):
         """Write a Hugging Face checkpoint (config + safetensors) that from_pretrained loads."""
-        self._state_to_host()
+        self.synchronize()
         return export.save_pretrained(out, self.adapter, self.store, dtype or self.cfg.compute_dtype)
 
     def profile(self, reset: bool = True, timeline: bool = False) -> dict:
@@ -442,7 +433,7 @@ class SlideEngine:
     def save_checkpoint(self, path: str | os.PathLike, trainer_state: dict | None = None,
                         dtype: torch.dtype | None = None):
         """Hugging Face weights plus the full training state, written atomically (checkpoint/state.py)."""
-        self._state_to_host()
+        self.synchronize()
         state = {"lr": self.lr, **(trainer_state or {})}
         return ckpt_state.save_checkpoint(path, self.adapter, self.store, dtype or self.cfg.compute_dtype, state)
 
@@ -450,7 +441,6 @@ class SlideEngine:
         """Restore a checkpoint written by save_checkpoint; returns the trainer state saved with it."""
         self.synchronize()
         state = ckpt_state.load_checkpoint(path, self.adapter, self.store)
-        self._resident_on_gpu = False  # the loaded state goes up at the next step
         self.lr = float(state.get("lr", self.lr))
         return state
 
@@ -469,11 +459,11 @@ class SlideEngine:
                  f"fused ops {self.fused_ops}",
                  f"CPU AdamW {self.runtime.optimizer_backend} on {threads} thread{'s' * (threads != 1)}, "
                  f"{self.cfg.optimizer_state} state"]
-        staged = sum(w is None for w in self.store.weights)  # (none where the weights are the master)
+        staged = len(self.store.staged)
         if staged:  # RAM-bound choices, which cost time: said where they were made
-            parts.append("host weights cast at copy time" if staged == len(ad.units)
+            parts.append("host weights cast at copy time" if staged == len(ad.units) - len(self.resident)
                          else f"host weights cast at copy time for the last {staged} layer{'s' * (staged != 1)}")
-        ring = len(self.store.grad_buffers) - sum(1 for u in ad.units if u.kind != "layer")
+        ring = self.store.layer_buffers
         if ring < n - layers:
             parts.append(f"{ring} gradient buffer{'s' * (ring != 1)} for {n - layers} streamed layers")
         if self.cfg.max_grad_norm is not None and layers < n:  # clipping: how much of the update waits for the norm

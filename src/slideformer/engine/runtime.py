@@ -155,8 +155,9 @@ class Runtime:
                              for _ in range(3)] for u in sorted(resident)}
         self._resident_step = {} if store.compact else \
             {u: torch.zeros((), dtype=torch.float32, device=self.device) for u in resident}  # torch's fused AdamW
+        store.attach_gpu(self)
         self._staging: list[tuple[torch.Tensor, object]] = []
-        staged = [u.numel for u, w in zip(adapter.units, store.weights) if w is None]
+        staged = [adapter.units[u].numel for u in store.staged]
         if staged:
             n = min(STAGING_ELEMS, max(staged))
             self._staging = [(torch.empty(n, dtype=dt, pin_memory=self.cuda), None) for _ in range(2)]
@@ -217,31 +218,29 @@ class Runtime:
         self._closed = False
         _SWITCH_INTERVAL.acquire()
 
-    # -- resident units ------------------------------------------------------------------------------
-    def upload_resident(self) -> None:
-        """Host state -> GPU for resident units (before the first step, and after a checkpoint load)."""
-        for u, (master, m, v) in self.resident.items():
-            weights = self.slots["resident"][u].params[: master.numel()]
-            if self.store.compact:  # (master is the lo half; hi is the weights)
-                weights.copy_(self.store.master[u])
-                master.copy_(self.store.master_lo[u])
-            else:
-                master.copy_(self.store.master[u])
-                weights.copy_(master)
-            m.copy_(self.store.exp_avg[u])
-            v.copy_(self.store.exp_avg_sq[u])
+    # -- resident units: their state is here only; the host store reads and writes it through these --
+    def copy_out(self, unit: int, *names: str) -> dict[str, torch.Tensor]:
+        """Host copies of a resident unit's state (``names`` of it, or all), by the store's field names,
+        after its pending update: the copies wait for the compute stream."""
+        master, m, v = self.resident[unit]
+        weights = self.slots["resident"][unit].params[: master.numel()]
+        # (compact state: the master's hi half is the weights the slot holds, ``master`` its lo half)
+        st = {"master": weights, "master_lo": master} if self.store.compact else {"master": master}
+        st.update(exp_avg=m, exp_avg_sq=v)
+        return {k: t.to("cpu", copy=True) for k, t in st.items() if not names or k in names}
 
-    def download_resident(self) -> None:
-        """GPU -> host state for resident units (before reading or saving it)."""
-        for u, (master, m, v) in self.resident.items():
-            if self.store.compact:
-                self.store.master[u].copy_(self.slots["resident"][u].params[: master.numel()])
-                self.store.master_lo[u].copy_(master)
-            else:
-                self.store.master[u].copy_(master)
-            self.store.exp_avg[u].copy_(m)
-            self.store.exp_avg_sq[u].copy_(v)
-            self.store.refresh_weights(u)
+    def copy_in(self, unit: int, **fields: torch.Tensor) -> None:
+        """Write any of a resident unit's state fields (initial weights, a checkpoint); the weights the
+        slot holds follow the master."""
+        master, m, v = self.resident[unit]
+        weights = self.slots["resident"][unit].params[: master.numel()]
+        if "master" in fields:
+            (weights if self.store.compact else master).copy_(fields["master"])
+            if not self.store.compact:
+                weights.copy_(master)
+        for name, dst in (("master_lo", master if self.store.compact else None), ("exp_avg", m), ("exp_avg_sq", v)):
+            if name in fields and dst is not None:
+                dst.copy_(fields[name])
 
     def update_resident(self, unit: int, step: int, lr: float, grad_coef: float) -> None:
         """AdamW for a resident unit, enqueued on the compute stream: the next kernel reading its slot

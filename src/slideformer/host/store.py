@@ -18,8 +18,12 @@ Per unit, flat 1-D tensors laid out as in ``UnitSpec``:
 
 Units on the NVMe tier (host/nvme.py) have no moments here (``exp_avg[u] is None``), and with
 ``nvme_master`` no master either; their compute copy stays in RAM, since the window reads it every step.
+Units trained on the GPU (``gpu_units``: resident layers, resident embedding and head) have nothing here:
+their state lives on the GPU only (engine/runtime.py owns it), and a host mirror would cost 14 bytes a
+parameter for nothing (60 GB at Llama-8B with 23 layers resident).
 Readers and writers of whole-unit state (checkpoints, loaders, export) go through ``unit_state``,
-``set_unit_state``, ``set_master`` and ``unit_params``, which read or write the tier as needed.
+``set_unit_state``, ``set_master`` and ``unit_params``, which read or write the tier or the GPU (through
+the owner ``attach_gpu`` names) as needed.
 
 Every buffer is allocated and zeroed once here; nothing else allocates host training state, so
 ``bytes_by_category`` is the whole account.
@@ -30,6 +34,13 @@ import torch
 
 from ..model.adapter import UnitSpec
 from . import pinned
+
+
+def _some(units: list, which: list, dtype: torch.dtype, pin: bool, registered: list) -> list[torch.Tensor | None]:
+    """An arena for ``which`` of ``units``, as a list over all of them (None for the others)."""
+    it = iter(_arena(which, dtype, pin, registered))
+    chosen = {u.index for u in which}
+    return [next(it) if u.index in chosen else None for u in units]
 
 
 def _arena(units: list, dtype: torch.dtype, pin: bool, registered: list) -> list[torch.Tensor]:
@@ -45,8 +56,12 @@ def _arena(units: list, dtype: torch.dtype, pin: bool, registered: list) -> list
 class HostStore:
     def __init__(self, units: list[UnitSpec], compute_dtype: torch.dtype, pin: bool, staged_units: set[int] = frozenset(),
                  layer_grad_buffers: int | None = None, nvme_dir=None, nvme_units: set[int] = frozenset(),
-                 nvme_buffers: int = 4, compact: bool = False, nvme_master: bool = False, spare_states: int = 0):
+                 nvme_buffers: int = 4, compact: bool = False, nvme_master: bool = False, spare_states: int = 0,
+                 gpu_units: set[int] = frozenset()):
         self.units = units
+        self.gpu_units, self.nvme_units = frozenset(gpu_units), frozenset(nvme_units)
+        self.gpu = None  # the GPU units' state owner (attach_gpu): copy_out(unit) and copy_in(unit, **fields)
+        host = [u for u in units if u.index not in self.gpu_units]
         self.compute_dtype = compute_dtype
         self.pin = pin
         self._registered: list[torch.Tensor] = []
@@ -55,20 +70,15 @@ class HostStore:
         self.compact = compact
         master_dtype = torch.bfloat16 if compact else torch.float32
         self.master_dtype = master_dtype
-        # Moments (and with nvme_master the master) in RAM for units not on the NVMe tier, None for those that are.
-        in_ram = [u for u in units if u.index not in nvme_units]
+        # Moments (and with nvme_master the master) in RAM for host units not on the NVMe tier; None elsewhere.
+        in_ram = [u for u in host if u.index not in nvme_units]
         self.nvme_master = nvme_master and bool(nvme_units)
-        if self.nvme_master:
-            it = iter(_arena(in_ram, master_dtype, pin and compute_dtype == master_dtype, self._registered))
-            self.master = [None if u.index in nvme_units else next(it) for u in units]
-        else:
-            self.master = _arena(units, master_dtype, pin and compute_dtype == master_dtype, self._registered)
-        self.master_lo = _arena(units, torch.bfloat16, False, self._registered) if compact else None
+        self.master = _some(units, in_ram if self.nvme_master else host, master_dtype,
+                            pin and compute_dtype == master_dtype, self._registered)
+        self.master_lo = _some(units, host, torch.bfloat16, False, self._registered) if compact else None
         self.moment_dtype = moment_dtype = torch.bfloat16 if compact else torch.float32
-        m = iter(_arena(in_ram, moment_dtype, False, self._registered))
-        v = iter(_arena(in_ram, moment_dtype, False, self._registered))
-        self.exp_avg = [None if u.index in nvme_units else next(m) for u in units]
-        self.exp_avg_sq = [None if u.index in nvme_units else next(v) for u in units]
+        self.exp_avg = _some(units, in_ram, moment_dtype, False, self._registered)
+        self.exp_avg_sq = _some(units, in_ram, moment_dtype, False, self._registered)
         self.tier = None
         if nvme_units:
             from .nvme import NvmeTier
@@ -77,22 +87,29 @@ class HostStore:
                                  moment_dtype, fields=3 if self.nvme_master else 2)
         if compute_dtype == master_dtype and not self.nvme_master:
             self.weights: list[torch.Tensor | None] = self.master
+            self.staged = frozenset()
         else:
-            it = iter(_arena([u for u in units if u.index not in staged_units], compute_dtype, pin, self._registered))
-            self.weights = [None if u.index in staged_units else next(it) for u in units]
-        layers = [u for u in units if u.kind == "layer"]
+            self.weights = _some(units, [u for u in host if u.index not in staged_units], compute_dtype, pin,
+                                 self._registered)
+            self.staged = frozenset(u.index for u in host if u.index in staged_units)  # cast at copy time
+        # Gradient buffers for the units the CPU updates (a GPU unit's gradient stays in its slot).
+        layers = [u for u in host if u.kind == "layer"]
+        self.streamed_layers = len(layers)
         if layer_grad_buffers is None or layer_grad_buffers >= len(layers):
-            shapes = units  # every unit owns its buffer
-            self.grad_owner = [[u.index] for u in units]
+            shapes = host  # every unit owns its buffer
+            own = {u.index: [i] for i, u in enumerate(host)}
+            self.layer_buffers = len(layers)
         else:
-            others = [u for u in units if u.kind != "layer"]
+            others = [u for u in host if u.kind != "layer"]
             shapes = others + [layers[0]] * layer_grad_buffers
             ring = list(range(len(others), len(shapes)))
-            self.grad_owner = [ring if u.kind == "layer" else [others.index(u)] for u in units]
+            own = {u.index: [i] for i, u in enumerate(others)} | {u.index: ring for u in layers}
+            self.layer_buffers = layer_grad_buffers
+        self.grad_owner = [own.get(u.index, []) for u in units]
         self.grad_buffers = _arena(shapes, compute_dtype, pin, self._registered)
         # Spare states, for decoder layers in RAM (all of one size): the master half the GPU reads (compact
         # state, fp32 compute) is pinned as the master is, since a spare becomes a unit's master.
-        spare_units = [layers[0]] * (spare_states if layers and len({u.numel for u in layers}) == 1 else 0)
+        spare_units = [layers[0]] * spare_states if layers and len({u.numel for u in layers}) == 1 else []
         fields = {"master": _arena(spare_units, master_dtype, pin and compute_dtype == master_dtype, self._registered)}
         if compact:
             fields["master_lo"] = _arena(spare_units, torch.bfloat16, False, self._registered)
@@ -124,8 +141,16 @@ class HostStore:
             getattr(self, field)[unit] = t
 
     # -- whole-unit state, wherever it lives (checkpoints, loaders, export; the pipeline must be idle) --
+    def attach_gpu(self, owner) -> None:
+        """Name the owner of the GPU units' state (the runtime): ``copy_out(unit, *names)`` gives host copies
+        of it by this store's field names, ``copy_in(unit, **fields)`` writes any of them."""
+        self.gpu = owner
+
     def on_tier(self, unit: int) -> bool:
-        return self.exp_avg[unit] is None
+        return unit in self.nvme_units
+
+    def on_gpu(self, unit: int) -> bool:
+        return unit in self.gpu_units
 
     def unit_layout(self, unit: int) -> dict[str, tuple[int, torch.dtype]]:
         """The names, sizes and dtypes of the unit's saved state."""
@@ -137,7 +162,9 @@ class HostStore:
         return lay
 
     def unit_state(self, unit: int) -> dict[str, torch.Tensor]:
-        """master (+ master_lo), exp_avg, exp_avg_sq: views of RAM, or copies read from the tier."""
+        """master (+ master_lo), exp_avg, exp_avg_sq: views of RAM, or copies read from the tier or the GPU."""
+        if self.on_gpu(unit):
+            return self.gpu.copy_out(unit)
         st = {}
         if self.on_tier(unit):
             fields = self.tier.copy_out(unit)
@@ -151,6 +178,8 @@ class HostStore:
 
     def set_unit_state(self, unit: int, st: dict[str, torch.Tensor]) -> None:
         """Restore what ``unit_state`` gave (a checkpoint), and the compute copy from it."""
+        if self.on_gpu(unit):
+            return self.gpu.copy_in(unit, **st)
         if self.master_lo is not None:
             self.master_lo[unit].copy_(st["master_lo"])
         if self.on_tier(unit):
@@ -165,13 +194,11 @@ class HostStore:
                 getattr(self, k)[unit].copy_(st[k])
         self.refresh_weights(unit, st["master"])
 
-    def master_of(self, unit: int) -> torch.Tensor:
-        """The unit's master: a view of RAM, or a copy read from the tier."""
-        return self.tier.copy_out(unit)[2] if self.master[unit] is None else self.master[unit]
-
     def set_master(self, unit: int, master: torch.Tensor) -> None:
         """Set a unit's whole master (initialisation, loading weights), and the compute copy from it."""
-        if self.master[unit] is None:
+        if self.on_gpu(unit):
+            self.gpu.copy_in(unit, master=master)
+        elif self.master[unit] is None:
             self.tier.copy_in(unit, master=master)
         else:
             self.master[unit].copy_(master)
@@ -179,12 +206,17 @@ class HostStore:
 
     def unit_params(self, unit: int) -> dict[str, torch.Tensor]:
         """Each parameter's master value in fp32 (hi + lo for compact state), by checkpoint key."""
-        hi = self.master_of(unit)
+        if self.on_gpu(unit):
+            st = self.gpu.copy_out(unit, "master", "master_lo")
+            hi, lo = st["master"], st.get("master_lo")
+        else:
+            hi = self.tier.copy_out(unit)[2] if self.master[unit] is None else self.master[unit]
+            lo = None if self.master_lo is None else self.master_lo[unit]
         out = {}
         for spec in self.units[unit].params:
             v = hi[spec.offset: spec.offset + spec.numel].view(spec.shape)
-            if self.master_lo is not None:
-                v = v.float() + self.master_lo[unit][spec.offset: spec.offset + spec.numel].view(spec.shape).float()
+            if lo is not None:
+                v = v.float() + lo[spec.offset: spec.offset + spec.numel].view(spec.shape).float()
             out[spec.key] = v
         return out
 
@@ -208,7 +240,8 @@ class HostStore:
         own_weights = self.weights is not self.master
         ram = [t for t in self.exp_avg + self.exp_avg_sq if t is not None]
         return {
-            "master": total([t for t in self.master if t is not None]) + total(self.master_lo),
+            "master": total([t for t in self.master if t is not None])
+            + total([t for t in self.master_lo or [] if t is not None]),
             "spares": sum(total(list(sp.values())) for sp in self.spares),
             "moments": total(ram),
             "nvme_buffers": 0 if self.tier is None else sum(b.numel() for b in self.tier.buffers),

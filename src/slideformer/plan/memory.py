@@ -158,20 +158,24 @@ def host_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, host_weigh
     """Host RAM by category (pass ``layer_grad_buffers=None`` when clipping: one buffer per layer;
     ``nvme_layers``: layers whose moments (and with ``nvme_master`` fp32 master) are on the NVMe tier,
     see ``nvme_bytes``; ``compact``: bf16 master hi + lo and bf16 moments, the hi half being the GPU's
-    weights; ``spare_layers``: spare copies of a layer's state for speculative updates under clipping)."""
-    N = shape.params
+    weights; ``spare_layers``: spare copies of a layer's state for speculative updates under clipping).
+    Units trained on the GPU (``p``'s resident layers, and edges) have no host state (host/store.py)."""
+    streamed = shape.layers - min(p.resident_layers, shape.layers)
+    edges = 0 if p.edges_resident(shape) else shape.embed_params + shape.head_params
+    N = edges + streamed * shape.layer_params  # the parameters the CPU updates
     offloaded = shape.layers - min(shape.layers, p.gpu_activation_layers)
-    ring = shape.layers if layer_grad_buffers is None else min(shape.layers, layer_grad_buffers)
+    ring = streamed if layer_grad_buffers is None else min(streamed, layer_grad_buffers)
     tier_master = 4 * min(nvme_layers, shape.layers) * shape.layer_params if nvme_master else 0
+    staged = streamed if host_weights == "staged" else 0 if host_weights == "persistent" else \
+        min(host_weights, streamed)  # (the last layers: streamed ones)
     return {
         "master": 4 * N - tier_master,
         "moments": (4 if compact else 8) * N - nvme_bytes(shape, nvme_layers, compact),
         # a separate compute copy exists for persistent host weights in bf16/fp16 with fp32 state, and
-        # whenever the master is on the tier
-        "weights": dtype_bytes * (N if host_weights == "persistent" else 0 if host_weights == "staged"
-                                  else N - min(host_weights, shape.layers) * shape.layer_params)
+        # whenever the master is on the tier ("staged": the edges too)
+        "weights": dtype_bytes * (0 if host_weights == "staged" else N - staged * shape.layer_params)
         if not compact and (dtype_bytes < 4 or tier_master) else 0,
-        "grads": dtype_bytes * (shape.embed_params + shape.head_params + ring * shape.layer_params),
+        "grads": dtype_bytes * (edges + ring * shape.layer_params),
         # the tier's RAM buffers: a layer's state each, read ahead and written behind (host/nvme.py)
         "nvme_buffers": nvme_buffers * shape.layer_params * ((4 if compact else 8) + (4 if nvme_master else 0))
         if nvme_layers else 0,
