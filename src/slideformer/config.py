@@ -24,7 +24,7 @@ class EngineConfig:
     device: str = "cuda"
     compute_dtype: torch.dtype = torch.bfloat16
     # Decoder layers that stay on the GPU with their optimizer state and are updated there (16 bytes/param
-    # of GPU memory). All of them: the embedding and head too, i.e. plain GPU training. They are the
+    # of GPU memory, none of host RAM: the state is the GPU's only). All of them: the embedding and head too, i.e. plain GPU training. They are the
     # first layers: the streamed ones' gradients then come first in backward, so the CPU updates them
     # during all of it, and the next forward begins with work that waits for no update (4B b8 under
     # 24 GiB: 0.690 s against 0.815 with the last layers resident; bench/NOTES.md, table9).
