@@ -78,6 +78,24 @@ def test_resident_units_have_no_host_state(ring, compact, staged):
             assert ("1 gradient buffer for 2 streamed layers" in eng.describe()) == (ring == 1 and k == 1)
 
 
+def test_auto_host_stages_only_streamed_layers():
+    """With resident layers only the streamed ones have host weights to stage: past their number the
+    edges' copies must go too ("staged")."""
+    from slideformer.plan import auto_host
+    from slideformer.plan.memory import RAM_FRACTION
+
+    sh = shape("llama3-8b")
+    cfg = EngineConfig(resident_layers=20, host_grad_buffers=4)  # (edges streamed: their copies stage too)
+    p = Placement.of(cfg)
+    need = sum(config_host_bytes(replace(cfg, host_weights="persistent"), sh, 8, 1024, p).values())
+    per_layer = 2 * sh.layer_params
+    for short, chosen in ((5.5, 6), (11.5, 12), (13.5, "staged")):
+        ram = (need - short * per_layer) / RAM_FRACTION
+        got = auto_host(cfg, sh, 8, 1024, p, ram, buffers=False).host_weights
+        assert got == chosen, (short, got)
+        assert sum(config_host_bytes(replace(cfg, host_weights=got), sh, 8, 1024, p).values()) <= RAM_FRACTION * ram
+
+
 def test_staged_host_weights_are_counted_over_the_host_units():
     """A resident unit has no host weights, and is not "staged": the start line and the staging buffers
     count the streamed units only."""

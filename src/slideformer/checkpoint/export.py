@@ -1,4 +1,5 @@
-"""Write the host masters out as a Hugging Face checkpoint that ``from_pretrained`` loads.
+"""Write the fp32 masters (the host store's, or copies of the GPU's for units trained there) out as a
+Hugging Face checkpoint that ``from_pretrained`` loads.
 
 Files are written under temporary names and renamed into place, so a reader never sees half a file.
 """

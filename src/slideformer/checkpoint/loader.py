@@ -1,9 +1,10 @@
-"""Stream a Hugging Face safetensors checkpoint into the host store's flat fp32 masters.
+"""Stream a Hugging Face safetensors checkpoint into the training state: the host store's flat fp32
+masters, or the GPU's for units trained there.
 
 Tensors are read one at a time through safetensors' memory map and copied (with the dtype cast)
 straight into their slot in the unit's flat buffer, so the model is never held twice in RAM; a unit is
-committed (its compute copy refreshed, or its master written to the NVMe tier) once all its tensors
-are in.
+committed (its compute copy refreshed, or its master written to the NVMe tier or the GPU) once all its
+tensors are in.
 """
 from __future__ import annotations
 
@@ -44,8 +45,8 @@ def checkpoint_files(path: str | os.PathLike) -> list[Path]:
 
 class _UnitWriter:
     """Collects a unit's parameters into its master and commits the unit when all have arrived: straight
-    into RAM, or (master on the NVMe tier) into a temporary buffer written to the tier at once, so that
-    only the units still being filled are ever held in RAM."""
+    into RAM, or (master on the NVMe tier or the GPU) into a temporary buffer written there at once, so
+    that only the units still being filled are ever held in RAM."""
 
     def __init__(self, store: HostStore):
         self.store = store

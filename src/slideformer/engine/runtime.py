@@ -51,6 +51,7 @@ same, so CI exercises this code.
 from __future__ import annotations
 
 import collections
+import contextlib
 import queue
 import sys
 import threading
@@ -171,7 +172,8 @@ class Runtime:
         self._error: BaseException | None = None
         self.optimizer_backend = resolve_backend(cfg.optimizer_backend)
         needs_scratch = dt != torch.float32 and self.optimizer_backend == "torch"
-        self._scratch = torch.empty(max(u.numel for u in adapter.units) if needs_scratch else 0, dtype=torch.float32)
+        cpu_units = [u.numel for u in adapter.units if not store.on_gpu(u.index)]  # (those the CPU updates)
+        self._scratch = torch.empty(max(cpu_units, default=0) if needs_scratch else 0, dtype=torch.float32)
         # Host gradient buffers: free flags under a condition; the main thread takes, the worker returns.
         # Each has a row of landing flags, one per chunk; tickets number the sends.
         self._grad_free = [True] * len(store.grad_buffers)
@@ -227,20 +229,28 @@ class Runtime:
         # (compact state: the master's hi half is the weights the slot holds, ``master`` its lo half)
         st = {"master": weights, "master_lo": master} if self.store.compact else {"master": master}
         st.update(exp_avg=m, exp_avg_sq=v)
-        return {k: t.to("cpu", copy=True) for k, t in st.items() if not names or k in names}
+        with self._on_compute():
+            return {k: t.to("cpu", copy=True) for k, t in st.items() if not names or k in names}
 
     def copy_in(self, unit: int, **fields: torch.Tensor) -> None:
         """Write any of a resident unit's state fields (initial weights, a checkpoint); the weights the
         slot holds follow the master."""
         master, m, v = self.resident[unit]
         weights = self.slots["resident"][unit].params[: master.numel()]
-        if "master" in fields:
-            (weights if self.store.compact else master).copy_(fields["master"])
-            if not self.store.compact:
-                weights.copy_(master)
-        for name, dst in (("master_lo", master if self.store.compact else None), ("exp_avg", m), ("exp_avg_sq", v)):
-            if name in fields and dst is not None:
-                dst.copy_(fields[name])
+        lo = master if self.store.compact else None  # (compact: the master's hi half is the slot's weights)
+        with self._on_compute():
+            if "master" in fields:
+                (weights if lo is not None else master).copy_(fields["master"])
+                if lo is None:
+                    weights.copy_(master)
+            for name, dst in (("master_lo", lo), ("exp_avg", m), ("exp_avg_sq", v)):
+                if name in fields and dst is not None:
+                    dst.copy_(fields[name])
+
+    def _on_compute(self):
+        """The compute stream, where the resident units' updates run: copies of their state queue behind
+        them whatever stream the caller is in."""
+        return torch.cuda.stream(self.compute) if self.cuda else contextlib.nullcontext()
 
     def update_resident(self, unit: int, step: int, lr: float, grad_coef: float) -> None:
         """AdamW for a resident unit, enqueued on the compute stream: the next kernel reading its slot

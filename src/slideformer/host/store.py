@@ -7,7 +7,7 @@ Per unit, flat 1-D tensors laid out as in ``UnitSpec``:
   *is* the master. ``staged_units`` have none (``weights[u] is None``): the window casts their master
   through shared pinned staging at copy time instead (2 bytes/param less RAM, more CPU work);
 - ``grad_buffers``  compute-dtype gradients arriving from the GPU (pinned under CUDA). The embedding
-  and head units own one each; decoder layers either own one each (needed when clipping, which holds
+  and head units (when streamed) own one each; streamed decoder layers either own one each (needed when clipping, which holds
   every gradient until backward ends) or share a ring of ``layer_grad_buffers`` that the runtime hands
   out and the optimizer returns: 4 layer buffers instead of 32 save 12 GB for an 8B model.
 
@@ -122,7 +122,7 @@ class HostStore:
     def can_spare(self, unit: int) -> bool:
         """Whether the unit's state can be written to a spare: a decoder layer in RAM."""
         u = self.units[unit]
-        return bool(self.spares) and u.kind == "layer" and not self.on_tier(unit) \
+        return bool(self.spares) and u.kind == "layer" and not self.on_tier(unit) and not self.on_gpu(unit) \
             and u.numel == self.spares[0]["master"].numel()
 
     def state_fields(self, unit: int) -> dict[str, torch.Tensor]:

@@ -280,7 +280,8 @@ def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Placement, ram: i
             cfg = full
         else:
             k = -int((budget - need) // per_layer)  # the fewest staged layers that fit
-            cfg = replace(cfg, host_weights=k if k <= shape.layers else "staged")
+            streamed = shape.layers - min(p.resident_layers, shape.layers)  # (only streamed layers stage)
+            cfg = replace(cfg, host_weights=k if k <= streamed else "staged")
     if buffers:  # (clipping holds one per layer whatever is asked)
         streamed = shape.layers - min(cfg.resident_layers, shape.layers)  # resident layers keep theirs on the GPU
         per_layer = cfg.compute_dtype.itemsize * shape.layer_params
