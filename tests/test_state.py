@@ -30,7 +30,10 @@ def run(model, steps, start=0, resume=None, save=None, save_at=None, **cfg):
 
 
 @pytest.mark.parametrize("cfg", [{}, {"max_grad_norm": 0.05}, {"host_grad_buffers": 1},
-                                 {"compute_dtype": torch.bfloat16, "host_weights": 1}])  # a bf16 copy for all but one layer
+                                 {"compute_dtype": torch.bfloat16, "host_weights": 1},  # a bf16 copy for all but one layer
+                                 # units trained on the device: their state is saved from and restored to it
+                                 {"resident_layers": 1, "resident_edges": True, "max_grad_norm": 0.05},
+                                 {"resident_layers": 1, "compute_dtype": torch.bfloat16, "optimizer_state": "compact"}])
 def test_resume_is_bit_identical(tmp_path, cfg):
     model = build("qwen2-tied")
     straight = run(model, 6, **cfg)
