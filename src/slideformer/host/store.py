@@ -7,9 +7,10 @@ Per unit, flat 1-D tensors laid out as in ``UnitSpec``:
   *is* the master. ``staged_units`` have none (``weights[u] is None``): the window casts their master
   through shared pinned staging at copy time instead (2 bytes/param less RAM, more CPU work);
 - ``grad_buffers``  compute-dtype gradients arriving from the GPU (pinned under CUDA). The embedding
-  and head units (when streamed) own one each; streamed decoder layers either own one each (needed when clipping, which holds
-  every gradient until backward ends) or share a ring of ``layer_grad_buffers`` that the runtime hands
-  out and the optimizer returns: 4 layer buffers instead of 32 save 12 GB for an 8B model.
+  and head units (when streamed) own one each; streamed decoder layers either own one each (needed when
+  clipping, which holds every gradient until backward ends) or share a ring of ``layer_grad_buffers``
+  that the runtime hands out and the optimizer returns: 4 layer buffers instead of 32 save 12 GB for an
+  8B model.
 
 - ``spares``  extra copies of a decoder layer's optimizer state (``spare_states`` of them), into which
   the optimizer writes an update it may have to take back: under clipping it updates layers before the
@@ -94,7 +95,6 @@ class HostStore:
             self.staged = frozenset(u.index for u in host if u.index in staged_units)  # cast at copy time
         # Gradient buffers for the units the CPU updates (a GPU unit's gradient stays in its slot).
         layers = [u for u in host if u.kind == "layer"]
-        self.streamed_layers = len(layers)
         if layer_grad_buffers is None or layer_grad_buffers >= len(layers):
             shapes = host  # every unit owns its buffer
             own = {u.index: [i] for i, u in enumerate(host)}
