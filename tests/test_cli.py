@@ -50,6 +50,21 @@ def test_plan_json_and_exit_codes(capsys):
     assert tier_master["host"]["master"] < out["host"]["master"]
 
 
+def test_plan_counts_the_ram_resident_units_free(capsys):
+    """Resident units keep no host state, so where RAM cannot hold every layer's streamed, it may still hold
+    what `train` would stream beside its resident units: plan says so, and its largest batch agrees."""
+    import json
+
+    base = ["plan", "--model", "qwen3-4b", "--seq-len", "1024", "--batch-size", "8", "--gpu-memory", "24GiB", "--json"]
+    assert main(base + ["--cpu-memory", "40GiB"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["host_bytes"] > 40 * 2**30 >= out["host_bytes_resident"]  # (the first: every layer streamed)
+    assert out["fits"] and out["max_batch_size"] >= 8
+    assert main(base + ["--cpu-memory", "30GiB"]) == 3
+    out = json.loads(capsys.readouterr().out)
+    assert not out["fits"] and out["max_batch_size"] == 0
+
+
 def test_export_drops_the_training_state(tmp_path):
     assert main(["train", "max_steps=2", "device=cpu", "progress=false", f"output_dir={tmp_path / 'o'}"]) == 0
     assert main(["export", str(tmp_path / "o" / "checkpoint-2"), str(tmp_path / "hf")]) == 0
@@ -84,6 +99,9 @@ def test_plan_suggests_what_train_would_choose(capsys):
     assert outs["fp32"]["predicted_step_s_compact"] == outs["compact"]["predicted_step_s_resident"] \
         < outs["fp32"]["predicted_step_s_resident"]
     assert outs["fp32"]["host_bytes_compact"] < 0.7 * outs["fp32"]["host_bytes"]  # 8 instead of 14 bytes/param
+    # resident units keep no host state: with the suggested ones the RAM holds less than with none
+    assert outs["fp32"]["host_bytes_resident"] < outs["fp32"]["host_bytes"]
+    assert outs["compact"]["host_bytes_resident"] == outs["fp32"]["host_bytes_compact"]
     assert "predicted_step_s_compact" not in outs["compact"]
     # clipping (the trainer's default): with a spare state for every streamed layer the updates run before
     # the norm as they would unclipped; where RAM has no room for spares they wait for backward: slower

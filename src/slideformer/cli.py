@@ -73,23 +73,38 @@ def cmd_plan(args) -> int:
     g = gpu_bytes(shape, args.batch_size, args.seq_len, placement)
     compact = args.optimizer_state == "compact"
 
+    # the budget `slideformer train` would give resident layers: --gpu-memory, else 90% of the card (plan.gpu_budget)
+    budget = (gpu_limit if args.gpu_memory else int(0.9 * gpu_limit)) if gpu_limit else None
+
     def host_at(b: int, p: Placement) -> tuple:
         """The engine settings with host_weights and gradient buffers as the trainer decides them at batch
-        ``b``, and the host bytes by category."""
-        c = replace(as_trained, host_weights="persistent" if args.host_weights == "auto" else args.host_weights)
+        ``b`` and placement ``p`` (its resident layers included), and the host bytes by category."""
+        c = replace(as_trained, host_weights="persistent" if args.host_weights == "auto" else args.host_weights,
+                    resident_layers=p.resident_layers, resident_edges=p.resident_edges)
         c = auto_host(c, shape, b, args.seq_len, p, cpu_limit, weights=args.host_weights == "auto", spares=True)
         return c, config_host_bytes(c, shape, b, args.seq_len, p)
 
+    def host_fits(b: int, p: Placement) -> bool:
+        """Whether RAM holds batch ``b``: with every layer streamed, or else with the units `train` would put
+        on the GPU (they keep no host state)."""
+        if sum(host_at(b, p)[1].values()) <= cpu_limit:
+            return True
+        if not budget:
+            return False
+        chosen = auto_residency(replace(as_trained, gpu_memory_limit=budget), shape, b, args.seq_len)
+        resident = fit(shape, b, args.seq_len, budget, replace(p, **chosen))
+        return sum(host_at(b, resident)[1].values()) <= cpu_limit
+
     chosen_host, h = host_at(args.batch_size, placement)
     host_total = sum(h.values())
-    fits = fits_gpu and host_total <= cpu_limit
+    fits = fits_gpu and host_fits(args.batch_size, placement)
     max_batch = 0
     for b in range(1, 4097):
         try:
             p = fit(shape, b, args.seq_len, gpu_limit, base) if gpu_limit else base
+            if not host_fits(b, p):
+                break
         except DoesNotFit:
-            break
-        if sum(host_at(b, p)[1].values()) > cpu_limit:
             break
         max_batch = b
     clip = as_trained.max_grad_norm is not None  # the update then waits for backward's global norm
@@ -103,24 +118,25 @@ def cmd_plan(args) -> int:
                        nvme_master=args.nvme_master, activations_to_nvme=args.activations_to_nvme, clipping=clip,
                        speculative_layers=chosen_host.speculative_layers)
     if gpu_limit and fits_gpu:  # what training some layers on the GPU would buy
-        # the budget `slideformer train` would give them: --gpu-memory, else 90% of the card (plan.gpu_budget)
-        budget = gpu_limit if args.gpu_memory else int(0.9 * gpu_limit)
-
         def as_train_would(cfg):
             """The layers (and edges) `train` would put on the GPU with ``cfg``, their placement and step."""
             chosen = auto_residency(replace(cfg, gpu_memory_limit=budget), shape, args.batch_size, args.seq_len)
             p = fit(shape, args.batch_size, args.seq_len, budget, replace(Placement.of(cfg), **chosen))
-            spec = auto_host(replace(cfg, **chosen), shape, args.batch_size, args.seq_len, p, cpu_limit,
-                             weights=args.host_weights == "auto", spares=True).speculative_layers
-            return chosen, p, step_time(shape, args.batch_size, args.seq_len, p, compact=cfg.optimizer_state == "compact",
-                                        nvme_layers=min(nvme_layers, shape.layers - chosen["resident_layers"]),
-                                        nvme_master=args.nvme_master, activations_to_nvme=args.activations_to_nvme,
-                                        clipping=cfg.max_grad_norm is not None, speculative_layers=spec)
+            host = auto_host(replace(cfg, **chosen), shape, args.batch_size, args.seq_len, p, cpu_limit,
+                             weights=args.host_weights == "auto", spares=True)
+            t = step_time(shape, args.batch_size, args.seq_len, p, compact=cfg.optimizer_state == "compact",
+                          nvme_layers=min(nvme_layers, shape.layers - chosen["resident_layers"]),
+                          nvme_master=args.nvme_master, activations_to_nvme=args.activations_to_nvme,
+                          clipping=cfg.max_grad_norm is not None, speculative_layers=host.speculative_layers)
+            t["host_bytes"] = sum(config_host_bytes(host, shape, args.batch_size, args.seq_len, p).values())
+            return chosen, p, t
 
         chosen, _, t = as_train_would(as_trained)
         out["suggested_resident_layers"] = chosen["resident_layers"]
         out["suggested_resident_edges"] = chosen["resident_edges"]
         out["predicted_step_s_resident"] = t["step_s"]
+        # resident units keep no host state: what train's RAM holds with them (the lines above: none resident)
+        out["host_bytes_resident"] = t["host_bytes"]
         if clip:
             out["predicted_step_s_resident_unclipped"] = \
                 as_train_would(replace(as_trained, max_grad_norm=None))[2]["step_s"]
@@ -128,12 +144,10 @@ def cmd_plan(args) -> int:
             # where the CPU update bounds the step: compact state moves 18 instead of 28 bytes a parameter,
             # and its resident layers take 10 instead of 16 GPU bytes (4B b8 under 24 GiB: 0.635 -> 0.515 s)
             cc = replace(as_trained, optimizer_state="compact")
-            _, pc, tc = as_train_would(cc)
+            _, _, tc = as_train_would(cc)
             if tc["step_s"] < 0.95 * t["step_s"]:
                 out["predicted_step_s_compact"] = tc["step_s"]
-                out["host_bytes_compact"] = sum(config_host_bytes(
-                    auto_host(cc, shape, args.batch_size, args.seq_len, pc, cpu_limit, spares=True), shape, args.batch_size,
-                    args.seq_len, pc).values())
+                out["host_bytes_compact"] = tc["host_bytes"]
     out["predicted_step_s"] = timing["step_s"]
     out["predicted_tokens_per_s"] = args.batch_size * args.seq_len / timing["step_s"]
     out["timing"] = timing
@@ -163,7 +177,7 @@ def cmd_plan(args) -> int:
         if "suggested_resident_layers" in out:
             edges = " and resident_edges" if out["suggested_resident_edges"] else ""
             print(f"with resident_layers={out['suggested_resident_layers']}{edges} (trained on the GPU): predicted step "
-                  f"{out['predicted_step_s_resident']:.2f} s")
+                  f"{out['predicted_step_s_resident']:.2f} s, host {gib(out['host_bytes_resident'])}")
         unclipped = out.get("predicted_step_s_resident_unclipped")
         if unclipped and unclipped < 0.95 * out["predicted_step_s_resident"]:
             print(f"clipping (max_grad_norm) makes the CPU update of the layers without a spare state wait for "
