@@ -20,8 +20,8 @@ Per unit, flat 1-D tensors laid out as in ``UnitSpec``:
 Units on the NVMe tier (host/nvme.py) have no moments here (``exp_avg[u] is None``), and with
 ``nvme_master`` no master either; their compute copy stays in RAM, since the window reads it every step.
 Units trained on the GPU (``gpu_units``: resident layers, resident embedding and head) have nothing here:
-their state lives on the GPU only (engine/runtime.py owns it), and a host mirror would cost 14 bytes a
-parameter for nothing (60 GB at Llama-8B with 23 layers resident).
+their state lives on the GPU only (engine/runtime.py owns it), and a host mirror would cost 14-16 bytes a
+parameter for nothing (~77 of 108 GiB of RSS at Llama-8B b8 with 23 layers and the edges resident).
 Readers and writers of whole-unit state (checkpoints, loaders, export) go through ``unit_state``,
 ``set_unit_state``, ``set_master`` and ``unit_params``, which read or write the tier or the GPU (through
 the owner ``attach_gpu`` names) as needed.
