@@ -376,8 +376,8 @@ def test_resume_on_cuda_with_resident_units(tmp_path, state):
     straight = run(model, 6, **cfg)
     run(model, 3, save=tmp_path / "ck", save_at=3, **cfg)
     resumed = run(model, 6, start=3, resume=tmp_path / "ck", **cfg)
-    for k in straight:
-        assert float((straight[k] - resumed[k]).norm() / straight[k].norm()) < 1e-6, k
+    for k in straight:  # (not bit-identical on a GPU: atomic sums; a lost moment or master is far off this)
+        assert float((straight[k] - resumed[k]).norm() / straight[k].norm()) < 1e-4, k
     with SlideEngine(model, EngineConfig(**{**cfg, "lr": 1e-2})) as eng:
         rep = eng.memory_report()
         on_gpu = sum(eng.adapter.units[u].numel for u in eng.resident)

@@ -92,7 +92,10 @@ def cmd_plan(args) -> int:
         if not budget:
             return False
         chosen = auto_residency(replace(as_trained, gpu_memory_limit=budget), shape, b, args.seq_len)
-        resident = fit(shape, b, args.seq_len, budget, replace(p, **chosen))
+        try:
+            resident = fit(shape, b, args.seq_len, budget, replace(p, **chosen))
+        except DoesNotFit:
+            return False
         return sum(host_at(b, resident)[1].values()) <= cpu_limit
 
     chosen_host, h = host_at(args.batch_size, placement)
