@@ -51,18 +51,20 @@ def test_conflicts_name_the_fix(bad, match):
         load_config(None, [bad])
 
 
-@pytest.mark.parametrize("accum", [1, 2])
-def test_resume_continues_the_same_training(tmp_path, accum):
+@pytest.mark.parametrize("accum,extra", [(1, []), (2, []),
+                                         # units trained on the device: their state is saved from there
+                                         (1, ["offload.resident_layers=1", "offload.resident_edges=true"])])
+def test_resume_continues_the_same_training(tmp_path, accum, extra):
     """Train 6 steps; then train 3, stop, and resume to 6: the weights are bit-identical."""
     a = tmp_path / "a"
-    train(cfg(a, "max_steps=6", f"gradient_accumulation_steps={accum}", "save_steps=3"))
+    train(cfg(a, "max_steps=6", f"gradient_accumulation_steps={accum}", "save_steps=3", *extra))
     b = tmp_path / "b"
-    train(cfg(b, "max_steps=6", f"gradient_accumulation_steps={accum}", "save_steps=3", "save_total_limit=5"))
+    train(cfg(b, "max_steps=6", f"gradient_accumulation_steps={accum}", "save_steps=3", "save_total_limit=5", *extra))
     # simulate a crash after step 3: drop the later checkpoint, resume from the newest left
     import shutil
     shutil.rmtree(b / "checkpoint-6")
     r = train(cfg(b, "max_steps=6", f"gradient_accumulation_steps={accum}", "save_steps=3",
-                  "resume_from_checkpoint=auto"))
+                  "resume_from_checkpoint=auto", *extra))
     assert r["history"][0]["step"] == 4
     ma, mb = master(a / "checkpoint-6"), master(b / "checkpoint-6")
     assert all(torch.equal(ma[k], mb[k]) for k in ma)
