@@ -264,6 +264,7 @@ def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Placement, ram: i
     - speculative_layers (clipping only; 0 without): a spare state for every streamed layer in RAM, else
       as many as fit. Decided last: without them clipping costs what it did before they existed."""
     budget = RAM_FRACTION * (ram or host_memory())
+    streamed = shape.layers - min(p.resident_layers, shape.layers)  # resident layers keep no host state
 
     def total(c) -> int:
         return sum(config_host_bytes(c, shape, batch, seq, p).values())
@@ -279,11 +280,9 @@ def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Placement, ram: i
         if cfg.nvme_master or not per_layer or need <= budget:  # (the tier's master needs the copy)
             cfg = full
         else:
-            k = -int((budget - need) // per_layer)  # the fewest staged layers that fit
-            streamed = shape.layers - min(p.resident_layers, shape.layers)  # (only streamed layers stage)
+            k = -int((budget - need) // per_layer)  # the fewest staged layers that fit (streamed ones only)
             cfg = replace(cfg, host_weights=k if k <= streamed else "staged")
     if buffers:  # (clipping holds one per layer whatever is asked)
-        streamed = shape.layers - min(cfg.resident_layers, shape.layers)  # resident layers keep theirs on the GPU
         per_layer = cfg.compute_dtype.itemsize * shape.layer_params
         n = MIN_GRAD_BUFFERS + max(0, int((budget - total(cfg)) // per_layer) if per_layer else 0)
         cfg = replace(cfg, host_grad_buffers=None if cfg.max_grad_norm is not None or n >= shape.layers == streamed
@@ -301,8 +300,9 @@ def spares_that_fit(cfg, shape: ModelShape, batch: int, seq: int, ram: int | Non
     spare states that fit in RAM with every layer streamed and the host settings as ``cfg`` has them."""
     if cfg.max_grad_norm is None:
         return 0
-    return auto_host(replace(cfg, resident_layers=0), shape, batch, seq, Placement.of(cfg), ram, weights=False,
-                     buffers=False, spares=True).speculative_layers
+    streamed = replace(cfg, resident_layers=0, resident_edges=False)  # (resident units keep no host state)
+    return auto_host(streamed, shape, batch, seq, Placement.of(streamed), ram, weights=False, buffers=False,
+                     spares=True).speculative_layers
 
 
 def gpu_budget(cfg) -> int:
