@@ -160,6 +160,12 @@ def test_optimizer_benchmark_reports_every_candidate():
     for key in ("stream_copy_gbs", "native_t1_gparams", "native_t2_gparams", "chunked_t1_gparams",
                 "compact_t2_gparams", "out_of_place_t2_gparams", "torch_fused_t2_gparams", "native_vs_torch_fused"):
         assert rec[key] > 0, key
+    # issue 4's 4B parameters fit the host only with the other candidates' buffers left out
+    lean = optimizer.main(["--params", "200000", "--threads", "2", "--rounds", "1", "--only", "native,torch_fused"])
+    assert lean["native_vs_torch_fused"] > 0 and lean["only"] == ["native", "torch_fused"]
+    assert not any(k.startswith(("compact", "out_of_place")) for k in lean)
+    with pytest.raises(SystemExit):
+        optimizer.main(["--params", "1000", "--only", "compact,bogus"])
 
 
 def test_convergence_run_compares_compact_with_fp32_state():

@@ -1,12 +1,15 @@
 """CPU optimizer throughput against host memory bandwidth (issue 4's measurement).
 
     python -m slideformer.bench.optimizer --params 2e9 --threads 8,12,15,16
+    python -m slideformer.bench.optimizer --params 4e9 --threads 15,16 --only native,torch_fused
 
 STREAM-like copy (8 B/element) and triad (12 B/element) through torch on fp32 arrays give the host's
 bandwidth; then one-pass AdamW (bf16 gradient in, bf16 copy out: 28 B/param) at several thread counts,
 the same update out of place (into a spare state), the update on compact state (bf16 gradient, hi/lo
 master and moments, stochastic rounding: 18 B/param) at the same thread counts, and torch's fused AdamW
-on fp32 tensors (28 B/param, no casts) for comparison. One JSON line.
+on fp32 tensors (28 B/param, no casts) for comparison. One JSON line. Every candidate's buffers together
+take 40 B/param (160 GB at issue 4's 4B parameters); ``--only`` keeps the groups named, and allocates
+only their buffers (native and torch fused at 4B: 80 GB).
 """
 from __future__ import annotations
 
@@ -27,6 +30,9 @@ VARIANTS = {
     "stream_in_place": ("-DSF_STREAM_IN_PLACE=1",),  # non-temporal stores in place too (NOTES, table18)
     "compact_scalar": ("-DSF_COMPACT_AVX512=0",),  # the compact update as the compiler vectorises it (session 8)
 }
+
+
+GROUPS = ("native", "out_of_place", "compact", "torch_fused")
 
 
 def interleaved(cands: dict, rounds: int) -> dict[str, float]:
@@ -50,11 +56,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", default="8,12,15,16")
     ap.add_argument("--variants", default="", help="comma-separated builds of the kernel to compare, from VARIANTS")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--only", default=",".join(GROUPS), help="comma-separated candidate groups, from " + ",".join(GROUPS))
     args = ap.parse_args(argv)
+    only = set(args.only.split(","))
+    if not only <= set(GROUPS) or not only & {"native", "torch_fused"}:
+        ap.error(f"--only takes groups from {','.join(GROUPS)}, native or torch_fused among them")
     n = int(args.params)
     threads = [int(t) for t in args.threads.split(",")]
     top = max(threads)
-    rec: dict = {"params": n, "cores": torch.get_num_threads(), "rounds": args.rounds}
+    rec: dict = {"params": n, "cores": torch.get_num_threads(), "rounds": args.rounds, "only": sorted(only)}
     torch.set_num_threads(top)
     a, b, c = torch.ones(n), torch.ones(n), torch.ones(n)
     bw = interleaved({"copy": lambda: a.copy_(b), "triad": lambda: torch.add(b, c, alpha=0.5, out=a)}, args.rounds)
@@ -62,49 +72,56 @@ def main(argv=None) -> dict:
     rec["stream_triad_gbs"] = 12 * n / bw["triad"] / 1e9
     p, m, v = a, b.zero_(), c.zero_()
     g = torch.randn(n // 8).bfloat16().repeat(8)
-    out = torch.empty(n, dtype=torch.bfloat16)
-    gf = g.float()
     step = [0]
-
-    def adamw(mod, t, pieces=((p, g, m, v, out),)):
-        step[0] += 1
-        for pp, gg, mm, vv, oo in pieces:
-            mod.adamw_step(pp, gg, mm, vv, oo, step[0], 1e-5, 0.9, 0.999, 1e-8, 0.0, 1.0, t)
-
+    cands = {}
     names = [x for x in args.variants.split(",") if x]
-    with ThreadPoolExecutor(len(names) + 1) as ex:  # each build is one compiler process
-        built = dict(zip(["native"] + names, ex.map(lambda x: native.build(*(("", ()) if x == "native" else
-                                                                               ("_" + x, VARIANTS[x]))),
-                                                       ["native"] + names)))
-    mod = built["native"]
-    # the engine's pattern: 16M-element pieces (EngineConfig.grad_chunk_elems), one parallel pass each
-    pieces = list(zip(*(x.split(16 << 20) for x in (p, g, m, v, out))))
-    st = torch.tensor(1.0)
-    cands = {f"native_t{t}": (lambda t=t: adamw(mod, t)) for t in threads}
-    cands[f"chunked_t{top - 1}"] = lambda: adamw(mod, top - 1, pieces)
-    cands.update({f"{k}_t{top}": (lambda k=k: adamw(built[k], top)) for k in names if not k.startswith("compact_")})
-    # out of place (the engine's speculative updates: state read from one copy, written to a spare, with
-    # non-temporal stores), against in place above
-    p2, m2, v2 = (torch.empty(n) for _ in range(3))
-    cands[f"out_of_place_t{top}"] = lambda: mod.adamw_step(p2, g, m2, v2, out, step[0] + 1, 1e-5, 0.9, 0.999, 1e-8,
-                                                           0.0, 1.0, top, src=[p, m, v])
-    hi, lo, cm, cv = (torch.zeros(n, dtype=torch.bfloat16) for _ in range(4))
+    if only & {"native", "out_of_place", "compact"}:
+        out = torch.empty(n, dtype=torch.bfloat16)
 
-    def compact(m, t):
-        m.adamw_step_compact(hi, lo, g, cm, cv, step[0] + 1, 1e-5, 0.9, 0.999, 1e-8, 0.0, 1.0, 0, 0, t)
+        def adamw(mod, t, pieces=((p, g, m, v, out),)):
+            step[0] += 1
+            for pp, gg, mm, vv, oo in pieces:
+                mod.adamw_step(pp, gg, mm, vv, oo, step[0], 1e-5, 0.9, 0.999, 1e-8, 0.0, 1.0, t)
 
-    # (at every thread count: does it scale with cores, i.e. is it bound by its arithmetic, or not?)
-    cands.update({f"compact_t{t}": (lambda t=t: compact(mod, t)) for t in threads})
-    cands.update({f"{k}_t{top}": (lambda k=k: compact(built[k], top)) for k in names if k.startswith("compact_")})
-    cands[f"torch_fused_t{top}"] = lambda: torch._fused_adamw_(
-        [p], [gf], [m], [v], [], [st], lr=1e-5, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False,
-        maximize=False)
+        with ThreadPoolExecutor(len(names) + 1) as ex:  # each build is one compiler process
+            built = dict(zip(["native"] + names, ex.map(lambda x: native.build(*(("", ()) if x == "native" else
+                                                                                   ("_" + x, VARIANTS[x]))),
+                                                           ["native"] + names)))
+        mod = built["native"]
+    if "native" in only:
+        # the engine's pattern: 16M-element pieces (EngineConfig.grad_chunk_elems), one parallel pass each
+        pieces = list(zip(*(x.split(16 << 20) for x in (p, g, m, v, out))))
+        cands.update({f"native_t{t}": (lambda t=t: adamw(mod, t)) for t in threads})
+        cands[f"chunked_t{top - 1}"] = lambda: adamw(mod, top - 1, pieces)
+        cands.update({f"{k}_t{top}": (lambda k=k: adamw(built[k], top)) for k in names if not k.startswith("compact_")})
+    if "out_of_place" in only:
+        # out of place (the engine's speculative updates: state read from one copy, written to a spare, with
+        # non-temporal stores), against in place above
+        p2, m2, v2 = (torch.empty(n) for _ in range(3))
+        cands[f"out_of_place_t{top}"] = lambda: mod.adamw_step(p2, g, m2, v2, out, step[0] + 1, 1e-5, 0.9, 0.999,
+                                                               1e-8, 0.0, 1.0, top, src=[p, m, v])
+    if "compact" in only:
+        hi, lo, cm, cv = (torch.zeros(n, dtype=torch.bfloat16) for _ in range(4))
+
+        def compact(m, t):
+            m.adamw_step_compact(hi, lo, g, cm, cv, step[0] + 1, 1e-5, 0.9, 0.999, 1e-8, 0.0, 1.0, 0, 0, t)
+
+        # (at every thread count: does it scale with cores, i.e. is it bound by its arithmetic, or not?)
+        cands.update({f"compact_t{t}": (lambda t=t: compact(mod, t)) for t in threads})
+        cands.update({f"{k}_t{top}": (lambda k=k: compact(built[k], top)) for k in names if k.startswith("compact_")})
+    if "torch_fused" in only:
+        gf, st = g.float(), torch.tensor(1.0)
+        cands[f"torch_fused_t{top}"] = lambda: torch._fused_adamw_(
+            [p], [gf], [m], [v], [], [st], lr=1e-5, beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8,
+            amsgrad=False, maximize=False)
     for k, dt in interleaved(cands, args.rounds).items():
         rec[f"{k}_gparams"] = n / dt / 1e9
         if k.startswith(("native", "compact", "out_of_place")):
             rec[f"{k}_gbs"] = (18 if k.startswith("compact") else 28) * n / dt / 1e9
-    rec["native_vs_torch_fused"] = rec[f"native_t{top}_gparams"] / rec[f"torch_fused_t{top}_gparams"]
-    rec["out_of_place_vs_in_place"] = rec[f"out_of_place_t{top}_gparams"] / rec[f"native_t{top}_gparams"]
+    if {"native", "torch_fused"} <= only:
+        rec["native_vs_torch_fused"] = rec[f"native_t{top}_gparams"] / rec[f"torch_fused_t{top}_gparams"]
+    if {"native", "out_of_place"} <= only:
+        rec["out_of_place_vs_in_place"] = rec[f"out_of_place_t{top}_gparams"] / rec[f"native_t{top}_gparams"]
     print(json.dumps(rec), flush=True)
     return rec
 
