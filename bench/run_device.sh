@@ -6,7 +6,8 @@
 set -uo pipefail
 OUT=${OUT:-bench/out}
 mkdir -p "$OUT"
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+# SLIDEFORMER_SRC: another commit's src/ (git archive, carried) to run beside this one on the same machine
+export PYTHONPATH=${SLIDEFORMER_SRC:-$PWD/src} PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 what=${1:-all}; shift || true
 # Packages the machine lacks (DeepSpeed and its dependencies, Liger-Kernel) travel as wheels in .whl
 # (see bench/README.md). Liger is used only where asked for (--fused-ops liger, the loss benchmark).
