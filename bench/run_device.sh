@@ -28,7 +28,7 @@ if [[ $what == optim || $what == all ]]; then
     --variants="${OPTIM_VARIANTS-portable,no_prefetch,compact_scalar}" 2>&1 | tee -a "$OUT/optimizer.jsonl" | tail -2
 fi
 if [[ $what == optim4b ]]; then  # issue 4's 4B parameters: only the buffers of native and torch fused fit the host
-  python3 -m slideformer.bench.optimizer --params 4e9 --threads 15,16 --only native,torch_fused 2>&1 \
+  python3 -m slideformer.bench.optimizer --params 4e9 --threads 15,16 --only native,torch_fused,dma 2>&1 \
     | tee -a "$OUT/optimizer.jsonl" | tail -2
 fi
 if [[ $what == loss || $what == all ]]; then

@@ -154,6 +154,8 @@ def test_a_killed_case_is_recorded_without_running_it(tmp_path, monkeypatch):
     assert "| killed by the host (SIGKILL) |" in report.table(report.load([out]))
 
 def test_optimizer_benchmark_reports_every_candidate():
+    import torch
+
     from slideformer.bench import optimizer
 
     rec = optimizer.main(["--params", "200000", "--threads", "1,2", "--rounds", "1"])
@@ -166,6 +168,16 @@ def test_optimizer_benchmark_reports_every_candidate():
     assert not any(k.startswith(("compact", "out_of_place")) for k in lean)
     with pytest.raises(SystemExit):
         optimizer.main(["--params", "1000", "--only", "compact,bogus"])
+    if not torch.cuda.is_available():  # (the copies' candidate is a GPU test's)
+        assert "no CUDA" in optimizer.main(["--params", "1000", "--threads", "1", "--only", "dma"])["dma"]
+
+
+@pytest.mark.gpu
+def test_optimizer_benchmark_updates_under_copies():
+    from slideformer.bench import optimizer
+
+    rec = optimizer.main(["--params", "4000000", "--threads", "2", "--rounds", "1", "--only", "dma"])
+    assert rec["dma_copies_gbs"] > 1 and rec["native_dma_t1_gparams"] > 0 and rec["dma_vs_alone"] > 0
 
 
 def test_convergence_run_compares_compact_with_fp32_state():

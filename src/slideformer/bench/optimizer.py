@@ -1,13 +1,14 @@
 """CPU optimizer throughput against host memory bandwidth (issue 4's measurement).
 
     python -m slideformer.bench.optimizer --params 2e9 --threads 8,12,15,16
-    python -m slideformer.bench.optimizer --params 4e9 --threads 15,16 --only native,torch_fused
+    python -m slideformer.bench.optimizer --params 4e9 --threads 15,16 --only native,torch_fused,dma
 
 STREAM-like copy (8 B/element) and triad (12 B/element) through torch on fp32 arrays give the host's
 bandwidth; then one-pass AdamW (bf16 gradient in, bf16 copy out: 28 B/param) at several thread counts,
 the same update out of place (into a spare state), the update on compact state (bf16 gradient, hi/lo
 master and moments, stochastic rounding: 18 B/param) at the same thread counts, and torch's fused AdamW
-on fp32 tensors (28 B/param, no casts) for comparison. One JSON line. Every candidate's buffers together
+on fp32 tensors (28 B/param, no casts) for comparison; with a GPU, the update again while pinned memory
+is copied to and from it nonstop (``dma``: the share of bandwidth the engine's copies take). One JSON line. Every candidate's buffers together
 take 40 B/param (160 GB at issue 4's 4B parameters); ``--only`` keeps the groups named, and allocates
 only their buffers (native and torch fused at 4B: 80 GB).
 """
@@ -32,7 +33,48 @@ VARIANTS = {
 }
 
 
-GROUPS = ("native", "out_of_place", "compact", "torch_fused")
+GROUPS = ("native", "out_of_place", "compact", "torch_fused", "dma")
+
+
+class Copies:
+    """Pinned host memory copied to and from the GPU nonstop, both ways at once (the pipeline's weights
+    in, gradients out), while an update runs: how much of the host's bandwidth the update keeps when the
+    copies it overlaps with in the engine take their share. ``gbs`` is what the copies moved."""
+
+    def __init__(self, nbytes: int = 1 << 30):
+        self.src, self.dst = (torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2))
+        self.dev_in, self.dev_out = (torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2))
+        self.streams = (torch.cuda.Stream(), torch.cuda.Stream())
+        self.moved, self.seconds = 0, 0.0
+
+    def __enter__(self):
+        import threading
+
+        self.stop = threading.Event()
+
+        def loop():
+            t = time.perf_counter()
+            while not self.stop.is_set():
+                with torch.cuda.stream(self.streams[0]):
+                    self.dev_in.copy_(self.src, non_blocking=True)
+                with torch.cuda.stream(self.streams[1]):
+                    self.dst.copy_(self.dev_out, non_blocking=True)
+                for st in self.streams:
+                    st.synchronize()
+                self.moved += 2 * self.src.numel()
+            self.seconds += time.perf_counter() - t
+
+        self.thread = threading.Thread(target=loop, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+
+    @property
+    def gbs(self) -> float:
+        return self.moved / self.seconds / 1e9 if self.seconds else 0.0
 
 
 def interleaved(cands: dict, rounds: int) -> dict[str, float]:
@@ -59,8 +101,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--only", default=",".join(GROUPS), help="comma-separated candidate groups, from " + ",".join(GROUPS))
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
-    if not only <= set(GROUPS) or not only & {"native", "torch_fused"}:
-        ap.error(f"--only takes groups from {','.join(GROUPS)}, native or torch_fused among them")
+    if not only <= set(GROUPS):
+        ap.error(f"--only takes groups from {','.join(GROUPS)}")
     n = int(args.params)
     threads = [int(t) for t in args.threads.split(",")]
     top = max(threads)
@@ -75,7 +117,7 @@ def main(argv=None) -> dict:
     step = [0]
     cands = {}
     names = [x for x in args.variants.split(",") if x]
-    if only & {"native", "out_of_place", "compact"}:
+    if only & {"native", "out_of_place", "compact", "dma"}:
         out = torch.empty(n, dtype=torch.bfloat16)
 
         def adamw(mod, t, pieces=((p, g, m, v, out),)):
@@ -94,6 +136,18 @@ def main(argv=None) -> dict:
         cands.update({f"native_t{t}": (lambda t=t: adamw(mod, t)) for t in threads})
         cands[f"chunked_t{top - 1}"] = lambda: adamw(mod, top - 1, pieces)
         cands.update({f"{k}_t{top}": (lambda k=k: adamw(built[k], top)) for k in names if not k.startswith("compact_")})
+    if "dma" in only and torch.cuda.is_available():
+        # at the engine's thread count (one core left), beside the same update alone
+        copies = Copies()
+
+        def under_copies(t=top - 1):
+            with copies:
+                adamw(mod, t)
+
+        cands[f"native_t{top - 1}"] = lambda: adamw(mod, top - 1)
+        cands[f"native_dma_t{top - 1}"] = under_copies
+    elif "dma" in only:
+        rec["dma"] = "no CUDA device: not measured"
     if "out_of_place" in only:
         # out of place (the engine's speculative updates: state read from one copy, written to a spare, with
         # non-temporal stores), against in place above
@@ -116,10 +170,13 @@ def main(argv=None) -> dict:
             amsgrad=False, maximize=False)
     for k, dt in interleaved(cands, args.rounds).items():
         rec[f"{k}_gparams"] = n / dt / 1e9
-        if k.startswith(("native", "compact", "out_of_place")):
+        if k.startswith(("native", "compact", "out_of_place")):  # (native_dma too)
             rec[f"{k}_gbs"] = (18 if k.startswith("compact") else 28) * n / dt / 1e9
     if {"native", "torch_fused"} <= only:
         rec["native_vs_torch_fused"] = rec[f"native_t{top}_gparams"] / rec[f"torch_fused_t{top}_gparams"]
+    if f"native_dma_t{top - 1}_gparams" in rec:
+        rec["dma_copies_gbs"] = copies.gbs  # both directions together, while updates ran
+        rec["dma_vs_alone"] = rec[f"native_dma_t{top - 1}_gparams"] / rec[f"native_t{top - 1}_gparams"]
     if {"native", "out_of_place"} <= only:
         rec["out_of_place_vs_in_place"] = rec[f"out_of_place_t{top}_gparams"] / rec[f"native_t{top}_gparams"]
     print(json.dumps(rec), flush=True)
