@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything measured on the GPU machine, in one call: the GPU tests, then the benchmark cases.
 #   run from the repo root on the device machine; results go to $OUT (or ./bench/out).
-# Usage: bench/run_device.sh [tests|optim|optim4b|loss|profile|capacity|demo|bench|all] [table1..table31|b64|timeline | case ...]
+# Usage: bench/run_device.sh [tests|optim|optim4b|loss|profile|capacity|demo|bench|all] [table1..table32|b64|timeline | case ...]
 #   (a case: "system model batch [extra args]")
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -218,6 +218,11 @@ if [[ $what == bench || $what == all ]]; then
                     "slideformer llama3-8b 8" ;;
     # Issue 4's floor with nothing on the GPU's optimizer: every parameter updated by the CPU (session 9)
     table31) set -- "slideformer qwen3-4b 8 --gpu-memory-limit-gib 24 --resident-layers 0" ;;
+    # The baselines' missing cases (session 9): plain Llama-8B on the whole card (its fp32 master, moments
+    # and gradients: ~134 GiB, at the card's edge) and the cases under 24 GiB that cannot fit, for their lines
+    table32) set -- "plain llama3-8b 8" "plain llama3-8b 32" "plain llama3-8b 64" "plain llama3-8b 8 --gpu-memory-limit-gib 24" \
+                    "plain qwen3-4b 32 --gpu-memory-limit-gib 24" "plain qwen3-4b 64 --gpu-memory-limit-gib 24" \
+                    "torchao qwen3-4b 32 --gpu-memory-limit-gib 24" "torchao qwen3-4b 64 --gpu-memory-limit-gib 24" ;;
     # Where the 4B b8 streamed step loses its last 0.2 s (NOTES, session 3): every update and visit, with
     # 4 and with 36 gradient buffers
     timeline) set -- "slideformer qwen3-4b 8 --resident-layers 0 --timeline" \
