@@ -8,9 +8,9 @@ bandwidth; then one-pass AdamW (bf16 gradient in, bf16 copy out: 28 B/param) at 
 the same update out of place (into a spare state), the update on compact state (bf16 gradient, hi/lo
 master and moments, stochastic rounding: 18 B/param) at the same thread counts, and torch's fused AdamW
 on fp32 tensors (28 B/param, no casts) for comparison; with a GPU, the update again while pinned memory
-is copied to and from it nonstop (``dma``: the share of bandwidth the engine's copies take). One JSON line. Every candidate's buffers together
-take 40 B/param (160 GB at issue 4's 4B parameters); ``--only`` keeps the groups named, and allocates
-only their buffers (native and torch fused at 4B: 80 GB).
+is copied to and from it nonstop (``dma``: the share of bandwidth the engine's copies take). One JSON
+line. Every candidate's buffers together take 40 B/param (160 GB at issue 4's 4B parameters); ``--only``
+keeps the groups named and allocates only their buffers (native and torch fused at 4B: 80 GB).
 """
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def main(argv=None) -> dict:
     p, m, v = a, b.zero_(), c.zero_()
     g = torch.randn(n // 8).bfloat16().repeat(8)
     step = [0]
-    cands = {}
+    cands, copies = {}, None
     names = [x for x in args.variants.split(",") if x]
     if only & {"native", "out_of_place", "compact", "dma"}:
         out = torch.empty(n, dtype=torch.bfloat16)
@@ -138,14 +138,14 @@ def main(argv=None) -> dict:
         cands.update({f"{k}_t{top}": (lambda k=k: adamw(built[k], top)) for k in names if not k.startswith("compact_")})
     if "dma" in only and torch.cuda.is_available():
         # at the engine's thread count (one core left), beside the same update alone
-        copies = Copies()
+        copies, engine_t = Copies(), max(1, top - 1)
 
-        def under_copies(t=top - 1):
+        def under_copies():
             with copies:
-                adamw(mod, t)
+                adamw(mod, engine_t)
 
-        cands[f"native_t{top - 1}"] = lambda: adamw(mod, top - 1)
-        cands[f"native_dma_t{top - 1}"] = under_copies
+        cands[f"native_t{engine_t}"] = lambda: adamw(mod, engine_t)
+        cands[f"native_dma_t{engine_t}"] = under_copies
     elif "dma" in only:
         rec["dma"] = "no CUDA device: not measured"
     if "out_of_place" in only:
@@ -174,9 +174,9 @@ def main(argv=None) -> dict:
             rec[f"{k}_gbs"] = (18 if k.startswith("compact") else 28) * n / dt / 1e9
     if {"native", "torch_fused"} <= only:
         rec["native_vs_torch_fused"] = rec[f"native_t{top}_gparams"] / rec[f"torch_fused_t{top}_gparams"]
-    if f"native_dma_t{top - 1}_gparams" in rec:
+    if copies is not None:
         rec["dma_copies_gbs"] = copies.gbs  # both directions together, while updates ran
-        rec["dma_vs_alone"] = rec[f"native_dma_t{top - 1}_gparams"] / rec[f"native_t{top - 1}_gparams"]
+        rec["dma_vs_alone"] = rec[f"native_dma_t{engine_t}_gparams"] / rec[f"native_t{engine_t}_gparams"]
     if {"native", "out_of_place"} <= only:
         rec["out_of_place_vs_in_place"] = rec[f"out_of_place_t{top}_gparams"] / rec[f"native_t{top}_gparams"]
     print(json.dumps(rec), flush=True)
