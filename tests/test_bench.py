@@ -104,6 +104,13 @@ def test_report_table_and_plot(tmp_path):
     assert "slideformer (host_grad_buffers=4)" in md and "| 80 (1.0 / 2) |" in md
     report.plot(report.load([f]), tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
+    # a case run again (an A/B of two commits on one machine): every run its row, named by its commit
+    ab = tmp_path / "ab.jsonl"
+    ab.write_text("".join(json.dumps({**base, "system": "slideformer", "batch": 8, "tokens_per_s": t, "commit": c,
+                                      "settings": {}}) + "\n" for t, c in ((11, "aaa"), (12, "bbb"), (13, "aaa"))))
+    md = report.table(report.load([ab]))
+    assert [line.split("|")[1].strip() for line in md.splitlines()[2:]] == ["m @aaa", "m @aaa", "m @bbb"]
+    assert all(f"| {t} (1.0 / 2) |" in md for t in (11, 12, 13))
 
 
 def test_out_of_gpu_memory_is_recorded_as_a_result(tmp_path, monkeypatch):

@@ -62,24 +62,34 @@ def _cap(r) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: one row per (model, seq, batch, cap), one column per system, and slideformer's ratios. A
+    """Markdown: one row per (model, seq, batch, cap) and run of it, one column per system, and
+    slideformer's ratios (taken within a row; a file's first runs share the first row). A
     run that failed for want of GPU memory shows as such (the harness records it: a result too).
     Where plain training has no line under a row's cap (it does not fit, or was run on the whole card as
     the peak to compare with), the ratio is against plain on the whole card in the same file, marked *."""
     cells: dict[tuple, dict[str, dict]] = defaultdict(dict)
+    commits = defaultdict(set)
+    for r in rows:
+        commits[r["_file"]].add(r.get("commit"))
     for r in rows:
         if (r.get("settings") or {}).get("max_grad_norm"):
             continue  # clipping runs are reported in NOTES, not in the comparison table
-        key = (r["_file"], r["model"], r["seq"], r["batch"], _cap(r))
-        cells[key][variant(r)] = r
+        # a case run again in one file gets a row of its own, named by its commit where the file holds several
+        # (an A/B of two commits on one machine)
+        case = (r["_file"], r["model"], r["seq"], r["batch"], _cap(r),
+                r.get("commit") if len(commits[r["_file"]]) > 1 else "")
+        repeat = 0
+        while variant(r) in cells[case + (repeat,)]:
+            repeat += 1
+        cells[case + (repeat,)][variant(r)] = r
     names = {v for c in cells.values() for v in c}
     systems = sorted(names, key=lambda v: (SYSTEMS.index(v.split(" ")[0]) if v.split(" ")[0] in SYSTEMS else 9, v))
     head = ["model", "seq", "batch", "GPU cap"] + [f"{s} tok/s (GPU / host GiB)" for s in systems]
     others = [s for s in systems if not s.startswith("slideformer")]
     head += [f"slideformer / {s}" for s in others]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for (f, model, seq, batch, cap), c in sorted(cells.items(), key=lambda kv: kv[0][1:]):
-        row = [model, str(seq), str(batch), cap]
+    for (f, model, seq, batch, cap, commit, repeat), c in sorted(cells.items(), key=lambda kv: kv[0][1:]):
+        row = [model + (f" @{commit}" if commit else ""), str(seq), str(batch), cap]
         for s in systems:
             r = c.get(s)
             row.append("—" if not r else r["error"] if r.get("error") else
@@ -88,7 +98,7 @@ def table(rows: list[dict]) -> str:
             # the ratio's slideformer: its defaults (before session 3 without Liger, since with it on CUDA)
             a, b, mark = c.get("slideformer") or c.get("slideformer (fused_ops=liger)"), c.get(s), ""
             if a and not b and s.startswith("plain") and cap != "none":
-                b, mark = cells.get((f, model, seq, batch, "none"), {}).get(s), "*"
+                b, mark = cells.get((f, model, seq, batch, "none", commit, 0), {}).get(s), "*"
             ok = a and b and not a.get("error") and not b.get("error")
             row.append(f"{a['tokens_per_s'] / b['tokens_per_s']:.3f}x{mark}" if ok else "—")
         lines.append("| " + " | ".join(row) + " |")
