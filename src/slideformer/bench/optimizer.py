@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -48,8 +49,6 @@ class Copies:
         self.moved, self.seconds = 0, 0.0
 
     def __enter__(self):
-        import threading
-
         self.stop = threading.Event()
 
         def loop():

@@ -221,31 +221,30 @@ class Runtime:
         _SWITCH_INTERVAL.acquire()
 
     # -- resident units: their state is here only; the host store reads and writes it through these --
-    def copy_out(self, unit: int, *names: str) -> dict[str, torch.Tensor]:
-        """Host copies of a resident unit's state (``names`` of it, or all), by the store's field names,
-        after its pending update: the copies wait for the compute stream."""
+    def _state_views(self, unit: int) -> dict[str, torch.Tensor]:
+        """A resident unit's state on the GPU by the store's field names (compact state: the master's hi
+        half is the weights the slot holds, the unit's ``master`` buffer its lo half)."""
         master, m, v = self.resident[unit]
         weights = self.slots["resident"][unit].params[: master.numel()]
-        # (compact state: the master's hi half is the weights the slot holds, ``master`` its lo half)
         st = {"master": weights, "master_lo": master} if self.store.compact else {"master": master}
-        st.update(exp_avg=m, exp_avg_sq=v)
+        return st | {"exp_avg": m, "exp_avg_sq": v}
+
+    def copy_out(self, unit: int, *names: str) -> dict[str, torch.Tensor]:
+        """Host copies of a resident unit's state (``names`` of it, or all), after its pending update: the
+        copies wait for the compute stream."""
         with self._on_compute():
-            return {k: t.to("cpu", copy=True) for k, t in st.items() if not names or k in names}
+            return {k: t.to("cpu", copy=True) for k, t in self._state_views(unit).items() if not names or k in names}
 
     def copy_in(self, unit: int, **fields: torch.Tensor) -> None:
         """Write any of a resident unit's state fields (initial weights, a checkpoint); the weights the
         slot holds follow the master."""
-        master, m, v = self.resident[unit]
-        weights = self.slots["resident"][unit].params[: master.numel()]
-        lo = master if self.store.compact else None  # (compact: the master's hi half is the slot's weights)
+        views = self._state_views(unit)
         with self._on_compute():
-            if "master" in fields:
-                (weights if lo is not None else master).copy_(fields["master"])
-                if lo is None:
-                    weights.copy_(master)
-            for name, dst in (("master_lo", lo), ("exp_avg", m), ("exp_avg_sq", v)):
-                if name in fields and dst is not None:
-                    dst.copy_(fields[name])
+            for name, t in fields.items():
+                if name in views:
+                    views[name].copy_(t)
+            if "master" in fields and not self.store.compact:
+                self.slots["resident"][unit].params[: views["master"].numel()].copy_(views["master"])
 
     def _on_compute(self):
         """The compute stream, where the resident units' updates run: copies of their state queue behind
