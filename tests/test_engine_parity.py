@@ -207,7 +207,9 @@ def test_fused_loss_head_matches_pytorch(family):
 
 
 def test_compact_state_trains_close_to_fp32_state():
-    """The demo task, 120 steps, bf16 compute: compact state's loss stays within 3% of fp32 state's."""
+    """The demo task, 120 steps, bf16 compute: compact state's tail loss lies within three times the
+    spread of fp32 state's own over reorderings of each batch's rows (the trajectory's noise, which on
+    some CPUs is large at this learning rate), or within 3% where that spread is smaller."""
     from slideformer.cli import main  # noqa: F401  (the demo data and tokenizer)
     from slideformer.data import pad_batch, render, to_messages, read_records, detect_format
     from slideformer.train.config import _assets
@@ -216,17 +218,24 @@ def test_compact_state_trains_close_to_fp32_state():
     tok = AutoTokenizer.from_pretrained(str(_assets() / "tiny"))
     ex = [render(to_messages(r, detect_format(r, w), w), tok, w) for w, r in read_records(_assets() / "sample" / "alpaca.jsonl")]
     g = torch.Generator().manual_seed(0)
-    steps = [pad_batch([ex[i] for i in torch.randint(0, len(ex), (8,), generator=g).tolist()], 0) for _ in range(120)]
+    picks = [torch.randint(0, len(ex), (8,), generator=g).tolist() for _ in range(120)]
+    steps = [pad_batch([ex[i] for i in p], 0) for p in picks]
+    runs = {"fp32": ("fp32", steps), "compact": ("compact", steps),  # and the same batches, rows reordered:
+            "fp32 reversed": ("fp32", [pad_batch([ex[i] for i in reversed(p)], 0) for p in picks]),
+            "fp32 rotated": ("fp32", [pad_batch([ex[i] for i in p[4:] + p[:4]], 0) for p in picks])}
     from slideformer.presets import preset_config
 
-    curves = {}
-    for state in ("fp32", "compact"):
+    tails = {}
+    for name, (state, data) in runs.items():
         with SlideEngine.from_config(preset_config("tiny"), EngineConfig(device="cpu", compute_dtype=torch.bfloat16,
                                                                            lr=3e-3, optimizer_state=state)) as eng:
-            curves[state] = [eng.train_step(b) for b in steps]
-    tail = lambda c: sum(c[-20:]) / 20  # noqa: E731
-    assert tail(curves["fp32"]) < 0.5 * curves["fp32"][0]  # it learned
-    assert abs(tail(curves["compact"]) - tail(curves["fp32"])) <= 0.03 * tail(curves["fp32"])
+            curve = [eng.train_step(b) for b in data]
+        assert sum(curve[-20:]) / 20 < 0.5 * curve[0], name  # it learned
+        tails[name] = sum(curve[-20:]) / 20
+    fp32 = [v for k, v in tails.items() if k.startswith("fp32")]
+    noise = max(fp32) - min(fp32)
+    gap = abs(tails["compact"] - tails["fp32"])
+    assert gap <= max(3 * noise, 0.03 * tails["fp32"]), (gap, noise, tails)
 
 
 def test_packed_rows_train_like_separate_rows():
@@ -574,8 +583,8 @@ def test_speculative_updates_under_clipping_train_like_pytorch(clip, spares, bac
         assert sum(counts.values()) == 3 * spares  # every spare used every step
         if forced:  # never clipped: each step's speculative updates are adopted; always clipped: redone
             assert adopted == ([spares] * 3 if clip == 100.0 else [0, 0, 0])
-            assert counts == ({"kept": 3 * spares, "redone": 0, "late": 0} if clip == 100.0 else
-                              {"kept": 0, "redone": 3 * spares, "late": 0})
+            assert counts == ({"kept": 3 * spares, "redone": 0, "late": 0, "dropped": 0} if clip == 100.0 else
+                              {"kept": 0, "redone": 3 * spares, "late": 0, "dropped": 0})
     ref, ref_losses = reference_train(model, big, lr=1e-3, max_grad_norm=clip, weight_decay=0.1)
     assert_same(state, ref, losses, ref_losses)
 

@@ -281,3 +281,173 @@ def test_failure_mid_step_closes_cleanly_with_the_tier(tmp_path, monkeypatch):
         return True
 
     assert _finishes(run)
+
+
+# What a run leaves under offload_dir: each tier and scratch keeps its files in a directory of its own,
+# locked while its process lives; a new one removes those whose lock is free, and nothing else.
+
+_HOLDER = """
+import sys, time
+from slideformer.host.nvme import NvmeScratch, NvmeTier
+tier = NvmeTier(sys.argv[1], {0: 1 << 18}, 1)  # 2 MiB: two fp32 moments
+scratch = NvmeScratch(sys.argv[1], "activations")
+scratch.reserve(2, 1 << 20)
+print("ready", tier.dir.name, scratch.dir.name, flush=True)
+time.sleep(600)
+"""
+
+
+def _holder(offload_dir):
+    """A python process holding a tier and a scratch under ``offload_dir``: the process and their directories."""
+    import select
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", _HOLDER, str(offload_dir)], stdout=subprocess.PIPE, text=True)
+    line = p.stdout.readline() if select.select([p.stdout], [], [], 120)[0] else ""
+    if not line.startswith("ready"):
+        p.kill()
+        p.wait()
+        pytest.fail(f"the holder process did not start: {line!r}")
+    return p, [offload_dir / name for name in line.split()[1:]]
+
+
+def _dead_pid():
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _snapshot(root):
+    out = []
+    for dirpath, dirs, files in os.walk(root):
+        for name in sorted(dirs + files):
+            p = os.path.join(dirpath, name)
+            out.append((os.path.relpath(p, root), os.path.islink(p),
+                        None if os.path.isdir(p) or os.path.islink(p) else open(p, "rb").read()))
+    return sorted(out)
+
+
+def test_a_killed_runs_directory_is_removed_by_the_next_tier(tmp_path, capsys):
+    from slideformer.host.nvme import NvmeTier
+
+    p, dirs = _holder(tmp_path)
+    try:
+        assert len(dirs) == 2 and all(d.is_dir() for d in dirs)
+        NvmeTier(tmp_path, {0: 1024}, 1).close()  # the holder lives: its lock is held, its files stay
+        assert all((d / "owner.lock").exists() for d in dirs) and capsys.readouterr().err == ""
+    finally:
+        p.kill()  # SIGKILL: no close(), no cleanup
+        p.wait()
+    assert all(d.is_dir() for d in dirs) and len(list(tmp_path.iterdir())) == 2
+    tier = NvmeTier(tmp_path, {0: 1024}, 1)
+    lines = capsys.readouterr().err.splitlines()
+    assert not any(d.exists() for d in dirs) and list(tmp_path.iterdir()) == [tier.dir]
+    tier.close()
+    assert len(lines) == 2
+    for d in dirs:
+        (line,) = [x for x in lines if x.endswith(f"({d})")]
+        assert line.startswith("slideformer: removed 2.0 MiB of NVMe tier files left by a process that ended")
+
+
+def test_a_live_owners_directory_is_kept(tmp_path, capsys):
+    """A directory whose lock is held (here by this process, through a descriptor of its own, as another
+    run would) is kept with its files, by a tier and a scratch alike; once the lock is free it goes."""
+    import fcntl
+
+    from slideformer.host.nvme import NvmeScratch, NvmeTier
+
+    d = tmp_path / "slideformer-999999999-0123456789ab"
+    d.mkdir()
+    (d / "unit0.state").write_bytes(bytes(8192))
+    fd = os.open(d / "owner.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        tier = NvmeTier(tmp_path, {0: 1024}, 1)
+        scratch = NvmeScratch(tmp_path, "activations")  # also leaves this process's own tier alone
+        assert (d / "unit0.state").read_bytes() == bytes(8192) and tier.dir.is_dir() and scratch.dir.is_dir()
+        assert len({d, tier.dir, scratch.dir}) == 3
+        scratch.close()
+        tier.close()
+        assert (d / "unit0.state").exists() and capsys.readouterr().err == ""
+    finally:
+        os.close(fd)
+    NvmeTier(tmp_path, {0: 1024}, 1).close()
+    assert not d.exists() and not list(tmp_path.iterdir())
+    assert f"left by a process that ended ({d})" in capsys.readouterr().err
+
+
+def test_files_not_ours_are_never_touched(tmp_path, capsys):
+    from slideformer.host.nvme import NvmeScratch, NvmeTier
+
+    dead = _dead_pid()
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "mydata").mkdir()
+    (tmp_path / "mydata" / f"slideformer-{dead}-unit0.state").write_bytes(b"nested, not ours")
+    (tmp_path / "mydata" / f"slideformer-{dead}-0123456789ab").mkdir()
+    (tmp_path / f"slideformer-{dead}-0123456789ab").write_text("a file, not a directory")
+    (tmp_path / f"slideformer-{dead}-abcdefabcdef").symlink_to(tmp_path / "mydata")
+    (tmp_path / f"slideformer-{dead}-0123456789AB").mkdir()
+    (tmp_path / f"slideformer-{dead}-0123456789ab.old").mkdir()
+    (tmp_path / f"slideformer-{dead}-unit0.state.bak").write_text("x")
+    (tmp_path / f"slideformer-{dead}-activations.scratch").mkdir()  # a directory, not a file
+    (tmp_path / "slideformer-notes.txt").write_text("x")
+    (tmp_path / f".slideformer-{dead}-0123456789ab").mkdir()
+    before = _snapshot(tmp_path)
+    tier = NvmeTier(tmp_path, {0: 1024}, 1)
+    scratch = NvmeScratch(tmp_path, "activations")
+    scratch.close()
+    tier.close()
+    assert _snapshot(tmp_path) == before
+    assert capsys.readouterr().err == ""
+
+
+def test_files_of_older_versions_and_cut_short_removals_are_removed(tmp_path, capsys):
+    """Files older versions put straight into offload_dir go when their pid no longer runs; so do an owned
+    directory whose removal was cut short (lock file gone) and one killed while being created."""
+    from slideformer.host.nvme import NvmeTier
+
+    dead, live = _dead_pid(), os.getpid()
+    for name in (f"slideformer-{dead}-unit0.state", f"slideformer-{dead}-unit12.state",
+                 f"slideformer-{dead}-activations.scratch", f"slideformer-{live}-unit0.state"):
+        with open(tmp_path / name, "wb") as f:
+            os.posix_fallocate(f.fileno(), 0, 1 << 20)
+    cut = tmp_path / f"slideformer-{dead}-00000000000a"
+    cut.mkdir()
+    (cut / "unit3.state").write_bytes(bytes(4096))
+    pending = tmp_path / f".slideformer-{dead}-00000000000b.new"
+    pending.mkdir()
+    (pending / "owner.lock").touch()
+    NvmeTier(tmp_path, {0: 1024}, 1).close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"slideformer-{live}-unit0.state"]  # its pid runs
+    err = capsys.readouterr().err.splitlines()
+    assert f"slideformer: removed 3.0 MiB of NVMe tier files left by a process that ended " \
+           f"({tmp_path / f'slideformer-{dead}-*'})" in err
+    assert any(line.endswith(f"({cut})") for line in err) and len(err) == 2
+
+
+def test_close_removes_the_owned_directory(tmp_path, monkeypatch):
+    from slideformer.host.nvme import NvmeScratch, NvmeTier
+
+    tier = NvmeTier(tmp_path / "nvme", {0: 1024, 1: 2048}, 2)
+    scratch = NvmeScratch(tmp_path / "nvme", "activations")
+    scratch.reserve(3, 5000)
+    assert tier.dir.parent == scratch.dir.parent == tmp_path / "nvme" and tier.dir != scratch.dir
+    assert sorted(p.name for p in tier.dir.iterdir()) == ["owner.lock", "unit0.state", "unit1.state"]
+    assert sorted(p.name for p in scratch.dir.iterdir()) == ["activations.scratch", "owner.lock"]
+    tier.close()
+    scratch.close()
+    tier.close()  # twice: nothing more to do
+    scratch.close()
+    assert not list((tmp_path / "nvme").iterdir())
+
+    def full(fd, off, size):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(TierError, match="cannot reserve"):
+        NvmeTier(tmp_path / "nvme", {0: 1024}, 1)
+    assert not list((tmp_path / "nvme").iterdir())  # a tier that failed to start leaves nothing either

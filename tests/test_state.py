@@ -105,14 +105,20 @@ def test_full_disk_gives_a_clear_error_and_keeps_the_last_checkpoint(tmp_path, m
         eng.save_checkpoint(tmp_path / "ck", {"next": 1})
         eng.train_step(batch(97, seed=1))
 
-        def full(*a, **k):
-            raise OSError(errno.ENOSPC, "No space left on device")
+        from safetensors import SafetensorError
 
-        monkeypatch.setattr(state, "save_file", full)
-        with pytest.raises(OSError, match="No space left on device.*previous checkpoint is intact"):
-            eng.save_checkpoint(tmp_path / "ck", {"next": 2})
-        assert not (tmp_path / "ck.tmp").exists()
-        monkeypatch.undo()
+        for error in (OSError(errno.ENOSPC, "No space left on device"),  # as safetensors reports a full disk:
+                      SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")):
+            def full(*a, **k):
+                raise error
+
+            monkeypatch.setattr(state, "save_file", full)
+            with pytest.raises(state.CheckpointWriteError, match="No space left on device.*existing checkpoints are "
+                                                                 "untouched") as info:
+                eng.save_checkpoint(tmp_path / "ck", {"next": 2})
+            assert info.value.errno == errno.ENOSPC
+            assert not (tmp_path / "ck.tmp").exists()
+            monkeypatch.undo()
         assert eng.load_checkpoint(tmp_path / "ck")["next"] == 1
 
 

@@ -75,6 +75,14 @@ def test_save_total_limit_keeps_the_newest(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
 
 
+@pytest.mark.parametrize("bad,match", [("save_total_limit=-1", "save_total_limit must be >= 1, or null"),
+                                       ("save_total_limit=0", "save_total_limit must be >= 1, or null"),
+                                       ("save_steps=-3", "save_steps must be >= 0")])
+def test_checkpoint_settings_are_validated(tmp_path, bad, match):
+    with pytest.raises(ConfigError, match=match):
+        cfg(tmp_path, bad)
+
+
 def test_ctrl_c_saves_and_exits_130(tmp_path, monkeypatch):
     from slideformer.engine.engine import SlideEngine
 
@@ -93,14 +101,55 @@ def test_ctrl_c_saves_and_exits_130(tmp_path, monkeypatch):
     assert (tmp_path / "checkpoint-2" / "state" / "trainer.json").is_file()
 
 
-def test_nan_loss_stops_with_a_clear_error(tmp_path, monkeypatch):
-    from slideformer.engine.engine import SlideEngine
+def _finite_checkpoints(out):
+    for ck in out.glob("checkpoint-*"):
+        for f in (ck / "state").glob("*.safetensors"):
+            assert all(torch.isfinite(t).all() for t in load_file(str(f)).values()), f
 
-    monkeypatch.setattr(SlideEngine, "train_step", lambda self, b: math.nan)
-    with pytest.raises(NonFiniteLoss, match="step 1: loss is nan.*Lower learning_rate"):
-        train(cfg(tmp_path, "max_steps=3"))
-    assert main(["train"] + FAST + [f"output_dir={tmp_path}", "max_steps=3"]) == 4
-    assert not list(tmp_path.glob("checkpoint-*"))
+
+@pytest.mark.parametrize("clip", ["1.0", "null"])
+def test_a_diverging_run_stops_without_saving_nan(tmp_path, clip, capsys):
+    """learning_rate=1e6: step 2's gradient norm is NaN. Exit 4; every checkpoint on disk is finite, the
+    metrics are valid JSON, and the message says what happened to the update and what to change."""
+    out = tmp_path / "o"
+    code = main(["train"] + FAST[:-1] + [f"max_grad_norm={clip}", f"output_dir={out}", "learning_rate=1e6",
+                                         "save_steps=1", "max_steps=6"])
+    err = capsys.readouterr().err
+    assert code == 4 and err.count("\n") == 1
+    assert "gradient norm nan" in err and "checkpoint-1) is intact" in err
+    if clip == "null":
+        assert "applied in memory" in err and "set max_grad_norm" in err
+    else:
+        assert "dropped" in err and "set max_grad_norm" not in err and "skip_nonfinite_steps" in err
+    _finite_checkpoints(out)
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+
+
+def test_skip_nonfinite_steps_goes_on_with_the_next_data(tmp_path, monkeypatch):
+    from slideformer.engine import engine as engine_mod
+
+    real, calls = engine_mod.chunked_head_loss, {"n": 0}
+
+    def head(*a, **k):  # the third step's gradient is NaN
+        part, gh = real(*a, **k)
+        calls["n"] += 1
+        return part, gh * float("nan") if calls["n"] == 3 else gh
+
+    monkeypatch.setattr(engine_mod, "chunked_head_loss", head)
+    r = train(cfg(tmp_path, "max_steps=4", "max_grad_norm=1.0", "skip_nonfinite_steps=true", "offload.loss_kernel=torch"))
+    assert r["steps"] == 4 and r["dropped_steps"] == 1 and r["status"] == "finished"
+    _finite_checkpoints(tmp_path)
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in recs] == [1, 2, 3, 4] and recs[-1]["dropped_steps"] == 1
+    with pytest.raises(ConfigError, match="skip_nonfinite_steps needs max_grad_norm"):
+        cfg(tmp_path, "skip_nonfinite_steps=true")
+
+
+def test_nonfinite_metrics_are_written_as_null(tmp_path):
+    from slideformer.train.loop import _finite
+
+    assert json.loads(json.dumps(_finite({"a": math.nan, "b": math.inf, "c": 1.0}), allow_nan=False)) == \
+        {"a": None, "b": None, "c": 1.0}
 
 
 def test_bad_records_error_or_are_skipped(tmp_path):

@@ -1,12 +1,18 @@
-"""slideformer: fine-tune language models larger than GPU memory on one GPU."""
-from .config import ConfigError, EngineConfig
-from .engine import SlideEngine
-from .engine.engine import BatchError
-from .checkpoint import CheckpointError
-from .model import UnsupportedModelError
-from .optim import lr_at
-from .plan import DoesNotFit
+"""slideformer: fine-tune language models larger than GPU memory on one GPU.
 
-__all__ = ["SlideEngine", "EngineConfig", "ConfigError", "BatchError", "CheckpointError",
-           "UnsupportedModelError", "DoesNotFit", "lr_at"]
+Names are imported on first use (PEP 562), so that the CLI can install its signal handlers before
+torch loads (signals.py)."""
+import importlib
+
+_EXPORTS = {"SlideEngine": ".engine", "EngineConfig": ".config", "ConfigError": ".config",
+            "BatchError": ".engine.engine", "CheckpointError": ".checkpoint", "UnsupportedModelError": ".model",
+            "DoesNotFit": ".plan", "lr_at": ".optim"}
+
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'slideformer' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name], __name__), name)

@@ -9,12 +9,15 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
-from .config import EngineConfig
+from .signals import Interrupted, Signals
 
 
-EXIT_OK, EXIT_USAGE, EXIT_DOES_NOT_FIT, EXIT_NONFINITE, EXIT_INTERRUPTED = 0, 2, 3, 4, 130
+# Exit codes (also in `slideformer train --help` and the README); a signal ends a run with 128 + its number.
+EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_DOES_NOT_FIT, EXIT_NONFINITE, EXIT_IO = 0, 1, 2, 3, 4, 5
+EXIT_CODES_HELP = ("Exit codes: 0 done, 1 unexpected failure (traceback in slideformer-error.log), 2 bad config, "
+                   "data, model or checkpoint, 3 does not fit, 4 non-finite loss or gradient, 5 a file could not be "
+                   "written or read (full or read-only disk, permissions), 130 SIGINT, 143 SIGTERM (a checkpoint "
+                   "was saved if a step had finished).")
 
 
 def cmd_train(args) -> int:
@@ -25,6 +28,7 @@ def cmd_train(args) -> int:
     if config is not None and "=" in config and not Path(config).exists():
         config, overrides = None, [config] + overrides  # only overrides were given
     cfg = load_config(config, overrides)
+    args.log_dir = cfg.output_dir
     result = train(cfg)
     h = result["history"]
     if h:
@@ -32,7 +36,17 @@ def cmd_train(args) -> int:
               f"checkpoint: {result['checkpoint']} (loads with transformers' from_pretrained)")
     if result["skipped_records"]:
         print(f"skipped {result['skipped_records']} malformed record(s) (skip_bad_records: true)")
-    return EXIT_INTERRUPTED if result["status"] == "interrupted" else EXIT_OK
+    if result["dropped_steps"]:
+        print(f"dropped {result['dropped_steps']} step(s) with a non-finite loss or gradient norm "
+              "(skip_nonfinite_steps: true)")
+    if result["status"] == "interrupted":
+        import signal
+
+        name = signal.Signals(result["signal"]).name
+        print(f"{name}: stopped after step {result['steps']}; saved {result['checkpoint']}; continue with "
+              "resume_from_checkpoint: auto", file=sys.stderr)
+        return 128 + result["signal"]
+    return EXIT_OK
 
 
 def cmd_plan(args) -> int:
@@ -40,17 +54,30 @@ def cmd_plan(args) -> int:
     from dataclasses import replace
 
     from .model import ModelAdapter
+    import torch
+
     from . import EngineConfig
     from .plan import (DoesNotFit, ModelShape, Placement, auto_host, auto_residency, config_host_bytes, fit,
                        gpu_bytes, host_memory, nvme_bytes, nvme_layer_count, parse_bytes, spares_that_fit, step_time)
     from .presets import PRESETS, preset_config
+
+    from .config import ConfigError
 
     if args.model in PRESETS:
         config = preset_config(args.model)
     else:
         from transformers import AutoConfig
 
+        if not (Path(args.model) / "config.json").is_file():
+            raise ConfigError(f"--model {args.model}: not a preset ({', '.join(PRESETS)}) nor a local folder with "
+                              "config.json")
         config = AutoConfig.from_pretrained(args.model)
+    for flag in ("gpu_memory", "cpu_memory"):
+        try:
+            if getattr(args, flag):
+                parse_bytes(getattr(args, flag))
+        except ValueError as e:
+            raise ConfigError(f"--{flag.replace('_', '-')}: {e}") from None
     shape = ModelShape.from_adapter(ModelAdapter(config))
     # the engine settings `slideformer train` would use (clipping by default: a gradient buffer per layer)
     as_trained = EngineConfig(device="cpu", loss_kernel=args.loss_kernel, max_grad_norm=args.max_grad_norm or None,
@@ -194,22 +221,126 @@ def cmd_plan(args) -> int:
 
 
 def cmd_export(args) -> int:
-    """Copy a checkpoint's Hugging Face files (weights, config, tokenizer) without the training state."""
+    """Copy a checkpoint's Hugging Face files (weights, config, tokenizer) without the training state,
+    after checking them against the checkpoint's checksums."""
+    import os
     import shutil
 
-    from .checkpoint.state import STATE_DIR
+    from .checkpoint.state import STATE_DIR, TRAINER, verify_checkpoint
 
     src, dst = Path(args.checkpoint), Path(args.output_dir)
     if not (src / "config.json").is_file():
         print(f"error: {src} is not a slideformer checkpoint (no config.json)", file=sys.stderr)
         return EXIT_USAGE
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(STATE_DIR), dirs_exist_ok=True)
-    print(f"exported {src} -> {dst}")
+    if (src / STATE_DIR / TRAINER).is_file():
+        verify_checkpoint(src)  # (corrupt or altered: refused, naming the file)
+    rs, rd = src.resolve(), dst.resolve()
+    if rd == rs or rd.is_relative_to(rs) or rs.is_relative_to(rd):
+        print(f"error: export target {dst} overlaps the checkpoint {src}; choose a folder outside it", file=sys.stderr)
+        return EXIT_USAGE
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not args.overwrite:
+        print(f"error: export target {dst} exists and is not empty; choose a new folder, or pass --overwrite "
+              "(its model weights and files of the same names are replaced)", file=sys.stderr)
+        return EXIT_USAGE
+    files = []
+    for p in sorted(src.rglob("*")):
+        rel = p.relative_to(src)
+        if rel.parts[0] == STATE_DIR or p.name.endswith(".tmp"):
+            continue
+        if p.is_symlink() and not p.resolve().is_relative_to(rs):
+            print(f"error: {p} is a link to {p.resolve()}, outside the checkpoint; export copies only the "
+                  "checkpoint's own files", file=sys.stderr)
+            return EXIT_USAGE
+        if p.is_file():
+            files.append(rel)
+    dst.mkdir(parents=True, exist_ok=True)
+    # the model's weight files are replaced as a set: a stale shard index or single file would shadow them
+    for old in list(dst.glob("model*.safetensors")) + list(dst.glob("model.safetensors.index.json")):
+        if Path(old.name) not in files:
+            old.unlink()
+    for rel in files:
+        target = dst / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.copyfile(src / rel, tmp)
+        os.replace(tmp, target)
+    print(f"exported {src} -> {dst} ({len(files)} files)")
     return EXIT_OK
 
 
+def _exit_code(e: BaseException) -> int | None:
+    """The documented exit code of an error a user can cause; None for a bug."""
+    from .checkpoint import CheckpointError
+    from .checkpoint.state import CorruptCheckpointError, NonFiniteStateError
+    from .config import ConfigError
+    from .data import DataError
+    from .engine.engine import BatchError
+    from .model import UnsupportedModelError
+    from .plan import DoesNotFit
+    from .train.loop import NonFiniteLoss
+
+    if isinstance(e, Interrupted):
+        return 128 + e.signum
+    if isinstance(e, KeyboardInterrupt):
+        return 130
+    for types, code in (((ConfigError, DataError, CorruptCheckpointError, CheckpointError, UnsupportedModelError,
+                          BatchError), EXIT_USAGE), ((DoesNotFit,), EXIT_DOES_NOT_FIT),
+                        ((NonFiniteLoss, NonFiniteStateError), EXIT_NONFINITE), ((OSError,), EXIT_IO)):
+        if isinstance(e, types):
+            return code
+    return None
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, KeyboardInterrupt):
+        sig = "SIGTERM" if isinstance(e, Interrupted) and e.signum == 15 else "SIGINT"
+        return f"{sig}: stopped before a training step had finished; nothing was saved"
+    if isinstance(e, OSError) and e.strerror:
+        where = f"{e.filename}: " if e.filename and str(e.filename) not in e.strerror else ""
+        return f"error: {where}{e.strerror}"
+    text = str(e).strip() or type(e).__name__
+    return "error: " + " ".join(text.split())  # one line, whatever the message held
+
+
+def _log_bug(log_dir: str | None) -> Path:
+    """The traceback of an unexpected failure: under the run's output_dir when it exists, else the temp folder."""
+    import tempfile
+    import traceback
+
+    folder = Path(log_dir) if log_dir and Path(log_dir).is_dir() else Path(tempfile.gettempdir())
+    path = folder / ("slideformer-error.log" if folder != Path(tempfile.gettempdir())
+                     else f"slideformer-error-{__import__('os').getpid()}.log")
+    try:
+        path.write_text(traceback.format_exc())
+    except OSError:
+        path = Path("<not written>")
+    return path
+
+
+def _positive(v: str) -> int:
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {v!r}")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    with Signals():  # first: a signal while torch imports ends the run with one line too
+        try:
+            return _main(sys.argv[1:] if argv is None else argv)
+        except Interrupted as e:
+            print(_one_line(e), file=sys.stderr)
+            return 128 + e.signum
+
+
+def _main(argv: list[str]) -> int:
+    import torch  # noqa: F401  (after the handlers)
+
+    from .config import EngineConfig
+
     if argv[:1] == ["bench"]:  # its own parser: one case, or `bench report FILE...`
         if argv[1:2] == ["report"]:
             from .bench.report import main as report
@@ -221,15 +352,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="fine-tune (no arguments: the bundled tiny model on the sample data)",
                        description="Fine-tune from a YAML config; key=value pairs override it (e.g. learning_rate=1e-5 "
-                                   "offload.gpu_memory_limit=24GiB). Exit codes: 0 done, 2 bad config or data, "
-                                   "3 does not fit, 4 non-finite loss, 130 interrupted (a checkpoint was saved).")
+                                   "offload.gpu_memory_limit=24GiB). " + EXIT_CODES_HELP)
     t.add_argument("config", nargs="?", help="YAML config (default: the embedded demo)")
     t.add_argument("overrides", nargs="*", metavar="key=value")
     t.set_defaults(func=cmd_train)
     pl = sub.add_parser("plan", help="GPU, host and NVMe bytes of a run, whether it fits, the largest batch")
     pl.add_argument("--model", required=True, help="a preset (qwen3-4b, llama3-8b, qwen2.5-14b, tiny) or a HF directory")
-    pl.add_argument("--seq-len", type=int, required=True)
-    pl.add_argument("--batch-size", type=int, required=True)
+    pl.add_argument("--seq-len", type=_positive, required=True)
+    pl.add_argument("--batch-size", type=_positive, required=True)
     pl.add_argument("--gpu-memory", help="GPU budget, e.g. 24GiB (default: this machine's GPU)")
     pl.add_argument("--cpu-memory", help="host RAM budget (default: this machine's)")
     pl.add_argument("--offload-dir", help="NVMe tier directory: the moments of --nvme-fraction of the layers go there")
@@ -251,26 +381,25 @@ def main(argv: list[str] | None = None) -> int:
     ex = sub.add_parser("export", help="a checkpoint's Hugging Face files, without the training state")
     ex.add_argument("checkpoint")
     ex.add_argument("output_dir")
+    ex.add_argument("--overwrite", action="store_true", help="export into a folder that is not empty")
     ex.set_defaults(func=cmd_export)
     sub.add_parser("bench", help="benchmark one case (see `slideformer bench --help`), or `bench report FILE...`",
                    add_help=False)
     args = p.parse_args(argv)
-    from .config import ConfigError
-    from .data import DataError
-    from .plan import DoesNotFit
-    from .train.loop import NonFiniteLoss
-
     try:
         return args.func(args)
-    except (ConfigError, DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except DoesNotFit as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_DOES_NOT_FIT
-    except NonFiniteLoss as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_NONFINITE
+    except BaseException as e:  # the one boundary: a line for what a user can cause, a log for the rest
+        if isinstance(e, SystemExit):
+            raise
+        code = _exit_code(e)
+        if code is None:
+            log = _log_bug(getattr(args, "log_dir", None))
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            print(f"error: unexpected {type(e).__name__}: {first} (the full traceback is in {log}; please report it)",
+                  file=sys.stderr)
+            return EXIT_BUG
+        print(_one_line(e), file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

@@ -5,21 +5,23 @@ A checkpoint directory holds
 - ``state/<unit>.safetensors``, one file per unit (embed, layer0, ..., head): its fp32 master weights
   and Adam moments as flat tensors, so that resume is bit-identical (the exported weights may be bf16).
   One file per unit so that state living on the NVMe tier passes through RAM one unit at a time;
-- ``state/trainer.json``: the optimizer step, the caller's own state (data position, RNG, schedule)
-  and a CRC32 of every file in the checkpoint, checked on load.
+- ``state/trainer.json``: the optimizer step, the caller's own state (data position, RNG, schedule),
+  a CRC32 of every other file in the checkpoint and one of its own content, all checked on load.
 No pickle anywhere. Everything is written into ``<dir>.tmp``, flushed to disk, then renamed into place,
-so a process killed mid-save leaves the previous checkpoint intact and no half-written one.
+so a process killed mid-save leaves the previous checkpoint intact and no half-written one. State that
+is not finite is refused before anything is renamed: a checkpoint never holds a NaN.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import zlib
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..host.store import HostStore
@@ -28,11 +30,31 @@ from . import export
 
 STATE_DIR = "state"
 TRAINER = "trainer.json"
-FORMAT = 2  # 1: two files (master, moments) for all units
+FORMAT = 3  # 2: trainer.json without a checksum of its own (still read); 1: two files for all units
+READS = (2, 3)
 
 
 class CorruptCheckpointError(RuntimeError):
     """A checkpoint file is missing, truncated or altered."""
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full or read-only disk); the partial one is removed."""
+
+
+class NonFiniteStateError(FloatingPointError):
+    """The training state holds NaN or infinity: it is not written."""
+
+
+def _meta_crc(meta: dict) -> str:
+    body = json.dumps({k: v for k, v in meta.items() if k != "crc32"}, sort_keys=True)
+    return f"{zlib.crc32(body.encode()):08x}"
+
+
+def _check_finite(state: dict[str, torch.Tensor], where: str) -> None:
+    for k, t in state.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise NonFiniteStateError(f"{where}: {k} holds NaN or infinite values; the state is not saved")
 
 
 def _crc(path: Path) -> str:
@@ -61,25 +83,36 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
     tmp = final.with_name(final.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)  # a save that was interrupted earlier
-    (tmp / STATE_DIR).mkdir(parents=True)
     try:
+        (tmp / STATE_DIR).mkdir(parents=True)
+        for u in range(len(adapter.units)):  # (first: nothing is written for a state that is not finite)
+            st = store.unit_state(u)
+            _check_finite(st, f"unit {_unit_key(adapter, u)}")
+            save_file(st, str(tmp / STATE_DIR / f"{_unit_key(adapter, u)}.safetensors"))
         export.save_pretrained(tmp, adapter, store, dtype)
-        for u in range(len(adapter.units)):
-            save_file(store.unit_state(u), str(tmp / STATE_DIR / f"{_unit_key(adapter, u)}.safetensors"))
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         for f in files:
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         meta = {"format": FORMAT, "step": store.step, "trainer": trainer_state or {},
                 "checksums": {str(f.relative_to(tmp)): _crc(f) for f in files}}
+        meta["crc32"] = _meta_crc(meta)
         (tmp / STATE_DIR / TRAINER).write_text(json.dumps(meta, indent=1))
         with open(tmp / STATE_DIR / TRAINER, "rb") as fh:
             os.fsync(fh.fileno())
         _fsync_dir(tmp / STATE_DIR)
         _fsync_dir(tmp)
-    except OSError as e:
+    except (OSError, SafetensorError) as e:  # safetensors reports a full disk as its own error type
         shutil.rmtree(tmp, ignore_errors=True)
-        raise OSError(e.errno, f"saving checkpoint {final} failed ({e.strerror}); the previous checkpoint is intact") from e
+        errno_ = getattr(e, "errno", None)
+        if errno_ is None and (m := re.search(r"os error (\d+)", str(e))):
+            errno_ = int(m.group(1))
+        why = os.strerror(errno_) if errno_ else str(e)
+        raise CheckpointWriteError(errno_ or 0, f"cannot write checkpoint {final}: {why}; the partial copy was "
+                                   "removed and existing checkpoints are untouched") from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():  # replacing a checkpoint of the same name: move the old one aside first
         old = final.with_name(final.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
@@ -92,38 +125,68 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
     return final
 
 
-def load_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostStore) -> dict:
-    """Restore master, moments and step into ``store``; returns the trainer state saved with them."""
+def read_meta(path: str | os.PathLike) -> dict:
+    """``trainer.json`` of the checkpoint at ``path``, its own checksum verified (not the other files')."""
     root = Path(path)
     meta_path = root / STATE_DIR / TRAINER
+    if not root.is_dir():
+        raise CorruptCheckpointError(f"{root} is not a directory: give a checkpoint-N folder written by slideformer")
     try:
         meta = json.loads(meta_path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(f"{meta_path}: unreadable ({e}); this is not a complete slideformer checkpoint") from e
-    if meta.get("format") != FORMAT:
-        raise CorruptCheckpointError(f"{meta_path}: format {meta.get('format')!r}, this slideformer reads {FORMAT}")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptCheckpointError(f"{meta_path}: unreadable ({e}); {root} is not a complete slideformer "
+                                     "checkpoint") from e
+    if not isinstance(meta, dict) or meta.get("format") not in READS or not isinstance(meta.get("checksums"), dict):
+        got = meta.get("format") if isinstance(meta, dict) else None
+        raise CorruptCheckpointError(f"{meta_path}: format {got!r}, this slideformer reads {', '.join(map(str, READS))}")
+    if meta["format"] >= 3 and meta.get("crc32") != _meta_crc(meta):
+        raise CorruptCheckpointError(f"{meta_path} is corrupt or was edited (its CRC32 does not match its content)")
+    return meta
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict:
+    """Every file's CRC32 checked against ``trainer.json``, nothing loaded; returns that file's content."""
+    root = Path(path)
+    meta = read_meta(root)
     for rel, crc in meta["checksums"].items():
         f = root / rel
         if not f.is_file():
             raise CorruptCheckpointError(f"checkpoint file {f} is missing")
-        if _crc(f) != crc:
-            raise CorruptCheckpointError(f"checkpoint file {f} is corrupt (CRC32 {_crc(f)}, expected {crc})")
-    for u in range(len(adapter.units)):
-        f = root / STATE_DIR / f"{_unit_key(adapter, u)}.safetensors"
+        if (got := _crc(f)) != crc:
+            raise CorruptCheckpointError(f"checkpoint file {f} is corrupt (CRC32 {got}, expected {crc})")
+    return meta
+
+
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I16": torch.int16, "I32": torch.int32}
+
+
+def load_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostStore) -> dict:
+    """Restore master, moments and step into ``store``; returns the trainer state saved with them.
+    Every file is verified, and every unit's layout checked from the file headers, before the store is
+    touched: a refused checkpoint leaves the state as it was."""
+    root = Path(path)
+    meta = verify_checkpoint(root)
+    files = [root / STATE_DIR / f"{_unit_key(adapter, u)}.safetensors" for u in range(len(adapter.units))]
+    for u, f in enumerate(files):
         if not f.is_file():
             raise CorruptCheckpointError(f"{f} is missing: a checkpoint of another model?")
         with safe_open(str(f), framework="pt") as fh:
-            saved = {k: fh.get_tensor(k) for k in fh.keys()}
-        for k, want in store.unit_layout(u).items():
-            t = saved.get(k)
-            if t is None:
-                raise CorruptCheckpointError(f"{f} lacks {k!r}: saved with another optimizer_state? Resume with the same")
-            if t.numel() != want[0]:
-                raise CorruptCheckpointError(f"{f}: {k} has {t.numel()} values, the model has {want[0]}: a "
-                                             "checkpoint of another model?")
-            if t.dtype != want[1]:
-                raise CorruptCheckpointError(f"{root}: saved with optimizer_state="
-                                             f"{'compact' if t.dtype == torch.bfloat16 else 'fp32'}; resume with the same")
-        store.set_unit_state(u, saved)
+            saved = {k: fh.get_slice(k) for k in fh.keys()}
+            for k, (numel, dtype) in store.unit_layout(u).items():
+                if k not in saved:
+                    raise CorruptCheckpointError(f"{f} lacks {k!r}: saved with another optimizer_state? Resume with the same")
+                got = 1
+                for d in saved[k].get_shape():
+                    got *= d
+                if got != numel:
+                    raise CorruptCheckpointError(f"{f}: {k} has {got} values, the model has {numel}: a "
+                                                 "checkpoint of another model?")
+                if _DTYPES.get(saved[k].get_dtype()) != dtype:
+                    raise CorruptCheckpointError(f"{root}: saved with optimizer_state="
+                                                 f"{'compact' if saved[k].get_dtype() == 'BF16' else 'fp32'}; "
+                                                 "resume with the same")
+    for u, f in enumerate(files):
+        with safe_open(str(f), framework="pt") as fh:
+            store.set_unit_state(u, {k: fh.get_tensor(k) for k in fh.keys()})
     store.step = int(meta["step"])
     return meta["trainer"]

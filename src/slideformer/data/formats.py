@@ -22,36 +22,66 @@ class DataError(ValueError):
     """A malformed record; the message names the file and line (or record index)."""
 
 
-def read_records(path: str | os.PathLike) -> list[tuple[str, dict]]:
-    """(where, record) pairs; ``where`` is "file:line" for JSONL, "file[record i]" otherwise."""
+def read_records(path: str | os.PathLike, skip_bad: bool = False) -> list[tuple[str, dict | None]]:
+    """(where, record) pairs; ``where`` is "file:line" for JSONL, "file[record i]" otherwise. With
+    ``skip_bad`` a JSONL line that is not valid JSON comes back as ``None`` (to be counted), not an error."""
     p = Path(path)
     if not p.is_file():
-        raise DataError(f"dataset file {p} does not exist")
+        raise DataError(f"dataset file {p} does not exist" if not p.exists() else f"dataset path {p} is not a file")
+    try:
+        with open(p, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise DataError(f"dataset file {p}: cannot read it ({e.strerror})") from e
+    if head[:2] == b"\x1f\x8b" or head[:3] == b"BZh" or head[:4] == b"\x28\xb5\x2f\xfd":
+        raise DataError(f"dataset file {p} is compressed (gzip, bzip2 or zstd); decompress it first, e.g. gunzip")
     if p.suffix == ".parquet":
+        with open(p, "rb") as f:
+            f.seek(-min(4, p.stat().st_size), os.SEEK_END)
+            tail = f.read(4)
+        if head != b"PAR1" or tail != b"PAR1":
+            raise DataError(f"dataset file {p}: not a readable Parquet file (no Parquet markers at its start and end)")
         try:
             from datasets import Dataset
         except ImportError:
             raise DataError(f"{p}: reading Parquet needs the datasets package: pip install 'slideformer[data]' "
                             "(or pip install datasets)") from None
-
-        return [(f"{p}[record {i}]", dict(r)) for i, r in enumerate(Dataset.from_parquet(str(p)))]
+        try:
+            return [(f"{p}[record {i}]", dict(r)) for i, r in enumerate(Dataset.from_parquet(str(p)))]
+        except Exception as e:  # pyarrow raises its own types for a file that is not Parquet
+            raise DataError(f"dataset file {p}: not a readable Parquet file ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:200] if str(e) else ''})") from e
     if p.suffix == ".json":
         try:
             data = json.loads(p.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise DataError(f"{p}: not UTF-8 text (byte {e.start}); save it as UTF-8") from e
         except json.JSONDecodeError as e:
             raise DataError(f"{p}:{e.lineno}: not valid JSON ({e.msg})") from e
+        except RecursionError:
+            raise DataError(f"{p}: JSON nested too deeply to be a dataset record") from None
         if not isinstance(data, list):
             raise DataError(f"{p}: a .json dataset must be a list of records")
         return [(f"{p}[record {i}]", r) for i, r in enumerate(data)]
     out = []
-    with open(p, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(p, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{p}:{lineno}: not UTF-8 text (byte {e.start} of the line); save the file as "
+                                "UTF-8") from e
             if not line.strip():
                 continue
             try:
                 out.append((f"{p}:{lineno}", json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{p}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
+            except (json.JSONDecodeError, RecursionError) as e:
+                if skip_bad:
+                    out.append((f"{p}:{lineno}", None))
+                    continue
+                why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+                raise DataError(f"{p}:{lineno}: not valid JSON ({why}); fix the line, or set "
+                                "skip_bad_records: true to skip such lines") from None
     return out
 
 
@@ -105,12 +135,41 @@ def to_messages(rec: dict, fmt: str, where: str) -> list[dict] | str:
     raise DataError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)} or auto")
 
 
-def render(rec_messages, tokenizer, where: str) -> tuple[list[int], list[int]]:
-    """Token ids and labels: assistant turns (and their end markers) are trained on, the rest is -100."""
+MAX_TEMPLATE_CHARS = 256 * 1024  # far above any real chat template; above it, likely a file's contents by mistake
+
+
+def check_chat_template(template: str, where: str = "chat_template") -> None:
+    """Refuse a template whose rendering alone would dominate the work (each record renders it several times)."""
+    if len(template) > MAX_TEMPLATE_CHARS:
+        raise DataError(f"{where} is {len(template) / 2**20:.1f} MiB of text; chat templates are Jinja of at most "
+                        f"{MAX_TEMPLATE_CHARS // 1024} KiB: give the template itself, not a file's contents")
+
+
+def max_token_chars(tokenizer) -> int:
+    """The longest vocabulary entry in characters: ``cutoff_len`` tokens never span more than that many
+    characters each, so text past a bound derived from it cannot reach the model."""
+    return max(8, max((len(t) for t in tokenizer.get_vocab()), default=8))
+
+
+def _clip(text: str, limit: int | None) -> str:
+    return text if limit is None or len(text) <= limit else text[:limit]
+
+
+def render(rec_messages, tokenizer, where: str, cutoff_len: int | None = None,
+           token_chars: int | None = None) -> tuple[list[int], list[int]]:
+    """Token ids and labels: assistant turns (and their end markers) are trained on, the rest is -100.
+
+    With ``cutoff_len`` the work is bounded whatever a record's size: each text is cut to four times the
+    characters ``cutoff_len`` tokens can span (``token_chars``, the longest vocabulary entry; a cut that
+    far out cannot change the first ``cutoff_len`` tokens), and no message is rendered once the tokens
+    reach ``cutoff_len``. The caller still truncates to ``cutoff_len``."""
+    limit = None
+    if cutoff_len is not None:
+        limit = 4 * (cutoff_len + 8) * (token_chars or max_token_chars(tokenizer))
     if isinstance(rec_messages, str):
-        ids = tokenizer(rec_messages, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids = tokenizer(_clip(rec_messages, limit), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         return ids, list(ids)
-    msgs = rec_messages
+    msgs = [{**m, "content": _clip(m["content"], limit)} for m in rec_messages]
     if not any(m["role"] == "assistant" for m in msgs):
         raise DataError(f"{where}: the conversation has no assistant turn to train on")
     def tok(prefix, gen):
@@ -127,6 +186,8 @@ def render(rec_messages, tokenizer, where: str) -> tuple[list[int], list[int]]:
     # the tokenizer's template does around turns, without parsing it. An assistant turn's header (what
     # add_generation_prompt adds) is prompt, not target.
     for k in range(1, len(msgs) + 1):
+        if cutoff_len is not None and len(ids) >= cutoff_len:
+            break  # nothing later reaches the model
         if msgs[k - 1]["role"] == "assistant":
             header = tok(msgs[: k - 1], True)
             full = tok(msgs[:k], False)

@@ -16,6 +16,7 @@ forward consumes them as they finish.
 from __future__ import annotations
 
 import copy
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -155,6 +156,10 @@ class SlideEngine:
         self.rotary = self.adapter.rotary(self.device)
         self.lr = self.cfg.lr
         self._grad_norm = None
+        # With clipping the update waits for the global norm anyway: a step whose norm or loss is not finite
+        # is then dropped (no state changes). Without clipping the updates run as gradients land, so such a
+        # step has been applied when its norm is known (the caller must not save that state).
+        self.last_step_dropped = False
 
     # -- public API -----------------------------------------------------------------------------
     def set_lr(self, lr: float) -> None:
@@ -196,16 +201,22 @@ class SlideEngine:
 
         total = torch.linalg.vector_norm(torch.stack(st.norms))
         self._grad_norm = total
+        loss = st.loss if torch.is_tensor(st.loss) else torch.tensor(st.loss)
+        self.last_step_dropped = False
         if self.cfg.max_grad_norm is not None:
-            coef = min(1.0, self.cfg.max_grad_norm / (float(total) + 1e-6))
+            norm, value = torch.stack([total, loss.to(total)]).tolist()  # (one wait for both)
+            finite = math.isfinite(norm) and math.isfinite(value)
+            # A non-finite norm or loss drops the step: no unit's state changes, the step count stays.
+            coef = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6)) if finite else None
             rt.resolve_speculation(coef)  # the updates already run stand if coef is 1, else run again
             for unit, sent in sorted(st.finished, key=lambda f: f[0]):  # forward order: the next step needs unit 0 first
-                if unit in self.resident:
-                    rt.update_resident(unit, st.index, self.lr, coef)
-                else:
+                if unit not in self.resident:
                     rt.submit_update(UpdateJob(unit, sent, st.index, self.lr, coef))
-        self.store.step = st.index
-        loss = st.loss if torch.is_tensor(st.loss) else torch.tensor(st.loss)
+                elif finite:
+                    rt.update_resident(unit, st.index, self.lr, coef)
+            self.last_step_dropped = not finite
+        if not self.last_step_dropped:
+            self.store.step = st.index
         return float(loss) if blocking else loss.detach()
 
     # -- the phases of a step, one per visit kind (see window/schedule.py) --------------------------

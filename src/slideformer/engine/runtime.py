@@ -108,14 +108,15 @@ class UpdateJob:
     grads: "SentGrads"
     step: int
     lr: float
-    grad_coef: float
+    grad_coef: float | None  # None: the step is dropped; the unit's state stays as it is
     spare: int | None = None  # speculative (clipping): written into this spare state, kept until the verdict
 
 
 @dataclass
 class _Verdict:
-    """Clipping's coefficient, once backward has ended: whether the speculative updates stand."""
-    grad_coef: float
+    """Clipping's coefficient, once backward has ended: whether the speculative updates stand (None: a
+    non-finite norm or loss; the step is dropped, no unit's state changes)."""
+    grad_coef: float | None
 
 
 @dataclass
@@ -188,8 +189,9 @@ class Runtime:
         self._spares_lock = threading.Lock()
         self._speculated: list[UpdateJob] = []  # done, awaiting the verdict (worker thread only)
         # Units whose speculative update stood ("kept"), ran again ("redone"), or had not started by the
-        # verdict and ran in place ("late"): how much of the CPU update clipping still serialises.
-        self.speculation = {"kept": 0, "redone": 0, "late": 0}
+        # verdict and ran in place ("late"): how much of the CPU update clipping still serialises; and
+        # those of steps dropped for a non-finite norm ("dropped").
+        self.speculation = {"kept": 0, "redone": 0, "late": 0, "dropped": 0}
         self._jobs: queue.Queue[UpdateJob | _Verdict | None] = queue.Queue()
         self._worker = threading.Thread(target=self._work, name="slideformer-optimizer", daemon=True)
         self._worker.start()
@@ -489,7 +491,7 @@ class Runtime:
         with self._spares_lock:
             return self._spares_free.pop() if self._spares_free else None
 
-    def resolve_speculation(self, grad_coef: float) -> None:
+    def resolve_speculation(self, grad_coef: float | None) -> None:
         """The step's clipping coefficient: queued behind the step's speculative updates (module docstring)."""
         self._raise_worker_error()
         self._jobs.put(_Verdict(grad_coef))
@@ -508,10 +510,10 @@ class Runtime:
                 self._return_grad_buffer(job.grads.buffer)
                 self._updated[job.unit].set()
                 self.speculation["kept"] += 1
-            else:  # again, in place, with the real coefficient (or, after a failure, only released)
+            else:  # again, in place, with the real coefficient (dropped, or after a failure: only released)
                 self._free_spare(job.spare)
                 pending.append(UpdateJob(job.unit, job.grads, job.step, job.lr, verdict.grad_coef))
-                self.speculation["redone"] += 1
+                self.speculation["redone" if verdict.grad_coef is not None else "dropped"] += 1
         self._speculated = []
         for job in pending:  # not run yet: they run in place, with the coefficient
             if job.spare is not None:
@@ -572,7 +574,9 @@ class Runtime:
                     # (the separate compute copy is written in place: nothing reads it before the verdict,
                     # which rewrites it if the update does not stand)
                 t0 = time.perf_counter()
-                if s.compact:
+                if job.grad_coef is None:  # a dropped step: the state (tier buffer too) goes back unchanged
+                    waited = 0.0
+                elif s.compact:
                     lo = s.master_lo[job.unit] if job.spare is None else s.spares[job.spare]["master_lo"]
                     waited = adamw_compact_(master, lo, grad, exp_avg, exp_avg_sq,
                                    step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,

@@ -9,11 +9,26 @@ behind it (engine/runtime.py owns those threads); this class only moves bytes.
 I/O uses O_DIRECT where the filesystem supports it (page cache would spend the RAM the tier saves),
 else buffered I/O followed by POSIX_FADV_DONTNEED. Every write records a CRC32 of the file's bytes
 and every read checks it, so a corrupted or truncated state file is detected, never trained on.
+
+The files of each tier (and each ``NvmeScratch``) live in a directory of their own,
+``offload_dir/slideformer-<pid>-<random hex>/`` (``OwnedDir``), whose owner holds an exclusive flock on
+the ``owner.lock`` inside it while it is open. close() removes the directory, but a killed process
+(SIGKILL, preemption) cannot, and a 14B model leaves hundreds of GB behind. The kernel drops the lock
+with the process, so a directory whose lock can be taken has no live owner: every new ``OwnedDir``
+removes those in its offload_dir, and says so on stderr. Directories whose lock is held (a live run
+sharing offload_dir) and anything not named like ours are never touched. Nothing is reused: on
+resume the tier's state is rebuilt from the checkpoint, which holds all of it.
 """
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+import re
+import secrets
+import shutil
+import sys
+import threading
 import zlib
 from pathlib import Path
 
@@ -25,6 +40,162 @@ IO_CHUNK = 64 << 20
 
 class TierError(OSError):
     """The NVMe tier cannot hold or return the state (full disk, failed write, corrupt file)."""
+
+
+LOCK_FILE = "owner.lock"
+_OWNED = re.compile(r"slideformer-(\d+)-[0-9a-f]{12}")
+# an OwnedDir being created: it gets its final name only once its lock is held (see OwnedDir)
+_PENDING = re.compile(r"\.slideformer-(\d+)-[0-9a-f]{12}\.new")
+# files older versions put straight into offload_dir, owned by nothing but their pid
+_LEGACY = re.compile(r"slideformer-(\d+)-(?:unit\d+\.state|[^/]+\.scratch)")
+
+# The names of the directories this process holds open. The scan must not judge these by their lock:
+# where flock is emulated with POSIX record locks (NFS, CIFS) a second fd of the same process takes the
+# lock too, and closing that fd would drop the owner's lock. Touched only by OwnedDir.__init__/close.
+_held: set[str] = set()
+_held_lock = threading.Lock()
+
+
+def _disk_usage(path: Path) -> int:
+    """Bytes allocated to the files under ``path`` (a file or a directory; symlinks not followed)."""
+    def size(p: str) -> int:
+        try:
+            st = os.lstat(p)
+        except OSError:
+            return 0
+        return st.st_blocks * 512 if hasattr(st, "st_blocks") else st.st_size
+
+    if not path.is_dir() or path.is_symlink():
+        return size(str(path))
+    return sum(size(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _report(freed: int, what: Path) -> None:
+    print(f"slideformer: removed {_gib(freed)} of NVMe tier files left by a process that ended ({what})",
+          file=sys.stderr, flush=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
+
+
+def _remove_if_ownerless(d: Path) -> int | None:
+    """Remove the owned directory ``d`` unless its owner is alive; the bytes freed, or None if kept."""
+    try:
+        fd = os.open(d / LOCK_FILE, os.O_RDONLY)
+    except FileNotFoundError:
+        fd = -1  # its lock file went first: a removal (close, or another scan) is running or was cut short
+    except OSError:
+        return None  # unreadable (another user's): not ours to judge
+    try:
+        if fd >= 0:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # held (EWOULDBLOCK): a live owner; any other error: no verdict, keep it
+                return None
+        freed = _disk_usage(d)
+        shutil.rmtree(d, ignore_errors=True)
+        return freed
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def remove_stale(offload_dir: str | os.PathLike) -> int:
+    """Remove what processes that ended left in ``offload_dir``: owned directories whose lock is free,
+    and the files older versions put there directly whose pid no longer runs. Each removal is one line
+    on stderr. Returns the bytes freed."""
+    parent = Path(offload_dir)
+    total = 0
+    legacy: dict[int, list[Path]] = {}
+    for entry in os.scandir(parent):
+        path = Path(entry.path)
+        if (m := _OWNED.fullmatch(entry.name)) and entry.is_dir(follow_symlinks=False):
+            with _held_lock:
+                if entry.name in _held:
+                    continue
+            freed = _remove_if_ownerless(path)
+            if freed:
+                _report(freed, path)
+                total += freed
+        elif (m := _PENDING.fullmatch(entry.name)) and entry.is_dir(follow_symlinks=False):
+            if not _alive(int(m.group(1))):  # killed in the instant between mkdir and rename: no lock yet
+                shutil.rmtree(path, ignore_errors=True)
+        elif (m := _LEGACY.fullmatch(entry.name)) and entry.is_file(follow_symlinks=False):
+            if not _alive(int(m.group(1))):
+                legacy.setdefault(int(m.group(1)), []).append(path)
+    for pid, files in legacy.items():
+        freed = sum(_disk_usage(f) for f in files)
+        for f in files:
+            f.unlink(missing_ok=True)
+        _report(freed, parent / f"slideformer-{pid}-*")
+        total += freed
+    return total
+
+
+class OwnedDir:
+    """A directory ``offload_dir/slideformer-<pid>-<hex>/`` that this process holds, for the files of one
+    tier or scratch. Creating it first removes what ended processes left in offload_dir
+    (``remove_stale``); close() removes it and everything in it.
+
+    It is made under a name the scan ignores, gets its lock file and lock there, and only then is renamed
+    to its final name, so no scan ever sees it unlocked while its owner lives."""
+
+    def __init__(self, offload_dir: str | os.PathLike):
+        self.offload_dir = Path(offload_dir)
+        self.offload_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale(self.offload_dir)
+        self.name = f"slideformer-{os.getpid()}-{secrets.token_hex(6)}"
+        self.path = self.offload_dir / self.name
+        pending = self.offload_dir / f".{self.name}.new"
+        pending.mkdir(mode=0o700)
+        self._fd = -1
+        try:
+            self._fd = os.open(pending / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fcntl.flock(self._fd, fcntl.LOCK_EX)  # nobody else knows this file yet: taken at once
+            with _held_lock:
+                _held.add(self.name)
+            os.rename(pending, self.path)
+        except BaseException:
+            self._release()
+            shutil.rmtree(pending, ignore_errors=True)
+            raise
+
+    def _release(self) -> None:
+        with _held_lock:
+            _held.discard(self.name)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def close(self) -> None:
+        """Remove the directory and what is left in it (the lock file last, still held), then drop the lock."""
+        if self._fd < 0:
+            return
+        try:
+            for entry in os.scandir(self.path):
+                if entry.name == LOCK_FILE:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                else:
+                    Path(entry.path).unlink(missing_ok=True)
+            (self.path / LOCK_FILE).unlink(missing_ok=True)
+        except FileNotFoundError:
+            pass
+        finally:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self._release()
 
 
 def _open(path: Path, direct: bool) -> tuple[int, bool]:
@@ -76,10 +247,12 @@ def _crc(view: memoryview, crc: int = 0) -> int:
 
 
 class NvmeTier:
+    """The state files of the tier's units, in an ``OwnedDir`` of their own under ``directory`` (the
+    offload_dir), and the RAM buffers they are read into and written from."""
+
     def __init__(self, directory: str | os.PathLike, numels: dict[int, int], buffers: int,
                  dtype: torch.dtype = torch.float32, fields: int = 2):
-        self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.offload_dir = Path(directory)
         self.numels = numels
         self.dtype = dtype  # fp32 state, or bf16 moments (compact optimizer state)
         self.fields = fields  # 2: exp_avg, exp_avg_sq; 3: and the master
@@ -89,24 +262,29 @@ class NvmeTier:
         self._fds: dict[int, int] = {}
         self.direct = True
         self.crc: dict[int, int] = {}
-        zero_crc: dict[int, int] = {}
-        for u, size in self.nbytes.items():
-            path = self.dir / f"slideformer-{os.getpid()}-unit{u}.state"
-            fd = self._open(path)
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                self.close()
-                raise TierError(e.errno, f"offload_dir {self.dir}: cannot reserve {need / 2**30:.1f} GiB for the "
-                                f"optimizer state on the NVMe tier ({e.strerror}); free space there, lower the "
-                                "fraction of units on the tier, or point offload_dir elsewhere") from e
-            self.files[u], self._fds[u] = path, fd
-            if size not in zero_crc:
-                zero_crc[size] = self._zero_crc(size)
-            self.crc[u] = zero_crc[size]  # fallocate'd space reads as zeros: the moments' initial value
-            # (a master on the tier is written before training starts: see HostStore.set_master)
-        width = max(self.nbytes.values())
-        self.buffers = [aligned_empty(width, torch.uint8).zero_() for _ in range(buffers)]
+        self.owned = OwnedDir(self.offload_dir)
+        self.dir = self.owned.path
+        try:
+            zero_crc: dict[int, int] = {}
+            for u, size in self.nbytes.items():
+                path = self.dir / f"unit{u}.state"
+                fd = self._open(path)
+                self.files[u], self._fds[u] = path, fd
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    raise TierError(e.errno, f"offload_dir {self.offload_dir}: cannot reserve {need / 2**30:.1f} GiB "
+                                    f"for the optimizer state on the NVMe tier ({e.strerror}); free space there, lower "
+                                    "the fraction of units on the tier, or point offload_dir elsewhere") from e
+                if size not in zero_crc:
+                    zero_crc[size] = self._zero_crc(size)
+                self.crc[u] = zero_crc[size]  # fallocate'd space reads as zeros: the moments' initial value
+                # (a master on the tier is written before training starts: see HostStore.set_master)
+            width = max(self.nbytes.values())
+            self.buffers = [aligned_empty(width, torch.uint8).zero_() for _ in range(buffers)]
+        except BaseException:
+            self.close()
+            raise
 
     @staticmethod
     def _zero_crc(size: int) -> int:
@@ -168,19 +346,26 @@ class NvmeTier:
             f.unlink(missing_ok=True)
         self._fds.clear()
         self.files.clear()
+        self.owned.close()
 
 
 class NvmeScratch:
-    """One file of fixed-size records for transient data (offloaded activations), grown with
-    posix_fallocate when a step needs more records or larger ones. Records are written and read whole,
-    from 4096-aligned buffers (``aligned_empty``), each with a CRC32 checked on read."""
+    """One file of fixed-size records for transient data (offloaded activations), in an ``OwnedDir`` of
+    its own under ``directory`` (the offload_dir), grown with posix_fallocate when a step needs more
+    records or larger ones. Records are written and read whole, from 4096-aligned buffers
+    (``aligned_empty``), each with a CRC32 checked on read."""
 
     def __init__(self, directory: str | os.PathLike, what: str):
-        self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.offload_dir = Path(directory)
         self.what = what
-        self.path = self.dir / f"slideformer-{os.getpid()}-{what}.scratch"
-        self.fd, self.direct = _open(self.path, True)
+        self.owned = OwnedDir(self.offload_dir)
+        self.dir = self.owned.path
+        self.path = self.dir / f"{what}.scratch"
+        try:
+            self.fd, self.direct = _open(self.path, True)
+        except BaseException:
+            self.owned.close()
+            raise
         self.record_bytes = 0
         self.records = 0
         self.crc: dict[int, int] = {}
@@ -198,7 +383,7 @@ class NvmeScratch:
         try:
             os.posix_fallocate(self.fd, 0, records * record_bytes)
         except OSError as e:
-            raise TierError(e.errno, f"offload_dir {self.dir}: cannot reserve {records * record_bytes / 2**30:.1f} GiB "
+            raise TierError(e.errno, f"offload_dir {self.offload_dir}: cannot reserve {records * record_bytes / 2**30:.1f} GiB "
                             f"for {self.what} on NVMe ({e.strerror}); free space there, or keep them in RAM") from e
         self.records, self.record_bytes = records, record_bytes
         self.crc.clear()
@@ -228,3 +413,4 @@ class NvmeScratch:
             os.close(self.fd)
             self.fd = -1
             self.path.unlink(missing_ok=True)
+            self.owned.close()

@@ -59,12 +59,12 @@ class OffloadConfig:
 class TrainConfig:
     model_name_or_path: str = "tiny"  # a local Hugging Face directory, or "tiny" (bundled, random init)
     # default: the bundled sample, one file per format (alpaca, sharegpt, OpenAI messages, plain text)
-    dataset: list = field(default_factory=lambda: [DatasetSpec(str(_assets() / "sample" / f"{f}.jsonl"))
+    dataset: list | str = field(default_factory=lambda: [DatasetSpec(str(_assets() / "sample" / f"{f}.jsonl"))
                                                    for f in ("alpaca", "sharegpt", "messages", "text")])
     chat_template: str | None = None  # default: the tokenizer's
     cutoff_len: int = 1024
     packing: bool = False  # pack samples into rows of cutoff_len; attention never crosses a sample boundary
-    skip_bad_records: bool = False
+    skip_bad_records: bool = False  # malformed records and lines that are not JSON: skipped and counted
     micro_batch_size: int = 8
     gradient_accumulation_steps: int = 1
     learning_rate: float = 1e-5
@@ -72,15 +72,23 @@ class TrainConfig:
     warmup_ratio: float = 0.1
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
+    # a step whose loss or gradient norm is not finite is dropped (with clipping, before it is applied);
+    # false: the run stops there (exit 4); true: training goes on with the next data, and stops after 10
+    # such steps in a row
+    skip_nonfinite_steps: bool = False
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     num_train_epochs: float = 3.0
     max_steps: int = -1  # > 0 overrides num_train_epochs
     seed: int = 0
     output_dir: str = "out/run"
+    # a folder with content not written by a slideformer run, or a new run over an earlier run's
+    # checkpoints, is refused unless true; then what the run writes replaces what has its names
+    # (checkpoint-N, metrics.jsonl, loss.png) and nothing else is touched
+    overwrite_output_dir: bool = False
     logging_steps: int = 10
     save_steps: int = 0  # 0: only at the end
-    save_total_limit: int | None = 2
+    save_total_limit: int | None = 2  # this run's newest checkpoints kept (null: all)
     resume_from_checkpoint: str | None = None  # a path, or "auto": the newest complete one in output_dir
     device: str | None = None  # default: cuda if available
     bf16: bool | None = None  # default: bf16 on CUDA, fp32 on CPU
@@ -89,9 +97,13 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         specs = []
-        for d in self.dataset if isinstance(self.dataset, list) else [self.dataset]:
+        for i, d in enumerate(self.dataset if isinstance(self.dataset, list) else [self.dataset]):
+            if isinstance(d, dict) and "path" not in d:
+                raise ConfigError(f"dataset[{i}] has no path; write it as {{path: data/train.jsonl, format: auto}}")
+            if not isinstance(d, (str, dict, DatasetSpec)):
+                raise ConfigError(f"dataset[{i}] must be a file path or a mapping with a path, got {d!r}")
             spec = DatasetSpec(d) if isinstance(d, str) else d if isinstance(d, DatasetSpec) else \
-                DatasetSpec(**_checked(d, DatasetSpec, "dataset[]"))
+                DatasetSpec(**_checked(d, DatasetSpec, f"dataset[{i}]"))
             if spec.format != "auto" and spec.format not in FORMATS:
                 raise ConfigError(f"dataset {spec.path}: format {spec.format!r} is unknown; use auto or one of {', '.join(FORMATS)}")
             specs.append(spec)
@@ -103,6 +115,22 @@ class TrainConfig:
         for k in ("micro_batch_size", "gradient_accumulation_steps", "cutoff_len", "logging_steps"):
             if getattr(self, k) < 1:
                 raise ConfigError(f"{k} must be >= 1, got {getattr(self, k)}")
+        if self.save_steps < 0:
+            raise ConfigError(f"save_steps must be >= 0 (0: save only at the end), got {self.save_steps}")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise ConfigError(f"save_total_limit must be >= 1, or null to keep every checkpoint, got "
+                              f"{self.save_total_limit}")
+        if self.learning_rate < 0 or self.weight_decay < 0:
+            k = "learning_rate" if self.learning_rate < 0 else "weight_decay"
+            raise ConfigError(f"{k} must be >= 0, got {getattr(self, k)}")
+        for k in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, k) < 1:
+                raise ConfigError(f"{k} must lie in [0, 1), got {getattr(self, k)}")
+        if self.device not in (None, "cpu", "cuda"):
+            raise ConfigError(f"device {self.device!r} is not supported; use cuda or cpu, or leave it unset")
+        if self.skip_nonfinite_steps and self.max_grad_norm is None:
+            raise ConfigError("skip_nonfinite_steps needs max_grad_norm: without clipping the update runs before the "
+                              "gradient norm is known, so a non-finite step cannot be dropped; set max_grad_norm")
         if not 0 <= self.warmup_ratio < 1:
             raise ConfigError(f"warmup_ratio must lie in [0, 1), got {self.warmup_ratio}")
         if self.max_steps <= 0 and self.num_train_epochs <= 0:
@@ -119,6 +147,16 @@ class TrainConfig:
         sl = self.offload.speculative_layers
         if not (sl == "auto" or (isinstance(sl, int) and not isinstance(sl, bool) and sl >= 0)):
             raise ConfigError(f"offload.speculative_layers must be auto or an integer >= 0, got {sl!r}")
+        rl = self.offload.resident_layers
+        if not (rl == "auto" or (isinstance(rl, int) and not isinstance(rl, bool) and rl >= 0)):
+            raise ConfigError(f"offload.resident_layers must be a number of layers >= 0, or auto; got {rl!r}")
+        if self.offload.gpu_memory_limit is not None:
+            from ..plan import parse_bytes
+
+            try:
+                parse_bytes(self.offload.gpu_memory_limit)
+            except ValueError as e:
+                raise ConfigError(f"offload.gpu_memory_limit: {e}") from None
         if self.offload.resident_edges not in (True, False, "auto"):
             raise ConfigError(f"offload.resident_edges must be true, false or auto, got {self.offload.resident_edges!r}")
         if self.device == "cuda" and self.bf16 is False and self.offload.gpu_memory_limit:
@@ -133,8 +171,9 @@ def _assets() -> Path:
 
 
 def _checked(d: dict, cls, where: str) -> dict:
-    """Unknown keys get a did-you-mean; numbers written as strings ("2e-4": YAML 1.1 reads it as text)
-    become numbers; a value of the wrong kind is named."""
+    """Unknown keys get a did-you-mean; each value is checked against its field's type: numbers written as
+    strings ("2e-4": YAML 1.1 reads it as text) become numbers, a number for a text field becomes text
+    (``output_dir=123``), and anything else of the wrong kind is named with what it must be."""
     if not isinstance(d, dict):
         raise ConfigError(f"{where} must be a mapping, got {type(d).__name__}")
     types = {f.name: str(f.type) for f in fields(cls)}
@@ -143,22 +182,52 @@ def _checked(d: dict, cls, where: str) -> dict:
             near = difflib.get_close_matches(k, list(types), n=1)
             raise ConfigError(f"unknown key {where}.{k}" + (f"; did you mean {near[0]!r}?" if near else
                                                               f"; known keys: {', '.join(types)}"))
-        v, t = d[k], types[k]
-        if v == "auto" and "str" in t:
-            continue
-        for kind, conv in (("float", float), ("int", int)):
-            if t.split(" |")[0] == kind and isinstance(v, str):
-                try:
-                    d[k] = v = conv(v)
-                except ValueError:
-                    raise ConfigError(f"{where}.{k} must be a number, got {v!r}") from None
-        if t.split(" |")[0] in ("float", "int") and v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            raise ConfigError(f"{where}.{k} must be a number, got {v!r}")
+        d[k] = _typed(d[k], types[k], f"{where}.{k}" if where != "config" else k)
     return d
 
 
-def _coerce(value: str):
-    return yaml.safe_load(value)  # "1e-5" -> float, "null" -> None, "true" -> True, "[a, b]" -> list
+def _typed(v, annotation: str, key: str):
+    kinds = {t.strip() for t in annotation.split("|")}
+    if v is None:
+        if "None" in kinds:
+            return v
+        raise ConfigError(f"{key} cannot be null")
+    if isinstance(v, bool):
+        if "bool" in kinds:
+            return v
+    elif isinstance(v, int):
+        if kinds & {"int", "float"}:
+            return v
+        if "str" in kinds:
+            return str(v)
+    elif isinstance(v, float):
+        if "float" in kinds:
+            return v
+        if "int" in kinds and v.is_integer():
+            return int(v)
+        if "int" in kinds:
+            raise ConfigError(f"{key} must be a whole number, got {v}")
+    elif isinstance(v, str):
+        if "str" in kinds:
+            return v
+        for kind, conv in (("int", int), ("float", float)):
+            if kind in kinds:
+                try:
+                    return conv(v)
+                except ValueError:
+                    pass
+    elif isinstance(v, (list, dict)) and kinds & {"list", "OffloadConfig"}:
+        return v
+    want = " or ".join(sorted({"int": "a whole number", "float": "a number", "str": "text", "bool": "true or false",
+                               "None": "null", "list": "a list", "OffloadConfig": "a mapping"}.get(k, k) for k in kinds))
+    raise ConfigError(f"{key} must be {want}, got {v!r}")
+
+
+def _coerce(item: str, value: str):
+    try:
+        return yaml.safe_load(value)  # "1e-5" -> float, "null" -> None, "true" -> True, "[a, b]" -> list
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: the value is not valid YAML ({str(e).splitlines()[0]})") from None
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> TrainConfig:
@@ -179,10 +248,14 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         if not eq:
             raise ConfigError(f"override {item!r} must look like key=value (e.g. learning_rate=1e-5)")
         *parents, leaf = key.split(".")
+        if parents not in ([], ["offload"]) or not leaf:
+            raise ConfigError(f"override {item!r}: only offload.<key> is a section (e.g. offload.gpu_memory_limit=24GiB)")
         node = raw
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = _coerce(value)
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {p} in the config is not a mapping")
+        node[leaf] = _coerce(item, value)
     _checked(raw, TrainConfig, "config")
     if "offload" in raw:
         raw["offload"] = OffloadConfig(**_checked(raw["offload"], OffloadConfig, "offload"))
@@ -190,6 +263,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
     if path is not None:  # dataset paths are relative to the config file
         base = Path(path).parent
         ds = cfg.dataset if isinstance(cfg.dataset, list) else [cfg.dataset]
-        cfg.dataset = [{**d, "path": str(base / d["path"])} if isinstance(d, dict) and not os.path.isabs(d["path"])
+        cfg.dataset = [{**d, "path": str(base / d["path"])}
+                       if isinstance(d, dict) and isinstance(d.get("path"), str) and not os.path.isabs(d["path"])
                        else str(base / d) if isinstance(d, str) and not os.path.isabs(d) else d for d in ds]
     return cfg.validate()

@@ -2,16 +2,17 @@
 
 Resume restores the engine's full state and the data position (epoch and offset into that epoch's
 seeded permutation), so a resumed run takes exactly the steps the uninterrupted run would have.
-Ctrl-C finishes the current step, saves a checkpoint and exits with code 130.
+SIGINT (Ctrl-C) and SIGTERM: see signals.py (the step finishes, a checkpoint is saved, the run ends).
+What the run may touch in ``output_dir`` is decided by train/outdir.py.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import os
 import resource
-import shutil
-import signal
+import sys
 import time
 from pathlib import Path
 
@@ -20,38 +21,55 @@ import torch
 from .. import EngineConfig, SlideEngine, lr_at
 from ..config import ConfigError
 from ..data import DataError, detect_format, pack_batch, pad_batch, read_records, render, to_messages
+from ..data.formats import check_chat_template, max_token_chars
+from ..signals import Signals
+from ..checkpoint.state import CheckpointWriteError, CorruptCheckpointError, read_meta
 from .config import TrainConfig, _assets
+from .outdir import CKPT_PREFIX, METRICS, OutputDir
 
-CKPT_PREFIX = "checkpoint-"
+# A run whose every step for this long comes out non-finite has diverged: skipping more cannot help.
+MAX_DROPPED_IN_A_ROW = 10
 
 
 class NonFiniteLoss(FloatingPointError):
-    """The loss became NaN or infinite; the last checkpoint is kept and nothing after it is saved."""
+    """The loss or gradient norm became NaN or infinite; nothing after the last checkpoint is saved."""
 
 
 def load_tokenizer(cfg: TrainConfig):
     from transformers import AutoTokenizer
 
     path = _assets() / "tiny" if cfg.model_name_or_path == "tiny" else cfg.model_name_or_path
-    tok = AutoTokenizer.from_pretrained(str(path))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError) as e:
+        raise ConfigError(f"model_name_or_path {path}: cannot load its tokenizer ({str(e).splitlines()[0][:200]}); "
+                          "the folder needs tokenizer.json or the tokenizer files transformers saves") from e
     if cfg.chat_template:
+        check_chat_template(cfg.chat_template)
         tok.chat_template = cfg.chat_template
+    elif isinstance(tok.chat_template, str):
+        check_chat_template(tok.chat_template, f"the chat template of {path}")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
 
 
-def build_examples(cfg: TrainConfig, tok) -> tuple[list[tuple[list[int], list[int]]], int]:
-    """Tokenized examples (truncated to cutoff_len) and the number of records skipped as malformed."""
-    examples, skipped = [], 0
+def build_examples(cfg: TrainConfig, tok) -> tuple[list[tuple[list[int], list[int]]], int, int]:
+    """Tokenized examples (truncated to cutoff_len), the number of records skipped as malformed, and the
+    number dropped for having no target token within cutoff_len."""
+    examples, skipped, dropped = [], 0, 0
+    token_chars = max_token_chars(tok)
     for spec in cfg.dataset:
-        for where, rec in read_records(spec.path):
+        for where, rec in read_records(spec.path, skip_bad=cfg.skip_bad_records):
+            if rec is None:  # a line that is not JSON, skipped (skip_bad_records)
+                skipped += 1
+                continue
             try:
                 fmt = detect_format(rec, where) if spec.format == "auto" else spec.format
                 if fmt != "text" and tok.chat_template is None:
                     raise ConfigError(f"{where}: {fmt} data needs a chat template, and the tokenizer has none; "
                                       "set chat_template in the config")
-                ids, labels = render(to_messages(rec, fmt, where), tok, where)
+                ids, labels = render(to_messages(rec, fmt, where), tok, where, cfg.cutoff_len, token_chars)
             except DataError:
                 if not cfg.skip_bad_records:
                     raise
@@ -60,9 +78,12 @@ def build_examples(cfg: TrainConfig, tok) -> tuple[list[tuple[list[int], list[in
             ids, labels = ids[: cfg.cutoff_len], labels[: cfg.cutoff_len]
             if any(l != -100 for l in labels[1:]):
                 examples.append((ids, labels))
+            else:
+                dropped += 1
     if not examples:
-        raise DataError("no trainable examples: every record was skipped or had no target tokens within cutoff_len")
-    return examples, skipped
+        raise DataError(f"no trainable examples: {skipped} record(s) skipped as malformed, {dropped} with no target "
+                        f"token within cutoff_len {cfg.cutoff_len}")
+    return examples, skipped, dropped
 
 
 def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) -> EngineConfig:
@@ -108,17 +129,59 @@ def auto_residency(cfg: TrainConfig, hf_config, ecfg: EngineConfig, examples) ->
     return plan.auto_residency(ecfg, shape, cfg.micro_batch_size * cfg.gradient_accumulation_steps, seq, edges)
 
 
-def _checkpoints(out: Path) -> list[Path]:
-    found = [p for p in out.glob(f"{CKPT_PREFIX}*") if p.is_dir() and p.name[len(CKPT_PREFIX):].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len(CKPT_PREFIX):]))
+def load_model_config(cfg: TrainConfig):
+    """The model's Hugging Face config, checked before anything heavy: a local folder that transformers
+    reads, a family the engine splits into units, positions for cutoff_len."""
+    from ..model import ModelAdapter
+    from ..presets import preset_config
+
+    if cfg.model_name_or_path == "tiny":
+        hf_config = preset_config("tiny")
+    else:
+        from transformers import AutoConfig
+
+        path = Path(cfg.model_name_or_path)
+        hub = "; slideformer reads local folders (fetch one with `hf download ORG/NAME --local-dir DIR`)"
+        if not path.exists():
+            raise ConfigError(f"model_name_or_path {path}: no such folder{hub}")
+        if not path.is_dir():
+            raise ConfigError(f"model_name_or_path {path} is a file; give the folder that holds config.json and "
+                              "the safetensors weights")
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model_name_or_path {path} has no config.json: not a Hugging Face model folder")
+        try:
+            hf_config = AutoConfig.from_pretrained(str(path))
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"{path / 'config.json'}: transformers cannot read it ({str(e).splitlines()[0][:200]})") from e
+    ModelAdapter(hf_config)  # an unsupported family is refused here, naming what is supported
+    positions = getattr(hf_config, "max_position_embeddings", None)
+    if positions is not None and cfg.cutoff_len > positions:
+        raise ConfigError(f"cutoff_len {cfg.cutoff_len} exceeds the model's max_position_embeddings {positions}; "
+                          f"set cutoff_len <= {positions}")
+    return hf_config
 
 
 def train(cfg: TrainConfig) -> dict:
+    with Signals() as signals:
+        return _train(cfg, signals)
+
+
+def _train(cfg: TrainConfig, signals: Signals) -> dict:
     device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device: cuda, but this torch ({torch.__version__}) sees no CUDA GPU; set device: cpu, "
+                          "or leave device unset to use a GPU where there is one")
     bf16 = cfg.bf16 if cfg.bf16 is not None else device == "cuda"
-    out = Path(cfg.output_dir)
+    hf_config = load_model_config(cfg)
+    resume = cfg.resume_from_checkpoint
+    if resume not in (None, "auto"):
+        read_meta(resume)  # (a folder that is not a checkpoint is refused before any work)
+    out = OutputDir.claim(cfg.output_dir, resume=resume, overwrite=cfg.overwrite_output_dir)
     tok = load_tokenizer(cfg)
-    examples, skipped = build_examples(cfg, tok)
+    examples, skipped, dropped = build_examples(cfg, tok)
+    if dropped:
+        print(f"slideformer: {dropped} sample(s) have no target token within cutoff_len {cfg.cutoff_len} and are "
+              "left out", file=sys.stderr)
     per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps
     steps_per_epoch = max(1, len(examples) // per_step)
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
@@ -139,11 +202,6 @@ def train(cfg: TrainConfig) -> dict:
                         resident_layers=0 if o.resident_layers == "auto" else o.resident_layers,
                         resident_edges=o.resident_edges is True,
                         loss_kernel=o.loss_kernel, fused_ops=o.fused_ops)
-    from transformers import AutoConfig
-
-    from ..presets import preset_config
-
-    hf_config = preset_config("tiny") if cfg.model_name_or_path == "tiny" else AutoConfig.from_pretrained(cfg.model_name_or_path)
     if o.speculative_layers == "auto":  # (for the residency choice: check_fits then decides how many fit)
         from ..model import ModelAdapter
         from ..plan import ModelShape, spares_that_fit
@@ -163,91 +221,117 @@ def train(cfg: TrainConfig) -> dict:
     else:
         engine = SlideEngine.from_pretrained(cfg.model_name_or_path, ecfg)
 
-    print(f"slideformer: {engine.describe()}", flush=True)
-    start, epoch, offset = 0, 0, 0
-    resume = cfg.resume_from_checkpoint
-    if resume == "auto":
-        found = _checkpoints(out)
-        resume = str(found[-1]) if found else None
-    if resume:
-        state = engine.load_checkpoint(resume)
-        start, epoch, offset = state["step"], state["epoch"], state["offset"]
+    with engine:
+        print(f"slideformer: {engine.describe()}", flush=True)
+        start, epoch, offset = 0, 0, 0
+        if resume == "auto":
+            found = out.latest_intact()
+            resume = str(found) if found else None
+        if resume:
+            state = engine.load_checkpoint(resume)
+            start, epoch, offset = state["step"], state["epoch"], state["offset"]
+            print(f"slideformer: resumed from {resume} at step {start}", flush=True)
+        out.trim_metrics(start)
+        return _loop(cfg, signals, engine, out, tok, examples, skipped, dropped, start, epoch, offset, total, warmup,
+                     device)
 
-    out.mkdir(parents=True, exist_ok=True)
-    metrics_path = out / "metrics.jsonl"
-    tb = _tensorboard(out)
-    stop = {"requested": False}
 
-    def on_sigint(signum, frame):
-        stop["requested"] = True
-
-    old_handler = signal.signal(signal.SIGINT, on_sigint)
+def _loop(cfg, signals, engine, out: OutputDir, tok, examples, skipped, dropped, start, epoch, offset, total, warmup,
+          device) -> dict:
+    tb = _tensorboard(out.path)
     order = _permutation(len(examples), cfg.seed, epoch)
     params = engine.adapter.num_params
     history, t_last, tokens_since = [], time.perf_counter(), 0
     progress = _progress(cfg.progress, total, start)
-    status = "finished"
+    status, dropped_steps, in_a_row, step = "finished", 0, 0, start
+    saved = out.checkpoints()
+    last_saved = saved[-1] if saved else None
+    signals.training()
     try:
-        with engine:
-            for step in range(start, total):
-                mbs = []
-                for _ in range(cfg.gradient_accumulation_steps):
-                    need = 1 if cfg.packing else cfg.micro_batch_size
-                    if offset + need > len(order):
-                        epoch, offset = epoch + 1, 0
-                        order = _permutation(len(examples), cfg.seed, epoch)
-                    if cfg.packing:  # as many samples as fill micro_batch_size rows of cutoff_len tokens
-                        window = [examples[i] for i in order[offset: offset + cfg.micro_batch_size * cfg.cutoff_len]]
-                        mb = pack_batch(window, cfg.micro_batch_size, cfg.cutoff_len, tok.pad_token_id)
-                        offset += mb.pop("examples_used")
-                        mb["attention_mask"] = None
-                    else:
-                        picked = [examples[i] for i in order[offset: offset + cfg.micro_batch_size]]
-                        offset += cfg.micro_batch_size
-                        mb = pad_batch(picked, tok.pad_token_id)
-                    mbs.append(mb)
-                lr = lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, warmup, total)
-                engine.set_lr(lr)
-                loss = engine.train_step(mbs)
-                if not math.isfinite(loss):
-                    raise NonFiniteLoss(f"step {step + 1}: loss is {loss}; stopping without saving this state "
-                                        f"(the last checkpoint in {out} is intact). Lower learning_rate "
-                                        f"(now {cfg.learning_rate}) or set max_grad_norm.")
-                tokens_since += sum(m["input_ids"].numel() if m["attention_mask"] is None  # packed: full rows
-                                    else int(m["attention_mask"].sum()) for m in mbs)
-                done = step + 1
-                if done % cfg.logging_steps == 0 or done == total:
-                    now = time.perf_counter()
-                    rec = {"step": done, "loss": loss, "lr": lr, "grad_norm": engine.last_grad_norm,
-                           "tokens_per_s": tokens_since / (now - t_last),
-                           "tflops": 6 * params * tokens_since / (now - t_last) / 1e12,
-                           "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0,
-                           "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-                           "epoch": epoch}
-                    t_last, tokens_since = now, 0
-                    history.append(rec)
-                    with open(metrics_path, "a") as f:
-                        f.write(json.dumps(rec) + "\n")
-                    if tb:
-                        for k in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops", "gpu_mem_gib", "host_rss_gib"):
-                            tb.add_scalar(f"train/{k}", rec[k], done)
-                    progress(done, rec)
-                state = {"step": done, "epoch": epoch, "offset": offset, "skipped_records": skipped}
-                if (cfg.save_steps and done % cfg.save_steps == 0) or done == total or stop["requested"]:
-                    _save(engine, tok, out, done, state, cfg.save_total_limit)
-                if stop["requested"]:
-                    status = "interrupted"
-                    break
+        while step < total:
+            mbs = []
+            for _ in range(cfg.gradient_accumulation_steps):
+                need = 1 if cfg.packing else cfg.micro_batch_size
+                if offset + need > len(order):
+                    epoch, offset = epoch + 1, 0
+                    order = _permutation(len(examples), cfg.seed, epoch)
+                if cfg.packing:  # as many samples as fill micro_batch_size rows of cutoff_len tokens
+                    window = [examples[i] for i in order[offset: offset + cfg.micro_batch_size * cfg.cutoff_len]]
+                    mb = pack_batch(window, cfg.micro_batch_size, cfg.cutoff_len, tok.pad_token_id)
+                    offset += mb.pop("examples_used")
+                    mb["attention_mask"] = None
+                else:
+                    picked = [examples[i] for i in order[offset: offset + cfg.micro_batch_size]]
+                    offset += cfg.micro_batch_size
+                    mb = pad_batch(picked, tok.pad_token_id)
+                mbs.append(mb)
+            lr = lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, warmup, total)
+            engine.set_lr(lr)
+            loss = engine.train_step(mbs)
+            norm = engine.last_grad_norm
+            if not (math.isfinite(loss) and (norm is None or math.isfinite(norm))):
+                what = f"loss {loss}, gradient norm {norm}"
+                kept = f"the last checkpoint ({last_saved}) is intact" if last_saved else "no checkpoint was saved"
+                if not engine.last_step_dropped:  # (no clipping: the updates ran as the gradients landed)
+                    raise NonFiniteLoss(f"step {step + 1}: {what}; its update was applied in memory, so this state "
+                                        f"is not saved and {kept}. Lower learning_rate (now {cfg.learning_rate}), or "
+                                        "set max_grad_norm: such a step is then dropped before it is applied")
+                in_a_row += 1
+                if not cfg.skip_nonfinite_steps or in_a_row >= MAX_DROPPED_IN_A_ROW:
+                    why = (f"{in_a_row} steps in a row were dropped" if cfg.skip_nonfinite_steps
+                           else "the update was dropped")
+                    raise NonFiniteLoss(f"step {step + 1}: {what}; {why}, the training state is that of step {step}; "
+                                        f"stopping: {kept}. Lower learning_rate (now {cfg.learning_rate})"
+                                        + ("" if cfg.skip_nonfinite_steps else
+                                           ", or set skip_nonfinite_steps: true to go on past such steps"))
+                dropped_steps += 1
+                print(f"slideformer: step {step + 1} dropped ({what}); the data moves on, the state stays",
+                      file=sys.stderr, flush=True)
+                continue  # the same step number, the next data
+            in_a_row = 0
+            tokens_since += sum(m["input_ids"].numel() if m["attention_mask"] is None  # packed: full rows
+                                else int(m["attention_mask"].sum()) for m in mbs)
+            step += 1
+            if step % cfg.logging_steps == 0 or step == total:
+                now = time.perf_counter()
+                rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
+                       "tokens_per_s": tokens_since / (now - t_last),
+                       "tflops": 6 * params * tokens_since / (now - t_last) / 1e12,
+                       "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0,
+                       "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                       "epoch": epoch}
+                if dropped_steps:
+                    rec["dropped_steps"] = dropped_steps
+                t_last, tokens_since = now, 0
+                history.append(rec)
+                with open(out.path / METRICS, "a") as f:
+                    f.write(json.dumps(_finite(rec), allow_nan=False) + "\n")
+                if tb:
+                    for k in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops", "gpu_mem_gib", "host_rss_gib"):
+                        if rec[k] is not None:
+                            tb.add_scalar(f"train/{k}", rec[k], step)
+                progress(step, rec)
+            state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
+                     "run_id": out.run_id}
+            if (cfg.save_steps and step % cfg.save_steps == 0) or step == total or signals.requested:
+                last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved)
+            if signals.requested:
+                status = "interrupted"
+                break
     finally:
-        signal.signal(signal.SIGINT, old_handler)
         progress(None, None)
         if tb:
             tb.close()
-    if history:
-        _plot_loss(history, out / "loss.png")
-    final = _checkpoints(out)
-    return {"status": status, "steps": history[-1]["step"] if history else start, "history": history,
-            "checkpoint": str(final[-1]) if final else None, "skipped_records": skipped}
+        if history:
+            _plot_loss(history, out.path / "loss.png")
+    return {"status": status, "signal": signals.requested, "steps": step, "history": history,
+            "checkpoint": str(last_saved) if last_saved else None, "skipped_records": skipped,
+            "dropped_samples": dropped, "dropped_steps": dropped_steps}
+
+
+def _finite(rec: dict) -> dict:
+    """JSON has no NaN: a value that is not finite is written as null."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in rec.items()}
 
 
 def _permutation(n: int, seed: int, epoch: int) -> list[int]:
@@ -255,12 +339,17 @@ def _permutation(n: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n, generator=g).tolist()
 
 
-def _save(engine, tok, out: Path, step: int, state: dict, limit: int | None) -> None:
-    path = engine.save_checkpoint(out / f"{CKPT_PREFIX}{step}", state)
+def _save(engine, tok, out: OutputDir, step: int, state: dict, limit: int | None, previous: Path | None) -> Path:
+    try:
+        path = engine.save_checkpoint(out.path / f"{CKPT_PREFIX}{step}", state)
+    except CheckpointWriteError as e:
+        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+        raise CheckpointWriteError(e.errno, f"{e.strerror}; {kept}. Free space in {out.path} (or set output_dir "
+                                            "elsewhere), then resume with resume_from_checkpoint: auto") from e
     tok.save_pretrained(str(path))  # after the atomic rename: a missing tokenizer is recoverable, weights are not
     if limit:
-        for old in _checkpoints(out)[:-limit]:
-            shutil.rmtree(old, ignore_errors=True)
+        out.rotate(limit)
+    return path
 
 
 def _tensorboard(out: Path):

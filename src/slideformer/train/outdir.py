@@ -1,0 +1,144 @@
+"""The run's output folder: which of its contents the run owns, and so may rotate, resume or overwrite.
+
+A run marks the folder with ``slideformer-run.json`` (a run id) before it writes anything else, and
+stamps that id into every checkpoint it writes (``state/trainer.json``). Rotation and
+``resume_from_checkpoint: auto`` only ever consider checkpoints that carry the folder's id, so a user's
+own ``checkpoint-N`` folders, or those of another run copied in, are never deleted or taken for ours.
+A folder that holds anything but no mark is refused, unless ``overwrite_output_dir`` says to take it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import uuid
+from pathlib import Path
+
+from ..checkpoint.state import CorruptCheckpointError, read_meta, verify_checkpoint
+from ..config import ConfigError
+
+RUN_FILE = "slideformer-run.json"
+CKPT_PREFIX = "checkpoint-"
+METRICS = "metrics.jsonl"
+ERROR_LOG = "slideformer-error.log"
+
+
+class OutputDirError(ConfigError):
+    """The output folder cannot be used as asked; the message names the fix."""
+
+
+def _step_of(p: Path) -> int | None:
+    tail = p.name[len(CKPT_PREFIX):]
+    return int(tail) if p.name.startswith(CKPT_PREFIX) and tail.isdigit() and p.is_dir() else None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class OutputDir:
+    """The folder of one run (one id, kept across resumes)."""
+
+    def __init__(self, path: Path, run_id: str):
+        self.path, self.run_id = path, run_id
+
+    @classmethod
+    def claim(cls, path: str | os.PathLike, *, resume: str | None, overwrite: bool) -> "OutputDir":
+        """Mark ``path`` as this run's. A folder another slideformer run marked is continued when ``resume``
+        is set (its id is kept), else refused if it holds that run's checkpoints (``overwrite`` starts a new
+        run there); a folder with other content and no mark is refused unless ``overwrite``."""
+        out = Path(path)
+        if out.exists() and not out.is_dir():
+            raise OutputDirError(f"output_dir {out} is a file; set output_dir to a folder")
+        mark = out / RUN_FILE
+        run_id = None
+        if mark.is_file():
+            try:
+                run_id = json.loads(mark.read_text())["run_id"]
+                if not isinstance(run_id, str):
+                    raise TypeError("run_id is not text")
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise OutputDirError(f"{mark} is damaged ({e}); remove it if {out} holds nothing of yours, or "
+                                     "choose another output_dir") from e
+            own = cls(out, run_id)
+            if resume is None and own.checkpoints():
+                if not overwrite:
+                    raise OutputDirError(
+                        f"output_dir {out} holds checkpoints of an earlier run (newest {own.checkpoints()[-1].name}); "
+                        "set resume_from_checkpoint: auto to continue it, overwrite_output_dir: true to start a "
+                        "new run there, or choose another output_dir")
+                run_id = None  # a new run: the earlier one's checkpoints are no longer ours to rotate
+        elif out.is_dir() and any(out.iterdir()) and not overwrite:
+            shown = sorted(p.name for p in out.iterdir())
+            raise OutputDirError(
+                f"output_dir {out} is not empty ({', '.join(shown[:4])}{', ...' if len(shown) > 4 else ''}) and "
+                "was not written by slideformer; choose another output_dir, or set overwrite_output_dir: true to "
+                "train there (what the run writes replaces what has its names: checkpoint-N, metrics.jsonl, "
+                "loss.png; nothing else is touched)")
+        fresh = run_id is None
+        if fresh:
+            run_id = uuid.uuid4().hex
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            if fresh:
+                _write_atomic(mark, json.dumps({"run_id": run_id}) + "\n")
+                (out / METRICS).unlink(missing_ok=True)  # this run's metrics start with it
+        except OSError as e:
+            raise OSError(e.errno, f"cannot write to output_dir {out}: {e.strerror}; make it writable or choose "
+                                   "another output_dir") from e
+        return cls(out, run_id)
+
+    def checkpoints(self) -> list[Path]:
+        """This run's checkpoints, oldest first (a checkpoint whose metadata cannot be read is not counted
+        as ours: it is never deleted)."""
+        found = []
+        for p in self.path.iterdir() if self.path.is_dir() else ():
+            step = _step_of(p)
+            if step is None:
+                continue
+            try:
+                if read_meta(p)["trainer"].get("run_id") == self.run_id:
+                    found.append((step, p))
+            except CorruptCheckpointError:
+                continue
+        return [p for _, p in sorted(found)]
+
+    def latest_intact(self) -> Path | None:
+        """The newest of this run's checkpoints whose files all pass their checksums. Each one passed over
+        as damaged (its metadata too: then whose it is cannot be told) is said on stderr."""
+        found = sorted((s, p) for p in self.path.iterdir() if (s := _step_of(p)) is not None)
+        for _, p in reversed(found):
+            try:
+                if read_meta(p)["trainer"].get("run_id") != self.run_id:
+                    continue
+                verify_checkpoint(p)
+                return p
+            except CorruptCheckpointError as e:
+                print(f"slideformer: not resuming from {p}: {e}; trying the one before", file=sys.stderr)
+        return None
+
+    def rotate(self, keep: int) -> None:
+        """Delete this run's checkpoints but the newest ``keep``."""
+        import shutil
+
+        for old in self.checkpoints()[:-keep]:
+            shutil.rmtree(old)
+
+    def trim_metrics(self, step: int) -> None:
+        """Drop logged records past ``step`` (a resumed run logs those steps again)."""
+        path = self.path / METRICS
+        if not path.is_file():
+            return
+        keep = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    keep.append(line)
+            except (ValueError, AttributeError):
+                continue
+        _write_atomic(path, "".join(f"{line}\n" for line in keep))

@@ -1,0 +1,277 @@
+"""The CLI's one error boundary: whatever a user can get wrong ends with one line naming the file, key or
+value and the fix, and the documented exit code; a bug ends with exit 1 and its traceback in a log."""
+import gzip
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from slideformer.cli import main
+
+FAST = ["train", "progress=false", "device=cpu", "micro_batch_size=4", "logging_steps=1", "max_grad_norm=null",
+        "max_steps=1"]
+
+
+def one_line(capsys, *needles):
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if not line.startswith("slideformer: ")]  # (progress notes)
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def data(tmp_path, name, content: bytes):
+    p = tmp_path / name
+    p.write_bytes(content)
+    return p
+
+
+def model_dirs(tmp_path):
+    from transformers import GPT2Config
+
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "no_config").mkdir()
+    GPT2Config(n_layer=1, n_embd=16, n_head=2).save_pretrained(tmp_path / "gpt2")
+    return tmp_path
+
+
+@pytest.mark.parametrize("override,code,needles", [
+    ("model_name_or_path={t}/missing", 2, ["missing: no such folder", "hf download"]),
+    ("model_name_or_path=someorg/some-model", 2, ["no such folder"]),  # not the Hub: refused at once
+    ("model_name_or_path={t}/a_file", 2, ["is a file"]),
+    ("model_name_or_path={t}/no_config", 2, ["has no config.json"]),
+    ("model_name_or_path={t}/gpt2", 2, ["gpt2", "llama"]),
+    ("device=tpu", 2, ["device 'tpu' is not supported"]),
+    ("max_steps.x=1", 2, ["only offload.<key> is a section"]),
+    ("micro_batch_size=2.5", 2, ["micro_batch_size must be a whole number"]),
+    ("packing=yes-please", 2, ["packing must be true or false"]),
+    ("cutoff_len=100000", 2, ["exceeds the model's max_position_embeddings"]),
+    ("learning_rate=[", 2, ["not valid YAML"]),
+    ("dataset=[{{format: text}}]", 2, ["dataset[0] has no path"]),
+    ("resume_from_checkpoint=/etc", 2, ["/etc/state/trainer.json", "not a complete slideformer checkpoint"]),
+    ("save_total_limit=-1", 2, ["save_total_limit must be >= 1"]),
+    ("offload.gpu_memory_limit=lots", 2, ["offload.gpu_memory_limit", "24GiB"]),
+    ("output_dir=/etc/passwd/run", 5, ["/etc/passwd/run"]),
+    ("offload.offload_dir=/etc/passwd", 5, ["/etc/passwd"]),
+])
+def test_bad_settings(tmp_path, capsys, override, code, needles):
+    t = model_dirs(tmp_path)
+    assert main(FAST + [f"output_dir={t}/out", override.format(t=t)]) == code
+    one_line(capsys, *needles)
+
+
+def test_cuda_without_cuda(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available")
+    assert main(FAST + [f"output_dir={tmp_path}", "device=cuda"]) == 2
+    one_line(capsys, "sees no CUDA GPU", "device: cpu")
+
+
+def test_a_number_for_a_folder_name_is_a_folder_name(tmp_path, monkeypatch):
+    from slideformer.train.config import load_config
+
+    assert load_config(None, ["output_dir=123"]).output_dir == "123"
+
+
+@pytest.mark.parametrize("name,content,needles", [
+    ("latin1.jsonl", json.dumps({"text": "caf\u00e9"}, ensure_ascii=False).encode("latin-1") + b"\n", ["latin1.jsonl:1: not UTF-8"]),
+    ("gz.jsonl", gzip.compress(b'{"text": "x"}\n'), ["gz.jsonl is compressed"]),
+    ("junk.parquet", b"PAR1 not really parquet", ["junk.parquet: not a readable Parquet file"]),
+    ("deep.json", b"[" * 100000 + b"]" * 100000, ["deep.json: JSON nested too deeply"]),
+    ("deep.jsonl", b"[" * 100000 + b"]" * 100000 + b"\n", ["deep.jsonl:1: not valid JSON (nested too deeply)"]),
+    ("broken.jsonl", b'{"text": "ok"}\n{"text": \n', ["broken.jsonl:2: not valid JSON", "skip_bad_records"]),
+])
+def test_bad_data_files_are_named(tmp_path, capsys, name, content, needles):
+    p = data(tmp_path, name, content)
+    assert main(FAST + [f"output_dir={tmp_path}/out", f"dataset=[{p}]"]) == 2
+    one_line(capsys, *needles)
+
+
+def test_skip_bad_records_also_skips_lines_that_are_not_json(tmp_path, capsys):
+    lines = [json.dumps({"text": f"sample number {i}"}) for i in range(8)] + ['{"text": ', "not json at all"]
+    p = data(tmp_path, "d.jsonl", "\n".join(lines).encode() + b"\n")
+    assert main(FAST + [f"output_dir={tmp_path}/out", f"dataset=[{p}]", "skip_bad_records=true"]) == 0
+    assert "skipped 2 malformed record(s)" in capsys.readouterr().out
+
+
+def test_samples_without_a_target_within_cutoff_len_are_counted(tmp_path, capsys):
+    long_prompt = {"instruction": "word " * 400, "output": "yes"}
+    recs = [long_prompt] * 3 + [{"instruction": "hi", "output": f"answer {i}"} for i in range(8)]
+    p = data(tmp_path, "d.jsonl", "\n".join(json.dumps(r) for r in recs).encode() + b"\n")
+    assert main(FAST + [f"output_dir={tmp_path}/out", f"dataset=[{p}]", "cutoff_len=64"]) == 0
+    assert "3 sample(s) have no target token within cutoff_len 64" in capsys.readouterr().err
+
+
+def test_a_huge_chat_template_is_refused_at_once(tmp_path, capsys):
+    p = tmp_path / "c.yaml"
+    p.write_text(json.dumps({"chat_template": "{{ messages }}" + " " * (10 << 20), "max_steps": 1, "cutoff_len": 64,
+                             "device": "cpu", "progress": False, "output_dir": str(tmp_path / "out")}))
+    t0 = time.perf_counter()
+    assert main(["train", str(p)]) == 2
+    assert time.perf_counter() - t0 < 30
+    one_line(capsys, "chat_template is 10.0 MiB", "not a file's contents")
+
+
+def test_a_huge_record_costs_no_more_than_cutoff_len(tmp_path):
+    """A 20 MB text record is cut before tokenizing: the same ids as the whole text's first cutoff_len."""
+    from transformers import AutoTokenizer
+
+    from slideformer.data import render
+    from slideformer.train.config import _assets
+
+    tok = AutoTokenizer.from_pretrained(str(_assets() / "tiny"))
+    text = "the quick brown fox jumps over the lazy dog; " * 2000
+    whole, _ = render(text, tok, "t")
+    cut, _ = render(text, tok, "t", cutoff_len=128)
+    assert cut[:128] == whole[:128] and len(cut) < len(whole) / 10
+    t0 = time.perf_counter()
+    render(text * 200, tok, "t", cutoff_len=128)  # ~20 MB
+    assert time.perf_counter() - t0 < 5
+
+
+def test_a_bug_exits_1_with_its_traceback_in_a_log(tmp_path, capsys, monkeypatch):
+    from slideformer.train import loop
+
+    def boom(*a, **k):
+        raise RuntimeError("an internal invariant broke")
+
+    monkeypatch.setattr(loop, "build_examples", boom)
+    assert main(FAST + [f"output_dir={tmp_path}"]) == 1
+    line = one_line(capsys, "unexpected RuntimeError: an internal invariant broke", "please report it")
+    log = tmp_path / "slideformer-error.log"
+    assert str(log) in line and "Traceback" in log.read_text() and "boom" in log.read_text()
+
+
+def test_plan_refuses_nonsense(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "-1"])
+    assert e.value.code == 2 and "must be a whole number >= 1" in capsys.readouterr().err
+    assert main(["plan", "--model", "/nonexistent", "--seq-len", "64", "--batch-size", "1"]) == 2
+    one_line(capsys, "not a preset")
+    assert main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1", "--gpu-memory", "lots"]) == 2
+    one_line(capsys, "--gpu-memory", "24GiB")
+
+
+# -- export ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    assert main(FAST + [f"output_dir={out}", "max_steps=1"]) == 0
+    return out / "checkpoint-1"
+
+
+def test_export_refuses_its_own_source_and_a_full_folder(checkpoint, tmp_path, capsys):
+    before = sorted(p.name for p in checkpoint.iterdir())
+    assert main(["export", str(checkpoint), str(checkpoint)]) == 2
+    one_line(capsys, "overlaps the checkpoint")
+    assert main(["export", str(checkpoint), str(checkpoint / "hf")]) == 2
+    one_line(capsys, "overlaps the checkpoint")
+    assert sorted(p.name for p in checkpoint.iterdir()) == before
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "mine.txt").write_text("keep")
+    assert main(["export", str(checkpoint), str(tmp_path / "full")]) == 2
+    one_line(capsys, "not empty", "--overwrite")
+
+
+def test_export_overwrite_leaves_no_stale_weights(checkpoint, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    dst = tmp_path / "hf"
+    dst.mkdir()
+    (dst / "model.safetensors.index.json").write_text('{"weight_map": {"x": "model-00001-of-00002.safetensors"}}')
+    (dst / "model-00001-of-00002.safetensors").write_bytes(b"stale")
+    (dst / "notes.txt").write_text("keep")
+    assert main(["export", str(checkpoint), str(dst), "--overwrite"]) == 0
+    assert not (dst / "model.safetensors.index.json").exists() and not (dst / "model-00001-of-00002.safetensors").exists()
+    assert (dst / "notes.txt").read_text() == "keep" and not (dst / "state").exists()
+    assert AutoModelForCausalLM.from_pretrained(dst) is not None
+
+
+def test_export_does_not_follow_links_out_of_the_checkpoint(checkpoint, tmp_path, capsys):
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(checkpoint, ck)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("private")
+    (ck / "extra.txt").symlink_to(secret)
+    assert main(["export", str(ck), str(tmp_path / "hf")]) == 2
+    one_line(capsys, "extra.txt is a link to", "outside the checkpoint")
+    assert not (tmp_path / "hf" / "extra.txt").exists()
+
+
+def test_export_refuses_a_corrupt_checkpoint(checkpoint, tmp_path, capsys):
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(checkpoint, ck)
+    with open(ck / "model.safetensors", "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    assert main(["export", str(ck), str(tmp_path / "hf")]) == 2
+    one_line(capsys, "model.safetensors is corrupt")
+
+
+# -- signals -----------------------------------------------------------------------------------------
+def _cli(tmp_path, *args):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "slideformer.cli", "train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("sig,code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_signal_during_start_up_ends_the_run_at_once(tmp_path, sig, code):
+    import signal
+
+    p = _cli(tmp_path, "progress=false", "device=cpu", "max_steps=100000", f"output_dir={tmp_path}/o")
+    time.sleep(1.5)  # importing torch and transformers
+    p.send_signal(getattr(signal, sig))
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == code, out
+    assert "Traceback" not in out and f"{sig}: stopped before a training step" in out
+
+
+def test_sigterm_while_training_saves_the_step_and_exits_143(tmp_path):
+    import signal
+
+    p = _cli(tmp_path, "progress=false", "device=cpu", "max_steps=100000", "logging_steps=1", "micro_batch_size=2",
+             f"output_dir={tmp_path}/o")
+    seen = []
+    for line in p.stdout:
+        seen.append(line)
+        if line.startswith("step 2/"):
+            p.send_signal(signal.SIGTERM)
+            break
+    out = "".join(seen) + p.communicate(timeout=120)[0]
+    assert p.returncode == 143, out
+    saved = [d for d in (tmp_path / "o").glob("checkpoint-*")]
+    assert len(saved) == 1 and (saved[0] / "state" / "trainer.json").is_file(), out
+    assert "SIGTERM: stopped after step" in out and "Traceback" not in out
+
+
+def test_a_swallowed_interrupt_during_start_up_still_stops_the_run(tmp_path, monkeypatch, capsys):
+    """A library that catches KeyboardInterrupt (and carries on) cannot make the run ignore Ctrl-C."""
+    import signal
+
+    from slideformer.train import loop
+
+    real = loop.build_examples
+
+    def swallowing(*a, **k):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+        return real(*a, **k)
+
+    monkeypatch.setattr(loop, "build_examples", swallowing)
+    assert main(FAST + [f"output_dir={tmp_path}", "max_steps=50"]) == 130
+    assert not list(tmp_path.glob("checkpoint-*"))

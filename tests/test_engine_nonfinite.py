@@ -1,0 +1,75 @@
+"""A step whose gradient norm or loss is not finite: dropped under clipping (no state changes), and
+never saved in a checkpoint either way."""
+import pytest
+import torch
+
+from slideformer import EngineConfig, SlideEngine
+from slideformer.checkpoint.state import NonFiniteStateError
+from slideformer.engine import engine as engine_mod
+
+from tiny import batch, build
+
+
+def poison_next_step(monkeypatch, what: str):
+    """The next loss head call returns a NaN gradient (``what="grad"``) or a NaN loss (``"loss"``)."""
+    real = engine_mod.chunked_head_loss
+    armed = {"on": True}
+
+    def head(*a, **k):
+        part, gh = real(*a, **k)
+        if armed.pop("on", False):
+            if what == "grad":
+                gh = gh * float("nan")
+            else:
+                part = part * float("nan")
+        return part, gh
+
+    monkeypatch.setattr(engine_mod, "chunked_head_loss", head)
+
+
+def masters(eng):
+    return {k: v.clone() for k, v in eng.state_dict().items()}
+
+
+@pytest.mark.parametrize("spares", [0, 2])  # updates waiting for the norm; speculative ones run before it
+@pytest.mark.parametrize("what", ["grad", "loss"])
+@pytest.mark.parametrize("resident", [0, 1])
+def test_a_nonfinite_step_is_dropped_under_clipping(monkeypatch, spares, what, resident):
+    """A, with a poisoned step between two good ones, ends bit-identical to B, which never saw it."""
+    model = build("llama")
+    cfg = EngineConfig(device="cpu", compute_dtype=torch.float32, loss_kernel="torch", lr=1e-2,
+                       max_grad_norm=1.0, speculative_layers=spares, resident_layers=resident)
+    with SlideEngine(model, cfg) as a, SlideEngine(model, cfg) as b:
+        a.train_step(batch(97, seed=0))
+        b.train_step(batch(97, seed=0))
+        before = masters(a)
+        poison_next_step(monkeypatch, what)
+        a.train_step(batch(97, seed=1))
+        assert a.last_step_dropped and a.store.step == 1
+        after = masters(a)
+        assert all(torch.equal(before[k], after[k]) for k in before)
+        a.train_step(batch(97, seed=2))
+        b.train_step(batch(97, seed=2))
+        assert not a.last_step_dropped and a.store.step == b.store.step == 2
+        ma, mb = masters(a), masters(b)
+        assert all(torch.equal(ma[k], mb[k]) for k in ma)
+        if spares:
+            assert a.runtime.speculation["dropped"] > 0
+
+
+def test_a_nonfinite_state_is_never_saved(tmp_path, monkeypatch):
+    """Without clipping the poisoned update is applied as gradients land; saving that state is refused
+    before anything is renamed into place, and the previous checkpoint stays."""
+    model = build("llama")
+    cfg = EngineConfig(device="cpu", compute_dtype=torch.float32, loss_kernel="torch")
+    with SlideEngine(model, cfg) as eng:
+        eng.train_step(batch(97))
+        eng.save_checkpoint(tmp_path / "ck", {"n": 1})
+        poison_next_step(monkeypatch, "grad")
+        eng.train_step(batch(97, seed=1))
+        assert not eng.last_step_dropped and eng.last_grad_norm != eng.last_grad_norm  # NaN: applied
+        with pytest.raises(NonFiniteStateError, match="holds NaN"):
+            eng.save_checkpoint(tmp_path / "ck", {"n": 2})
+        assert not (tmp_path / "ck.tmp").exists()
+        assert eng.load_checkpoint(tmp_path / "ck")["n"] == 1  # intact, and it restores a finite state
+        assert all(torch.isfinite(v).all() for v in eng.state_dict().values())

@@ -1,0 +1,122 @@
+"""train/outdir.py: a run touches only what it wrote in its output folder, and resumes only its own checkpoints."""
+import json
+import shutil
+
+import pytest
+
+from slideformer.cli import main
+from slideformer.train.outdir import RUN_FILE
+
+FAST = ["train", "progress=false", "device=cpu", "micro_batch_size=4", "logging_steps=1", "max_grad_norm=null"]
+
+
+def run(out, *extra):
+    return main(FAST + [f"output_dir={out}", *extra])
+
+
+def tree(path):
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def users_folder(tmp_path):
+    """The issue's folder: the user's own checkpoints and files, none written by slideformer."""
+    out = tmp_path / "mine"
+    for name in ("checkpoint-1", "checkpoint-500"):
+        (out / name).mkdir(parents=True)
+        (out / name / "weights.bin").write_bytes(b"user data " + name.encode())
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    (out / "loss.png").write_bytes(b"\x89PNG user plot")
+    (out / "notes.txt").write_text("my notes")
+    return out
+
+
+def test_a_folder_of_someone_elses_files_is_refused_untouched(tmp_path, capsys):
+    out = users_folder(tmp_path)
+    before = tree(out)
+    for extra in ([], ["resume_from_checkpoint=auto"]):
+        assert run(out, "max_steps=2", "save_steps=1", "save_total_limit=1", *extra) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "not written by slideformer" in err and "overwrite_output_dir" in err
+        assert tree(out) == before
+
+
+def test_overwrite_output_dir_trains_there_but_deletes_nothing_of_the_users(tmp_path):
+    out = users_folder(tmp_path)
+    assert run(out, "max_steps=3", "save_steps=2", "save_total_limit=1", "overwrite_output_dir=true") == 0
+    # rotation kept only this run's newest; the user's checkpoints are not the run's to rotate or resume
+    assert (out / "checkpoint-1" / "weights.bin").read_bytes() == b"user data checkpoint-1"
+    assert (out / "checkpoint-500" / "weights.bin").read_bytes() == b"user data checkpoint-500"
+    assert (out / "notes.txt").read_text() == "my notes"
+    assert (out / "checkpoint-3" / "state" / "trainer.json").is_file() and not (out / "checkpoint-2").exists()
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    # auto-resume takes this run's checkpoint-3, not the user's checkpoint-500
+    assert run(out, "max_steps=4", "resume_from_checkpoint=auto") == 0
+    assert (out / "checkpoint-4").is_dir() and (out / "checkpoint-500" / "weights.bin").is_file()
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_the_runs_own_folder_resumes_and_a_new_run_there_is_refused(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert run(out, "max_steps=2") == 0
+    run_id = json.loads((out / RUN_FILE).read_text())["run_id"]
+    assert run(out, "max_steps=3") == 2  # a fresh run over this run's checkpoints
+    assert "set resume_from_checkpoint: auto to continue it" in capsys.readouterr().err
+    assert run(out, "max_steps=3", "resume_from_checkpoint=auto") == 0
+    assert json.loads((out / RUN_FILE).read_text())["run_id"] == run_id
+    meta = json.loads((out / "checkpoint-3" / "state" / "trainer.json").read_text())
+    assert meta["trainer"]["run_id"] == run_id
+
+
+def test_a_checkpoint_copied_in_from_another_run_is_neither_resumed_nor_rotated(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert run(a, "max_steps=5") == 0
+    assert run(b, "max_steps=2", "save_steps=1", "save_total_limit=1") == 0
+    shutil.copytree(a / "checkpoint-5", b / "checkpoint-5")  # another run's, by its id
+    assert run(b, "max_steps=3", "save_steps=1", "save_total_limit=1", "resume_from_checkpoint=auto") == 0
+    assert (b / "checkpoint-5").is_dir() and (b / "checkpoint-3").is_dir() and not (b / "checkpoint-2").exists()
+    steps = [json.loads(line)["step"] for line in (b / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]  # resumed from its own checkpoint-2, not from a's step 5
+
+
+def test_auto_resume_falls_back_past_a_damaged_newest_checkpoint(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert run(out, "max_steps=2", "save_steps=1", "save_total_limit=5") == 0
+    shard = out / "checkpoint-2" / "state" / "layer0.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert run(out, "max_steps=3", "save_steps=1", "save_total_limit=5", "resume_from_checkpoint=auto") == 0
+    err = capsys.readouterr().err
+    assert "not resuming from" in err and "checkpoint-2" in err and "corrupt" in err
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]  # resumed at 1: step 2 was trained again and logged once
+    # a trainer.json edited by hand (the data position) is refused as altered
+    meta_path = out / "checkpoint-3" / "state" / "trainer.json"
+    meta = json.loads(meta_path.read_text())
+    meta["trainer"]["offset"] += 1
+    meta_path.write_text(json.dumps(meta))
+    assert run(out, "max_steps=4", f"resume_from_checkpoint={out / 'checkpoint-3'}") == 2
+    assert "trainer.json is corrupt or was edited" in capsys.readouterr().err
+
+
+def test_a_save_that_fails_on_a_full_disk_leaves_no_partial_checkpoint(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from slideformer.checkpoint import state
+
+    out = tmp_path / "o"
+    real, calls = state.save_file, {"n": 0}
+
+    def fills_up(*a, **k):  # the second checkpoint runs out of space midway
+        calls["n"] += 1
+        if calls["n"] > len_units + 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*a, **k)
+
+    len_units = 6  # embed, 4 layers, head: the first checkpoint's files
+    monkeypatch.setattr(state, "save_file", fills_up)
+    assert run(out, "max_steps=4", "save_steps=2") == 5
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err
+    assert "checkpoint-2 is intact" in err and "resume_from_checkpoint: auto" in err
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-2"]
