@@ -73,3 +73,22 @@ def test_a_nonfinite_state_is_never_saved(tmp_path, monkeypatch):
         assert not (tmp_path / "ck.tmp").exists()
         assert eng.load_checkpoint(tmp_path / "ck")["n"] == 1  # intact, and it restores a finite state
         assert all(torch.isfinite(v).all() for v in eng.state_dict().values())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spares", [0, 2])
+def test_a_nonfinite_step_is_dropped_on_cuda(monkeypatch, spares):
+    """The same on the GPU, streams and events included: the poisoned step leaves no trace."""
+    model = build("llama")
+    cfg = EngineConfig(device="cuda", compute_dtype=torch.float32, loss_kernel="torch", lr=1e-2,
+                       max_grad_norm=1.0, speculative_layers=spares, resident_layers=1)
+    with SlideEngine(model, cfg) as a, SlideEngine(model, cfg) as b:
+        a.train_step(batch(97, seed=0))
+        b.train_step(batch(97, seed=0))
+        poison_next_step(monkeypatch, "grad")
+        a.train_step(batch(97, seed=1))
+        assert a.last_step_dropped
+        a.train_step(batch(97, seed=2))
+        b.train_step(batch(97, seed=2))
+        ma, mb = masters(a), masters(b)
+        assert all(torch.equal(ma[k], mb[k]) for k in ma)

@@ -1,5 +1,6 @@
 """train/outdir.py: a run touches only what it wrote in its output folder, and resumes only its own checkpoints."""
 import json
+import os
 import shutil
 
 import pytest
@@ -7,7 +8,8 @@ import pytest
 from slideformer.cli import main
 from slideformer.train.outdir import RUN_FILE
 
-FAST = ["train", "progress=false", "device=cpu", "micro_batch_size=4", "logging_steps=1", "max_grad_norm=null"]
+FAST = ["train", "progress=false", "device=cpu", "micro_batch_size=4", "logging_steps=1", "max_grad_norm=null",
+        "overwrite_output_dir=false"]  # (the demo's defaults start over)
 
 
 def run(out, *extra):
@@ -28,6 +30,11 @@ def users_folder(tmp_path):
     (out / "loss.png").write_bytes(b"\x89PNG user plot")
     (out / "notes.txt").write_text("my notes")
     return out
+
+
+def test_the_demo_starts_over_each_time(tmp_path):
+    assert main(["train", "progress=false", "device=cpu", "max_steps=2", f"output_dir={tmp_path}"]) == 0
+    assert main(["train", "progress=false", "device=cpu", "max_steps=2", f"output_dir={tmp_path}"]) == 0
 
 
 def test_a_folder_of_someone_elses_files_is_refused_untouched(tmp_path, capsys):
@@ -120,3 +127,45 @@ def test_a_save_that_fails_on_a_full_disk_leaves_no_partial_checkpoint(tmp_path,
     assert err.count("\n") == 1 and "No space left on device" in err
     assert "checkpoint-2 is intact" in err and "resume_from_checkpoint: auto" in err
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-2"]
+
+
+def _mount_tmpfs(path, options):
+    import subprocess
+
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a size-limited tmpfs needs root")
+
+
+def _umount(path):
+    import subprocess
+
+    subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_a_real_full_disk_and_a_read_only_folder(tmp_path, capsys):
+    """On a file system with room for one checkpoint: the second save fails with one line, exit 5, and
+    leaves the first intact and no partial one. A read-only folder is refused the same way."""
+    probe = tmp_path / "probe"
+    assert run(probe, "max_steps=1") == 0
+    size = sum(p.stat().st_size for p in (probe / "checkpoint-1").rglob("*") if p.is_file())
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, f"size={int(size * 1.6) + (2 << 20)}")
+    try:
+        capsys.readouterr()
+        assert run(disk / "o", "max_steps=2", "save_steps=1", "save_total_limit=1") == 5
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "No space left on device" in err and "checkpoint-1 is intact" in err
+        assert sorted(p.name for p in (disk / "o").iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-1"]
+        assert run(disk / "o", "max_steps=1", "resume_from_checkpoint=auto") == 0  # it resumes (nothing left to do)
+    finally:
+        _umount(disk)
+    ro = tmp_path / "ro"
+    _mount_tmpfs(ro, "ro,size=1m")
+    try:
+        assert run(ro / "o", "max_steps=1") == 5
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Read-only file system" in err and "output_dir" in err
+    finally:
+        _umount(ro)
