@@ -236,9 +236,19 @@ def test_budget_split_trains_like_one_batch():
     p = fit(sh, 8, 12, limit)
     assert p.micro_batch < 8 and p.gpu_activation_layers < sh.layers
     b, lb = engine_train(model, steps, lr=1e-3, gpu_memory_limit=limit)
-    assert lb == pytest.approx(la, rel=1e-5)
+    # the tolerance: fp32 noise of the same step with its samples accumulated in other orders (micro-batches of
+    # 2 and of 4, last first), which on some CPUs reaches 3e-5 on projection weights
+    rel = lambda x, y: float((x - y).norm() / x.norm())  # noqa: E731
+    noise, loss_noise = 0.0, 0.0
+    for size in (2, 4):
+        reordered = [[{k: v[i: i + size] for k, v in st.items()} for i in range(8 - size, -1, -size)] for st in steps]
+        r, lr_ = engine_train(model, reordered, lr=1e-3)
+        noise = max(noise, *(rel(a[k], r[k]) for k in a))
+        loss_noise = max(loss_noise, *(abs(x - y) / abs(x) for x, y in zip(la, lr_)))
+    assert 0 < noise < 1e-4  # (the reordering moved the arithmetic, and only by rounding)
+    assert lb == pytest.approx(la, rel=max(1e-6, 3 * loss_noise))
     for k in a:
-        assert float((a[k] - b[k]).norm() / a[k].norm()) < 1e-5, k
+        assert rel(a[k], b[k]) <= 3 * noise, k
 
 
 @pytest.mark.parametrize("model,batch,placement,measured_s", [
