@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import resource
 import sys
 import time
@@ -161,6 +162,15 @@ def load_model_config(cfg: TrainConfig):
     return hf_config
 
 
+def _in_user_keys(message: str) -> str:
+    """An EngineConfig message in the trainer's key names (offload.window_slots, learning_rate)."""
+    from .config import OffloadConfig
+
+    names = sorted((f.name for f in dataclasses.fields(OffloadConfig)), key=len, reverse=True)
+    message = re.sub(r"(?<![\w.])(" + "|".join(names) + r")\b", r"offload.\1", message)
+    return re.sub(r"(?<![\w.])lr\b", "learning_rate", message)
+
+
 def train(cfg: TrainConfig) -> dict:
     with Signals() as signals:
         return _train(cfg, signals)
@@ -173,19 +183,6 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
                           "or leave device unset to use a GPU where there is one")
     bf16 = cfg.bf16 if cfg.bf16 is not None else device == "cuda"
     hf_config = load_model_config(cfg)
-    resume = cfg.resume_from_checkpoint
-    if resume not in (None, "auto"):
-        read_meta(resume)  # (a folder that is not a checkpoint is refused before any work)
-    out = OutputDir.claim(cfg.output_dir, resume=resume, overwrite=cfg.overwrite_output_dir)
-    tok = load_tokenizer(cfg)
-    examples, skipped, dropped = build_examples(cfg, tok)
-    if dropped:
-        print(f"slideformer: {dropped} sample(s) have no target token within cutoff_len {cfg.cutoff_len} and are "
-              "left out", file=sys.stderr)
-    per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps
-    steps_per_epoch = max(1, len(examples) // per_step)
-    total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
-    warmup = int(cfg.warmup_ratio * total)
     o = cfg.offload
     ecfg = EngineConfig(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
                         max_grad_norm=cfg.max_grad_norm, device=device,
@@ -202,6 +199,23 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
                         resident_layers=0 if o.resident_layers == "auto" else o.resident_layers,
                         resident_edges=o.resident_edges is True,
                         loss_kernel=o.loss_kernel, fused_ops=o.fused_ops)
+    try:
+        ecfg.validate()  # (before any work; its messages in the config's key names)
+    except ConfigError as e:
+        raise ConfigError(_in_user_keys(str(e))) from None
+    resume = cfg.resume_from_checkpoint
+    if resume not in (None, "auto"):
+        read_meta(resume)  # (a folder that is not a checkpoint is refused before any work)
+    out = OutputDir.claim(cfg.output_dir, resume=resume, overwrite=cfg.overwrite_output_dir)
+    tok = load_tokenizer(cfg)
+    examples, skipped, dropped = build_examples(cfg, tok)
+    if dropped:
+        print(f"slideformer: {dropped} sample(s) have no target token within cutoff_len {cfg.cutoff_len} and are "
+              "left out", file=sys.stderr)
+    per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps
+    steps_per_epoch = max(1, len(examples) // per_step)
+    total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
+    warmup = int(cfg.warmup_ratio * total)
     if o.speculative_layers == "auto":  # (for the residency choice: check_fits then decides how many fit)
         from ..model import ModelAdapter
         from ..plan import ModelShape, spares_that_fit
