@@ -114,3 +114,42 @@ def test_plan_suggests_what_train_would_choose(capsys):
     # GPU-bound at b64: nothing to suggest
     assert main(args[:6] + ["64"] + args[7:]) == 0
     assert "predicted_step_s_compact" not in json.loads(capsys.readouterr().out)
+
+
+def test_version_and_help_start_without_torch(capsys):
+    import subprocess
+    import sys
+
+    from slideformer import EngineConfig, __version__
+    from slideformer.cli import PLAN_DEFAULTS
+
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.strip() == f"slideformer {__version__}"
+    code = ("import sys\nfrom slideformer.cli import main\ntry:\n    main(['train', '--help'])\nexcept SystemExit:\n"
+            "    pass\nprint('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout
+    assert out.strip().endswith("False") and "Exit codes" in out
+    assert PLAN_DEFAULTS == {k: getattr(EngineConfig, k) for k in PLAN_DEFAULTS}
+
+
+def test_logs_are_plain_lines_off_a_terminal_and_name_no_gpu_on_the_cpu(tmp_path, capsys):
+    """stdout a file or pipe (here: captured): no redrawn bar, whole lines; a CPU run shows no GPU memory."""
+    assert main(["train", "max_steps=2", "device=cpu", "progress=true", "logging_steps=1",
+                 f"output_dir={tmp_path}"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["1/2", "2/2"]
+    assert all("host" in line and "GPU" not in line and "0.0 TFLOPS" not in line for line in lines)
+
+
+def test_plan_names_what_binds(capsys):
+    args = ["plan", "--model", "llama3-8b", "--seq-len", "1024", "--batch-size", "64", "--gpu-memory", "24GiB"]
+    assert main(args + ["--cpu-memory", "32GiB"]) == 3
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("does NOT fit host RAM") and "32.0 GiB (--cpu-memory)" in last and "--offload-dir" in last
+    assert main(["plan", "--model", "llama3-8b", "--seq-len", "1024", "--batch-size", "8", "--gpu-memory", "1GiB",
+                 "--cpu-memory", "125GiB"]) == 3
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("does NOT fit the GPU")
+    if not torch.cuda.is_available():
+        main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1"])
+        assert "no GPU here and no --gpu-memory" in capsys.readouterr().out

@@ -86,6 +86,7 @@ def test_a_number_for_a_folder_name_is_a_folder_name(tmp_path, monkeypatch):
     ("deep.json", b"[" * 100000 + b"]" * 100000, ["deep.json: JSON nested too deeply"]),
     ("deep.jsonl", b"[" * 100000 + b"]" * 100000 + b"\n", ["deep.jsonl:1: not valid JSON (nested too deeply)"]),
     ("broken.jsonl", b'{"text": "ok"}\n{"text": \n', ["broken.jsonl:2: not valid JSON", "skip_bad_records"]),
+    ("empty.jsonl", b"\n", ["empty.jsonl holds no records"]),
 ])
 def test_bad_data_files_are_named(tmp_path, capsys, name, content, needles):
     p = data(tmp_path, name, content)

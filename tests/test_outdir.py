@@ -33,8 +33,12 @@ def users_folder(tmp_path):
 
 
 def test_the_demo_starts_over_each_time(tmp_path):
-    assert main(["train", "progress=false", "device=cpu", "max_steps=2", f"output_dir={tmp_path}"]) == 0
-    assert main(["train", "progress=false", "device=cpu", "max_steps=2", f"output_dir={tmp_path}"]) == 0
+    """Its metrics and TensorBoard events are the last run's only."""
+    for _ in range(2):
+        assert main(["train", "progress=false", "device=cpu", "max_steps=2", "logging_steps=1",
+                     f"output_dir={tmp_path}"]) == 0
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 1
 
 
 def test_a_folder_of_someone_elses_files_is_refused_untouched(tmp_path, capsys):

@@ -186,7 +186,9 @@ def cmd_plan(args) -> int:
     else:
         gib = lambda x: f"{x / 2**30:.1f} GiB"  # noqa: E731
         print(f"{args.model}: {shape.params / 1e9:.2f} B params, batch {args.batch_size} x seq {args.seq_len}")
-        print("GPU  " + ", ".join(f"{k} {gib(v)}" for k, v in g.items()) + (f"  (limit {gib(gpu_limit)})" if gpu_limit else ""))
+        print("GPU  " + ", ".join(f"{k} {gib(v)}" for k, v in g.items()) + (
+            f"  (limit {gib(gpu_limit)})" if gpu_limit else
+            "  (no GPU here and no --gpu-memory: no GPU size assumed, none checked; pass e.g. --gpu-memory 24GiB)"))
         print("host " + ", ".join(f"{k} {gib(v)}" for k, v in h.items()) + f" = {gib(host_total)}  (limit {gib(cpu_limit)}; "
               f"host_weights {chosen_host.host_weights}, gradient buffers "
               f"{chosen_host.host_grad_buffers or 'one per layer'}"
@@ -216,7 +218,17 @@ def cmd_plan(args) -> int:
             print(f"bound by the CPU optimizer: with optimizer_state=compact (bf16 master halves and moments; it matched "
                   f"fp32 state in bench/NOTES.md's fine-tuning run) predicted step {out['predicted_step_s_compact']:.2f} s, "
                   f"host {gib(out['host_bytes_compact'])}")
-        print(("fits" if fits else "does NOT fit" + ("" if fits_gpu else f": {reason}")) + f"; largest batch that fits: {max_batch}")
+        if fits:
+            verdict = "fits"
+        elif not fits_gpu:
+            verdict = f"does NOT fit the GPU: {reason}"
+        else:  # the GPU holds it; host RAM binds
+            need = out.get("host_bytes_resident", host_total)
+            verdict = (f"does NOT fit host RAM: about {gib(need)} of state against {gib(cpu_limit)} "
+                       f"({'--cpu-memory' if args.cpu_memory else 'this machine'}); the NVMe tier (--offload-dir) or "
+                       + ("a larger --gpu-memory" if compact else "--optimizer-state compact (8 instead of 14 bytes a parameter)")
+                       + " would lower it")
+        print(f"{verdict}; largest batch that fits: {max_batch}")
     return EXIT_OK if fits else EXIT_DOES_NOT_FIT
 
 
@@ -317,6 +329,10 @@ def _log_bug(log_dir: str | None) -> Path:
     return path
 
 
+# EngineConfig's defaults, written out so that parsing (and --help) does not import torch (a test holds them equal)
+PLAN_DEFAULTS = {"loss_kernel": "fused", "optimizer_state": "fp32"}
+
+
 def _positive(v: str) -> int:
     try:
         n = int(v)
@@ -337,9 +353,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
-    import torch  # noqa: F401  (after the handlers)
-
-    from .config import EngineConfig
+    from . import __version__
 
     if argv[:1] == ["bench"]:  # its own parser: one case, or `bench report FILE...`
         if argv[1:2] == ["report"]:
@@ -349,6 +363,7 @@ def _main(argv: list[str]) -> int:
         bench(argv[1:])
         return 0
     p = argparse.ArgumentParser(prog="slideformer", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"slideformer {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="fine-tune (no arguments: the bundled tiny model on the sample data)",
                        description="Fine-tune from a YAML config; key=value pairs override it (e.g. learning_rate=1e-5 "
@@ -371,11 +386,11 @@ def _main(argv: list[str]) -> int:
                     type=lambda v: v if v in ("auto", "persistent", "staged") else int(v),
                     help="persistent, staged, a number of staged layers, or auto (as `slideformer train`): "
                          "persistent where the state leaves 15%% of the RAM free, else the fewest staged layers")
-    pl.add_argument("--loss-kernel", default=EngineConfig.loss_kernel, choices=["torch", "fused"])
+    pl.add_argument("--loss-kernel", default=PLAN_DEFAULTS["loss_kernel"], choices=["torch", "fused"])
     pl.add_argument("--max-grad-norm", type=float, default=1.0,
                     help="as the trainer's max_grad_norm (default 1.0; 0: no clipping, which lets gradients share "
                          "a ring of host buffers)")
-    pl.add_argument("--optimizer-state", default=EngineConfig.optimizer_state, choices=["fp32", "compact"])
+    pl.add_argument("--optimizer-state", default=PLAN_DEFAULTS["optimizer_state"], choices=["fp32", "compact"])
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
     ex = sub.add_parser("export", help="a checkpoint's Hugging Face files, without the training state")

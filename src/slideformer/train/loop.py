@@ -26,7 +26,7 @@ from ..data.formats import check_chat_template, max_token_chars
 from ..signals import Signals
 from ..checkpoint.state import CheckpointWriteError, CorruptCheckpointError, read_meta
 from .config import TrainConfig, _assets
-from .outdir import CKPT_PREFIX, METRICS, OutputDir
+from .outdir import CKPT_PREFIX, METRICS, TENSORBOARD, OutputDir
 
 # A run whose every step for this long comes out non-finite has diverged: skipping more cannot help.
 MAX_DROPPED_IN_A_ROW = 10
@@ -61,7 +61,10 @@ def build_examples(cfg: TrainConfig, tok) -> tuple[list[tuple[list[int], list[in
     examples, skipped, dropped = [], 0, 0
     token_chars = max_token_chars(tok)
     for spec in cfg.dataset:
-        for where, rec in read_records(spec.path, skip_bad=cfg.skip_bad_records):
+        records = read_records(spec.path, skip_bad=cfg.skip_bad_records)
+        if not records:
+            raise DataError(f"dataset file {spec.path} holds no records")
+        for where, rec in records:
             if rec is None:  # a line that is not JSON, skipped (skip_bad_records)
                 skipped += 1
                 continue
@@ -252,7 +255,7 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
 
 def _loop(cfg, signals, engine, out: OutputDir, tok, examples, skipped, dropped, start, epoch, offset, total, warmup,
           device) -> dict:
-    tb = _tensorboard(out.path)
+    tb = _tensorboard(out.path, start)
     order = _permutation(len(examples), cfg.seed, epoch)
     params = engine.adapter.num_params
     history, t_last, tokens_since = [], time.perf_counter(), 0
@@ -311,9 +314,10 @@ def _loop(cfg, signals, engine, out: OutputDir, tok, examples, skipped, dropped,
                 rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
                        "tokens_per_s": tokens_since / (now - t_last),
                        "tflops": 6 * params * tokens_since / (now - t_last) / 1e12,
-                       "gpu_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0,
                        "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
                        "epoch": epoch}
+                if device == "cuda":
+                    rec["gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
                 if dropped_steps:
                     rec["dropped_steps"] = dropped_steps
                 t_last, tokens_since = now, 0
@@ -322,7 +326,7 @@ def _loop(cfg, signals, engine, out: OutputDir, tok, examples, skipped, dropped,
                     f.write(json.dumps(_finite(rec), allow_nan=False) + "\n")
                 if tb:
                     for k in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops", "gpu_mem_gib", "host_rss_gib"):
-                        if rec[k] is not None:
+                        if rec.get(k) is not None:
                             tb.add_scalar(f"train/{k}", rec[k], step)
                 progress(step, rec)
             state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
@@ -366,17 +370,19 @@ def _save(engine, tok, out: OutputDir, step: int, state: dict, limit: int | None
     return path
 
 
-def _tensorboard(out: Path):
+def _tensorboard(out: Path, start: int):
+    """A writer whose events past ``start`` (a resumed run logs those steps again) are dropped."""
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         return None
-    return SummaryWriter(str(out / "tensorboard"))
+    return SummaryWriter(str(out / TENSORBOARD), purge_step=start + 1 if start else None)
 
 
 def _progress(enabled: bool, total: int, start: int):
-    """A rich progress bar (or plain lines when disabled): step/total, loss, lr, grad-norm, tok/s, memory, ETA."""
-    if not enabled:
+    """A rich progress bar on a terminal (plain lines when disabled or when stdout is a file or a pipe, where a
+    redrawn bar would be cut): step/total, loss, lr, grad-norm, tok/s, memory, ETA."""
+    if not enabled or not sys.stdout.isatty():
         def plain(done, rec):
             if rec:
                 print(_line(done, total, rec), flush=True)
@@ -399,8 +405,9 @@ def _progress(enabled: bool, total: int, start: int):
 def _line(done, total, r) -> str:
     head = f"step {done}/{total}  " if done is not None else ""
     gn = f"{r['grad_norm']:.3f}" if r["grad_norm"] is not None else "-"
+    gpu = f"  GPU {r['gpu_mem_gib']:.1f} GiB" if "gpu_mem_gib" in r else ""  # (absent on the CPU)
     return (f"{head}loss {r['loss']:.4f}  lr {r['lr']:.2e}  grad-norm {gn}  {r['tokens_per_s']:.0f} tok/s  "
-            f"{r['tflops']:.1f} TFLOPS  GPU {r['gpu_mem_gib']:.1f} GiB  host {r['host_rss_gib']:.1f} GiB")
+            f"{r['tflops']:.3g} TFLOPS{gpu}  host {r['host_rss_gib']:.1f} GiB")
 
 
 def _plot_loss(history: list[dict], path: Path) -> None:

@@ -20,6 +20,7 @@ from ..config import ConfigError
 RUN_FILE = "slideformer-run.json"
 CKPT_PREFIX = "checkpoint-"
 METRICS = "metrics.jsonl"
+TENSORBOARD = "tensorboard"
 ERROR_LOG = "slideformer-error.log"
 
 
@@ -87,7 +88,9 @@ class OutputDir:
             out.mkdir(parents=True, exist_ok=True)
             if fresh:
                 _write_atomic(mark, json.dumps({"run_id": run_id}) + "\n")
-                (out / METRICS).unlink(missing_ok=True)  # this run's metrics start with it
+                (out / METRICS).unlink(missing_ok=True)  # this run's metrics start with it (TensorBoard's too)
+                for f in (out / TENSORBOARD).glob("events.out.tfevents.*"):
+                    f.unlink()
         except OSError as e:
             raise OSError(e.errno, f"cannot write to output_dir {out}: {e.strerror}; make it writable or choose "
                                    "another output_dir") from e
