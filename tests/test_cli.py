@@ -52,13 +52,14 @@ def test_plan_json_and_exit_codes(capsys):
 
 def test_plan_counts_the_ram_resident_units_free(capsys):
     """Resident units keep no host state, so where RAM cannot hold every layer's streamed, it may still hold
-    what `train` would stream beside its resident units: plan says so, and its largest batch agrees."""
+    what `train` would stream beside its resident units: plan says so, and its largest batch agrees. (RAM holds
+    it as train checks it: the state within 95% of the RAM.)"""
     import json
 
     base = ["plan", "--model", "qwen3-4b", "--seq-len", "1024", "--batch-size", "8", "--gpu-memory", "24GiB", "--json"]
-    assert main(base + ["--cpu-memory", "40GiB"]) == 0
+    assert main(base + ["--cpu-memory", "42GiB"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["host_bytes"] > 40 * 2**30 >= out["host_bytes_resident"]  # (the first: every layer streamed)
+    assert out["host_bytes"] > 42 * 2**30 and out["host_bytes_resident"] <= 0.95 * 42 * 2**30  # (the first: streamed)
     assert out["fits"] and out["max_batch_size"] >= 8
     assert main(base + ["--cpu-memory", "30GiB"]) == 3
     out = json.loads(capsys.readouterr().out)

@@ -164,10 +164,10 @@ def test_bad_records_error_or_are_skipped(tmp_path):
 
 
 def test_train_refuses_what_the_host_cannot_hold(tmp_path, monkeypatch):
-    from slideformer import plan
+    from slideformer import machine
     from slideformer.plan import DoesNotFit
 
-    monkeypatch.setattr(plan, "host_memory", lambda: 2**20)  # a 1 MiB machine
+    monkeypatch.setattr(machine, "host_memory", lambda: 2**20)  # a 1 MiB machine
     with pytest.raises(DoesNotFit, match="host RAM.*offload_dir"):
         train(cfg(tmp_path, "max_steps=1"))
     assert main(["train"] + FAST + [f"output_dir={tmp_path}", "max_steps=1"]) == 3
@@ -202,21 +202,25 @@ def test_resident_layers_auto_is_accepted_and_trains(tmp_path):
 
 
 def test_auto_residency_follows_the_budget():
+    """The trainer's resolve (plan.resolve) on a GPU of the given budget, from machine facts alone."""
     from slideformer import EngineConfig
+    from slideformer.machine import Machine
     from slideformer.presets import preset_config
-    from slideformer.train.loop import auto_residency
+    from slideformer.train.loop import resolve_engine
 
     c = load_config(None, FAST)
     examples = [([1] * 64, [1] * 64)]
     hf = preset_config("tiny")
-    roomy = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, gpu_memory_limit="1GiB")
-    assert auto_residency(c, hf, roomy, examples)["resident_layers"] == hf.num_hidden_layers
-    tight = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, gpu_memory_limit="7MiB")
-    assert 0 <= auto_residency(c, hf, tight, examples)["resident_layers"] < hf.num_hidden_layers
+    machine = Machine(ram=1 << 40, gpu=None)  # (the budget is gpu_memory_limit's)
+    roomy = EngineConfig(device="cuda", compute_dtype=torch.bfloat16, gpu_memory_limit="1GiB")
+    assert resolve_engine(c, hf, roomy, examples, machine).resident_layers == hf.num_hidden_layers
+    tight = EngineConfig(device="cuda", compute_dtype=torch.bfloat16, gpu_memory_limit="7MiB")
+    chosen = resolve_engine(c, hf, tight, examples, machine)
+    assert 0 <= chosen.resident_layers < hf.num_hidden_layers
     # a fixed offload.resident_edges is kept (here the planner would take them); the layers are still its call
-    assert auto_residency(c, hf, tight, examples)["resident_edges"] is True
+    assert chosen.resident_edges is True
     declined = load_config(None, FAST + ["offload.resident_edges=false"])
-    assert auto_residency(declined, hf, tight, examples)["resident_edges"] is False
+    assert resolve_engine(declined, hf, tight, examples, machine).resident_edges is False
     with pytest.raises(ConfigError, match="resident_edges must be true, false or auto"):
         load_config(None, FAST + ["offload.resident_edges=maybe"])
 
@@ -228,13 +232,14 @@ def test_train_says_once_where_the_model_trains(tmp_path, capsys):
     assert "trained on the device: 0 of 4 layers" in lines[0] and "CPU AdamW" in lines[0] and "on cpu" in lines[0]
 
 
-def test_host_weights_auto_stages_when_the_copy_would_crowd_the_ram(monkeypatch):
-    """check_fits decides offload.host_weights: auto from the machine's RAM: with the whole bf16 copy the
+def test_host_weights_auto_stages_when_the_copy_would_crowd_the_ram():
+    """The trainer decides offload.host_weights: auto from the machine's RAM: with the whole bf16 copy the
     state needs over 85% of it, so the run stages the fewest layers that bring it under, rather than
     refusing or swapping."""
     from slideformer import plan
+    from slideformer.machine import Machine
     from slideformer.presets import preset_config
-    from slideformer.train.loop import check_fits
+    from slideformer.train.loop import resolve_engine
 
     c = load_config(None, FAST + ["bf16=true"])
     hf = preset_config("tiny")
@@ -242,12 +247,10 @@ def test_host_weights_auto_stages_when_the_copy_would_crowd_the_ram(monkeypatch)
     sh = plan.ModelShape.from_adapter(ModelAdapter(hf, torch.bfloat16))
     p = plan.Placement.of(eng, micro_batch=c.micro_batch_size)
     with_copy = sum(plan.config_host_bytes(eng, sh, c.micro_batch_size, 64, p, "persistent").values())
-    monkeypatch.setattr(plan, "host_memory", lambda: int(with_copy / 0.9))
-    chosen = check_fits(c, hf, eng, 64)
+    examples = [([1] * 64, [1] * 64)]
+    chosen = resolve_engine(c, hf, eng, examples, Machine(ram=int(with_copy / 0.9)))
     assert isinstance(chosen.host_weights, int) and 0 < chosen.host_weights < hf.num_hidden_layers
     assert sum(plan.config_host_bytes(chosen, sh, c.micro_batch_size, 64, p).values()) <= 0.85 * with_copy / 0.9
-    monkeypatch.setattr(plan, "host_memory", lambda: int(with_copy / 0.8))
-    assert check_fits(c, hf, eng, 64).host_weights == "persistent"
+    assert resolve_engine(c, hf, eng, examples, Machine(ram=int(with_copy / 0.8))).host_weights == "persistent"
     fixed = load_config(None, FAST + ["bf16=true", "offload.host_weights=persistent"])
-    monkeypatch.setattr(plan, "host_memory", lambda: int(with_copy / 0.9))
-    assert check_fits(fixed, hf, eng, 64).host_weights == "persistent"
+    assert resolve_engine(fixed, hf, eng, examples, Machine(ram=int(with_copy / 0.9))).host_weights == "persistent"

@@ -53,12 +53,10 @@ def cmd_plan(args) -> int:
     import json
     from dataclasses import replace
 
-    from .model import ModelAdapter
-    import torch
-
     from . import EngineConfig
-    from .plan import (DoesNotFit, ModelShape, Placement, auto_host, auto_residency, config_host_bytes, fit,
-                       gpu_bytes, host_memory, nvme_bytes, nvme_layer_count, parse_bytes, spares_that_fit, step_time)
+    from .model import ModelAdapter
+    from .machine import Machine, gpu_memory, host_memory
+    from .plan import Auto, ModelShape, nvme_bytes, nvme_layer_count, parse_bytes, predicted_step, resolve
     from .presets import PRESETS, preset_config
 
     from .config import ConfigError
@@ -79,64 +77,49 @@ def cmd_plan(args) -> int:
         except ValueError as e:
             raise ConfigError(f"--{flag.replace('_', '-')}: {e}") from None
     shape = ModelShape.from_adapter(ModelAdapter(config))
+    machine = Machine(ram=parse_bytes(args.cpu_memory) if args.cpu_memory else host_memory(),
+                      gpu=parse_bytes(args.gpu_memory) if args.gpu_memory else gpu_memory())
+    cpu_limit, gpu_limit = machine.ram, machine.gpu
     # the engine settings `slideformer train` would use (clipping by default: a gradient buffer per layer)
-    as_trained = EngineConfig(device="cpu", loss_kernel=args.loss_kernel, max_grad_norm=args.max_grad_norm or None,
+    as_trained = EngineConfig(device="cuda", loss_kernel=args.loss_kernel, max_grad_norm=args.max_grad_norm or None,
                               optimizer_state=args.optimizer_state, offload_dir=args.offload_dir,
                               nvme_fraction=args.nvme_fraction, nvme_master=args.nvme_master and bool(args.offload_dir),
-                              activations_to_nvme=args.activations_to_nvme and bool(args.offload_dir))
-    cpu_limit = parse_bytes(args.cpu_memory) if args.cpu_memory else host_memory()
-    # speculative_layers "auto": what fits for the residency choice, then host_at decides at the placement
-    as_trained = replace(as_trained, speculative_layers=spares_that_fit(as_trained, shape, args.batch_size,
-                                                                        args.seq_len, cpu_limit))
-    base = Placement.of(as_trained)
-    gpu_limit = parse_bytes(args.gpu_memory) if args.gpu_memory else (
-        torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None)
-    try:
-        placement = fit(shape, args.batch_size, args.seq_len, gpu_limit, base) if gpu_limit else base
-        fits_gpu = True
-    except DoesNotFit as e:
-        placement, fits_gpu, reason = replace(base, micro_batch=1, gpu_activation_layers=0), False, str(e)
-    nvme_layers = nvme_layer_count(as_trained, shape.layers)
-    g = gpu_bytes(shape, args.batch_size, args.seq_len, placement)
-    compact = args.optimizer_state == "compact"
+                              activations_to_nvme=args.activations_to_nvme and bool(args.offload_dir),
+                              host_weights="persistent" if args.host_weights == "auto" else args.host_weights)
+    host_auto = dict(host_weights=args.host_weights == "auto", host_grad_buffers=True, speculative_layers=True)
 
-    # the budget `slideformer train` would give resident layers: --gpu-memory, else 90% of the card (plan.gpu_budget)
-    budget = (gpu_limit if args.gpu_memory else int(0.9 * gpu_limit)) if gpu_limit else None
+    def streamed(b: int):
+        """Every layer streamed, under the whole GPU (the lines below describe this)."""
+        return resolve(replace(as_trained, gpu_memory_limit=gpu_limit), Auto(resident_layers=False, resident_edges=False,
+                                                                             **host_auto), shape, b, args.seq_len, machine)
 
-    def host_at(b: int, p: Placement) -> tuple:
-        """The engine settings with host_weights and gradient buffers as the trainer decides them at batch
-        ``b`` and placement ``p`` (its resident layers included), and the host bytes by category."""
-        c = replace(as_trained, host_weights="persistent" if args.host_weights == "auto" else args.host_weights,
-                    resident_layers=p.resident_layers, resident_edges=p.resident_edges)
-        c = auto_host(c, shape, b, args.seq_len, p, cpu_limit, weights=args.host_weights == "auto", spares=True)
-        return c, config_host_bytes(c, shape, b, args.seq_len, p)
+    def trained(b: int, cfg=as_trained):
+        """What `train` would do: units on the GPU under its budget (--gpu-memory, else 90% of the card)."""
+        if gpu_limit is None:
+            return None
+        return resolve(replace(cfg, gpu_memory_limit=args.gpu_memory), Auto(**host_auto), shape, b, args.seq_len,
+                       machine)
 
-    def host_fits(b: int, p: Placement) -> bool:
-        """Whether RAM holds batch ``b``: with every layer streamed, or else with the units `train` would put
-        on the GPU (they keep no host state)."""
-        if sum(host_at(b, p)[1].values()) <= cpu_limit:
-            return True
-        if not budget:
+    def fits_at(b: int, s=None) -> bool:
+        """The GPU holds batch ``b`` with every layer streamed, and RAM holds it so or with what `train` would
+        put on the GPU (those units keep no host state)."""
+        s = s or streamed(b)
+        if s.binds == "gpu":
             return False
-        chosen = auto_residency(replace(as_trained, gpu_memory_limit=budget), shape, b, args.seq_len)
-        try:
-            resident = fit(shape, b, args.seq_len, budget, replace(p, **chosen))
-        except DoesNotFit:
-            return False
-        return sum(host_at(b, resident)[1].values()) <= cpu_limit
+        return s.fits or bool((t := trained(b)) and t.fits)
 
-    chosen_host, h = host_at(args.batch_size, placement)
+    plan = streamed(args.batch_size)
+    fits_gpu, reason = plan.binds != "gpu", plan.problem
+    placement, chosen_host, h, g = plan.placement, plan.config, plan.host, plan.gpu
     host_total = sum(h.values())
-    fits = fits_gpu and host_fits(args.batch_size, placement)
+    fits = fits_at(args.batch_size, plan)
     max_batch = 0
     for b in range(1, 4097):
-        try:
-            p = fit(shape, b, args.seq_len, gpu_limit, base) if gpu_limit else base
-            if not host_fits(b, p):
-                break
-        except DoesNotFit:
+        if not fits_at(b):
             break
         max_batch = b
+    compact = args.optimizer_state == "compact"
+    nvme_layers = nvme_layer_count(as_trained, shape.layers)
     clip = as_trained.max_grad_norm is not None  # the update then waits for backward's global norm
     out = {"model": args.model, "params": shape.params, "seq_len": args.seq_len, "batch_size": args.batch_size,
            "clipping": clip,
@@ -144,37 +127,26 @@ def cmd_plan(args) -> int:
            "gpu_limit": gpu_limit, "host_limit": cpu_limit, "fits": fits, "max_batch_size": max_batch,
            "placement": vars(placement), "host_weights": chosen_host.host_weights,
            "host_grad_buffers": chosen_host.host_grad_buffers, "speculative_layers": chosen_host.speculative_layers}
-    timing = step_time(shape, args.batch_size, args.seq_len, placement, compact=compact, nvme_layers=nvme_layers,
-                       nvme_master=args.nvme_master, activations_to_nvme=args.activations_to_nvme, clipping=clip,
-                       speculative_layers=chosen_host.speculative_layers)
+    timing = predicted_step(plan, shape, args.batch_size, args.seq_len)
     if gpu_limit and fits_gpu:  # what training some layers on the GPU would buy
-        def as_train_would(cfg):
-            """The layers (and edges) `train` would put on the GPU with ``cfg``, their placement and step."""
-            chosen = auto_residency(replace(cfg, gpu_memory_limit=budget), shape, args.batch_size, args.seq_len)
-            p = fit(shape, args.batch_size, args.seq_len, budget, replace(Placement.of(cfg), **chosen))
-            host = auto_host(replace(cfg, **chosen), shape, args.batch_size, args.seq_len, p, cpu_limit,
-                             weights=args.host_weights == "auto", spares=True)
-            t = step_time(shape, args.batch_size, args.seq_len, p, compact=cfg.optimizer_state == "compact",
-                          nvme_layers=min(nvme_layers, shape.layers - chosen["resident_layers"]),
-                          nvme_master=args.nvme_master, activations_to_nvme=args.activations_to_nvme,
-                          clipping=cfg.max_grad_norm is not None, speculative_layers=host.speculative_layers)
-            t["host_bytes"] = sum(config_host_bytes(host, shape, args.batch_size, args.seq_len, p).values())
-            return chosen, p, t
+        def as_train_would(cfg) -> dict:
+            """`train`'s step with ``cfg`` (its resident units chosen) and its host bytes."""
+            p = trained(args.batch_size, cfg)
+            return {**predicted_step(p, shape, args.batch_size, args.seq_len), "host_bytes": sum(p.host.values()),
+                    "resident_layers": p.config.resident_layers, "resident_edges": p.config.resident_edges}
 
-        chosen, _, t = as_train_would(as_trained)
-        out["suggested_resident_layers"] = chosen["resident_layers"]
-        out["suggested_resident_edges"] = chosen["resident_edges"]
+        t = as_train_would(as_trained)
+        out["suggested_resident_layers"] = t["resident_layers"]
+        out["suggested_resident_edges"] = t["resident_edges"]
         out["predicted_step_s_resident"] = t["step_s"]
         # resident units keep no host state: what train's RAM holds with them (the lines above: none resident)
         out["host_bytes_resident"] = t["host_bytes"]
         if clip:
-            out["predicted_step_s_resident_unclipped"] = \
-                as_train_would(replace(as_trained, max_grad_norm=None))[2]["step_s"]
+            out["predicted_step_s_resident_unclipped"] = as_train_would(replace(as_trained, max_grad_norm=None))["step_s"]
         if not compact and not args.nvme_master:
             # where the CPU update bounds the step: compact state moves 18 instead of 28 bytes a parameter,
-            # and its resident layers take 10 instead of 16 GPU bytes (4B b8 under 24 GiB: 0.635 -> 0.515 s)
-            cc = replace(as_trained, optimizer_state="compact")
-            _, _, tc = as_train_would(cc)
+            # and its resident layers take 10 instead of 16 GPU bytes
+            tc = as_train_would(replace(as_trained, optimizer_state="compact"))
             if tc["step_s"] < 0.95 * t["step_s"]:
                 out["predicted_step_s_compact"] = tc["step_s"]
                 out["host_bytes_compact"] = tc["host_bytes"]

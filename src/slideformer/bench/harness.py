@@ -34,7 +34,8 @@ import torch
 from .. import EngineConfig, SlideEngine
 from ..engine.loss import chunked_head_loss, fused_head_loss
 from ..model import ModelAdapter
-from ..plan import ModelShape, Placement, auto_host, auto_residency, fit, gpu_budget, spares_that_fit
+from ..machine import Machine
+from ..plan import Auto, ModelShape, resolve
 from ..plan.memory import LOSS_CHUNK_TOKENS
 from ..presets import preset_config
 
@@ -77,16 +78,12 @@ def run_slideformer(args, config):
                        gpu_activation_layers=args.offload_activations or 0,
                        gpu_memory_limit=int(args.gpu_memory_limit_gib * 2**30) if args.gpu_memory_limit_gib else None)
     shape = ModelShape.from_adapter(ModelAdapter(config, args.dtype))
-    if args.speculative_layers == "auto":  # (for the residency choice; auto_host below decides)
-        cfg = dataclasses.replace(cfg, speculative_layers=spares_that_fit(cfg, shape, args.batch, args.seq))
-    if auto and args.device == "cuda":  # what `slideformer train` picks
-        chosen = auto_residency(cfg, shape, args.batch, args.seq, True if args.resident_edges else None)
-        cfg = dataclasses.replace(cfg, **chosen, gpu_memory_limit=gpu_budget(cfg))
-    if "auto" in (args.host_weights, args.host_grad_buffers, args.speculative_layers):  # as `slideformer train` does
-        placed = fit(shape, args.batch, args.seq, gpu_budget(cfg), Placement.of(cfg)) if cfg.gpu_memory_limit \
-            else Placement.of(cfg)
-        cfg = auto_host(cfg, shape, args.batch, args.seq, placed, weights=args.host_weights == "auto",
-                        buffers=args.host_grad_buffers == "auto", spares=args.speculative_layers == "auto")
+    # what `slideformer train` decides for what is "auto" (plan.resolve), not refused here where it does not fit:
+    # the engine's own check, or the GPU, says so (a case that does not fit is a result too)
+    cfg = resolve(cfg, Auto(host_weights=args.host_weights == "auto", host_grad_buffers=args.host_grad_buffers == "auto",
+                            speculative_layers=args.speculative_layers == "auto", resident_layers=auto,
+                            resident_edges=True if args.resident_edges else None),
+                  shape, args.batch, args.seq, Machine.detect(args.device)).config
     engine = SlideEngine.from_config(config, cfg)
     args.fused_ops = engine.fused_ops  # recorded as resolved ("auto" depends on what is installed)
     params = engine.adapter.num_params

@@ -33,8 +33,9 @@ from ..model.chunked_mlp import MlpChunking
 from ..model.recompute import OutputFreeRecompute
 from ..model.fused_ops import apply_liger
 from ..model.fused_ops import resolve as resolve_fused_ops
+from ..machine import host_memory
 from ..plan.memory import (LOSS_CHUNK_TOKENS, ModelShape, Placement, check_host_fits, config_host_bytes, fit,
-                           host_memory, nvme_layer_count, parse_bytes, speculative_spares)
+                           nvme_layer_count, parse_bytes, speculative_spares)
 from ..window.schedule import plan_step
 from .activations import ActivationStore
 from .loss import chunked_head_loss, fused_head_loss

@@ -49,18 +49,6 @@ class DoesNotFit(ValueError):
     """No placement fits the budget; the message gives the largest batch that would."""
 
 
-def host_memory() -> int:
-    """This machine's RAM (MemTotal), in bytes."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 1 << 40  # unknown: do not refuse on the host side
-
-
 def parse_bytes(x) -> int:
     """'24GiB', '24 GB', '512MiB' or an int of bytes."""
     if isinstance(x, (int, float)):
@@ -246,7 +234,7 @@ def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training",
 MIN_GRAD_BUFFERS = 4  # the gradient ring where RAM is short: backward then runs at most 4 layers ahead
 
 
-def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Placement, ram: int | None = None, *,
+def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Placement, ram: int, *,
               weights: bool = True, buffers: bool = True, spares: bool = False):
     """The EngineConfig ``cfg`` with the host settings its caller leaves to the planner decided (``weights``:
     host_weights "auto", ``buffers``: host_grad_buffers "auto", ``spares``: speculative_layers "auto"),
@@ -263,7 +251,7 @@ def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Placement, ram: i
       casts a step, a missing buffer less.
     - speculative_layers (clipping only; 0 without): a spare state for every streamed layer in RAM, else
       as many as fit. Decided last: without them clipping costs what it did before they existed."""
-    budget = RAM_FRACTION * (ram or host_memory())
+    budget = RAM_FRACTION * ram
     streamed = shape.layers - min(p.resident_layers, shape.layers)  # resident layers keep no host state
 
     def total(c) -> int:
@@ -295,7 +283,7 @@ def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Placement, ram: i
     return cfg
 
 
-def spares_that_fit(cfg, shape: ModelShape, batch: int, seq: int, ram: int | None = None) -> int:
+def spares_that_fit(cfg, shape: ModelShape, batch: int, seq: int, ram: int) -> int:
     """speculative_layers "auto" before the residency choice (which depends on it, auto_residency): the
     spare states that fit in RAM with every layer streamed and the host settings as ``cfg`` has them."""
     if cfg.max_grad_norm is None:
@@ -305,14 +293,14 @@ def spares_that_fit(cfg, shape: ModelShape, batch: int, seq: int, ram: int | Non
                      spares=True).speculative_layers
 
 
-def gpu_budget(cfg) -> int:
-    """An EngineConfig's GPU budget: its gpu_memory_limit, else 90% of the card (room for the CUDA
-    context and the allocator's fragmentation)."""
+def gpu_budget(cfg, gpu: int | None = None) -> int:
+    """An EngineConfig's GPU budget: its gpu_memory_limit, else 90% of the card's ``gpu`` bytes (room
+    for the CUDA context and the allocator's fragmentation)."""
     if cfg.gpu_memory_limit:
         return parse_bytes(cfg.gpu_memory_limit)
-    import torch
-
-    return int(0.9 * torch.cuda.get_device_properties(torch.device(cfg.device)).total_memory)
+    if gpu is None:
+        raise ValueError("no GPU budget: set gpu_memory_limit, or give the GPU's memory")
+    return int(0.9 * gpu)
 
 
 def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, base: Placement = Placement(),
@@ -353,7 +341,8 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
     return needed
 
 
-def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | None = None) -> dict:
+def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | None = None,
+                   gpu: int | None = None) -> dict:
     """``resident_layers="auto"`` for an EngineConfig: the ``resident_layers`` and ``resident_edges`` to
     set, chosen by ``choose_resident_layers`` under its GPU budget (``gpu_budget``; the caller hands the
     engine that budget too, so that micro-batches and activations are planned for the memory the choice
@@ -366,7 +355,7 @@ def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | N
     is "auto", the trainer passes ``spares_that_fit``). That plans for the norm within the limit, as it
     is in most steps of a fine-tuning run; in steps where it is over, the updates run again after
     backward, as slow as waiting (engine runtime's ``speculation`` counts them)."""
-    budget, base = gpu_budget(cfg), Placement.of(cfg)
+    budget, base = gpu_budget(cfg, gpu), Placement.of(cfg)
     nvme = nvme_layer_count(cfg, shape.layers)
     clipping = cfg.max_grad_norm is not None and cfg.speculative_layers < shape.layers - nvme
     plain = replace(base, resident_edges=False)

@@ -90,47 +90,23 @@ def build_examples(cfg: TrainConfig, tok) -> tuple[list[tuple[list[int], list[in
     return examples, skipped, dropped
 
 
-def check_fits(cfg: TrainConfig, hf_config, ecfg: EngineConfig, longest: int) -> EngineConfig:
-    """The planner's check, before anything is allocated: GPU (when on CUDA) and host RAM. Returns
-    ``ecfg`` with ``offload.host_weights``, ``offload.host_grad_buffers`` and ``offload.speculative_layers``
-    "auto" decided (plan.auto_host)."""
+def resolve_engine(cfg: TrainConfig, hf_config, ecfg: EngineConfig, examples, machine) -> EngineConfig:
+    """``ecfg`` with the config's "auto" settings decided by the planner (plan.resolve) for this step's
+    shape on ``machine``; refused before anything is allocated where it does not fit."""
     from ..model import ModelAdapter
-    from ..plan import (DoesNotFit, ModelShape, Placement, auto_host, check_host_fits, config_host_bytes, fit,
-                        gpu_bytes, host_memory, parse_bytes)
+    from ..plan import Auto, DoesNotFit, ModelShape, resolve
 
+    o = cfg.offload
     shape = ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype))
-    seq = cfg.cutoff_len if cfg.packing else min(cfg.cutoff_len, longest)  # packed rows are always full
-    batch = cfg.micro_batch_size * cfg.gradient_accumulation_steps
-    dt = 2 if ecfg.compute_dtype != torch.float32 else 4
-    if ecfg.device == "cuda":
-        limit = parse_bytes(ecfg.gpu_memory_limit) if ecfg.gpu_memory_limit else torch.cuda.get_device_properties(0).total_memory
-        placement = fit(shape, batch, seq, limit, Placement.of(ecfg)) \
-            if ecfg.gpu_memory_limit else Placement.of(ecfg, micro_batch=cfg.micro_batch_size)
-        need = gpu_bytes(shape, batch, seq, placement, dt)["peak"]
-        if need > limit:
-            raise DoesNotFit(f"a step of {cfg.micro_batch_size} x {seq} tokens (x{cfg.gradient_accumulation_steps} "
-                             f"accumulated) needs about {need / 2**30:.1f} GiB of GPU memory, over the "
-                             f"{limit / 2**30:.1f} GiB available; set offload.gpu_memory_limit to let slideformer "
-                             "split and offload, or lower micro_batch_size (see `slideformer plan`)")
-    else:
-        placement = Placement.of(ecfg, micro_batch=cfg.micro_batch_size)
-    have = host_memory()
-    ecfg = auto_host(ecfg, shape, batch, seq, placement, have, weights=cfg.offload.host_weights == "auto",
-                     buffers=cfg.offload.host_grad_buffers == "auto", spares=cfg.offload.speculative_layers == "auto")
-    check_host_fits(config_host_bytes(ecfg, shape, batch, seq, placement), have, ecfg, prefix="offload.")
-    return ecfg
-
-
-def auto_residency(cfg: TrainConfig, hf_config, ecfg: EngineConfig, examples) -> dict:
-    """What trains on the GPU (``resident_layers``, ``resident_edges``) at this step's shape under the
-    budget: the planner's call (plan.auto_residency)."""
-    from ..model import ModelAdapter
-    from .. import plan
-
-    shape = plan.ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype))
-    seq = cfg.cutoff_len if cfg.packing else min(cfg.cutoff_len, max(len(ids) for ids, _ in examples))
-    edges = None if cfg.offload.resident_edges == "auto" else cfg.offload.resident_edges
-    return plan.auto_residency(ecfg, shape, cfg.micro_batch_size * cfg.gradient_accumulation_steps, seq, edges)
+    seq = cfg.cutoff_len if cfg.packing else min(cfg.cutoff_len, max(len(ids) for ids, _ in examples))  # packed: full
+    auto = Auto(host_weights=o.host_weights == "auto", host_grad_buffers=o.host_grad_buffers == "auto",
+                speculative_layers=o.speculative_layers == "auto", resident_layers=o.resident_layers == "auto",
+                resident_edges=None if o.resident_edges == "auto" else o.resident_edges)
+    plan = resolve(ecfg, auto, shape, cfg.micro_batch_size * cfg.gradient_accumulation_steps, seq, machine,
+                   micro_batch=cfg.micro_batch_size, prefix="offload.")
+    if not plan.fits:
+        raise DoesNotFit(plan.problem)
+    return plan.config
 
 
 def load_model_config(cfg: TrainConfig):
@@ -219,20 +195,9 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     steps_per_epoch = max(1, len(examples) // per_step)
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
     warmup = int(cfg.warmup_ratio * total)
-    if o.speculative_layers == "auto":  # (for the residency choice: check_fits then decides how many fit)
-        from ..model import ModelAdapter
-        from ..plan import ModelShape, spares_that_fit
+    from ..machine import Machine
 
-        seq = cfg.cutoff_len if cfg.packing else min(cfg.cutoff_len, max(len(ids) for ids, _ in examples))
-        ecfg = dataclasses.replace(ecfg, speculative_layers=spares_that_fit(
-            ecfg, ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype)),
-            cfg.micro_batch_size * cfg.gradient_accumulation_steps, seq))
-    if o.resident_layers == "auto" and device == "cuda":
-        from ..plan import gpu_budget
-
-        ecfg = dataclasses.replace(ecfg, **auto_residency(cfg, hf_config, ecfg, examples),
-                                   gpu_memory_limit=gpu_budget(ecfg))
-    ecfg = check_fits(cfg, hf_config, ecfg, max(len(ids) for ids, _ in examples))
+    ecfg = resolve_engine(cfg, hf_config, ecfg, examples, Machine.detect(device))
     if cfg.model_name_or_path == "tiny":
         engine = SlideEngine.from_config(hf_config, ecfg)
     else:

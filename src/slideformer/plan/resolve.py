@@ -1,0 +1,90 @@
+"""One place decides every "auto": the trainer, `slideformer plan` and the benchmark all call
+``resolve``. It is pure: the machine's RAM and GPU memory come in as a ``Machine``.
+
+The order is the dependency chain: spare states for clipping (what RAM holds with every layer
+streamed; residency depends on them), then the units trained on the GPU (under the GPU budget), then
+the placement (micro-batches, offloaded layer inputs), then the host settings (bf16 copy, gradient
+buffers, spares), then the host check."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..machine import Machine
+from .memory import (DoesNotFit, ModelShape, Placement, auto_host, auto_residency, check_host_fits,
+                     config_host_bytes, fit, gpu_budget, gpu_bytes, nvme_layer_count, parse_bytes, spares_that_fit,
+                     step_time)
+
+
+@dataclass(frozen=True)
+class Auto:
+    """Which of an EngineConfig's settings the caller leaves to the planner."""
+    host_weights: bool = True
+    host_grad_buffers: bool = True
+    speculative_layers: bool = True
+    resident_layers: bool = True
+    resident_edges: bool | None = None  # None: the planner's call; True or False: fixed
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: object  # the EngineConfig with every "auto" decided
+    placement: Placement
+    gpu: dict | None  # GPU bytes by category (None: not on a GPU)
+    gpu_limit: int | None
+    host: dict  # host bytes by category
+    problem: str | None = None  # what does not fit, naming the resource and the settings that would help
+    binds: str | None = None  # "gpu" or "host" where it does not fit
+
+    @property
+    def fits(self) -> bool:
+        return self.problem is None
+
+
+def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: Machine,
+            micro_batch: int | None = None, prefix: str = "") -> Plan:
+    """``cfg`` with what ``auto`` names decided, for steps of ``batch`` x ``seq`` tokens on ``machine``.
+    Without a GPU budget (gpu_memory_limit, or residency's) the step runs in micro-batches of
+    ``micro_batch``. ``prefix`` is how the caller's config names the engine's settings ("offload.")."""
+    on_gpu = str(cfg.device).startswith("cuda")
+    if auto.speculative_layers:
+        cfg = replace(cfg, speculative_layers=spares_that_fit(cfg, shape, batch, seq, machine.ram))
+    if auto.resident_layers and on_gpu:
+        budget = gpu_budget(cfg, machine.gpu)
+        cfg = replace(cfg, **auto_residency(cfg, shape, batch, seq, auto.resident_edges, machine.gpu),
+                      gpu_memory_limit=budget)
+    gpu, limit, problem, binds = None, None, None, None
+    placement = Placement.of(cfg, micro_batch=micro_batch or batch)
+    if on_gpu:
+        limit = parse_bytes(cfg.gpu_memory_limit) if cfg.gpu_memory_limit else machine.gpu
+        try:
+            if cfg.gpu_memory_limit:
+                placement = fit(shape, batch, seq, limit, Placement.of(cfg))
+            gpu = gpu_bytes(shape, batch, seq, placement, cfg.compute_dtype.itemsize)
+            if limit is not None and gpu["peak"] > limit:
+                problem = (f"a step of {batch} x {seq} tokens in micro-batches of {min(placement.micro_batch, batch)} "
+                           f"needs about {gpu['peak'] / 2**30:.1f} GiB of GPU memory, over the {limit / 2**30:.1f} GiB "
+                           f"available; set {prefix}gpu_memory_limit to let slideformer split the batch and offload, "
+                           "or use smaller micro-batches (see `slideformer plan`)")
+        except DoesNotFit as e:  # (the bytes of the least it could do: a sequence at a time, every input offloaded)
+            placement, problem = replace(Placement.of(cfg), micro_batch=1, gpu_activation_layers=0), str(e)
+            gpu = gpu_bytes(shape, batch, seq, placement, cfg.compute_dtype.itemsize)
+        binds = "gpu" if problem else None
+    cfg = auto_host(cfg, shape, batch, seq, placement, machine.ram, weights=auto.host_weights,
+                    buffers=auto.host_grad_buffers, spares=auto.speculative_layers)
+    host = config_host_bytes(cfg, shape, batch, seq, placement)
+    if problem is None:
+        try:
+            check_host_fits(host, machine.ram, cfg, prefix=prefix)
+        except DoesNotFit as e:
+            problem, binds = str(e), "host"
+    return Plan(cfg, placement, gpu, limit, host, problem, binds)
+
+
+def predicted_step(plan: Plan, shape: ModelShape, batch: int, seq: int) -> dict:
+    """``step_time`` of a resolved plan (the tier's layers are the last, never resident ones)."""
+    c = plan.config
+    resident = min(plan.placement.resident_layers, shape.layers)
+    return step_time(shape, batch, seq, plan.placement, compact=c.optimizer_state == "compact",
+                     nvme_layers=min(nvme_layer_count(c, shape.layers), shape.layers - resident),
+                     nvme_master=c.nvme_master, activations_to_nvme=c.activations_to_nvme,
+                     clipping=c.max_grad_norm is not None, speculative_layers=c.speculative_layers)
