@@ -23,18 +23,16 @@ class EngineConfig:
     max_grad_norm: float | None = None
     device: str = "cuda"
     compute_dtype: torch.dtype = torch.bfloat16
-    # Decoder layers that stay on the GPU with their optimizer state and are updated there (16 bytes/param
-    # of GPU memory, none of host RAM: the state is the GPU's only). All of them: the embedding and head too, i.e. plain GPU training. They are the
-    # first layers: the streamed ones' gradients then come first in backward, so the CPU updates them
-    # during all of it, and the next forward begins with work that waits for no update (4B b8 under
-    # 24 GiB: 0.690 s against 0.815 with the last layers resident; bench/NOTES.md, table9).
+    # Decoder layers trained on the GPU with their optimizer state (16 bytes/param of GPU memory, none of
+    # host RAM); all of them: the embedding and head too, i.e. plain GPU training. They are the first layers,
+    # so the streamed ones' gradients come first in backward, the CPU updates them during all of it, and the
+    # next forward begins with work that waits for no update.
     resident_layers: int = 0
     # The embedding and head train on the GPU too, whatever resident_layers says (all layers resident
     # implies it): they are the last gradient of a step and the first weights of the next.
     resident_edges: bool = False
     # GPU window: how many decoder-layer slots exist, and how many visits ahead weights stream in (None:
-    # two where the slots allow; a staged layer's cast then hides behind two visits: Llama-8B b32 under
-    # 24 GiB 3.27 -> 3.14 s, 4B b8 -3%, b32 the same; bench/NOTES.md, session 7).
+    # two where the slots allow, so that a staged layer's cast hides behind two visits).
     window_slots: int = 3
     prefetch_depth: int | None = None
     # Where the compute-dtype weights sent to the GPU come from:
@@ -74,13 +72,11 @@ class EngineConfig:
     # The tier's units keep their fp32 master on the tier too (12 instead of 8 bytes per parameter there,
     # 4 fewer in RAM); their bf16 compute copy stays in RAM. Needs host_weights="persistent", fp32 state.
     nvme_master: bool = False
-    # Loss head: "fused" (kernels/: the logits chunk turned into its gradient in place; on the H200
-    # 0.79-0.92x the time and at most 0.22x the memory of F.cross_entropy, bench/NOTES.md) or "torch"
-    # (autograd per chunk: the plain-PyTorch reference).
+    # Loss head: "fused" (kernels/: each logits chunk becomes its own gradient in place, faster and in far
+    # less memory than F.cross_entropy) or "torch" (autograd per chunk: the plain-PyTorch reference).
     loss_kernel: Literal["torch", "fused"] = "fused"
     # RMSNorm and SwiGLU in the layers: "liger" (Liger-Kernel's fused Triton kernels, CUDA only;
-    # model/fused_ops.py), "none" (transformers' modules), or "auto": "liger" on CUDA when Liger-Kernel is
-    # installed. On the H200 it cut GPU compute by 22% at Qwen3-4B b32 (bench/NOTES.md, session 3).
+    # model/fused_ops.py), "none" (transformers' modules), or "auto": "liger" on CUDA when it is installed.
     fused_ops: Literal["auto", "none", "liger"] = "auto"
     # Tokens per chunk of the loss head: bounds the transient [tokens x vocab] logits. None: under a GPU
     # budget the planner takes the largest of 8192..1024 that fits beside everything else (each chunk passes
@@ -97,7 +93,7 @@ class EngineConfig:
     # "fp32": fp32 master and moments (exact AdamW). "compact": bf16 master with a bf16 compensation term
     # and bf16 moments rounded stochastically: 8 instead of 14 bytes/param of host RAM, 18 instead of 28
     # bytes of optimizer traffic; resident units keep the lo half and moments on the GPU (10 instead of 16
-    # bytes/param there). Needs bf16 compute. See bench/NOTES.md for its measured effect.
+    # bytes/param there). Needs bf16 compute.
     optimizer_state: Literal["fp32", "compact"] = "fp32"
     seed: int = 0
     # Record where step time goes (CUDA events per visit and copy); see engine/profile.py.

@@ -279,8 +279,8 @@ def kernel_launchers(prof, kernels: set[str]) -> dict[str, list]:
     this says which op and shapes it belongs to."""
     found: dict[str, dict[str, list]] = {}
     for e in prof.events():
-        # a launch can be filed under an op and under its runtime call too (table17: the counts exceeded
-        # the kernel table's): count it at the deepest event that holds it
+        # a launch can be filed under an op and under its runtime call too (counted at both, the calls
+        # would exceed the kernel table's): count it at the deepest event that holds it
         below = {(k.name, k.duration) for c in getattr(e, "cpu_children", None) or () for k in getattr(c, "kernels", None) or ()}
         for k in getattr(e, "kernels", None) or ():
             if k.name not in kernels or (k.name, k.duration) in below:
@@ -387,8 +387,7 @@ def main(argv=None):
         # Steady state, as a long run goes: the timed steps follow the warm-up without draining the
         # pipeline, and are timed from the return of the last warm-up step to that of the last timed one
         # (each step waits for the work the previous one left: its updates, its GPU queue). Draining first
-        # charged every timed window a cold start: the CPU idle until backward's first gradient, +5% a
-        # step at Qwen3-4B b8 under 24 GiB with 3 steps (bench/NOTES.md, session 7).
+        # would charge every timed window a cold start: the CPU idle until backward's first gradient.
         if window:
             window[0]()  # slideformer's profile counts from here...
         if cuda:

@@ -5,9 +5,9 @@ and against Liger-Kernel's fused loss where liger_kernel is importable.
     python -m slideformer.bench.loss --chunks 4096,16384   # also the fused loss at these chunk sizes
 
 Each case times forward + backward (CUDA events, median of several runs after warm-up) and records
-the peak memory allocated above the inputs, gradients included. (Files before 2026-11-30's
-loss-96c4ebe measured above the inputs plus the previous run's gradients: Liger's peak then came out
-near zero, since it computes its gradients in the forward, in place of the ones it frees.)
+the peak memory allocated above the inputs, gradients included. (Older loss files measured it above
+the inputs plus the previous run's gradients: Liger's peak there comes out near zero, since it computes
+its gradients in the forward, in place of the ones it frees.)
 """
 from __future__ import annotations
 

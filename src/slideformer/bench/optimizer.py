@@ -24,13 +24,13 @@ import torch
 
 from ..optim import native
 
-# Compile-time variants of csrc/adamw.cpp, measured side by side (bench/NOTES.md, session 3); those named
-# compact_* change only the compact update, and are measured on it.
+# Compile-time variants of csrc/adamw.cpp, measured side by side; those named compact_* change only the
+# compact update, and are measured on it.
 VARIANTS = {
     "portable": ("-DSF_NO_INTRIN",),  # what a CPU without AVX-512 runs
     "no_prefetch": ("-DSF_PREFETCH=0",),
-    "stream_in_place": ("-DSF_STREAM_IN_PLACE=1",),  # non-temporal stores in place too (NOTES, table18)
-    "compact_scalar": ("-DSF_COMPACT_AVX512=0",),  # the compact update as the compiler vectorises it (session 8)
+    "stream_in_place": ("-DSF_STREAM_IN_PLACE=1",),  # non-temporal stores in place too
+    "compact_scalar": ("-DSF_COMPACT_AVX512=0",),  # the compact update as the compiler vectorises it
 }
 
 
@@ -78,8 +78,8 @@ class Copies:
 
 def interleaved(cands: dict, rounds: int) -> dict[str, float]:
     """Best time of each candidate over ``rounds`` round-robin passes (after one warm-up pass): the host's
-    speed drifts by ~10% within one process (bench/NOTES.md, session 3), so measuring candidates one
-    after another would rank them by when they ran."""
+    speed drifts within one process, so measuring candidates one after another would rank them by when
+    they ran."""
     for fn in cands.values():
         fn()
     times = {k: float("inf") for k in cands}

@@ -24,9 +24,9 @@ def load(paths) -> list[dict]:
     return rows
 
 
-# (settings record what was asked; "auto" choices are in the record's *_chosen keys. Files before session 5
-# recorded the resolved host_weights and host_grad_buffers. Depth: 1 was the harness's default until a36f3eb,
-# unset (two visits ahead) since; files from 7174db3 on record optimizer_threads, and there 1 is asked for.)
+# (settings record what was asked; "auto" choices are in the record's *_chosen keys. Files without those keys
+# recorded the resolved host_weights and host_grad_buffers. Depth: the harness's default is unset (two visits
+# ahead); files that record no optimizer_threads may have run at 1 by default, in those that do 1 is asked for.)
 DEFAULTS = {"slots": 3, "depth": (None, 1), "host_weights": ("auto", "persistent"), "host_grad_buffers": ("auto", 4, None),
             "optimizer_threads": None,
             "loss_chunk": (None, 1024),
@@ -34,13 +34,13 @@ DEFAULTS = {"slots": 3, "depth": (None, 1), "host_weights": ("auto", "persistent
             "loss_kernel": "fused", "optimizer_state": "fp32", "offload_dir": None, "nvme_fraction": 1.0,
             "grad_chunk_elems": 16 << 20, "switch_interval": None, "nvme_master": False,
             "activations_to_nvme": False, "resident_edges": False, "offload_activations": None,
-            "resident_at": "start",  # a setting only table9-8cb727f varied (resident layers at the end)
+            "resident_at": "start",  # a setting of older files only ("end": the last layers resident)
             "max_grad_norm": None, "speculative_layers": "auto"}
 
 
 def variant(r) -> str:
-    """The system's name plus any setting that differs from the default (files before session 3 ran
-    without fused_ops: "none")."""
+    """The system's name plus any setting that differs from the default (files that record no fused_ops
+    ran without them: "none")."""
     st = r.get("settings") or {}
     defaults = dict(DEFAULTS)
     if "host_grad_buffers_chosen" in r:  # (a file that records the ask: only "auto" is the default)
@@ -73,7 +73,7 @@ def table(rows: list[dict]) -> str:
         commits[r["_file"]].add(r.get("commit"))
     for r in rows:
         if (r.get("settings") or {}).get("max_grad_norm"):
-            continue  # clipping runs are reported in NOTES, not in the comparison table
+            continue  # clipping runs stay out of the comparison table: it compares unclipped steps
         # a case run again in one file gets a row of its own, named by its commit where the file holds several
         # (an A/B of two commits on one machine)
         case = (r["_file"], r["model"], r["seq"], r["batch"], _cap(r),
@@ -95,7 +95,7 @@ def table(rows: list[dict]) -> str:
             row.append("—" if not r else r["error"] if r.get("error") else
                        f"{r['tokens_per_s']:.0f} ({r['gpu_peak_alloc_gib']:.1f} / {r['host_peak_rss_gib']:.0f})")
         for s in others:
-            # the ratio's slideformer: its defaults (before session 3 without Liger, since with it on CUDA)
+            # the ratio's slideformer: its defaults (fused_ops=liger where "auto" resolved to Liger)
             a, b, mark = c.get("slideformer") or c.get("slideformer (fused_ops=liger)"), c.get(s), ""
             if a and not b and s.startswith("plain") and cap != "none":
                 b, mark = cells.get((f, model, seq, batch, "none", commit, 0), {}).get(s), "*"

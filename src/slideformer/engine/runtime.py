@@ -71,8 +71,9 @@ from .profile import StepProfiler
 
 STAGING_ELEMS = 32 * 2**20  # "staged" host weights: cast the master in 32M-element chunks
 RESIDENT_PIECE = 32 * 2**20  # resident units' GPU AdamW: elements per fused call
-# How long one thread may hold the GIL while another waits for it (Python's default is 5 ms). Measured at
-# Qwen3-4B b8 with a kernel call per chunk: 1.186 s per step at 5 ms, 1.067 s at 0.2 ms (table5-d2d9182).
+# How long one thread may hold the GIL while another waits for it (Python's default is 5 ms). The worker
+# and loader threads need it back after each kernel call and copy; at the default the GPU-driving thread
+# would keep them waiting up to 5 ms each time.
 SWITCH_INTERVAL_S = 2e-4
 
 

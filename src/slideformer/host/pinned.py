@@ -1,8 +1,8 @@
 """Page-locking host memory once, in place.
 
 cudaHostRegister on an ordinary allocation, not torch's pinned allocator: that one rounds each block
-up to a power of two, which would waste up to half of a multi-GB buffer. Pinning costs about 0.55 s/GB
-on the H200 machine, so every caller pins at start (or when a buffer must grow) and never per step.
+up to a power of two, which would waste up to half of a multi-GB buffer. Pinning is slow (seconds
+for a multi-GB buffer), so every caller pins at start (or when a buffer must grow) and never per step.
 """
 from __future__ import annotations
 

@@ -49,9 +49,9 @@ if triton is not None:
         return (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
 
     # Triton compiles a variant per integer argument's type (i32 or i64, by value) and divisibility by 16.
-    # The seeds change with every unit and step: passed as they come, a new variant compiled now and then
-    # inside a timed step (measured: 0.22 s of "AdamW" per step at 4B b8, table11). They come as int32
-    # patterns and are not specialised on, so one variant serves every step.
+    # The seeds change with every unit and step: passed as they come, they would compile a new variant now
+    # and then, inside a step. They come as int32 patterns and are not specialised on, so one variant
+    # serves every step.
     @triton.jit(do_not_specialize=["offset", "seed_m", "seed_v"])
     def _compact_adamw_kernel(hi_ptr, lo_ptr, g_ptr, m_ptr, v_ptr, n, offset, seed_m, seed_v,
                               grad_coef, w1, b2, one_minus_b2, bc2_sqrt, eps, decay, step_size,

@@ -7,9 +7,8 @@ attention module gets its class's own ``forward`` code run with Liger's RoPE in 
 ``apply_rotary_pos_emb`` its modeling module defines (a copy of the function with one global swapped).
 CUDA only: Liger's Triton kernels do not run in Triton's CPU interpreter.
 
-Why these: the Llama-8B step profile (bench/NOTES.md, session 3) put the unfused RMSNorm at about 6% of
-GPU time, RoPE about 5% and SwiGLU about 2%, spread over many small elementwise kernels. Measured with
-RMSNorm and SwiGLU: -22% GPU time at Qwen3-4B b32 (RoPE not measured yet).
+Why these: unfused, RMSNorm, RoPE and SwiGLU each run as many small elementwise kernels that together
+take a sizeable share of a step's GPU time; Liger fuses each of them.
 """
 from __future__ import annotations
 

@@ -5,8 +5,7 @@ projection is the layer's last matmul, and its output only joins the residual su
 never reads: the projection's backward needs its input and weight, not its output. So while the engine
 recomputes, the projection records its graph and returns uninitialised memory of the right shape.
 Plain training with gradient checkpointing gets the same saving from torch.utils.checkpoint's early stop.
-Without it the recompute ran a quarter of a layer's forward GEMM work for nothing: 36 extra 4.5 ms GEMMs
-a step at Qwen3-4B b64, 4% of the step (bench/NOTES.md, table17).
+Without it the recompute would run a quarter of a layer's forward GEMM work for nothing.
 
 For the families the adapter supports (Llama, Qwen2/3, Mistral) the down projection's output is used
 only by the residual add. A family that normalises the MLP output (Gemma's post-feedforward norm) would

@@ -12,9 +12,9 @@ the autograd head: 16 bytes per logit and a bf16 chunk gradient of [vocab, hidde
 backward holds about 10 x ffn + 6 x hidden bf16 values per token of the micro-batch (HF's MLP keeps
 gate, up, act and product and their gradients; the norms upcast to fp32) plus the layer's gradient.
 The window counts one slot for an untied model's embedding and head (they share it). The constants
-were fitted on the H200 to max_memory_allocated of Qwen3-4B at batch 8 and 32 and Llama-3.1-8B at batch
-8, both loss heads, 2 and 3 slots (bench/results/2026-11-30-*.jsonl, tests/test_plan.py): the model is
-at most 10% above each measurement, never below.
+are fitted to the H200's max_memory_allocated of Qwen3-4B at batch 8 and 32 and Llama-3.1-8B at batch 8,
+both loss heads, 2 and 3 slots: the model is at most 10% above each measurement, never below
+(tests/test_plan.py).
 
 Micro-batches are free in this engine (weights cross PCIe once per step however many there are), so
 the planner bounds a layer's backward by splitting the batch, and keeps as many layer inputs on the
@@ -32,8 +32,7 @@ LAYER_TOKEN_FFN = 10  # bf16 values per token per ffn unit at the peak of a laye
 LAYER_TOKEN_HIDDEN = 6
 LOGIT_BYTES = {"torch": 16,  # bf16 logits, fp32 copy, fp32 log-softmax, fp32 gradient (x1 each), bf16 gradient
                "fused": 4}  # the chunk becomes its own gradient in place; the fp32-output addmm of the
-# lm_head gradient takes a second bf16 copy of it (loss-8cb727f: 8192- against 4096-token chunks cost 3.8
-# more bytes per added logit)
+# lm_head gradient takes a second bf16 copy of it
 # the fused head runs the final norm on the whole micro-batch: its normed output, fp32 saved input and
 # the gradients around it (the autograd head's share of these was fitted into LOGIT_BYTES)
 HEAD_TOKEN_HIDDEN = {"torch": 0, "fused": 8}
@@ -241,14 +240,12 @@ def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Placement, ram: i
     each where the training state still leaves (1 - RAM_FRACTION) of the RAM free.
 
     - host_weights: a persistent bf16 host copy (no cast at copy time); where it does not fit, the fewest
-      staged layers (an int) that make it fit, else "staged" for all (2 bytes/param less). Llama-8B b8
-      under 24 GiB with all staged measured 2.38 s, bound by host memory bandwidth: each layer is cast
-      twice a step (table14).
+      staged layers (an int) that make it fit, else "staged" for all (2 bytes/param less). All staged,
+      a step is bound by host memory bandwidth: each layer is cast twice a step.
     - host_grad_buffers: a buffer per streamed layer, else as many as fit and at least MIN_GRAD_BUFFERS.
       With few buffers backward waits for the CPU and the CPU then idles through the next forward; with
-      one per layer the backlog waits in RAM (Qwen3-4B b8 under 24 GiB: 0.82 s with 4, 0.73 s with 27;
-      table11). The weights are decided first, with the ring at its smallest: a staged layer costs two
-      casts a step, a missing buffer less.
+      one per layer the backlog waits in RAM. The weights are decided first, with the ring at its
+      smallest: a staged layer costs two casts a step, a missing buffer less.
     - speculative_layers (clipping only; 0 without): a spare state for every streamed layer in RAM, else
       as many as fit. Decided last: without them clipping costs what it did before they existed."""
     budget = RAM_FRACTION * ram
@@ -308,11 +305,11 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
     """How many decoder layers to train on the GPU (``resident_layers="auto"``).
 
     As many as fit with micro-batches of at least EFFICIENT_TOKENS (or the whole batch): all of them
-    when the whole model fits (plain GPU training: measured 0.96x of it on the H200). But where resident
-    layers take GPU memory that layer inputs would otherwise keep, no more than the step needs: once the
-    CPU optimizer's predicted time is under half the GPU's, another resident layer saves no time and
-    pushes inputs to pinned host memory and PCIe (Llama-8B b64 under 24 GiB: 4 resident layers left 16 GB
-    of inputs in RAM). The half leaves room for the time model's error (its GPU rate underestimates 8B's).
+    when the whole model fits (then it is plain GPU training). But where resident layers take GPU memory
+    that layer inputs would otherwise keep, no more than the step needs: once the CPU optimizer's
+    predicted time is under half the GPU's, another resident layer saves no time and pushes inputs to
+    pinned host memory and PCIe. The half leaves room for the time model's error (its GPU rate
+    underestimates 8B's).
     With ``clipping`` the update follows backward and only the next forward (a quarter of the GPU work)
     can hide it: a quarter, with no margin (that model already counts no overlap with backward)."""
     rates = rates or MachineRates()
@@ -433,17 +430,16 @@ def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Placement = P
 
 @dataclass(frozen=True)
 class MachineRates:
-    """Rates measured on the H200 machine (bench/results, 2026-11-30); pass others for other machines."""
-    # bf16 FLOP/s of a step's GPU work (step_time's count over gpu_compute_s) with Liger's kernels:
-    # 540-550 T at Qwen3-4B, 594 T at Llama-8B (its larger GEMMs; table18)
+    """Rates of the H200 machine the defaults were measured on; pass others for other machines."""
+    # bf16 FLOP/s of a step's GPU work (step_time's count over gpu_compute_s) with Liger's kernels; one rate
+    # for every model, though larger GEMMs (Llama-8B's) run a little faster than Qwen3-4B's
     gpu_flops: float = 565e12
-    # the engine's CPU update, one-pass AdamW on 15 cores beside the copies: 4.4-5.8 G params/s (table13-23)
+    # the engine's CPU update: one-pass AdamW on all cores but one, beside the copies
     optimizer_params_per_s: float = 5.0e9
     # compact state's update over that: it moves 18 bytes a parameter, not 28, but its rounding's hashing
-    # bounds it (it scales with threads): 5.5 G params/s in the pipeline at Llama-8B b8 (table28) against
-    # fp32's 4.4-5.3 (table21, table26); 1.32x alone (optimizer-d1e6a3a)
+    # bounds it (it scales with threads), so it gains far less than 28/18
     compact_speedup: float = 1.1
-    # the resident units' AdamW on the GPU, fp32 state (compact: 2.3x): 76-78 G params/s (table11, table14)
+    # the resident units' AdamW on the GPU, fp32 state (compact: 2.3x)
     gpu_adamw_params_per_s: float = 77e9
     pcie_bytes_per_s: float = 55e9
     disk_bytes_per_s: float = 1e9  # the NVMe tier's reads and writes (about 1 GB/s on that machine)
@@ -458,13 +454,12 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
     overlap, and the weight copies and the NVMe tier's moment traffic (read and written once per step;
     +10%), plus the embedding's update at the step boundary where it streams. With ``clipping`` the CPU
     update waits for the global norm, so it follows backward (6 of the 8 FLOP units) and only the next
-    forward overlaps it; the embedding's update is then the first of that serial chain, not a stall on top (session 2 measured 1.72 s at 4B b8 streamed; with that session's
-    rates this gives 1.64). ``speculative_layers`` of the streamed layers are updated before the norm
-    (engine/runtime.py): only the rest follows backward, where the norm stays within the limit. The GPU
-    term is 3% under table18's 4B GPU work and 5% over its 8B (larger GEMMs run faster). Steps within 6%
-    of session 7's 4B b8-b64 and 8B b32/b64 steps and session 8's compact 8B b8 under 24 GiB
-    (tests/test_plan.py); not counted: a ring
-    of few gradient buffers (8B b8: 1.675 s measured, 1.47 predicted) and staged casts."""
+    forward overlaps it; the embedding's update is then the first of that serial chain, not a stall on
+    top. ``speculative_layers`` of the streamed layers are updated before the norm (engine/runtime.py):
+    only the rest follows backward, where the norm stays within the limit. The GPU term takes one rate
+    for every model: a little short of smaller models' GPU work and over larger ones' (larger GEMMs run
+    faster). Steps under 24 GiB come within 6% of measured ones (tests/test_plan.py); not counted: a ring
+    of few gradient buffers (it predicts such steps short) and staged casts."""
     tokens = batch * seq
     k = min(p.resident_layers, shape.layers)
     on_cpu = shape.params - k * shape.layer_params - (shape.embed_params + shape.head_params
@@ -494,9 +489,9 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: Mach
     # waits for its CPU update at every step boundary, whatever else overlaps.
     stall = 0.0 if p.edges_resident(shape) else \
         shape.embed_params / cpu_rate
-    # What does not overlap. GPU-bound, little: prefetching two visits ahead leaves 1-3% (table19-21:
-    # efficiency 0.975-0.99). CPU-bound, the head and the last streamed layer: between the last update the
-    # forward needs and the first gradient of backward the CPU has nothing to do (table23's timeline).
+    # What does not overlap. GPU-bound, little: prefetching two visits ahead hides nearly all copies (the
+    # 2% below). CPU-bound, the head and the last streamed layer: between the last update the forward
+    # needs and the first gradient of backward the CPU has nothing to do.
     gap = (head_flops + 8 * shape.layer_params) * tokens / rates.gpu_flops if on_cpu else 0.0
     step = max(1.02 * (out["gpu_compute_s"] + out["gpu_adamw_s"]), out["optimizer_s"] + gap,
                1.1 * max(out["activations_s"], out["h2d_s"], out["nvme_s"])) + stall

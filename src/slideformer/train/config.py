@@ -45,7 +45,7 @@ class OffloadConfig:
     offload_dir: str | None = None  # NVMe tier for the Adam moments of nvme_fraction of the layers
     nvme_fraction: float = 1.0
     nvme_master: bool = False  # the tier's layers keep their fp32 master there too (4 bytes/param less RAM)
-    optimizer_state: str = "fp32"  # or "compact" (8 bytes/param; see bench/NOTES.md for its measured effect)
+    optimizer_state: str = "fp32"  # or "compact" (bf16 state: 8 instead of 14 bytes/param of host RAM)
     # the first N layers train on the GPU (see `slideformer plan`); "auto": as many as the GPU budget
     # (gpu_memory_limit, else 90% of the card) leaves room for at this batch and cutoff_len
     resident_layers: int | str = "auto"
