@@ -256,3 +256,23 @@ def test_baselines_step_gives_the_gradients_of_hf_own_loss(tied):
 def test_torchao_needs_a_gpu():
     with pytest.raises(SystemExit, match="CUDA"):
         harness.main(["--system", "torchao", "--model", "tiny", "--device", "cpu"])
+
+
+def test_every_named_benchmark_case_is_a_valid_case():
+    """bench/cases.yaml is data the device runner expands: each case names a system, a preset and a batch,
+    and its flags parse as the harness's."""
+    from pathlib import Path
+
+    import yaml
+
+    from slideformer.bench.harness import RUNNERS, parser
+    from slideformer.presets import PRESETS
+
+    cases = yaml.safe_load((Path(__file__).parents[1] / "bench" / "cases.yaml").read_text())
+    assert "default" in cases and len(cases) > 30
+    for name, entry in cases.items():
+        assert entry["cases"], name
+        for case in entry["cases"]:
+            system, model, batch, *flags = case.split()
+            assert system in RUNNERS and model in PRESETS and int(batch) > 0, (name, case)
+            parser().parse_args(["--system", system, "--model", model, "--batch", batch, *flags])

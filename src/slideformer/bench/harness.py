@@ -303,7 +303,8 @@ def kernel_launchers(prof, kernels: set[str]) -> dict[str, list]:
 RUNNERS = {"slideformer": run_slideformer, "plain": run_plain, "deepspeed": run_deepspeed, "torchao": run_torchao}
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
+    """One case's flags (bench/cases.yaml writes cases in them)."""
     ap = argparse.ArgumentParser(prog="slideformer bench", description=__doc__.splitlines()[0])
     ap.add_argument("--system", choices=sorted(RUNNERS), required=True)
     ap.add_argument("--model", default="qwen3-4b")
@@ -360,7 +361,11 @@ def main(argv=None):
                     help="record this case as failed with WHY, without running it: a process the host killed "
                          "(out of RAM) or a timeout leaves no line of its own (bench/run_device.sh)")
     ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
