@@ -58,7 +58,12 @@ def model_dirs(tmp_path):
     ("offload.gpu_memory_limit=lots", 2, ["offload.gpu_memory_limit", "24GiB"]),
     ("offload.window_slots=1", 2, ["offload.window_slots must be >= 2"]),  # (the engine's check, in user keys)
     ("output_dir=/etc/passwd/run", 5, ["/etc/passwd/run"]),
-    ("offload.offload_dir=/etc/passwd", 5, ["/etc/passwd"]),
+    ("offload.offload_dir=/etc/passwd", 2, ["offload.offload_dir /etc/passwd is a file"]),
+    ("num_train_epochs=nan", 2, ["num_train_epochs must be a finite number"]),
+    ("num_train_epochs=.inf", 2, ["num_train_epochs must be a finite number"]),
+    ("max_grad_norm=.nan", 2, ["max_grad_norm must be a finite number"]),
+    ("learning_rate=.inf", 2, ["learning_rate must be a finite number"]),
+    ("seed=99999999999999999999999", 2, ["seed must lie in [0, 2**63)"]),
 ])
 def test_bad_settings(tmp_path, capsys, override, code, needles):
     t = model_dirs(tmp_path)
@@ -87,6 +92,7 @@ def test_a_number_for_a_folder_name_is_a_folder_name(tmp_path, monkeypatch):
     ("deep.jsonl", b"[" * 100000 + b"]" * 100000 + b"\n", ["deep.jsonl:1: not valid JSON (nested too deeply)"]),
     ("broken.jsonl", b'{"text": "ok"}\n{"text": \n', ["broken.jsonl:2: not valid JSON", "skip_bad_records"]),
     ("empty.jsonl", b"\n", ["empty.jsonl holds no records"]),
+    ("surrogate.jsonl", b'{"text": "\\ud800 bad"}\n', ["surrogate.jsonl:1: text holds invalid Unicode"]),
 ])
 def test_bad_data_files_are_named(tmp_path, capsys, name, content, needles):
     p = data(tmp_path, name, content)
@@ -157,6 +163,12 @@ def test_plan_refuses_nonsense(capsys):
     one_line(capsys, "not a preset")
     assert main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1", "--gpu-memory", "lots"]) == 2
     one_line(capsys, "--gpu-memory", "24GiB")
+    assert main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1", "--gpu-memory", "0"]) == 2
+    one_line(capsys, "--gpu-memory", "must be > 0")
+    for flag, value in (("--nvme-fraction", "7"), ("--nvme-fraction", "-3"), ("--max-grad-norm", "nan")):
+        with pytest.raises(SystemExit):
+            main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1", flag, value])
+        assert "must be" in capsys.readouterr().err
 
 
 # -- export ------------------------------------------------------------------------------------------
@@ -205,6 +217,19 @@ def test_export_does_not_follow_links_out_of_the_checkpoint(checkpoint, tmp_path
     assert main(["export", str(ck), str(tmp_path / "hf")]) == 2
     one_line(capsys, "extra.txt is a link to", "outside the checkpoint")
     assert not (tmp_path / "hf" / "extra.txt").exists()
+
+
+def test_export_refuses_a_checkpoint_without_its_metadata_and_a_file_target(checkpoint, tmp_path, capsys):
+    import shutil
+
+    ck = tmp_path / "ck"
+    shutil.copytree(checkpoint, ck)
+    (ck / "state" / "trainer.json").unlink()
+    assert main(["export", str(ck), str(tmp_path / "hf")]) == 2
+    one_line(capsys, "trainer.json", "not a complete slideformer checkpoint")
+    (tmp_path / "f").write_text("x")
+    assert main(["export", str(checkpoint), str(tmp_path / "f"), "--overwrite"]) == 2
+    one_line(capsys, "is a file")
 
 
 def test_export_refuses_a_corrupt_checkpoint(checkpoint, tmp_path, capsys):
@@ -277,3 +302,19 @@ def test_a_swallowed_interrupt_during_start_up_still_stops_the_run(tmp_path, mon
     monkeypatch.setattr(loop, "build_examples", swallowing)
     assert main(FAST + [f"output_dir={tmp_path}", "max_steps=50"]) == 130
     assert not list(tmp_path.glob("checkpoint-*"))
+
+
+def test_the_signal_handler_is_released_after_a_run(tmp_path):
+    """One handler per process, shared by nested users, gone when the outermost one ends."""
+    import signal
+
+    from slideformer.signals import Signals
+
+    before = signal.getsignal(signal.SIGINT)
+    with Signals() as outer:
+        with Signals() as inner:
+            assert inner is outer
+        assert Signals._active is outer
+    assert Signals._active is None and signal.getsignal(signal.SIGINT) is before
+    assert main(FAST + [f"output_dir={tmp_path}"]) == 0
+    assert Signals._active is None and signal.getsignal(signal.SIGINT) is before

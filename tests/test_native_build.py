@@ -264,3 +264,18 @@ def test_a_build_of_the_same_variant_elsewhere_in_this_process_does_not_force_a_
     again = finishes(native.build, 60)
     assert hasattr(again, "adamw_step") and (real.directory / f"{name}.so").is_file()
     assert not list(real.directory.glob("*_v*.so")) and "building" not in capfd.readouterr().err
+
+
+def test_loads_of_a_finished_build_do_not_queue(real, capfd):
+    """Another process loading the built module (a shared lock) does not make this one wait or say so."""
+    code = ("import fcntl, os, sys, time\nfd = os.open(sys.argv[1], os.O_RDWR)\nfcntl.flock(fd, fcntl.LOCK_SH)\n"
+            "print('locked', flush=True)\ntime.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(real.directory / "slideformer.lock")],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        again = finishes(native.build, 30)
+        assert hasattr(again, "adamw_step") and WAITING not in capfd.readouterr().err
+    finally:
+        proc.kill()
+        proc.wait()

@@ -32,13 +32,20 @@ def users_folder(tmp_path):
     return out
 
 
-def test_the_demo_starts_over_each_time(tmp_path):
-    """Its metrics and TensorBoard events are the last run's only."""
+def test_the_demo_starts_over_in_its_own_folder_only(tmp_path, monkeypatch, capsys):
+    """`slideformer train` twice: the demo's out/demo starts over, its metrics and TensorBoard events the last
+    run's only. A folder named on the command line gets no such licence from the demo's defaults."""
+    monkeypatch.chdir(tmp_path)
     for _ in range(2):
-        assert main(["train", "progress=false", "device=cpu", "max_steps=2", "logging_steps=1",
-                     f"output_dir={tmp_path}"]) == 0
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
-    assert len(list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))) == 1
+        assert main(["train", "progress=false", "device=cpu", "max_steps=2", "logging_steps=1"]) == 0
+    demo = tmp_path / "out" / "demo"
+    assert [json.loads(line)["step"] for line in (demo / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert len(list((demo / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert main(["train", "progress=false", "device=cpu", "max_steps=1", "output_dir=mine"]) == 2
+    assert "not written by slideformer" in capsys.readouterr().err
 
 
 def test_a_folder_of_someone_elses_files_is_refused_untouched(tmp_path, capsys):
@@ -173,3 +180,57 @@ def test_a_real_full_disk_and_a_read_only_folder(tmp_path, capsys):
         assert err.count("\n") == 1 and "Read-only file system" in err and "output_dir" in err
     finally:
         _umount(ro)
+
+
+def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path, capsys):
+    from slideformer.train.outdir import OutputDir
+
+    held = OutputDir.check(tmp_path / "o", resume=None, overwrite=False).open()  # (as a live run holds it)
+    try:
+        assert run(tmp_path / "o", "max_steps=1") == 2
+        assert "in use by another slideformer run" in capsys.readouterr().err
+    finally:
+        held.close()
+    assert run(tmp_path / "o", "max_steps=1", "resume_from_checkpoint=auto") == 0
+
+
+def test_a_checkpoint_of_another_run_where_this_one_will_save_is_refused(tmp_path, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert run(a, "max_steps=4") == 0
+    assert run(b, "max_steps=2", "save_steps=2") == 0
+    shutil.copytree(a / "checkpoint-4", b / "checkpoint-4")
+    before = tree(b / "checkpoint-4")
+    capsys.readouterr()
+    assert run(b, "max_steps=4", "save_steps=2", "resume_from_checkpoint=auto") == 2
+    assert "holds checkpoint-4, which this run did not write" in capsys.readouterr().err
+    assert tree(b / "checkpoint-4") == before
+
+
+def test_auto_resume_with_every_checkpoint_damaged_is_refused(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert run(out, "max_steps=2", "save_steps=1", "save_total_limit=5") == 0
+    for ck in out.glob("checkpoint-*"):
+        (ck / "model.safetensors").write_bytes(b"junk")
+    before = tree(out)
+    capsys.readouterr()
+    assert run(out, "max_steps=3", "resume_from_checkpoint=auto") == 2
+    err = capsys.readouterr().err
+    assert "no intact checkpoint of this run" in err and "2 damaged" in err
+    assert tree(out) == before
+
+
+def test_the_tokenizer_is_sealed_into_the_checkpoint(tmp_path):
+    from slideformer.checkpoint.state import read_meta
+
+    assert run(tmp_path / "o", "max_steps=1") == 0
+    sums = read_meta(tmp_path / "o" / "checkpoint-1")["checksums"]
+    assert "tokenizer.json" in sums or "tokenizer_config.json" in sums
+
+
+def test_odd_names_and_bytes_in_the_folder_are_not_bugs(tmp_path):
+    out = tmp_path / "o"
+    assert run(out, "max_steps=1") == 0
+    (out / "checkpoint-\u00b2").mkdir()  # (a digit to str.isdigit, not to int)
+    with open(out / "metrics.jsonl", "ab") as f:
+        f.write(b"\xff\n")
+    assert run(out, "max_steps=2", "resume_from_checkpoint=auto") == 0

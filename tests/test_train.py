@@ -208,7 +208,7 @@ def test_auto_residency_follows_the_budget():
     from slideformer.presets import preset_config
     from slideformer.train.loop import resolve_engine
 
-    c = load_config(None, FAST)
+    c = load_config(None, FAST + ["cutoff_len=256"])
     examples = [([1] * 64, [1] * 64)]
     hf = preset_config("tiny")
     machine = Machine(ram=1 << 40, gpu=None)  # (the budget is gpu_memory_limit's)
@@ -219,7 +219,7 @@ def test_auto_residency_follows_the_budget():
     assert 0 <= chosen.resident_layers < hf.num_hidden_layers
     # a fixed offload.resident_edges is kept (here the planner would take them); the layers are still its call
     assert chosen.resident_edges is True
-    declined = load_config(None, FAST + ["offload.resident_edges=false"])
+    declined = load_config(None, FAST + ["offload.resident_edges=false", "cutoff_len=256"])
     assert resolve_engine(declined, hf, tight, examples, machine).resident_edges is False
     with pytest.raises(ConfigError, match="resident_edges must be true, false or auto"):
         load_config(None, FAST + ["offload.resident_edges=maybe"])
@@ -241,7 +241,7 @@ def test_host_weights_auto_stages_when_the_copy_would_crowd_the_ram():
     from slideformer.presets import preset_config
     from slideformer.train.loop import resolve_engine
 
-    c = load_config(None, FAST + ["bf16=true"])
+    c = load_config(None, FAST + ["bf16=true", "cutoff_len=256"])
     hf = preset_config("tiny")
     eng = EngineConfig(device="cpu", compute_dtype=torch.bfloat16)
     sh = plan.ModelShape.from_adapter(ModelAdapter(hf, torch.bfloat16))
@@ -252,5 +252,5 @@ def test_host_weights_auto_stages_when_the_copy_would_crowd_the_ram():
     assert isinstance(chosen.host_weights, int) and 0 < chosen.host_weights < hf.num_hidden_layers
     assert sum(plan.config_host_bytes(chosen, sh, c.micro_batch_size, 64, p).values()) <= 0.85 * with_copy / 0.9
     assert resolve_engine(c, hf, eng, examples, Machine(ram=int(with_copy / 0.8))).host_weights == "persistent"
-    fixed = load_config(None, FAST + ["bf16=true", "offload.host_weights=persistent"])
+    fixed = load_config(None, FAST + ["bf16=true", "offload.host_weights=persistent", "cutoff_len=256"])
     assert resolve_engine(fixed, hf, eng, examples, Machine(ram=int(with_copy / 0.9))).host_weights == "persistent"

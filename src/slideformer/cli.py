@@ -71,14 +71,15 @@ def cmd_plan(args) -> int:
                               "config.json")
         config = AutoConfig.from_pretrained(args.model)
     for flag in ("gpu_memory", "cpu_memory"):
+        value = getattr(args, flag)
         try:
-            if getattr(args, flag):
-                parse_bytes(getattr(args, flag))
+            if value is not None and parse_bytes(value) <= 0:
+                raise ValueError(f"a memory size must be > 0, got {value!r}; write e.g. '24GiB'")
         except ValueError as e:
             raise ConfigError(f"--{flag.replace('_', '-')}: {e}") from None
     shape = ModelShape.from_adapter(ModelAdapter(config))
-    machine = Machine(ram=parse_bytes(args.cpu_memory) if args.cpu_memory else host_memory(),
-                      gpu=parse_bytes(args.gpu_memory) if args.gpu_memory else gpu_memory())
+    machine = Machine(ram=parse_bytes(args.cpu_memory) if args.cpu_memory is not None else host_memory(),
+                      gpu=parse_bytes(args.gpu_memory) if args.gpu_memory is not None else gpu_memory())
     cpu_limit, gpu_limit = machine.ram, machine.gpu
     # the engine settings `slideformer train` would use (clipping by default: a gradient buffer per layer)
     as_trained = EngineConfig(device="cuda", loss_kernel=args.loss_kernel, max_grad_norm=args.max_grad_norm or None,
@@ -216,13 +217,16 @@ def cmd_export(args) -> int:
     if not (src / "config.json").is_file():
         print(f"error: {src} is not a slideformer checkpoint (no config.json)", file=sys.stderr)
         return EXIT_USAGE
-    if (src / STATE_DIR / TRAINER).is_file():
-        verify_checkpoint(src)  # (corrupt or altered: refused, naming the file)
+    if (src / STATE_DIR).exists() or (src / STATE_DIR / TRAINER).is_file():
+        verify_checkpoint(src)  # (corrupt, altered or missing its metadata: refused, naming the file)
     rs, rd = src.resolve(), dst.resolve()
     if rd == rs or rd.is_relative_to(rs) or rs.is_relative_to(rd):
         print(f"error: export target {dst} overlaps the checkpoint {src}; choose a folder outside it", file=sys.stderr)
         return EXIT_USAGE
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())) and not args.overwrite:
+    if dst.exists() and not dst.is_dir():
+        print(f"error: export target {dst} is a file; give a folder", file=sys.stderr)
+        return EXIT_USAGE
+    if dst.exists() and any(dst.iterdir()) and not args.overwrite:
         print(f"error: export target {dst} exists and is not empty; choose a new folder, or pass --overwrite "
               "(its model weights and files of the same names are replaced)", file=sys.stderr)
         return EXIT_USAGE
@@ -277,13 +281,30 @@ def _exit_code(e: BaseException) -> int | None:
 
 def _one_line(e: BaseException) -> str:
     if isinstance(e, KeyboardInterrupt):
-        sig = "SIGTERM" if isinstance(e, Interrupted) and e.signum == 15 else "SIGINT"
-        return f"{sig}: stopped before a training step had finished; nothing was saved"
+        return (e if isinstance(e, Interrupted) else Interrupted(2)).line()
     if isinstance(e, OSError) and e.strerror:
+        import errno
+
         where = f"{e.filename}: " if e.filename and str(e.filename) not in e.strerror else ""
-        return f"error: {where}{e.strerror}"
+        fix = {errno.ENOSPC: "free space there or choose another folder", errno.EDQUOT: "free space there or choose "
+               "another folder", errno.EROFS: "choose a writable folder", errno.EACCES: "check its permissions or "
+               "choose another folder", errno.EPERM: "check its permissions or choose another folder"}.get(e.errno)
+        return f"error: {where}{e.strerror}" + (f"; {fix}" if fix and "; " not in e.strerror else "")
     text = str(e).strip() or type(e).__name__
     return "error: " + " ".join(text.split())  # one line, whatever the message held
+
+
+def _thread_failed(args) -> None:
+    """A library's background thread failed: its traceback goes to a log, not the terminal; whatever the
+    failure means for the run (a full disk) surfaces in the main thread as one line."""
+    import tempfile
+    import traceback
+
+    try:
+        with open(Path(tempfile.gettempdir()) / f"slideformer-threads-{__import__('os').getpid()}.log", "a") as f:
+            f.write("".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)))
+    except OSError:
+        pass
 
 
 def _log_bug(log_dir: str | None) -> Path:
@@ -315,16 +336,42 @@ def _positive(v: str) -> int:
     return n
 
 
+def entry() -> int:
+    """The `slideformer` command: signals are handled before anything heavy is imported (signals.py)."""
+    with Signals(hard=True):
+        return main()
+
+
+def _number(v: str, low: float, high: float, what: str) -> float:
+    import math
+
+    try:
+        x = float(v)
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and low <= x <= high):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {v!r}")
+    return x
+
+
+def _fraction(v: str) -> float:
+    return _number(v, 0.0, 1.0, "a number in [0, 1]")
+
+
+def _non_negative(v: str) -> float:
+    return _number(v, 0.0, float("inf"), "a finite number >= 0 (0: no clipping)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    with Signals():  # first: a signal while torch imports ends the run with one line too
+    with Signals() as signals:  # (shares entry()'s where that is active)
         try:
-            return _main(sys.argv[1:] if argv is None else argv)
+            return _main(sys.argv[1:] if argv is None else argv, signals)
         except Interrupted as e:
             print(_one_line(e), file=sys.stderr)
             return 128 + e.signum
 
 
-def _main(argv: list[str]) -> int:
+def _main(argv: list[str], signals: Signals) -> int:
     from . import __version__
 
     if argv[:1] == ["bench"]:  # its own parser: one case, or `bench report FILE...`
@@ -350,7 +397,7 @@ def _main(argv: list[str]) -> int:
     pl.add_argument("--gpu-memory", help="GPU budget, e.g. 24GiB (default: this machine's GPU)")
     pl.add_argument("--cpu-memory", help="host RAM budget (default: this machine's)")
     pl.add_argument("--offload-dir", help="NVMe tier directory: the moments of --nvme-fraction of the layers go there")
-    pl.add_argument("--nvme-fraction", type=float, default=1.0)
+    pl.add_argument("--nvme-fraction", type=_fraction, default=1.0)
     pl.add_argument("--nvme-master", action="store_true", help="the tier's layers keep their fp32 master there too")
     pl.add_argument("--activations-to-nvme", action="store_true",
                     help="offloaded layer inputs go to files under --offload-dir (RAM: 3 staging buffers)")
@@ -359,7 +406,7 @@ def _main(argv: list[str]) -> int:
                     help="persistent, staged, a number of staged layers, or auto (as `slideformer train`): "
                          "persistent where the state leaves 15%% of the RAM free, else the fewest staged layers")
     pl.add_argument("--loss-kernel", default=PLAN_DEFAULTS["loss_kernel"], choices=["torch", "fused"])
-    pl.add_argument("--max-grad-norm", type=float, default=1.0,
+    pl.add_argument("--max-grad-norm", type=_non_negative, default=1.0,
                     help="as the trainer's max_grad_norm (default 1.0; 0: no clipping, which lets gradients share "
                          "a ring of host buffers)")
     pl.add_argument("--optimizer-state", default=PLAN_DEFAULTS["optimizer_state"], choices=["fp32", "compact"])
@@ -373,11 +420,21 @@ def _main(argv: list[str]) -> int:
     sub.add_parser("bench", help="benchmark one case (see `slideformer bench --help`), or `bench report FILE...`",
                    add_help=False)
     args = p.parse_args(argv)
+    import threading
+
+    hook = threading.excepthook
+    threading.excepthook = _thread_failed  # (a library's thread: TensorBoard's writer on a full disk)
     try:
         return args.func(args)
     except BaseException as e:  # the one boundary: a line for what a user can cause, a log for the rest
         if isinstance(e, SystemExit):
             raise
+        if signals.requested is not None and not signals.started and not isinstance(e, Interrupted):
+            # a signal that surfaced as another error (an import it interrupted): the signal is what happened
+            e = Interrupted(signals.requested)
+        if isinstance(e, KeyboardInterrupt):  # (before anything is imported: torch may be half-imported)
+            print(_one_line(e), file=sys.stderr)
+            return e.signum + 128 if isinstance(e, Interrupted) else 130
         code = _exit_code(e)
         if code is None:
             log = _log_bug(getattr(args, "log_dir", None))
@@ -387,7 +444,9 @@ def _main(argv: list[str]) -> int:
             return EXIT_BUG
         print(_one_line(e), file=sys.stderr)
         return code
+    finally:
+        threading.excepthook = hook
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

@@ -1,42 +1,73 @@
-"""SIGINT and SIGTERM, handled from the process's first line (the CLI installs ``Signals`` before it
-imports torch): until training starts each ends the run at once, since nothing is there to save; once
-training, the first asks the loop to stop after its step and save, and a second ends the run at once
-(the last checkpoint kept). A run ends with 128 + the signal's number. No torch here: this module is
-imported before it."""
+"""SIGINT and SIGTERM, handled from the process's first line: until training starts each ends the run
+at once, since nothing is there to save; once training, the first asks the loop to stop after its step
+and save, and a second ends the run at once (the last checkpoint kept). A run ends with 128 + the
+signal's number.
+
+The handler is one per process (``Signals`` entered again while active shares the first). The CLI's
+entry point enters it with ``hard=True`` before anything heavy is imported: a signal during start-up
+then prints its line and leaves with ``os._exit``, since raising inside torch's import (a C extension
+half-initialised) can crash the interpreter. Elsewhere (a library caller, the tests) start-up signals
+raise ``Interrupted``. No torch here: this module is imported before it."""
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 
 
 class Interrupted(KeyboardInterrupt):
     """SIGINT or SIGTERM ended the run before a step could finish (start-up, or a second signal)."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, training: bool = False):
         super().__init__(signal.Signals(signum).name)
-        self.signum = signum
+        self.signum, self.training = signum, training
+
+    def line(self) -> str:
+        name = signal.Signals(self.signum).name
+        if self.training:
+            return f"{name} again: stopped at once, mid-step; the last checkpoint saved is kept"
+        return f"{name}: stopped before a training step had finished; nothing was saved"
 
 
 class Signals:
-    """The handler for both signals, installed while the object is entered (main thread only: Python
-    delivers signals there; elsewhere it does nothing)."""
+    _active: "Signals | None" = None  # the process's handler while one is entered (signals are process-wide)
 
-    def __init__(self):
+    def __init__(self, hard: bool = False):
+        self.hard = hard
         self.requested: int | None = None
         self._training = False
         self._old: dict = {}
+        self._depth = 0
+        self._shared: "Signals | None" = None
 
     def __enter__(self) -> "Signals":
+        active = Signals._active
+        self._shared = active  # (``with`` calls __exit__ on this object, not on what __enter__ returns)
+        if active is not None:
+            active._depth += 1
+            return active
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._old[sig] = signal.signal(sig, self._on_signal)
+            Signals._active = self
+        self._depth = 1
         return self
 
     def _on_signal(self, signum, frame) -> None:
-        if not self._training or self.requested is not None:
-            self.requested = signum
-            raise Interrupted(signum)
+        first = self.requested is None
         self.requested = signum
+        if self._training and first:
+            return  # the loop stops after its step and saves
+        if self.hard and not self._training:
+            print(Interrupted(signum).line(), file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        raise Interrupted(signum, self._training)
+
+    @property
+    def started(self) -> bool:
+        """Whether training has begun (a signal now saves a checkpoint first)."""
+        return self._training
 
     def training(self) -> None:
         """From now on a first signal stops the loop after its step; one that arrived before (and that a
@@ -46,5 +77,14 @@ class Signals:
         self._training = True
 
     def __exit__(self, *exc) -> None:
+        if self._shared is not None:
+            self._shared._depth -= 1
+            return
+        self._depth -= 1
+        if self._depth > 0:
+            return
+        self._training = False
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        if Signals._active is self:
+            Signals._active = None

@@ -78,7 +78,8 @@ def _unit_key(adapter: ModelAdapter, unit: int) -> str:
 
 
 def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostStore, dtype: torch.dtype,
-                    trainer_state: dict | None = None) -> Path:
+                    trainer_state: dict | None = None, extra=None) -> Path:
+    """``extra(folder)`` writes more files (a tokenizer) into the checkpoint before its checksums are taken."""
     final = Path(path)
     tmp = final.with_name(final.name + ".tmp")
     if tmp.exists():
@@ -90,6 +91,8 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
             _check_finite(st, f"unit {_unit_key(adapter, u)}")
             save_file(st, str(tmp / STATE_DIR / f"{_unit_key(adapter, u)}.safetensors"))
         export.save_pretrained(tmp, adapter, store, dtype)
+        if extra is not None:
+            extra(tmp)
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
         for f in files:
             with open(f, "rb") as fh:

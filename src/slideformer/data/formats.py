@@ -100,8 +100,25 @@ def detect_format(rec: dict, where: str) -> str:
                     "messages / conversations / instruction+output / text, or set the dataset's format")
 
 
+def _text(v: str, where: str) -> str:
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError:
+        raise DataError(f"{where}: text holds invalid Unicode (an unpaired surrogate escape such as \\ud800)") from None
+    return v
+
+
 def to_messages(rec: dict, fmt: str, where: str) -> list[dict] | str:
-    """Chat messages for chat formats; the raw string for "text"."""
+    """Chat messages for chat formats; the raw string for "text" (every text checked to be valid Unicode)."""
+    out = _to_messages(rec, fmt, where)
+    if isinstance(out, str):
+        return _text(out, where)
+    for m in out:
+        _text(m["content"], where)
+    return out
+
+
+def _to_messages(rec: dict, fmt: str, where: str) -> list[dict] | str:
     def need(cond, what):
         if not cond:
             raise DataError(f"{where}: {fmt} record {what}")

@@ -443,11 +443,13 @@ class SlideEngine:
         return out
 
     def save_checkpoint(self, path: str | os.PathLike, trainer_state: dict | None = None,
-                        dtype: torch.dtype | None = None):
-        """Hugging Face weights plus the full training state, written atomically (checkpoint/state.py)."""
+                        dtype: torch.dtype | None = None, extra=None):
+        """Hugging Face weights plus the full training state, written atomically (checkpoint/state.py);
+        ``extra(folder)`` adds files (a tokenizer) before the checkpoint is sealed."""
         self.synchronize()
         state = {"lr": self.lr, **(trainer_state or {})}
-        return ckpt_state.save_checkpoint(path, self.adapter, self.store, dtype or self.cfg.compute_dtype, state)
+        return ckpt_state.save_checkpoint(path, self.adapter, self.store, dtype or self.cfg.compute_dtype, state,
+                                          extra)
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Restore a checkpoint written by save_checkpoint; returns the trainer state saved with it."""

@@ -10,7 +10,8 @@ so checkouts with different sources never share or overwrite a build. ``<base>``
 ``TORCH_EXTENSIONS_DIR`` if set, else ``$XDG_CACHE_HOME/slideformer/extensions`` (``~/.cache``).
 
 Concurrent builders are serialised by an ``flock`` on ``slideformer.lock`` in that directory, which
-the kernel releases when its holder dies. Torch's own lock is a plain file that survives a killed
+the kernel releases when its holder dies; once built, loaders take it shared and import the module
+directly, so concurrent starts do not queue. Torch's own lock is a plain file that survives a killed
 build and makes every later load wait forever; only the holder of our ``flock`` builds in the
 directory, so a torch ``lock`` file found while holding it is stale and is removed.
 """
@@ -63,6 +64,17 @@ def build(tag: str = "", flags: tuple[str, ...] = ()):
     except OSError as e:
         raise OSError(f"cannot write the build directory {directory} ({e.strerror or e}); "
                       "set TORCH_EXTENSIONS_DIR to a writable directory") from e
+    so = directory / f"{name}.so"
+    if so.exists() and not (directory / "lock").exists():  # built: loaders share the lock, none waits on another
+        fcntl.flock(fd, fcntl.LOCK_SH)  # (a builder holds it exclusively until its .so is whole)
+        try:
+            if not (directory / "lock").exists():
+                module = _import(name, so)
+                os.close(fd)  # (releases the lock)
+                return module
+        except ImportError:  # a link cut short: rebuilt below
+            pass
+        fcntl.flock(fd, fcntl.LOCK_UN)
     with _exclusive(fd, directory):
         with contextlib.suppress(FileNotFoundError):
             (directory / "lock").unlink()  # left by a killed build: nobody else builds here while we hold the flock
@@ -107,6 +119,21 @@ def _cpu_flags() -> str:
             return next((line for line in f if line.startswith("flags")), "")
     except OSError:
         return ""
+
+
+def _import(name: str, so: Path):
+    """The built extension, loaded as torch's load would load it once built (no ninja, no torch lock)."""
+    import importlib.util
+
+    import torch  # noqa: F401  (the extension links against torch's libraries)
+
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, so)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ Validated at start: an unknown key gets a did-you-mean, conflicting settings are
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -62,7 +63,7 @@ class TrainConfig:
     dataset: list | str = field(default_factory=lambda: [DatasetSpec(str(_assets() / "sample" / f"{f}.jsonl"))
                                                    for f in ("alpaca", "sharegpt", "messages", "text")])
     chat_template: str | None = None  # default: the tokenizer's
-    cutoff_len: int = 1024
+    cutoff_len: int | None = None  # tokens a sample keeps; default: 1024, or the model's positions if fewer
     packing: bool = False  # pack samples into rows of cutoff_len; attention never crosses a sample boundary
     skip_bad_records: bool = False  # malformed records and lines that are not JSON: skipped and counted
     micro_batch_size: int = 8
@@ -113,7 +114,7 @@ class TrainConfig:
         if self.lr_scheduler_type not in SCHEDULES:
             raise ConfigError(f"lr_scheduler_type {self.lr_scheduler_type!r}: choose one of {', '.join(SCHEDULES)}")
         for k in ("micro_batch_size", "gradient_accumulation_steps", "cutoff_len", "logging_steps"):
-            if getattr(self, k) < 1:
+            if getattr(self, k) is not None and getattr(self, k) < 1:
                 raise ConfigError(f"{k} must be >= 1, got {getattr(self, k)}")
         if self.save_steps < 0:
             raise ConfigError(f"save_steps must be >= 0 (0: save only at the end), got {self.save_steps}")
@@ -126,6 +127,8 @@ class TrainConfig:
         for k in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, k) < 1:
                 raise ConfigError(f"{k} must lie in [0, 1), got {getattr(self, k)}")
+        if not 0 <= self.seed < 2**63:
+            raise ConfigError(f"seed must lie in [0, 2**63), got {self.seed}")
         if self.device not in (None, "cpu", "cuda"):
             raise ConfigError(f"device {self.device!r} is not supported; use cuda or cpu, or leave it unset")
         if self.skip_nonfinite_steps and self.max_grad_norm is None:
@@ -201,6 +204,8 @@ def _typed(v, annotation: str, key: str):
         if "str" in kinds:
             return str(v)
     elif isinstance(v, float):
+        if not math.isfinite(v) and kinds & {"float", "int"}:
+            raise ConfigError(f"{key} must be a finite number, got {v}")
         if "float" in kinds:
             return v
         if "int" in kinds and v.is_integer():
@@ -213,9 +218,10 @@ def _typed(v, annotation: str, key: str):
         for kind, conv in (("int", int), ("float", float)):
             if kind in kinds:
                 try:
-                    return conv(v)
+                    number = conv(v)
                 except ValueError:
-                    pass
+                    continue
+                return _typed(number, annotation, key)  # (a string "nan" is checked as the number)
     elif isinstance(v, (list, dict)) and kinds & {"list", "OffloadConfig"}:
         return v
     want = " or ".join(sorted({"int": "a whole number", "float": "a number", "str": "text", "bool": "true or false",
@@ -243,6 +249,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
             raise ConfigError(f"cannot read config {path}: {e}") from e
         if not isinstance(raw, dict):
             raise ConfigError(f"config {path} must be a mapping of keys to values")
+    given = {item.partition("=")[0] for item in overrides}
     for item in overrides:
         key, eq, value = item.partition("=")
         if not eq:
@@ -256,6 +263,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {p} in the config is not a mapping")
         node[leaf] = _coerce(item, value)
+    if path is None and "output_dir" in given and "overwrite_output_dir" not in given:
+        raw["overwrite_output_dir"] = False  # (the demo starts over in its own folder only, never in one named)
     _checked(raw, TrainConfig, "config")
     if "offload" in raw:
         raw["offload"] = OffloadConfig(**_checked(raw["offload"], OffloadConfig, "offload"))

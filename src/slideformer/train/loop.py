@@ -26,10 +26,11 @@ from ..data.formats import check_chat_template, max_token_chars
 from ..signals import Signals
 from ..checkpoint.state import CheckpointWriteError, CorruptCheckpointError, read_meta
 from .config import TrainConfig, _assets
-from .outdir import CKPT_PREFIX, METRICS, TENSORBOARD, OutputDir
+from .outdir import CKPT_PREFIX, METRICS, TENSORBOARD, OutputDir, OutputDirError
 
 # A run whose every step for this long comes out non-finite has diverged: skipping more cannot help.
 MAX_DROPPED_IN_A_ROW = 10
+DEFAULT_CUTOFF_LEN = 1024
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -135,6 +136,8 @@ def load_model_config(cfg: TrainConfig):
             raise ConfigError(f"{path / 'config.json'}: transformers cannot read it ({str(e).splitlines()[0][:200]})") from e
     ModelAdapter(hf_config)  # an unsupported family is refused here, naming what is supported
     positions = getattr(hf_config, "max_position_embeddings", None)
+    if cfg.cutoff_len is None:
+        cfg.cutoff_len = min(DEFAULT_CUTOFF_LEN, positions or DEFAULT_CUTOFF_LEN)
     if positions is not None and cfg.cutoff_len > positions:
         raise ConfigError(f"cutoff_len {cfg.cutoff_len} exceeds the model's max_position_embeddings {positions}; "
                           f"set cutoff_len <= {positions}")
@@ -185,7 +188,9 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     resume = cfg.resume_from_checkpoint
     if resume not in (None, "auto"):
         read_meta(resume)  # (a folder that is not a checkpoint is refused before any work)
-    out = OutputDir.claim(cfg.output_dir, resume=resume, overwrite=cfg.overwrite_output_dir)
+    out = OutputDir.check(cfg.output_dir, resume=resume, overwrite=cfg.overwrite_output_dir)
+    if o.offload_dir:
+        _check_writable(o.offload_dir, "offload.offload_dir")
     tok = load_tokenizer(cfg)
     examples, skipped, dropped = build_examples(cfg, tok)
     if dropped:
@@ -198,24 +203,39 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     from ..machine import Machine
 
     ecfg = resolve_engine(cfg, hf_config, ecfg, examples, Machine.detect(device))
-    if cfg.model_name_or_path == "tiny":
-        engine = SlideEngine.from_config(hf_config, ecfg)
-    else:
-        engine = SlideEngine.from_pretrained(cfg.model_name_or_path, ecfg)
-
-    with engine:
-        print(f"slideformer: {engine.describe()}", flush=True)
-        start, epoch, offset = 0, 0, 0
+    out.open()  # (from here the folder is the run's: locked, marked)
+    try:
         if resume == "auto":
-            found = out.latest_intact()
+            found, damaged = out.latest_intact()
+            if found is None and damaged:
+                raise CorruptCheckpointError(
+                    f"resume_from_checkpoint: auto found no intact checkpoint of this run in {out.path} ({len(damaged)} "
+                    f"damaged, newest {damaged[0].name}); move them away to start over, or set resume_from_checkpoint "
+                    "to a checkpoint's path")
             resume = str(found) if found else None
-        if resume:
-            state = engine.load_checkpoint(resume)
-            start, epoch, offset = state["step"], state["epoch"], state["offset"]
-            print(f"slideformer: resumed from {resume} at step {start}", flush=True)
-        out.trim_metrics(start)
-        return _loop(cfg, signals, engine, out, tok, examples, skipped, dropped, start, epoch, offset, total, warmup,
-                     device)
+        if cfg.model_name_or_path == "tiny":
+            engine = SlideEngine.from_config(hf_config, ecfg)
+        else:
+            engine = SlideEngine.from_pretrained(cfg.model_name_or_path, ecfg)
+        with engine:
+            return _run(cfg, signals, engine, out, resume, tok, examples, skipped, dropped, total, warmup, device)
+    finally:
+        out.close()
+
+
+def _run(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, dropped, total, warmup, device) -> dict:
+    print(f"slideformer: {engine.describe()}", flush=True)
+    start, epoch, offset = 0, 0, 0
+    if resume:
+        state = engine.load_checkpoint(resume)
+        start, epoch, offset = state["step"], state["epoch"], state["offset"]
+        print(f"slideformer: resumed from {resume} at step {start}", flush=True)
+    if not cfg.overwrite_output_dir and (foreign := out.foreign_ahead(start, total)):
+        raise OutputDirError(f"output_dir {out.path} holds {foreign[0].name}, which this run did not write and would "
+                             f"replace when it saves that step; move it away, choose another output_dir, or set "
+                             "overwrite_output_dir: true")
+    out.trim_metrics(start)
+    return _loop(cfg, signals, engine, out, tok, examples, skipped, dropped, start, epoch, offset, total, warmup, device)
 
 
 def _loop(cfg, signals, engine, out: OutputDir, tok, examples, skipped, dropped, start, epoch, offset, total, warmup,
@@ -312,6 +332,21 @@ def _loop(cfg, signals, engine, out: OutputDir, tok, examples, skipped, dropped,
             "dropped_samples": dropped, "dropped_steps": dropped_steps}
 
 
+def _check_writable(folder: str, key: str) -> None:
+    """``folder`` can hold files (created if missing): refused before any work, naming the key."""
+    import tempfile
+
+    p = Path(folder)
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"{key} {p} is a file; give a folder")
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=p):
+            pass
+    except OSError as e:
+        raise OSError(e.errno, f"{key} {p}: {e.strerror}; make it writable or choose another folder") from e
+
+
 def _finite(rec: dict) -> dict:
     """JSON has no NaN: a value that is not finite is written as null."""
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in rec.items()}
@@ -323,13 +358,16 @@ def _permutation(n: int, seed: int, epoch: int) -> list[int]:
 
 
 def _save(engine, tok, out: OutputDir, step: int, state: dict, limit: int | None, previous: Path | None) -> Path:
-    try:
-        path = engine.save_checkpoint(out.path / f"{CKPT_PREFIX}{step}", state)
+    target = out.path / f"{CKPT_PREFIX}{step}"
+    if target.exists() and not out.overwrite and target not in out.checkpoints():
+        raise OutputDirError(f"{target} appeared during the run and was not written by it; move it away and resume "
+                             "with resume_from_checkpoint: auto")
+    try:  # (the tokenizer goes in before the checkpoint is sealed: its checksums and the rename cover it)
+        path = engine.save_checkpoint(target, state, extra=lambda tmp: tok.save_pretrained(str(tmp)))
     except CheckpointWriteError as e:
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
         raise CheckpointWriteError(e.errno, f"{e.strerror}; {kept}. Free space in {out.path} (or set output_dir "
                                             "elsewhere), then resume with resume_from_checkpoint: auto") from e
-    tok.save_pretrained(str(path))  # after the atomic rename: a missing tokenizer is recoverable, weights are not
     if limit:
         out.rotate(limit)
     return path

@@ -8,6 +8,7 @@ A folder that holds anything but no mark is refused, unless ``overwrite_output_d
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sys
@@ -18,6 +19,7 @@ from ..checkpoint.state import CorruptCheckpointError, read_meta, verify_checkpo
 from ..config import ConfigError
 
 RUN_FILE = "slideformer-run.json"
+LOCK_FILE = "slideformer-run.lock"
 CKPT_PREFIX = "checkpoint-"
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
@@ -30,7 +32,8 @@ class OutputDirError(ConfigError):
 
 def _step_of(p: Path) -> int | None:
     tail = p.name[len(CKPT_PREFIX):]
-    return int(tail) if p.name.startswith(CKPT_PREFIX) and tail.isdigit() and p.is_dir() else None
+    ok = p.name.startswith(CKPT_PREFIX) and tail.isascii() and tail.isdigit() and p.is_dir()
+    return int(tail) if ok else None
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -49,10 +52,11 @@ class OutputDir:
         self.path, self.run_id = path, run_id
 
     @classmethod
-    def claim(cls, path: str | os.PathLike, *, resume: str | None, overwrite: bool) -> "OutputDir":
-        """Mark ``path`` as this run's. A folder another slideformer run marked is continued when ``resume``
-        is set (its id is kept), else refused if it holds that run's checkpoints (``overwrite`` starts a new
-        run there); a folder with other content and no mark is refused unless ``overwrite``."""
+    def check(cls, path: str | os.PathLike, *, resume: str | None, overwrite: bool) -> "OutputDir":
+        """Whether ``path`` may be this run's, with no side effect (so refusals come before any work): a
+        folder another slideformer run marked is continued when ``resume`` is set (its id is kept), else
+        refused if it holds that run's checkpoints (``overwrite`` starts a new run there); a folder with
+        other content and no mark is refused unless ``overwrite``. ``open`` then takes it."""
         out = Path(path)
         if out.exists() and not out.is_dir():
             raise OutputDirError(f"output_dir {out} is a file; set output_dir to a folder")
@@ -74,27 +78,57 @@ class OutputDir:
                         "set resume_from_checkpoint: auto to continue it, overwrite_output_dir: true to start a "
                         "new run there, or choose another output_dir")
                 run_id = None  # a new run: the earlier one's checkpoints are no longer ours to rotate
-        elif out.is_dir() and any(out.iterdir()) and not overwrite:
-            shown = sorted(p.name for p in out.iterdir())
-            raise OutputDirError(
-                f"output_dir {out} is not empty ({', '.join(shown[:4])}{', ...' if len(shown) > 4 else ''}) and "
-                "was not written by slideformer; choose another output_dir, or set overwrite_output_dir: true to "
-                "train there (what the run writes replaces what has its names: checkpoint-N, metrics.jsonl, "
-                "loss.png; nothing else is touched)")
-        fresh = run_id is None
-        if fresh:
-            run_id = uuid.uuid4().hex
+        elif out.is_dir() and not overwrite:
+            shown = sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE)
+            if shown:
+                raise OutputDirError(
+                    f"output_dir {out} is not empty ({', '.join(shown[:4])}{', ...' if len(shown) > 4 else ''}) and "
+                    "was not written by slideformer; choose another output_dir, or set overwrite_output_dir: true to "
+                    "train there (what the run writes replaces what has its names: checkpoint-N, metrics.jsonl, "
+                    "loss.png; nothing else is touched)")
+        own = cls(out, run_id or uuid.uuid4().hex)
+        own.fresh, own.overwrite = run_id is None, overwrite
+        return own
+
+    def open(self) -> "OutputDir":
+        """Take the folder: a lock held until ``close`` (a second run into it is refused; the kernel drops
+        the lock with the process), the mark, and for a new run no earlier metrics."""
+        out = self.path
         try:
             out.mkdir(parents=True, exist_ok=True)
-            if fresh:
-                _write_atomic(mark, json.dumps({"run_id": run_id}) + "\n")
+            self._lock = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot write to output_dir {out}: {e.strerror}; make it writable or choose "
+                                   "another output_dir") from e
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self.close()
+            raise OutputDirError(f"output_dir {out} is in use by another slideformer run; wait for it to end, or "
+                                 "choose another output_dir") from None
+        try:
+            if self.fresh:
+                _write_atomic(out / RUN_FILE, json.dumps({"run_id": self.run_id}) + "\n")
                 (out / METRICS).unlink(missing_ok=True)  # this run's metrics start with it (TensorBoard's too)
                 for f in (out / TENSORBOARD).glob("events.out.tfevents.*"):
                     f.unlink()
         except OSError as e:
+            self.close()
             raise OSError(e.errno, f"cannot write to output_dir {out}: {e.strerror}; make it writable or choose "
                                    "another output_dir") from e
-        return cls(out, run_id)
+        return self
+
+    def close(self) -> None:
+        if getattr(self, "_lock", None) is not None:
+            os.close(self._lock)
+            self._lock = None
+
+    def foreign_ahead(self, start: int, end: int) -> list[Path]:
+        """Checkpoint folders of steps ``start`` < N <= ``end`` that this run did not write: a save of that step
+        would replace one."""
+        own = {p.name for p in self.checkpoints()}
+        return sorted((p for p in self.path.iterdir() if (n := _step_of(p)) is not None and start < n <= end
+                       and p.name not in own), key=_step_of) if self.path.is_dir() else []
 
     def checkpoints(self) -> list[Path]:
         """This run's checkpoints, oldest first (a checkpoint whose metadata cannot be read is not counted
@@ -111,19 +145,24 @@ class OutputDir:
                 continue
         return [p for _, p in sorted(found)]
 
-    def latest_intact(self) -> Path | None:
-        """The newest of this run's checkpoints whose files all pass their checksums. Each one passed over
-        as damaged (its metadata too: then whose it is cannot be told) is said on stderr."""
+    def latest_intact(self) -> tuple[Path | None, list[Path]]:
+        """The newest of this run's checkpoints whose files all pass their checksums, and those passed
+        over as damaged (each said on stderr; one whose metadata is damaged counts too, since whose it
+        is cannot be told)."""
         found = sorted((s, p) for p in self.path.iterdir() if (s := _step_of(p)) is not None)
+        damaged = []
         for _, p in reversed(found):
+            if not (p / "state" / "trainer.json").exists():
+                continue  # not a slideformer checkpoint at all (or stripped of its metadata): not ours to judge
             try:
                 if read_meta(p)["trainer"].get("run_id") != self.run_id:
                     continue
                 verify_checkpoint(p)
-                return p
+                return p, damaged
             except CorruptCheckpointError as e:
-                print(f"slideformer: not resuming from {p}: {e}; trying the one before", file=sys.stderr)
-        return None
+                damaged.append(p)
+                print(f"slideformer: not resuming from {p}: {e}", file=sys.stderr)
+        return None, damaged
 
     def rotate(self, keep: int) -> None:
         """Delete this run's checkpoints but the newest ``keep``."""
@@ -138,7 +177,7 @@ class OutputDir:
         if not path.is_file():
             return
         keep = []
-        for line in path.read_text().splitlines():
+        for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
             try:
                 if json.loads(line).get("step", 0) <= step:
                     keep.append(line)
