@@ -98,6 +98,7 @@ def test_bad_data_files_are_named(tmp_path, capsys, name, content, needles):
     p = data(tmp_path, name, content)
     assert main(FAST + [f"output_dir={tmp_path}/out", f"dataset=[{p}]"]) == 2
     one_line(capsys, *needles)
+    assert not (tmp_path / "out").exists()  # refused before the run took its folder
 
 
 def test_skip_bad_records_also_skips_lines_that_are_not_json(tmp_path, capsys):
@@ -318,3 +319,22 @@ def test_the_signal_handler_is_released_after_a_run(tmp_path):
     assert Signals._active is None and signal.getsignal(signal.SIGINT) is before
     assert main(FAST + [f"output_dir={tmp_path}"]) == 0
     assert Signals._active is None and signal.getsignal(signal.SIGINT) is before
+
+
+def test_a_library_threads_failure_prints_no_traceback(tmp_path, capsys, monkeypatch):
+    """(TensorBoard's writer thread on a full disk printed its traceback among the run's lines.)"""
+    import threading
+
+    from slideformer.train import loop
+
+    real = loop.build_examples
+
+    def with_a_failing_thread(*a, **k):
+        t = threading.Thread(target=lambda: (_ for _ in ()).throw(OSError(28, "No space left on device")))
+        t.start()
+        t.join()
+        return real(*a, **k)
+
+    monkeypatch.setattr(loop, "build_examples", with_a_failing_thread)
+    assert main(FAST + [f"output_dir={tmp_path}"]) == 0
+    assert "Traceback" not in capsys.readouterr().err
