@@ -116,7 +116,7 @@ def test_full_disk_is_refused_at_start(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", full)
-    with pytest.raises(TierError, match=r"cannot reserve .* GiB .*No space left on device.*offload_dir"):
+    with pytest.raises(TierError, match=r"cannot reserve .* [GM]iB .*No space left on device.*offload_dir"):
         SlideEngine(build("llama"), EngineConfig(**CPU, offload_dir=str(tmp_path)))
 
 

@@ -74,12 +74,15 @@ def test_overwrite_output_dir_trains_there_but_deletes_nothing_of_the_users(tmp_
 
 
 def test_the_runs_own_folder_resumes_and_a_new_run_there_is_refused(tmp_path, capsys):
+    """The same command again (after a preemption) continues the run: resume_from_checkpoint is auto by
+    default; a new run over its checkpoints (null) is refused with the fix."""
     out = tmp_path / "o"
     assert run(out, "max_steps=2") == 0
     run_id = json.loads((out / RUN_FILE).read_text())["run_id"]
-    assert run(out, "max_steps=3") == 2  # a fresh run over this run's checkpoints
+    assert run(out, "max_steps=3", "resume_from_checkpoint=null") == 2  # a new run over this run's checkpoints
     assert "set resume_from_checkpoint: auto to continue it" in capsys.readouterr().err
-    assert run(out, "max_steps=3", "resume_from_checkpoint=auto") == 0
+    assert run(out, "max_steps=3") == 0
+    assert "resumed from" in capsys.readouterr().out
     assert json.loads((out / RUN_FILE).read_text())["run_id"] == run_id
     meta = json.loads((out / "checkpoint-3" / "state" / "trainer.json").read_text())
     assert meta["trainer"]["run_id"] == run_id

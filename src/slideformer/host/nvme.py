@@ -273,7 +273,7 @@ class NvmeTier:
                 try:
                     os.posix_fallocate(fd, 0, size)
                 except OSError as e:
-                    raise TierError(e.errno, f"offload_dir {self.offload_dir}: cannot reserve {need / 2**30:.1f} GiB "
+                    raise TierError(e.errno, f"offload_dir {self.offload_dir}: cannot reserve {_gib(need)} "
                                     f"for the optimizer state on the NVMe tier ({e.strerror}); free space there, lower "
                                     "the fraction of units on the tier, or point offload_dir elsewhere") from e
                 if size not in zero_crc:

@@ -90,7 +90,9 @@ class TrainConfig:
     logging_steps: int = 10
     save_steps: int = 0  # 0: only at the end
     save_total_limit: int | None = 2  # this run's newest checkpoints kept (null: all)
-    resume_from_checkpoint: str | None = None  # a path, or "auto": the newest complete one in output_dir
+    # "auto": continue this output_dir's run from its newest intact checkpoint (none: start), so the same
+    # command resumes after a preemption; a path: that checkpoint; null: a new run (refused over a run's checkpoints)
+    resume_from_checkpoint: str | None = "auto"
     device: str | None = None  # default: cuda if available
     bf16: bool | None = None  # default: bf16 on CUDA, fp32 on CPU
     progress: bool = True
@@ -263,8 +265,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {p} in the config is not a mapping")
         node[leaf] = _coerce(item, value)
-    if path is None and "output_dir" in given and "overwrite_output_dir" not in given:
-        raw["overwrite_output_dir"] = False  # (the demo starts over in its own folder only, never in one named)
+    if path is None and "output_dir" in given:  # the demo starts over in its own folder only, never in one named
+        for k in ("overwrite_output_dir", "resume_from_checkpoint"):
+            if k not in given:
+                raw.pop(k, None)
     _checked(raw, TrainConfig, "config")
     if "offload" in raw:
         raw["offload"] = OffloadConfig(**_checked(raw["offload"], OffloadConfig, "offload"))
