@@ -254,3 +254,15 @@ def test_host_weights_auto_stages_when_the_copy_would_crowd_the_ram():
     assert resolve_engine(c, hf, eng, examples, Machine(ram=int(with_copy / 0.8))).host_weights == "persistent"
     fixed = load_config(None, FAST + ["bf16=true", "offload.host_weights=persistent", "cutoff_len=256"])
     assert resolve_engine(fixed, hf, eng, examples, Machine(ram=int(with_copy / 0.9))).host_weights == "persistent"
+
+
+def test_the_offload_section_is_the_engines_settings_by_name():
+    """The trainer hands offload.* to EngineConfig by name: a key the engine lacks would fail every run."""
+    import dataclasses
+
+    from slideformer.train.config import OffloadConfig
+    from slideformer.train.loop import AUTO_PLACEHOLDERS
+
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert {f.name for f in dataclasses.fields(OffloadConfig)} <= engine_fields
+    assert all(getattr(OffloadConfig(), k) == "auto" for k in AUTO_PLACEHOLDERS if k != "resident_edges")

@@ -31,6 +31,9 @@ from .outdir import CKPT_PREFIX, METRICS, TENSORBOARD, OutputDir, OutputDirError
 # A run whose every step for this long comes out non-finite has diverged: skipping more cannot help.
 MAX_DROPPED_IN_A_ROW = 10
 DEFAULT_CUTOFF_LEN = 1024
+# EngineConfig values that stand for the offload settings left "auto" until the planner has decided them
+AUTO_PLACEHOLDERS = {"host_weights": "persistent", "host_grad_buffers": 4, "speculative_layers": 0,
+                     "resident_layers": 0, "resident_edges": False}
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -166,21 +169,13 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     bf16 = cfg.bf16 if cfg.bf16 is not None else device == "cuda"
     hf_config = load_model_config(cfg)
     o = cfg.offload
+    # the offload section is the engine's settings by name; what is "auto" holds a placeholder until the planner
+    # decides it (resolve_engine)
+    placed = {f.name: getattr(o, f.name) for f in dataclasses.fields(o)}
+    placed.update({k: v for k, v in AUTO_PLACEHOLDERS.items() if placed[k] == "auto"})
     ecfg = EngineConfig(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
-                        max_grad_norm=cfg.max_grad_norm, device=device,
-                        compute_dtype=torch.bfloat16 if bf16 else torch.float32, seed=cfg.seed,
-                        gpu_memory_limit=o.gpu_memory_limit, window_slots=o.window_slots, prefetch_depth=o.prefetch_depth,
-                        host_weights="persistent" if o.host_weights == "auto" else o.host_weights,
-                        offload_activations=o.offload_activations,
-                        activations_to_nvme=o.activations_to_nvme,
-                        host_grad_buffers=4 if o.host_grad_buffers == "auto" else o.host_grad_buffers,
-                        speculative_layers=0 if o.speculative_layers == "auto" else o.speculative_layers,
-                        optimizer_threads=o.optimizer_threads,
-                        offload_dir=o.offload_dir, nvme_fraction=o.nvme_fraction, nvme_master=o.nvme_master,
-                        optimizer_state=o.optimizer_state,
-                        resident_layers=0 if o.resident_layers == "auto" else o.resident_layers,
-                        resident_edges=o.resident_edges is True,
-                        loss_kernel=o.loss_kernel, fused_ops=o.fused_ops)
+                        max_grad_norm=cfg.max_grad_norm, device=device, seed=cfg.seed,
+                        compute_dtype=torch.bfloat16 if bf16 else torch.float32, **placed)
     try:
         ecfg.validate()  # (before any work; its messages in the config's key names)
     except ConfigError as e:
