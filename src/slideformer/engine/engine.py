@@ -430,7 +430,7 @@ class SlideEngine:
         """Seconds per category since the last call (needs ``EngineConfig(profile=True)``); with
         ``timeline``, also each record (engine/profile.py) under the key "timeline"."""
         prof = self.runtime.profiler
-        if prof is None:
+        if not prof.enabled:
             raise RuntimeError("profiling is off: construct the engine with EngineConfig(profile=True)")
         self.synchronize()
         if self.runtime.cuda:

@@ -67,7 +67,7 @@ from ..model.adapter import ModelAdapter
 from ..optim.adamw import Landing, adamw_compact_, adamw_update_, resolve_backend
 from ..window.schedule import Visit, next_update
 from ..window.slots import Slot
-from .profile import StepProfiler
+from .profile import NullProfiler, StepProfiler
 
 STAGING_ELEMS = 32 * 2**20  # "staged" host weights: cast the master in 32M-element chunks
 RESIDENT_PIECE = 32 * 2**20  # resident units' GPU AdamW: elements per fused call
@@ -164,7 +164,7 @@ class Runtime:
         if staged:
             n = min(STAGING_ELEMS, max(staged))
             self._staging = [(torch.empty(n, dtype=dt, pin_memory=self.cuda), None) for _ in range(2)]
-        self.profiler: StepProfiler | None = StepProfiler(self.cuda) if cfg.profile else None
+        self.profiler: StepProfiler | NullProfiler = StepProfiler(self.cuda) if cfg.profile else NullProfiler()
         self._visit_start = None
         # Optimizer worker: one thread; its kernels release the GIL and use their own threads, so the
         # updates overlap the Python thread driving the GPU.
@@ -279,7 +279,7 @@ class Runtime:
                                     beta2=c.betas[1], weight_decay=c.weight_decay, eps=c.eps, amsgrad=False,
                                     maximize=False)
             slot.params[:n].copy_(master)
-        if self.cuda and self.profiler:  # GPU work between visits: not idle time
+        if self.cuda:  # GPU work between visits: not idle time
             self.profiler.copy("gpu_adamw", start, self._mark(self.compute))
 
     def _compact_seed(self, unit: int) -> int:
@@ -374,7 +374,7 @@ class Runtime:
                 issued.set()
 
     def _load_now(self, unit: int, slot: Slot, used) -> None:
-        if self.profiler and not self._updated[unit].is_set():
+        if not self._updated[unit].is_set():
             with self.profiler.timed("loader_wait_optimizer"):
                 self.wait_flag(self._updated[unit])
         if not self.wait_flag(self._updated[unit]) or self._error is not None:
@@ -393,8 +393,7 @@ class Runtime:
             else:
                 self._copy_staged(self.store.master[unit], dst)
             slot.loaded = self.h2d.record_event()
-            if self.profiler:
-                self.profiler.copy("h2d", start, self._mark(self.h2d))
+            self.profiler.copy("h2d", start, self._mark(self.h2d))
 
     def _copy_staged(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         # Double-buffered: staging buffer k is rewritten only after its previous h2d copy finished.
@@ -409,10 +408,9 @@ class Runtime:
 
     def begin_compute(self, slot: Slot) -> None:
         if slot.issued is not None:  # the loader has enqueued (CPU: done) the copy, and recorded ``loaded``
-            if self.profiler and not slot.issued.is_set():
+            if not slot.issued.is_set():
                 with self.profiler.timed("wait_load"):
                     slot.issued.wait()
-            slot.issued.wait()
             slot.issued = None
             self._raise_worker_error()
         self._visit_start = self._mark(self.compute) if self.cuda else None
@@ -423,11 +421,10 @@ class Runtime:
     def end_compute(self, slot: Slot, unit: int) -> None:
         if self.cuda:
             slot.used = self.compute.record_event()
-            if self.profiler:
-                self.profiler.visit(unit, self._visit_start, self._visit_ready, self._mark(self.compute))
+            self.profiler.visit(unit, self._visit_start, self._visit_ready, self._mark(self.compute))
 
     def _mark(self, stream):
-        return self.profiler.mark(stream) if self.profiler else None
+        return self.profiler.mark(stream)
 
     def begin_grads(self, slot: Slot) -> None:
         if self.cuda and slot.grads_sent is not None:
@@ -457,8 +454,7 @@ class Runtime:
                 dst[a: a + step].copy_(slot.grads[a: min(n, a + step)], non_blocking=True)
                 flags[k].copy_(self._ticket, non_blocking=True)
             slot.grads_sent = self.d2h.record_event()
-            if self.profiler:
-                self.profiler.copy("d2h", start, self._mark(self.d2h))
+            self.profiler.copy("d2h", start, self._mark(self.d2h))
         return SentGrads(buf, landing)
 
     def _take_grad_buffer(self, unit: int) -> int:
@@ -470,10 +466,7 @@ class Runtime:
                     self._grad_free[free[0]] = False
                     return free[0]
                 # all taken: the worker returns one after its next update (it never waits on this thread)
-                if self.profiler:
-                    with self.profiler.timed("wait_grad_buffer"):
-                        self._grad_cv.wait()
-                else:
+                with self.profiler.timed("wait_grad_buffer"):
                     self._grad_cv.wait()
 
     def _return_grad_buffer(self, buf: int) -> None:
@@ -593,8 +586,8 @@ class Runtime:
                                   landing=job.grads.landing, src=src)
                     if out is not None and not cast_out:  # an fp32 copy of a master on the tier
                         out.copy_(master)
-                if self.profiler:  # the span includes waits for chunks still in flight, also counted on their own
-                    self.profiler.span("optimizer", job.unit, t0, time.perf_counter(), waited=waited)
+                # (the span includes waits for chunks still in flight, also counted on their own)
+                self.profiler.span("optimizer", job.unit, t0, time.perf_counter(), waited=waited)
                 if job.spare is not None:
                     self._speculated.append(job)  # its buffer and flag wait for the verdict
                     kept = True
