@@ -5,7 +5,7 @@ torch loads (signals.py)."""
 import importlib
 
 _EXPORTS = {"SlideEngine": ".engine", "EngineConfig": ".config", "ConfigError": ".config",
-            "BatchError": ".engine.engine", "CheckpointError": ".checkpoint", "UnsupportedModelError": ".model",
+            "BatchError": ".data.batches", "CheckpointError": ".checkpoint", "UnsupportedModelError": ".model",
             "DoesNotFit": ".plan", "lr_at": ".optim"}
 
 __all__ = list(_EXPORTS)

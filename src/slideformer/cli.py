@@ -262,7 +262,7 @@ def _exit_code(e: BaseException) -> int | None:
     from .checkpoint.state import CorruptCheckpointError, NonFiniteStateError
     from .config import ConfigError
     from .data import DataError
-    from .engine.engine import BatchError
+    from .data.batches import BatchError
     from .model import UnsupportedModelError
     from .plan import DoesNotFit
     from .train.loop import NonFiniteLoss

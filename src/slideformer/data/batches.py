@@ -1,7 +1,74 @@
-"""Padding examples of different lengths into one micro-batch."""
+"""Micro-batches: padding or packing examples into rows, and checking what a caller hands the engine.
+
+``check_step`` is the engine's boundary for batches: every refusal names the micro-batch and the fix,
+and what it returns is on the host, shifted for next-token prediction, ready to be copied to the device.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+class BatchError(ValueError):
+    """A batch the model cannot train on; the message says what is wrong."""
+
+
+@dataclass
+class HostMicroBatch:
+    input_ids: torch.Tensor  # [B, S] integer
+    labels: torch.Tensor  # [B, S] shifted left by one, -100 = ignored
+    attention_mask: torch.Tensor | None  # [B, S]; None: no padding
+    position_ids: torch.Tensor | None  # [B, S] restarting at 0 per packed sample; None: 0..S-1
+
+
+def check_step(batch, vocab: int, max_positions: int | None) -> tuple[list[HostMicroBatch], int]:
+    """A step's micro-batches (a dict, or a list of them) checked and shifted, and the number of target
+    tokens in the whole step (each micro-batch's loss sum is divided by it)."""
+    items = batch if isinstance(batch, (list, tuple)) else [batch]
+    if not items:
+        raise BatchError("empty batch: pass a dict with input_ids, or a non-empty list of them")
+    out, denom = [], 0
+    for k, item in enumerate(items):
+        where = f"micro-batch {k}" if len(items) > 1 else "batch"
+        if not isinstance(item, dict) or "input_ids" not in item:
+            raise BatchError(f"{where}: expected a dict with 'input_ids' (and 'labels'), got {type(item).__name__}")
+        ids = torch.as_tensor(item["input_ids"])
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0)
+        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+            raise BatchError(f"{where}: input_ids must be an integer tensor [batch, seq], got {tuple(ids.shape)} {ids.dtype}")
+        B, S = ids.shape
+        if max_positions is not None and S > max_positions:
+            raise BatchError(f"{where}: sequence length {S} exceeds the model's max_position_embeddings "
+                             f"{max_positions}; truncate inputs to at most {max_positions} tokens")
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            raise BatchError(f"{where}: token ids must lie in [0, {vocab}), got [{int(ids.min())}, {int(ids.max())}]")
+        am = item.get("attention_mask")
+        labels = ids.clone() if item.get("labels") is None else torch.as_tensor(item["labels"]).reshape(B, -1)
+        if tuple(labels.shape) != (B, S):
+            raise BatchError(f"{where}: labels shape {tuple(labels.shape)} differs from input_ids {(B, S)}")
+        if am is not None:
+            am = torch.as_tensor(am).view(B, S)
+            if "labels" not in item:
+                labels = labels.masked_fill(am == 0, -100)
+            if bool(am.all()):  # no padding: no mask, and no device read of it in the mask functions
+                am = None
+        pos = item.get("position_ids")
+        if pos is not None:  # packed rows: positions restart per sample, attention stays within it
+            pos = torch.as_tensor(pos).reshape(B, S).long()
+            if am is not None:
+                raise BatchError(f"{where}: give either position_ids (packed samples) or attention_mask, not both")
+            starts = torch.zeros_like(pos, dtype=torch.bool)
+            starts[:, 1:] = pos[:, 1:] == 0
+            labels = labels.masked_fill(starts, -100)  # no target across a sample boundary
+        shifted = torch.full_like(labels, -100)
+        shifted[:, :-1] = labels[:, 1:]
+        denom += int((shifted != -100).sum())
+        out.append(HostMicroBatch(ids, shifted, am, pos))
+    if denom == 0:
+        raise BatchError("every label in the step is ignored (-100): there is nothing to train on")
+    return out, denom
 
 
 def pad_batch(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from ..checkpoint import export, loader
 from ..checkpoint import state as ckpt_state
 from ..config import ConfigError, EngineConfig
+from ..data.batches import BatchError, check_step  # noqa: F401  (BatchError: the engine's to raise, re-exported)
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter, bind_parameters
 from ..optim import native
@@ -40,10 +41,6 @@ from ..window.schedule import plan_step
 from .activations import ActivationStore
 from .loss import chunked_head_loss, fused_head_loss
 from .runtime import Runtime, UpdateJob
-
-
-class BatchError(ValueError):
-    """A batch the model cannot train on; the message says what is wrong."""
 
 
 @dataclass
@@ -351,62 +348,23 @@ class SlideEngine:
         return out[0] if isinstance(out, tuple) else out
 
     def _prepare(self, batch) -> tuple[list[MicroBatch], int]:
-        items = batch if isinstance(batch, (list, tuple)) else [batch]
-        if not items:
-            raise BatchError("empty batch: pass a dict with input_ids, or a non-empty list of them")
+        """The step's micro-batches, checked on the host (data/batches.py), then on their way to the device."""
         cfgm = self.adapter.config
-        max_pos = getattr(cfgm, "max_position_embeddings", None)
-        vocab = cfgm.vocab_size
-        mbs, denom = [], 0
-        for k, item in enumerate(items):
-            where = f"micro-batch {k}" if len(items) > 1 else "batch"
-            if not isinstance(item, dict) or "input_ids" not in item:
-                raise BatchError(f"{where}: expected a dict with 'input_ids' (and 'labels'), got {type(item).__name__}")
-            ids = torch.as_tensor(item["input_ids"])
-            if ids.dim() == 1:
-                ids = ids.unsqueeze(0)
-            if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
-                raise BatchError(f"{where}: input_ids must be an integer tensor [batch, seq], got {tuple(ids.shape)} {ids.dtype}")
-            B, S = ids.shape
-            if max_pos is not None and S > max_pos:
-                raise BatchError(f"{where}: sequence length {S} exceeds the model's max_position_embeddings "
-                                 f"{max_pos}; truncate inputs to at most {max_pos} tokens")
-            if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-                raise BatchError(f"{where}: token ids must lie in [0, {vocab}), got [{int(ids.min())}, {int(ids.max())}]")
-            am = item.get("attention_mask")
-            labels = ids.clone() if item.get("labels") is None else torch.as_tensor(item["labels"]).reshape(B, -1)
-            if tuple(labels.shape) != (B, S):
-                raise BatchError(f"{where}: labels shape {tuple(labels.shape)} differs from input_ids {(B, S)}")
-            if am is not None:
-                am = torch.as_tensor(am).view(B, S)
-                if "labels" not in item:
-                    labels = labels.masked_fill(am == 0, -100)
-                if bool(am.all()):  # no padding: no mask, and no device read of it in the mask functions
-                    am = None
-            pos = item.get("position_ids")
-            if pos is not None:  # packed rows: positions restart per sample, attention stays within it
-                pos = torch.as_tensor(pos).reshape(B, S).long()
-                if am is not None:
-                    raise BatchError(f"{where}: give either position_ids (packed samples) or attention_mask, not both")
-                starts = torch.zeros_like(pos, dtype=torch.bool)
-                starts[:, 1:] = pos[:, 1:] == 0
-                labels = labels.masked_fill(starts, -100)  # no target across a sample boundary
-            shifted = torch.full_like(labels, -100)
-            shifted[:, :-1] = labels[:, 1:]
-            denom += int((shifted != -100).sum())
-            dev = self.device
-            rows, where = torch.unique(ids.long().flatten(), return_inverse=True)  # on the host: no GPU sync
+        host, denom = check_step(batch, cfgm.vocab_size, getattr(cfgm, "max_position_embeddings", None))
+        dev, mbs = self.device, []
+        for h in host:
+            S = h.input_ids.shape[1]
+            rows, where = torch.unique(h.input_ids.long().flatten(), return_inverse=True)  # on the host: no GPU sync
             mbs.append(MicroBatch(
                 rows=(rows.to(dev, non_blocking=True), where.to(dev, non_blocking=True)),
-                input_ids=ids.to(dev, torch.long, non_blocking=True),
-                labels=shifted.reshape(-1).to(dev, torch.long, non_blocking=True),
-                targets=(shifted != -100).reshape(-1).cpu(),
-                attention_mask=None if am is None else am.to(dev, non_blocking=True),
-                position_ids=torch.arange(S, device=dev).unsqueeze(0) if pos is None else pos.to(dev, non_blocking=True),
-                packed=pos is not None,
+                input_ids=h.input_ids.to(dev, torch.long, non_blocking=True),
+                labels=h.labels.reshape(-1).to(dev, torch.long, non_blocking=True),
+                targets=(h.labels != -100).reshape(-1).cpu(),
+                attention_mask=None if h.attention_mask is None else h.attention_mask.to(dev, non_blocking=True),
+                position_ids=torch.arange(S, device=dev).unsqueeze(0) if h.position_ids is None
+                else h.position_ids.to(dev, non_blocking=True),
+                packed=h.position_ids is not None,
             ))
-        if denom == 0:
-            raise BatchError("every label in the step is ignored (-100): there is nothing to train on")
         return mbs, denom
 
     def synchronize(self) -> None:
