@@ -68,7 +68,7 @@ def test_resident_units_have_no_host_state(ring, compact, staged):
         with SlideEngine(model, cfg) as eng:
             sh = ModelShape.from_adapter(eng.adapter)
             host = host_bytes(sh, 1, 8, Placement.of(cfg), host_weights=staged, dtype_bytes=2 if compact else 4,
-                              layer_grad_buffers=ring, compact=compact)
+                              host_grad_buffers=ring, compact=compact)
             rep = eng.memory_report()
             for cat in ("master", "moments", "weights", "grads"):
                 assert host[cat] == rep[f"host_{cat}"], (k, edges, cat)
@@ -118,7 +118,7 @@ def test_window_and_host_match_engine_accounting(ring, compact):
         sh = ModelShape.from_adapter(eng.adapter)
         db = 2 if compact else 4
         assert gpu_bytes(sh, 1, 8, Placement(), dtype_bytes=db)["window"] == eng.memory_report()["gpu_window"]
-        host = host_bytes(sh, 1, 8, Placement(), dtype_bytes=db, layer_grad_buffers=ring, compact=compact)
+        host = host_bytes(sh, 1, 8, Placement(), dtype_bytes=db, host_grad_buffers=ring, compact=compact)
         rep = eng.memory_report()
         assert host["master"] == rep["host_master"] and host["moments"] == rep["host_moments"]
         assert host["grads"] == rep["host_grads"] and host["weights"] == rep["host_weights"]

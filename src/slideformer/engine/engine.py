@@ -132,10 +132,10 @@ class SlideEngine:
                               "its moments there; lower one of them")
         self.resident = frozenset(resident)
         self.store = HostStore(self.adapter.units, self.cfg.compute_dtype, pin=self.device.type == "cuda",
-                               staged_units=staged, layer_grad_buffers=ring,
+                               staged_units=staged, host_grad_buffers=ring,
                                nvme_dir=self.cfg.offload_dir, nvme_units=nvme, nvme_buffers=self.cfg.nvme_buffers,
                                compact=self.cfg.optimizer_state == "compact", nvme_master=self.cfg.nvme_master,
-                               spare_states=speculative_spares(self.cfg, n), gpu_units=self.resident)
+                               spare_states=speculative_spares(self.cfg, n), resident_units=self.resident)
         # Untied: the head's weights take the embedding's slot after its forward (window/schedule.py).
         self.plan = plan_step(n, self.cfg.window_slots, self.cfg.lookahead, self.resident,
                               share_edge=not self.adapter.tied)
@@ -435,7 +435,7 @@ class SlideEngine:
         if staged:  # RAM-bound choices, which cost time: said where they were made
             parts.append("host weights cast at copy time" if staged == len(ad.units) - len(self.resident)
                          else f"host weights cast at copy time for the last {staged} layer{'s' * (staged != 1)}")
-        ring = self.store.layer_buffers
+        ring = self.store.host_grad_buffers
         if ring < n - layers:
             parts.append(f"{ring} gradient buffer{'s' * (ring != 1)} for {n - layers} streamed layers")
         if self.cfg.max_grad_norm is not None and layers < n:  # clipping: how much of the update waits for the norm

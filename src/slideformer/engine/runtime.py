@@ -174,7 +174,7 @@ class Runtime:
         self._error: BaseException | None = None
         self.optimizer_backend = resolve_backend(cfg.optimizer_backend)
         needs_scratch = dt != torch.float32 and self.optimizer_backend == "torch"
-        cpu_units = [u.numel for u in adapter.units if not store.on_gpu(u.index)]  # (those the CPU updates)
+        cpu_units = [u.numel for u in adapter.units if not store.is_resident(u.index)]  # (those the CPU updates)
         self._scratch = torch.empty(max(cpu_units, default=0) if needs_scratch else 0, dtype=torch.float32)
         # Host gradient buffers: free flags under a condition; the main thread takes, the worker returns.
         # Each has a row of landing flags, one per chunk; tickets number the sends.

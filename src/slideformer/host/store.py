@@ -8,7 +8,7 @@ Per unit, flat 1-D tensors laid out as in ``UnitSpec``:
   through shared pinned staging at copy time instead (2 bytes/param less RAM, more CPU work);
 - ``grad_buffers``  compute-dtype gradients arriving from the GPU (pinned under CUDA). The embedding
   and head units (when streamed) own one each; streamed decoder layers either own one each (needed when
-  clipping, which holds every gradient until backward ends) or share a ring of ``layer_grad_buffers``
+  clipping, which holds every gradient until backward ends) or share a ring of ``host_grad_buffers``
   that the runtime hands out and the optimizer returns: 4 layer buffers instead of 32 save 12 GB for an
   8B model.
 
@@ -19,7 +19,7 @@ Per unit, flat 1-D tensors laid out as in ``UnitSpec``:
 
 Units on the NVMe tier (host/nvme.py) have no moments here (``exp_avg[u] is None``), and with
 ``nvme_master`` no master either; their compute copy stays in RAM, since the window reads it every step.
-Units trained on the GPU (``gpu_units``: resident layers, resident embedding and head) have nothing here:
+Units trained on the GPU (``resident_units``: resident layers, resident embedding and head) have nothing here:
 their state lives on the GPU only (engine/runtime.py owns it), and a host mirror would cost 14-16 bytes a
 parameter for nothing (~77 of 108 GiB of RSS at Llama-8B b8 with 23 layers and the edges resident).
 Readers and writers of whole-unit state (checkpoints, loaders, export) go through ``unit_state``,
@@ -56,13 +56,13 @@ def _arena(units: list, dtype: torch.dtype, pin: bool, registered: list) -> list
 
 class HostStore:
     def __init__(self, units: list[UnitSpec], compute_dtype: torch.dtype, pin: bool, staged_units: set[int] = frozenset(),
-                 layer_grad_buffers: int | None = None, nvme_dir=None, nvme_units: set[int] = frozenset(),
+                 host_grad_buffers: int | None = None, nvme_dir=None, nvme_units: set[int] = frozenset(),
                  nvme_buffers: int = 4, compact: bool = False, nvme_master: bool = False, spare_states: int = 0,
-                 gpu_units: set[int] = frozenset()):
+                 resident_units: set[int] = frozenset()):
         self.units = units
-        self.gpu_units, self.nvme_units = frozenset(gpu_units), frozenset(nvme_units)
+        self.resident_units, self.nvme_units = frozenset(resident_units), frozenset(nvme_units)
         self.gpu = None  # the GPU units' state owner (attach_gpu): copy_out(unit) and copy_in(unit, **fields)
-        host = [u for u in units if u.index not in self.gpu_units]
+        host = [u for u in units if u.index not in self.resident_units]
         self.compute_dtype = compute_dtype
         self.pin = pin
         self._registered: list[torch.Tensor] = []
@@ -95,16 +95,16 @@ class HostStore:
             self.staged = frozenset(u.index for u in host if u.index in staged_units)  # cast at copy time
         # Gradient buffers for the units the CPU updates (a GPU unit's gradient stays in its slot).
         layers = [u for u in host if u.kind == "layer"]
-        if layer_grad_buffers is None or layer_grad_buffers >= len(layers):
+        if host_grad_buffers is None or host_grad_buffers >= len(layers):
             shapes = host  # every unit owns its buffer
             own = {u.index: [i] for i, u in enumerate(host)}
-            self.layer_buffers = len(layers)
+            self.host_grad_buffers = len(layers)
         else:
             others = [u for u in host if u.kind != "layer"]
-            shapes = others + [layers[0]] * layer_grad_buffers
+            shapes = others + [layers[0]] * host_grad_buffers
             ring = list(range(len(others), len(shapes)))
             own = {u.index: [i] for i, u in enumerate(others)} | {u.index: ring for u in layers}
-            self.layer_buffers = layer_grad_buffers
+            self.host_grad_buffers = host_grad_buffers
         self.grad_owner = [own.get(u.index, []) for u in units]
         self.grad_buffers = _arena(shapes, compute_dtype, pin, self._registered)
         # Spare states, for decoder layers in RAM (all of one size): the master half the GPU reads (compact
@@ -122,7 +122,7 @@ class HostStore:
     def can_spare(self, unit: int) -> bool:
         """Whether the unit's state can be written to a spare: a decoder layer in RAM."""
         u = self.units[unit]
-        return bool(self.spares) and u.kind == "layer" and not self.on_tier(unit) and not self.on_gpu(unit) \
+        return bool(self.spares) and u.kind == "layer" and not self.on_tier(unit) and not self.is_resident(unit) \
             and u.numel == self.spares[0]["master"].numel()
 
     def state_fields(self, unit: int) -> dict[str, torch.Tensor]:
@@ -149,8 +149,8 @@ class HostStore:
     def on_tier(self, unit: int) -> bool:
         return unit in self.nvme_units
 
-    def on_gpu(self, unit: int) -> bool:
-        return unit in self.gpu_units
+    def is_resident(self, unit: int) -> bool:
+        return unit in self.resident_units
 
     def unit_layout(self, unit: int) -> dict[str, tuple[int, torch.dtype]]:
         """The names, sizes and dtypes of the unit's saved state."""
@@ -163,7 +163,7 @@ class HostStore:
 
     def unit_state(self, unit: int) -> dict[str, torch.Tensor]:
         """master (+ master_lo), exp_avg, exp_avg_sq: views of RAM, or copies read from the tier or the GPU."""
-        if self.on_gpu(unit):
+        if self.is_resident(unit):
             return self.gpu.copy_out(unit)
         st = {}
         if self.on_tier(unit):
@@ -178,7 +178,7 @@ class HostStore:
 
     def set_unit_state(self, unit: int, st: dict[str, torch.Tensor]) -> None:
         """Restore what ``unit_state`` gave (a checkpoint), and the compute copy from it."""
-        if self.on_gpu(unit):
+        if self.is_resident(unit):
             return self.gpu.copy_in(unit, **st)
         if self.master_lo is not None:
             self.master_lo[unit].copy_(st["master_lo"])
@@ -196,7 +196,7 @@ class HostStore:
 
     def set_master(self, unit: int, master: torch.Tensor) -> None:
         """Set a unit's whole master (initialisation, loading weights), and the compute copy from it."""
-        if self.on_gpu(unit):
+        if self.is_resident(unit):
             self.gpu.copy_in(unit, master=master)
         elif self.master[unit] is None:
             self.tier.copy_in(unit, master=master)
@@ -206,7 +206,7 @@ class HostStore:
 
     def unit_params(self, unit: int) -> dict[str, torch.Tensor]:
         """Each parameter's master value in fp32 (hi + lo for compact state), by checkpoint key."""
-        if self.on_gpu(unit):
+        if self.is_resident(unit):
             st = self.gpu.copy_out(unit, "master", "master_lo")
             hi, lo = st["master"], st.get("master_lo")
         else:

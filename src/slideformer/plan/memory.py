@@ -139,10 +139,10 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, dtype_bytes
 
 
 def host_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, host_weights: str = "persistent",
-               dtype_bytes: int = 2, layer_grad_buffers: int | None = 4, nvme_layers: int = 0,
+               dtype_bytes: int = 2, host_grad_buffers: int | None = 4, nvme_layers: int = 0,
                compact: bool = False, nvme_master: bool = False, activations_to_nvme: bool = False,
                nvme_buffers: int = 4, spare_layers: int = 0) -> dict[str, int]:
-    """Host RAM by category (pass ``layer_grad_buffers=None`` when clipping: one buffer per layer;
+    """Host RAM by category (pass ``host_grad_buffers=None`` when clipping: one buffer per layer;
     ``nvme_layers``: layers whose moments (and with ``nvme_master`` fp32 master) are on the NVMe tier,
     see ``nvme_bytes``; ``compact``: bf16 master hi + lo and bf16 moments, the hi half being the GPU's
     weights; ``spare_layers``: spare copies of a layer's state for speculative updates under clipping).
@@ -151,7 +151,7 @@ def host_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, host_weigh
     edges = 0 if p.edges_resident(shape) else shape.embed_params + shape.head_params
     N = edges + streamed * shape.layer_params  # the parameters the CPU updates
     offloaded = shape.layers - min(shape.layers, p.gpu_activation_layers)
-    ring = streamed if layer_grad_buffers is None else min(streamed, layer_grad_buffers)
+    ring = streamed if host_grad_buffers is None else min(streamed, host_grad_buffers)
     tier_master = 4 * min(nvme_layers, shape.layers) * shape.layer_params if nvme_master else 0
     staged = streamed if host_weights == "staged" else 0 if host_weights == "persistent" else \
         min(host_weights, streamed)  # (the last layers: streamed ones)
