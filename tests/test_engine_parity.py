@@ -328,12 +328,12 @@ def test_token_chunked_mlps_train_like_pytorch(family, clip):
 
 
 def test_resident_update_in_pieces_is_the_same_update(monkeypatch):
-    from slideformer.engine import runtime
+    from slideformer.engine import resident
 
     model = build("llama")
     steps = [batch(97, seed=s) for s in range(2)]
     whole, lw = engine_train(model, steps, lr=1e-2, resident_layers=1, resident_edges=True, max_grad_norm=0.05)
-    monkeypatch.setattr(runtime, "RESIDENT_PIECE", 1000)  # several pieces per unit, a short last one
+    monkeypatch.setattr(resident, "RESIDENT_PIECE", 1000)  # several pieces per unit, a short last one
     pieces, lp = engine_train(model, steps, lr=1e-2, resident_layers=1, resident_edges=True, max_grad_norm=0.05)
     assert lw == lp and all(torch.equal(whole[k], pieces[k]) for k in whole)
 

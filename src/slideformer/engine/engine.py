@@ -211,7 +211,7 @@ class SlideEngine:
                 if unit not in self.resident:
                     rt.submit_update(UpdateJob(unit, sent, st.index, self.lr, coef))
                 elif finite:
-                    rt.update_resident(unit, st.index, self.lr, coef)
+                    rt.resident.update(unit, st.index, self.lr, coef)
             self.last_step_dropped = not finite
         if not self.last_step_dropped:
             self.store.step = st.index
@@ -308,7 +308,7 @@ class SlideEngine:
         st.norms.append(torch.linalg.vector_norm(slot.grads[:n], dtype=torch.float32))
         if unit in self.resident:  # updated on the GPU, in stream order
             if self.cfg.max_grad_norm is None:
-                self.runtime.update_resident(unit, st.index, self.lr, 1.0)
+                self.runtime.resident.update(unit, st.index, self.lr, 1.0)
             else:
                 st.finished.append((unit, None))
             return

@@ -51,7 +51,6 @@ same, so CI exercises this code.
 from __future__ import annotations
 
 import collections
-import contextlib
 import queue
 import sys
 import threading
@@ -62,15 +61,14 @@ import torch
 
 from ..config import EngineConfig
 from ..host.store import HostStore
-from ..kernels.compact_adamw import compact_adamw_
 from ..model.adapter import ModelAdapter
-from ..optim.adamw import Landing, adamw_compact_, adamw_update_, resolve_backend
+from ..optim.adamw import Landing, adamw_compact_, adamw_update_, compact_seed, resolve_backend
 from ..window.schedule import Visit, next_update
 from ..window.slots import Slot
 from .profile import NullProfiler, StepProfiler
+from .resident import ResidentState
 
 STAGING_ELEMS = 32 * 2**20  # "staged" host weights: cast the master in 32M-element chunks
-RESIDENT_PIECE = 32 * 2**20  # resident units' GPU AdamW: elements per fused call
 # How long one thread may hold the GIL while another waits for it (Python's default is 5 ms). The worker
 # and loader threads need it back after each kernel call and copy; at the default the GPU-driving thread
 # would keep them waiting up to 5 ms each time.
@@ -149,22 +147,16 @@ class Runtime:
                 sizes[v.group] = (max(k, v.slot + 1), max(numel, adapter.units[v.unit].numel))
         self.slots = {g: [Slot(numel, dt, self.device) for _ in range(k)] for g, (k, numel) in sizes.items()}
         self.slots["resident"] = {u: Slot(adapter.units[u].numel, dt, self.device) for u in resident}
-        # Resident units train on the GPU: fp32 master and moments there, updated by torch's fused AdamW
-        # on the compute stream right after their gradient completes. No copies, no CPU optimizer.
-        # fp32 state: master, exp_avg, exp_avg_sq. Compact: the master's bf16 lo half and bf16 moments (its hi
-        # half is the slot's weights themselves).
-        state_dtype = torch.bfloat16 if store.compact else torch.float32
-        self.resident = {u: [torch.zeros(adapter.units[u].numel, dtype=state_dtype, device=self.device)
-                             for _ in range(3)] for u in sorted(resident)}
-        self._resident_step = {} if store.compact else \
-            {u: torch.zeros((), dtype=torch.float32, device=self.device) for u in resident}  # torch's fused AdamW
-        store.attach_gpu(self)
         self._staging: list[tuple[torch.Tensor, object]] = []
         staged = [adapter.units[u].numel for u in store.staged]
         if staged:
             n = min(STAGING_ELEMS, max(staged))
             self._staging = [(torch.empty(n, dtype=dt, pin_memory=self.cuda), None) for _ in range(2)]
         self.profiler: StepProfiler | NullProfiler = StepProfiler(self.cuda) if cfg.profile else NullProfiler()
+        # Resident units train on the GPU; their state is there only (engine/resident.py).
+        self.resident = ResidentState(self.slots["resident"], {u: adapter.units[u].numel for u in resident},
+                                      store.compact, cfg, self.compute if self.cuda else None, self.profiler)
+        store.attach_gpu(self.resident)
         self._visit_start = None
         # Optimizer worker: one thread; its kernels release the GIL and use their own threads, so the
         # updates overlap the Python thread driving the GPU.
@@ -222,69 +214,6 @@ class Runtime:
                 e.set()
         self._closed = False
         _SWITCH_INTERVAL.acquire()
-
-    # -- resident units: their state is here only; the host store reads and writes it through these --
-    def _state_views(self, unit: int) -> dict[str, torch.Tensor]:
-        """A resident unit's state on the GPU by the store's field names (compact state: the master's hi
-        half is the weights the slot holds, the unit's ``master`` buffer its lo half)."""
-        master, m, v = self.resident[unit]
-        weights = self.slots["resident"][unit].params[: master.numel()]
-        st = {"master": weights, "master_lo": master} if self.store.compact else {"master": master}
-        return st | {"exp_avg": m, "exp_avg_sq": v}
-
-    def copy_out(self, unit: int, *names: str) -> dict[str, torch.Tensor]:
-        """Host copies of a resident unit's state (``names`` of it, or all), after its pending update: the
-        copies wait for the compute stream."""
-        with self._on_compute():
-            return {k: t.to("cpu", copy=True) for k, t in self._state_views(unit).items() if not names or k in names}
-
-    def copy_in(self, unit: int, **fields: torch.Tensor) -> None:
-        """Write any of a resident unit's state fields (initial weights, a checkpoint); the weights the
-        slot holds follow the master."""
-        views = self._state_views(unit)
-        with self._on_compute():
-            for name, t in fields.items():
-                if name in views:
-                    views[name].copy_(t)
-            if "master" in fields and not self.store.compact:
-                self.slots["resident"][unit].params[: views["master"].numel()].copy_(views["master"])
-
-    def _on_compute(self):
-        """The compute stream, where the resident units' updates run: copies of their state queue behind
-        them whatever stream the caller is in."""
-        return torch.cuda.stream(self.compute) if self.cuda else contextlib.nullcontext()
-
-    def update_resident(self, unit: int, step: int, lr: float, grad_coef: float) -> None:
-        """AdamW for a resident unit, enqueued on the compute stream: the next kernel reading its slot
-        (the next step's forward) runs after it, in stream order. (For compact state ``master`` below is
-        the master's lo half.)"""
-        master, m, v = self.resident[unit]
-        slot = self.slots["resident"][unit]
-        n, c = master.numel(), self.cfg
-        start = self._mark(self.compute) if self.cuda else None
-        if self.store.compact:  # the CPU worker's arithmetic and rounding bits, one Triton pass on the device
-            compact_adamw_(slot.params[:n], master, slot.grads[:n], m, v, step=step, lr=lr, betas=c.betas, eps=c.eps,
-                           weight_decay=c.weight_decay, grad_coef=grad_coef, seed=self._compact_seed(unit))
-        else:
-            step_t = self._resident_step[unit]
-            step_t.fill_(float(step))  # a kernel, not a host-to-device copy: no synchronisation
-            # In pieces: the fp32 gradient it needs is then RESIDENT_PIECE elements, not the unit's (2 GB for an
-            # 8B model's untied head, which the memory plan does not hold room for).
-            for a in range(0, n, RESIDENT_PIECE):
-                b = min(n, a + RESIDENT_PIECE)
-                g = slot.grads[a:b].float()
-                if grad_coef != 1.0:
-                    g.mul_(grad_coef)
-                torch._fused_adamw_([master[a:b]], [g], [m[a:b]], [v[a:b]], [], [step_t], lr=lr, beta1=c.betas[0],
-                                    beta2=c.betas[1], weight_decay=c.weight_decay, eps=c.eps, amsgrad=False,
-                                    maximize=False)
-            slot.params[:n].copy_(master)
-        if self.cuda:  # GPU work between visits: not idle time
-            self.profiler.copy("gpu_adamw", start, self._mark(self.compute))
-
-    def _compact_seed(self, unit: int) -> int:
-        """The seed of a unit's compact-state rounding bits: the same wherever the unit is updated."""
-        return self.cfg.seed * 1_000_003 + unit
 
     # -- disk I/O -------------------------------------------------------------------------------------
     def submit_read(self, job) -> None:
@@ -574,7 +503,7 @@ class Runtime:
                     lo = s.master_lo[job.unit] if job.spare is None else s.spares[job.spare]["master_lo"]
                     waited = adamw_compact_(master, lo, grad, exp_avg, exp_avg_sq,
                                    step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
-                                   grad_coef=job.grad_coef, seed=self._compact_seed(job.unit),
+                                   grad_coef=job.grad_coef, seed=compact_seed(c.seed, job.unit),
                                    backend=self.optimizer_backend, threads=c.optimizer_threads, landing=job.grads.landing,
                                    src=src)
                 else:
@@ -624,8 +553,7 @@ class Runtime:
 
     def gpu_bytes(self) -> int:
         slots = [s for g, group in self.slots.items() for s in (group.values() if g == "resident" else group)]
-        state = sum(t.numel() * t.element_size() for ts in self.resident.values() for t in ts)
-        return sum(s.nbytes for s in slots) + state
+        return sum(s.nbytes for s in slots) + self.resident.nbytes()
 
     def close(self, abort: bool = False) -> None:
         """Stop the threads after their queued work; ``abort`` (after a failure in the main thread) first

@@ -164,3 +164,9 @@ def resolve_backend(requested: str) -> str:
     if requested == "native":
         native.load(strict=True)
     return requested
+
+
+def compact_seed(seed: int, unit: int) -> int:
+    """The seed of a unit's compact-state rounding bits: the same wherever the unit is updated (the CPU
+    worker, or the GPU for a resident unit), so that both update it alike."""
+    return seed * 1_000_003 + unit

@@ -1,0 +1,87 @@
+"""The state of the units trained on the GPU (resident layers, and the embedding and head when resident):
+fp32 master and moments, or for compact state the master's bf16 lo half and bf16 moments (its hi half is
+the weights the unit's slot holds). It lives here only; the host store reads and writes it through
+``copy_out`` and ``copy_in``.
+
+Updates run on the compute stream right after a unit's gradient completes (``update``), so the next
+kernel that reads the unit's slot (the next step's forward) runs after them in stream order; copies of
+the state queue on the same stream, behind any pending update, whatever stream their caller is in."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..kernels.compact_adamw import compact_adamw_
+from ..optim.adamw import compact_seed
+from ..window.slots import Slot
+
+RESIDENT_PIECE = 32 * 2**20  # elements per fused AdamW call: the fp32 gradient it needs is that large, not the unit's
+
+
+class ResidentState:
+    def __init__(self, slots: dict[int, Slot], numels: dict[int, int], compact: bool, cfg, compute_stream, profiler):
+        self.slots, self.compact, self.cfg = slots, compact, cfg
+        self.compute, self.profiler = compute_stream, profiler  # (compute_stream None: on the CPU)
+        dtype = torch.bfloat16 if compact else torch.float32
+        self.state = {u: [torch.zeros(numels[u], dtype=dtype, device=s.params.device) for _ in range(3)]
+                      for u, s in sorted(slots.items())}  # master (compact: its lo half), exp_avg, exp_avg_sq
+        # torch's fused AdamW takes the step as a device tensor: filled by a kernel, never copied from the host
+        self._step = {} if compact else {u: torch.zeros((), dtype=torch.float32, device=s.params.device)
+                                         for u, s in slots.items()}
+
+    def __contains__(self, unit: int) -> bool:
+        return unit in self.state
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for ts in self.state.values() for t in ts)
+
+    def _views(self, unit: int) -> dict[str, torch.Tensor]:
+        """The unit's state by the store's field names."""
+        master, m, v = self.state[unit]
+        weights = self.slots[unit].params[: master.numel()]
+        st = {"master": weights, "master_lo": master} if self.compact else {"master": master}
+        return st | {"exp_avg": m, "exp_avg_sq": v}
+
+    def _on_compute(self):
+        return torch.cuda.stream(self.compute) if self.compute is not None else contextlib.nullcontext()
+
+    def copy_out(self, unit: int, *names: str) -> dict[str, torch.Tensor]:
+        """Host copies of the unit's state (``names`` of it, or all), after its pending update."""
+        with self._on_compute():
+            return {k: t.to("cpu", copy=True) for k, t in self._views(unit).items() if not names or k in names}
+
+    def copy_in(self, unit: int, **fields: torch.Tensor) -> None:
+        """Write any of the unit's state fields (initial weights, a checkpoint); the slot's weights follow
+        the master."""
+        views = self._views(unit)
+        with self._on_compute():
+            for name, t in fields.items():
+                if name in views:
+                    views[name].copy_(t)
+            if "master" in fields and not self.compact:
+                self.slots[unit].params[: views["master"].numel()].copy_(views["master"])
+
+    def update(self, unit: int, step: int, lr: float, grad_coef: float) -> None:
+        """AdamW for the unit from its slot's gradient, enqueued on the compute stream."""
+        master, m, v = self.state[unit]
+        slot = self.slots[unit]
+        n, c = master.numel(), self.cfg
+        start = self.profiler.mark(self.compute) if self.compute is not None else None
+        if self.compact:  # the CPU worker's arithmetic and rounding bits, one Triton pass on the device
+            compact_adamw_(slot.params[:n], master, slot.grads[:n], m, v, step=step, lr=lr, betas=c.betas, eps=c.eps,
+                           weight_decay=c.weight_decay, grad_coef=grad_coef, seed=compact_seed(c.seed, unit))
+        else:
+            step_t = self._step[unit]
+            step_t.fill_(float(step))
+            for a in range(0, n, RESIDENT_PIECE):
+                b = min(n, a + RESIDENT_PIECE)
+                g = slot.grads[a:b].float()
+                if grad_coef != 1.0:
+                    g.mul_(grad_coef)
+                torch._fused_adamw_([master[a:b]], [g], [m[a:b]], [v[a:b]], [], [step_t], lr=lr, beta1=c.betas[0],
+                                    beta2=c.betas[1], weight_decay=c.weight_decay, eps=c.eps, amsgrad=False,
+                                    maximize=False)
+            slot.params[:n].copy_(master)
+        if self.compute is not None:  # GPU work between visits: not idle time
+            self.profiler.copy("gpu_adamw", start, self.profiler.mark(self.compute))
