@@ -144,6 +144,10 @@ def test_a_huge_record_costs_no_more_than_cutoff_len(tmp_path):
 
 
 def test_a_bug_exits_1_with_its_traceback_in_a_log(tmp_path, capsys, monkeypatch):
+    """The log goes into output_dir only where a run has marked it its own: a folder the run never took
+    stays as it was (and usable)."""
+    import tempfile
+
     from slideformer.train import loop
 
     def boom(*a, **k):
@@ -152,8 +156,47 @@ def test_a_bug_exits_1_with_its_traceback_in_a_log(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(loop, "build_examples", boom)
     assert main(FAST + [f"output_dir={tmp_path}"]) == 1
     line = one_line(capsys, "unexpected RuntimeError: an internal invariant broke", "please report it")
-    log = tmp_path / "slideformer-error.log"
-    assert str(log) in line and "Traceback" in log.read_text() and "boom" in log.read_text()
+    log = line.split("the full traceback is in ")[1].split(";")[0]
+    assert log.startswith(tempfile.gettempdir()) and "boom" in open(log).read()
+    assert not list(tmp_path.iterdir())
+    monkeypatch.undo()
+    assert main(FAST + [f"output_dir={tmp_path}"]) == 0  # the folder was not taken
+    monkeypatch.setattr(loop, "_loop", boom)  # a bug once the run owns its folder: the log is there
+    assert main(FAST + [f"output_dir={tmp_path}", "max_steps=2"]) == 1
+    assert (tmp_path / "slideformer-error.log").is_file() and "boom" in (tmp_path / "slideformer-error.log").read_text()
+
+
+def test_a_worker_threads_disk_error_is_an_io_error(tmp_path, capsys, monkeypatch):
+    """A full NVMe disk met by the optimizer's disk thread reaches the main thread wrapped; it exits 5 with
+    the disk's line, not as a bug."""
+    import errno
+
+    from slideformer.host import nvme
+
+    def full(self, *a, **k):
+        raise nvme.TierError(errno.ENOSPC, f"offload_dir {self.offload_dir}: No space left on device")
+
+    monkeypatch.setattr(nvme.NvmeTier, "write", full)
+    assert main(FAST + [f"output_dir={tmp_path}/o", f"offload.offload_dir={tmp_path}/nvme", "max_steps=3"]) == 5
+    one_line(capsys, "No space left on device", "offload_dir")
+
+
+def test_a_run_refused_after_taking_its_folder_leaves_none(tmp_path, capsys, monkeypatch):
+    """Refused once the folder is locked and marked (here: the model cannot be built), a new run leaves no
+    mark, no lock and no folder it made; in a folder it was allowed to overwrite, no mark either."""
+    from slideformer.engine.engine import SlideEngine
+
+    def broken(*a, **k):
+        raise ValueError("cannot build")
+
+    monkeypatch.setattr(SlideEngine, "from_config", broken)
+    assert main(FAST + [f"output_dir={tmp_path}/new"]) == 1
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "users").mkdir()
+    (tmp_path / "users" / "notes.txt").write_text("mine")
+    assert main(FAST + [f"output_dir={tmp_path}/users", "overwrite_output_dir=true"]) == 1
+    assert sorted(p.name for p in (tmp_path / "users").iterdir()) == ["notes.txt"]
+    capsys.readouterr()
 
 
 def test_plan_refuses_nonsense(capsys):

@@ -92,3 +92,24 @@ def test_a_nonfinite_step_is_dropped_on_cuda(monkeypatch, spares):
         b.train_step(batch(97, seed=2))
         ma, mb = masters(a), masters(b)
         assert all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+@pytest.mark.parametrize("what", ["grad", "loss"])
+def test_a_dropped_step_leaves_the_compute_copy_as_it_was(monkeypatch, what):
+    """bf16 compute keeps a host copy of the weights apart from the master, which a speculative update
+    writes in place: a dropped step must put it back, or the next steps train on weights no master holds."""
+    model = build("llama")
+    cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, loss_kernel="torch", lr=1e-2,
+                       max_grad_norm=1.0, speculative_layers=2)
+    with SlideEngine(model, cfg) as a, SlideEngine(model, cfg) as b:
+        a.train_step(batch(97, seed=0))
+        b.train_step(batch(97, seed=0))
+        poison_next_step(monkeypatch, what)
+        a.train_step(batch(97, seed=1))
+        assert a.last_step_dropped
+        la, lb = a.train_step(batch(97, seed=2)), b.train_step(batch(97, seed=2))
+        assert la == lb
+        a.synchronize(), b.synchronize()
+        assert all(torch.equal(wa, wb) for wa, wb in zip(a.store.weights, b.store.weights) if wa is not None)
+        ma, mb = masters(a), masters(b)
+        assert all(torch.equal(ma[k], mb[k]) for k in ma)

@@ -266,3 +266,29 @@ def test_the_offload_section_is_the_engines_settings_by_name():
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
     assert {f.name for f in dataclasses.fields(OffloadConfig)} <= engine_fields
     assert all(getattr(OffloadConfig(), k) == "auto" for k in AUTO_PLACEHOLDERS if k != "resident_edges")
+
+
+def test_a_signal_during_dropped_steps_saves_the_last_good_step(tmp_path, monkeypatch):
+    """Steps that keep coming out non-finite (skipped) must not hold back a SIGTERM: the run saves the last
+    finished step's state and exits 143 at once."""
+    from slideformer.engine import engine as engine_mod
+    from slideformer.engine.engine import SlideEngine
+
+    real_head, real_step, calls = engine_mod.chunked_head_loss, SlideEngine.train_step, {"n": 0}
+
+    def nan_after_one(*a, **k):
+        part, gh = real_head(*a, **k)
+        return part, gh if calls["n"] <= 1 else gh * float("nan")
+
+    def step(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(self, batch)
+
+    monkeypatch.setattr(engine_mod, "chunked_head_loss", nan_after_one)
+    monkeypatch.setattr(SlideEngine, "train_step", step)
+    code = main(["train"] + FAST[:-1] + [f"output_dir={tmp_path}", "max_steps=50", "max_grad_norm=1.0",
+                                         "skip_nonfinite_steps=true", "offload.loss_kernel=torch"])
+    assert code == 143 and calls["n"] == 3
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1"]

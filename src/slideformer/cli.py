@@ -197,8 +197,8 @@ def cmd_plan(args) -> int:
             verdict = f"does NOT fit the GPU: {reason}"
         else:  # the GPU holds it; host RAM binds
             need = out.get("host_bytes_resident", host_total)
-            verdict = (f"does NOT fit host RAM: about {gib(need)} of state against {gib(cpu_limit)} "
-                       f"({'--cpu-memory' if args.cpu_memory else 'this machine'}); the NVMe tier (--offload-dir) or "
+            verdict = (f"does NOT fit host RAM: about {gib(need)} of state against {gib(0.95 * cpu_limit)} (95% of "
+                       f"{gib(cpu_limit)}, {'--cpu-memory' if args.cpu_memory else 'this machine'}); the NVMe tier (--offload-dir) or "
                        + ("a larger --gpu-memory" if compact else "--optimizer-state compact (8 instead of 14 bytes a parameter)")
                        + " would lower it")
         print(f"{verdict}; largest batch that fits: {max_batch}")
@@ -312,8 +312,11 @@ def _log_bug(log_dir: str | None) -> Path:
     import tempfile
     import traceback
 
-    folder = Path(log_dir) if log_dir and Path(log_dir).is_dir() else Path(tempfile.gettempdir())
-    path = folder / ("slideformer-error.log" if folder != Path(tempfile.gettempdir())
+    from .train.outdir import ERROR_LOG, RUN_FILE
+
+    # (into output_dir only where a run has marked it as its own: never into a folder it refused)
+    folder = Path(log_dir) if log_dir and (Path(log_dir) / RUN_FILE).is_file() else Path(tempfile.gettempdir())
+    path = folder / (ERROR_LOG if folder != Path(tempfile.gettempdir())
                      else f"slideformer-error-{__import__('os').getpid()}.log")
     try:
         path.write_text(traceback.format_exc())
@@ -435,7 +438,11 @@ def _main(argv: list[str], signals: Signals) -> int:
         if isinstance(e, KeyboardInterrupt):  # (before anything is imported: torch may be half-imported)
             print(_one_line(e), file=sys.stderr)
             return e.signum + 128 if isinstance(e, Interrupted) else 130
-        code = _exit_code(e)
+        code, cause = _exit_code(e), e
+        while code is None and cause.__cause__ is not None:  # (a worker thread's error, re-raised in the main one)
+            cause = cause.__cause__
+            code = _exit_code(cause)
+        e = cause if code is not None else e
         if code is None:
             log = _log_bug(getattr(args, "log_dir", None))
             first = (str(e).strip().splitlines() or [""])[0][:300]

@@ -497,8 +497,10 @@ class Runtime:
                     # (the separate compute copy is written in place: nothing reads it before the verdict,
                     # which rewrites it if the update does not stand)
                 t0 = time.perf_counter()
-                if job.grad_coef is None:  # a dropped step: the state (tier buffer too) goes back unchanged
-                    waited = 0.0
+                if job.grad_coef is None:  # a dropped step: the state (tier buffer too) goes back unchanged,
+                    waited = 0.0  # and the compute copy, which a speculative update wrote in place, is put back
+                    if out is not None:
+                        out.copy_(master)
                 elif s.compact:
                     lo = s.master_lo[job.unit] if job.spare is None else s.spares[job.spare]["master_lo"]
                     waited = adamw_compact_(master, lo, grad, exp_avg, exp_avg_sq,

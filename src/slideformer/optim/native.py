@@ -74,6 +74,9 @@ def build(tag: str = "", flags: tuple[str, ...] = ()):
                 return module
         except ImportError:  # a link cut short: rebuilt below
             pass
+        except BaseException:
+            os.close(fd)
+            raise
         fcntl.flock(fd, fcntl.LOCK_UN)
     with _exclusive(fd, directory):
         with contextlib.suppress(FileNotFoundError):

@@ -213,9 +213,12 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
         else:
             engine = SlideEngine.from_pretrained(cfg.model_name_or_path, ecfg)
         with engine:
-            return _run(cfg, signals, engine, out, resume, tok, examples, skipped, dropped, total, warmup, device)
-    finally:
-        out.close()
+            result = _run(cfg, signals, engine, out, resume, tok, examples, skipped, dropped, total, warmup, device)
+    except BaseException:
+        out.close(ok=False)
+        raise
+    out.close()
+    return result
 
 
 def _run(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, dropped, total, warmup, device) -> dict:
@@ -243,8 +246,8 @@ def _loop(cfg, signals, engine, out: OutputDir, tok, examples, skipped, dropped,
     status, dropped_steps, in_a_row, step = "finished", 0, 0, start
     saved = out.checkpoints()
     last_saved = saved[-1] if saved else None
-    signals.training()
     try:
+        signals.training()
         while step < total:
             mbs = []
             for _ in range(cfg.gradient_accumulation_steps):
@@ -284,6 +287,12 @@ def _loop(cfg, signals, engine, out: OutputDir, tok, examples, skipped, dropped,
                 dropped_steps += 1
                 print(f"slideformer: step {step + 1} dropped ({what}); the data moves on, the state stays",
                       file=sys.stderr, flush=True)
+                if signals.requested:  # the state is the last finished step's, the data past the dropped batch
+                    state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
+                             "run_id": out.run_id}
+                    last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved)
+                    status = "interrupted"
+                    break
                 continue  # the same step number, the next data
             in_a_row = 0
             tokens_since += sum(m["input_ids"].numel() if m["attention_mask"] is None  # packed: full rows

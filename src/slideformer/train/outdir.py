@@ -8,6 +8,7 @@ A folder that holds anything but no mark is refused, unless ``overwrite_output_d
 """
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -79,7 +80,7 @@ class OutputDir:
                         "new run there, or choose another output_dir")
                 run_id = None  # a new run: the earlier one's checkpoints are no longer ours to rotate
         elif out.is_dir() and not overwrite:
-            shown = sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE)
+            shown = sorted(p.name for p in out.iterdir() if p.name not in (LOCK_FILE, ERROR_LOG))
             if shown:
                 raise OutputDirError(
                     f"output_dir {out} is not empty ({', '.join(shown[:4])}{', ...' if len(shown) > 4 else ''}) and "
@@ -87,7 +88,8 @@ class OutputDir:
                     "train there (what the run writes replaces what has its names: checkpoint-N, metrics.jsonl, "
                     "loss.png; nothing else is touched)")
         own = cls(out, run_id or uuid.uuid4().hex)
-        own.fresh, own.overwrite = run_id is None, overwrite
+        own.fresh, own.overwrite, own.resume = run_id is None, overwrite, resume
+        own.created = not out.exists()
         return own
 
     def open(self) -> "OutputDir":
@@ -106,6 +108,13 @@ class OutputDir:
             self.close()
             raise OutputDirError(f"output_dir {out} is in use by another slideformer run; wait for it to end, or "
                                  "choose another output_dir") from None
+        try:  # decided again under the lock: another run may have taken the folder since check()
+            again = OutputDir.check(out, resume=self.resume, overwrite=self.overwrite)
+        except BaseException:
+            self.close()
+            raise
+        if not (self.fresh and again.fresh):
+            self.run_id, self.fresh = again.run_id, again.fresh
         try:
             if self.fresh:
                 _write_atomic(out / RUN_FILE, json.dumps({"run_id": self.run_id}) + "\n")
@@ -118,7 +127,15 @@ class OutputDir:
                                    "another output_dir") from e
         return self
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
+        """Release the folder. A new run that ends with an error before it wrote a checkpoint or a metric
+        (``ok`` False) leaves the folder as it found it: no mark, no lock file, and no folder if it made one."""
+        if not ok and self.fresh and not self.checkpoints() and not (self.path / METRICS).exists():
+            for name in (RUN_FILE, LOCK_FILE):
+                (self.path / name).unlink(missing_ok=True)
+            if self.created:
+                with contextlib.suppress(OSError):
+                    self.path.rmdir()  # (only if empty)
         if getattr(self, "_lock", None) is not None:
             os.close(self._lock)
             self._lock = None
