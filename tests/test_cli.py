@@ -147,7 +147,7 @@ def test_plan_names_what_binds(capsys):
     args = ["plan", "--model", "llama3-8b", "--seq-len", "1024", "--batch-size", "64", "--gpu-memory", "24GiB"]
     assert main(args + ["--cpu-memory", "32GiB"]) == 3
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith("does NOT fit host RAM") and "32.0 GiB (--cpu-memory)" in last and "--offload-dir" in last
+    assert last.startswith("does NOT fit host RAM") and "95% of 32.0 GiB, --cpu-memory" in last and "--offload-dir" in last
     assert main(["plan", "--model", "llama3-8b", "--seq-len", "1024", "--batch-size", "8", "--gpu-memory", "1GiB",
                  "--cpu-memory", "125GiB"]) == 3
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("does NOT fit the GPU")
