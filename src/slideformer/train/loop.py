@@ -213,7 +213,7 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
         else:
             engine = SlideEngine.from_pretrained(cfg.model_name_or_path, ecfg)
         with engine:
-            result = _run(cfg, signals, engine, out, resume, tok, examples, skipped, dropped, total, warmup, device)
+            result = _loop(cfg, signals, engine, out, resume, tok, examples, skipped, dropped, total, warmup, device)
     except BaseException:
         out.close(ok=False)
         raise
@@ -221,7 +221,9 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     return result
 
 
-def _run(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, dropped, total, warmup, device) -> dict:
+def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, dropped, total, warmup,
+          device) -> dict:
+    """Resume (the engine's state and the data position), then train to ``total`` steps, logging and saving."""
     print(f"slideformer: {engine.describe()}", flush=True)
     start, epoch, offset = 0, 0, 0
     if resume:
@@ -233,11 +235,6 @@ def _run(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, d
                              f"replace when it saves that step; move it away, choose another output_dir, or set "
                              "overwrite_output_dir: true")
     out.trim_metrics(start)
-    return _loop(cfg, signals, engine, out, tok, examples, skipped, dropped, start, epoch, offset, total, warmup, device)
-
-
-def _loop(cfg, signals, engine, out: OutputDir, tok, examples, skipped, dropped, start, epoch, offset, total, warmup,
-          device) -> dict:
     tb = _tensorboard(out.path, start)
     order = _permutation(len(examples), cfg.seed, epoch)
     params = engine.adapter.num_params
