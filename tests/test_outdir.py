@@ -83,6 +83,8 @@ def test_the_runs_own_folder_resumes_and_a_new_run_there_is_refused(tmp_path, ca
     assert "set resume_from_checkpoint: auto to continue it" in capsys.readouterr().err
     assert run(out, "max_steps=3") == 0
     assert "resumed from" in capsys.readouterr().out
+    assert run(out, "max_steps=3") == 0
+    assert "nothing to train: the run is already at step 3" in capsys.readouterr().out
     assert json.loads((out / RUN_FILE).read_text())["run_id"] == run_id
     meta = json.loads((out / "checkpoint-3" / "state" / "trainer.json").read_text())
     assert meta["trainer"]["run_id"] == run_id

@@ -34,6 +34,9 @@ def cmd_train(args) -> int:
     if h:
         print(f"loss {h[0]['loss']:.3f} -> {h[-1]['loss']:.3f} over {result['steps']} steps; "
               f"checkpoint: {result['checkpoint']} (loads with transformers' from_pretrained)")
+    elif result["status"] == "finished":
+        print(f"nothing to train: the run is already at step {result['steps']} (checkpoint: {result['checkpoint']}); "
+              "raise max_steps or num_train_epochs to train on")
     if result["skipped_records"]:
         print(f"skipped {result['skipped_records']} malformed record(s) (skip_bad_records: true)")
     if result["dropped_steps"]:
@@ -43,8 +46,8 @@ def cmd_train(args) -> int:
         import signal
 
         name = signal.Signals(result["signal"]).name
-        print(f"{name}: stopped after step {result['steps']}; saved {result['checkpoint']}; continue with "
-              "resume_from_checkpoint: auto", file=sys.stderr)
+        print(f"{name}: stopped after step {result['steps']}; saved {result['checkpoint']}; the same command "
+              "continues the run", file=sys.stderr)
         return 128 + result["signal"]
     return EXIT_OK
 
