@@ -183,6 +183,10 @@ def test_a_real_full_disk_and_a_read_only_folder(tmp_path, capsys):
         assert run(ro / "o", "max_steps=1") == 5
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "Read-only file system" in err and "output_dir" in err
+        assert run(tmp_path / "o2", "max_steps=1", f"offload.offload_dir={ro / 'nvme'}") == 5
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Read-only file system" in err and "offload.offload_dir" in err
+        assert not (tmp_path / "o2").exists()  # refused before the run took its folder
     finally:
         _umount(ro)
 
