@@ -129,6 +129,9 @@ def test_out_of_gpu_memory_is_recorded_as_a_result(tmp_path, monkeypatch):
     (rec,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert rec["error"] == "out of GPU memory" and "1.19 GiB" in rec["detail"]
     assert rec["batch"] == 64 and rec["system"] == "deepspeed" and "tokens_per_s" not in rec and rec["commit"]
+    # every line says where it ran and how to run it again
+    assert rec["command"].startswith("slideformer bench --system deepspeed --model tiny") and "--batch 64" in rec["command"]
+    assert rec["machine"]["cores"] >= 1 and rec["machine"]["ram_gib"] > 0 and "cpu" in rec["machine"]
 
     def no_pinned_ram(args, config):
         raise RuntimeError("CUDA error: out of memory")  # what a failed pinned host allocation raises

@@ -35,3 +35,18 @@ class Machine:
     @classmethod
     def detect(cls, device: str = "cuda") -> "Machine":
         return cls(ram=host_memory(), gpu=gpu_memory(device))
+
+
+def describe() -> dict:
+    """This machine in a benchmark record's words: the CPU's model, its cores, RAM and the GPU's memory."""
+    import os
+
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    gpu = gpu_memory()
+    return {"cpu": cpu, "cores": os.cpu_count(), "ram_gib": round(host_memory() / 2**30, 1),
+            "gpu_gib": None if gpu is None else round(gpu / 2**30, 1)}

@@ -35,6 +35,7 @@ from .. import EngineConfig, SlideEngine
 from ..engine.loss import chunked_head_loss, fused_head_loss
 from ..model import ModelAdapter
 from ..machine import Machine
+from ..machine import describe as describe_machine
 from ..plan import Auto, ModelShape, resolve
 from ..plan.memory import LOSS_CHUNK_TOKENS
 from ..presets import preset_config
@@ -297,7 +298,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(argv)
+    args.command = " ".join(["slideformer", "bench", *argv])
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
@@ -384,6 +387,7 @@ def _common(args, cuda: bool) -> dict:
         "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name() if cuda else "none", "torch": torch.__version__,
+        "machine": describe_machine(), "command": args.command,
         "settings": {k: getattr(args, k) for k in ("slots", "depth", "host_weights", "host_grad_buffers",
                                                    "speculative_layers", "grad_chunk_elems", "optimizer_threads",
                                                    "switch_interval", "max_grad_norm",
