@@ -1,5 +1,6 @@
-"""Runtime: the one owner of streams, events, window slots and the worker threads (optimizer, loader,
-and the NVMe tier's reader and writer).
+"""Runtime: the one owner of streams, events, window slots and the worker threads (optimizer and loader
+here; the disk's reader and writer in its ``DiskIO``, engine/disk.py; the resident units' GPU state in
+its ``ResidentState``, engine/resident.py), which it starts and stops.
 
 Hand-offs, and what makes each safe:
 - host weights -> slot (loader thread, h2d stream): the main thread queues a load request with the
@@ -32,11 +33,10 @@ Hand-offs, and what makes each safe:
   the limit the coefficient is exactly 1: the spare becomes the unit's state (``HostStore.adopt``) and
   its ``updated`` flag is set; otherwise the spare is dropped and the update runs again, in place,
   from the untouched state with the real coefficient. Either way the result is the exact update's.
-- NVMe state -> optimizer: the disk reader thread reads a unit's state into a free RAM buffer and sets
-  the unit's ``tier ready`` flag; the worker waits for it (and only picks units whose state is in),
-  updates, then hands the buffer to the disk writer thread, which writes it back and frees the buffer.
-  The reader reads a unit again (next step) only after that write has finished (``tier written``).
-  The same two threads carry offloaded activations to and from NVMe (engine/activations.py).
+- NVMe state -> optimizer: the worker picks only units whose state is in a RAM buffer (``disk.ready``),
+  takes it (``disk.take``), updates it in place and gives it back (``disk.give_back``: its write, then
+  the buffer is free); engine/disk.py has the reads' order and flags. The same two disk threads carry
+  offloaded activations to and from NVMe (engine/activations.py).
 - Errors: the first failure in any thread is kept and raised in the main thread at its next wait;
   the other threads then skip their work but still release what they hold, so nothing hangs.
 
@@ -50,7 +50,6 @@ same, so CI exercises this code.
 """
 from __future__ import annotations
 
-import collections
 import queue
 import sys
 import threading
@@ -65,6 +64,7 @@ from ..model.adapter import ModelAdapter
 from ..optim.adamw import Landing, adamw_compact_, adamw_update_, compact_seed, resolve_backend
 from ..window.schedule import Visit, next_update
 from ..window.slots import Slot
+from .disk import DiskIO, Failure
 from .profile import NullProfiler, StepProfiler
 from .resident import ResidentState
 
@@ -163,7 +163,7 @@ class Runtime:
         self._updated = [threading.Event() for _ in adapter.units]
         for e in self._updated:
             e.set()
-        self._error: BaseException | None = None
+        self.failure = Failure()  # the first failure in any thread (engine/disk.py)
         self.optimizer_backend = resolve_backend(cfg.optimizer_backend)
         needs_scratch = dt != torch.float32 and self.optimizer_backend == "torch"
         cpu_units = [u.numel for u in adapter.units if not store.is_resident(u.index)]  # (those the CPU updates)
@@ -191,94 +191,28 @@ class Runtime:
         self._loads: queue.Queue[tuple | None] = queue.Queue()
         self._loader = threading.Thread(target=self._load_work, name="slideformer-loader", daemon=True)
         self._loader.start()
-        # Disk I/O: a reader and a writer thread, each running the jobs queued for it in order (the NVMe
-        # tier's state; offloaded activations on NVMe, engine/activations.py). Two threads, so that a read
-        # waiting for a free buffer never blocks the write that frees one.
-        self._reads: queue.Queue = queue.Queue()
-        self._writes: queue.Queue = queue.Queue()
-        self._io_threads = [threading.Thread(target=self._io_work, args=(q,), name=name, daemon=True)
-                            for q, name in ((self._reads, "slideformer-disk-read"), (self._writes, "slideformer-disk-write"))]
-        for th in self._io_threads:
-            th.start()
-        # NVMe tier: the reader fills RAM buffers with a unit's state ahead of its update, the writer
-        # empties them behind it.
-        if store.tier is not None:
-            self._tier_free = [True] * len(store.tier.buffers)
-            self._tier_cv = threading.Condition()
-            self._tier_buf: dict[int, int] = {}
-            self._tier_pending: collections.deque[int] = collections.deque()
-            self._tier_ready = {u: threading.Event() for u in store.tier.numels}
-            # A unit's file is read again (next step) only after this step's write of it has finished.
-            self._tier_written = {u: threading.Event() for u in store.tier.numels}
-            for e in self._tier_written.values():
-                e.set()
+        self.disk = DiskIO(store.tier, self.failure)  # (engine/disk.py)
         self._closed = False
         _SWITCH_INTERVAL.acquire()
 
-    # -- disk I/O -------------------------------------------------------------------------------------
+    # -- hand-offs shared with engine/activations.py ----------------------------------------------------
     def submit_read(self, job) -> None:
-        self._reads.put(job)
+        self.disk.submit_read(job)
 
     def submit_write(self, job) -> None:
-        self._writes.put(job)
-
-    def _io_work(self, jobs: queue.Queue) -> None:
-        while (job := jobs.get()) is not None:
-            try:
-                job()
-            except BaseException as e:  # each job also releases what it holds in its own finally
-                self._fail(e)
-            finally:
-                jobs.task_done()
+        self.disk.submit_write(job)
 
     def wait_flag(self, done: threading.Event) -> bool:
         """Wait for another thread's ``done`` flag (a write, an update); False if a failure elsewhere
         means it may never come."""
-        while not done.wait(0.05):
-            if self._error is not None:
-                return False
-        return True
+        return self.failure.wait(done)
 
-    # -- the NVMe tier -----------------------------------------------------------------------------
+    @property
+    def _error(self) -> BaseException | None:
+        return self.failure.first
+
     def begin_step(self, update_order: list[int]) -> None:
-        """Queue this step's tier reads in the order its updates will want them. A read goes to the disk
-        reader only once a RAM buffer is free for it: the reader thread never waits for one (activation
-        reads share it, and backward may need those before any buffer comes free)."""
-        if self.store.tier is not None:
-            with self._tier_cv:
-                self._tier_pending.extend(u for u in update_order if u in self._tier_ready)
-            self._tier_schedule()
-
-    def _tier_schedule(self) -> None:
-        with self._tier_cv:
-            while self._tier_pending and True in self._tier_free:
-                buf = self._tier_free.index(True)
-                self._tier_free[buf] = False
-                unit = self._tier_pending.popleft()
-                self._reads.put(lambda u=unit, b=buf: self._tier_read(u, b))
-
-    def _tier_read(self, unit: int, buf: int) -> None:
-        try:
-            if self.wait_flag(self._tier_written[unit]) and self._error is None:
-                self._tier_written[unit].clear()
-                self.store.tier.read(unit, buf)
-        except BaseException as e:
-            self._fail(e)  # before the flag: whoever it wakes sees the error
-        finally:
-            self._tier_buf[unit] = buf
-            self._tier_ready[unit].set()
-
-    def _tier_write(self, unit: int, buf: int) -> None:
-        try:
-            if self._error is None:
-                self.store.tier.write(unit, buf)
-        except BaseException as e:
-            self._fail(e)
-        finally:
-            self._tier_written[unit].set()
-            with self._tier_cv:
-                self._tier_free[buf] = True
-            self._tier_schedule()
+        self.disk.begin_step(update_order)
 
     # -- weights into the window ------------------------------------------------------------------
     def load(self, unit: int, slot: Slot) -> None:
@@ -467,7 +401,7 @@ class Runtime:
             self._run_update(job)
 
     def _moments_ready(self, unit: int) -> bool:
-        return not self.store.on_tier(unit) or self._tier_ready[unit].is_set()
+        return not self.store.on_tier(unit) or self.disk.ready(unit)
 
     def _run_update(self, job: UpdateJob) -> None:
         tier_buf, kept = None, False
@@ -476,9 +410,7 @@ class Runtime:
                 s, c = self.store, self.cfg
                 master = s.master[job.unit]
                 if s.on_tier(job.unit):  # its state is (being) read ahead
-                    self.wait_flag(self._tier_ready[job.unit])
-                    self._tier_ready[job.unit].clear()
-                    tier_buf = self._tier_buf.pop(job.unit, None)
+                    tier_buf = self.disk.take(job.unit)
                     if tier_buf is None or self._error is not None:  # a read failed: its error is kept
                         return
                     exp_avg, exp_avg_sq, *rest = s.tier.views(job.unit, tier_buf)
@@ -526,7 +458,7 @@ class Runtime:
             self._fail(e)
         finally:
             if tier_buf is not None:
-                self._writes.put(lambda u=job.unit, b=tier_buf: self._tier_write(u, b))  # the buffer returns after
+                self.disk.give_back(job.unit, tier_buf)  # the buffer returns after its write
             if not kept:
                 if job.spare is not None:
                     self._free_spare(job.spare)
@@ -534,8 +466,7 @@ class Runtime:
                 self._updated[job.unit].set()
 
     def _fail(self, e: BaseException) -> None:
-        if self._error is None:  # the first failure is the cause; later ones are its consequences
-            self._error = e
+        self.failure.record(e)
 
     def wait_updated(self, unit: int) -> None:
         self._updated[unit].wait()
@@ -545,7 +476,7 @@ class Runtime:
         """Wait until every queued update has been applied and written (before reading or saving state)."""
         for u in range(len(self._updated)):
             self.wait_updated(u)
-        self._writes.join()
+        self.disk.join_writes()
         self._raise_worker_error()
 
     def _raise_worker_error(self) -> None:
@@ -572,10 +503,7 @@ class Runtime:
         # which finish their queued writes; the loader last (pending loads wait for those updates).
         self._jobs.put(None)
         self._worker.join()
-        self._reads.put(None)
-        self._writes.put(None)
-        for th in self._io_threads:
-            th.join()
+        self.disk.close()
         self._loads.put(None)
         self._loader.join()
         if self.cuda:
