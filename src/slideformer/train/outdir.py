@@ -5,6 +5,9 @@ stamps that id into every checkpoint it writes (``state/trainer.json``). Rotatio
 ``resume_from_checkpoint: auto`` only ever consider checkpoints that carry the folder's id, so a user's
 own ``checkpoint-N`` folders, or those of another run copied in, are never deleted or taken for ours.
 A folder that holds anything but no mark is refused, unless ``overwrite_output_dir`` says to take it.
+``check`` decides with no side effect (refusals come before any work); ``open`` takes the folder under a
+lock held for the run (the kernel drops it with the process), deciding again under it; a new run that
+fails before it wrote a checkpoint or a metric leaves the folder as it found it (``close(ok=False)``).
 """
 from __future__ import annotations
 
