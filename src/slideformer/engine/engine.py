@@ -175,7 +175,8 @@ class SlideEngine:
         Returns the loss as a float, which waits for the GPU. With ``blocking=False`` it returns a 0-dim
         device tensor instead, so the next step's host work overlaps this one's GPU work (a loop that
         reads the loss only now and then loses no time at step boundaries). Clipping still waits, for
-        the global norm."""
+        the global norm; with it, a step whose norm or loss is not finite is dropped before it is applied
+        (``last_step_dropped``)."""
         if self._limit is not None:
             batch = self._place(batch)
         mbs, denom = self._prepare(batch)
