@@ -6,6 +6,7 @@ that is what ``make demo`` runs. ``slideformer bench`` measures a training step 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -211,7 +212,6 @@ def cmd_plan(args) -> int:
 def cmd_export(args) -> int:
     """Copy a checkpoint's Hugging Face files (weights, config, tokenizer) without the training state,
     after checking them against the checkpoint's checksums."""
-    import os
     import shutil
 
     from .checkpoint.state import STATE_DIR, TRAINER, verify_checkpoint
@@ -304,7 +304,7 @@ def _thread_failed(args) -> None:
     import traceback
 
     try:
-        with open(Path(tempfile.gettempdir()) / f"slideformer-threads-{__import__('os').getpid()}.log", "a") as f:
+        with open(Path(tempfile.gettempdir()) / f"slideformer-threads-{os.getpid()}.log", "a") as f:
             f.write("".join(traceback.format_exception(args.exc_type, args.exc_value, args.exc_traceback)))
     except OSError:
         pass
@@ -320,7 +320,7 @@ def _log_bug(log_dir: str | None) -> Path:
     # (into output_dir only where a run has marked it as its own: never into a folder it refused)
     folder = Path(log_dir) if log_dir and (Path(log_dir) / RUN_FILE).is_file() else Path(tempfile.gettempdir())
     path = folder / (ERROR_LOG if folder != Path(tempfile.gettempdir())
-                     else f"slideformer-error-{__import__('os').getpid()}.log")
+                     else f"slideformer-error-{os.getpid()}.log")
     try:
         path.write_text(traceback.format_exc())
     except OSError:

@@ -36,7 +36,7 @@ from ..engine.loss import chunked_head_loss, fused_head_loss
 from ..model import ModelAdapter
 from ..machine import Machine
 from ..machine import describe as describe_machine
-from ..plan import Auto, ModelShape, resolve
+from ..plan import AUTO_PLACEHOLDERS, Auto, ModelShape, resolve
 from ..plan.memory import LOSS_CHUNK_TOKENS
 from ..presets import preset_config
 
@@ -63,14 +63,15 @@ def sync(args):
 
 def run_slideformer(args, config):
     auto = args.resident_layers == "auto"
-    cfg = EngineConfig(lr=1e-5, device=args.device, compute_dtype=args.dtype, window_slots=args.slots,
+    asked = {"host_weights": args.host_weights, "host_grad_buffers": args.host_grad_buffers,
+             "speculative_layers": args.speculative_layers,
+             "resident_layers": "auto" if auto else int(args.resident_layers)}
+    placed = {k: AUTO_PLACEHOLDERS[k] if v == "auto" else v for k, v in asked.items()}  # (resolve decides them)
+    cfg = EngineConfig(lr=1e-5, device=args.device, compute_dtype=args.dtype, window_slots=args.slots, **placed,
                        prefetch_depth=args.depth, profile=True,
-                       host_weights="persistent" if args.host_weights == "auto" else args.host_weights,
-                       host_grad_buffers=4 if args.host_grad_buffers == "auto" else args.host_grad_buffers,
-                       speculative_layers=0 if args.speculative_layers == "auto" else args.speculative_layers,
                        grad_chunk_elems=args.grad_chunk_elems, optimizer_threads=args.optimizer_threads,
                        max_grad_norm=args.max_grad_norm, loss_chunk_tokens=args.loss_chunk,
-                       resident_layers=0 if auto else int(args.resident_layers), resident_edges=args.resident_edges,
+                       resident_edges=args.resident_edges,
                        loss_kernel=args.loss_kernel,
                        fused_ops=args.fused_ops,
                        optimizer_state=args.optimizer_state, offload_dir=args.offload_dir, nvme_fraction=args.nvme_fraction,

@@ -15,6 +15,11 @@ from .memory import (DoesNotFit, ModelShape, Placement, auto_host, auto_residenc
                      step_time)
 
 
+# EngineConfig values that stand for the settings left "auto" until ``resolve`` decides them
+AUTO_PLACEHOLDERS = {"host_weights": "persistent", "host_grad_buffers": 4, "speculative_layers": 0,
+                     "resident_layers": 0, "resident_edges": False}
+
+
 @dataclass(frozen=True)
 class Auto:
     """Which of an EngineConfig's settings the caller leaves to the planner."""

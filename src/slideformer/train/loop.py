@@ -23,6 +23,7 @@ from .. import EngineConfig, SlideEngine, lr_at
 from ..config import ConfigError
 from ..data import DataError, detect_format, pack_batch, pad_batch, read_records, render, to_messages
 from ..data.formats import check_chat_template, max_token_chars
+from ..plan.resolve import AUTO_PLACEHOLDERS
 from ..signals import Signals
 from ..checkpoint.state import CheckpointWriteError, CorruptCheckpointError, read_meta
 from .config import TrainConfig, _assets
@@ -31,9 +32,7 @@ from .outdir import CKPT_PREFIX, METRICS, TENSORBOARD, OutputDir, OutputDirError
 # A run whose every step for this long comes out non-finite has diverged: skipping more cannot help.
 MAX_DROPPED_IN_A_ROW = 10
 DEFAULT_CUTOFF_LEN = 1024
-# EngineConfig values that stand for the offload settings left "auto" until the planner has decided them
-AUTO_PLACEHOLDERS = {"host_weights": "persistent", "host_grad_buffers": 4, "speculative_layers": 0,
-                     "resident_layers": 0, "resident_edges": False}
+
 
 
 class NonFiniteLoss(FloatingPointError):

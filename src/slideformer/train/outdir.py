@@ -93,6 +93,7 @@ class OutputDir:
         own = cls(out, run_id or uuid.uuid4().hex)
         own.fresh, own.overwrite, own.resume = run_id is None, overwrite, resume
         own.created = not out.exists()
+        own.found = {n for n in (RUN_FILE, LOCK_FILE) if (out / n).exists()}  # (what close must not remove)
         return own
 
     def open(self) -> "OutputDir":
@@ -132,9 +133,9 @@ class OutputDir:
 
     def close(self, ok: bool = True) -> None:
         """Release the folder. A new run that ends with an error before it wrote a checkpoint or a metric
-        (``ok`` False) leaves the folder as it found it: no mark, no lock file, and no folder if it made one."""
+        (``ok`` False) leaves the folder as it found it: no mark or lock file it made, no folder it made."""
         if not ok and self.fresh and not self.checkpoints() and not (self.path / METRICS).exists():
-            for name in (RUN_FILE, LOCK_FILE):
+            for name in {RUN_FILE, LOCK_FILE} - self.found:
                 (self.path / name).unlink(missing_ok=True)
             if self.created:
                 with contextlib.suppress(OSError):
