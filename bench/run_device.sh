@@ -2,6 +2,8 @@
 # Everything measured on the GPU machine, in one call: the GPU tests, then the benchmark cases.
 #   run from the repo root on the device machine; results go to $OUT (or ./bench/out).
 # Usage: bench/run_device.sh [tests|optim|optim4b|loss|profile|capacity|demo|bench|all] [a name in bench/cases.yaml | case ...]
+#        bench/run_device.sh ab COMMIT [a name | case ...]: each case A-B-A-B, COMMIT's src (bench/out/src_COMMIT,
+#        from `git archive COMMIT src`, carried) against this tree, on one machine
 #   (a case: "system model batch [extra args]")
 set -uo pipefail
 OUT=${OUT:-bench/out}
@@ -9,6 +11,18 @@ mkdir -p "$OUT"
 # SLIDEFORMER_SRC: another commit's src/ (git archive, carried) to run beside this one on the same machine
 export PYTHONPATH=${SLIDEFORMER_SRC:-$PWD/src} PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 what=${1:-all}; shift || true
+if [[ $what == ab ]]; then
+  old=$1; shift
+  [[ -d bench/out/src_$old/src ]] || { echo "no bench/out/src_$old/src: git archive $old src | tar -x -C bench/out/src_$old"; exit 2; }
+  new=${SLIDEFORMER_COMMIT:?set SLIDEFORMER_COMMIT to the commit of this tree}
+  for c in "$@"; do
+    for round in 1 2; do
+      SLIDEFORMER_SRC=$PWD/bench/out/src_$old/src SLIDEFORMER_COMMIT=$old "$0" bench "$c"
+      SLIDEFORMER_COMMIT=$new "$0" bench "$c"
+    done
+  done
+  exit 0
+fi
 # Packages the machine lacks (DeepSpeed and its dependencies, Liger-Kernel) travel as wheels in .whl
 # (see bench/README.md). Liger is used only where asked for (--fused-ops liger, the loss benchmark).
 if compgen -G ".whl/*.whl" > /dev/null; then

@@ -5,9 +5,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from slideformer import CheckpointError, EngineConfig, SlideEngine
+from slideformer import CheckpointError, SlideEngine
 
-from tiny import batch, build
+from tiny import batch, build, engine_config
 
 CPU = dict(device="cpu", compute_dtype=torch.float32)
 
@@ -19,7 +19,7 @@ def test_load_is_bit_identical(tmp_path, shard):
     model.save_pretrained(tmp_path, **kw)
     if shard:
         assert (tmp_path / "model.safetensors.index.json").is_file()
-    with SlideEngine.from_pretrained(tmp_path, EngineConfig(**CPU)) as eng:
+    with SlideEngine.from_pretrained(tmp_path, engine_config(**CPU)) as eng:
         state = eng.state_dict()
         ref = model.state_dict()
         assert set(state) <= set(ref)
@@ -32,7 +32,7 @@ def test_missing_shard_is_named(tmp_path):
     victim = sorted(set(index["weight_map"].values()))[1]
     (tmp_path / victim).unlink()
     with pytest.raises(CheckpointError, match=victim):
-        SlideEngine.from_pretrained(tmp_path, EngineConfig(**CPU))
+        SlideEngine.from_pretrained(tmp_path, engine_config(**CPU))
 
 
 def test_truncated_shard_is_named(tmp_path):
@@ -40,12 +40,12 @@ def test_truncated_shard_is_named(tmp_path):
     f = tmp_path / "model.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     with pytest.raises(CheckpointError, match="model.safetensors.*truncated"):
-        SlideEngine.from_pretrained(tmp_path, EngineConfig(**CPU))
+        SlideEngine.from_pretrained(tmp_path, engine_config(**CPU))
 
 
 def test_export_loads_in_transformers(tmp_path):
     model = build("qwen3-tied")
-    with SlideEngine(model, EngineConfig(lr=1e-2, **CPU)) as eng:
+    with SlideEngine(model, engine_config(lr=1e-2, **CPU)) as eng:
         eng.train_step(batch(97))
         eng.save_pretrained(tmp_path, dtype=torch.float32)
         state = {k: v.clone() for k, v in eng.state_dict().items()}
@@ -62,8 +62,8 @@ def test_sharded_export_round_trips(tmp_path, monkeypatch):
 
     monkeypatch.setattr(export, "MAX_SHARD_BYTES", 10_000)
     model = build("llama")
-    with SlideEngine(model, EngineConfig(**CPU)) as eng:
+    with SlideEngine(model, engine_config(**CPU)) as eng:
         eng.save_pretrained(tmp_path, dtype=torch.float32)
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
-    with SlideEngine.from_pretrained(tmp_path, EngineConfig(**CPU)) as eng:
+    with SlideEngine.from_pretrained(tmp_path, engine_config(**CPU)) as eng:
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in eng.state_dict().items())

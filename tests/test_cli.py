@@ -3,6 +3,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from slideformer.config import Placement
 from slideformer.cli import main
 
 
@@ -90,8 +91,7 @@ def test_plan_suggests_what_train_would_choose(capsys):
         assert main(args + ["--optimizer-state", state]) == 0
         outs[state] = json.loads(capsys.readouterr().out)
         # (speculative_layers "auto": train passes every layer for the residency choice)
-        cfg = EngineConfig(device="cpu", gpu_memory_limit="24GiB", optimizer_state=state, max_grad_norm=1.0,
-                           speculative_layers=36)
+        cfg = EngineConfig(device="cpu", gpu_memory_limit="24GiB", optimizer_state=state, max_grad_norm=1.0, placement=Placement(speculative_layers=36))
         chosen = auto_residency(cfg, ModelShape.from_adapter(ModelAdapter(preset_config("qwen3-4b"))), 8, 1024)
         assert outs[state]["suggested_resident_layers"] == chosen["resident_layers"]
     assert outs["compact"]["suggested_resident_layers"] > outs["fp32"]["suggested_resident_layers"]

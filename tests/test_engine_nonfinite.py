@@ -3,6 +3,7 @@ never saved in a checkpoint either way."""
 import pytest
 import torch
 
+from slideformer.config import Placement, Tuning
 from slideformer import EngineConfig, SlideEngine
 from slideformer.checkpoint.state import NonFiniteStateError
 from slideformer.engine import engine as engine_mod
@@ -37,8 +38,7 @@ def masters(eng):
 def test_a_nonfinite_step_is_dropped_under_clipping(monkeypatch, spares, what, resident):
     """A, with a poisoned step between two good ones, ends bit-identical to B, which never saw it."""
     model = build("llama")
-    cfg = EngineConfig(device="cpu", compute_dtype=torch.float32, loss_kernel="torch", lr=1e-2,
-                       max_grad_norm=1.0, speculative_layers=spares, resident_layers=resident)
+    cfg = EngineConfig(device="cpu", compute_dtype=torch.float32, lr=1e-2, max_grad_norm=1.0, placement=Placement(speculative_layers=spares, resident_layers=resident), tuning=Tuning(loss_kernel="torch"))
     with SlideEngine(model, cfg) as a, SlideEngine(model, cfg) as b:
         a.train_step(batch(97, seed=0))
         b.train_step(batch(97, seed=0))
@@ -61,7 +61,7 @@ def test_a_nonfinite_state_is_never_saved(tmp_path, monkeypatch):
     """Without clipping the poisoned update is applied as gradients land; saving that state is refused
     before anything is renamed into place, and the previous checkpoint stays."""
     model = build("llama")
-    cfg = EngineConfig(device="cpu", compute_dtype=torch.float32, loss_kernel="torch")
+    cfg = EngineConfig(device="cpu", compute_dtype=torch.float32, tuning=Tuning(loss_kernel="torch"))
     with SlideEngine(model, cfg) as eng:
         eng.train_step(batch(97))
         eng.save_checkpoint(tmp_path / "ck", {"n": 1})
@@ -80,8 +80,7 @@ def test_a_nonfinite_state_is_never_saved(tmp_path, monkeypatch):
 def test_a_nonfinite_step_is_dropped_on_cuda(monkeypatch, spares):
     """The same on the GPU, streams and events included: the poisoned step leaves no trace."""
     model = build("llama")
-    cfg = EngineConfig(device="cuda", compute_dtype=torch.float32, loss_kernel="torch", lr=1e-2,
-                       max_grad_norm=1.0, speculative_layers=spares, resident_layers=1)
+    cfg = EngineConfig(device="cuda", compute_dtype=torch.float32, lr=1e-2, max_grad_norm=1.0, placement=Placement(speculative_layers=spares, resident_layers=1), tuning=Tuning(loss_kernel="torch"))
     with SlideEngine(model, cfg) as a, SlideEngine(model, cfg) as b:
         a.train_step(batch(97, seed=0))
         b.train_step(batch(97, seed=0))
@@ -99,8 +98,7 @@ def test_a_dropped_step_leaves_the_compute_copy_as_it_was(monkeypatch, what):
     """bf16 compute keeps a host copy of the weights apart from the master, which a speculative update
     writes in place: a dropped step must put it back, or the next steps train on weights no master holds."""
     model = build("llama")
-    cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, loss_kernel="torch", lr=1e-2,
-                       max_grad_norm=1.0, speculative_layers=2)
+    cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, lr=1e-2, max_grad_norm=1.0, placement=Placement(speculative_layers=2), tuning=Tuning(loss_kernel="torch"))
     with SlideEngine(model, cfg) as a, SlideEngine(model, cfg) as b:
         a.train_step(batch(97, seed=0))
         b.train_step(batch(97, seed=0))

@@ -6,9 +6,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from slideformer import EngineConfig, SlideEngine, lr_at
-from slideformer.config import ConfigError
+from slideformer.config import ConfigError, Placement, Tuning
 
-from tiny import FAMILIES, batch, build
+from tiny import FAMILIES, batch, build, engine_config
 
 
 def reference_train(model, batches, *, lr, weight_decay=0.0, max_grad_norm=None, lrs=None, betas=(0.9, 0.999)):
@@ -34,7 +34,7 @@ def engine_train(model, steps, *, lrs=None, **cfg):
     # head (the default) is held to it in test_fused_loss_head_matches_pytorch.
     cfg.setdefault("loss_kernel", "torch")
     cfg.setdefault("compute_dtype", torch.float32)
-    eng = SlideEngine(model, EngineConfig(device="cpu", **cfg))
+    eng = SlideEngine(model, engine_config(device="cpu", **cfg))
     losses = []
     with eng:
         for k, b in enumerate(steps):
@@ -297,7 +297,7 @@ def test_resident_layers_and_the_nvme_tier_take_opposite_ends(tmp_path):
     model = build("qwen3-tied")
     batches = [batch(97, seed=s) for s in range(3)]
     cfg = dict(resident_layers=1, offload_dir=str(tmp_path), nvme_fraction=1 / 3)
-    with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, **cfg)) as eng:
+    with SlideEngine(model, engine_config(device="cpu", compute_dtype=torch.float32, **cfg)) as eng:
         layers = [eng.adapter.layer_unit(i).index for i in range(3)]
         assert [u in eng.resident for u in layers] == [True, False, False]
         assert [u in eng.store.tier.numels for u in layers] == [False, False, True]
@@ -314,8 +314,7 @@ def test_token_chunked_mlps_train_like_pytorch(family, clip):
     batches = [[batch(97, seed=s), batch(97, seed=s + 11)] for s in range(3)]
     big = [{k: torch.cat([m[k] for m in mbs]) for k in ("input_ids", "labels")} for mbs in batches]
     rows = []
-    cfg = EngineConfig(device="cpu", compute_dtype=torch.float32, lr=1e-3, weight_decay=0.1, max_grad_norm=clip,
-                       loss_kernel="torch", mlp_chunk_tokens=7)
+    cfg = EngineConfig(device="cpu", compute_dtype=torch.float32, lr=1e-3, weight_decay=0.1, max_grad_norm=clip, tuning=Tuning(loss_kernel="torch", mlp_chunk_tokens=7))
     with SlideEngine(model, cfg) as eng:
         eng.adapter.layers[1].mlp.down_proj.register_forward_pre_hook(lambda m, i: rows.append(i[0].shape[0]))
         losses = [eng.train_step(b) for b in batches]
@@ -342,13 +341,11 @@ def test_resident_state_survives_checkpoints(tmp_path):
     model = build("llama")
     steps = [batch(97, seed=s) for s in range(4)]
     straight, _ = engine_train(model, steps, lr=1e-2, resident_layers=2)
-    with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, lr=1e-2, resident_layers=2,
-                                         loss_kernel="torch")) as e:
+    with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, lr=1e-2, placement=Placement(resident_layers=2), tuning=Tuning(loss_kernel="torch"))) as e:
         for b in steps[:2]:
             e.train_step(b)
         e.save_checkpoint(tmp_path / "ck")
-    with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, lr=1e-2, resident_layers=2,
-                                         loss_kernel="torch")) as e:
+    with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, lr=1e-2, placement=Placement(resident_layers=2), tuning=Tuning(loss_kernel="torch"))) as e:
         e.load_checkpoint(tmp_path / "ck")
         for b in steps[2:]:
             e.train_step(b)
@@ -385,7 +382,7 @@ def test_gradient_norm_is_exact_every_step(family):
     ref = copy.deepcopy(model)
     ref(**b).loss.backward()
     expect = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
-    with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, lr=0.0, loss_kernel="torch")) as eng:
+    with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, lr=0.0, tuning=Tuning(loss_kernel="torch"))) as eng:
         norms = []
         for _ in range(3):
             eng.train_step(b)
@@ -397,7 +394,7 @@ def test_non_blocking_steps_train_the_same():
     model = build("qwen2")
     steps = [batch(97, seed=s) for s in range(3)]
     a, la = engine_train(model, steps, lr=1e-2)
-    with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, lr=1e-2, loss_kernel="torch")) as e:
+    with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, lr=1e-2, tuning=Tuning(loss_kernel="torch"))) as e:
         lb = [e.train_step(b, blocking=False) for b in steps]
         state = {k: v.clone() for k, v in e.state_dict().items()}
     assert all(torch.is_tensor(x) and x.dim() == 0 for x in lb)
@@ -414,8 +411,7 @@ def test_chunked_gradient_stream_updates_the_same(state, tmp_path):
     dt = torch.bfloat16 if state == "compact" else torch.float32
 
     def run(**extra):
-        cfg = EngineConfig(device="cpu", compute_dtype=dt, lr=1e-2, weight_decay=0.1, optimizer_state=state,
-                           loss_kernel="torch", **extra)
+        cfg = engine_config(device="cpu", compute_dtype=dt, lr=1e-2, weight_decay=0.1, optimizer_state=state, **extra, loss_kernel="torch")
         with SlideEngine(model, cfg) as e:
             losses = [e.train_step(b) for b in steps]
             return losses, {k: v.clone() for k, v in e.state_dict().items()}
@@ -439,7 +435,7 @@ def test_compact_state_trains_resident_layers_like_streamed_ones(clip, tmp_path)
               optimizer_backend="torch", loss_kernel="torch", max_grad_norm=clip)
 
     def run(**extra):
-        with SlideEngine(model, EngineConfig(**kw, **extra)) as e:
+        with SlideEngine(model, engine_config(**kw, **extra)) as e:
             assert (e.adapter.layer_unit(0).index in e.resident) == bool(extra)
             losses = [e.train_step(b) for b in steps]
             return losses, {k: v.clone() for k, v in e.state_dict().items()}
@@ -448,11 +444,11 @@ def test_compact_state_trains_resident_layers_like_streamed_ones(clip, tmp_path)
     lb, b = run(resident_layers=1, resident_edges=True)
     assert lb == pytest.approx(la, rel=1e-5)
     assert all(float((a[k] - b[k]).norm() / a[k].norm()) < 1e-4 for k in a)
-    with SlideEngine(model, EngineConfig(**kw, resident_layers=1, resident_edges=True)) as e:
+    with SlideEngine(model, engine_config(**kw, resident_layers=1, resident_edges=True)) as e:
         for x in steps[:2]:
             e.train_step(x)
         e.save_checkpoint(tmp_path / "ck")
-    with SlideEngine(model, EngineConfig(**kw, resident_layers=1, resident_edges=True)) as e:
+    with SlideEngine(model, engine_config(**kw, resident_layers=1, resident_edges=True)) as e:
         e.load_checkpoint(tmp_path / "ck")
         assert [e.train_step(x) for x in steps[2:]] == lb[2:]
         assert all(torch.equal(b[k], v) for k, v in e.state_dict().items())
@@ -525,7 +521,7 @@ def test_liger_ops_refused_where_they_cannot_run():
     from slideformer.model.fused_ops import liger_available, resolve
 
     with pytest.raises(ConfigError, match="[Ll]iger"):
-        EngineConfig(device="cpu", fused_ops="liger").validate()
+        EngineConfig(device="cpu", tuning=Tuning(fused_ops="liger")).validate()
     assert resolve("auto", "cpu") == "none"  # the default: Liger where it can run, silently nothing elsewhere
     assert resolve("auto", "cuda") == ("liger" if liger_available() else "none")
     with SlideEngine.from_config(build("llama").config, EngineConfig(device=torch.device("cpu"))) as eng:
@@ -563,8 +559,7 @@ def test_speculative_updates_under_clipping_train_like_pytorch(clip, spares, bac
     waiting, waiting_losses = engine_train(model, batches, **kw)
     for forced in (True, False):
         adopted = []
-        with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, loss_kernel="torch",
-                                             speculative_layers=spares, **kw)) as eng:
+        with SlideEngine(model, engine_config(device="cpu", compute_dtype=torch.float32, **kw, speculative_layers=spares, loss_kernel="torch")) as eng:
             if forced:
                 wait_for_speculation(eng)
             layers = [eng.adapter.layer_unit(i).index for i in range(3)]
@@ -597,8 +592,7 @@ def test_speculative_updates_of_compact_state_are_exact():
     for clip in (0.05, 100.0):
         out = []
         for spares in (0, 3):
-            cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, optimizer_state="compact", lr=1e-2,
-                               max_grad_norm=clip, speculative_layers=spares)
+            cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, optimizer_state="compact", lr=1e-2, max_grad_norm=clip, placement=Placement(speculative_layers=spares))
             with SlideEngine(model, cfg) as eng:
                 wait_for_speculation(eng)
                 losses = [eng.train_step(b) for b in batches]

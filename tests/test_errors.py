@@ -5,18 +5,18 @@ from transformers import GPT2Config
 
 from slideformer import BatchError, ConfigError, EngineConfig, SlideEngine, UnsupportedModelError
 
-from tiny import batch, build
+from tiny import batch, build, engine_config
 
 CPU = dict(device="cpu", compute_dtype=torch.float32)
 
 
 def test_unsupported_architecture_names_the_supported_ones():
     with pytest.raises(UnsupportedModelError, match="gpt2.*llama, qwen2, qwen3, mistral"):
-        SlideEngine.from_config(GPT2Config(n_layer=1, n_embd=16, n_head=2), EngineConfig(**CPU))
+        SlideEngine.from_config(GPT2Config(n_layer=1, n_embd=16, n_head=2), engine_config(**CPU))
 
 
 def test_batch_longer_than_positions():
-    with SlideEngine(build("llama"), EngineConfig(**CPU)) as eng:
+    with SlideEngine(build("llama"), engine_config(**CPU)) as eng:
         with pytest.raises(BatchError, match="sequence length 65 exceeds.*max_position_embeddings 64"):
             eng.train_step(batch(97, s=65))
 
@@ -28,7 +28,7 @@ def test_batch_longer_than_positions():
     ({"tokens": [1, 2]}, "expected a dict with 'input_ids'"),
 ])
 def test_bad_batches(bad, match):
-    with SlideEngine(build("llama"), EngineConfig(**CPU)) as eng:
+    with SlideEngine(build("llama"), engine_config(**CPU)) as eng:
         with pytest.raises(BatchError, match=match):
             eng.train_step(bad)
         eng.train_step(batch(97))  # the engine is still usable after a refused batch
@@ -42,14 +42,14 @@ def test_bad_batches(bad, match):
 ])
 def test_config_errors_name_the_fix(kw, match):
     with pytest.raises(ConfigError, match=match):
-        EngineConfig(**{**CPU, **kw}).validate()
+        engine_config(**{**CPU, **kw}).validate()
 
 
 def test_prefetch_depth_defaults_to_what_the_window_allows():
     """Two visits ahead by default, one with two slots: setting window_slots alone never fails validation."""
-    assert EngineConfig(**CPU).validate().lookahead == 2
-    assert EngineConfig(**{**CPU, "window_slots": 2}).validate().lookahead == 1
-    assert EngineConfig(**{**CPU, "prefetch_depth": 1}).validate().lookahead == 1
+    assert engine_config(**CPU).validate().placement.lookahead == 2
+    assert engine_config(**{**CPU, "window_slots": 2}).validate().placement.lookahead == 1
+    assert engine_config(**{**CPU, "prefetch_depth": 1}).validate().placement.lookahead == 1
 
 
 def test_cuda_requested_without_cuda():
@@ -66,7 +66,7 @@ def test_optimizer_failure_surfaces(monkeypatch):
         raise MemoryError("simulated")
 
     monkeypatch.setattr(runtime, "adamw_update_", boom)
-    with SlideEngine(build("llama"), EngineConfig(**CPU)) as eng:
+    with SlideEngine(build("llama"), engine_config(**CPU)) as eng:
         with pytest.raises(RuntimeError, match="CPU optimizer or weight loader failed") as info:
             eng.train_step(batch(97))  # the failure surfaces in this step or at the next wait
             eng.train_step(batch(97))

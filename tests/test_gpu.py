@@ -3,10 +3,11 @@
 import pytest
 import torch
 
+from slideformer.config import Placement, Tuning
 from slideformer import EngineConfig, SlideEngine
 
 from test_engine_parity import reference_train
-from tiny import batch, build
+from tiny import batch, build, engine_config
 
 pytestmark = pytest.mark.gpu
 
@@ -20,7 +21,7 @@ def no_tf32():
 
 
 def cuda_engine_train(model, steps, **cfg):
-    eng = SlideEngine(model, EngineConfig(device="cuda", **cfg))
+    eng = SlideEngine(model, engine_config(device="cuda", **cfg))
     losses = []
     with eng:
         for b in steps:
@@ -115,8 +116,7 @@ def test_profile_counts_resident_adamw_as_gpu_work_not_idle():
     fp32 state (torch's fused AdamW) and compact state (kernels/compact_adamw.py) alike."""
     model = build("llama")
     for state in ("fp32", "compact"):
-        cfg = EngineConfig(device="cuda", compute_dtype=torch.bfloat16, lr=1e-3, resident_layers=3, profile=True,
-                           max_grad_norm=0.05, optimizer_state=state)
+        cfg = EngineConfig(device="cuda", compute_dtype=torch.bfloat16, lr=1e-3, max_grad_norm=0.05, optimizer_state=state, placement=Placement(resident_layers=3), tuning=Tuning(profile=True))
         with SlideEngine(model, cfg) as eng:
             eng.train_step(batch(97, b=4, s=32))
             eng.synchronize()
@@ -147,8 +147,7 @@ def test_nothing_is_pinned_after_the_first_step(monkeypatch):
     from slideformer.host import pinned
 
     model = build("llama")
-    cfg = EngineConfig(device="cuda", compute_dtype=torch.bfloat16, lr=1e-3, offload_activations=True,
-                       gpu_activation_layers=0)
+    cfg = EngineConfig(device="cuda", compute_dtype=torch.bfloat16, lr=1e-3, placement=Placement(offload_activations=True, gpu_activation_layers=0))
     with SlideEngine(model, cfg) as eng:
         eng.train_step(batch(97, b=4, s=32))
         calls = []
@@ -378,7 +377,7 @@ def test_resume_on_cuda_with_resident_units(tmp_path, state):
     resumed = run(model, 6, start=3, resume=tmp_path / "ck", **cfg)
     for k in straight:  # (not bit-identical on a GPU: atomic sums; a lost moment or master is far off this)
         assert float((straight[k] - resumed[k]).norm() / straight[k].norm()) < 1e-4, k
-    with SlideEngine(model, EngineConfig(**{**cfg, "lr": 1e-2})) as eng:
+    with SlideEngine(model, engine_config(**{**cfg, "lr": 1e-2})) as eng:
         rep = eng.memory_report()
         streamed = sum(u.numel for u in eng.adapter.units if u.index not in eng.resident)  # (padded sizes)
         assert eng.resident and rep["host_master"] == 4 * streamed  # (compact: bf16 hi + lo)

@@ -5,11 +5,12 @@ import os
 import pytest
 import torch
 
+from slideformer.config import Placement
 from slideformer import EngineConfig, SlideEngine
 from slideformer.host.nvme import TierError
 
 from test_engine_parity import engine_train
-from tiny import batch, build
+from tiny import batch, build, engine_config
 
 CPU = dict(device="cpu", compute_dtype=torch.float32, lr=1e-2, weight_decay=0.1)
 
@@ -38,7 +39,7 @@ def test_master_on_the_tier_loads_saves_and_resumes(tmp_path):
     tier = dict(**CPU, offload_dir=str(tmp_path / "nvme"), nvme_master=True)
 
     def run(cfg, resume=None, save=None, todo=steps):
-        with SlideEngine.from_pretrained(tmp_path / "hf", EngineConfig(**cfg)) as e:
+        with SlideEngine.from_pretrained(tmp_path / "hf", engine_config(**cfg)) as e:
             if resume:
                 e.load_checkpoint(resume)
             losses = [e.train_step(b) for b in todo]
@@ -60,9 +61,9 @@ def test_master_on_the_tier_needs_what_it_relies_on(tmp_path):
     from slideformer.config import ConfigError
 
     with pytest.raises(ConfigError, match="offload_dir"):
-        EngineConfig(device="cpu", nvme_master=True).validate()
+        EngineConfig(device="cpu", placement=Placement(nvme_master=True)).validate()
     with pytest.raises(ConfigError, match="persistent"):
-        EngineConfig(device="cpu", nvme_master=True, offload_dir=str(tmp_path), host_weights="staged").validate()
+        EngineConfig(device="cpu", offload_dir=str(tmp_path), placement=Placement(nvme_master=True, host_weights="staged")).validate()
 
 
 def test_compact_state_on_the_tier_trains_like_ram(tmp_path):
@@ -72,7 +73,7 @@ def test_compact_state_on_the_tier_trains_like_ram(tmp_path):
     kw = dict(device="cpu", lr=1e-2, compute_dtype=torch.bfloat16, optimizer_state="compact", host_grad_buffers=1)
 
     def run(**extra):
-        with SlideEngine(model, EngineConfig(**kw, **extra)) as e:
+        with SlideEngine(model, engine_config(**kw, **extra)) as e:
             losses = [e.train_step(b) for b in steps]
             disk = e.memory_report()["nvme_disk"]
             e.save_checkpoint(tmp_path / f"ck{len(extra)}")
@@ -84,7 +85,7 @@ def test_compact_state_on_the_tier_trains_like_ram(tmp_path):
     assert la == lb
     assert all(torch.equal(a[k], b[k]) for k in a)
     # the checkpoint written from the tier holds the same moments as the one written from RAM
-    with SlideEngine(model, EngineConfig(**kw)) as x, SlideEngine(model, EngineConfig(**kw)) as y:
+    with SlideEngine(model, engine_config(**kw)) as x, SlideEngine(model, engine_config(**kw)) as y:
         x.load_checkpoint(tmp_path / "ck0")
         y.load_checkpoint(tmp_path / "ck1")
         u = x.adapter.layer_unit(1).index
@@ -93,7 +94,7 @@ def test_compact_state_on_the_tier_trains_like_ram(tmp_path):
 
 def test_tier_accounting_and_checkpoint_round_trip(tmp_path):
     model = build("qwen2")
-    eng = SlideEngine(model, EngineConfig(**CPU, offload_dir=str(tmp_path / "nvme")))
+    eng = SlideEngine(model, engine_config(**CPU, offload_dir=str(tmp_path / "nvme")))
     with eng:
         eng.train_step(batch(97))
         rep = eng.memory_report()
@@ -103,7 +104,7 @@ def test_tier_accounting_and_checkpoint_round_trip(tmp_path):
         eng.save_checkpoint(tmp_path / "ck", {"next": 1})
         st = eng.store.unit_state(eng.adapter.layer_unit(1).index)
         tier_m = st["exp_avg"], st["exp_avg_sq"]
-    ram = SlideEngine(model, EngineConfig(**CPU))
+    ram = SlideEngine(model, engine_config(**CPU))
     with ram:
         ram.load_checkpoint(tmp_path / "ck")
         u = ram.adapter.layer_unit(1).index
@@ -117,11 +118,11 @@ def test_full_disk_is_refused_at_start(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.raises(TierError, match=r"cannot reserve .* [GM]iB .*No space left on device.*offload_dir"):
-        SlideEngine(build("llama"), EngineConfig(**CPU, offload_dir=str(tmp_path)))
+        SlideEngine(build("llama"), engine_config(**CPU, offload_dir=str(tmp_path)))
 
 
 def test_corrupt_state_file_is_detected(tmp_path):
-    eng = SlideEngine(build("llama"), EngineConfig(**CPU, offload_dir=str(tmp_path)))
+    eng = SlideEngine(build("llama"), engine_config(**CPU, offload_dir=str(tmp_path)))
     with eng:
         eng.train_step(batch(97))
         eng.synchronize()
@@ -143,7 +144,7 @@ def test_failed_write_stops_training_clearly(tmp_path, monkeypatch):
     def broken(self, unit, buf):
         raise TierError(errno.EIO, f"writing NVMe state file for unit {unit} failed (Input/output error)")
 
-    eng = SlideEngine(build("llama"), EngineConfig(**CPU, offload_dir=str(tmp_path)))
+    eng = SlideEngine(build("llama"), engine_config(**CPU, offload_dir=str(tmp_path)))
     with eng:
         monkeypatch.setattr(nvme.NvmeTier, "write", broken)
         with pytest.raises(RuntimeError) as info:
@@ -156,8 +157,7 @@ def test_close_right_after_a_step_does_not_hang(tmp_path):
     """close() without synchronize(): updates still waiting for tier reads must finish, not deadlock."""
     import threading
 
-    eng = SlideEngine(build("llama"), EngineConfig(**CPU, offload_dir=str(tmp_path), nvme_buffers=1,
-                                                   host_grad_buffers=1))
+    eng = SlideEngine(build("llama"), engine_config(**CPU, offload_dir=str(tmp_path), nvme_buffers=1, host_grad_buffers=1))
     eng.train_step(batch(97))
     t = threading.Thread(target=eng.close)
     t.start()
@@ -194,7 +194,7 @@ def test_activations_on_nvme_are_bit_identical(tmp_path, keep):
     a, la = engine_train(model, steps, lr=1e-2)
     cfg = dict(lr=1e-2, offload_activations=True, gpu_activation_layers=keep, offload_dir=str(tmp_path),
                activations_to_nvme=True)
-    with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, loss_kernel="torch", **cfg)) as e:
+    with SlideEngine(model, engine_config(device="cpu", compute_dtype=torch.float32, **cfg, loss_kernel="torch")) as e:
         lb = [e.train_step(b) for b in steps]
         b = {k: v.clone() for k, v in e.state_dict().items()}
         rep = e.memory_report()
@@ -209,8 +209,7 @@ def test_activations_on_nvme_are_bit_identical(tmp_path, keep):
 def test_activations_on_nvme_fail_clearly(tmp_path, monkeypatch):
     from slideformer.host import nvme
 
-    cfg = EngineConfig(**CPU, offload_activations=True, gpu_activation_layers=0, offload_dir=str(tmp_path),
-                       activations_to_nvme=True)
+    cfg = engine_config(**CPU, offload_dir=str(tmp_path), offload_activations=True, gpu_activation_layers=0, activations_to_nvme=True)
 
     def full(fd, off, size):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -235,7 +234,7 @@ def test_activations_on_nvme_need_offload_dir():
     from slideformer.config import ConfigError
 
     with pytest.raises(ConfigError, match="offload_dir"):
-        EngineConfig(device="cpu", activations_to_nvme=True).validate()
+        EngineConfig(device="cpu", placement=Placement(activations_to_nvme=True)).validate()
 
 
 def _finishes(fn, seconds=60):
@@ -264,7 +263,7 @@ def test_tier_reads_never_hold_up_activation_reads(tmp_path):
 def test_failure_mid_step_closes_cleanly_with_the_tier(tmp_path, monkeypatch):
     """An error in the calling thread mid-forward: closing must not wait forever on tier reads whose
     updates will never come, and the caller sees its own error."""
-    eng = SlideEngine(build("llama"), EngineConfig(**CPU, offload_dir=str(tmp_path), nvme_buffers=1))
+    eng = SlideEngine(build("llama"), engine_config(**CPU, offload_dir=str(tmp_path), nvme_buffers=1))
     fwd = SlideEngine._fwd
 
     def boom(self, st, unit, slot):

@@ -5,9 +5,10 @@ from dataclasses import replace
 import pytest
 import torch
 
+from slideformer.config import Placement, Tuning
 from slideformer import EngineConfig, SlideEngine
 from slideformer.model import ModelAdapter
-from slideformer.plan import (DoesNotFit, MachineRates, ModelShape, Placement, auto_residency, choose_resident_layers,
+from slideformer.plan import (DoesNotFit, MachineRates, ModelShape, Layout, auto_residency, choose_resident_layers,
                               config_host_bytes, fit, gpu_bytes, host_bytes, nvme_bytes, parse_bytes)
 from slideformer.presets import preset_config
 
@@ -36,7 +37,7 @@ def test_parse_bytes():
     ("llama3-8b", 8, 2, "torch", 10.46), ("llama3-8b", 8, 3, "torch", 11.27), ("llama3-8b", 8, 3, "fused", 9.35)])
 def test_gpu_model_matches_h200_measurements(name, batch, slots, kernel, measured_gib):
     """max_memory_allocated on the H200 (bench/results/2026-11-30-*.jsonl): never under, at most 10% over."""
-    peak = gpu_bytes(shape(name), batch, 1024, Placement(window_slots=slots, loss_kernel=kernel))["peak"] / GiB
+    peak = gpu_bytes(shape(name), batch, 1024, Layout(window_slots=slots, loss_kernel=kernel))["peak"] / GiB
     assert measured_gib <= peak <= 1.10 * measured_gib
 
 
@@ -50,8 +51,8 @@ def test_host_model_matches_h200_rss(name, batch, state, host_weights, ring, kep
     libraries: 1.6-1.8 GiB) in every session-5 run; RAM_FRACTION leaves room for that. Those runs kept
     every unit's state on the host, resident ones too (until session 8): modelled here as no unit resident.
     What resident units save now is checked against the engine's own accounting (below)."""
-    cfg = EngineConfig(optimizer_state=state, host_weights=host_weights, host_grad_buffers=ring)
-    p = Placement(micro_batch=8, gpu_activation_layers=kept)
+    cfg = EngineConfig(optimizer_state=state, placement=Placement(host_weights=host_weights, host_grad_buffers=ring))
+    p = Layout(micro_batch=8, gpu_activation_layers=kept)
     planned = sum(config_host_bytes(cfg, shape(name), batch, 1024, p).values()) / GiB
     assert planned + 1.5 <= rss_gib <= planned + 2.0
 
@@ -63,11 +64,10 @@ def test_resident_units_have_no_host_state(ring, compact, staged):
     model = build("llama")
     dt = torch.bfloat16 if compact else torch.float32
     for k, edges in ((0, False), (1, True), (3, False)):
-        cfg = EngineConfig(device="cpu", compute_dtype=dt, host_grad_buffers=ring, host_weights=staged,
-                           optimizer_state="compact" if compact else "fp32", resident_layers=k, resident_edges=edges)
+        cfg = EngineConfig(device="cpu", compute_dtype=dt, optimizer_state="compact" if compact else "fp32", placement=Placement(host_grad_buffers=ring, host_weights=staged, resident_layers=k, resident_edges=edges))
         with SlideEngine(model, cfg) as eng:
             sh = ModelShape.from_adapter(eng.adapter)
-            host = host_bytes(sh, 1, 8, Placement.of(cfg), host_weights=staged, dtype_bytes=2 if compact else 4,
+            host = host_bytes(sh, 1, 8, Layout.of(cfg), host_weights=staged, dtype_bytes=2 if compact else 4,
                               host_grad_buffers=ring, compact=compact)
             rep = eng.memory_report()
             for cat in ("master", "moments", "weights", "grads"):
@@ -85,22 +85,21 @@ def test_auto_host_stages_only_streamed_layers():
     from slideformer.plan.memory import RAM_FRACTION
 
     sh = shape("llama3-8b")
-    cfg = EngineConfig(resident_layers=20, host_grad_buffers=4)  # (edges streamed: their copies stage too)
-    p = Placement.of(cfg)
-    need = sum(config_host_bytes(replace(cfg, host_weights="persistent"), sh, 8, 1024, p).values())
+    cfg = EngineConfig(placement=Placement(resident_layers=20, host_grad_buffers=4))  # (edges streamed: their copies stage too)
+    p = Layout.of(cfg)
+    need = sum(config_host_bytes(cfg.placed(host_weights="persistent"), sh, 8, 1024, p).values())
     per_layer = 2 * sh.layer_params
     for short, chosen in ((5.5, 6), (11.5, 12), (13.5, "staged")):
         ram = (need - short * per_layer) / RAM_FRACTION
-        got = auto_host(cfg, sh, 8, 1024, p, ram, buffers=False).host_weights
+        got = auto_host(cfg, sh, 8, 1024, p, ram, buffers=False).placement.host_weights
         assert got == chosen, (short, got)
-        assert sum(config_host_bytes(replace(cfg, host_weights=got), sh, 8, 1024, p).values()) <= RAM_FRACTION * ram
+        assert sum(config_host_bytes(cfg.placed(host_weights=got), sh, 8, 1024, p).values()) <= RAM_FRACTION * ram
 
 
 def test_staged_host_weights_are_counted_over_the_host_units():
     """A resident unit has no host weights, and is not "staged": the start line and the staging buffers
     count the streamed units only."""
-    cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, host_weights="staged", resident_layers=1,
-                       resident_edges=True)
+    cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, placement=Placement(host_weights="staged", resident_layers=1, resident_edges=True))
     with SlideEngine(build("llama"), cfg) as eng:
         assert eng.store.staged == {eng.adapter.layer_unit(i).index for i in (1, 2)}
         assert "host weights cast at copy time;" in eng.describe() + ";"
@@ -111,14 +110,13 @@ def test_staged_host_weights_are_counted_over_the_host_units():
 def test_window_and_host_match_engine_accounting(ring, compact):
     model = build("llama")
     dt = torch.bfloat16 if compact else torch.float32
-    cfg = EngineConfig(device="cpu", compute_dtype=dt, host_grad_buffers=ring,
-                       optimizer_state="compact" if compact else "fp32")
+    cfg = EngineConfig(device="cpu", compute_dtype=dt, optimizer_state="compact" if compact else "fp32", placement=Placement(host_grad_buffers=ring))
     with SlideEngine(model, cfg) as eng:
         assert ("1 gradient buffer for 3 streamed layers" in eng.describe()) == (ring == 1)
         sh = ModelShape.from_adapter(eng.adapter)
         db = 2 if compact else 4
-        assert gpu_bytes(sh, 1, 8, Placement(), dtype_bytes=db)["window"] == eng.memory_report()["gpu_window"]
-        host = host_bytes(sh, 1, 8, Placement(), dtype_bytes=db, host_grad_buffers=ring, compact=compact)
+        assert gpu_bytes(sh, 1, 8, Layout(), dtype_bytes=db)["window"] == eng.memory_report()["gpu_window"]
+        host = host_bytes(sh, 1, 8, Layout(), dtype_bytes=db, host_grad_buffers=ring, compact=compact)
         rep = eng.memory_report()
         assert host["master"] == rep["host_master"] and host["moments"] == rep["host_moments"]
         assert host["grads"] == rep["host_grads"] and host["weights"] == rep["host_weights"]
@@ -130,20 +128,18 @@ def test_spare_states_match_engine_accounting(compact):
     in the plan as in the store; without clipping none is allocated."""
     model = build("llama")
     for clip in (1.0, None):
-        cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, max_grad_norm=clip, speculative_layers=2,
-                           optimizer_state="compact" if compact else "fp32")
+        cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, max_grad_norm=clip, optimizer_state="compact" if compact else "fp32", placement=Placement(speculative_layers=2))
         with SlideEngine(model, cfg) as eng:
             sh = ModelShape.from_adapter(eng.adapter)
-            planned = config_host_bytes(cfg, sh, 1, 8, Placement())["spares"]
+            planned = config_host_bytes(cfg, sh, 1, 8, Layout())["spares"]
             assert planned == eng.memory_report()["host_spares"] == \
                 (2 * sh.layer_params * (8 if compact else 12) if clip else 0)
             assert ("clipping: 2 of 3 streamed layers updated before the global norm" in eng.describe()) == bool(clip)
     # no more spares than layers the CPU updates from RAM: 3 layers, 1 resident
-    cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, max_grad_norm=1.0, speculative_layers=5,
-                       resident_layers=1)
+    cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, max_grad_norm=1.0, placement=Placement(speculative_layers=5, resident_layers=1))
     with SlideEngine(model, cfg) as eng:
         assert len(eng.store.spares) == 2
-        assert config_host_bytes(cfg, ModelShape.from_adapter(eng.adapter), 1, 8, Placement.of(cfg))["spares"] == \
+        assert config_host_bytes(cfg, ModelShape.from_adapter(eng.adapter), 1, 8, Layout.of(cfg))["spares"] == \
             eng.memory_report()["host_spares"]
 
 
@@ -153,17 +149,17 @@ def test_auto_host_gives_spare_states_to_the_streamed_layers_where_ram_allows():
     from slideformer.plan import auto_host, config_host_bytes, spares_that_fit
 
     four = shape("qwen3-4b")
-    cfg = EngineConfig(gpu_memory_limit="24GiB", max_grad_norm=1.0, resident_layers=8, resident_edges=True)
-    p = fit(four, 8, 1024, 24 * GiB, Placement.of(cfg))
-    assert auto_host(cfg, four, 8, 1024, p, 125 * GiB, spares=True).speculative_layers == 28
+    cfg = EngineConfig(gpu_memory_limit="24GiB", max_grad_norm=1.0, placement=Placement(resident_layers=8, resident_edges=True))
+    p = fit(four, 8, 1024, 24 * GiB, Layout.of(cfg))
+    assert auto_host(cfg, four, 8, 1024, p, 125 * GiB, spares=True).placement.speculative_layers == 28
     some = auto_host(cfg, four, 8, 1024, p, 80 * GiB, spares=True)
-    assert 0 < some.speculative_layers < 28
+    assert 0 < some.placement.speculative_layers < 28
     total = sum(config_host_bytes(some, four, 8, 1024, p).values())
     assert total <= 0.85 * 80 * GiB < total + 12 * four.layer_params
-    assert auto_host(replace(cfg, max_grad_norm=None), four, 8, 1024, p, 125 * GiB, spares=True).speculative_layers == 0
+    assert auto_host(replace(cfg, max_grad_norm=None), four, 8, 1024, p, 125 * GiB, spares=True).placement.speculative_layers == 0
     # decided last: spares the caller set beforehand (spares_that_fit) never make the weights staged
-    assert auto_host(replace(cfg, speculative_layers=36), four, 8, 1024, p, 80 * GiB, spares=True) == some
-    assert some.host_weights == "persistent"
+    assert auto_host(cfg.placed(speculative_layers=36), four, 8, 1024, p, 80 * GiB, spares=True) == some
+    assert some.placement.host_weights == "persistent"
     # before the residency choice: what fits with every layer streamed
     assert spares_that_fit(cfg, four, 8, 1024, 125 * GiB) == four.layers
     assert spares_that_fit(replace(cfg, max_grad_norm=None), four, 8, 1024, 125 * GiB) == 0
@@ -173,10 +169,10 @@ def test_auto_host_gives_spare_states_to_the_streamed_layers_where_ram_allows():
 def test_host_weights_match_engine_accounting(host_weights):
     """bf16 compute: the host copy of every unit, of all but the last layer, or of none."""
     model = build("llama")
-    cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, host_weights=host_weights)
+    cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, placement=Placement(host_weights=host_weights))
     with SlideEngine(model, cfg) as eng:
         sh = ModelShape.from_adapter(eng.adapter)
-        assert host_bytes(sh, 1, 8, Placement(), host_weights)["weights"] == eng.memory_report()["host_weights"]
+        assert host_bytes(sh, 1, 8, Layout(), host_weights)["weights"] == eng.memory_report()["host_weights"]
         staged = [u for u, w in enumerate(eng.store.weights) if w is None]
         assert staged == {"persistent": [], 1: [eng.adapter.layer_unit(sh.layers - 1).index],
                           "staged": list(range(len(eng.adapter.units)))}[host_weights]
@@ -188,11 +184,11 @@ def test_host_weights_match_engine_accounting(host_weights):
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
 def test_host_plan_matches_engine_with_the_master_on_the_tier(tmp_path, dt):
     model = build("llama")
-    cfg = EngineConfig(device="cpu", compute_dtype=dt, offload_dir=str(tmp_path), nvme_fraction=0.5, nvme_master=True)
+    cfg = EngineConfig(device="cpu", compute_dtype=dt, offload_dir=str(tmp_path), placement=Placement(nvme_fraction=0.5, nvme_master=True))
     with SlideEngine(model, cfg) as eng:
         sh = ModelShape.from_adapter(eng.adapter)
         layers = round(0.5 * sh.layers)
-        host = host_bytes(sh, 1, 8, Placement(), dtype_bytes=dt.itemsize, nvme_layers=layers, nvme_master=True)
+        host = host_bytes(sh, 1, 8, Layout(), dtype_bytes=dt.itemsize, nvme_layers=layers, nvme_master=True)
         rep = eng.memory_report()
         assert host["master"] == rep["host_master"] < 4 * sh.params
         assert host["moments"] == rep["host_moments"] and host["weights"] == rep["host_weights"] > 0
@@ -232,7 +228,7 @@ def test_budget_split_trains_like_one_batch():
     a, la = engine_train(model, steps, lr=1e-3)
     sh = ModelShape.from_adapter(ModelAdapter(model.config, torch.float32))
     # a budget that forces micro-batches of 2 and offloads some layer inputs
-    limit = gpu_bytes(sh, 8, 12, Placement(micro_batch=2, gpu_activation_layers=1), dtype_bytes=2)["peak"]
+    limit = gpu_bytes(sh, 8, 12, Layout(micro_batch=2, gpu_activation_layers=1), dtype_bytes=2)["peak"]
     p = fit(sh, 8, 12, limit)
     assert p.micro_batch < 8 and p.gpu_activation_layers < sh.layers
     b, lb = engine_train(model, steps, lr=1e-3, gpu_memory_limit=limit)
@@ -266,7 +262,7 @@ def test_step_time_matches_h200_measurements(model, batch, placement, measured_s
 
     placement = dict(placement)
     compact = placement.pop("compact", False)
-    t = step_time(shape(model), batch, 1024, Placement(**placement), compact=compact)["step_s"]
+    t = step_time(shape(model), batch, 1024, Layout(**placement), compact=compact)["step_s"]
     assert abs(t - measured_s) <= 0.06 * measured_s
 
 
@@ -275,11 +271,11 @@ def test_step_time_counts_the_resident_units_adamw():
     from slideformer.plan import step_time
 
     sh = shape("qwen3-4b")
-    t = step_time(sh, 8, 1024, Placement(micro_batch=8, resident_layers=sh.layers))
+    t = step_time(sh, 8, 1024, Layout(micro_batch=8, resident_layers=sh.layers))
     assert t["gpu_adamw_s"] == pytest.approx(0.052, rel=0.05) and t["optimizer_s"] == 0
     assert t["step_s"] == pytest.approx(1.02 * (t["gpu_compute_s"] + t["gpu_adamw_s"]))
     # compact state: 10 instead of 16 GPU bytes a parameter to update there, 18 instead of 28 on the CPU
-    eight = Placement(micro_batch=8, resident_layers=8, resident_edges=True)  # the planner's under 24 GiB
+    eight = Layout(micro_batch=8, resident_layers=8, resident_edges=True)  # the planner's under 24 GiB
     fp32, compact = step_time(sh, 8, 1024, eight), step_time(sh, 8, 1024, eight, compact=True)
     assert compact["gpu_adamw_s"] == pytest.approx(fp32["gpu_adamw_s"] / 2.3)
     assert compact["optimizer_s"] == pytest.approx(fp32["optimizer_s"] / MachineRates().compact_speedup)
@@ -290,25 +286,24 @@ def test_step_time_counts_the_resident_units_adamw():
 
 def test_resident_layers_in_the_model_and_the_engine():
     sh = shape("qwen3-4b")
-    all_in = gpu_bytes(sh, 8, 1024, Placement(resident_layers=sh.layers))["window"]
+    all_in = gpu_bytes(sh, 8, 1024, Layout(resident_layers=sh.layers))["window"]
     assert all_in == 16 * sh.params  # bf16 weights and grads + fp32 master and moments, nothing streamed
     from slideformer.plan import choose_resident_layers, step_time
 
     assert choose_resident_layers(sh, 8, 1024, 24 * GiB) < sh.layers <= choose_resident_layers(sh, 8, 1024, 139 * GiB)
-    assert step_time(sh, 8, 1024, Placement(resident_layers=sh.layers))["optimizer_s"] == 0
+    assert step_time(sh, 8, 1024, Layout(resident_layers=sh.layers))["optimizer_s"] == 0
     for family in ("llama", "qwen3-tied"):
         model = build(family)
         for k, edges in ((0, False), (1, False), (3, False), (0, True), (1, True)):
-            cfg = EngineConfig(device="cpu", compute_dtype=torch.float32, resident_layers=k, resident_edges=edges)
+            cfg = EngineConfig(device="cpu", compute_dtype=torch.float32, placement=Placement(resident_layers=k, resident_edges=edges))
             with SlideEngine(model, cfg) as eng:
                 est = gpu_bytes(ModelShape.from_adapter(eng.adapter), 1, 8,
-                                Placement(resident_layers=k, resident_edges=edges), dtype_bytes=4)
+                                Layout(resident_layers=k, resident_edges=edges), dtype_bytes=4)
                 assert est["window"] == eng.memory_report()["gpu_window"], (family, k, edges)
         # compact state: bf16 weights, gradients, lo half and moments on the device (10 bytes a parameter)
-        cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, optimizer_state="compact", resident_layers=1,
-                           resident_edges=True)
+        cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, optimizer_state="compact", placement=Placement(resident_layers=1, resident_edges=True))
         with SlideEngine(model, cfg) as eng:
-            est = gpu_bytes(ModelShape.from_adapter(eng.adapter), 1, 8, Placement.of(cfg))
+            est = gpu_bytes(ModelShape.from_adapter(eng.adapter), 1, 8, Layout.of(cfg))
             assert est["window"] == eng.memory_report()["gpu_window"], (family, "compact")
 
 
@@ -319,7 +314,7 @@ def test_auto_resident_layers_keep_matmuls_efficient_and_stop_when_not_needed():
     sh = shape("qwen3-4b")
     for batch in (8, 32, 64):
         k = choose_resident_layers(sh, batch, 1024, 24 * GiB)
-        p = fit(sh, batch, 1024, 24 * GiB, Placement(resident_layers=k))
+        p = fit(sh, batch, 1024, 24 * GiB, Layout(resident_layers=k))
         assert min(p.micro_batch, batch) * 1024 >= min(batch * 1024, EFFICIENT_TOKENS)
         t = step_time(sh, batch, 1024, p)
         if k:  # each resident layer was needed: the CPU optimizer still bounds the step
@@ -328,7 +323,7 @@ def test_auto_resident_layers_keep_matmuls_efficient_and_stop_when_not_needed():
     k8 = choose_resident_layers(sh, 8, 1024, 24 * GiB)
     assert k8 > 0
     try:  # one more would not fit, or only with smaller micro-batches
-        assert fit(sh, 8, 1024, 24 * GiB, Placement(resident_layers=k8 + 1)).micro_batch < 8
+        assert fit(sh, 8, 1024, 24 * GiB, Layout(resident_layers=k8 + 1)).micro_batch < 8
     except DoesNotFit:
         pass
     # batch 64 is GPU-bound: the memory goes to layer inputs (less pinned RAM and PCIe) instead
@@ -371,9 +366,9 @@ def test_auto_residency_puts_embedding_and_head_first_where_they_fit():
     assert not auto_residency(EngineConfig(gpu_memory_limit="24GiB"), sh, 96, 1024)["resident_edges"]
     # asked for, they are placed even where the planner would not
     forced = auto_residency(EngineConfig(gpu_memory_limit="24GiB"), sh, 64, 1024, edges=True)
-    assert forced["resident_edges"] and fit(sh, 64, 1024, 24 * GiB, Placement(**forced)) is not None
+    assert forced["resident_edges"] and fit(sh, 64, 1024, 24 * GiB, Layout(**forced)) is not None
     # where the edges' memory would push layer inputs to disk (1 GB/s), the planner counts that and declines
-    to_disk = EngineConfig(gpu_memory_limit="40GiB", offload_dir="/nvme", nvme_fraction=0.0, activations_to_nvme=True)
+    to_disk = EngineConfig(gpu_memory_limit="40GiB", offload_dir="/nvme", placement=Placement(nvme_fraction=0.0, activations_to_nvme=True))
     assert not auto_residency(to_disk, shape("llama3-8b"), 8, 1024)["resident_edges"]
     # compact state takes 10 instead of 16 GPU bytes per resident parameter: more layers fit
     compact = auto_residency(EngineConfig(gpu_memory_limit="24GiB", optimizer_state="compact"), sh, 8, 1024)
@@ -391,39 +386,39 @@ def test_auto_host_drops_the_bf16_copy_and_gradient_buffers_where_ram_is_short()
     cfg = EngineConfig(gpu_memory_limit="24GiB")
     four, eight = shape("qwen3-4b"), shape("llama3-8b")
     c = auto_host(cfg, four, 8, 1024, fit(four, 8, 1024, 24 * GiB), ram)
-    assert (c.host_weights, c.host_grad_buffers) == ("persistent", None)
+    assert (c.placement.host_weights, c.placement.host_grad_buffers) == ("persistent", None)
     # resident layers keep their gradients on the GPU: a buffer per streamed layer only; clipping: all
-    resident = replace(cfg, resident_layers=8)
-    assert auto_host(resident, four, 8, 1024, fit(four, 8, 1024, 24 * GiB, Placement(resident_layers=8)),
-                     ram).host_grad_buffers == four.layers - 8
+    resident = cfg.placed(resident_layers=8)
+    assert auto_host(resident, four, 8, 1024, fit(four, 8, 1024, 24 * GiB, Layout(resident_layers=8)),
+                     ram).placement.host_grad_buffers == four.layers - 8
     assert auto_host(replace(cfg, max_grad_norm=1.0), eight, 64, 1024, fit(eight, 64, 1024, 24 * GiB),
-                     ram).host_grad_buffers is None
+                     ram).placement.host_grad_buffers is None
     p = fit(eight, 64, 1024, 24 * GiB)
     c = auto_host(cfg, eight, 64, 1024, p, ram)
-    k = c.host_weights
-    assert isinstance(k, int) and 0 < k < eight.layers and c.host_grad_buffers == MIN_GRAD_BUFFERS
-    fewest = replace(c, host_grad_buffers=MIN_GRAD_BUFFERS)
+    k = c.placement.host_weights
+    assert isinstance(k, int) and 0 < k < eight.layers and c.placement.host_grad_buffers == MIN_GRAD_BUFFERS
+    fewest = c.placed(host_grad_buffers=MIN_GRAD_BUFFERS)
     assert sum(config_host_bytes(fewest, eight, 64, 1024, p, k).values()) <= 0.85 * ram \
         < sum(config_host_bytes(fewest, eight, 64, 1024, p, k - 1).values())  # one fewer staged would not fit
     # with a little more RAM the copy fits whole, and the rest goes to gradient buffers, as many as fit
     roomy = 134 * GiB
     c = auto_host(cfg, eight, 64, 1024, p, roomy)
-    assert c.host_weights == "persistent" and MIN_GRAD_BUFFERS < c.host_grad_buffers < eight.layers
+    assert c.placement.host_weights == "persistent" and MIN_GRAD_BUFFERS < c.placement.host_grad_buffers < eight.layers
     total = sum(config_host_bytes(c, eight, 64, 1024, p).values())
     assert total <= 0.85 * roomy < total + 2 * eight.layer_params
     # what the caller fixed stays fixed
-    fixed = auto_host(replace(cfg, host_grad_buffers=2), four, 8, 1024, p, ram, buffers=False)
-    assert fixed.host_grad_buffers == 2
-    assert auto_host(cfg, eight, 64, 1024, p, ram, weights=False).host_weights == "persistent"
+    fixed = auto_host(cfg.placed(host_grad_buffers=2), four, 8, 1024, p, ram, buffers=False)
+    assert fixed.placement.host_grad_buffers == 2
+    assert auto_host(cfg, eight, 64, 1024, p, ram, weights=False).placement.host_weights == "persistent"
     # with too little RAM for any more, the ring keeps its minimum
-    assert auto_host(cfg, eight, 64, 1024, p, ram // 4).host_grad_buffers == MIN_GRAD_BUFFERS
+    assert auto_host(cfg, eight, 64, 1024, p, ram // 4).placement.host_grad_buffers == MIN_GRAD_BUFFERS
     # where staging every decoder layer is enough, the embedding and head keep their copies
-    every = replace(cfg, host_weights=eight.layers, host_grad_buffers=MIN_GRAD_BUFFERS)
+    every = cfg.placed(host_weights=eight.layers, host_grad_buffers=MIN_GRAD_BUFFERS)
     just = int(sum(config_host_bytes(every, eight, 64, 1024, p).values()) / 0.85) + 1
-    assert auto_host(cfg, eight, 64, 1024, p, just).host_weights == eight.layers
+    assert auto_host(cfg, eight, 64, 1024, p, just).placement.host_weights == eight.layers
     # the tier's fp32 master needs the RAM copy: kept whatever the RAM
-    tier = EngineConfig(offload_dir="/nvme", nvme_master=True)
-    assert auto_host(tier, eight, 64, 1024, p, ram // 4).host_weights == "persistent"
+    tier = EngineConfig(offload_dir="/nvme", placement=Placement(nvme_master=True))
+    assert auto_host(tier, eight, 64, 1024, p, ram // 4).placement.host_weights == "persistent"
 
 
 def test_a_sequence_too_long_for_micro_batches_gets_token_chunked_mlps():
@@ -440,7 +435,7 @@ def test_a_sequence_too_long_for_micro_batches_gets_token_chunked_mlps():
     # the engine takes the planner's chunk with its placement
     model = build("llama")
     with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, gpu_memory_limit=10**9)) as eng:
-        eng._placements[(2, 12)] = Placement(micro_batch=2, mlp_chunk_tokens=5)
+        eng._placements[(2, 12)] = Layout(micro_batch=2, mlp_chunk_tokens=5)
         eng.train_step(batch(97))
         assert eng.mlp_chunking.tokens == 5
 
@@ -449,12 +444,12 @@ def test_resident_layers_never_cost_the_mlps_token_chunks():
     """A resident layer that would push one long sequence into token-chunked MLPs (recompute) is not taken."""
     sh = shape("llama3-8b")
     k = choose_resident_layers(sh, 1, 16384, 24 * GiB)
-    assert fit(sh, 1, 16384, 24 * GiB, Placement(resident_layers=k)).mlp_chunk_tokens is None
-    assert fit(sh, 1, 16384, 24 * GiB, Placement(resident_layers=k + 1)).mlp_chunk_tokens is not None
+    assert fit(sh, 1, 16384, 24 * GiB, Layout(resident_layers=k)).mlp_chunk_tokens is None
+    assert fit(sh, 1, 16384, 24 * GiB, Layout(resident_layers=k + 1)).mlp_chunk_tokens is not None
     # and the time model charges chunked MLPs their second forward
     from slideformer.plan import step_time
 
-    p = Placement(micro_batch=1)
+    p = Layout(micro_batch=1)
     assert step_time(sh, 1, 65536, replace(p, mlp_chunk_tokens=4096))["gpu_compute_s"] > \
         step_time(sh, 1, 65536, p)["gpu_compute_s"]
 
@@ -466,7 +461,7 @@ def test_clipping_makes_the_cpu_update_follow_backward():
     from slideformer.plan import step_time
 
     sh = shape("qwen3-4b")
-    b8, b64 = Placement(micro_batch=8), Placement(micro_batch=32)
+    b8, b64 = Layout(micro_batch=8), Layout(micro_batch=32)
     assert step_time(sh, 8, 1024, b8, clipping=True)["step_s"] > 1.15 * step_time(sh, 8, 1024, b8)["step_s"]
     assert step_time(sh, 64, 1024, b64, clipping=True)["step_s"] < 1.1 * step_time(sh, 64, 1024, b64)["step_s"]
     # session 2's measured 1.72 s (4B b8 streamed, clipped) at that session's rates
@@ -485,7 +480,7 @@ def test_clipping_makes_the_cpu_update_follow_backward():
     full, half = (step_time(sh, 8, 1024, b8, clipping=True, speculative_layers=n) for n in (36, 18))
     assert full["step_s"] == step_time(sh, 8, 1024, b8)["step_s"]
     assert full["after_backward_s"] < half["after_backward_s"] < step_time(sh, 8, 1024, b8, clipping=True)["after_backward_s"]
-    spec = replace(EngineConfig(gpu_memory_limit="24GiB", max_grad_norm=1.0), speculative_layers=36)
+    spec = EngineConfig(gpu_memory_limit="24GiB", max_grad_norm=1.0).placed(speculative_layers=36)
     assert auto_residency(spec, sh, 8, 1024) == auto_residency(replace(spec, max_grad_norm=None), sh, 8, 1024)
 
 
@@ -496,14 +491,14 @@ def test_host_messages_and_choices_follow_the_config():
     p = fit(sh, 8, 1024, 24 * GiB)
     # fp32 compute keeps no separate copy: staging would save nothing, so it is not chosen
     fp32 = EngineConfig(compute_dtype=torch.float32)
-    assert auto_host(fp32, sh, 8, 1024, p, 1 << 30).host_weights == "persistent"
-    staged = EngineConfig(host_weights="staged", offload_dir="/nvme", nvme_fraction=1.0)
+    assert auto_host(fp32, sh, 8, 1024, p, 1 << 30).placement.host_weights == "persistent"
+    staged = EngineConfig(offload_dir="/nvme", placement=Placement(host_weights="staged", nvme_fraction=1.0))
     with pytest.raises(DoesNotFit) as e:
         check_host_fits(config_host_bytes(staged, sh, 8, 1024, p), 1 << 30, staged)
     msg = str(e.value)  # what is in use is not suggested, nor nvme_master, which needs persistent weights
     assert "staged host weights" not in msg and "nvme_master" not in msg and "nvme_fraction" not in msg
     assert "compact optimizer state" in msg
-    tier = EngineConfig(offload_dir="/nvme", nvme_fraction=1.0)
+    tier = EngineConfig(offload_dir="/nvme", placement=Placement(nvme_fraction=1.0))
     with pytest.raises(DoesNotFit, match=r"staged host weights \(offload.host_weights\).*offload.nvme_master"):
         check_host_fits(config_host_bytes(tier, sh, 8, 1024, p), 1 << 30, tier, prefix="offload.")
 
@@ -516,8 +511,8 @@ def test_the_loss_chunk_is_the_largest_that_fits_beside_the_rest():
     sh = shape("qwen3-4b")
     roomy = fit(sh, 32, 1024, 120 * GiB)
     assert roomy.loss_chunk_tokens == LOSS_CHUNK_TOKENS[0]
-    tight = fit(sh, 8, 1024, 24 * GiB, Placement(resident_layers=9, resident_edges=True))
-    plain = fit(sh, 8, 1024, 24 * GiB, Placement(resident_layers=9, resident_edges=True, loss_chunk_tokens=1024))
+    tight = fit(sh, 8, 1024, 24 * GiB, Layout(resident_layers=9, resident_edges=True))
+    plain = fit(sh, 8, 1024, 24 * GiB, Layout(resident_layers=9, resident_edges=True, loss_chunk_tokens=1024))
     # the chunk changes nothing else, and grows only as far as the budget allows
     assert replace(tight, loss_chunk_tokens=1024) == plain
     assert gpu_bytes(sh, 8, 1024, tight)["peak"] <= 24 * GiB
@@ -529,7 +524,6 @@ def test_the_loss_chunk_is_the_largest_that_fits_beside_the_rest():
     with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, gpu_memory_limit=10**9)) as eng:
         eng.train_step(batch(97))
         assert eng._loss_chunk == eng._placements[(2, 12)].loss_chunk_tokens == LOSS_CHUNK_TOKENS[0]
-    with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, gpu_memory_limit=10**9,
-                                         loss_chunk_tokens=5)) as eng:
+    with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32, gpu_memory_limit=10**9, tuning=Tuning(loss_chunk_tokens=5))) as eng:
         eng.train_step(batch(97))
         assert eng._loss_chunk == 5

@@ -9,16 +9,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from slideformer import EngineConfig, SlideEngine
+from slideformer import SlideEngine
 from slideformer.checkpoint.state import CorruptCheckpointError
 
-from tiny import batch, build
+from tiny import batch, build, engine_config
 
 CPU = dict(device="cpu", compute_dtype=torch.float32, lr=1e-2, weight_decay=0.1)
 
 
 def run(model, steps, start=0, resume=None, save=None, save_at=None, **cfg):
-    eng = SlideEngine(model, EngineConfig(**{**CPU, **cfg}))
+    eng = SlideEngine(model, engine_config(**{**CPU, **cfg}))
     with eng:
         if resume:
             assert eng.load_checkpoint(resume)["next"] == start
@@ -87,7 +87,7 @@ def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path):
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     assert (tmp_path / "ck.tmp").exists()  # the interrupted save
     model = build("llama")
-    eng = SlideEngine(model, EngineConfig(**CPU))
+    eng = SlideEngine(model, engine_config(**CPU))
     with eng:
         assert eng.load_checkpoint(tmp_path / "ck")["next"] == 1  # the previous one, intact
         assert eng.store.step == 1
@@ -99,7 +99,7 @@ def test_full_disk_gives_a_clear_error_and_keeps_the_last_checkpoint(tmp_path, m
     from slideformer.checkpoint import state
 
     model = build("llama")
-    eng = SlideEngine(model, EngineConfig(**CPU))
+    eng = SlideEngine(model, engine_config(**CPU))
     with eng:
         eng.train_step(batch(97))
         eng.save_checkpoint(tmp_path / "ck", {"next": 1})

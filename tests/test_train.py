@@ -14,7 +14,7 @@ from slideformer.model import ModelAdapter
 from slideformer.config import ConfigError
 from slideformer.data import DataError
 from slideformer.train.config import load_config
-from slideformer.train.loop import NonFiniteLoss, train
+from slideformer.train.loop import train
 
 FAST = ["progress=false", "device=cpu", "micro_batch_size=4", "logging_steps=1", "max_grad_norm=null"]
 
@@ -128,15 +128,15 @@ def test_a_diverging_run_stops_without_saving_nan(tmp_path, clip, capsys):
 def test_skip_nonfinite_steps_goes_on_with_the_next_data(tmp_path, monkeypatch):
     from slideformer.engine import engine as engine_mod
 
-    real, calls = engine_mod.chunked_head_loss, {"n": 0}
+    real, calls = engine_mod.fused_head_loss, {"n": 0}
 
     def head(*a, **k):  # the third step's gradient is NaN
         part, gh = real(*a, **k)
         calls["n"] += 1
         return part, gh * float("nan") if calls["n"] == 3 else gh
 
-    monkeypatch.setattr(engine_mod, "chunked_head_loss", head)
-    r = train(cfg(tmp_path, "max_steps=4", "max_grad_norm=1.0", "skip_nonfinite_steps=true", "offload.loss_kernel=torch"))
+    monkeypatch.setattr(engine_mod, "fused_head_loss", head)
+    r = train(cfg(tmp_path, "max_steps=4", "max_grad_norm=1.0", "skip_nonfinite_steps=true"))
     assert r["steps"] == 4 and r["dropped_steps"] == 1 and r["status"] == "finished"
     _finite_checkpoints(tmp_path)
     recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -213,14 +213,14 @@ def test_auto_residency_follows_the_budget():
     hf = preset_config("tiny")
     machine = Machine(ram=1 << 40, gpu=None)  # (the budget is gpu_memory_limit's)
     roomy = EngineConfig(device="cuda", compute_dtype=torch.bfloat16, gpu_memory_limit="1GiB")
-    assert resolve_engine(c, hf, roomy, examples, machine).resident_layers == hf.num_hidden_layers
+    assert resolve_engine(c, hf, roomy, examples, machine).placement.resident_layers == hf.num_hidden_layers
     tight = EngineConfig(device="cuda", compute_dtype=torch.bfloat16, gpu_memory_limit="7MiB")
     chosen = resolve_engine(c, hf, tight, examples, machine)
-    assert 0 <= chosen.resident_layers < hf.num_hidden_layers
+    assert 0 <= chosen.placement.resident_layers < hf.num_hidden_layers
     # a fixed offload.resident_edges is kept (here the planner would take them); the layers are still its call
-    assert chosen.resident_edges is True
+    assert chosen.placement.resident_edges is True
     declined = load_config(None, FAST + ["offload.resident_edges=false", "cutoff_len=256"])
-    assert resolve_engine(declined, hf, tight, examples, machine).resident_edges is False
+    assert resolve_engine(declined, hf, tight, examples, machine).placement.resident_edges is False
     with pytest.raises(ConfigError, match="resident_edges must be true, false or auto"):
         load_config(None, FAST + ["offload.resident_edges=maybe"])
 
@@ -245,27 +245,33 @@ def test_host_weights_auto_stages_when_the_copy_would_crowd_the_ram():
     hf = preset_config("tiny")
     eng = EngineConfig(device="cpu", compute_dtype=torch.bfloat16)
     sh = plan.ModelShape.from_adapter(ModelAdapter(hf, torch.bfloat16))
-    p = plan.Placement.of(eng, micro_batch=c.micro_batch_size)
+    p = plan.Layout.of(eng, micro_batch=c.micro_batch_size)
     with_copy = sum(plan.config_host_bytes(eng, sh, c.micro_batch_size, 64, p, "persistent").values())
     examples = [([1] * 64, [1] * 64)]
     chosen = resolve_engine(c, hf, eng, examples, Machine(ram=int(with_copy / 0.9)))
-    assert isinstance(chosen.host_weights, int) and 0 < chosen.host_weights < hf.num_hidden_layers
+    assert isinstance(chosen.placement.host_weights, int) and 0 < chosen.placement.host_weights < hf.num_hidden_layers
     assert sum(plan.config_host_bytes(chosen, sh, c.micro_batch_size, 64, p).values()) <= 0.85 * with_copy / 0.9
-    assert resolve_engine(c, hf, eng, examples, Machine(ram=int(with_copy / 0.8))).host_weights == "persistent"
+    assert resolve_engine(c, hf, eng, examples, Machine(ram=int(with_copy / 0.8))).placement.host_weights == "persistent"
     fixed = load_config(None, FAST + ["bf16=true", "offload.host_weights=persistent", "cutoff_len=256"])
-    assert resolve_engine(fixed, hf, eng, examples, Machine(ram=int(with_copy / 0.9))).host_weights == "persistent"
+    assert resolve_engine(fixed, hf, eng, examples, Machine(ram=int(with_copy / 0.9))).placement.host_weights == "persistent"
 
 
 def test_the_offload_section_is_the_engines_settings_by_name():
-    """The trainer hands offload.* to EngineConfig by name: a key the engine lacks would fail every run."""
+    """The trainer hands offload.* to EngineConfig and its Placement by name: a key the engine lacks would
+    fail every run, and only placement keys may be left to the planner ("auto")."""
     import dataclasses
 
+    from slideformer.config import Placement
     from slideformer.train.config import OffloadConfig
-    from slideformer.train.loop import AUTO_PLACEHOLDERS
+    from slideformer.train.loop import _placement
 
-    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    assert {f.name for f in dataclasses.fields(OffloadConfig)} <= engine_fields
-    assert all(getattr(OffloadConfig(), k) == "auto" for k in AUTO_PLACEHOLDERS if k != "resident_edges")
+    engine_keys = {f.name for f in dataclasses.fields(EngineConfig)}
+    placement_keys = {f.name for f in dataclasses.fields(Placement)}
+    offload = {f.name: f.default for f in dataclasses.fields(OffloadConfig)}
+    assert set(offload) <= engine_keys | placement_keys
+    assert {k for k, v in offload.items() if v == "auto"} <= placement_keys
+    assert _placement(OffloadConfig()) == Placement()  # "auto" holds Placement's defaults until resolved
+    assert _placement(OffloadConfig(resident_layers=3, window_slots=4)) == Placement(resident_layers=3, window_slots=4)
 
 
 def test_a_signal_during_dropped_steps_saves_the_last_good_step(tmp_path, monkeypatch):
@@ -274,7 +280,7 @@ def test_a_signal_during_dropped_steps_saves_the_last_good_step(tmp_path, monkey
     from slideformer.engine import engine as engine_mod
     from slideformer.engine.engine import SlideEngine
 
-    real_head, real_step, calls = engine_mod.chunked_head_loss, SlideEngine.train_step, {"n": 0}
+    real_head, real_step, calls = engine_mod.fused_head_loss, SlideEngine.train_step, {"n": 0}
 
     def nan_after_one(*a, **k):
         part, gh = real_head(*a, **k)
@@ -286,9 +292,9 @@ def test_a_signal_during_dropped_steps_saves_the_last_good_step(tmp_path, monkey
             os.kill(os.getpid(), signal.SIGTERM)
         return real_step(self, batch)
 
-    monkeypatch.setattr(engine_mod, "chunked_head_loss", nan_after_one)
+    monkeypatch.setattr(engine_mod, "fused_head_loss", nan_after_one)
     monkeypatch.setattr(SlideEngine, "train_step", step)
     code = main(["train"] + FAST[:-1] + [f"output_dir={tmp_path}", "max_steps=50", "max_grad_norm=1.0",
-                                         "skip_nonfinite_steps=true", "offload.loss_kernel=torch"])
+                                         "skip_nonfinite_steps=true"])
     assert code == 143 and calls["n"] == 3
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1"]

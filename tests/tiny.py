@@ -35,3 +35,15 @@ def batch(vocab: int, b: int = 2, s: int = 12, seed: int = 0, ignore: bool = Tru
     if ignore:
         labels[:, : s // 3] = -100  # a prompt that is not trained on
     return {"input_ids": ids, "labels": labels}
+
+
+def engine_config(**flat):
+    """An EngineConfig from one flat set of keys, placement and tuning keys by their own names: for tests
+    that vary any of them from one dict."""
+    from dataclasses import fields
+
+    from slideformer.config import EngineConfig, Placement, Tuning
+
+    nested = {name: cls(**{f.name: flat.pop(f.name) for f in fields(cls) if f.name in flat})
+              for name, cls in (("placement", Placement), ("tuning", Tuning))}
+    return EngineConfig(**flat, **nested)

@@ -58,6 +58,7 @@ def cmd_plan(args) -> int:
     from dataclasses import replace
 
     from . import EngineConfig
+    from .config import Placement
     from .model import ModelAdapter
     from .machine import Machine, gpu_memory, host_memory
     from .plan import Auto, ModelShape, nvme_bytes, nvme_layer_count, parse_bytes, predicted_step, resolve
@@ -86,11 +87,11 @@ def cmd_plan(args) -> int:
                       gpu=parse_bytes(args.gpu_memory) if args.gpu_memory is not None else gpu_memory())
     cpu_limit, gpu_limit = machine.ram, machine.gpu
     # the engine settings `slideformer train` would use (clipping by default: a gradient buffer per layer)
-    as_trained = EngineConfig(device="cuda", loss_kernel=args.loss_kernel, max_grad_norm=args.max_grad_norm or None,
-                              optimizer_state=args.optimizer_state, offload_dir=args.offload_dir,
-                              nvme_fraction=args.nvme_fraction, nvme_master=args.nvme_master and bool(args.offload_dir),
-                              activations_to_nvme=args.activations_to_nvme and bool(args.offload_dir),
-                              host_weights="persistent" if args.host_weights == "auto" else args.host_weights)
+    placement = Placement(nvme_fraction=args.nvme_fraction, nvme_master=args.nvme_master and bool(args.offload_dir),
+                          activations_to_nvme=args.activations_to_nvme and bool(args.offload_dir),
+                          **({} if args.host_weights == "auto" else {"host_weights": args.host_weights}))
+    as_trained = EngineConfig(device="cuda", max_grad_norm=args.max_grad_norm or None,
+                              optimizer_state=args.optimizer_state, offload_dir=args.offload_dir, placement=placement)
     host_auto = dict(host_weights=args.host_weights == "auto", host_grad_buffers=True, speculative_layers=True)
 
     def streamed(b: int):
@@ -115,7 +116,7 @@ def cmd_plan(args) -> int:
 
     plan = streamed(args.batch_size)
     fits_gpu, reason = plan.binds != "gpu", plan.problem
-    placement, chosen_host, h, g = plan.placement, plan.config, plan.host, plan.gpu
+    placement, chosen_host, h, g = plan.placement, plan.config.placement, plan.host, plan.gpu
     host_total = sum(h.values())
     fits = fits_at(args.batch_size, plan)
     max_batch = 0
@@ -138,7 +139,8 @@ def cmd_plan(args) -> int:
             """`train`'s step with ``cfg`` (its resident units chosen) and its host bytes."""
             p = trained(args.batch_size, cfg)
             return {**predicted_step(p, shape, args.batch_size, args.seq_len), "host_bytes": sum(p.host.values()),
-                    "resident_layers": p.config.resident_layers, "resident_edges": p.config.resident_edges}
+                    "resident_layers": p.config.placement.resident_layers,
+                    "resident_edges": p.config.placement.resident_edges}
 
         t = as_train_would(as_trained)
         out["suggested_resident_layers"] = t["resident_layers"]
@@ -329,7 +331,7 @@ def _log_bug(log_dir: str | None) -> Path:
 
 
 # EngineConfig's defaults, written out so that parsing (and --help) does not import torch (a test holds them equal)
-PLAN_DEFAULTS = {"loss_kernel": "fused", "optimizer_state": "fp32"}
+PLAN_DEFAULTS = {"optimizer_state": "fp32"}
 
 
 def _positive(v: str) -> int:
@@ -411,7 +413,6 @@ def _main(argv: list[str], signals: Signals) -> int:
                     type=lambda v: v if v in ("auto", "persistent", "staged") else int(v),
                     help="persistent, staged, a number of staged layers, or auto (as `slideformer train`): "
                          "persistent where the state leaves 15%% of the RAM free, else the fewest staged layers")
-    pl.add_argument("--loss-kernel", default=PLAN_DEFAULTS["loss_kernel"], choices=["torch", "fused"])
     pl.add_argument("--max-grad-norm", type=_non_negative, default=1.0,
                     help="as the trainer's max_grad_norm (default 1.0; 0: no clipping, which lets gradients share "
                          "a ring of host buffers)")

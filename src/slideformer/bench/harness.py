@@ -19,7 +19,6 @@ Model TFLOPS = 6 x params x tokens/s; attention FLOPs are not counted, nor is re
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -32,11 +31,12 @@ from pathlib import Path
 import torch
 
 from .. import EngineConfig, SlideEngine
+from ..config import Placement, Tuning
 from ..engine.loss import chunked_head_loss, fused_head_loss
 from ..model import ModelAdapter
 from ..machine import Machine
 from ..machine import describe as describe_machine
-from ..plan import AUTO_PLACEHOLDERS, Auto, ModelShape, resolve
+from ..plan import Auto, ModelShape, resolve
 from ..plan.memory import LOSS_CHUNK_TOKENS
 from ..presets import preset_config
 
@@ -66,19 +66,18 @@ def run_slideformer(args, config):
     asked = {"host_weights": args.host_weights, "host_grad_buffers": args.host_grad_buffers,
              "speculative_layers": args.speculative_layers,
              "resident_layers": "auto" if auto else int(args.resident_layers)}
-    placed = {k: AUTO_PLACEHOLDERS[k] if v == "auto" else v for k, v in asked.items()}  # (resolve decides them)
-    cfg = EngineConfig(lr=1e-5, device=args.device, compute_dtype=args.dtype, window_slots=args.slots, **placed,
-                       prefetch_depth=args.depth, profile=True,
-                       grad_chunk_elems=args.grad_chunk_elems, optimizer_threads=args.optimizer_threads,
-                       max_grad_norm=args.max_grad_norm, loss_chunk_tokens=args.loss_chunk,
-                       resident_edges=args.resident_edges,
-                       loss_kernel=args.loss_kernel,
-                       fused_ops=args.fused_ops,
-                       optimizer_state=args.optimizer_state, offload_dir=args.offload_dir, nvme_fraction=args.nvme_fraction,
-                       nvme_master=args.nvme_master, activations_to_nvme=args.activations_to_nvme,
-                       offload_activations=args.offload_activations is not None,
-                       gpu_activation_layers=args.offload_activations or 0,
-                       gpu_memory_limit=int(args.gpu_memory_limit_gib * 2**30) if args.gpu_memory_limit_gib else None)
+    fixed = {k: v for k, v in asked.items() if v != "auto"}  # (resolve decides the rest)
+    placement = Placement(window_slots=args.slots, prefetch_depth=args.depth, resident_edges=args.resident_edges,
+                          nvme_fraction=args.nvme_fraction, nvme_master=args.nvme_master,
+                          activations_to_nvme=args.activations_to_nvme,
+                          offload_activations=args.offload_activations is not None,
+                          gpu_activation_layers=args.offload_activations or 0, **fixed)
+    tuning = Tuning(profile=True, grad_chunk_elems=args.grad_chunk_elems, optimizer_threads=args.optimizer_threads,
+                    loss_chunk_tokens=args.loss_chunk, loss_kernel=args.loss_kernel, fused_ops=args.fused_ops)
+    cfg = EngineConfig(lr=1e-5, device=args.device, compute_dtype=args.dtype, max_grad_norm=args.max_grad_norm,
+                       optimizer_state=args.optimizer_state, offload_dir=args.offload_dir,
+                       gpu_memory_limit=int(args.gpu_memory_limit_gib * 2**30) if args.gpu_memory_limit_gib else None,
+                       placement=placement, tuning=tuning)
     shape = ModelShape.from_adapter(ModelAdapter(config, args.dtype))
     # what `slideformer train` decides for what is "auto" (plan.resolve), not refused here where it does not fit:
     # the engine's own check, or the GPU, says so (a case that does not fit is a result too)
@@ -102,8 +101,9 @@ def run_slideformer(args, config):
         sync(args)
 
     def extra():
-        rep = {"resident_layers_chosen": cfg.resident_layers, "resident_edges_chosen": cfg.resident_edges,
-               "host_weights_chosen": cfg.host_weights, "host_grad_buffers_chosen": cfg.host_grad_buffers,
+        p = cfg.placement
+        rep = {"resident_layers_chosen": p.resident_layers, "resident_edges_chosen": p.resident_edges,
+               "host_weights_chosen": p.host_weights, "host_grad_buffers_chosen": p.host_grad_buffers,
                "speculative_layers_chosen": len(engine.store.spares),
                "speculation": dict(engine.runtime.speculation),  # (units, warm-up steps included)
                "breakdown": engine.profile(timeline=args.timeline),
@@ -258,7 +258,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--speculative-layers", type=lambda v: v if v == "auto" else int(v), default="auto",
                     help="with --max-grad-norm: layers updated before the global norm is known, into spare "
                          "states; auto: every streamed layer where RAM allows (plan.auto_host)")
-    ap.add_argument("--grad-chunk-elems", type=int, default=EngineConfig.grad_chunk_elems)
+    ap.add_argument("--grad-chunk-elems", type=int, default=Tuning.grad_chunk_elems)
     ap.add_argument("--optimizer-threads", type=int, default=None,
                     help="the CPU update's threads (default: the engine's, all cores but one)")
     ap.add_argument("--switch-interval", type=float, default=None,
@@ -275,8 +275,8 @@ def parser() -> argparse.ArgumentParser:
                          "as `slideformer train` chooses")
     ap.add_argument("--ds-loss", default="hf", choices=["hf", "fused"],
                     help="DeepSpeed's loss: HF's full logits, or our fused linear cross-entropy")
-    ap.add_argument("--loss-kernel", default=EngineConfig.loss_kernel, choices=["torch", "fused"])
-    ap.add_argument("--fused-ops", default=EngineConfig.fused_ops, choices=["auto", "none", "liger"],
+    ap.add_argument("--loss-kernel", default=Tuning.loss_kernel, choices=["torch", "fused"])
+    ap.add_argument("--fused-ops", default=Tuning.fused_ops, choices=["auto", "none", "liger"],
                     help="slideformer: its layers' RMSNorm/SwiGLU; plain: the same rebinding on the HF model")
     ap.add_argument("--optimizer-state", default="fp32", choices=["fp32", "compact"])
     ap.add_argument("--offload-dir", default=None, help="NVMe tier directory for the moments of --nvme-fraction of the layers")

@@ -35,7 +35,7 @@ from ..model.recompute import OutputFreeRecompute
 from ..model.fused_ops import apply_liger
 from ..model.fused_ops import resolve as resolve_fused_ops
 from ..machine import host_memory
-from ..plan.memory import (LOSS_CHUNK_TOKENS, ModelShape, Placement, check_host_fits, config_host_bytes, fit,
+from ..plan.memory import (LOSS_CHUNK_TOKENS, ModelShape, Layout, check_host_fits, config_host_bytes, fit,
                            nvme_layer_count, parse_bytes, speculative_spares)
 from ..window.schedule import plan_step
 from .activations import ActivationStore
@@ -95,37 +95,38 @@ class SlideEngine:
 
     def _setup(self, hf_config, cfg: EngineConfig | None) -> None:
         self.cfg = (cfg or EngineConfig()).validate()
+        p, t = self.cfg.placement, self.cfg.tuning
         self.device = torch.device(self.cfg.device)
         self.adapter = ModelAdapter(hf_config, self.cfg.compute_dtype)
-        self.fused_ops = resolve_fused_ops(self.cfg.fused_ops, str(self.cfg.device))
+        self.fused_ops = resolve_fused_ops(t.fused_ops, str(self.cfg.device))
         if self.fused_ops == "liger":
             apply_liger(self.adapter.layers + [self.adapter.norm], getattr(hf_config, "hidden_act", ""))
         # (after Liger: the chunks run whatever MLP forward is bound)
-        self.mlp_chunking = MlpChunking([layer.mlp for layer in self.adapter.layers], self.cfg.mlp_chunk_tokens)
+        self.mlp_chunking = MlpChunking([layer.mlp for layer in self.adapter.layers], t.mlp_chunk_tokens)
         self.recompute = OutputFreeRecompute(self.adapter.layers)
         self.shape = ModelShape.from_adapter(self.adapter)
         self._limit = None if self.cfg.gpu_memory_limit is None else parse_bytes(self.cfg.gpu_memory_limit)
         if self._limit is not None:  # refuse before allocating anything if not even one sequence fits
-            fit(self.shape, 1, 1, self._limit, Placement.of(self.cfg))
+            fit(self.shape, 1, 1, self._limit, Layout.of(self.cfg))
         # and if the host state alone (no layer inputs yet: they depend on the batch) is over the RAM
-        check_host_fits(config_host_bytes(self.cfg, self.shape, 0, 1, Placement.of(self.cfg)), host_memory(),
+        check_host_fits(config_host_bytes(self.cfg, self.shape, 0, 1, Layout.of(self.cfg)), host_memory(),
                         self.cfg, "this model's host state")
-        self._placements: dict[tuple[int, int], Placement] = {}
-        self._loss_chunk = self.cfg.loss_chunk_tokens or LOSS_CHUNK_TOKENS[-1]  # (under a budget: the planner's)
-        ring = None if self.cfg.max_grad_norm is not None else self.cfg.host_grad_buffers  # clipping holds all
+        self._placements: dict[tuple[int, int], Layout] = {}
+        self._loss_chunk = t.loss_chunk_tokens or LOSS_CHUNK_TOKENS[-1]  # (under a budget: the planner's)
+        ring = None if self.cfg.max_grad_norm is not None else p.host_grad_buffers  # clipping holds all
         n = self.adapter.num_layers
         # Resident layers are the first ones (config.py says why), the NVMe tier's the last ones.
         layers = [self.adapter.layer_unit(i).index for i in range(n)]
-        k = min(self.cfg.resident_layers, n)
+        k = min(p.resident_layers, n)
         nvme = set(layers[n - nvme_layer_count(self.cfg, n):])
-        hw = self.cfg.host_weights  # units without a compute copy on the host: cast at copy time
+        hw = p.host_weights  # units without a compute copy on the host: cast at copy time
         staged = {u.index for u in self.adapter.units} if hw == "staged" else \
             set() if hw == "persistent" else set(layers[n - min(hw, n):])
         # Resident units: `resident_layers` decoder layers, and embedding and head with `resident_edges` or
         # when every layer is resident (the whole model then trains on the GPU, as plain training would).
         # Their state is the runtime's, on the GPU; the host store keeps none of it.
         resident = set(layers[:k])
-        if k == n or self.cfg.resident_edges:
+        if k == n or p.resident_edges:
             resident |= {self.adapter.embed_unit.index, self.adapter.head_unit.index}
         if resident & nvme:
             raise ConfigError("resident_layers and the NVMe tier (nvme_fraction) overlap: a layer on the GPU keeps "
@@ -133,16 +134,16 @@ class SlideEngine:
         self.resident = frozenset(resident)
         self.store = HostStore(self.adapter.units, self.cfg.compute_dtype, pin=self.device.type == "cuda",
                                staged_units=staged, host_grad_buffers=ring,
-                               nvme_dir=self.cfg.offload_dir, nvme_units=nvme, nvme_buffers=self.cfg.nvme_buffers,
-                               compact=self.cfg.optimizer_state == "compact", nvme_master=self.cfg.nvme_master,
+                               nvme_dir=self.cfg.offload_dir, nvme_units=nvme, nvme_buffers=p.nvme_buffers,
+                               compact=self.cfg.optimizer_state == "compact", nvme_master=p.nvme_master,
                                spare_states=speculative_spares(self.cfg, n), resident_units=self.resident)
         # Untied: the head's weights take the embedding's slot after its forward (window/schedule.py).
-        self.plan = plan_step(n, self.cfg.window_slots, self.cfg.lookahead, self.resident,
+        self.plan = plan_step(n, p.window_slots, p.lookahead, self.resident,
                               share_edge=not self.adapter.tied)
         self.runtime = Runtime(self.adapter, self.store, self.cfg, self.plan)
-        offload = set(range(max(0, n - self.cfg.gpu_activation_layers))) if self.cfg.offload_activations else set()
+        offload = set(range(max(0, n - p.gpu_activation_layers))) if p.offload_activations else set()
         self.activations = ActivationStore(self.runtime, n, offload,
-                                           nvme_dir=self.cfg.offload_dir if self.cfg.activations_to_nvme else None)
+                                           nvme_dir=self.cfg.offload_dir if p.activations_to_nvme else None)
         self._embed_slot = next((v.group, v.slot) for v in self.plan if v.unit == self.adapter.embed_unit.index)
         self._loads_after: dict[int, list] = {}
         for v in self.plan:
@@ -256,7 +257,7 @@ class SlideEngine:
         if gw.dtype != torch.float32:  # sum chunk gradients in fp32, cast once at the end
             acc_n = torch.empty_like(gnorm, dtype=torch.float32)
             acc_w = torch.empty_like(gw, dtype=torch.float32)
-        head_loss = fused_head_loss if self.cfg.loss_kernel == "fused" else chunked_head_loss
+        head_loss = fused_head_loss if self.cfg.tuning.loss_kernel == "fused" else chunked_head_loss
         for i, (h, mb) in enumerate(zip(st.hidden, st.mbs)):
             part, gh = head_loss(h.flatten(0, 1), mb.labels, ad.norm, w, st.denom,
                                  self._loss_chunk, acc_n, acc_w, accumulate=i > 0, targets=mb.targets)
@@ -330,7 +331,7 @@ class SlideEngine:
         shapes = [t.reshape(-1, t.shape[-1]).shape for t in ids]
         key = (sum(s[0] for s in shapes), max(s[1] for s in shapes))
         if key not in self._placements:
-            self._placements[key] = fit(self.shape, *key, self._limit, Placement.of(self.cfg))
+            self._placements[key] = fit(self.shape, *key, self._limit, Layout.of(self.cfg))
         p = self._placements[key]
         n = self.adapter.num_layers
         self.activations.offload_layers = set(range(max(0, n - p.gpu_activation_layers)))
@@ -386,11 +387,11 @@ class SlideEngine:
         return export.save_pretrained(out, self.adapter, self.store, dtype or self.cfg.compute_dtype)
 
     def profile(self, reset: bool = True, timeline: bool = False) -> dict:
-        """Seconds per category since the last call (needs ``EngineConfig(profile=True)``); with
+        """Seconds per category since the last call (needs ``tuning=Tuning(profile=True)``); with
         ``timeline``, also each record (engine/profile.py) under the key "timeline"."""
         prof = self.runtime.profiler
         if not prof.enabled:
-            raise RuntimeError("profiling is off: construct the engine with EngineConfig(profile=True)")
+            raise RuntimeError("profiling is off: construct the engine with EngineConfig(tuning=Tuning(profile=True))")
         self.synchronize()
         if self.runtime.cuda:
             torch.cuda.synchronize(self.device)
@@ -425,10 +426,10 @@ class SlideEngine:
         p = ad.num_params
         size = f"{p / 1e9:.2f} B" if p >= 1e9 else f"{p / 1e6:.1f} M" if p >= 1e6 else f"{p / 1e3:.1f} K"
         kept = "all layers" if layers == n else f"the first {layers} of {n} layers" if layers else f"0 of {n} layers"
-        threads = self.cfg.optimizer_threads or native.default_threads()
+        threads = self.cfg.tuning.optimizer_threads or native.default_threads()
         parts = [f"{size} params, {str(self.cfg.compute_dtype).replace('torch.', '')} on {self.device}",
                  f"trained on the device: {kept}{' + embedding and head' if edges else ''}",
-                 f"streamed: {n - layers} layers through {self.cfg.window_slots} slots",
+                 f"streamed: {n - layers} layers through {self.cfg.placement.window_slots} slots",
                  f"fused ops {self.fused_ops}",
                  f"CPU AdamW {self.runtime.optimizer_backend} on {threads} thread{'s' * (threads != 1)}, "
                  f"{self.cfg.optimizer_state} state"]

@@ -152,7 +152,7 @@ class Runtime:
         if staged:
             n = min(STAGING_ELEMS, max(staged))
             self._staging = [(torch.empty(n, dtype=dt, pin_memory=self.cuda), None) for _ in range(2)]
-        self.profiler: StepProfiler | NullProfiler = StepProfiler(self.cuda) if cfg.profile else NullProfiler()
+        self.profiler: StepProfiler | NullProfiler = StepProfiler(self.cuda) if cfg.tuning.profile else NullProfiler()
         # Resident units train on the GPU; their state is there only (engine/resident.py).
         self.resident = ResidentState(self.slots["resident"], {u: adapter.units[u].numel for u in resident},
                                       store.compact, cfg, self.compute if self.cuda else None, self.profiler)
@@ -164,14 +164,14 @@ class Runtime:
         for e in self._updated:
             e.set()
         self.failure = Failure()  # the first failure in any thread (engine/disk.py)
-        self.optimizer_backend = resolve_backend(cfg.optimizer_backend)
+        self.optimizer_backend = resolve_backend(cfg.tuning.optimizer_backend)
         needs_scratch = dt != torch.float32 and self.optimizer_backend == "torch"
         cpu_units = [u.numel for u in adapter.units if not store.is_resident(u.index)]  # (those the CPU updates)
         self._scratch = torch.empty(max(cpu_units, default=0) if needs_scratch else 0, dtype=torch.float32)
         # Host gradient buffers: free flags under a condition; the main thread takes, the worker returns.
         # Each has a row of landing flags, one per chunk; tickets number the sends.
         self._grad_free = [True] * len(store.grad_buffers)
-        chunks = -(-max(u.numel for u in adapter.units) // cfg.grad_chunk_elems)
+        chunks = -(-max(u.numel for u in adapter.units) // cfg.tuning.grad_chunk_elems)
         self._landing_flags = torch.zeros(len(store.grad_buffers), chunks, dtype=torch.int64, pin_memory=self.cuda)
         self._abort = torch.zeros(1, dtype=torch.int64)
         self._tickets = 0
@@ -300,7 +300,7 @@ class Runtime:
         buf = self._take_grad_buffer(unit)
         n = self.adapter.units[unit].numel
         dst = self.store.grad_buffers[buf][:n]
-        step = self.cfg.grad_chunk_elems
+        step = self.cfg.tuning.grad_chunk_elems
         self._tickets += 1
         flags = self._landing_flags[buf]
         landing = Landing(flags, self._tickets, step, self._abort)
@@ -438,14 +438,14 @@ class Runtime:
                     waited = adamw_compact_(master, lo, grad, exp_avg, exp_avg_sq,
                                    step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
                                    grad_coef=job.grad_coef, seed=compact_seed(c.seed, job.unit),
-                                   backend=self.optimizer_backend, threads=c.optimizer_threads, landing=job.grads.landing,
+                                   backend=self.optimizer_backend, threads=c.tuning.optimizer_threads, landing=job.grads.landing,
                                    src=src)
                 else:
                     cast_out = out is not None and out.dtype in (torch.bfloat16, torch.float16)
                     waited = adamw_update_(master, grad, exp_avg, exp_avg_sq, step=job.step, lr=job.lr,
                                   betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, grad_coef=job.grad_coef,
                                   out=out if cast_out else None, scratch=self._scratch,
-                                  backend=self.optimizer_backend, threads=c.optimizer_threads,
+                                  backend=self.optimizer_backend, threads=c.tuning.optimizer_threads,
                                   landing=job.grads.landing, src=src)
                     if out is not None and not cast_out:  # an fp32 copy of a master on the tier
                         out.copy_(master)

@@ -84,7 +84,7 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
-class Placement:
+class Layout:
     window_slots: int = 3
     micro_batch: int = 1 << 30  # sequences per micro-batch (capped at the batch)
     gpu_activation_layers: int = 1 << 30  # layer inputs kept on the GPU (the last ones); the rest offloaded
@@ -98,20 +98,20 @@ class Placement:
     resident_state_bytes: int = 12
 
     @classmethod
-    def of(cls, cfg, **kw) -> "Placement":
+    def of(cls, cfg, **kw) -> "Layout":
         """The parts an EngineConfig fixes; the planner chooses the rest (or ``kw`` sets them)."""
-        if cfg.offload_activations:  # without a budget the config's own split holds (fit() replaces it)
-            kw.setdefault("gpu_activation_layers", cfg.gpu_activation_layers)
-        return cls(window_slots=cfg.window_slots, loss_chunk_tokens=cfg.loss_chunk_tokens,
-                   resident_layers=cfg.resident_layers, loss_kernel=cfg.loss_kernel,
-                   resident_edges=cfg.resident_edges, mlp_chunk_tokens=cfg.mlp_chunk_tokens,
+        if cfg.placement.offload_activations:  # without a budget the config's own split holds (fit() replaces it)
+            kw.setdefault("gpu_activation_layers", cfg.placement.gpu_activation_layers)
+        return cls(window_slots=cfg.placement.window_slots, loss_chunk_tokens=cfg.tuning.loss_chunk_tokens,
+                   resident_layers=cfg.placement.resident_layers, loss_kernel=cfg.tuning.loss_kernel,
+                   resident_edges=cfg.placement.resident_edges, mlp_chunk_tokens=cfg.tuning.mlp_chunk_tokens,
                    resident_state_bytes=6 if cfg.optimizer_state == "compact" else 12, **kw)
 
     def edges_resident(self, shape: "ModelShape") -> bool:
         return self.resident_edges or self.resident_layers >= shape.layers
 
 
-def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, dtype_bytes: int = 2) -> dict[str, int]:
+def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: int = 2) -> dict[str, int]:
     T = batch * seq
     t = min(batch, p.micro_batch) * seq
     kept = min(shape.layers, p.gpu_activation_layers)
@@ -138,7 +138,7 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, dtype_bytes
     return out
 
 
-def host_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, host_weights: str = "persistent",
+def host_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, host_weights: str = "persistent",
                dtype_bytes: int = 2, host_grad_buffers: int | None = 4, nvme_layers: int = 0,
                compact: bool = False, nvme_master: bool = False, activations_to_nvme: bool = False,
                nvme_buffers: int = 4, spare_layers: int = 0) -> dict[str, int]:
@@ -174,7 +174,7 @@ def host_bytes(shape: ModelShape, batch: int, seq: int, p: Placement, host_weigh
 
 def nvme_layer_count(cfg, layers: int) -> int:
     """How many decoder layers an EngineConfig puts on the NVMe tier (the last ones; engine/engine.py)."""
-    return round(cfg.nvme_fraction * layers) if cfg.offload_dir else 0
+    return round(cfg.placement.nvme_fraction * layers) if cfg.offload_dir else 0
 
 
 def spare_bytes(compact: bool) -> int:
@@ -187,17 +187,17 @@ def speculative_spares(cfg, layers: int) -> int:
     layer the CPU updates from RAM (resident layers update on the GPU, the tier's from their buffers)."""
     if cfg.max_grad_norm is None:
         return 0
-    return max(0, min(cfg.speculative_layers, layers - min(cfg.resident_layers, layers) - nvme_layer_count(cfg, layers)))
+    return max(0, min(cfg.placement.speculative_layers, layers - min(cfg.placement.resident_layers, layers) - nvme_layer_count(cfg, layers)))
 
 
-def config_host_bytes(cfg, shape: ModelShape, batch: int, seq: int, p: Placement,
+def config_host_bytes(cfg, shape: ModelShape, batch: int, seq: int, p: Layout,
                       host_weights: str | int | None = None) -> dict[str, int]:
     """``host_bytes`` for an EngineConfig (``host_weights`` overrides the config's)."""
-    return host_bytes(shape, batch, seq, p, cfg.host_weights if host_weights is None else host_weights,
+    return host_bytes(shape, batch, seq, p, cfg.placement.host_weights if host_weights is None else host_weights,
                       cfg.compute_dtype.itemsize,
-                      None if cfg.max_grad_norm is not None else cfg.host_grad_buffers,
+                      None if cfg.max_grad_norm is not None else cfg.placement.host_grad_buffers,
                       nvme_layer_count(cfg, shape.layers),
-                      cfg.optimizer_state == "compact", cfg.nvme_master, cfg.activations_to_nvme, cfg.nvme_buffers,
+                      cfg.optimizer_state == "compact", cfg.placement.nvme_master, cfg.placement.activations_to_nvme, cfg.placement.nvme_buffers,
                       speculative_spares(cfg, shape.layers))
 
 
@@ -219,9 +219,9 @@ def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training",
         hints.append(f"staged host weights ({k}host_weights)")
     if not cfg.offload_dir:
         hints.append(f"the NVMe tier ({k}offload_dir, {k}nvme_fraction)")
-    elif cfg.nvme_fraction < 1:
+    elif cfg.placement.nvme_fraction < 1:
         hints.append(f"more of the NVMe tier ({k}nvme_fraction)")
-    elif not cfg.nvme_master and cfg.optimizer_state == "fp32" and cfg.host_weights == "persistent":
+    elif not cfg.placement.nvme_master and cfg.optimizer_state == "fp32" and cfg.placement.host_weights == "persistent":
         hints.append(f"the master on the NVMe tier too ({k}nvme_master)")
     if cfg.optimizer_state != "compact":
         hints.append(f"compact optimizer state ({k}optimizer_state)")
@@ -233,7 +233,7 @@ def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training",
 MIN_GRAD_BUFFERS = 4  # the gradient ring where RAM is short: backward then runs at most 4 layers ahead
 
 
-def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Placement, ram: int, *,
+def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Layout, ram: int, *,
               weights: bool = True, buffers: bool = True, spares: bool = False):
     """The EngineConfig ``cfg`` with the host settings its caller leaves to the planner decided (``weights``:
     host_weights "auto", ``buffers``: host_grad_buffers "auto", ``spares``: speculative_layers "auto"),
@@ -255,27 +255,27 @@ def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Placement, ram: i
         return sum(config_host_bytes(c, shape, batch, seq, p).values())
 
     if spares:  # (decided last: none held while the others are)
-        cfg = replace(cfg, speculative_layers=0)
+        cfg = cfg.placed(speculative_layers=0)
     if buffers:
-        cfg = replace(cfg, host_grad_buffers=MIN_GRAD_BUFFERS)
+        cfg = cfg.placed(host_grad_buffers=MIN_GRAD_BUFFERS)
     if weights:
-        full = replace(cfg, host_weights="persistent")
+        full = cfg.placed(host_weights="persistent")
         need = total(full)
-        per_layer = need - total(replace(cfg, host_weights=1))  # 0 where no copy is kept anyway
-        if cfg.nvme_master or not per_layer or need <= budget:  # (the tier's master needs the copy)
+        per_layer = need - total(cfg.placed(host_weights=1))  # 0 where no copy is kept anyway
+        if cfg.placement.nvme_master or not per_layer or need <= budget:  # (the tier's master needs the copy)
             cfg = full
         else:
             k = -int((budget - need) // per_layer)  # the fewest staged layers that fit (streamed ones only)
-            cfg = replace(cfg, host_weights=k if k <= streamed else "staged")
+            cfg = cfg.placed(host_weights=k if k <= streamed else "staged")
     if buffers:  # (clipping holds one per layer whatever is asked)
         per_layer = cfg.compute_dtype.itemsize * shape.layer_params
         n = MIN_GRAD_BUFFERS + max(0, int((budget - total(cfg)) // per_layer) if per_layer else 0)
-        cfg = replace(cfg, host_grad_buffers=None if cfg.max_grad_norm is not None or n >= shape.layers == streamed
+        cfg = cfg.placed(host_grad_buffers=None if cfg.max_grad_norm is not None or n >= shape.layers == streamed
                       else min(n, max(streamed, 1)))
     if spares and cfg.max_grad_norm is not None:  # as many as fit, at most one per layer updated from RAM
         per_layer = shape.layer_params * spare_bytes(cfg.optimizer_state == "compact")
         fit_n = int((budget - total(cfg)) // per_layer) if per_layer else 0
-        cfg = replace(cfg, speculative_layers=speculative_spares(replace(cfg, speculative_layers=max(0, fit_n)),
+        cfg = cfg.placed(speculative_layers=speculative_spares(cfg.placed(speculative_layers=max(0, fit_n)),
                                                                  shape.layers))
     return cfg
 
@@ -285,9 +285,9 @@ def spares_that_fit(cfg, shape: ModelShape, batch: int, seq: int, ram: int) -> i
     spare states that fit in RAM with every layer streamed and the host settings as ``cfg`` has them."""
     if cfg.max_grad_norm is None:
         return 0
-    streamed = replace(cfg, resident_layers=0, resident_edges=False)  # (resident units keep no host state)
-    return auto_host(streamed, shape, batch, seq, Placement.of(streamed), ram, weights=False, buffers=False,
-                     spares=True).speculative_layers
+    streamed = cfg.placed(resident_layers=0, resident_edges=False)  # (resident units keep no host state)
+    return auto_host(streamed, shape, batch, seq, Layout.of(streamed), ram, weights=False, buffers=False,
+                     spares=True).placement.speculative_layers
 
 
 def gpu_budget(cfg, gpu: int | None = None) -> int:
@@ -300,7 +300,7 @@ def gpu_budget(cfg, gpu: int | None = None) -> int:
     return int(0.9 * gpu)
 
 
-def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, base: Placement = Placement(),
+def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout = Layout(),
                            rates: "MachineRates | None" = None, clipping: bool = False) -> int:
     """How many decoder layers to train on the GPU (``resident_layers="auto"``).
 
@@ -352,9 +352,9 @@ def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | N
     is "auto", the trainer passes ``spares_that_fit``). That plans for the norm within the limit, as it
     is in most steps of a fine-tuning run; in steps where it is over, the updates run again after
     backward, as slow as waiting (engine runtime's ``speculation`` counts them)."""
-    budget, base = gpu_budget(cfg, gpu), Placement.of(cfg)
+    budget, base = gpu_budget(cfg, gpu), Layout.of(cfg)
     nvme = nvme_layer_count(cfg, shape.layers)
-    clipping = cfg.max_grad_norm is not None and cfg.speculative_layers < shape.layers - nvme
+    clipping = cfg.max_grad_norm is not None and cfg.placement.speculative_layers < shape.layers - nvme
     plain = replace(base, resident_edges=False)
     k = min(choose_resident_layers(shape, batch, seq, budget, plain, clipping=clipping), shape.layers - nvme)
     without = {"resident_layers": k, "resident_edges": False}
@@ -371,7 +371,7 @@ def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | N
         return without
     if min(pe.micro_batch, batch) * seq < min(batch * seq, EFFICIENT_TOKENS, min(p0.micro_batch, batch) * seq):
         return without
-    tier = dict(nvme_master=cfg.nvme_master, activations_to_nvme=cfg.activations_to_nvme,
+    tier = dict(nvme_master=cfg.placement.nvme_master, activations_to_nvme=cfg.placement.activations_to_nvme,
                 compact=cfg.optimizer_state == "compact", clipping=clipping)
     # A gain under 2% is not worth the layer inputs their GPU memory pushes to pinned RAM (8B b64: 17 GB)
     if step_time(shape, batch, seq, pe, nvme_layers=min(nvme, shape.layers - ke), **tier)["step_s"] < \
@@ -386,7 +386,7 @@ def nvme_bytes(shape: ModelShape, nvme_layers: int, compact: bool = False, maste
     return min(nvme_layers, shape.layers) * shape.layer_params * ((4 if compact else 8) + (4 if master else 0))
 
 
-def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Placement = Placement()) -> Placement:
+def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout = Layout()) -> Layout:
     """The placement to train ``batch`` x ``seq`` under ``limit`` GPU bytes (see the module docstring):
     ``base`` fixes the window, loss and resident layers; micro-batch and kept activations are chosen, then
     the loss head's chunk (unless ``base`` fixes it), and token-chunked MLPs where nothing fits without them.
@@ -445,7 +445,7 @@ class MachineRates:
     disk_bytes_per_s: float = 1e9  # the NVMe tier's reads and writes (about 1 GB/s on that machine)
 
 
-def step_time(shape: ModelShape, batch: int, seq: int, p: Placement, rates: MachineRates = MachineRates(),
+def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: MachineRates = MachineRates(),
               compact: bool = False, nvme_layers: int = 0, nvme_master: bool = False,
               activations_to_nvme: bool = False, clipping: bool = False,
               speculative_layers: int = 0) -> dict[str, float]:

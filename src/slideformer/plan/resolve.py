@@ -10,19 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..machine import Machine
-from .memory import (DoesNotFit, ModelShape, Placement, auto_host, auto_residency, check_host_fits,
+from .memory import (DoesNotFit, ModelShape, Layout, auto_host, auto_residency, check_host_fits,
                      config_host_bytes, fit, gpu_budget, gpu_bytes, nvme_layer_count, parse_bytes, spares_that_fit,
                      step_time)
 
 
-# EngineConfig values that stand for the settings left "auto" until ``resolve`` decides them
-AUTO_PLACEHOLDERS = {"host_weights": "persistent", "host_grad_buffers": 4, "speculative_layers": 0,
-                     "resident_layers": 0, "resident_edges": False}
-
-
 @dataclass(frozen=True)
 class Auto:
-    """Which of an EngineConfig's settings the caller leaves to the planner."""
+    """Which of an EngineConfig's placement settings the caller leaves to the planner (they hold
+    Layout's defaults until ``resolve`` decides them)."""
     host_weights: bool = True
     host_grad_buffers: bool = True
     speculative_layers: bool = True
@@ -33,7 +29,7 @@ class Auto:
 @dataclass(frozen=True)
 class Plan:
     config: object  # the EngineConfig with every "auto" decided
-    placement: Placement
+    placement: Layout
     gpu: dict | None  # GPU bytes by category (None: not on a GPU)
     gpu_limit: int | None
     host: dict  # host bytes by category
@@ -52,18 +48,18 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
     ``micro_batch``. ``prefix`` is how the caller's config names the engine's settings ("offload.")."""
     on_gpu = str(cfg.device).startswith("cuda")
     if auto.speculative_layers:
-        cfg = replace(cfg, speculative_layers=spares_that_fit(cfg, shape, batch, seq, machine.ram))
+        cfg = cfg.placed(speculative_layers=spares_that_fit(cfg, shape, batch, seq, machine.ram))
     if auto.resident_layers and on_gpu:
         budget = gpu_budget(cfg, machine.gpu)
-        cfg = replace(cfg, **auto_residency(cfg, shape, batch, seq, auto.resident_edges, machine.gpu),
+        cfg = replace(cfg.placed(**auto_residency(cfg, shape, batch, seq, auto.resident_edges, machine.gpu)),
                       gpu_memory_limit=budget)
     gpu, limit, problem, binds = None, None, None, None
-    placement = Placement.of(cfg, micro_batch=micro_batch or batch)
+    placement = Layout.of(cfg, micro_batch=micro_batch or batch)
     if on_gpu:
         limit = parse_bytes(cfg.gpu_memory_limit) if cfg.gpu_memory_limit else machine.gpu
         try:
             if cfg.gpu_memory_limit:
-                placement = fit(shape, batch, seq, limit, Placement.of(cfg))
+                placement = fit(shape, batch, seq, limit, Layout.of(cfg))
             gpu = gpu_bytes(shape, batch, seq, placement, cfg.compute_dtype.itemsize)
             if limit is not None and gpu["peak"] > limit:
                 problem = (f"a step of {batch} x {seq} tokens in micro-batches of {min(placement.micro_batch, batch)} "
@@ -71,7 +67,7 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
                            f"available; set {prefix}gpu_memory_limit to let slideformer split the batch and offload, "
                            "or use smaller micro-batches (see `slideformer plan`)")
         except DoesNotFit as e:  # (the bytes of the least it could do: a sequence at a time, every input offloaded)
-            placement, problem = replace(Placement.of(cfg), micro_batch=1, gpu_activation_layers=0), str(e)
+            placement, problem = replace(Layout.of(cfg), micro_batch=1, gpu_activation_layers=0), str(e)
             gpu = gpu_bytes(shape, batch, seq, placement, cfg.compute_dtype.itemsize)
         binds = "gpu" if problem else None
     cfg = auto_host(cfg, shape, batch, seq, placement, machine.ram, weights=auto.host_weights,
@@ -91,5 +87,5 @@ def predicted_step(plan: Plan, shape: ModelShape, batch: int, seq: int) -> dict:
     resident = min(plan.placement.resident_layers, shape.layers)
     return step_time(shape, batch, seq, plan.placement, compact=c.optimizer_state == "compact",
                      nvme_layers=min(nvme_layer_count(c, shape.layers), shape.layers - resident),
-                     nvme_master=c.nvme_master, activations_to_nvme=c.activations_to_nvme,
-                     clipping=c.max_grad_norm is not None, speculative_layers=c.speculative_layers)
+                     nvme_master=c.placement.nvme_master, activations_to_nvme=c.placement.activations_to_nvme,
+                     clipping=c.max_grad_norm is not None, speculative_layers=c.placement.speculative_layers)

@@ -25,8 +25,16 @@ class DatasetSpec:
 
 @dataclass
 class OffloadConfig:
-    """The engine's placement settings (see EngineConfig)."""
-    gpu_memory_limit: str | None = None
+    """The engine's memory settings (slideformer.config): the budget, the optimizer state and the NVMe
+    folder a user decides, then the placement the planner decides where a key is "auto"."""
+    gpu_memory_limit: str | None = None  # e.g. 24GiB: the batch is split and offloaded to fit under it
+    optimizer_state: str = "fp32"  # or "compact" (bf16 state: 8 instead of 14 bytes/param of host RAM)
+    offload_dir: str | None = None  # NVMe tier for the Adam moments of nvme_fraction of the layers
+    # the first N layers train on the GPU (see `slideformer plan`); "auto": as many as the GPU budget
+    # (gpu_memory_limit, else 90% of the card) leaves room for at this batch and cutoff_len
+    resident_layers: int | str = "auto"
+    resident_edges: bool | str = "auto"  # embedding and head on the GPU too; "auto": the planner's call
+    # (with resident_layers "auto"; with a fixed resident_layers, "auto" means no)
     window_slots: int = 3
     prefetch_depth: int | None = None  # null: two visits ahead where window_slots allows
     # "persistent" (a bf16 host copy the optimizer refreshes), "staged" (cast at copy time, 2 bytes/param
@@ -42,18 +50,8 @@ class OffloadConfig:
     # state (12 bytes/param, 8 compact), kept where the norm is within max_grad_norm; "auto": every
     # streamed layer where RAM allows, else as many as fit
     speculative_layers: int | str = "auto"
-    optimizer_threads: int | None = None
-    offload_dir: str | None = None  # NVMe tier for the Adam moments of nvme_fraction of the layers
     nvme_fraction: float = 1.0
     nvme_master: bool = False  # the tier's layers keep their fp32 master there too (4 bytes/param less RAM)
-    optimizer_state: str = "fp32"  # or "compact" (bf16 state: 8 instead of 14 bytes/param of host RAM)
-    # the first N layers train on the GPU (see `slideformer plan`); "auto": as many as the GPU budget
-    # (gpu_memory_limit, else 90% of the card) leaves room for at this batch and cutoff_len
-    resident_layers: int | str = "auto"
-    resident_edges: bool | str = "auto"  # embedding and head on the GPU too; "auto": the planner's call
-    # (with resident_layers "auto"; with a fixed resident_layers, "auto" means no)
-    loss_kernel: str = "fused"  # Triton fused linear cross-entropy, or "torch" (autograd per chunk)
-    fused_ops: str = "auto"  # "liger" (Liger-Kernel's RMSNorm and SwiGLU; auto: on CUDA when installed), "none"
 
 
 @dataclass

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import re
 import resource
 import sys
@@ -20,13 +19,12 @@ from pathlib import Path
 import torch
 
 from .. import EngineConfig, SlideEngine, lr_at
-from ..config import ConfigError
+from ..config import ConfigError, Placement
 from ..data import DataError, detect_format, pack_batch, pad_batch, read_records, render, to_messages
 from ..data.formats import check_chat_template, max_token_chars
-from ..plan.resolve import AUTO_PLACEHOLDERS
 from ..signals import Signals
 from ..checkpoint.state import CheckpointWriteError, CorruptCheckpointError, read_meta
-from .config import TrainConfig, _assets
+from .config import OffloadConfig, TrainConfig, _assets
 from .outdir import CKPT_PREFIX, METRICS, TENSORBOARD, OutputDir, OutputDirError
 
 # A run whose every step for this long comes out non-finite has diverged: skipping more cannot help.
@@ -155,6 +153,13 @@ def _in_user_keys(message: str) -> str:
     return re.sub(r"(?<![\w.])lr\b", "learning_rate", message)
 
 
+def _placement(o: OffloadConfig) -> Placement:
+    """The offload section's placement keys, by name; what is "auto" keeps the engine's default until the
+    planner decides it (resolve_engine)."""
+    given = {f.name: getattr(o, f.name) for f in dataclasses.fields(Placement) if hasattr(o, f.name)}
+    return Placement(**{k: v for k, v in given.items() if v != "auto"})
+
+
 def train(cfg: TrainConfig) -> dict:
     with Signals() as signals:
         return _train(cfg, signals)
@@ -168,13 +173,11 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     bf16 = cfg.bf16 if cfg.bf16 is not None else device == "cuda"
     hf_config = load_model_config(cfg)
     o = cfg.offload
-    # the offload section is the engine's settings by name; what is "auto" holds a placeholder until the planner
-    # decides it (resolve_engine)
-    placed = {f.name: getattr(o, f.name) for f in dataclasses.fields(o)}
-    placed.update({k: v for k, v in AUTO_PLACEHOLDERS.items() if placed[k] == "auto"})
     ecfg = EngineConfig(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
                         max_grad_norm=cfg.max_grad_norm, device=device, seed=cfg.seed,
-                        compute_dtype=torch.bfloat16 if bf16 else torch.float32, **placed)
+                        compute_dtype=torch.bfloat16 if bf16 else torch.float32,
+                        gpu_memory_limit=o.gpu_memory_limit, optimizer_state=o.optimizer_state,
+                        offload_dir=o.offload_dir, placement=_placement(o))
     try:
         ecfg.validate()  # (before any work; its messages in the config's key names)
     except ConfigError as e:
