@@ -54,7 +54,7 @@ def test_a_nonfinite_step_is_dropped_under_clipping(monkeypatch, spares, what, r
         ma, mb = masters(a), masters(b)
         assert all(torch.equal(ma[k], mb[k]) for k in ma)
         if spares:
-            assert a.runtime.speculation["dropped"] > 0
+            assert a.runtime.updates.speculation["dropped"] > 0
 
 
 def test_a_nonfinite_state_is_never_saved(tmp_path, monkeypatch):

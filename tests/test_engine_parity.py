@@ -533,8 +533,8 @@ def wait_for_speculation(eng):
     in place after it): the tests then take the adopt or redo path every step, not by timing."""
     import time
 
-    rt = eng.runtime
-    resolve = rt.resolve_speculation
+    rt = eng.runtime.updates
+    resolve = rt.resolve
 
     def resolve_when_done(coef):
         reserved = len(eng.store.spares) - len(rt._spares_free)
@@ -543,7 +543,7 @@ def wait_for_speculation(eng):
             time.sleep(1e-3)
         resolve(coef)
 
-    rt.resolve_speculation = resolve_when_done
+    rt.resolve = resolve_when_done
 
 
 @pytest.mark.parametrize("clip", [0.05, 100.0])  # every step clipped / none
@@ -571,7 +571,7 @@ def test_speculative_updates_under_clipping_train_like_pytorch(clip, spares, bac
                 eng.synchronize()
                 adopted.append(sum(eng.store.master[u] is not t for u, t in zip(layers, before)))
             state = {k: v.clone() for k, v in eng.state_dict().items()}
-            counts = dict(eng.runtime.speculation)
+            counts = dict(eng.runtime.updates.speculation)
         for key, v in waiting.items():
             assert torch.equal(state[key], v), (forced, key)
         assert losses == waiting_losses
@@ -599,7 +599,7 @@ def test_speculative_updates_of_compact_state_are_exact():
                 eng.synchronize()
                 out.append(({k: v.clone() for k, v in eng.state_dict().items()}, losses))
                 if spares:
-                    assert eng.runtime.speculation["kept" if clip == 100.0 else "redone"] == 9
+                    assert eng.runtime.updates.speculation["kept" if clip == 100.0 else "redone"] == 9
         assert out[0][1] == out[1][1]
         for key, v in out[0][0].items():
             assert torch.equal(out[1][0][key], v), (clip, key)

@@ -60,12 +60,12 @@ def test_cuda_requested_without_cuda():
 
 
 def test_optimizer_failure_surfaces(monkeypatch):
-    from slideformer.engine import runtime
+    from slideformer.engine import updates
 
     def boom(*a, **k):
         raise MemoryError("simulated")
 
-    monkeypatch.setattr(runtime, "adamw_update_", boom)
+    monkeypatch.setattr(updates, "adamw_update_", boom)
     with SlideEngine(build("llama"), engine_config(**CPU)) as eng:
         with pytest.raises(RuntimeError, match="CPU optimizer or weight loader failed") as info:
             eng.train_step(batch(97))  # the failure surfaces in this step or at the next wait

@@ -161,7 +161,7 @@ def test_nothing_is_pinned_after_the_first_step(monkeypatch):
 
 @pytest.mark.parametrize("staged", [2, "staged"])
 def test_staged_host_weights_on_gpu_match_persistent(staged):
-    """The pinned double-buffered cast at copy time (runtime._copy_staged), for some layers or every unit,
+    """The pinned double-buffered cast at copy time (CudaCopier._copy_staged, engine/copier.py), for some layers or every unit,
     gives the same bits as the copy the optimizer refreshes."""
     model = build("llama")
     steps = [batch(97, b=4, s=32, seed=s) for s in range(3)]
@@ -366,7 +366,7 @@ def test_resident_edges_on_cuda_match_pytorch(family):
 @pytest.mark.parametrize("state", ["fp32", "compact"])
 def test_resume_on_cuda_with_resident_units(tmp_path, state):
     """Resident units' state lives on the GPU only: a checkpoint copies it out, a fresh engine copies it
-    back in (runtime.copy_out/copy_in on the compute stream), and training continues as if uninterrupted."""
+    back in (ResidentState.copy_out/copy_in on the compute stream), and training continues as if uninterrupted."""
     from test_state import run
 
     model = build("qwen3-tied")

@@ -232,7 +232,7 @@ def test_native_update_follows_the_landing_flags(compact):
 @pytest.mark.parametrize("compact", [False, True])
 def test_update_out_of_place_leaves_the_source(backend, compact):
     """``src``: the update reads the state there and writes it elsewhere (a speculative update into a spare
-    state, engine/runtime.py): the same bits as in place, the source untouched. bf16 gradient and copy
+    state, engine/updates.py): the same bits as in place, the source untouched. bf16 gradient and copy
     out, odd length: the vector path (non-temporal stores where the destination is aligned) and its tail."""
     from slideformer.optim.adamw import adamw_compact_
 

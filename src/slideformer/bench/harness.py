@@ -105,7 +105,7 @@ def run_slideformer(args, config):
         rep = {"resident_layers_chosen": p.resident_layers, "resident_edges_chosen": p.resident_edges,
                "host_weights_chosen": p.host_weights, "host_grad_buffers_chosen": p.host_grad_buffers,
                "speculative_layers_chosen": len(engine.store.spares),
-               "speculation": dict(engine.runtime.speculation),  # (units, warm-up steps included)
+               "speculation": dict(engine.runtime.updates.speculation),  # (units, warm-up steps included)
                "breakdown": engine.profile(timeline=args.timeline),
                "host_bytes": engine.memory_report()}
         if engine._placements:

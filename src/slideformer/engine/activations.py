@@ -75,9 +75,9 @@ class ActivationStore:
                 self._drop_host()
                 self._staging = [aligned_empty(per_layer, dtype) for _ in range(STAGING_BUFFERS)]
                 for buf in self._staging:
-                    if self.rt.cuda:
+                    if self.rt.copier.cuda:
                         pinned.pin(buf, "activation staging", "lower the batch or keep more activations on the GPU")
-                self._registered = self.rt.cuda
+                self._registered = self.rt.copier.cuda
                 self._free = [(buf, None) for buf in self._staging]
             return
         need = len(self.offload_layers) * per_layer
@@ -85,7 +85,7 @@ class ActivationStore:
             return
         self._drop_host()
         self._arena = torch.empty(need, dtype=dtype)
-        if self.rt.cuda:
+        if self.rt.copier.cuda:
             pinned.pin(self._arena, "offloaded activations", "lower the batch or keep more activations on the GPU")
             self._registered = True
 
@@ -124,17 +124,7 @@ class ActivationStore:
         for t in tensors:
             views.append(dst[start: start + t.numel()].view(t.shape))
             start += t.numel()
-        if not self.rt.cuda:
-            for v, t in zip(views, tensors):
-                v.copy_(t)
-            return views, None
-        produced = self.rt.compute.record_event()
-        with torch.cuda.stream(self.rt.d2h):
-            self.rt.d2h.wait_event(produced)
-            for v, t in zip(views, tensors):
-                v.copy_(t, non_blocking=True)
-                t.record_stream(self.rt.d2h)
-            return views, self.rt.d2h.record_event()
+        return views, self.rt.copier.to_host(views, tensors)
 
     def prefetch(self, layer: int) -> None:
         """Start bringing ``layer``'s inputs back (no-op if they are on the GPU or already coming)."""
@@ -160,18 +150,7 @@ class ActivationStore:
         if layer < 0 or layer not in self._host or layer in self._fetched:
             return
         views, saved = self._host.pop(layer)
-        self._fetched[layer] = self._to_device(views, saved)
-
-    def _to_device(self, views: list[torch.Tensor], after):
-        if not self.rt.cuda:
-            return [v.clone() for v in views], None
-        with torch.cuda.stream(self.rt.h2d):
-            if after is not None:
-                self.rt.h2d.wait_event(after)
-            out = [torch.empty(v.shape, dtype=v.dtype, device=self.rt.device) for v in views]
-            for o, v in zip(out, views):
-                o.copy_(v, non_blocking=True)
-            return out, self.rt.h2d.record_event()
+        self._fetched[layer] = self.rt.copier.to_device(views, saved)
 
     def take(self, layer: int) -> list[torch.Tensor]:
         if layer in self._gpu:
@@ -187,14 +166,11 @@ class ActivationStore:
             for s in shapes:
                 views.append(buf[start: start + math.prod(s)].view(s))
                 start += math.prod(s)
-            out, ready_ev = self._to_device(views, None)
+            out, ready_ev = self.rt.copier.to_device(views, None)
             self._release(buf, ready_ev)
         else:
             out, ready_ev = self._fetched.pop(layer)
-        if ready_ev is not None:
-            self.rt.compute.wait_event(ready_ev)
-            for o in out:
-                o.record_stream(self.rt.compute)
+        self.rt.copier.consume(out, ready_ev)
         return out
 
     # -- NVMe staging buffers -------------------------------------------------------------------------

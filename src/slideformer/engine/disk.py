@@ -28,6 +28,12 @@ class Failure:
         if self.first is None:
             self.first = e
 
+    def raise_if_any(self) -> None:
+        """In the main thread: the first failure, as the error that says the state may be inconsistent."""
+        if self.first is not None:
+            raise RuntimeError("the CPU optimizer or weight loader failed; training state is not consistent") \
+                from self.first
+
     def wait(self, done: threading.Event) -> bool:
         """Wait for another thread's ``done`` flag; False if a failure means it may never come."""
         while not done.wait(0.05):

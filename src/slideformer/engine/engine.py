@@ -40,7 +40,8 @@ from ..plan.memory import (LOSS_CHUNK_TOKENS, ModelShape, Layout, check_host_fit
 from ..window.schedule import plan_step
 from .activations import ActivationStore
 from .loss import chunked_head_loss, fused_head_loss
-from .runtime import Runtime, UpdateJob
+from .runtime import Runtime
+from .updates import UpdateJob
 
 
 @dataclass
@@ -208,10 +209,10 @@ class SlideEngine:
             finite = math.isfinite(norm) and math.isfinite(value)
             # A non-finite norm or loss drops the step: no unit's state changes, the step count stays.
             coef = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6)) if finite else None
-            rt.resolve_speculation(coef)  # the updates already run stand if coef is 1, else run again
+            rt.updates.resolve(coef)  # the updates already run stand if coef is 1, else run again
             for unit, sent in sorted(st.finished, key=lambda f: f[0]):  # forward order: the next step needs unit 0 first
                 if unit not in self.resident:
-                    rt.submit_update(UpdateJob(unit, sent, st.index, self.lr, coef))
+                    rt.updates.submit(UpdateJob(unit, sent, st.index, self.lr, coef))
                 elif finite:
                     rt.resident.update(unit, st.index, self.lr, coef)
             self.last_step_dropped = not finite
@@ -316,9 +317,9 @@ class SlideEngine:
             return
         sent = self.runtime.send_grads(unit, slot)
         if self.cfg.max_grad_norm is None:
-            self.runtime.submit_update(UpdateJob(unit, sent, st.index, self.lr, 1.0))
-        elif (spare := self.runtime.reserve_spare(unit)) is not None:  # before the norm: speculative
-            self.runtime.submit_update(UpdateJob(unit, sent, st.index, self.lr, 1.0, spare=spare))
+            self.runtime.updates.submit(UpdateJob(unit, sent, st.index, self.lr, 1.0))
+        elif (spare := self.runtime.updates.reserve_spare(unit)) is not None:  # before the norm: speculative
+            self.runtime.updates.submit(UpdateJob(unit, sent, st.index, self.lr, 1.0, spare=spare))
         else:
             st.finished.append((unit, sent))
 
@@ -393,8 +394,7 @@ class SlideEngine:
         if not prof.enabled:
             raise RuntimeError("profiling is off: construct the engine with EngineConfig(tuning=Tuning(profile=True))")
         self.synchronize()
-        if self.runtime.cuda:
-            torch.cuda.synchronize(self.device)
+        self.runtime.copier.synchronize()
         out = prof.summary()
         if timeline:
             out["timeline"] = prof.timeline()
@@ -431,7 +431,7 @@ class SlideEngine:
                  f"trained on the device: {kept}{' + embedding and head' if edges else ''}",
                  f"streamed: {n - layers} layers through {self.cfg.placement.window_slots} slots",
                  f"fused ops {self.fused_ops}",
-                 f"CPU AdamW {self.runtime.optimizer_backend} on {threads} thread{'s' * (threads != 1)}, "
+                 f"CPU AdamW {self.runtime.updates.backend} on {threads} thread{'s' * (threads != 1)}, "
                  f"{self.cfg.optimizer_state} state"]
         staged = len(self.store.staged)
         if staged:  # RAM-bound choices, which cost time: said where they were made

@@ -1,6 +1,7 @@
-"""Runtime: the one owner of streams, events, window slots and the worker threads (optimizer and loader
-here; the disk's reader and writer in its ``DiskIO``, engine/disk.py; the resident units' GPU state in
-its ``ResidentState``, engine/resident.py), which it starts and stops.
+"""Runtime: the one owner of the window slots, the copier (streams and events, engine/copier.py) and the
+worker threads, which it starts and stops: the loader here; the CPU optimizer in its ``Updates``
+(engine/updates.py); the disk's reader and writer in its ``DiskIO`` (engine/disk.py); the resident
+units' GPU state in its ``ResidentState`` (engine/resident.py).
 
 Hand-offs, and what makes each safe:
 - host weights -> slot (loader thread, h2d stream): the main thread queues a load request with the
@@ -28,8 +29,8 @@ Hand-offs, and what makes each safe:
 - Speculative updates (clipping): exact clipping scales every gradient by a coefficient known only when
   backward ends. Rather than leave the CPU idle until then, the engine submits a decoder layer's update
   as soon as its gradient lands with the coefficient 1, written out of place into a spare copy of the
-  state (``HostStore.spares``; ``reserve_spare`` in the main thread) and kept, with its gradient buffer,
-  until the verdict (``resolve_speculation``, queued behind the step's jobs). If the norm is within
+  state (``HostStore.spares``; ``Updates.reserve_spare`` in the main thread) and kept, with its gradient buffer,
+  until the verdict (``Updates.resolve``, queued behind the step's jobs). If the norm is within
   the limit the coefficient is exactly 1: the spare becomes the unit's state (``HostStore.adopt``) and
   its ``updated`` flag is set; otherwise the spare is dropped and the update runs again, in place,
   from the untouched state with the real coefficient. Either way the result is the exact update's.
@@ -44,28 +45,28 @@ Hand-offs, and what makes each safe:
   for a moment after each; the runtime shortens the interpreter's switch interval while it runs
   (``SWITCH_INTERVAL_S``), or the GPU-driving thread would keep them waiting up to 5 ms each time.
 
-On the CPU (``device="cpu"``) every copy is a plain synchronous copy, its flags are set by the main
-thread, and there are no events, but the worker thread, the flags and the order of operations are the
-same, so CI exercises this code.
+On the CPU (``device="cpu"``) the copier copies synchronously, sets the flags from the main thread and
+returns no events, but the worker thread, the flags and the order of operations are the same, so CI
+exercises this code.
 """
 from __future__ import annotations
 
 import queue
 import sys
 import threading
-import time
-from dataclasses import dataclass
 
 import torch
 
 from ..config import EngineConfig
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter
-from ..optim.adamw import Landing, adamw_compact_, adamw_update_, compact_seed, resolve_backend
-from ..window.schedule import Visit, next_update
+from ..optim.adamw import Landing
+from ..window.schedule import Visit
 from ..window.slots import Slot
+from .copier import copier_for
 from .disk import DiskIO, Failure
 from .profile import NullProfiler, StepProfiler
+from .updates import SentGrads, Updates
 from .resident import ResidentState
 
 STAGING_ELEMS = 32 * 2**20  # "staged" host weights: cast the master in 32M-element chunks
@@ -101,42 +102,11 @@ class _SwitchInterval:
 _SWITCH_INTERVAL = _SwitchInterval()
 
 
-@dataclass
-class UpdateJob:
-    unit: int
-    grads: "SentGrads"
-    step: int
-    lr: float
-    grad_coef: float | None  # None: the step is dropped; the unit's state stays as it is
-    spare: int | None = None  # speculative (clipping): written into this spare state, kept until the verdict
-
-
-@dataclass
-class _Verdict:
-    """Clipping's coefficient, once backward has ended: whether the speculative updates stand (None: a
-    non-finite norm or loss; the step is dropped, no unit's state changes)."""
-    grad_coef: float | None
-
-
-@dataclass
-class SentGrads:
-    buffer: int  # index into HostStore.grad_buffers, returned to the pool after the update
-    landing: Landing  # when each chunk is on the host
-
-    def landed(self) -> bool:
-        """The first chunk is on the host: the update can start."""
-        return self.landing.landed(0)
-
-
 class Runtime:
     def __init__(self, adapter: ModelAdapter, store: HostStore, cfg: EngineConfig, plan: list[Visit]):
         self.adapter, self.store, self.cfg = adapter, store, cfg
         self.device = torch.device(cfg.device)
-        self.cuda = self.device.type == "cuda"
-        if self.cuda:
-            self.compute = torch.cuda.current_stream(self.device)
-            self.h2d = torch.cuda.Stream(self.device)
-            self.d2h = torch.cuda.Stream(self.device)
+        cuda = self.device.type == "cuda"
         dt = cfg.compute_dtype
         # The plan says which slots exist: each group's slots are as large as its largest unit.
         resident = sorted({v.unit for v in plan if v.group == "resident"})
@@ -147,51 +117,24 @@ class Runtime:
                 sizes[v.group] = (max(k, v.slot + 1), max(numel, adapter.units[v.unit].numel))
         self.slots = {g: [Slot(numel, dt, self.device) for _ in range(k)] for g, (k, numel) in sizes.items()}
         self.slots["resident"] = {u: Slot(adapter.units[u].numel, dt, self.device) for u in resident}
-        self._staging: list[tuple[torch.Tensor, object]] = []
+        self.profiler: StepProfiler | NullProfiler = StepProfiler(cuda) if cfg.tuning.profile else NullProfiler()
         staged = [adapter.units[u].numel for u in store.staged]
-        if staged:
-            n = min(STAGING_ELEMS, max(staged))
-            self._staging = [(torch.empty(n, dtype=dt, pin_memory=self.cuda), None) for _ in range(2)]
-        self.profiler: StepProfiler | NullProfiler = StepProfiler(self.cuda) if cfg.tuning.profile else NullProfiler()
+        self.copier = copier_for(self.device, self.profiler, min(STAGING_ELEMS, max(staged, default=0)), dt)
         # Resident units train on the GPU; their state is there only (engine/resident.py).
         self.resident = ResidentState(self.slots["resident"], {u: adapter.units[u].numel for u in resident},
-                                      store.compact, cfg, self.compute if self.cuda else None, self.profiler)
+                                      store.compact, cfg, self.copier.compute, self.profiler)
         store.attach_gpu(self.resident)
-        self._visit_start = None
-        # Optimizer worker: one thread; its kernels release the GIL and use their own threads, so the
-        # updates overlap the Python thread driving the GPU.
-        self._updated = [threading.Event() for _ in adapter.units]
-        for e in self._updated:
-            e.set()
         self.failure = Failure()  # the first failure in any thread (engine/disk.py)
-        self.optimizer_backend = resolve_backend(cfg.tuning.optimizer_backend)
-        needs_scratch = dt != torch.float32 and self.optimizer_backend == "torch"
-        cpu_units = [u.numel for u in adapter.units if not store.is_resident(u.index)]  # (those the CPU updates)
-        self._scratch = torch.empty(max(cpu_units, default=0) if needs_scratch else 0, dtype=torch.float32)
-        # Host gradient buffers: free flags under a condition; the main thread takes, the worker returns.
-        # Each has a row of landing flags, one per chunk; tickets number the sends.
-        self._grad_free = [True] * len(store.grad_buffers)
+        self.disk = DiskIO(store.tier, self.failure)  # (engine/disk.py)
+        self.updates = Updates(adapter, store, cfg, self.disk, self.failure, self.profiler)
+        # Each host gradient buffer has a row of landing flags, one per chunk; tickets number the sends.
         chunks = -(-max(u.numel for u in adapter.units) // cfg.tuning.grad_chunk_elems)
-        self._landing_flags = torch.zeros(len(store.grad_buffers), chunks, dtype=torch.int64, pin_memory=self.cuda)
+        self._landing_flags = torch.zeros(len(store.grad_buffers), chunks, dtype=torch.int64, pin_memory=cuda)
         self._abort = torch.zeros(1, dtype=torch.int64)
         self._tickets = 0
-        self._ticket = torch.zeros((), dtype=torch.int64, device=self.device) if self.cuda else None
-        self._grad_cv = threading.Condition()
-        # Spare states for speculative updates: the main thread reserves, the worker gives back.
-        self._spares_free = list(range(len(store.spares)))
-        self._spares_lock = threading.Lock()
-        self._speculated: list[UpdateJob] = []  # done, awaiting the verdict (worker thread only)
-        # Units whose speculative update stood ("kept"), ran again ("redone"), or had not started by the
-        # verdict and ran in place ("late"): how much of the CPU update clipping still serialises; and
-        # those of steps dropped for a non-finite norm ("dropped").
-        self.speculation = {"kept": 0, "redone": 0, "late": 0, "dropped": 0}
-        self._jobs: queue.Queue[UpdateJob | _Verdict | None] = queue.Queue()
-        self._worker = threading.Thread(target=self._work, name="slideformer-optimizer", daemon=True)
-        self._worker.start()
         self._loads: queue.Queue[tuple | None] = queue.Queue()
         self._loader = threading.Thread(target=self._load_work, name="slideformer-loader", daemon=True)
         self._loader.start()
-        self.disk = DiskIO(store.tier, self.failure)  # (engine/disk.py)
         self._closed = False
         _SWITCH_INTERVAL.acquire()
 
@@ -237,37 +180,15 @@ class Runtime:
                 issued.set()
 
     def _load_now(self, unit: int, slot: Slot, used) -> None:
-        if not self._updated[unit].is_set():
+        if not self.updates.updated[unit].is_set():
             with self.profiler.timed("loader_wait_optimizer"):
-                self.wait_flag(self._updated[unit])
-        if not self.wait_flag(self._updated[unit]) or self._error is not None:
+                self.wait_flag(self.updates.updated[unit])
+        if not self.wait_flag(self.updates.updated[unit]) or self._error is not None:
             return
         n = self.adapter.units[unit].numel
-        dst, w = slot.params[:n], self.store.weights[unit]  # (w None: staged, cast from the master)
-        if not self.cuda:
-            dst.copy_(w if w is not None else self.store.master[unit])
-            return
-        with torch.cuda.stream(self.h2d):
-            if used is not None:
-                self.h2d.wait_event(used)
-            start = self._mark(self.h2d)
-            if w is not None:
-                dst.copy_(w, non_blocking=True)
-            else:
-                self._copy_staged(self.store.master[unit], dst)
-            slot.loaded = self.h2d.record_event()
-            self.profiler.copy("h2d", start, self._mark(self.h2d))
-
-    def _copy_staged(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        # Double-buffered: staging buffer k is rewritten only after its previous h2d copy finished.
-        for i, start in enumerate(range(0, src.numel(), self._staging[0][0].numel())):
-            buf, ev = self._staging[i % 2]
-            if ev is not None:
-                ev.synchronize()
-            m = min(buf.numel(), src.numel() - start)
-            buf[:m].copy_(src[start: start + m])
-            dst[start: start + m].copy_(buf[:m], non_blocking=True)
-            self._staging[i % 2] = (buf, self.h2d.record_event())
+        w = self.store.weights[unit]  # (None: staged, cast from the master)
+        slot.loaded = self.copier.load(slot.params[:n], w if w is not None else self.store.master[unit],
+                                       staged=w is None, used=used)
 
     def begin_compute(self, slot: Slot) -> None:
         if slot.issued is not None:  # the loader has enqueued (CPU: done) the copy, and recorded ``loaded``
@@ -276,213 +197,40 @@ class Runtime:
                     slot.issued.wait()
             slot.issued = None
             self._raise_worker_error()
-        self._visit_start = self._mark(self.compute) if self.cuda else None
-        if self.cuda and slot.loaded is not None:
-            self.compute.wait_event(slot.loaded)
-        self._visit_ready = self._mark(self.compute) if self.cuda else None
+        self.copier.begin_visit(slot.loaded)
 
     def end_compute(self, slot: Slot, unit: int) -> None:
-        if self.cuda:
-            slot.used = self.compute.record_event()
-            self.profiler.visit(unit, self._visit_start, self._visit_ready, self._mark(self.compute))
-
-    def _mark(self, stream):
-        return self.profiler.mark(stream)
+        slot.used = self.copier.end_visit(unit)
 
     def begin_grads(self, slot: Slot) -> None:
-        if self.cuda and slot.grads_sent is not None:
-            self.compute.wait_event(slot.grads_sent)
+        self.copier.wait(slot.grads_sent)
 
     # -- gradients out, updates on the CPU ---------------------------------------------------------
     def send_grads(self, unit: int, slot: Slot) -> SentGrads:
         """Copy ``slot``'s finished gradients to a host buffer; the optimizer waits for the returned event."""
-        self._updated[unit].clear()  # the unit's next load must wait for this step's update
-        buf = self._take_grad_buffer(unit)
+        self.updates.updated[unit].clear()  # the unit's next load must wait for this step's update
+        buf = self.updates.take_grad_buffer(unit)
         n = self.adapter.units[unit].numel
         dst = self.store.grad_buffers[buf][:n]
         step = self.cfg.tuning.grad_chunk_elems
         self._tickets += 1
         flags = self._landing_flags[buf]
         landing = Landing(flags, self._tickets, step, self._abort)
-        if not self.cuda:
-            dst.copy_(slot.grads[:n])
-            flags.fill_(self._tickets)
-            return SentGrads(buf, landing)
-        done = self.compute.record_event()
-        with torch.cuda.stream(self.d2h):
-            self.d2h.wait_event(done)
-            start = self._mark(self.d2h)
-            self._ticket.fill_(self._tickets)  # a kernel on this stream: ordered before the flag copies below
-            for k, a in enumerate(range(0, n, step)):
-                dst[a: a + step].copy_(slot.grads[a: min(n, a + step)], non_blocking=True)
-                flags[k].copy_(self._ticket, non_blocking=True)
-            slot.grads_sent = self.d2h.record_event()
-            self.profiler.copy("d2h", start, self._mark(self.d2h))
+        slot.grads_sent = self.copier.send(dst, slot.grads[:n], flags, self._tickets, step)
         return SentGrads(buf, landing)
 
-    def _take_grad_buffer(self, unit: int) -> int:
-        with self._grad_cv:
-            while True:
-                self._raise_worker_error()
-                free = [b for b in self.store.grad_owner[unit] if self._grad_free[b]]
-                if free:
-                    self._grad_free[free[0]] = False
-                    return free[0]
-                # all taken: the worker returns one after its next update (it never waits on this thread)
-                with self.profiler.timed("wait_grad_buffer"):
-                    self._grad_cv.wait()
-
-    def _return_grad_buffer(self, buf: int) -> None:
-        with self._grad_cv:
-            self._grad_free[buf] = True
-            self._grad_cv.notify_all()
-
-    def submit_update(self, job: UpdateJob) -> None:
+    def synchronize(self) -> None:
+        """Wait until every queued update has been applied and written (before reading or saving state)."""
+        for u in range(len(self.updates.updated)):
+            self.updates.wait_updated(u)
+        self.disk.join_writes()
         self._raise_worker_error()
-        self._jobs.put(job)
-
-    def reserve_spare(self, unit: int) -> int | None:
-        """A spare state for a speculative update of ``unit``, if the unit can take one and one is free."""
-        if not self.store.can_spare(unit):
-            return None
-        with self._spares_lock:
-            return self._spares_free.pop() if self._spares_free else None
-
-    def resolve_speculation(self, grad_coef: float | None) -> None:
-        """The step's clipping coefficient: queued behind the step's speculative updates (module docstring)."""
-        self._raise_worker_error()
-        self._jobs.put(_Verdict(grad_coef))
-
-    def _free_spare(self, spare: int) -> None:
-        with self._spares_lock:
-            self._spares_free.append(spare)
-
-    def _judge(self, verdict: _Verdict, pending: list[UpdateJob]) -> None:
-        """Worker thread: settle every speculative update of the step, done or still pending."""
-        keep = verdict.grad_coef == 1.0  # (exactly: the clip coefficient is clamped to 1.0)
-        for job in self._speculated:
-            if keep and self._error is None:
-                self.store.adopt(job.unit, job.spare)  # the unit's old state becomes the spare
-                self._free_spare(job.spare)
-                self._return_grad_buffer(job.grads.buffer)
-                self._updated[job.unit].set()
-                self.speculation["kept"] += 1
-            else:  # again, in place, with the real coefficient (dropped, or after a failure: only released)
-                self._free_spare(job.spare)
-                pending.append(UpdateJob(job.unit, job.grads, job.step, job.lr, verdict.grad_coef))
-                self.speculation["redone" if verdict.grad_coef is not None else "dropped"] += 1
-        self._speculated = []
-        for job in pending:  # not run yet: they run in place, with the coefficient
-            if job.spare is not None:
-                self._free_spare(job.spare)
-                job.spare, job.grad_coef = None, verdict.grad_coef
-                self.speculation["late"] += 1
-
-    def _work(self) -> None:
-        pending: list[UpdateJob] = []
-        stopping = False
-        while pending or not stopping:
-            # Block only when there is nothing to do; otherwise take whatever else has arrived.
-            try:
-                while True:
-                    job = self._jobs.get(block=not pending and not stopping)
-                    if job is None:
-                        stopping = True
-                    elif isinstance(job, _Verdict):
-                        self._judge(job, pending)
-                    else:
-                        pending.append(job)
-                    if stopping and not pending:
-                        return
-            except queue.Empty:
-                pass
-            ready = [j.grads.landed() and self._moments_ready(j.unit) for j in pending]
-            job = pending.pop(next_update([j.unit for j in pending], ready))
-            self._run_update(job)
-
-    def _moments_ready(self, unit: int) -> bool:
-        return not self.store.on_tier(unit) or self.disk.ready(unit)
-
-    def _run_update(self, job: UpdateJob) -> None:
-        tier_buf, kept = None, False
-        try:
-            if self._error is None:
-                s, c = self.store, self.cfg
-                master = s.master[job.unit]
-                if s.on_tier(job.unit):  # its state is (being) read ahead
-                    tier_buf = self.disk.take(job.unit)
-                    if tier_buf is None or self._error is not None:  # a read failed: its error is kept
-                        return
-                    exp_avg, exp_avg_sq, *rest = s.tier.views(job.unit, tier_buf)
-                    if rest:
-                        master = rest[0]
-                else:
-                    exp_avg, exp_avg_sq = s.exp_avg[job.unit], s.exp_avg_sq[job.unit]
-                n = self.adapter.units[job.unit].numel
-                grad = s.grad_buffers[job.grads.buffer][:n]
-                out = s.weights[job.unit] if s.weights is not s.master else None  # (None: staged)
-                src = None
-                if job.spare is not None:  # out of place, into the spare; the unit's state is read only
-                    src = tuple(s.state_fields(job.unit).values())
-                    dst = s.spares[job.spare]
-                    master, exp_avg, exp_avg_sq = dst["master"], dst["exp_avg"], dst["exp_avg_sq"]
-                    # (the separate compute copy is written in place: nothing reads it before the verdict,
-                    # which rewrites it if the update does not stand)
-                t0 = time.perf_counter()
-                if job.grad_coef is None:  # a dropped step: the state (tier buffer too) goes back unchanged,
-                    waited = 0.0  # and the compute copy, which a speculative update wrote in place, is put back
-                    if out is not None:
-                        out.copy_(master)
-                elif s.compact:
-                    lo = s.master_lo[job.unit] if job.spare is None else s.spares[job.spare]["master_lo"]
-                    waited = adamw_compact_(master, lo, grad, exp_avg, exp_avg_sq,
-                                   step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
-                                   grad_coef=job.grad_coef, seed=compact_seed(c.seed, job.unit),
-                                   backend=self.optimizer_backend, threads=c.tuning.optimizer_threads, landing=job.grads.landing,
-                                   src=src)
-                else:
-                    cast_out = out is not None and out.dtype in (torch.bfloat16, torch.float16)
-                    waited = adamw_update_(master, grad, exp_avg, exp_avg_sq, step=job.step, lr=job.lr,
-                                  betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, grad_coef=job.grad_coef,
-                                  out=out if cast_out else None, scratch=self._scratch,
-                                  backend=self.optimizer_backend, threads=c.tuning.optimizer_threads,
-                                  landing=job.grads.landing, src=src)
-                    if out is not None and not cast_out:  # an fp32 copy of a master on the tier
-                        out.copy_(master)
-                # (the span includes waits for chunks still in flight, also counted on their own)
-                self.profiler.span("optimizer", job.unit, t0, time.perf_counter(), waited=waited)
-                if job.spare is not None:
-                    self._speculated.append(job)  # its buffer and flag wait for the verdict
-                    kept = True
-        except BaseException as e:  # surfaced to the main thread at its next wait
-            self._fail(e)
-        finally:
-            if tier_buf is not None:
-                self.disk.give_back(job.unit, tier_buf)  # the buffer returns after its write
-            if not kept:
-                if job.spare is not None:
-                    self._free_spare(job.spare)
-                self._return_grad_buffer(job.grads.buffer)
-                self._updated[job.unit].set()
 
     def _fail(self, e: BaseException) -> None:
         self.failure.record(e)
 
-    def wait_updated(self, unit: int) -> None:
-        self._updated[unit].wait()
-        self._raise_worker_error()
-
-    def synchronize(self) -> None:
-        """Wait until every queued update has been applied and written (before reading or saving state)."""
-        for u in range(len(self._updated)):
-            self.wait_updated(u)
-        self.disk.join_writes()
-        self._raise_worker_error()
-
     def _raise_worker_error(self) -> None:
-        if self._error is not None:
-            raise RuntimeError("the CPU optimizer or weight loader failed; training state is not consistent") \
-                from self._error
+        self.failure.raise_if_any()
 
     def gpu_bytes(self) -> int:
         slots = [s for g, group in self.slots.items() for s in (group.values() if g == "resident" else group)]
@@ -501,10 +249,8 @@ class Runtime:
         _SWITCH_INTERVAL.release()
         # The optimizer first: its last jobs may still need the tier's reads; then the disk threads,
         # which finish their queued writes; the loader last (pending loads wait for those updates).
-        self._jobs.put(None)
-        self._worker.join()
+        self.updates.close()
         self.disk.close()
         self._loads.put(None)
         self._loader.join()
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
+        self.copier.synchronize()

@@ -1,0 +1,164 @@
+"""The window's copies and the events that order them, one implementation per device.
+
+``CudaCopier`` owns the three streams (compute, h2d, d2h): a load waits on the slot's ``used`` event
+and records ``loaded``; a gradient send waits on the compute stream and records ``grads_sent``, and
+writes the send's ticket into each chunk's landing flag behind that chunk's bytes (engine/runtime.py
+has the hand-offs). ``CpuCopier`` copies synchronously and returns no events, so the runtime's order of
+operations is the same on both and CI runs it.
+"""
+from __future__ import annotations
+
+import torch
+
+from .profile import NullProfiler, StepProfiler
+
+
+class CpuCopier:
+    cuda = False
+    compute = None
+
+    def __init__(self, device: torch.device, profiler: StepProfiler | NullProfiler):
+        self.device, self.profiler = device, profiler
+
+    def load(self, dst: torch.Tensor, src: torch.Tensor, staged: bool, used) -> None:
+        dst.copy_(src)  # (a staged unit's master is cast here)
+
+    def begin_visit(self, loaded) -> None:
+        pass
+
+    def end_visit(self, unit: int):
+        return None
+
+    def wait(self, event) -> None:
+        pass
+
+    def send(self, dst: torch.Tensor, src: torch.Tensor, flags: torch.Tensor, ticket: int, chunk: int):
+        dst.copy_(src)
+        flags.fill_(ticket)
+        return None
+
+    def to_host(self, views: list[torch.Tensor], tensors: list[torch.Tensor]):
+        for v, t in zip(views, tensors):
+            v.copy_(t)
+        return None
+
+    def to_device(self, views: list[torch.Tensor], after):
+        return [v.clone() for v in views], None
+
+    def consume(self, tensors: list[torch.Tensor], ready) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class CudaCopier:
+    cuda = True
+
+    def __init__(self, device: torch.device, profiler: StepProfiler | NullProfiler, staging_elems: int = 0,
+                 dtype: torch.dtype = torch.bfloat16):
+        self.device, self.profiler = device, profiler
+        self.compute = torch.cuda.current_stream(device)
+        self.h2d = torch.cuda.Stream(device)
+        self.d2h = torch.cuda.Stream(device)
+        self._ticket = torch.zeros((), dtype=torch.int64, device=device)
+        # "staged" units are cast into pinned staging: two buffers, each rewritten only after its last copy
+        self._staging = [(torch.empty(staging_elems, dtype=dtype, pin_memory=True), None)
+                         for _ in range(2 if staging_elems else 0)]
+        self._visit = (None, None)
+
+    def load(self, dst: torch.Tensor, src: torch.Tensor, staged: bool, used):
+        """Enqueue ``src`` -> ``dst`` on the h2d stream behind ``used`` (the slot's last reader); returns
+        ``loaded``. Runs on the loader thread."""
+        with torch.cuda.stream(self.h2d):
+            if used is not None:
+                self.h2d.wait_event(used)
+            start = self.profiler.mark(self.h2d)
+            if staged:
+                self._copy_staged(src, dst)
+            else:
+                dst.copy_(src, non_blocking=True)
+            loaded = self.h2d.record_event()
+            self.profiler.copy("h2d", start, self.profiler.mark(self.h2d))
+        return loaded
+
+    def _copy_staged(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        step = self._staging[0][0].numel()
+        for i, start in enumerate(range(0, src.numel(), step)):
+            buf, ev = self._staging[i % 2]
+            if ev is not None:
+                ev.synchronize()
+            m = min(step, src.numel() - start)
+            buf[:m].copy_(src[start: start + m])
+            dst[start: start + m].copy_(buf[:m], non_blocking=True)
+            self._staging[i % 2] = (buf, self.h2d.record_event())
+
+    def begin_visit(self, loaded) -> None:
+        """The compute stream waits for the slot's weights."""
+        start = self.profiler.mark(self.compute)
+        if loaded is not None:
+            self.compute.wait_event(loaded)
+        self._visit = (start, self.profiler.mark(self.compute))
+
+    def end_visit(self, unit: int):
+        """The slot's ``used`` event: its next load waits for it."""
+        used = self.compute.record_event()
+        self.profiler.visit(unit, *self._visit, self.profiler.mark(self.compute))
+        return used
+
+    def wait(self, event) -> None:
+        """The compute stream waits for ``event`` (a slot's gradients sent before it writes them again)."""
+        if event is not None:
+            self.compute.wait_event(event)
+
+    def send(self, dst: torch.Tensor, src: torch.Tensor, flags: torch.Tensor, ticket: int, chunk: int):
+        """Copy ``src`` (the slot's gradients) to ``dst`` in chunks on the d2h stream, after the compute
+        stream's work so far, each chunk's flag set to ``ticket`` behind it; returns ``grads_sent``."""
+        done = self.compute.record_event()
+        with torch.cuda.stream(self.d2h):
+            self.d2h.wait_event(done)
+            start = self.profiler.mark(self.d2h)
+            self._ticket.fill_(ticket)  # a kernel on this stream: ordered before the flag copies below
+            for k, a in enumerate(range(0, src.numel(), chunk)):
+                dst[a: a + chunk].copy_(src[a: a + chunk], non_blocking=True)
+                flags[k].copy_(self._ticket, non_blocking=True)
+            sent = self.d2h.record_event()
+            self.profiler.copy("d2h", start, self.profiler.mark(self.d2h))
+        return sent
+
+    def to_host(self, views: list[torch.Tensor], tensors: list[torch.Tensor]):
+        """Offload ``tensors`` (layer inputs) into pinned ``views`` on the d2h stream after the compute
+        stream's work so far; returns the event the copies record."""
+        produced = self.compute.record_event()
+        with torch.cuda.stream(self.d2h):
+            self.d2h.wait_event(produced)
+            for v, t in zip(views, tensors):
+                v.copy_(t, non_blocking=True)
+                t.record_stream(self.d2h)
+            return self.d2h.record_event()
+
+    def to_device(self, views: list[torch.Tensor], after):
+        """New GPU tensors filled from ``views`` on the h2d stream, behind ``after``; and their event."""
+        with torch.cuda.stream(self.h2d):
+            if after is not None:
+                self.h2d.wait_event(after)
+            out = [torch.empty(v.shape, dtype=v.dtype, device=self.device) for v in views]
+            for o, v in zip(out, views):
+                o.copy_(v, non_blocking=True)
+            return out, self.h2d.record_event()
+
+    def consume(self, tensors: list[torch.Tensor], ready) -> None:
+        """The compute stream waits for ``ready`` and then owns ``tensors`` (made on the h2d stream)."""
+        if ready is not None:
+            self.compute.wait_event(ready)
+            for t in tensors:
+                t.record_stream(self.compute)
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+def copier_for(device: torch.device, profiler, staging_elems: int, dtype: torch.dtype) -> CpuCopier | CudaCopier:
+    if device.type == "cuda":
+        return CudaCopier(device, profiler, staging_elems, dtype)
+    return CpuCopier(device, profiler)
