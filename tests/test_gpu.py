@@ -77,12 +77,12 @@ def test_copy_delays_do_not_change_results(monkeypatch, chunk):
     load, send = rt_mod.Runtime.load, rt_mod.Runtime.send_grads
 
     def slow_load(self, unit, slot):
-        with torch.cuda.stream(self.h2d):
+        with torch.cuda.stream(self.copier.h2d):
             torch.cuda._sleep(2_000_000)
         return load(self, unit, slot)
 
     def slow_send(self, unit, slot):
-        with torch.cuda.stream(self.d2h):
+        with torch.cuda.stream(self.copier.d2h):
             torch.cuda._sleep(2_000_000)
         return send(self, unit, slot)
 
