@@ -30,8 +30,10 @@ def triton_usable(t: torch.Tensor) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _ce_grad_kernel(x_ptr, stride, labels_ptr, loss_ptr, V, scale, ignore_index, softcap,
-                        BLOCK: tl.constexpr, SOFTCAP: tl.constexpr):
+    def _ce_grad_kernel(x_ptr, stride, labels_ptr, loss_ptr, scale, ignore_index, softcap,
+                        V: tl.constexpr, BLOCK: tl.constexpr, SOFTCAP: tl.constexpr):
+        # (V a constant: one build per vocabulary; the interpreter of some Triton and NumPy versions
+        # cannot bound a loop by a runtime argument)
         row = tl.program_id(0).to(tl.int64)
         base = x_ptr + row * stride
         label = tl.load(labels_ptr + row)
@@ -77,8 +79,8 @@ def cross_entropy_grad_(logits: torch.Tensor, labels: torch.Tensor, scale: float
     if triton_usable(logits):
         interp = not logits.is_cuda
         block = min(triton.next_power_of_2(V), 64 if interp else 4096)  # the interpreter pays per element
-        _ce_grad_kernel[(t,)](logits, logits.stride(0), labels, loss, V, float(scale), ignore_index,
-                              float(softcap or 1.0), BLOCK=block, SOFTCAP=softcap is not None,
+        _ce_grad_kernel[(t,)](logits, logits.stride(0), labels, loss, float(scale), ignore_index,
+                              float(softcap or 1.0), V=V, BLOCK=block, SOFTCAP=softcap is not None,
                               num_warps=1 if interp else 16)
         return loss
     return _cross_entropy_grad_torch(logits, labels, scale, ignore_index, softcap, loss)
