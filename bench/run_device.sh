@@ -13,7 +13,7 @@ export PYTHONPATH=${SLIDEFORMER_SRC:-$PWD/src} PYTHONUNBUFFERED=1 PYTORCH_CUDA_A
 what=${1:-all}; shift || true
 if [[ $what == ab ]]; then
   old=$1; shift
-  [[ -d bench/out/src_$old/src ]] || { echo "no bench/out/src_$old/src: git archive $old src | tar -x -C bench/out/src_$old"; exit 2; }
+  [[ -d bench/out/src_$old/src ]] || { echo "no bench/out/src_$old/src: mkdir -p bench/out/src_$old && git archive $old src | tar -x -C bench/out/src_$old"; exit 2; }
   new=${SLIDEFORMER_COMMIT:?set SLIDEFORMER_COMMIT to the commit of this tree}
   for c in "$@"; do
     for round in 1 2; do

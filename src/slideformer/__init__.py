@@ -4,7 +4,7 @@ Names are imported on first use (PEP 562), so that the CLI can install its signa
 torch loads (signals.py)."""
 import importlib
 
-_EXPORTS = {"SlideEngine": ".engine", "EngineConfig": ".config", "Placement": ".config", "ConfigError": ".config",
+_EXPORTS = {"SlideEngine": ".engine", "EngineConfig": ".config", "Placement": ".config", "Tuning": ".config", "ConfigError": ".config",
             "BatchError": ".data.batches", "CheckpointError": ".checkpoint", "UnsupportedModelError": ".model",
             "DoesNotFit": ".plan", "lr_at": ".optim"}
 

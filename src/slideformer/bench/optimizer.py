@@ -130,7 +130,7 @@ def main(argv=None) -> dict:
                                                            ["native"] + names)))
         mod = built["native"]
     if "native" in only:
-        # the engine's pattern: 16M-element pieces (EngineConfig.grad_chunk_elems), one parallel pass each
+        # the engine's pattern: 16M-element pieces (Tuning.grad_chunk_elems), one parallel pass each
         pieces = list(zip(*(x.split(16 << 20) for x in (p, g, m, v, out))))
         cands.update({f"native_t{t}": (lambda t=t: adamw(mod, t)) for t in threads})
         cands[f"chunked_t{top - 1}"] = lambda: adamw(mod, top - 1, pieces)

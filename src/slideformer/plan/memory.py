@@ -351,7 +351,7 @@ def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | N
     (a reason for more resident layers) unless ``speculative_layers`` covers every layer in RAM (where it
     is "auto", the trainer passes ``spares_that_fit``). That plans for the norm within the limit, as it
     is in most steps of a fine-tuning run; in steps where it is over, the updates run again after
-    backward, as slow as waiting (engine runtime's ``speculation`` counts them)."""
+    backward, as slow as waiting (``runtime.updates.speculation`` counts them)."""
     budget, base = gpu_budget(cfg, gpu), Layout.of(cfg)
     nvme = nvme_layer_count(cfg, shape.layers)
     clipping = cfg.max_grad_norm is not None and cfg.placement.speculative_layers < shape.layers - nvme

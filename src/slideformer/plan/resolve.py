@@ -18,7 +18,7 @@ from .memory import (DoesNotFit, ModelShape, Layout, auto_host, auto_residency, 
 @dataclass(frozen=True)
 class Auto:
     """Which of an EngineConfig's placement settings the caller leaves to the planner (they hold
-    Layout's defaults until ``resolve`` decides them)."""
+    Placement's defaults until ``resolve`` decides them)."""
     host_weights: bool = True
     host_grad_buffers: bool = True
     speculative_layers: bool = True
