@@ -62,12 +62,11 @@ def sync(args):
 
 
 def run_slideformer(args, config):
-    auto = args.resident_layers == "auto"
     asked = {"host_weights": args.host_weights, "host_grad_buffers": args.host_grad_buffers,
-             "speculative_layers": args.speculative_layers,
-             "resident_layers": "auto" if auto else int(args.resident_layers)}
-    fixed = {k: v for k, v in asked.items() if v != "auto"}  # (resolve decides the rest)
-    placement = Placement(window_slots=args.slots, prefetch_depth=args.depth, resident_edges=args.resident_edges,
+             "speculative_layers": args.speculative_layers, "resident_edges": True if args.resident_edges else "auto",
+             "resident_layers": "auto" if args.resident_layers == "auto" else int(args.resident_layers)}
+    auto, fixed = Auto.of(asked)  # (resolve decides the rest)
+    placement = Placement(window_slots=args.slots, prefetch_depth=args.depth,
                           nvme_fraction=args.nvme_fraction, nvme_master=args.nvme_master,
                           activations_to_nvme=args.activations_to_nvme,
                           offload_activations=args.offload_activations is not None,
@@ -81,10 +80,7 @@ def run_slideformer(args, config):
     shape = ModelShape.from_adapter(ModelAdapter(config, args.dtype))
     # what `slideformer train` decides for what is "auto" (plan.resolve), not refused here where it does not fit:
     # the engine's own check, or the GPU, says so (a case that does not fit is a result too)
-    cfg = resolve(cfg, Auto(host_weights=args.host_weights == "auto", host_grad_buffers=args.host_grad_buffers == "auto",
-                            speculative_layers=args.speculative_layers == "auto", resident_layers=auto,
-                            resident_edges=True if args.resident_edges else None),
-                  shape, args.batch, args.seq, Machine.detect(args.device)).config
+    cfg = resolve(cfg, auto, shape, args.batch, args.seq, Machine.detect(args.device)).config
     engine = SlideEngine.from_config(config, cfg)
     args.fused_ops = engine.fused_ops  # recorded as resolved ("auto" depends on what is installed)
     params = engine.adapter.num_params

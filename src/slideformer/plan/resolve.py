@@ -25,6 +25,16 @@ class Auto:
     resident_layers: bool = True
     resident_edges: bool | None = None  # None: the planner's call; True or False: fixed
 
+    @classmethod
+    def of(cls, asked: dict) -> tuple["Auto", dict]:
+        """From placement settings as a caller states them ("auto" or a value): which the planner decides,
+        and the fixed ones (for ``Placement``)."""
+        edges = asked.get("resident_edges", "auto")
+        auto = cls(**{k: asked.get(k, "auto") == "auto"
+                      for k in ("host_weights", "host_grad_buffers", "speculative_layers", "resident_layers")},
+                   resident_edges=None if edges == "auto" else edges)
+        return auto, {k: v for k, v in asked.items() if v != "auto"}
+
 
 @dataclass(frozen=True)
 class Plan:

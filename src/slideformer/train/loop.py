@@ -97,12 +97,9 @@ def resolve_engine(cfg: TrainConfig, hf_config, ecfg: EngineConfig, examples, ma
     from ..model import ModelAdapter
     from ..plan import Auto, DoesNotFit, ModelShape, resolve
 
-    o = cfg.offload
     shape = ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype))
     seq = cfg.cutoff_len if cfg.packing else min(cfg.cutoff_len, max(len(ids) for ids, _ in examples))  # packed: full
-    auto = Auto(host_weights=o.host_weights == "auto", host_grad_buffers=o.host_grad_buffers == "auto",
-                speculative_layers=o.speculative_layers == "auto", resident_layers=o.resident_layers == "auto",
-                resident_edges=None if o.resident_edges == "auto" else o.resident_edges)
+    auto, _ = Auto.of(_asked(cfg.offload))
     plan = resolve(ecfg, auto, shape, cfg.micro_batch_size * cfg.gradient_accumulation_steps, seq, machine,
                    micro_batch=cfg.micro_batch_size, prefix="offload.")
     if not plan.fits:
@@ -153,11 +150,16 @@ def _in_user_keys(message: str) -> str:
     return re.sub(r"(?<![\w.])lr\b", "learning_rate", message)
 
 
+def _asked(o: OffloadConfig) -> dict:
+    """The offload section's placement keys, by name."""
+    return {f.name: getattr(o, f.name) for f in dataclasses.fields(Placement) if hasattr(o, f.name)}
+
+
 def _placement(o: OffloadConfig) -> Placement:
-    """The offload section's placement keys, by name; what is "auto" keeps the engine's default until the
-    planner decides it (resolve_engine)."""
-    given = {f.name: getattr(o, f.name) for f in dataclasses.fields(Placement) if hasattr(o, f.name)}
-    return Placement(**{k: v for k, v in given.items() if v != "auto"})
+    """What is "auto" keeps the engine's default until the planner decides it (resolve_engine)."""
+    from ..plan import Auto
+
+    return Placement(**Auto.of(_asked(o))[1])
 
 
 def train(cfg: TrainConfig) -> dict:
