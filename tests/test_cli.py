@@ -111,7 +111,7 @@ def test_plan_suggests_what_train_would_choose(capsys):
     assert main(args[:-2] + ["60GiB", "--json"]) == 0
     short = json.loads(capsys.readouterr().out)
     assert short["speculative_layers"] == 0 and short["fits"]  # (60 GiB: room for none)
-    assert short["predicted_step_s_resident_unclipped"] < 0.8 * short["predicted_step_s_resident"]
+    assert short["predicted_step_s_resident_unclipped"] < 0.85 * short["predicted_step_s_resident"]
     # GPU-bound at b64: nothing to suggest
     assert main(args[:6] + ["64"] + args[7:]) == 0
     assert "predicted_step_s_compact" not in json.loads(capsys.readouterr().out)

@@ -206,6 +206,30 @@ def test_fused_loss_head_matches_pytorch(family):
     assert losses == pytest.approx(ref_losses, rel=1e-5)
 
 
+@pytest.mark.interpret
+@pytest.mark.parametrize("family", ["llama", "qwen3-tied"])
+def test_sliced_head_trains_like_the_whole_head(family, monkeypatch):
+    """A plan that sums the lm_head gradient by vocabulary slices (engine/loss.py sliced_head_loss; the
+    planner's choice under budgets too tight for its fp32 accumulator, test_plan.py) trains as the fused
+    head does, to rounding, for a tied and an untied head, over several micro-batches."""
+    from dataclasses import replace
+
+    from slideformer.engine import engine as engine_mod
+
+    real_fit = engine_mod.fit
+    monkeypatch.setattr(engine_mod, "fit", lambda *a, **k: replace(real_fit(*a, **k), micro_batch=2,
+                                                                     head_slice=13))  # 97 rows: 8 slices
+    model = build(family)
+    steps = [batch(97, b=4, s=9, seed=s) for s in range(3)]
+    state, losses = engine_train(model, steps, lr=1e-3, loss_kernel="fused", loss_chunk_tokens=7,
+                                 gpu_memory_limit="1GiB")
+    split = [[{k: v[i: i + 2] for k, v in st.items()} for i in (0, 2)] for st in steps]
+    ref, ref_losses = engine_train(model, split, lr=1e-3, loss_kernel="fused", loss_chunk_tokens=7)
+    for k in state:
+        assert float((state[k] - ref[k]).norm() / ref[k].norm()) < 1e-5, k
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+
+
 def test_compact_state_trains_close_to_fp32_state():
     """The demo task, 120 steps, bf16 compute: compact state's tail loss lies within three times the
     spread of fp32 state's own over reorderings of each batch's rows (the trajectory's noise, which on

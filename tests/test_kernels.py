@@ -124,6 +124,60 @@ def test_inplace_gradient_both_paths(use_triton, monkeypatch):
     assert rel(x, xr.grad) < 1e-5
 
 
+@pytest.mark.parametrize("use_triton", [True, False])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_slice_gradient_is_the_rows_gradient_there(use_triton, softcap, monkeypatch):
+    """A vocabulary slice's gradient, redone from the row's saved log-sum-exp, is those columns of the
+    whole row's gradient; the label's -1 lands only in the slice that holds it."""
+    from slideformer.kernels import cross_entropy
+    from slideformer.kernels.cross_entropy import cross_entropy_grad_slice_
+
+    if not use_triton:
+        monkeypatch.setattr(cross_entropy, "triton_usable", lambda t: False)
+    x = torch.randn(13, 101).to(DEV)
+    lab = torch.randint(0, 101, (13,)).to(DEV)
+    lab[3] = -100
+    lab[5], lab[6] = 0, 100  # the first and last columns
+    whole, lse = x.clone(), torch.empty(13).to(DEV)
+    loss = cross_entropy_grad_(whole, lab, 0.5, softcap=softcap, lse_out=lse)
+    assert torch.allclose(loss, cross_entropy_grad_(x.clone(), lab, 0.5, softcap=softcap))
+    ref = torch.logsumexp(x if softcap is None else softcap * torch.tanh(x / softcap), 1)
+    assert torch.allclose(lse, ref, atol=1e-5)
+    for c0 in range(0, 101, 17):
+        part = x[:, c0: c0 + 17].contiguous()
+        cross_entropy_grad_slice_(part, lab, lse, c0, 0.5, softcap=softcap)
+        assert torch.allclose(part, whole[:, c0: c0 + 17], atol=1e-6), c0
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_weight_gradient_by_slices_is_the_fused_one(out_dtype):
+    """Summed slice by slice over several micro-batches (odd slice and chunk sizes, a chunk without labels),
+    the lm_head gradient is the one the whole fp32 accumulator gets; the output is overwritten."""
+    from slideformer.kernels.fused_linear_ce import (chunks_with_targets, linear_cross_entropy_grads,
+                                                     weight_grad_by_slices)
+
+    h1, w, lab1 = inputs(T=37)
+    h2, _, lab2 = inputs(T=20, seed=1)
+    lab2[:7] = -100
+    acc = torch.zeros(w.shape).to(DEV)
+    parts = []
+    for h, lab in ((h1, lab1), (h2, lab2)):
+        lse = torch.empty(h.shape[0]).to(DEV)
+        a = linear_cross_entropy_grads(h, w, lab, 0.1, chunk_tokens=7, grad_weight=acc)
+        b = linear_cross_entropy_grads(h, w, lab, 0.1, chunk_tokens=7, lse_out=lse)
+        assert b[2] is None and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        parts.append((h, lab, lse, chunks_with_targets(lab, 7)))
+    out = torch.full(w.shape, 7.0, dtype=out_dtype).to(DEV)
+    weight_grad_by_slices(parts, w, 0.1, out, slice_rows=50, chunk_tokens=7)
+    assert rel(out, acc) <= (1e-6 if out_dtype == torch.float32 else 4e-3)
+    ref = torch.zeros_like(acc)
+    for h, lab, *_ in parts:
+        hw = w.clone().requires_grad_()
+        (0.1 * reference_linear_cross_entropy(h, hw, lab, reduction="sum")).backward()
+        ref += hw.grad
+    assert rel(acc, ref) <= 1e-5
+
+
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
 def test_compact_adamw_kernel_is_the_reference_update(grad_dtype):
     """The Triton compact AdamW (resident units' update on the GPU) against optim.adamw's PyTorch reference

@@ -204,9 +204,34 @@ def test_fit_prefers_gpu_activations_then_offloads_then_refuses():
     assert big.gpu_activation_layers < sh.layers and 64 % big.micro_batch == 0
     assert gpu_bytes(sh, 64, 1024, big)["peak"] <= 24 * GiB
     with pytest.raises(DoesNotFit, match=r"largest batch that fits at seq 1024 is \d+"):
-        fit(sh, 64, 1024, 7.5 * GiB)
+        fit(sh, 64, 1024, 6.5 * GiB)
     with pytest.raises(DoesNotFit, match="not even batch 1"):
         fit(sh, 8, 1024, 4 * GiB)
+
+
+def test_fit_slices_the_head_gradient_only_where_it_pays():
+    """The lm_head gradient's fp32 accumulator (1.5 GiB at Qwen3-4B) goes by vocabulary slices where
+    nothing fits with it, or where that buys micro-batches of EFFICIENT_TOKENS; not where memory is ample.
+    The refusal names the least the sliced head needs, and the head's extra product is in the step time."""
+    from slideformer.plan import step_time
+    from slideformer.plan.memory import HEAD_SLICE_ROWS
+
+    sh = shape("qwen3-4b")
+    assert fit(sh, 8, 1024, 24 * GiB).head_slice is None
+    with pytest.raises(DoesNotFit):
+        fit(sh, 8, 1024, 4 * GiB, Layout(head_slice=None, loss_kernel="torch"))
+    tight = fit(sh, 8, 1024, 4 * GiB)
+    assert tight.head_slice == HEAD_SLICE_ROWS and gpu_bytes(sh, 8, 1024, tight)["peak"] <= 4 * GiB
+    whole = replace(tight, head_slice=None)
+    assert gpu_bytes(sh, 8, 1024, whole)["loss_head"] - gpu_bytes(sh, 8, 1024, tight)["loss_head"] > GiB
+    assert step_time(sh, 8, 1024, tight)["gpu_compute_s"] > step_time(sh, 8, 1024, whole)["gpu_compute_s"]
+    with pytest.raises(DoesNotFit, match=r"needs at least (\d\.\d) GiB") as e:
+        fit(sh, 8, 1024, 2 * GiB)
+    least = float(re.search(r"at least (\d\.\d) GiB", str(e.value)).group(1))
+    floor = Layout(micro_batch=1, gpu_activation_layers=0, mlp_chunk_tokens=256)
+    assert least == round(gpu_bytes(sh, 8, 1024, replace(floor, head_slice=HEAD_SLICE_ROWS))["peak"] / GiB, 1) \
+        < gpu_bytes(sh, 8, 1024, floor)["peak"] / GiB - 1  # the sliced head's floor, not the whole head's
+    fit(sh, 8, 1024, (least + 0.05) * GiB)  # and that budget works
 
 
 def test_engine_refuses_a_budget_before_allocating(monkeypatch):

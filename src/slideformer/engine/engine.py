@@ -39,7 +39,7 @@ from ..plan.memory import (LOSS_CHUNK_TOKENS, ModelShape, Layout, check_host_fit
                            nvme_layer_count, parse_bytes, speculative_spares)
 from ..window.schedule import plan_step
 from .activations import ActivationStore
-from .loss import chunked_head_loss, fused_head_loss
+from .loss import chunked_head_loss, fused_head_loss, sliced_head_loss
 from .runtime import Runtime
 from .updates import UpdateJob
 
@@ -114,6 +114,7 @@ class SlideEngine:
                         self.cfg, "this model's host state")
         self._placements: dict[tuple[int, int], Layout] = {}
         self._loss_chunk = t.loss_chunk_tokens or LOSS_CHUNK_TOKENS[-1]  # (under a budget: the planner's)
+        self._head_slice = None  # the lm_head gradient by vocabulary slices: the planner's, under a budget
         ring = None if self.cfg.max_grad_norm is not None else p.host_grad_buffers  # clipping holds all
         n = self.adapter.num_layers
         # Resident layers are the first ones (config.py says why), the NVMe tier's the last ones.
@@ -255,17 +256,27 @@ class SlideEngine:
             slot.grads[: unit.numel].zero_()  # the slot is shared with the embedding: clear the alignment gaps
         gnorm = grads[0]
         acc_n, acc_w = gnorm, gw
+        sliced = self._head_slice is not None and self.cfg.tuning.loss_kernel == "fused"
         if gw.dtype != torch.float32:  # sum chunk gradients in fp32, cast once at the end
             acc_n = torch.empty_like(gnorm, dtype=torch.float32)
-            acc_w = torch.empty_like(gw, dtype=torch.float32)
-        head_loss = fused_head_loss if self.cfg.tuning.loss_kernel == "fused" else chunked_head_loss
-        for i, (h, mb) in enumerate(zip(st.hidden, st.mbs)):
-            part, gh = head_loss(h.flatten(0, 1), mb.labels, ad.norm, w, st.denom,
-                                 self._loss_chunk, acc_n, acc_w, accumulate=i > 0, targets=mb.targets)
-            st.loss += part
-            st.grad_hidden.append(gh.view_as(h))
-        if acc_w is not gw:
+            # (sliced: an fp32 sum of one vocabulary slice at a time, inside sliced_head_loss)
+            acc_w = gw if sliced else torch.empty_like(gw, dtype=torch.float32)
+        if sliced:
+            loss, ghs = sliced_head_loss([h.flatten(0, 1) for h in st.hidden], [mb.labels for mb in st.mbs],
+                                         [mb.targets for mb in st.mbs], ad.norm, w, st.denom, self._loss_chunk,
+                                         self._head_slice, acc_n, gw)
+            st.loss += loss
+            st.grad_hidden = [gh.view_as(h) for gh, h in zip(ghs, st.hidden)]
+        else:
+            head_loss = fused_head_loss if self.cfg.tuning.loss_kernel == "fused" else chunked_head_loss
+            for i, (h, mb) in enumerate(zip(st.hidden, st.mbs)):
+                part, gh = head_loss(h.flatten(0, 1), mb.labels, ad.norm, w, st.denom,
+                                     self._loss_chunk, acc_n, acc_w, accumulate=i > 0, targets=mb.targets)
+                st.loss += part
+                st.grad_hidden.append(gh.view_as(h))
+        if acc_n is not gnorm:
             gnorm.copy_(acc_n)
+        if acc_w is not gw:
             gw.copy_(acc_w)
         st.hidden = []
         self.activations.prefetch(ad.num_layers - 1)
@@ -338,6 +349,7 @@ class SlideEngine:
         self.activations.offload_layers = set(range(max(0, n - p.gpu_activation_layers)))
         self.mlp_chunking.tokens = p.mlp_chunk_tokens
         self._loss_chunk = p.loss_chunk_tokens or LOSS_CHUNK_TOKENS[-1]
+        self._head_slice = p.head_slice
         out = []
         for it, (rows, _) in zip(items, shapes):
             for start in range(0, rows, p.micro_batch):

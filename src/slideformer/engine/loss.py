@@ -6,6 +6,8 @@ Two implementations with one contract:
   own gradient in place: 4 bytes per logit with the copy the fp32-output addmm makes), with the norm's
   backward through autograd.
 The [tokens x vocab] logits exist one chunk at a time in both, and all-ignored chunks cost nothing.
+``sliced_head_loss`` is the fused head without its [vocab, hidden] fp32 gradient accumulator, for GPU
+budgets where that does not fit (the planner's ``head_slice``).
 """
 from __future__ import annotations
 
@@ -58,15 +60,50 @@ def fused_head_loss(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Module 
 
     if not accumulate:
         grad_weight.zero_()
+
+    def head(z):
+        loss, gz, _ = linear_cross_entropy_grads(z, weight.detach(), labels, 1.0 / denom, chunk_tokens=chunk,
+                                                 grad_weight=grad_weight, targets=targets)
+        return loss, gz
+    return _through_norm(hidden, norm, grad_norm_weight, accumulate, head)
+
+
+def sliced_head_loss(hiddens: list[torch.Tensor], labels: list[torch.Tensor], targets: list[torch.Tensor | None],
+                     norm: nn.Module | None, weight: torch.Tensor, denom: int, chunk: int, slice_rows: int,
+                     grad_norm_weight: torch.Tensor | None, grad_weight: torch.Tensor
+                     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``fused_head_loss`` for all of a step's micro-batches at once, without the [vocab, hidden] fp32
+    accumulator: the lm_head gradient is summed one ``slice_rows`` slice of the vocabulary at a time
+    (kernels/fused_linear_ce.py ``weight_grad_by_slices``) and written into ``grad_weight`` (any dtype,
+    overwritten). Returns the loss and each micro-batch's gradient w.r.t. its hidden state."""
+    from ..kernels.fused_linear_ce import chunks_with_targets, linear_cross_entropy_grads, weight_grad_by_slices
+
+    loss = torch.zeros((), dtype=torch.float32, device=weight.device)
+    parts, grads = [], []
+    for i, (hidden, lab, tg) in enumerate(zip(hiddens, labels, targets)):
+        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+
+        def head(z):
+            parts.append((z, lab, lse, chunks_with_targets(lab, chunk, targets=tg)))
+            part, gz, _ = linear_cross_entropy_grads(z, weight.detach(), lab, 1.0 / denom, chunk_tokens=chunk,
+                                                     targets=tg, lse_out=lse)
+            return part, gz
+        part, gh = _through_norm(hidden, norm, grad_norm_weight, i > 0, head)
+        loss += part
+        grads.append(gh)
+    weight_grad_by_slices(parts, weight.detach(), 1.0 / denom, grad_weight, slice_rows, chunk)
+    return loss, grads
+
+
+def _through_norm(hidden, norm, grad_norm_weight, accumulate, head):
+    """``head(z) -> (loss, grad of z)`` on ``norm(hidden)``, and the norm's backward: (loss, grad of
+    ``hidden``). The norm runs on the whole micro-batch: [T, H] is small next to the logits."""
     if norm is None:
-        loss, gh, _ = linear_cross_entropy_grads(hidden.detach(), weight.detach(), labels, 1.0 / denom,
-                                                 chunk_tokens=chunk, grad_weight=grad_weight, targets=targets)
-        return loss, gh
+        return head(hidden.detach())
     h = hidden.detach().requires_grad_(True)
     with torch.enable_grad():
-        z = norm(h)  # [T, H]: small next to the logits, so the norm runs on the whole micro-batch
-    loss, gz, _ = linear_cross_entropy_grads(z.detach(), weight.detach(), labels, 1.0 / denom,
-                                             chunk_tokens=chunk, grad_weight=grad_weight, targets=targets)
+        z = norm(h)
+    loss, gz = head(z.detach())
     gh, gn = torch.autograd.grad(z, [h, norm.weight], gz)
     grad_norm_weight.add_(gn) if accumulate else grad_norm_weight.copy_(gn)
     return loss, gh

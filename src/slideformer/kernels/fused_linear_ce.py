@@ -5,6 +5,10 @@ place by ``cross_entropy_grad_`` and immediately used for the hidden-state gradi
 and the weight gradient (chunk.T @ hidden, summed over chunks in fp32). The gradients are computed in
 the forward and only scaled by the incoming gradient in backward, so autograd holds no logits. Chunks
 whose labels are all ignored cost nothing.
+
+Where the fp32 [V, H] accumulator does not fit, ``weight_grad_by_slices`` sums the weight gradient one
+vocabulary slice at a time instead: the logits of the slice are computed again from each token's saved
+log-sum-exp, so only a [slice, H] fp32 sum exists (one more [tokens x vocab] product a step).
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .cross_entropy import cross_entropy_grad_
+from .cross_entropy import cross_entropy_grad_, cross_entropy_grad_slice_
 
 
 def chunks_with_targets(labels: torch.Tensor, chunk_tokens: int, ignore_index: int = -100,
@@ -29,15 +33,17 @@ def chunks_with_targets(labels: torch.Tensor, chunk_tokens: int, ignore_index: i
 
 def linear_cross_entropy_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, scale: float,
                                ignore_index: int = -100, softcap: float | None = None, chunk_tokens: int = 8192,
-                               grad_weight: torch.Tensor | None = None, targets: torch.Tensor | None = None):
+                               grad_weight: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                               lse_out: torch.Tensor | None = None):
     """(loss sum x scale as an fp32 scalar, grad_hidden [T, H], grad_weight [V, H] fp32).
 
     ``grad_weight``, when given (fp32), is accumulated into: the engine sums micro-batches there.
-    ``targets``: see ``chunks_with_targets``.
+    ``lse_out`` [T] fp32, when given, receives each token's log-sum-exp and the weight gradient is left
+    to ``weight_grad_by_slices`` (the third item is then None). ``targets``: see ``chunks_with_targets``.
     """
     T = hidden.shape[0]
     grad_hidden = torch.zeros_like(hidden)
-    if grad_weight is None:
+    if grad_weight is None and lse_out is None:
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
     live = chunks_with_targets(labels, chunk_tokens, ignore_index, targets)
@@ -47,10 +53,42 @@ def linear_cross_entropy_grads(hidden: torch.Tensor, weight: torch.Tensor, label
         lab = labels[s: s + chunk_tokens]
         h = hidden[s: s + chunk_tokens]
         logits = h @ weight.T  # [t, V] in the compute dtype; becomes its own gradient below
-        loss += cross_entropy_grad_(logits, lab.contiguous(), scale, ignore_index, softcap).sum()
+        lse = None if lse_out is None else lse_out[s: s + chunk_tokens]
+        loss += cross_entropy_grad_(logits, lab.contiguous(), scale, ignore_index, softcap, lse_out=lse).sum()
         torch.matmul(logits, weight, out=grad_hidden[s: s + chunk_tokens])
-        addmm_fp32_(grad_weight, logits.T, h)
-    return loss, grad_hidden, grad_weight
+        if lse_out is None:
+            addmm_fp32_(grad_weight, logits.T, h)
+    return loss, grad_hidden, (grad_weight if lse_out is None else None)
+
+
+def weight_grad_by_slices(parts: list[tuple], weight: torch.Tensor, scale: float, out: torch.Tensor,
+                          slice_rows: int, chunk_tokens: int, ignore_index: int = -100,
+                          softcap: float | None = None) -> None:
+    """``out`` [V, H] = the weight gradient of every part's loss (overwritten), one ``slice_rows`` slice of
+    the vocabulary at a time, each summed in fp32 over all parts and cast once.
+
+    parts: (hidden [T, H], labels [T], lse [T] from ``linear_cross_entropy_grads``'s ``lse_out``, live:
+    its chunks_with_targets at ``chunk_tokens``) per micro-batch, with the same ``scale``.
+    """
+    V, H = weight.shape
+    direct = out.dtype == torch.float32  # (no separate sum needed)
+    acc = None if direct else torch.empty(min(slice_rows, V), H, dtype=torch.float32, device=out.device)
+    for v0 in range(0, V, slice_rows):
+        v1 = min(V, v0 + slice_rows)
+        a = out[v0:v1] if direct else acc[: v1 - v0]
+        a.zero_()
+        w = weight[v0:v1]
+        for hidden, labels, lse, live in parts:
+            for s in range(0, hidden.shape[0], chunk_tokens):
+                if not live[s // chunk_tokens]:
+                    continue
+                h = hidden[s: s + chunk_tokens]
+                logits = h @ w.T  # [t, slice]
+                cross_entropy_grad_slice_(logits, labels[s: s + chunk_tokens].contiguous(),
+                                          lse[s: s + chunk_tokens], v0, scale, ignore_index, softcap)
+                addmm_fp32_(a, logits.T, h)
+        if not direct:
+            out[v0:v1].copy_(a)
 
 
 def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:

@@ -42,6 +42,7 @@ SAFETY = 1.05  # allocator rounding and what the model leaves out
 EFFICIENT_TOKENS = 8192
 MLP_CHUNK_TOKENS = (4096, 1024, 256)  # tried in turn where one sequence's layer backward does not fit
 LOSS_CHUNK_TOKENS = (8192, 4096, 2048, 1024)  # the loss head's chunk: the largest that fits is taken
+HEAD_SLICE_ROWS = 8192  # vocabulary rows per fp32 sum of the lm_head gradient, where the whole one does not fit
 
 
 class DoesNotFit(ValueError):
@@ -93,6 +94,9 @@ class Layout:
     loss_kernel: str = "fused"
     resident_edges: bool = False  # embedding and head trained on the GPU, whatever the layers do
     mlp_chunk_tokens: int | None = None  # a layer's MLP in token chunks (model/chunked_mlp.py)
+    # the fused head's lm_head gradient summed in fp32 by slices of this many vocabulary rows (engine/loss.py
+    # sliced_head_loss): no [vocab, hidden] fp32 accumulator, for one more head product a step
+    head_slice: int | None = None
     # GPU bytes per resident parameter besides its bf16 weights and gradient: fp32 master and moments (12),
     # or for compact state the master's bf16 lo half and bf16 moments (6)
     resident_state_bytes: int = 12
@@ -127,15 +131,27 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: i
         "window": 2 * dtype_bytes * (streamed_slots + resident) + p.resident_state_bytes * resident,
         "activations": kept * T * H * dtype_bytes,
         "hidden_flow": 2 * T * H * dtype_bytes,
-        "loss_head": V * H * HEAD_GRAD_BYTES[p.loss_kernel]
-                     + min(p.loss_chunk_tokens or LOSS_CHUNK_TOKENS[-1], t) * V * LOGIT_BYTES[p.loss_kernel]
-                     + HEAD_TOKEN_HIDDEN[p.loss_kernel] * t * H * dtype_bytes,
+        "loss_head": loss_head_bytes(shape, T, t, p, dtype_bytes),
         "layer_backward": (min(t, p.mlp_chunk_tokens or t) * LAYER_TOKEN_FFN * shape.ffn + t * LAYER_TOKEN_HIDDEN * H)
                           * dtype_bytes + shape.layer_params * dtype_bytes,
     }
     out["peak"] = int(SAFETY * (out["window"] + out["activations"] + out["hidden_flow"]
                                 + max(out["loss_head"], out["layer_backward"])))
     return out
+
+
+def loss_head_bytes(shape: ModelShape, T: int, t: int, p: Layout, dtype_bytes: int = 2) -> int:
+    """The loss head's GPU bytes beyond the window, for a step of ``T`` tokens in micro-batches of ``t``."""
+    V, H = shape.vocab, shape.hidden
+    chunk = min(p.loss_chunk_tokens or LOSS_CHUNK_TOKENS[-1], t)
+    norm = HEAD_TOKEN_HIDDEN[p.loss_kernel] * t * H * dtype_bytes
+    if p.head_slice is None or p.loss_kernel != "fused":
+        return V * H * HEAD_GRAD_BYTES[p.loss_kernel] + chunk * V * LOGIT_BYTES[p.loss_kernel] + norm
+    rows = min(p.head_slice, V)
+    # the larger of the two passes (a chunk of whole-vocabulary logits; a slice's fp32 sum and its logits),
+    # and every micro-batch's normed hidden state and per-token log-sum-exp, kept for the second pass
+    return (max(chunk * V, chunk * rows) * LOGIT_BYTES["fused"] + rows * H * 4
+            + T * (H * dtype_bytes + 4) + norm)
 
 
 def host_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, host_weights: str = "persistent",
@@ -392,16 +408,18 @@ def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout = Layo
     the loss head's chunk (unless ``base`` fixes it), and token-chunked MLPs where nothing fits without them.
     Raises DoesNotFit with the largest batch that would fit."""
     options = []
-    for mb in (d for d in range(1, batch + 1) if batch % d == 0):
-        base_peak = gpu_bytes(shape, batch, seq, replace(base, micro_batch=mb, gpu_activation_layers=0))["peak"]
-        if base_peak > limit:
-            continue
-        per_layer = batch * seq * shape.hidden * 2
-        kept = min(shape.layers, int((limit - base_peak) / SAFETY) // per_layer)
-        options.append(replace(base, micro_batch=mb, gpu_activation_layers=kept))
-    if options:
-        best = max(options, key=lambda p: (min(p.micro_batch * seq, EFFICIENT_TOKENS), p.gpu_activation_layers,
-                                           p.micro_batch))
+    for head in heads(base):
+        for mb in (d for d in range(1, batch + 1) if batch % d == 0):
+            least = replace(base, micro_batch=mb, gpu_activation_layers=0, head_slice=head)
+            base_peak = gpu_bytes(shape, batch, seq, least)["peak"]
+            if base_peak > limit:
+                continue
+            per_layer = batch * seq * shape.hidden * 2
+            kept = min(shape.layers, int((limit - base_peak) / SAFETY) // per_layer)
+            options.append(replace(least, gpu_activation_layers=kept))
+    if options:  # (the sliced head only where it buys efficient micro-batches, or nothing fits without it)
+        best = max(options, key=lambda p: (min(p.micro_batch * seq, EFFICIENT_TOKENS), p.head_slice is None,
+                                           p.gpu_activation_layers, p.micro_batch))
         if base.loss_chunk_tokens is not None:
             return best
         # then the largest loss chunk that fits beside that choice (it changes nothing else)
@@ -416,7 +434,7 @@ def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout = Layo
                 except DoesNotFit:
                     pass
         base = replace(base, mlp_chunk_tokens=MLP_CHUNK_TOKENS[-1] if MLP_CHUNK_TOKENS[-1] < seq else None)
-    smallest = replace(base, micro_batch=1, gpu_activation_layers=0)
+    smallest = replace(base, micro_batch=1, gpu_activation_layers=0, head_slice=heads(base)[-1])
     best = max((b for b in range(1, batch) if gpu_bytes(shape, b, seq, smallest)["peak"] <= limit), default=0)
     need = gpu_bytes(shape, batch, seq, smallest)["peak"]
     raise DoesNotFit(
@@ -426,6 +444,14 @@ def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout = Layo
         + f", over the {limit / 2**30:.1f} GiB budget; "
         + (f"the largest batch that fits at seq {seq} is {best}" if best else
            f"not even batch 1 fits at seq {seq}: shorten the sequences or raise gpu_memory_limit"))
+
+
+def heads(base: Layout) -> list:
+    """The loss heads ``fit`` may choose from, least memory last: the fused head's lm_head gradient whole
+    or by vocabulary slices, unless ``base`` fixes it."""
+    if base.head_slice is not None or base.loss_kernel != "fused":
+        return [base.head_slice]
+    return [None, HEAD_SLICE_ROWS]
 
 
 @dataclass(frozen=True)
@@ -468,7 +494,8 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
     offloaded = shape.layers - min(shape.layers, p.gpu_activation_layers)
     chunked = p.mlp_chunk_tokens and p.mlp_chunk_tokens < min(batch, p.micro_batch) * seq
     cpu_rate = rates.optimizer_params_per_s * (rates.compact_speedup if compact else 1.0)
-    head_flops = 6 * shape.vocab * shape.hidden  # a token's logits and their two gradients, not recomputed
+    # a token's logits and their two gradients, not recomputed; the sliced head computes the logits twice
+    head_flops = (8 if p.head_slice else 6) * shape.vocab * shape.hidden
     out = {
         # the layers' forward, recompute and backward (2 + 2 + 4 FLOPs a parameter and token), less the
         # recompute of the down projection (2 x hidden x ffn a token and layer; model/recompute.py);

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from ..machine import Machine
 from .memory import (DoesNotFit, ModelShape, Layout, auto_host, auto_residency, check_host_fits,
-                     config_host_bytes, fit, gpu_budget, gpu_bytes, nvme_layer_count, parse_bytes, spares_that_fit,
+                     config_host_bytes, fit, gpu_budget, gpu_bytes, heads, nvme_layer_count, parse_bytes, spares_that_fit,
                      step_time)
 
 
@@ -77,7 +77,8 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
                            f"available; set {prefix}gpu_memory_limit to let slideformer split the batch and offload, "
                            "or use smaller micro-batches (see `slideformer plan`)")
         except DoesNotFit as e:  # (the bytes of the least it could do: a sequence at a time, every input offloaded)
-            placement, problem = replace(Layout.of(cfg), micro_batch=1, gpu_activation_layers=0), str(e)
+            least = Layout.of(cfg)
+            placement, problem = replace(least, micro_batch=1, gpu_activation_layers=0, head_slice=heads(least)[-1]), str(e)
             gpu = gpu_bytes(shape, batch, seq, placement, cfg.compute_dtype.itemsize)
         binds = "gpu" if problem else None
     cfg = auto_host(cfg, shape, batch, seq, placement, machine.ram, weights=auto.host_weights,
