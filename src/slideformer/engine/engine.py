@@ -289,15 +289,19 @@ class SlideEngine:
         self.activations.prefetch(unit.layer - 1)  # one layer ahead: it lands while this layer computes
         self.runtime.begin_grads(slot)
         plist = list(params.values())
+        # Autograd adds each parameter's gradient into the slot as soon as it is computed (the .grad of a
+        # slot's parameters is its gradient view), so a layer's gradient never exists twice on the GPU;
+        # micro-batches sum there too.
+        torch._foreach_zero_(grads)
+        for p, g in zip(plist, grads):
+            p.grad = g
         for i, (x, mb) in enumerate(zip(inputs, st.mbs)):
             x = x.detach().requires_grad_(True)
             # (not with token-chunked MLPs: their checkpoints recompute the projection in backward)
             with torch.enable_grad(), self.recompute.active(self.mlp_chunking.tokens is None):
                 y = self._run_layer(layer, unit.layer, x, mb)
-            g = torch.autograd.grad(y, [x] + plist, st.grad_hidden[i])
-            st.grad_hidden[i] = g[0]
-            # micro-batches are summed in the slot: the first one writes, the others add
-            (torch._foreach_add_ if i else torch._foreach_copy_)(grads, list(g[1:]))
+            torch.autograd.backward(y, st.grad_hidden[i], inputs=[x] + plist)
+            st.grad_hidden[i] = x.grad
 
     def _embed_bwd(self, st: "_Step", unit, slot) -> None:
         # Only the batch's rows have a gradient: each is summed in fp32 over its occurrences (sorted,
