@@ -56,6 +56,7 @@ def model_dirs(tmp_path):
     ("resume_from_checkpoint=/etc", 2, ["/etc/state/trainer.json", "not a complete slideformer checkpoint"]),
     ("save_total_limit=-1", 2, ["save_total_limit must be >= 1"]),
     ("offload.gpu_memory_limit=lots", 2, ["offload.gpu_memory_limit", "24GiB"]),
+    ("offload.host_memory_limit=0GiB", 2, ["offload.host_memory_limit", "must be > 0"]),
     ("offload.window_slots=1", 2, ["offload.window_slots must be >= 2"]),  # (the engine's check, in user keys)
     ("output_dir=/etc/passwd/run", 5, ["/etc/passwd/run"]),
     ("offload.offload_dir=/etc/passwd", 2, ["offload.offload_dir /etc/passwd is a file"]),

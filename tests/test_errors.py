@@ -39,6 +39,8 @@ def test_bad_batches(bad, match):
     (dict(window_slots=2, prefetch_depth=2), "raise window_slots or lower prefetch_depth"),
     (dict(max_grad_norm=0.0), "max_grad_norm"),
     (dict(host_weights="disk"), "host_weights"),
+    (dict(host_memory_limit="lots"), "host_memory_limit: cannot read a memory size"),
+    (dict(host_memory_limit=0), "host_memory_limit: a memory size must be > 0"),
 ])
 def test_config_errors_name_the_fix(kw, match):
     with pytest.raises(ConfigError, match=match):

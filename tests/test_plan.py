@@ -96,6 +96,31 @@ def test_auto_host_stages_only_streamed_layers():
         assert sum(config_host_bytes(cfg.placed(host_weights=got), sh, 8, 1024, p).values()) <= RAM_FRACTION * ram
 
 
+def test_host_memory_limit_bounds_the_plan_and_says_what_it_gave_up():
+    """host_memory_limit (the process's RAM) is what the planner fits the training state under, less the
+    process itself: Qwen3-4B b8 under 50 GiB gives up the bf16 host copy and a gradient buffer per layer
+    but fits; under 44 GiB it is refused, in a message naming the limit and what would need less; the
+    engine's own check holds the same line. Without a limit the machine's RAM less 15% is the aim."""
+    from slideformer.machine import Machine
+    from slideformer.plan import Auto, resolve
+    from slideformer.plan.memory import PROCESS_BYTES, host_budget
+
+    sh = shape("qwen3-4b")
+    machine = Machine(ram=125 * GiB, gpu=140 * GiB)
+    cfg = EngineConfig(device="cuda", gpu_memory_limit="4GiB")
+    roomy = resolve(cfg, Auto(), sh, 8, 1024, machine)
+    assert roomy.fits and roomy.config.placement.host_weights == "persistent"
+    assert host_budget(cfg, machine.ram) == (int(0.85 * 125 * GiB), int(0.95 * 125 * GiB))
+    tight = resolve(replace(cfg, host_memory_limit="50GiB"), Auto(), sh, 8, 1024, machine)
+    assert tight.fits and sum(tight.host.values()) <= 50 * GiB - PROCESS_BYTES < sum(roomy.host.values())
+    assert tight.config.placement.host_weights == "staged" and tight.config.placement.host_grad_buffers < sh.layers
+    short = resolve(replace(cfg, host_memory_limit="44GiB"), Auto(), sh, 8, 1024, machine, prefix="offload.")
+    assert short.binds == "host" and "offload.host_memory_limit is 44.0 GiB" in short.problem
+    assert "a larger offload.host_memory_limit" in short.problem and "offload.optimizer_state" in short.problem
+    with pytest.raises(DoesNotFit, match="host_memory_limit is 0.1 GiB"):
+        SlideEngine(build("llama"), EngineConfig(device="cpu", compute_dtype=torch.float32, host_memory_limit="100MiB"))
+
+
 def test_staged_host_weights_are_counted_over_the_host_units():
     """A resident unit has no host weights, and is not "staged": the start line and the staging buffers
     count the streamed units only."""
@@ -232,6 +257,28 @@ def test_fit_slices_the_head_gradient_only_where_it_pays():
     assert least == round(gpu_bytes(sh, 8, 1024, replace(floor, head_slice=HEAD_SLICE_ROWS))["peak"] / GiB, 1) \
         < gpu_bytes(sh, 8, 1024, floor)["peak"] / GiB - 1  # the sliced head's floor, not the whole head's
     fit(sh, 8, 1024, (least + 0.05) * GiB)  # and that budget works
+
+
+def test_window_drops_a_slot_only_under_a_budget_too_tight_for_three():
+    """window_slots "auto": three slots (two visits of prefetch) wherever they fit with whole MLPs; two
+    where only they do, as for Llama-3.1-8B b8 under 5.5 GiB; resolve passes the choice to the engine,
+    and a fixed window or prefetch depth is left alone."""
+    from slideformer.machine import Machine
+    from slideformer.plan import Auto, resolve
+    from slideformer.plan.memory import choose_window_slots
+
+    sh = shape("llama3-8b")
+    assert choose_window_slots(sh, 8, 1024, 24 * GiB) == 3
+    with pytest.raises(DoesNotFit):
+        fit(sh, 8, 1024, 5.5 * GiB, Layout(window_slots=3, mlp_chunk_tokens=None))
+    assert choose_window_slots(sh, 8, 1024, 5.5 * GiB) == 2
+    machine = Machine(ram=200 * GiB, gpu=140 * GiB)
+    cfg = EngineConfig(device="cuda", gpu_memory_limit="5.5GiB")
+    assert resolve(cfg, Auto(), sh, 8, 1024, machine).config.placement.window_slots == 2
+    assert resolve(cfg, Auto(window_slots=False), sh, 8, 1024, machine).config.placement.window_slots == 3
+    deep = cfg.placed(prefetch_depth=2)
+    assert resolve(deep, Auto(), sh, 8, 1024, machine).config.placement.window_slots == 3
+    assert resolve(EngineConfig(device="cuda"), Auto(), sh, 8, 1024, machine).config.placement.window_slots == 3
 
 
 def test_engine_refuses_a_budget_before_allocating(monkeypatch):

@@ -62,6 +62,7 @@ def cmd_plan(args) -> int:
     from .model import ModelAdapter
     from .machine import Machine, gpu_memory, host_memory
     from .plan import Auto, ModelShape, nvme_bytes, nvme_layer_count, parse_bytes, predicted_step, resolve
+    from .plan.memory import host_budget
     from .presets import PRESETS, preset_config
 
     from .config import ConfigError
@@ -75,7 +76,7 @@ def cmd_plan(args) -> int:
             raise ConfigError(f"--model {args.model}: not a preset ({', '.join(PRESETS)}) nor a local folder with "
                               "config.json")
         config = AutoConfig.from_pretrained(args.model)
-    for flag in ("gpu_memory", "cpu_memory"):
+    for flag in ("gpu_memory", "cpu_memory", "host_memory_limit"):
         value = getattr(args, flag)
         try:
             if value is not None and parse_bytes(value) <= 0:
@@ -91,6 +92,7 @@ def cmd_plan(args) -> int:
                           activations_to_nvme=args.activations_to_nvme and bool(args.offload_dir),
                           **({} if args.host_weights == "auto" else {"host_weights": args.host_weights}))
     as_trained = EngineConfig(device="cuda", max_grad_norm=args.max_grad_norm or None,
+                              host_memory_limit=args.host_memory_limit,
                               optimizer_state=args.optimizer_state, offload_dir=args.offload_dir, placement=placement)
     host_auto = dict(host_weights=args.host_weights == "auto", host_grad_buffers=True, speculative_layers=True)
 
@@ -130,7 +132,7 @@ def cmd_plan(args) -> int:
     out = {"model": args.model, "params": shape.params, "seq_len": args.seq_len, "batch_size": args.batch_size,
            "clipping": clip,
            "gpu_bytes": g["peak"], "gpu": g, "host_bytes": host_total, "host": h, "nvme_bytes": nvme_bytes(shape, nvme_layers, compact, args.nvme_master),
-           "gpu_limit": gpu_limit, "host_limit": cpu_limit, "fits": fits, "max_batch_size": max_batch,
+           "gpu_limit": gpu_limit, "host_limit": host_budget(as_trained, cpu_limit)[1], "fits": fits, "max_batch_size": max_batch,
            "placement": vars(placement), "host_weights": chosen_host.host_weights,
            "host_grad_buffers": chosen_host.host_grad_buffers, "speculative_layers": chosen_host.speculative_layers}
     timing = predicted_step(plan, shape, args.batch_size, args.seq_len)
@@ -168,7 +170,7 @@ def cmd_plan(args) -> int:
         print("GPU  " + ", ".join(f"{k} {gib(v)}" for k, v in g.items()) + (
             f"  (limit {gib(gpu_limit)})" if gpu_limit else
             "  (no GPU here and no --gpu-memory: no GPU size assumed, none checked; pass e.g. --gpu-memory 24GiB)"))
-        print("host " + ", ".join(f"{k} {gib(v)}" for k, v in h.items()) + f" = {gib(host_total)}  (limit {gib(cpu_limit)}; "
+        print("host " + ", ".join(f"{k} {gib(v)}" for k, v in h.items()) + f" = {gib(host_total)}  (limit {gib(out['host_limit'])} of state; "
               f"host_weights {chosen_host.host_weights}, gradient buffers "
               f"{chosen_host.host_grad_buffers or 'one per layer'}"
               + (f", {chosen_host.speculative_layers} speculative layers" if clip else "") + ")")
@@ -203,8 +205,10 @@ def cmd_plan(args) -> int:
             verdict = f"does NOT fit the GPU: {reason}"
         else:  # the GPU holds it; host RAM binds
             need = out.get("host_bytes_resident", host_total)
-            verdict = (f"does NOT fit host RAM: about {gib(need)} of state against {gib(0.95 * cpu_limit)} (95% of "
-                       f"{gib(cpu_limit)}, {'--cpu-memory' if args.cpu_memory else 'this machine'}); the NVMe tier (--offload-dir) or "
+            against = (f"{gib(host_budget(as_trained, cpu_limit)[1])} (--host-memory-limit less the process itself)"
+                       if args.host_memory_limit else f"{gib(host_budget(as_trained, cpu_limit)[1])} (95% of "
+                       f"{gib(cpu_limit)}, {'--cpu-memory' if args.cpu_memory else 'this machine'})")
+            verdict = (f"does NOT fit host RAM: about {gib(need)} of state against {against}; the NVMe tier (--offload-dir) or "
                        + ("a larger --gpu-memory" if compact else "--optimizer-state compact (8 instead of 14 bytes a parameter)")
                        + " would lower it")
         print(f"{verdict}; largest batch that fits: {max_batch}")
@@ -403,7 +407,9 @@ def _main(argv: list[str], signals: Signals) -> int:
     pl.add_argument("--seq-len", type=_positive, required=True)
     pl.add_argument("--batch-size", type=_positive, required=True)
     pl.add_argument("--gpu-memory", help="GPU budget, e.g. 24GiB (default: this machine's GPU)")
-    pl.add_argument("--cpu-memory", help="host RAM budget (default: this machine's)")
+    pl.add_argument("--cpu-memory", help="the machine's RAM (default: this machine's)")
+    pl.add_argument("--host-memory-limit", help="offload.host_memory_limit: the process's RAM budget, e.g. 48GiB "
+                    "(default: the machine's RAM less 15%%)")
     pl.add_argument("--offload-dir", help="NVMe tier directory: the moments of --nvme-fraction of the layers go there")
     pl.add_argument("--nvme-fraction", type=_fraction, default=1.0)
     pl.add_argument("--nvme-master", action="store_true", help="the tier's layers keep their fp32 master there too")

@@ -87,6 +87,9 @@ class EngineConfig:
     # a cap on the engine's GPU memory ("24GiB", "80GB" or bytes): each batch is then split into
     # micro-batches and layer inputs offloaded so that a step fits under it (plan/memory.py)
     gpu_memory_limit: str | int | None = None
+    # its twin for the host: the whole process's RAM. The planner keeps the training state under it, less
+    # what the process itself takes (plan/memory.py host_budget); None: the machine's RAM, less a margin
+    host_memory_limit: str | int | None = None
     # "fp32": exact AdamW. "compact": bf16 master with a bf16 compensation term and bf16 moments rounded
     # stochastically: 8 instead of 14 bytes/param of host RAM. Needs bf16 compute.
     optimizer_state: Literal["fp32", "compact"] = "fp32"
@@ -136,13 +139,15 @@ class EngineConfig:
             raise ConfigError(f"optimizer_backend must be 'auto', 'native' or 'torch', got {t.optimizer_backend!r}")
         if t.optimizer_threads is not None and t.optimizer_threads < 1:
             raise ConfigError(f"optimizer_threads must be >= 1 or None (all cores but one), got {t.optimizer_threads}")
-        if self.gpu_memory_limit is not None:
-            from .plan.memory import parse_bytes
+        for key in ("gpu_memory_limit", "host_memory_limit"):
+            if getattr(self, key) is not None:
+                from .plan.memory import parse_bytes
 
-            try:
-                parse_bytes(self.gpu_memory_limit)
-            except ValueError as e:
-                raise ConfigError(f"gpu_memory_limit: {e}") from None
+                try:
+                    if parse_bytes(getattr(self, key)) <= 0:
+                        raise ValueError(f"a memory size must be > 0, got {getattr(self, key)!r}")
+                except ValueError as e:
+                    raise ConfigError(f"{key}: {e}") from None
         if t.grad_chunk_elems < 1:
             raise ConfigError(f"grad_chunk_elems must be >= 1, got {t.grad_chunk_elems}")
         if p.host_grad_buffers is not None and p.host_grad_buffers < 1:

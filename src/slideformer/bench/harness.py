@@ -62,11 +62,12 @@ def sync(args):
 
 
 def run_slideformer(args, config):
-    asked = {"host_weights": args.host_weights, "host_grad_buffers": args.host_grad_buffers,
+    asked = {"window_slots": args.slots if args.slots == "auto" else int(args.slots),
+             "host_weights": args.host_weights, "host_grad_buffers": args.host_grad_buffers,
              "speculative_layers": args.speculative_layers, "resident_edges": True if args.resident_edges else "auto",
              "resident_layers": "auto" if args.resident_layers == "auto" else int(args.resident_layers)}
     auto, fixed = Auto.of(asked)  # (resolve decides the rest)
-    placement = Placement(window_slots=args.slots, prefetch_depth=args.depth,
+    placement = Placement(prefetch_depth=args.depth,
                           nvme_fraction=args.nvme_fraction, nvme_master=args.nvme_master,
                           activations_to_nvme=args.activations_to_nvme,
                           offload_activations=args.offload_activations is not None,
@@ -76,6 +77,7 @@ def run_slideformer(args, config):
     cfg = EngineConfig(lr=1e-5, device=args.device, compute_dtype=args.dtype, max_grad_norm=args.max_grad_norm,
                        optimizer_state=args.optimizer_state, offload_dir=args.offload_dir,
                        gpu_memory_limit=int(args.gpu_memory_limit_gib * 2**30) if args.gpu_memory_limit_gib else None,
+                       host_memory_limit=int(args.host_memory_limit_gib * 2**30) if args.host_memory_limit_gib else None,
                        placement=placement, tuning=tuning)
     shape = ModelShape.from_adapter(ModelAdapter(config, args.dtype))
     # what `slideformer train` decides for what is "auto" (plan.resolve), not refused here where it does not fit:
@@ -98,7 +100,7 @@ def run_slideformer(args, config):
 
     def extra():
         p = cfg.placement
-        rep = {"resident_layers_chosen": p.resident_layers, "resident_edges_chosen": p.resident_edges,
+        rep = {"window_slots_chosen": p.window_slots, "resident_layers_chosen": p.resident_layers, "resident_edges_chosen": p.resident_edges,
                "host_weights_chosen": p.host_weights, "host_grad_buffers_chosen": p.host_grad_buffers,
                "speculative_layers_chosen": len(engine.store.spares),
                "speculation": dict(engine.runtime.updates.speculation),  # (units, warm-up steps included)
@@ -243,7 +245,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--micro-batch", type=int, default=0)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--slots", type=int, default=3)
+    ap.add_argument("--slots", default="auto", help="layer slots of the window, or auto (the planner's)")
     ap.add_argument("--depth", type=int, default=None, help="prefetch depth (default: the engine's, 2 with 3 slots)")
     ap.add_argument("--host-weights", default="auto", type=lambda v: v if v in ("auto", "persistent", "staged") else int(v),
                     help="persistent, staged, a number of staged layers, or auto: persistent where the training "
@@ -261,6 +263,8 @@ def parser() -> argparse.ArgumentParser:
                     help="sys.setswitchinterval for the run: how long the GPU-driving thread may hold the GIL")
     ap.add_argument("--max-grad-norm", type=float, default=None)
     ap.add_argument("--gpu-memory-limit-gib", type=float, default=None)
+    ap.add_argument("--host-memory-limit-gib", type=float, default=None,
+                    help="slideformer's host_memory_limit: the planner keeps the process's RAM under it")
     ap.add_argument("--loss-chunk", type=int, default=None,
                     help="loss head tokens per chunk (default: slideformer's planner chooses under its budget; "
                          "plain takes the largest, 8192, as the planner does on a roomy card)")
@@ -388,7 +392,7 @@ def _common(args, cuda: bool) -> dict:
         "settings": {k: getattr(args, k) for k in ("slots", "depth", "host_weights", "host_grad_buffers",
                                                    "speculative_layers", "grad_chunk_elems", "optimizer_threads",
                                                    "switch_interval", "max_grad_norm",
-                                                   "gpu_memory_limit_gib", "loss_chunk", "resident_layers", "resident_edges",
+                                                   "gpu_memory_limit_gib", "host_memory_limit_gib", "loss_chunk", "resident_layers", "resident_edges",
                                                    "loss_kernel", "fused_ops", "optimizer_state", "ds_loss", "offload_dir",
                                                    "nvme_fraction", "nvme_master", "activations_to_nvme",
                                                    "offload_activations")},

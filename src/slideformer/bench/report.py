@@ -27,7 +27,7 @@ def load(paths) -> list[dict]:
 # (settings record what was asked; "auto" choices are in the record's *_chosen keys. Files without those keys
 # recorded the resolved host_weights and host_grad_buffers. Depth: the harness's default is unset (two visits
 # ahead); files that record no optimizer_threads may have run at 1 by default, in those that do 1 is asked for.)
-DEFAULTS = {"slots": 3, "depth": (None, 1), "host_weights": ("auto", "persistent"), "host_grad_buffers": ("auto", 4, None),
+DEFAULTS = {"slots": (3, "auto"), "depth": (None, 1), "host_weights": ("auto", "persistent"), "host_grad_buffers": ("auto", 4, None),
             "optimizer_threads": None,
             "loss_chunk": (None, 1024),
             "resident_layers": "auto",
@@ -35,7 +35,7 @@ DEFAULTS = {"slots": 3, "depth": (None, 1), "host_weights": ("auto", "persistent
             "grad_chunk_elems": 16 << 20, "switch_interval": None, "nvme_master": False,
             "activations_to_nvme": False, "resident_edges": False, "offload_activations": None,
             "resident_at": "start",  # a setting of older files only ("end": the last layers resident)
-            "max_grad_norm": None, "speculative_layers": "auto"}
+            "max_grad_norm": None, "speculative_layers": "auto", "host_memory_limit_gib": None}
 
 
 def variant(r) -> str:

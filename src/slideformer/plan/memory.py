@@ -218,15 +218,28 @@ def config_host_bytes(cfg, shape: ModelShape, batch: int, seq: int, p: Layout,
 
 
 RAM_FRACTION = 0.85  # of the machine's RAM, for the training state: the rest for the OS, Python, CUDA
+# The process besides its training state: Python, torch and the CUDA libraries; RSS exceeded the host
+# model by 1.5-2.0 GiB in every measured run (tests/test_plan.py)
+PROCESS_BYTES = 2 * 2**30
+
+
+def host_budget(cfg, ram: int) -> tuple[int, int]:
+    """(the host bytes of training state the planner aims at, the most it accepts), for an EngineConfig on a
+    machine with ``ram``: under ``host_memory_limit`` that limit (at most the RAM) less PROCESS_BYTES,
+    both; else RAM_FRACTION and 95% of the RAM."""
+    if cfg.host_memory_limit:
+        b = max(0, min(parse_bytes(cfg.host_memory_limit), ram) - PROCESS_BYTES)
+        return b, b
+    return int(RAM_FRACTION * ram), int(0.95 * ram)
 
 
 def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training", prefix: str = "") -> None:
     """Refuse, before anything is allocated, host RAM (``ram`` by category, for EngineConfig ``cfg``) over
-    95% of ``have``: the kernel's OOM killer would otherwise end the run mid-way, with nothing said. The
-    message names the settings (``prefix``: the trainer's "offload.") that would need less and are not in
-    use yet."""
+    what ``host_budget`` accepts on a machine with ``have``: the kernel's OOM killer would otherwise end
+    the run mid-way, with nothing said. The message names the settings (``prefix``: the trainer's
+    "offload.") that would need less and are not in use yet."""
     total = sum(ram.values())
-    if total <= 0.95 * have:
+    if total <= host_budget(cfg, have)[1]:
         return
     hints, k = [], prefix
     if ram.get("spares"):
@@ -241,9 +254,15 @@ def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training",
         hints.append(f"the master on the NVMe tier too ({k}nvme_master)")
     if cfg.optimizer_state != "compact":
         hints.append(f"compact optimizer state ({k}optimizer_state)")
+    if cfg.host_memory_limit:
+        hints.append(f"a larger {k}host_memory_limit")
+        has = (f"{k}host_memory_limit is {parse_bytes(cfg.host_memory_limit) / 2**30:.1f} GiB "
+               f"({host_budget(cfg, have)[1] / 2**30:.1f} for the training state)")
+    else:
+        has = f"this machine has {have / 2**30:.1f} GiB"
     raise DoesNotFit(f"{what} needs about {total / 2**30:.1f} GiB of host RAM "
-                     f"({', '.join(f'{k} {v / 2**30:.1f}' for k, v in ram.items())}), this machine has "
-                     f"{have / 2**30:.1f} GiB; use {', '.join(hints + ['a smaller model'])}")
+                     f"({', '.join(f'{k} {v / 2**30:.1f}' for k, v in ram.items())}), {has}; "
+                     f"use {', '.join(hints + ['a smaller model'])}")
 
 
 MIN_GRAD_BUFFERS = 4  # the gradient ring where RAM is short: backward then runs at most 4 layers ahead
@@ -253,7 +272,7 @@ def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Layout, ram: int,
               weights: bool = True, buffers: bool = True, spares: bool = False):
     """The EngineConfig ``cfg`` with the host settings its caller leaves to the planner decided (``weights``:
     host_weights "auto", ``buffers``: host_grad_buffers "auto", ``spares``: speculative_layers "auto"),
-    each where the training state still leaves (1 - RAM_FRACTION) of the RAM free.
+    each where the training state stays within ``host_budget``'s aim.
 
     - host_weights: a persistent bf16 host copy (no cast at copy time); where it does not fit, the fewest
       staged layers (an int) that make it fit, else "staged" for all (2 bytes/param less). All staged,
@@ -264,7 +283,7 @@ def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Layout, ram: int,
       smallest: a staged layer costs two casts a step, a missing buffer less.
     - speculative_layers (clipping only; 0 without): a spare state for every streamed layer in RAM, else
       as many as fit. Decided last: without them clipping costs what it did before they existed."""
-    budget = RAM_FRACTION * ram
+    budget = host_budget(cfg, ram)[0]
     streamed = shape.layers - min(p.resident_layers, shape.layers)  # resident layers keep no host state
 
     def total(c) -> int:
@@ -314,6 +333,23 @@ def gpu_budget(cfg, gpu: int | None = None) -> int:
     if gpu is None:
         raise ValueError("no GPU budget: set gpu_memory_limit, or give the GPU's memory")
     return int(0.9 * gpu)
+
+
+WINDOW_SLOTS = (3, 2)  # layer slots of the streamed window, the most first (3 prefetch two visits ahead)
+
+
+def choose_window_slots(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout = Layout()) -> int:
+    """``window_slots`` "auto": the most layer slots under which the step fits ``limit`` with its MLPs
+    whole, else the most under which it fits at all (a slot less costs prefetch depth: the copy of a
+    layer then overlaps one visit's compute, not two; token-chunked MLPs cost a forward)."""
+    fitting = {}
+    for k in WINDOW_SLOTS:
+        try:
+            fitting[k] = fit(shape, batch, seq, limit, replace(base, window_slots=k))
+        except DoesNotFit:
+            pass
+    whole = [k for k, p in fitting.items() if p.mlp_chunk_tokens == base.mlp_chunk_tokens]
+    return (whole or list(fitting) or [WINDOW_SLOTS[0]])[0]
 
 
 def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout = Layout(),

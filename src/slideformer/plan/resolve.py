@@ -2,7 +2,7 @@
 ``resolve``. It is pure: the machine's RAM and GPU memory come in as a ``Machine``.
 
 The order is the dependency chain: spare states for clipping (what RAM holds with every layer
-streamed; residency depends on them), then the units trained on the GPU (under the GPU budget), then
+streamed; residency depends on them), then the window's slots (under the GPU budget), then the units trained on the GPU (under the GPU budget), then
 the placement (micro-batches, offloaded layer inputs), then the host settings (bf16 copy, gradient
 buffers, spares), then the host check."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..machine import Machine
-from .memory import (DoesNotFit, ModelShape, Layout, auto_host, auto_residency, check_host_fits,
+from .memory import (DoesNotFit, ModelShape, Layout, auto_host, auto_residency, check_host_fits, choose_window_slots,
                      config_host_bytes, fit, gpu_budget, gpu_bytes, heads, nvme_layer_count, parse_bytes, spares_that_fit,
                      step_time)
 
@@ -24,6 +24,7 @@ class Auto:
     speculative_layers: bool = True
     resident_layers: bool = True
     resident_edges: bool | None = None  # None: the planner's call; True or False: fixed
+    window_slots: bool = True
 
     @classmethod
     def of(cls, asked: dict) -> tuple["Auto", dict]:
@@ -31,7 +32,8 @@ class Auto:
         and the fixed ones (for ``Placement``)."""
         edges = asked.get("resident_edges", "auto")
         auto = cls(**{k: asked.get(k, "auto") == "auto"
-                      for k in ("host_weights", "host_grad_buffers", "speculative_layers", "resident_layers")},
+                      for k in ("host_weights", "host_grad_buffers", "speculative_layers", "resident_layers",
+                                "window_slots")},
                    resident_edges=None if edges == "auto" else edges)
         return auto, {k: v for k, v in asked.items() if v != "auto"}
 
@@ -59,6 +61,9 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
     on_gpu = str(cfg.device).startswith("cuda")
     if auto.speculative_layers:
         cfg = cfg.placed(speculative_layers=spares_that_fit(cfg, shape, batch, seq, machine.ram))
+    if auto.window_slots and on_gpu and (cfg.gpu_memory_limit or machine.gpu) and (cfg.placement.prefetch_depth or 1) < 2:
+        cfg = cfg.placed(window_slots=choose_window_slots(shape, batch, seq, gpu_budget(cfg, machine.gpu),
+                                                          Layout.of(cfg)))
     if auto.resident_layers and on_gpu:
         budget = gpu_budget(cfg, machine.gpu)
         cfg = replace(cfg.placed(**auto_residency(cfg, shape, batch, seq, auto.resident_edges, machine.gpu)),

@@ -28,6 +28,9 @@ class OffloadConfig:
     """The engine's memory settings (slideformer.config): the budget, the optimizer state and the NVMe
     folder a user decides, then the placement the planner decides where a key is "auto"."""
     gpu_memory_limit: str | None = None  # e.g. 24GiB: the batch is split and offloaded to fit under it
+    # e.g. 48GiB: the whole process's RAM; the planner fits the training state under it, else says what
+    # would (null: the machine's RAM less 15%)
+    host_memory_limit: str | None = None
     optimizer_state: str = "fp32"  # or "compact" (bf16 state: 8 instead of 14 bytes/param of host RAM)
     offload_dir: str | None = None  # NVMe tier for the Adam moments of nvme_fraction of the layers
     # the first N layers train on the GPU (see `slideformer plan`); "auto": as many as the GPU budget
@@ -35,7 +38,8 @@ class OffloadConfig:
     resident_layers: int | str = "auto"
     resident_edges: bool | str = "auto"  # embedding and head on the GPU too; "auto": the planner's call
     # (with resident_layers "auto"; with a fixed resident_layers, "auto" means no)
-    window_slots: int = 3
+    # layer slots of the GPU window; "auto": 3, or 2 where the GPU budget is too tight for 3
+    window_slots: int | str = "auto"
     prefetch_depth: int | None = None  # null: two visits ahead where window_slots allows
     # "persistent" (a bf16 host copy the optimizer refreshes), "staged" (cast at copy time, 2 bytes/param
     # less RAM), a number k (the last k layers staged) or "auto": persistent where the training state
@@ -153,13 +157,15 @@ class TrainConfig:
         rl = self.offload.resident_layers
         if not (rl == "auto" or (isinstance(rl, int) and not isinstance(rl, bool) and rl >= 0)):
             raise ConfigError(f"offload.resident_layers must be a number of layers >= 0, or auto; got {rl!r}")
-        if self.offload.gpu_memory_limit is not None:
-            from ..plan import parse_bytes
+        for key in ("gpu_memory_limit", "host_memory_limit"):
+            if getattr(self.offload, key) is not None:
+                from ..plan import parse_bytes
 
-            try:
-                parse_bytes(self.offload.gpu_memory_limit)
-            except ValueError as e:
-                raise ConfigError(f"offload.gpu_memory_limit: {e}") from None
+                try:
+                    if parse_bytes(getattr(self.offload, key)) <= 0:
+                        raise ValueError(f"a memory size must be > 0, got {getattr(self.offload, key)!r}")
+                except ValueError as e:
+                    raise ConfigError(f"offload.{key}: {e}") from None
         if self.offload.resident_edges not in (True, False, "auto"):
             raise ConfigError(f"offload.resident_edges must be true, false or auto, got {self.offload.resident_edges!r}")
         if self.device == "cuda" and self.bf16 is False and self.offload.gpu_memory_limit:
