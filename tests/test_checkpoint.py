@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from slideformer import CheckpointError, SlideEngine
+from slideformer import CheckpointError, EngineConfig, SlideEngine
 
 from tiny import batch, build, engine_config
 
@@ -67,3 +67,16 @@ def test_sharded_export_round_trips(tmp_path, monkeypatch):
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
     with SlideEngine.from_pretrained(tmp_path, engine_config(**CPU)) as eng:
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in eng.state_dict().items())
+
+
+def test_random_init_draws_large_matrices_in_blocks(monkeypatch):
+    """A matrix over INIT_PIECE elements is drawn block by block (the GPU holds one block, not the whole
+    embedding): every row is drawn, each block differently, at the config's std."""
+    from slideformer.checkpoint import loader
+
+    monkeypatch.setattr(loader, "INIT_PIECE", 100)  # the tiny embedding [97, 32]: blocks of 3 rows
+    with SlideEngine.from_config(build("llama").config, EngineConfig(device="cpu", compute_dtype=torch.float32)) as e:
+        w = e.state_dict()["model.embed_tokens.weight"]
+    assert w.shape == (97, 32) and bool((w.abs().sum(1) > 0).all())
+    assert not torch.equal(w[0:3], w[3:6])
+    assert 0.015 < float(w.std()) < 0.025

@@ -9,6 +9,7 @@ tensors are in.
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -89,10 +90,16 @@ def load_safetensors(path: str | os.PathLike, adapter: ModelAdapter, store: Host
         raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]}")
 
 
+INIT_PIECE = 1 << 26  # elements of a random matrix drawn at once on the device (256 MiB in fp32)
+
+
 def random_init(adapter: ModelAdapter, store: HostStore, seed: int = 0, device: str | torch.device = "cpu") -> None:
     """Hugging Face's default init (normal(0, initializer_range), norms at 1, biases at 0), per unit.
 
-    The random numbers are drawn on ``device``: on a GPU this takes seconds for billions of weights.
+    The random numbers are drawn on ``device``: on a GPU this takes seconds for billions of weights. A
+    matrix over INIT_PIECE elements is drawn in row blocks gathered on the host, so that the GPU never
+    holds more than one block beside the engine's window (an fp32 [vocab, hidden] is 1.5-2 GiB: more
+    than a tight gpu_memory_limit leaves).
     """
     std = getattr(adapter.config, "initializer_range", 0.02)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -103,8 +110,12 @@ def random_init(adapter: ModelAdapter, store: HostStore, seed: int = 0, device: 
                 v = torch.ones(spec.shape)
             elif spec.key.endswith(".bias"):
                 v = torch.zeros(spec.shape)
-            else:
+            elif math.prod(spec.shape) <= INIT_PIECE:
                 v = torch.empty(spec.shape, device=device).normal_(0.0, std, generator=gen)
+            else:
+                rows = max(1, INIT_PIECE // math.prod(spec.shape[1:]))
+                v = torch.cat([torch.empty((min(rows, spec.shape[0] - r), *spec.shape[1:]), device=device)
+                               .normal_(0.0, std, generator=gen).cpu() for r in range(0, spec.shape[0], rows)])
             writer.put(u, spec, v)
 
 
