@@ -160,9 +160,13 @@ def test_nothing_is_pinned_after_the_first_step(monkeypatch):
 
 
 @pytest.mark.parametrize("staged", [2, "staged"])
-def test_staged_host_weights_on_gpu_match_persistent(staged):
-    """The pinned double-buffered cast at copy time (CudaCopier._copy_staged, engine/copier.py), for some layers or every unit,
-    gives the same bits as the copy the optimizer refreshes."""
+def test_staged_host_weights_on_gpu_match_persistent(staged, monkeypatch):
+    """The fp32 master sent and cast on the GPU at copy time (CudaCopier._copy_staged, engine/copier.py), in
+    pieces through one staging buffer, for some layers or every unit, gives the same bits as the bf16 copy
+    the optimizer refreshes."""
+    from slideformer.engine import runtime
+
+    monkeypatch.setattr(runtime, "STAGING_ELEMS", 1000)  # a layer in several pieces, the last one short
     model = build("llama")
     steps = [batch(97, b=4, s=32, seed=s) for s in range(3)]
     a, la = cuda_engine_train(model, steps, compute_dtype=torch.bfloat16, lr=1e-3, host_weights="persistent")

@@ -127,7 +127,7 @@ def test_staged_host_weights_are_counted_over_the_host_units():
     cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, placement=Placement(host_weights="staged", resident_layers=1, resident_edges=True))
     with SlideEngine(build("llama"), cfg) as eng:
         assert eng.store.staged == {eng.adapter.layer_unit(i).index for i in (1, 2)}
-        assert "host weights cast at copy time;" in eng.describe() + ";"
+        assert "no bf16 host copy: the fp32 master crosses PCIe;" in eng.describe() + ";"
         assert eng.memory_report()["host_weights"] == 0
 
 
@@ -201,9 +201,9 @@ def test_host_weights_match_engine_accounting(host_weights):
         staged = [u for u, w in enumerate(eng.store.weights) if w is None]
         assert staged == {"persistent": [], 1: [eng.adapter.layer_unit(sh.layers - 1).index],
                           "staged": list(range(len(eng.adapter.units)))}[host_weights]
-        said = {"persistent": None, 1: r"host weights cast at copy time for the last 1 layer(;|$)",
-                "staged": r"host weights cast at copy time(;|$)"}[host_weights]
-        assert re.search(said, eng.describe()) if said else "cast at copy time" not in eng.describe()
+        said = {"persistent": None, 1: r"no bf16 host copy for the last 1 layer: their fp32 master crosses PCIe(;|$)",
+                "staged": r"no bf16 host copy: the fp32 master crosses PCIe(;|$)"}[host_weights]
+        assert re.search(said, eng.describe()) if said else "no bf16 host copy" not in eng.describe()
 
 
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])

@@ -53,12 +53,15 @@ class _UnitWriter:
         self.store = store
         self.open: dict[int, tuple[torch.Tensor, set[str]]] = {}
 
-    def put(self, unit, spec, value: torch.Tensor) -> None:
+    def put(self, unit, spec, value: torch.Tensor, row: int = 0, last: bool = True) -> None:
+        """``value``: the parameter, or its rows from ``row`` on (``last``: the final block of them)."""
         if unit.index not in self.open:
             buf = self.store.master[unit.index]
             self.open[unit.index] = (torch.zeros(unit.numel, dtype=self.store.master_dtype) if buf is None else buf, set())
         buf, seen = self.open[unit.index]
-        buf[spec.offset: spec.offset + spec.numel].view(spec.shape).copy_(value)
+        buf[spec.offset: spec.offset + spec.numel].view(spec.shape)[row: row + value.shape[0]].copy_(value)
+        if not last:
+            return
         seen.add(spec.key)
         if len(seen) == len(unit.params):
             self.store.set_master(unit.index, buf)
@@ -97,9 +100,9 @@ def random_init(adapter: ModelAdapter, store: HostStore, seed: int = 0, device: 
     """Hugging Face's default init (normal(0, initializer_range), norms at 1, biases at 0), per unit.
 
     The random numbers are drawn on ``device``: on a GPU this takes seconds for billions of weights. A
-    matrix over INIT_PIECE elements is drawn in row blocks gathered on the host, so that the GPU never
-    holds more than one block beside the engine's window (an fp32 [vocab, hidden] is 1.5-2 GiB: more
-    than a tight gpu_memory_limit leaves).
+    matrix over INIT_PIECE elements is drawn and stored in row blocks, so that neither the GPU nor the
+    host holds more than one block beside the engine's own memory (an fp32 [vocab, hidden] is 1.5-2 GiB:
+    more than a tight gpu_memory_limit leaves, and a host budget would count it).
     """
     std = getattr(adapter.config, "initializer_range", 0.02)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -110,12 +113,13 @@ def random_init(adapter: ModelAdapter, store: HostStore, seed: int = 0, device: 
                 v = torch.ones(spec.shape)
             elif spec.key.endswith(".bias"):
                 v = torch.zeros(spec.shape)
-            elif math.prod(spec.shape) <= INIT_PIECE:
-                v = torch.empty(spec.shape, device=device).normal_(0.0, std, generator=gen)
             else:
-                rows = max(1, INIT_PIECE // math.prod(spec.shape[1:]))
-                v = torch.cat([torch.empty((min(rows, spec.shape[0] - r), *spec.shape[1:]), device=device)
-                               .normal_(0.0, std, generator=gen).cpu() for r in range(0, spec.shape[0], rows)])
+                n, rest = spec.shape[0], spec.shape[1:]
+                rows = max(1, INIT_PIECE // math.prod(rest)) if math.prod(spec.shape) > INIT_PIECE else n
+                for r in range(0, n, rows):
+                    v = torch.empty((min(rows, n - r), *rest), device=device).normal_(0.0, std, generator=gen)
+                    writer.put(u, spec, v, row=r, last=r + rows >= n)
+                continue
             writer.put(u, spec, v)
 
 

@@ -62,9 +62,9 @@ class CudaCopier:
         self.h2d = torch.cuda.Stream(device)
         self.d2h = torch.cuda.Stream(device)
         self._ticket = torch.zeros((), dtype=torch.int64, device=device)
-        # "staged" units are cast into pinned staging: two buffers, each rewritten only after its last copy
-        self._staging = [(torch.empty(staging_elems, dtype=dtype, pin_memory=True), None)
-                         for _ in range(2 if staging_elems else 0)]
+        # "staged" units cross PCIe as their (pinned) master and are cast on the GPU, piece by piece through
+        # one staging buffer: in stream order on the h2d stream, so no CPU work and no host buffer
+        self._staging = torch.empty(staging_elems, dtype=torch.float32, device=device) if staging_elems else None
         self._visit = (None, None)
 
     def load(self, dst: torch.Tensor, src: torch.Tensor, staged: bool, used):
@@ -83,15 +83,11 @@ class CudaCopier:
         return loaded
 
     def _copy_staged(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        step = self._staging[0][0].numel()
-        for i, start in enumerate(range(0, src.numel(), step)):
-            buf, ev = self._staging[i % 2]
-            if ev is not None:
-                ev.synchronize()
-            m = min(step, src.numel() - start)
-            buf[:m].copy_(src[start: start + m])
-            dst[start: start + m].copy_(buf[:m], non_blocking=True)
-            self._staging[i % 2] = (buf, self.h2d.record_event())
+        buf = self._staging
+        for start in range(0, src.numel(), buf.numel()):
+            m = min(buf.numel(), src.numel() - start)
+            buf[:m].copy_(src[start: start + m], non_blocking=True)
+            dst[start: start + m].copy_(buf[:m])  # the cast, a kernel on the h2d stream behind the copy
 
     def begin_visit(self, loaded) -> None:
         """The compute stream waits for the slot's weights."""

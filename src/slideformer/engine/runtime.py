@@ -6,9 +6,9 @@ units' GPU state in its ``ResidentState`` (engine/resident.py).
 Hand-offs, and what makes each safe:
 - host weights -> slot (loader thread, h2d stream): the main thread queues a load request with the
   slot's current ``used`` event; the loader waits for the unit's ``updated`` flag (set by the
-  optimizer after its AdamW step) so the copy reads fresh weights, casts them into pinned staging in
-  "staged" mode, and enqueues the copy behind ``used``, so it never overwrites weights a queued kernel
-  still reads. It then records ``loaded`` and sets the request's ``issued`` flag.
+  optimizer after its AdamW step) so the copy reads fresh weights ("staged" mode: the fp32 master,
+  cast on the GPU), and enqueues the copy behind ``used``, so it never overwrites weights a queued
+  kernel still reads. It then records ``loaded`` and sets the request's ``issued`` flag.
 - slot -> compute: the main thread waits for ``issued`` (the copy is enqueued), then the compute
   stream waits for ``loaded``.
 - slot grads -> host grads (d2h stream): the d2h stream waits for an event recorded on the compute
@@ -69,7 +69,7 @@ from .profile import NullProfiler, StepProfiler
 from .updates import SentGrads, Updates
 from .resident import ResidentState
 
-STAGING_ELEMS = 32 * 2**20  # "staged" host weights: cast the master in 32M-element chunks
+STAGING_ELEMS = 16 * 2**20  # "staged" host weights: the master crosses in 16M-element (64 MiB) pieces, cast on the GPU
 # How long one thread may hold the GIL while another waits for it (Python's default is 5 ms). The worker
 # and loader threads need it back after each kernel call and copy; at the default the GPU-driving thread
 # would keep them waiting up to 5 ms each time.
@@ -167,7 +167,7 @@ class Runtime:
         self._loads.put((unit, slot, slot.used, slot.issued))
 
     def _load_work(self) -> None:
-        """Loader thread: waits for each unit's update, casts (staged mode) and enqueues its h2d copy,
+        """Loader thread: waits for each unit's update and enqueues its h2d copy (staged mode: and cast),
         so the Python thread that drives the GPU never blocks on either."""
         while (job := self._loads.get()) is not None:
             unit, slot, used, issued = job

@@ -4,8 +4,8 @@ Per unit, flat 1-D tensors laid out as in ``UnitSpec``:
 - ``master``   fp32 weights, the source of truth;
 - ``exp_avg``, ``exp_avg_sq``  fp32 Adam moments;
 - ``weights``  the compute-dtype copy the GPU window reads (pinned under CUDA). With fp32 compute it
-  *is* the master. ``staged_units`` have none (``weights[u] is None``): the window casts their master
-  through shared pinned staging at copy time instead (2 bytes/param less RAM, more CPU work);
+  *is* the master. ``staged_units`` have none (``weights[u] is None``): their (then pinned) master crosses
+  PCIe and is cast on the GPU at copy time instead (2 bytes/param less RAM, twice the PCIe bytes);
 - ``grad_buffers``  compute-dtype gradients arriving from the GPU (pinned under CUDA). The embedding
   and head units (when streamed) own one each; streamed decoder layers either own one each (needed when
   clipping, which holds every gradient until backward ends) or share a ring of ``host_grad_buffers``
@@ -74,8 +74,9 @@ class HostStore:
         # Moments (and with nvme_master the master) in RAM for host units not on the NVMe tier; None elsewhere.
         in_ram = [u for u in host if u.index not in nvme_units]
         self.nvme_master = nvme_master and bool(nvme_units)
-        self.master = _some(units, in_ram if self.nvme_master else host, master_dtype,
-                            pin and compute_dtype == master_dtype, self._registered)
+        # pinned where the GPU reads it: as the weights (fp32 compute), or to cast them there (staged units)
+        pin_master = pin and (compute_dtype == master_dtype or bool(set(staged_units) & {u.index for u in host}))
+        self.master = _some(units, in_ram if self.nvme_master else host, master_dtype, pin_master, self._registered)
         self.master_lo = _some(units, host, torch.bfloat16, False, self._registered) if compact else None
         self.moment_dtype = moment_dtype = torch.bfloat16 if compact else torch.float32
         self.exp_avg = _some(units, in_ram, moment_dtype, False, self._registered)
@@ -107,10 +108,10 @@ class HostStore:
             self.host_grad_buffers = host_grad_buffers
         self.grad_owner = [own.get(u.index, []) for u in units]
         self.grad_buffers = _arena(shapes, compute_dtype, pin, self._registered)
-        # Spare states, for decoder layers in RAM (all of one size): the master half the GPU reads (compact
-        # state, fp32 compute) is pinned as the master is, since a spare becomes a unit's master.
+        # Spare states, for decoder layers in RAM (all of one size): the master half is pinned as the master
+        # is, since a spare becomes a unit's master.
         spare_units = [layers[0]] * spare_states if layers and len({u.numel for u in layers}) == 1 else []
-        fields = {"master": _arena(spare_units, master_dtype, pin and compute_dtype == master_dtype, self._registered)}
+        fields = {"master": _arena(spare_units, master_dtype, pin_master, self._registered)}
         if compact:
             fields["master_lo"] = _arena(spare_units, torch.bfloat16, False, self._registered)
         fields["exp_avg"] = _arena(spare_units, moment_dtype, False, self._registered)

@@ -275,12 +275,12 @@ def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Layout, ram: int,
     each where the training state stays within ``host_budget``'s aim.
 
     - host_weights: a persistent bf16 host copy (no cast at copy time); where it does not fit, the fewest
-      staged layers (an int) that make it fit, else "staged" for all (2 bytes/param less). All staged,
-      a step is bound by host memory bandwidth: each layer is cast twice a step.
+      staged layers (an int) that make it fit, else "staged" for all (2 bytes/param less). A staged
+      layer crosses PCIe as its fp32 master (cast on the GPU): twice the bytes, twice a step.
     - host_grad_buffers: a buffer per streamed layer, else as many as fit and at least MIN_GRAD_BUFFERS.
       With few buffers backward waits for the CPU and the CPU then idles through the next forward; with
       one per layer the backlog waits in RAM. The weights are decided first, with the ring at its
-      smallest: a staged layer costs two casts a step, a missing buffer less.
+      smallest: a staged layer costs PCIe bytes, a missing buffer less.
     - speculative_layers (clipping only; 0 without): a spare state for every streamed layer in RAM, else
       as many as fit. Decided last: without them clipping costs what it did before they existed."""
     budget = host_budget(cfg, ram)[0]
@@ -510,7 +510,7 @@ class MachineRates:
 def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: MachineRates = MachineRates(),
               compact: bool = False, nvme_layers: int = 0, nvme_master: bool = False,
               activations_to_nvme: bool = False, clipping: bool = False,
-              speculative_layers: int = 0) -> dict[str, float]:
+              speculative_layers: int = 0, staged_params: int = 0) -> dict[str, float]:
     """Predicted seconds per step: the largest of the GPU's work (the layers' and the head's products,
     recompute included, and the resident units' AdamW; +2%), the CPU optimizer plus the GPU work it cannot
     overlap, and the weight copies and the NVMe tier's moment traffic (read and written once per step;
@@ -520,8 +520,9 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
     top. ``speculative_layers`` of the streamed layers are updated before the norm (engine/runtime.py):
     only the rest follows backward, where the norm stays within the limit. The GPU term takes one rate
     for every model: a little short of smaller models' GPU work and over larger ones' (larger GEMMs run
-    faster). Steps under 24 GiB come within 6% of measured ones (tests/test_plan.py); not counted: a ring
-    of few gradient buffers (it predicts such steps short) and staged casts."""
+    faster). ``staged_params`` cross PCIe as their fp32 master. Steps under 24 GiB come within 6% of
+    measured ones (tests/test_plan.py); not counted: a ring of few gradient buffers (it predicts such
+    steps short)."""
     tokens = batch * seq
     k = min(p.resident_layers, shape.layers)
     on_cpu = shape.params - k * shape.layer_params - (shape.embed_params + shape.head_params
@@ -543,7 +544,8 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
         # offloaded layer inputs: out and back once a step, each way on its own copy engine
         "activations_s": offloaded * tokens * shape.hidden * 2 / rates.pcie_bytes_per_s,
         "optimizer_s": on_cpu / cpu_rate,
-        "h2d_s": 2 * 2 * streamed / rates.pcie_bytes_per_s,
+        # bf16 weights, about twice a step; staged parameters cross as their fp32 master
+        "h2d_s": 2 * (2 * streamed + 2 * min(staged_params, streamed)) / rates.pcie_bytes_per_s,
         "nvme_s": 2 * (nvme_bytes(shape, nvme_layers, compact, nvme_master)
                        + (activations_to_nvme * (shape.layers - min(shape.layers, p.gpu_activation_layers))
                           * tokens * shape.hidden * 2)) / rates.disk_bytes_per_s,

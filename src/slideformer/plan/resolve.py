@@ -101,7 +101,10 @@ def predicted_step(plan: Plan, shape: ModelShape, batch: int, seq: int) -> dict:
     """``step_time`` of a resolved plan (the tier's layers are the last, never resident ones)."""
     c = plan.config
     resident = min(plan.placement.resident_layers, shape.layers)
-    return step_time(shape, batch, seq, plan.placement, compact=c.optimizer_state == "compact",
+    hw, streamed = c.placement.host_weights, shape.layers - resident
+    staged = 0 if c.optimizer_state == "compact" else shape.params if hw == "staged" else \
+        0 if hw == "persistent" else min(hw, streamed) * shape.layer_params
+    return step_time(shape, batch, seq, plan.placement, compact=c.optimizer_state == "compact", staged_params=staged,
                      nvme_layers=min(nvme_layer_count(c, shape.layers), shape.layers - resident),
                      nvme_master=c.placement.nvme_master, activations_to_nvme=c.placement.activations_to_nvme,
                      clipping=c.max_grad_norm is not None, speculative_layers=c.placement.speculative_layers)

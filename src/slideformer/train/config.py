@@ -41,7 +41,7 @@ class OffloadConfig:
     # layer slots of the GPU window; "auto": 3, or 2 where the GPU budget is too tight for 3
     window_slots: int | str = "auto"
     prefetch_depth: int | None = None  # null: two visits ahead where window_slots allows
-    # "persistent" (a bf16 host copy the optimizer refreshes), "staged" (cast at copy time, 2 bytes/param
+    # "persistent" (a bf16 host copy the optimizer refreshes), "staged" (the fp32 master sent and cast on the GPU, 2 bytes/param
     # less RAM), a number k (the last k layers staged) or "auto": persistent where the training state
     # leaves 15% of the RAM free, else the fewest staged layers that do
     host_weights: str | int = "auto"
