@@ -88,7 +88,7 @@ def main() -> None:
         print(json.dumps({"variant": name, "model": args.model, "tokens": args.tokens, "forward_ms": f * 1e3,
                           "recompute_backward_ms": b * 1e3, "layer_ms": (f + b) * 1e3,
                           "tflops": flops / (f + b) / 1e12, "torch": torch.__version__}))
-        del layer, run
+        layer = run = None  # (freed before the next variant)
         torch.cuda.empty_cache()
 
 

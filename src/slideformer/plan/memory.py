@@ -119,7 +119,7 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: i
     T = batch * seq
     t = min(batch, p.micro_batch) * seq
     kept = min(shape.layers, p.gpu_activation_layers)
-    V, H = shape.vocab, shape.hidden
+    H = shape.hidden
     k = min(p.resident_layers, shape.layers)
     edges = p.edges_resident(shape)
     # untied: the head's weights take the embedding's slot (window/schedule.py); tied: the head slot holds the norm
