@@ -134,6 +134,23 @@ def test_version_and_help_start_without_torch(capsys):
     assert PLAN_DEFAULTS == {k: getattr(EngineConfig, k) for k in PLAN_DEFAULTS}
 
 
+def test_the_cli_asks_for_expandable_segments_unless_the_user_chose():
+    """Before CUDA starts: fixed segments would keep gaps reserved over the budget the planner kept
+    allocations under (the benchmarks' reserved figures are with expandable segments)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os\nfrom slideformer.cli import main\ntry:\n    main(['--version'])\nexcept SystemExit:\n"
+            "    pass\nprint(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout
+    assert out.strip().endswith("expandable_segments:True")
+    env["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:64"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout
+    assert out.strip().endswith("max_split_size_mb:64")
+
+
 def test_logs_are_plain_lines_off_a_terminal_and_name_no_gpu_on_the_cpu(tmp_path, capsys):
     """stdout a file or pipe (here: captured): no redrawn bar, whole lines; a CPU run shows no GPU memory."""
     assert main(["train", "max_steps=2", "device=cpu", "progress=true", "logging_steps=1",

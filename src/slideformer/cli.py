@@ -178,7 +178,9 @@ def cmd_plan(args) -> int:
             print(f"NVMe {gib(out['nvme_bytes'])} under {args.offload_dir}")
         print(f"placement: micro-batch {min(placement.micro_batch, args.batch_size)}, "
               f"{min(placement.gpu_activation_layers, shape.layers)}/{shape.layers} layer inputs on the GPU"
-              + (f", MLPs in {placement.mlp_chunk_tokens}-token chunks" if placement.mlp_chunk_tokens else ""))
+              + (f", MLPs in {placement.mlp_chunk_tokens}-token chunks" if placement.mlp_chunk_tokens else "")
+              + (f", the lm_head gradient in {placement.head_slice}-row slices" if placement.head_slice else "")
+              + (f", {placement.window_slots} window slots" if placement.window_slots != 3 else ""))
         print(f"predicted step {timing['step_s']:.2f} s ({out['predicted_tokens_per_s']:.0f} tok/s by the time model "
               f"of the H200 machine, within 6% of its unclipped 4B and 8B steps): GPU {timing['gpu_compute_s']:.2f} s, "
               f"optimizer {timing['optimizer_s']:.2f} s"
@@ -385,6 +387,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str], signals: Signals) -> int:
     from . import __version__
+
+    # Before CUDA starts: the window's slots, loss chunks and layer activations come and go every step in
+    # varying sizes, and fixed-size segments would hold their gaps reserved (over a gpu_memory_limit the
+    # planner kept allocations under). A user's own setting stands.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
     if argv[:1] == ["bench"]:  # its own parser: one case, or `bench report FILE...`
         if argv[1:2] == ["report"]:
