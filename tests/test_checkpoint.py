@@ -75,8 +75,20 @@ def test_random_init_draws_large_matrices_in_blocks(monkeypatch):
     from slideformer.checkpoint import loader
 
     monkeypatch.setattr(loader, "INIT_PIECE", 100)  # the tiny embedding [97, 32]: blocks of 3 rows
-    with SlideEngine.from_config(build("llama").config, EngineConfig(device="cpu", compute_dtype=torch.float32)) as e:
+    calls, put = [], loader._UnitWriter.put
+
+    def spy(self, unit, spec, value, row=0, last=True):
+        if spec.key == "model.embed_tokens.weight":
+            calls.append((row, value.shape[0], last))
+        return put(self, unit, spec, value, row, last)
+
+    monkeypatch.setattr(loader._UnitWriter, "put", spy)
+    # bf16 compute: the GPU's copy is written from the master only once the unit is complete
+    with SlideEngine.from_config(build("llama").config, EngineConfig(device="cpu", compute_dtype=torch.bfloat16)) as e:
         w = e.state_dict()["model.embed_tokens.weight"]
+        copy = e.store.weights[e.adapter.embed_unit.index]
+        assert torch.equal(copy[: w.numel()], w.flatten().bfloat16())
+    assert calls == [(r, min(3, 97 - r), r == 96) for r in range(0, 97, 3)]
     assert w.shape == (97, 32) and bool((w.abs().sum(1) > 0).all())
     assert not torch.equal(w[0:3], w[3:6])
     assert 0.015 < float(w.std()) < 0.025

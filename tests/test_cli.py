@@ -149,6 +149,10 @@ def test_the_cli_asks_for_expandable_segments_unless_the_user_chose():
     env["PYTORCH_CUDA_ALLOC_CONF"] = "max_split_size_mb:64"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout
     assert out.strip().endswith("max_split_size_mb:64")
+    env.pop("PYTORCH_CUDA_ALLOC_CONF")
+    env["PYTORCH_ALLOC_CONF"] = "max_split_size_mb:64"  # (torch's newer name)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env).stdout
+    assert out.strip().endswith("None")
 
 
 def test_logs_are_plain_lines_off_a_terminal_and_name_no_gpu_on_the_cpu(tmp_path, capsys):

@@ -57,7 +57,8 @@ def model_dirs(tmp_path):
     ("save_total_limit=-1", 2, ["save_total_limit must be >= 1"]),
     ("offload.gpu_memory_limit=lots", 2, ["offload.gpu_memory_limit", "24GiB"]),
     ("offload.host_memory_limit=0GiB", 2, ["offload.host_memory_limit", "must be > 0"]),
-    ("offload.window_slots=1", 2, ["offload.window_slots must be >= 2"]),  # (the engine's check, in user keys)
+    ("offload.window_slots=1", 2, ["offload.window_slots must be auto or a number of slots >= 2"]),
+    ("offload.window_slots=three", 2, ["offload.window_slots must be auto or a number of slots >= 2, got 'three'"]),
     ("output_dir=/etc/passwd/run", 5, ["/etc/passwd/run"]),
     ("offload.offload_dir=/etc/passwd", 2, ["offload.offload_dir /etc/passwd is a file"]),
     ("num_train_epochs=nan", 2, ["num_train_epochs must be a finite number"]),

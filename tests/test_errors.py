@@ -35,12 +35,15 @@ def test_bad_batches(bad, match):
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(window_slots=1), "window_slots must be >= 2"),
+    (dict(window_slots=1), "window_slots must be a number of slots >= 2"),
+    (dict(window_slots="auto"), "window_slots must be a number of slots >= 2"),
     (dict(window_slots=2, prefetch_depth=2), "raise window_slots or lower prefetch_depth"),
     (dict(max_grad_norm=0.0), "max_grad_norm"),
     (dict(host_weights="disk"), "host_weights"),
     (dict(host_memory_limit="lots"), "host_memory_limit: cannot read a memory size"),
     (dict(host_memory_limit=0), "host_memory_limit: a memory size must be > 0"),
+    (dict(host_memory_limit=float("inf")), "host_memory_limit: a memory size must be finite"),
+    (dict(host_memory_limit=True), "host_memory_limit: cannot read a memory size"),
 ])
 def test_config_errors_name_the_fix(kw, match):
     with pytest.raises(ConfigError, match=match):

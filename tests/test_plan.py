@@ -111,6 +111,8 @@ def test_host_memory_limit_bounds_the_plan_and_says_what_it_gave_up():
     roomy = resolve(cfg, Auto(), sh, 8, 1024, machine)
     assert roomy.fits and roomy.config.placement.host_weights == "persistent"
     assert host_budget(cfg, machine.ram) == (int(0.85 * 125 * GiB), int(0.95 * 125 * GiB))
+    # a limit at or over the RAM still leaves the OS its 5%
+    assert host_budget(replace(cfg, host_memory_limit="200GiB"), machine.ram) == (int(0.95 * 125 * GiB),) * 2
     tight = resolve(replace(cfg, host_memory_limit="50GiB"), Auto(), sh, 8, 1024, machine)
     assert tight.fits and sum(tight.host.values()) <= 50 * GiB - PROCESS_BYTES < sum(roomy.host.values())
     assert tight.config.placement.host_weights == "staged" and tight.config.placement.host_grad_buffers < sh.layers
@@ -257,6 +259,11 @@ def test_fit_slices_the_head_gradient_only_where_it_pays():
     assert least == round(gpu_bytes(sh, 8, 1024, replace(floor, head_slice=HEAD_SLICE_ROWS))["peak"] / GiB, 1) \
         < gpu_bytes(sh, 8, 1024, floor)["peak"] / GiB - 1  # the sliced head's floor, not the whole head's
     fit(sh, 8, 1024, (least + 0.05) * GiB)  # and that budget works
+    # at long steps the sliced head keeps more (every token's normed hidden state) than it saves: the
+    # refusal takes the head that needs less, and the batch it names fits
+    with pytest.raises(DoesNotFit, match=r"largest batch that fits at seq 8192 is (\d+)") as e:
+        fit(sh, 128, 8192, 15 * GiB)
+    fit(sh, int(re.search(r"is (\d+)", str(e.value)).group(1)), 8192, 15 * GiB)
 
 
 def test_window_drops_a_slot_only_under_a_budget_too_tight_for_three():

@@ -132,7 +132,8 @@ def cmd_plan(args) -> int:
     out = {"model": args.model, "params": shape.params, "seq_len": args.seq_len, "batch_size": args.batch_size,
            "clipping": clip,
            "gpu_bytes": g["peak"], "gpu": g, "host_bytes": host_total, "host": h, "nvme_bytes": nvme_bytes(shape, nvme_layers, compact, args.nvme_master),
-           "gpu_limit": gpu_limit, "host_limit": host_budget(as_trained, cpu_limit)[1], "fits": fits, "max_batch_size": max_batch,
+           "gpu_limit": gpu_limit, "host_limit": parse_bytes(args.host_memory_limit) if args.host_memory_limit else cpu_limit,
+           "host_state_limit": host_budget(as_trained, cpu_limit)[1], "fits": fits, "max_batch_size": max_batch,
            "placement": vars(placement), "host_weights": chosen_host.host_weights,
            "host_grad_buffers": chosen_host.host_grad_buffers, "speculative_layers": chosen_host.speculative_layers}
     timing = predicted_step(plan, shape, args.batch_size, args.seq_len)
@@ -170,7 +171,7 @@ def cmd_plan(args) -> int:
         print("GPU  " + ", ".join(f"{k} {gib(v)}" for k, v in g.items()) + (
             f"  (limit {gib(gpu_limit)})" if gpu_limit else
             "  (no GPU here and no --gpu-memory: no GPU size assumed, none checked; pass e.g. --gpu-memory 24GiB)"))
-        print("host " + ", ".join(f"{k} {gib(v)}" for k, v in h.items()) + f" = {gib(host_total)}  (limit {gib(out['host_limit'])} of state; "
+        print("host " + ", ".join(f"{k} {gib(v)}" for k, v in h.items()) + f" = {gib(host_total)}  (limit {gib(out['host_state_limit'])} of state; "
               f"host_weights {chosen_host.host_weights}, gradient buffers "
               f"{chosen_host.host_grad_buffers or 'one per layer'}"
               + (f", {chosen_host.speculative_layers} speculative layers" if clip else "") + ")")
@@ -390,8 +391,9 @@ def _main(argv: list[str], signals: Signals) -> int:
 
     # Before CUDA starts: the window's slots, loss chunks and layer activations come and go every step in
     # varying sizes, and fixed-size segments would hold their gaps reserved (over a gpu_memory_limit the
-    # planner kept allocations under). A user's own setting stands.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    # planner kept allocations under). A user's own setting stands, under either of torch's names.
+    if not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(os.environ):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
 
     if argv[:1] == ["bench"]:  # its own parser: one case, or `bench report FILE...`
         if argv[1:2] == ["report"]:
@@ -425,7 +427,8 @@ def _main(argv: list[str], signals: Signals) -> int:
     pl.add_argument("--host-weights", default="auto",
                     type=lambda v: v if v in ("auto", "persistent", "staged") else int(v),
                     help="persistent, staged, a number of staged layers, or auto (as `slideformer train`): "
-                         "persistent where the state leaves 15%% of the RAM free, else the fewest staged layers")
+                         "persistent where the state fits the host budget (host_memory_limit, else 85%% of the "
+                         "RAM), else the fewest staged layers")
     pl.add_argument("--max-grad-norm", type=_non_negative, default=1.0,
                     help="as the trainer's max_grad_norm (default 1.0; 0: no clipping, which lets gradients share "
                          "a ring of host buffers)")

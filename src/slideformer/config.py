@@ -117,8 +117,9 @@ class EngineConfig:
             raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ConfigError(f"max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm}")
-        if p.window_slots < 2:
-            raise ConfigError(f"window_slots must be >= 2 (one computing, one loading), got {p.window_slots}")
+        if isinstance(p.window_slots, bool) or not isinstance(p.window_slots, int) or p.window_slots < 2:
+            raise ConfigError(f"window_slots must be a number of slots >= 2 (one computing, one loading), "
+                              f"got {p.window_slots!r}")
         if p.prefetch_depth is not None and not 1 <= p.prefetch_depth <= p.window_slots - 1:
             raise ConfigError(
                 f"prefetch_depth={p.prefetch_depth} needs window_slots >= prefetch_depth + 1 "

@@ -249,7 +249,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--depth", type=int, default=None, help="prefetch depth (default: the engine's, 2 with 3 slots)")
     ap.add_argument("--host-weights", default="auto", type=lambda v: v if v in ("auto", "persistent", "staged") else int(v),
                     help="persistent, staged, a number of staged layers, or auto: persistent where the training "
-                         "state leaves 15%% of the RAM free, else the fewest staged layers that do (plan.auto_host)")
+                         "state fits the host budget (plan.host_budget), else the fewest staged layers that do "
+                         "(plan.auto_host)")
     ap.add_argument("--host-grad-buffers", type=lambda v: v if v == "auto" else int(v), default="auto",
                     help="pinned host gradient buffers the layers share (the optimizer's backlog); auto: one per "
                          "streamed layer where RAM allows (plan.auto_host)")

@@ -16,6 +16,7 @@ from .profile import NullProfiler, StepProfiler
 class CpuCopier:
     cuda = False
     compute = None
+    gpu_bytes = 0
 
     def __init__(self, device: torch.device, profiler: StepProfiler | NullProfiler):
         self.device, self.profiler = device, profiler
@@ -55,8 +56,7 @@ class CpuCopier:
 class CudaCopier:
     cuda = True
 
-    def __init__(self, device: torch.device, profiler: StepProfiler | NullProfiler, staging_elems: int = 0,
-                 dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, device: torch.device, profiler: StepProfiler | NullProfiler, staging_elems: int = 0):
         self.device, self.profiler = device, profiler
         self.compute = torch.cuda.current_stream(device)
         self.h2d = torch.cuda.Stream(device)
@@ -65,6 +65,10 @@ class CudaCopier:
         # "staged" units cross PCIe as their (pinned) master and are cast on the GPU, piece by piece through
         # one staging buffer: in stream order on the h2d stream, so no CPU work and no host buffer
         self._staging = torch.empty(staging_elems, dtype=torch.float32, device=device) if staging_elems else None
+
+    @property
+    def gpu_bytes(self) -> int:
+        return 0 if self._staging is None else self._staging.numel() * 4
         self._visit = (None, None)
 
     def load(self, dst: torch.Tensor, src: torch.Tensor, staged: bool, used):
@@ -154,7 +158,7 @@ class CudaCopier:
         torch.cuda.synchronize(self.device)
 
 
-def copier_for(device: torch.device, profiler, staging_elems: int, dtype: torch.dtype) -> CpuCopier | CudaCopier:
+def copier_for(device: torch.device, profiler, staging_elems: int) -> CpuCopier | CudaCopier:
     if device.type == "cuda":
-        return CudaCopier(device, profiler, staging_elems, dtype)
+        return CudaCopier(device, profiler, staging_elems)
     return CpuCopier(device, profiler)

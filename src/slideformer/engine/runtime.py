@@ -119,7 +119,7 @@ class Runtime:
         self.slots["resident"] = {u: Slot(adapter.units[u].numel, dt, self.device) for u in resident}
         self.profiler: StepProfiler | NullProfiler = StepProfiler(cuda) if cfg.tuning.profile else NullProfiler()
         staged = [adapter.units[u].numel for u in store.staged]
-        self.copier = copier_for(self.device, self.profiler, min(STAGING_ELEMS, max(staged, default=0)), dt)
+        self.copier = copier_for(self.device, self.profiler, min(STAGING_ELEMS, max(staged, default=0)))
         # Resident units train on the GPU; their state is there only (engine/resident.py).
         self.resident = ResidentState(self.slots["resident"], {u: adapter.units[u].numel for u in resident},
                                       store.compact, cfg, self.copier.compute, self.profiler)
@@ -234,7 +234,7 @@ class Runtime:
 
     def gpu_bytes(self) -> int:
         slots = [s for g, group in self.slots.items() for s in (group.values() if g == "resident" else group)]
-        return sum(s.nbytes for s in slots) + self.resident.nbytes()
+        return sum(s.nbytes for s in slots) + self.resident.nbytes() + self.copier.gpu_bytes
 
     def close(self, abort: bool = False) -> None:
         """Stop the threads after their queued work; ``abort`` (after a failure in the main thread) first

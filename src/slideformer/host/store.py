@@ -4,8 +4,9 @@ Per unit, flat 1-D tensors laid out as in ``UnitSpec``:
 - ``master``   fp32 weights, the source of truth;
 - ``exp_avg``, ``exp_avg_sq``  fp32 Adam moments;
 - ``weights``  the compute-dtype copy the GPU window reads (pinned under CUDA). With fp32 compute it
-  *is* the master. ``staged_units`` have none (``weights[u] is None``): their (then pinned) master crosses
-  PCIe and is cast on the GPU at copy time instead (2 bytes/param less RAM, twice the PCIe bytes);
+  *is* the master. ``staged_units`` have none (``weights[u] is None``): their master (pinned, in an arena
+  apart from the others') crosses PCIe and is cast on the GPU at copy time instead (2 bytes/param less
+  RAM, twice the PCIe bytes);
 - ``grad_buffers``  compute-dtype gradients arriving from the GPU (pinned under CUDA). The embedding
   and head units (when streamed) own one each; streamed decoder layers either own one each (needed when
   clipping, which holds every gradient until backward ends) or share a ring of ``host_grad_buffers``
@@ -49,7 +50,8 @@ def _arena(units: list, dtype: torch.dtype, pin: bool, registered: list) -> list
     total = sum(u.numel for u in units)
     flat = torch.zeros(total, dtype=dtype)  # alignment padding must be zero: the optimizer updates it too
     if pin and total:
-        pinned.pin(flat, "the host training state", "use host_weights='staged' or host_grad_buffers to need less")
+        pinned.pin(flat, "the host training state", "raise the locked-memory limit (ulimit -l), or need less pinned "
+                   "memory: fewer host_grad_buffers, or host_weights='persistent' where it was staged")
         registered.append(flat)
     return list(flat.split([u.numel for u in units]))
 
@@ -74,9 +76,15 @@ class HostStore:
         # Moments (and with nvme_master the master) in RAM for host units not on the NVMe tier; None elsewhere.
         in_ram = [u for u in host if u.index not in nvme_units]
         self.nvme_master = nvme_master and bool(nvme_units)
-        # pinned where the GPU reads it: as the weights (fp32 compute), or to cast them there (staged units)
-        pin_master = pin and (compute_dtype == master_dtype or bool(set(staged_units) & {u.index for u in host}))
-        self.master = _some(units, in_ram if self.nvme_master else host, master_dtype, pin_master, self._registered)
+        # Pinned where the GPU reads it: as the weights (fp32 compute), or to cast them there (staged units,
+        # whose masters get an arena of their own: the others' stay pageable).
+        with_master = in_ram if self.nvme_master else host
+        read = [u for u in with_master if compute_dtype == master_dtype or u.index in staged_units]
+        pinned_part = _some(units, read, master_dtype, pin, self._registered)
+        read_ix = {u.index for u in read}
+        rest = _some(units, [u for u in with_master if u.index not in read_ix], master_dtype, False, self._registered)
+        self.master = [a if a is not None else b for a, b in zip(pinned_part, rest)]
+        pin_master = pin and bool(read)  # (a spare becomes some layer's master)
         self.master_lo = _some(units, host, torch.bfloat16, False, self._registered) if compact else None
         self.moment_dtype = moment_dtype = torch.bfloat16 if compact else torch.float32
         self.exp_avg = _some(units, in_ram, moment_dtype, False, self._registered)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 
 from ..machine import Machine
 from .memory import (DoesNotFit, ModelShape, Layout, auto_host, auto_residency, check_host_fits, choose_window_slots,
-                     config_host_bytes, fit, gpu_budget, gpu_bytes, heads, nvme_layer_count, parse_bytes, spares_that_fit,
+                     config_host_bytes, fit, gpu_budget, gpu_bytes, least_layout, nvme_layer_count, parse_bytes, spares_that_fit,
                      step_time)
 
 
@@ -82,8 +82,7 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
                            f"available; set {prefix}gpu_memory_limit to let slideformer split the batch and offload, "
                            "or use smaller micro-batches (see `slideformer plan`)")
         except DoesNotFit as e:  # (the bytes of the least it could do: a sequence at a time, every input offloaded)
-            least = Layout.of(cfg)
-            placement, problem = replace(least, micro_batch=1, gpu_activation_layers=0, head_slice=heads(least)[-1]), str(e)
+            placement, problem = least_layout(shape, batch, seq, Layout.of(cfg)), str(e)
             gpu = gpu_bytes(shape, batch, seq, placement, cfg.compute_dtype.itemsize)
         binds = "gpu" if problem else None
     cfg = auto_host(cfg, shape, batch, seq, placement, machine.ram, weights=auto.host_weights,

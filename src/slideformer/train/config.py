@@ -41,9 +41,10 @@ class OffloadConfig:
     # layer slots of the GPU window; "auto": 3, or 2 where the GPU budget is too tight for 3
     window_slots: int | str = "auto"
     prefetch_depth: int | None = None  # null: two visits ahead where window_slots allows
-    # "persistent" (a bf16 host copy the optimizer refreshes), "staged" (the fp32 master sent and cast on the GPU, 2 bytes/param
-    # less RAM), a number k (the last k layers staged) or "auto": persistent where the training state
-    # leaves 15% of the RAM free, else the fewest staged layers that do
+    # "persistent" (a bf16 host copy the optimizer refreshes), "staged" (the fp32 master sent and cast on
+    # the GPU, 2 bytes/param less RAM), a number k (the last k layers staged) or "auto": persistent where
+    # the training state fits the host budget (host_memory_limit, else 85% of the RAM), else the fewest
+    # staged layers that do
     host_weights: str | int = "auto"
     offload_activations: bool = False
     activations_to_nvme: bool = False  # offloaded layer inputs go on to files under offload_dir
@@ -154,6 +155,9 @@ class TrainConfig:
         sl = self.offload.speculative_layers
         if not (sl == "auto" or (isinstance(sl, int) and not isinstance(sl, bool) and sl >= 0)):
             raise ConfigError(f"offload.speculative_layers must be auto or an integer >= 0, got {sl!r}")
+        ws = self.offload.window_slots
+        if not (ws == "auto" or (isinstance(ws, int) and not isinstance(ws, bool) and ws >= 2)):
+            raise ConfigError(f"offload.window_slots must be auto or a number of slots >= 2, got {ws!r}")
         rl = self.offload.resident_layers
         if not (rl == "auto" or (isinstance(rl, int) and not isinstance(rl, bool) and rl >= 0)):
             raise ConfigError(f"offload.resident_layers must be a number of layers >= 0, or auto; got {rl!r}")
