@@ -41,6 +41,22 @@ def test_gpu_model_matches_h200_measurements(name, batch, slots, kernel, measure
     assert measured_gib <= peak <= 1.10 * measured_gib
 
 
+@pytest.mark.parametrize("name,batch,layout,allocated_gib", [
+    ("qwen3-4b", 8, dict(micro_batch=4, gpu_activation_layers=2, loss_chunk_tokens=1024, head_slice=8192), 3.48),
+    ("qwen3-4b", 32, dict(micro_batch=8, gpu_activation_layers=24, loss_chunk_tokens=1024), 8.84),
+    ("qwen3-4b", 64, dict(micro_batch=8, gpu_activation_layers=15, loss_chunk_tokens=1024, resident_edges=True), 14.44),
+    ("llama3-8b", 8, dict(window_slots=2, micro_batch=2, gpu_activation_layers=7, loss_chunk_tokens=1024,
+                          head_slice=8192, resident_state_bytes=6), 4.76),
+    ("llama3-8b", 32, dict(micro_batch=8, gpu_activation_layers=4, loss_chunk_tokens=1024, resident_layers=1,
+                           resident_state_bytes=6), 10.50)])
+def test_gpu_model_matches_h200_at_tight_caps(name, batch, layout, allocated_gib):
+    """The plans the planner made under the reference system's GPU caps (footprint-76f98e0: the sliced head,
+    two window slots, per-parameter gradient accumulation; compact state at 8B): never under the measured
+    max_memory_allocated, at most 10% over."""
+    peak = gpu_bytes(shape(name), batch, 1024, Layout(**layout))["peak"] / GiB
+    assert allocated_gib <= peak <= 1.10 * allocated_gib
+
+
 @pytest.mark.parametrize("name,batch,state,host_weights,ring,kept,rss_gib", [
     ("qwen3-4b", 8, "fp32", "persistent", None, 36, 61.6),  # table14-f6d277d
     ("qwen3-4b", 8, "compact", "persistent", None, 16, 40.0),  # table14-f6d277d

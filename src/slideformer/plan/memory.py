@@ -10,13 +10,13 @@ where the loss head holds an fp32 accumulator for the [vocab, hidden] gradient a
 addmm copying it, plus the final norm's buffers;
 the autograd head: 16 bytes per logit and a bf16 chunk gradient of [vocab, hidden]), and a layer's
 backward holds about 10 x ffn + 6 x hidden bf16 values per token of the micro-batch (HF's MLP keeps
-gate, up, act and product and their gradients; the norms upcast to fp32) plus the layer's gradient.
+gate, up, act and product and their gradients; the norms upcast to fp32) plus one weight's gradient.
 The window counts one slot for an untied model's embedding and head (they share it). The constants
 are fitted to the H200's max_memory_allocated of Qwen3-4B at batch 8 and 32 and Llama-3.1-8B at batch 8,
 both loss heads, 2 and 3 slots: the model is at most 10% above each measurement, never below
-(tests/test_plan.py). Since a layer's gradient accumulates per parameter (engine.py ``_bwd``) the layer
-term overstates a whole layer gradient: at the tight caps of bench/cases.yaml ``footprint`` the model is
-7-16% above the measured peaks. Where the fp32 lm_head accumulator leaves no plan, or only micro-batches
+(tests/test_plan.py), and so it stays at the tight caps of bench/cases.yaml ``footprint``, measured since
+a layer's gradient accumulates per parameter in its slot (engine.py ``_bwd``: one weight's gradient in
+flight, not a second copy of the layer's). Where the fp32 lm_head accumulator leaves no plan, or only micro-batches
 under EFFICIENT_TOKENS, the fused head sums that gradient by vocabulary slices (``head_slice``,
 ``loss_head_bytes``).
 
@@ -141,7 +141,7 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: i
         "hidden_flow": 2 * T * H * dtype_bytes,
         "loss_head": loss_head_bytes(shape, T, t, p, dtype_bytes),
         "layer_backward": (min(t, p.mlp_chunk_tokens or t) * LAYER_TOKEN_FFN * shape.ffn + t * LAYER_TOKEN_HIDDEN * H)
-                          * dtype_bytes + shape.layer_params * dtype_bytes,
+                          * dtype_bytes + H * shape.ffn * dtype_bytes,  # + one weight's gradient in flight
     }
     out["peak"] = int(SAFETY * (out["window"] + out["activations"] + out["hidden_flow"]
                                 + max(out["loss_head"], out["layer_backward"])))
