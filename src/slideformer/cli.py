@@ -132,7 +132,8 @@ def cmd_plan(args) -> int:
     out = {"model": args.model, "params": shape.params, "seq_len": args.seq_len, "batch_size": args.batch_size,
            "clipping": clip,
            "gpu_bytes": g["peak"], "gpu": g, "host_bytes": host_total, "host": h, "nvme_bytes": nvme_bytes(shape, nvme_layers, compact, args.nvme_master),
-           "gpu_limit": gpu_limit, "host_limit": parse_bytes(args.host_memory_limit) if args.host_memory_limit else cpu_limit,
+           "gpu_limit": gpu_limit,
+           "host_limit": parse_bytes(args.host_memory_limit) if args.host_memory_limit else cpu_limit,
            "host_state_limit": host_budget(as_trained, cpu_limit)[1], "fits": fits, "max_batch_size": max_batch,
            "placement": vars(placement), "host_weights": chosen_host.host_weights,
            "host_grad_buffers": chosen_host.host_grad_buffers, "speculative_layers": chosen_host.speculative_layers}

@@ -100,7 +100,8 @@ def run_slideformer(args, config):
 
     def extra():
         p = cfg.placement
-        rep = {"window_slots_chosen": p.window_slots, "resident_layers_chosen": p.resident_layers, "resident_edges_chosen": p.resident_edges,
+        rep = {"window_slots_chosen": p.window_slots, "resident_layers_chosen": p.resident_layers,
+               "resident_edges_chosen": p.resident_edges,
                "host_weights_chosen": p.host_weights, "host_grad_buffers_chosen": p.host_grad_buffers,
                "speculative_layers_chosen": len(engine.store.spares),
                "speculation": dict(engine.runtime.updates.speculation),  # (units, warm-up steps included)
@@ -393,7 +394,8 @@ def _common(args, cuda: bool) -> dict:
         "settings": {k: getattr(args, k) for k in ("slots", "depth", "host_weights", "host_grad_buffers",
                                                    "speculative_layers", "grad_chunk_elems", "optimizer_threads",
                                                    "switch_interval", "max_grad_norm",
-                                                   "gpu_memory_limit_gib", "host_memory_limit_gib", "loss_chunk", "resident_layers", "resident_edges",
+                                                   "gpu_memory_limit_gib", "host_memory_limit_gib", "loss_chunk",
+                                                   "resident_layers", "resident_edges",
                                                    "loss_kernel", "fused_ops", "optimizer_state", "ds_loss", "offload_dir",
                                                    "nvme_fraction", "nvme_master", "activations_to_nvme",
                                                    "offload_activations")},

@@ -65,11 +65,11 @@ class CudaCopier:
         # "staged" units cross PCIe as their (pinned) master and are cast on the GPU, piece by piece through
         # one staging buffer: in stream order on the h2d stream, so no CPU work and no host buffer
         self._staging = torch.empty(staging_elems, dtype=torch.float32, device=device) if staging_elems else None
+        self._visit = (None, None)
 
     @property
     def gpu_bytes(self) -> int:
         return 0 if self._staging is None else self._staging.numel() * 4
-        self._visit = (None, None)
 
     def load(self, dst: torch.Tensor, src: torch.Tensor, staged: bool, used):
         """Enqueue ``src`` -> ``dst`` on the h2d stream behind ``used`` (the slot's last reader); returns

@@ -451,8 +451,10 @@ class SlideEngine:
                  f"{self.cfg.optimizer_state} state"]
         staged = len(self.store.staged)
         if staged:  # RAM-bound choices, which cost time: said where they were made
-            parts.append("no bf16 host copy: the fp32 master crosses PCIe" if staged == len(ad.units) - len(self.resident)
-                         else f"no bf16 host copy for the last {staged} layer{'s' * (staged != 1)}: their fp32 master crosses PCIe")
+            every = staged == len(ad.units) - len(self.resident)
+            parts.append("no bf16 host copy: the fp32 master crosses PCIe" if every else
+                         f"no bf16 host copy for the last {staged} layer{'s' * (staged != 1)}: their fp32 master "
+                         "crosses PCIe")
         ring = self.store.host_grad_buffers
         if ring < n - layers:
             parts.append(f"{ring} gradient buffer{'s' * (ring != 1)} for {n - layers} streamed layers")

@@ -2,17 +2,17 @@
 ``resolve``. It is pure: the machine's RAM and GPU memory come in as a ``Machine``.
 
 The order is the dependency chain: spare states for clipping (what RAM holds with every layer
-streamed; residency depends on them), then the window's slots (under the GPU budget), then the units trained on the GPU (under the GPU budget), then
-the placement (micro-batches, offloaded layer inputs), then the host settings (bf16 copy, gradient
-buffers, spares), then the host check."""
+streamed; residency depends on them), then the window's slots and the units trained on the GPU (under
+the GPU budget), then the placement (micro-batches, offloaded layer inputs), then the host settings
+(bf16 copy, gradient buffers, spares), then the host check."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from ..machine import Machine
-from .memory import (DoesNotFit, ModelShape, Layout, auto_host, auto_residency, check_host_fits, choose_window_slots,
-                     config_host_bytes, fit, gpu_budget, gpu_bytes, least_layout, nvme_layer_count, parse_bytes, spares_that_fit,
-                     step_time)
+from .memory import (DoesNotFit, ModelShape, Layout, auto_host, auto_residency, check_host_fits,
+                     choose_window_slots, config_host_bytes, fit, gpu_budget, gpu_bytes, least_layout,
+                     nvme_layer_count, parse_bytes, spares_that_fit, step_time)
 
 
 @dataclass(frozen=True)
