@@ -295,6 +295,10 @@ def test_window_drops_a_slot_only_under_a_budget_too_tight_for_three():
     with pytest.raises(DoesNotFit):
         fit(sh, 8, 1024, 5.5 * GiB, Layout(window_slots=3, mlp_chunk_tokens=None))
     assert choose_window_slots(sh, 8, 1024, 5.5 * GiB) == 2
+    # where three slots fit only with token-chunked MLPs (a forward more a layer) and two fit them whole
+    assert fit(sh, 8, 4096, 6.4 * GiB, Layout(window_slots=3)).mlp_chunk_tokens is not None
+    assert fit(sh, 8, 4096, 6.4 * GiB, Layout(window_slots=2)).mlp_chunk_tokens is None
+    assert choose_window_slots(sh, 8, 4096, 6.4 * GiB) == 2
     machine = Machine(ram=200 * GiB, gpu=140 * GiB)
     cfg = EngineConfig(device="cuda", gpu_memory_limit="5.5GiB")
     assert resolve(cfg, Auto(), sh, 8, 1024, machine).config.placement.window_slots == 2
