@@ -208,10 +208,12 @@ def test_fused_loss_head_matches_pytorch(family):
 
 @pytest.mark.interpret
 @pytest.mark.parametrize("family", ["llama", "qwen3-tied"])
-def test_sliced_head_trains_like_the_whole_head(family, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliced_head_trains_like_the_whole_head(family, dtype, monkeypatch):
     """A plan that sums the lm_head gradient by vocabulary slices (engine/loss.py sliced_head_loss; the
     planner's choice under budgets too tight for its fp32 accumulator, test_plan.py) trains as the fused
-    head does, to rounding, for a tied and an untied head, over several micro-batches."""
+    head does, to rounding, for a tied and an untied head, over several micro-batches; in bf16 too, where
+    each slice's fp32 sum is cast into the bf16 slot as the whole accumulator is."""
     from dataclasses import replace
 
     from slideformer.engine import engine as engine_mod
@@ -222,9 +224,10 @@ def test_sliced_head_trains_like_the_whole_head(family, monkeypatch):
     model = build(family)
     steps = [batch(97, b=4, s=9, seed=s) for s in range(3)]
     state, losses = engine_train(model, steps, lr=1e-3, loss_kernel="fused", loss_chunk_tokens=7,
-                                 gpu_memory_limit="1GiB")
+                                 gpu_memory_limit="1GiB", compute_dtype=dtype)
     split = [[{k: v[i: i + 2] for k, v in st.items()} for i in (0, 2)] for st in steps]
-    ref, ref_losses = engine_train(model, split, lr=1e-3, loss_kernel="fused", loss_chunk_tokens=7)
+    ref, ref_losses = engine_train(model, split, lr=1e-3, loss_kernel="fused", loss_chunk_tokens=7,
+                                   compute_dtype=dtype)
     for k in state:
         assert float((state[k] - ref[k]).norm() / ref[k].norm()) < 1e-5, k
     assert losses == pytest.approx(ref_losses, rel=1e-6)
