@@ -36,16 +36,19 @@ def test_plan_json_and_exit_codes(capsys):
             "--cpu-memory", "125GiB", "--host-weights", "staged", "--json"]
     assert main(base) == 3
     capsys.readouterr()
-    assert main(base + ["--offload-dir", "/nvme"]) == 0
+    assert main(base + ["--offload-dir", "/nvme"]) == 0  # (nvme_fraction auto: as few layers as RAM needs)
+    least = json.loads(capsys.readouterr().out)
+    assert main(base + ["--offload-dir", "/nvme", "--nvme-fraction", "1"]) == 0  # every layer's moments
     out = json.loads(capsys.readouterr().out)
+    assert 0 < least["nvme_bytes"] < out["nvme_bytes"] and least["host_bytes"] > out["host_bytes"]
     assert out["nvme_bytes"] > 90 * 2**30 and out["host_bytes"] < 125 * 2**30
     # the tier's disk traffic (moments read and written once a step, ~1 GB/s) dominates the predicted step
     assert out["timing"]["nvme_s"] == pytest.approx(2 * out["nvme_bytes"] / 1e9)
     assert out["predicted_step_s"] >= out["timing"]["nvme_s"]
-    assert main(base + ["--offload-dir", "/nvme", "--optimizer-state", "compact"]) == 0
+    assert main(base + ["--offload-dir", "/nvme", "--nvme-fraction", "1", "--optimizer-state", "compact"]) == 0
     compact = json.loads(capsys.readouterr().out)
     assert compact["nvme_bytes"] == out["nvme_bytes"] // 2  # bf16 moments on the tier
-    assert main(base[:-3] + ["--json", "--offload-dir", "/nvme", "--nvme-master"]) == 0  # persistent bf16 weights
+    assert main(base[:-3] + ["--json", "--offload-dir", "/nvme", "--nvme-fraction", "1", "--nvme-master"]) == 0
     tier_master = json.loads(capsys.readouterr().out)
     assert tier_master["nvme_bytes"] == out["nvme_bytes"] * 3 // 2  # the fp32 master joins the moments
     assert tier_master["host"]["master"] < out["host"]["master"]

@@ -179,7 +179,8 @@ def test_a_worker_threads_disk_error_is_an_io_error(tmp_path, capsys, monkeypatc
         raise nvme.TierError(errno.ENOSPC, f"offload_dir {self.offload_dir}: No space left on device")
 
     monkeypatch.setattr(nvme.NvmeTier, "write", full)
-    assert main(FAST + [f"output_dir={tmp_path}/o", f"offload.offload_dir={tmp_path}/nvme", "max_steps=3"]) == 5
+    assert main(FAST + [f"output_dir={tmp_path}/o", f"offload.offload_dir={tmp_path}/nvme", "offload.nvme_fraction=1",
+                        "max_steps=3"]) == 5
     one_line(capsys, "No space left on device", "offload_dir")
 
 

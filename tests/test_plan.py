@@ -139,6 +139,32 @@ def test_host_memory_limit_bounds_the_plan_and_says_what_it_gave_up():
         SlideEngine(build("llama"), EngineConfig(device="cpu", compute_dtype=torch.float32, host_memory_limit="100MiB"))
 
 
+def test_the_nvme_tier_takes_only_what_ram_cannot_hold():
+    """nvme_fraction "auto" with offload_dir: Llama-3.1-8B fp32 under a 93 GiB host budget (its master and
+    moments alone are 89.8 GiB; 5.5 GiB of GPU: every layer streamed) gives up the bf16 host copy first (PCIe bytes), then puts the fewest layers'
+    moments on the tier (disk bytes) for the state to fit; one layer fewer would not. With RAM to spare no
+    layer goes to disk; a fraction the user fixed stays."""
+    from slideformer.machine import Machine
+    from slideformer.plan import Auto, resolve
+    from slideformer.plan.memory import auto_host, host_budget, nvme_layer_count
+
+    sh = shape("llama3-8b")
+    machine = Machine(ram=125 * GiB, gpu=140 * GiB)
+    cfg = EngineConfig(device="cuda", gpu_memory_limit="5.5GiB", offload_dir="/nvme", host_memory_limit="93GiB")
+    plan = resolve(cfg, Auto(), sh, 8, 1024, machine)
+    k, aim = nvme_layer_count(plan.config, sh.layers), host_budget(cfg, machine.ram)[0]
+    assert plan.fits and 0 < k < sh.layers and sum(plan.host.values()) <= aim
+    assert plan.config.placement.host_weights == "staged"
+    fewer = auto_host(plan.config.placed(nvme_fraction=(k - 1) / sh.layers), sh, 8, 1024, plan.placement,
+                      machine.ram, weights=False)
+    assert sum(config_host_bytes(fewer, sh, 8, 1024, plan.placement).values()) > aim
+    roomy = resolve(replace(cfg, host_memory_limit=None), Auto(), sh, 8, 1024, machine)
+    assert roomy.fits and nvme_layer_count(roomy.config, sh.layers) == 0
+    fixed = resolve(cfg.placed(nvme_fraction=0.5), Auto(nvme_fraction=False), sh, 8, 1024, machine)
+    assert nvme_layer_count(fixed.config, sh.layers) == 16
+    assert Auto.of({"nvme_fraction": 0.25})[0].nvme_fraction is False
+
+
 def test_staged_host_weights_are_counted_over_the_host_units():
     """A resident unit has no host weights, and is not "staged": the start line and the staging buffers
     count the streamed units only."""

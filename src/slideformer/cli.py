@@ -88,13 +88,15 @@ def cmd_plan(args) -> int:
                       gpu=parse_bytes(args.gpu_memory) if args.gpu_memory is not None else gpu_memory())
     cpu_limit, gpu_limit = machine.ram, machine.gpu
     # the engine settings `slideformer train` would use (clipping by default: a gradient buffer per layer)
-    placement = Placement(nvme_fraction=args.nvme_fraction, nvme_master=args.nvme_master and bool(args.offload_dir),
+    placement = Placement(nvme_master=args.nvme_master and bool(args.offload_dir),
+                          **({} if args.nvme_fraction == "auto" else {"nvme_fraction": args.nvme_fraction}),
                           activations_to_nvme=args.activations_to_nvme and bool(args.offload_dir),
                           **({} if args.host_weights == "auto" else {"host_weights": args.host_weights}))
     as_trained = EngineConfig(device="cuda", max_grad_norm=args.max_grad_norm or None,
                               host_memory_limit=args.host_memory_limit,
                               optimizer_state=args.optimizer_state, offload_dir=args.offload_dir, placement=placement)
-    host_auto = dict(host_weights=args.host_weights == "auto", host_grad_buffers=True, speculative_layers=True)
+    host_auto = dict(host_weights=args.host_weights == "auto", host_grad_buffers=True, speculative_layers=True,
+                     nvme_fraction=args.nvme_fraction == "auto")
 
     def streamed(b: int):
         """Every layer streamed, under the whole GPU (the lines below describe this)."""
@@ -127,7 +129,7 @@ def cmd_plan(args) -> int:
             break
         max_batch = b
     compact = args.optimizer_state == "compact"
-    nvme_layers = nvme_layer_count(as_trained, shape.layers)
+    nvme_layers = nvme_layer_count(plan.config, shape.layers)  # (the tier's layers as resolved)
     clip = as_trained.max_grad_norm is not None  # the update then waits for backward's global norm
     out = {"model": args.model, "params": shape.params, "seq_len": args.seq_len, "batch_size": args.batch_size,
            "clipping": clip,
@@ -200,7 +202,8 @@ def cmd_plan(args) -> int:
             print(f"clipping (max_grad_norm) makes the CPU update of the layers without a spare state wait for "
                   f"backward's global norm; without it: predicted step {unclipped:.2f} s")
         if "predicted_step_s_compact" in out:
-            print(f"bound by the CPU optimizer: with optimizer_state=compact (bf16 master halves and moments; it matched "
+            bound = "the NVMe tier" if timing["nvme_s"] >= timing["optimizer_s"] else "the CPU optimizer"
+            print(f"bound by {bound}: with optimizer_state=compact (bf16 master halves and moments; it matched "
                   f"fp32 state in bench/NOTES.md's fine-tuning run) predicted step {out['predicted_step_s_compact']:.2f} s, "
                   f"host {gib(out['host_bytes_compact'])}")
         if fits:
@@ -421,7 +424,9 @@ def _main(argv: list[str], signals: Signals) -> int:
     pl.add_argument("--host-memory-limit", help="offload.host_memory_limit: the process's RAM budget, e.g. 48GiB "
                     "(default: the machine's RAM less 15%%)")
     pl.add_argument("--offload-dir", help="NVMe tier directory: the moments of --nvme-fraction of the layers go there")
-    pl.add_argument("--nvme-fraction", type=_fraction, default=1.0)
+    pl.add_argument("--nvme-fraction", type=lambda v: v if v == "auto" else _fraction(v), default="auto",
+                    help="the last fraction of the layers on the tier, or auto (as `slideformer train`): as few "
+                         "as the host budget allows")
     pl.add_argument("--nvme-master", action="store_true", help="the tier's layers keep their fp32 master there too")
     pl.add_argument("--activations-to-nvme", action="store_true",
                     help="offloaded layer inputs go to files under --offload-dir (RAM: 3 staging buffers)")

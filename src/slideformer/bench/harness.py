@@ -63,12 +63,13 @@ def sync(args):
 
 def run_slideformer(args, config):
     asked = {"window_slots": args.slots if args.slots == "auto" else int(args.slots),
+             "nvme_fraction": args.nvme_fraction if args.nvme_fraction == "auto" else float(args.nvme_fraction),
              "host_weights": args.host_weights, "host_grad_buffers": args.host_grad_buffers,
              "speculative_layers": args.speculative_layers, "resident_edges": True if args.resident_edges else "auto",
              "resident_layers": "auto" if args.resident_layers == "auto" else int(args.resident_layers)}
     auto, fixed = Auto.of(asked)  # (resolve decides the rest)
     placement = Placement(prefetch_depth=args.depth,
-                          nvme_fraction=args.nvme_fraction, nvme_master=args.nvme_master,
+                          nvme_master=args.nvme_master,
                           activations_to_nvme=args.activations_to_nvme,
                           offload_activations=args.offload_activations is not None,
                           gpu_activation_layers=args.offload_activations or 0, **fixed)
@@ -100,7 +101,7 @@ def run_slideformer(args, config):
 
     def extra():
         p = cfg.placement
-        rep = {"window_slots_chosen": p.window_slots, "resident_layers_chosen": p.resident_layers,
+        rep = {"window_slots_chosen": p.window_slots, "nvme_fraction_chosen": p.nvme_fraction, "resident_layers_chosen": p.resident_layers,
                "resident_edges_chosen": p.resident_edges,
                "host_weights_chosen": p.host_weights, "host_grad_buffers_chosen": p.host_grad_buffers,
                "speculative_layers_chosen": len(engine.store.spares),
@@ -282,7 +283,7 @@ def parser() -> argparse.ArgumentParser:
                     help="slideformer: its layers' RMSNorm/SwiGLU; plain: the same rebinding on the HF model")
     ap.add_argument("--optimizer-state", default="fp32", choices=["fp32", "compact"])
     ap.add_argument("--offload-dir", default=None, help="NVMe tier directory for the moments of --nvme-fraction of the layers")
-    ap.add_argument("--nvme-fraction", type=float, default=1.0)
+    ap.add_argument("--nvme-fraction", default="auto", help="the layers on the tier, or auto (the planner's)")
     ap.add_argument("--nvme-master", action="store_true", help="the tier's layers keep their fp32 master there too")
     ap.add_argument("--offload-activations", type=int, metavar="KEEP",
                     help="offload every layer input to host memory but the last KEEP (without a GPU budget; "

@@ -31,7 +31,7 @@ DEFAULTS = {"slots": (3, "auto"), "depth": (None, 1), "host_weights": ("auto", "
             "optimizer_threads": None,
             "loss_chunk": (None, 1024),
             "resident_layers": "auto",
-            "loss_kernel": "fused", "optimizer_state": "fp32", "offload_dir": None, "nvme_fraction": 1.0,
+            "loss_kernel": "fused", "optimizer_state": "fp32", "offload_dir": None, "nvme_fraction": (1.0, "auto"),
             "grad_chunk_elems": 16 << 20, "switch_interval": None, "nvme_master": False,
             "activations_to_nvme": False, "resident_edges": False, "offload_activations": None,
             "resident_at": "start",  # a setting of older files only ("end": the last layers resident)

@@ -4,13 +4,14 @@
 The order is the dependency chain: spare states for clipping (what RAM holds with every layer
 streamed; residency depends on them), then the window's slots and the units trained on the GPU (under
 the GPU budget), then the placement (micro-batches, offloaded layer inputs), then the host settings
-(bf16 copy, gradient buffers, spares), then the host check."""
+(bf16 copy, gradient buffers, spares), then the NVMe tier for what RAM still cannot hold, then the host
+check."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from ..machine import Machine
-from .memory import (DoesNotFit, ModelShape, Layout, auto_host, auto_residency, check_host_fits,
+from .memory import (DoesNotFit, ModelShape, Layout, auto_host, auto_residency, auto_tier, check_host_fits,
                      choose_window_slots, config_host_bytes, fit, gpu_budget, gpu_bytes, least_layout,
                      nvme_layer_count, parse_bytes, spares_that_fit, step_time)
 
@@ -25,6 +26,7 @@ class Auto:
     resident_layers: bool = True
     resident_edges: bool | None = None  # None: the planner's call; True or False: fixed
     window_slots: bool = True
+    nvme_fraction: bool = True  # (with offload_dir: as few layers on the tier as the host budget allows)
 
     @classmethod
     def of(cls, asked: dict) -> tuple["Auto", dict]:
@@ -33,7 +35,7 @@ class Auto:
         edges = asked.get("resident_edges", "auto")
         auto = cls(**{k: asked.get(k, "auto") == "auto"
                       for k in ("host_weights", "host_grad_buffers", "speculative_layers", "resident_layers",
-                                "window_slots")},
+                                "window_slots", "nvme_fraction")},
                    resident_edges=None if edges == "auto" else edges)
         return auto, {k: v for k, v in asked.items() if v != "auto"}
 
@@ -59,6 +61,8 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
     Without a GPU budget (gpu_memory_limit, or residency's) the step runs in micro-batches of
     ``micro_batch``. ``prefix`` is how the caller's config names the engine's settings ("offload.")."""
     on_gpu = str(cfg.device).startswith("cuda")
+    if auto.nvme_fraction and cfg.offload_dir:
+        cfg = cfg.placed(nvme_fraction=0.0)  # (RAM first; the tier is decided after the host settings)
     if auto.speculative_layers:
         cfg = cfg.placed(speculative_layers=spares_that_fit(cfg, shape, batch, seq, machine.ram))
     if auto.window_slots and on_gpu and (cfg.gpu_memory_limit or machine.gpu) and (cfg.placement.prefetch_depth or 1) < 2:
@@ -87,6 +91,9 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
         binds = "gpu" if problem else None
     cfg = auto_host(cfg, shape, batch, seq, placement, machine.ram, weights=auto.host_weights,
                     buffers=auto.host_grad_buffers, spares=auto.speculative_layers)
+    if auto.nvme_fraction and cfg.offload_dir:
+        cfg = auto_tier(cfg, shape, batch, seq, placement, machine.ram, buffers=auto.host_grad_buffers,
+                        spares=auto.speculative_layers)
     host = config_host_bytes(cfg, shape, batch, seq, placement)
     if problem is None:
         try:

@@ -55,7 +55,9 @@ class OffloadConfig:
     # state (12 bytes/param, 8 compact), kept where the norm is within max_grad_norm; "auto": every
     # streamed layer where RAM allows, else as many as fit
     speculative_layers: int | str = "auto"
-    nvme_fraction: float = 1.0
+    # the last fraction of the layers whose moments go to the tier; "auto": as few as the host budget
+    # (host_memory_limit, else 85% of the RAM) allows, none where RAM holds everything
+    nvme_fraction: float | str = "auto"
     nvme_master: bool = False  # the tier's layers keep their fp32 master there too (4 bytes/param less RAM)
 
 
@@ -155,6 +157,9 @@ class TrainConfig:
         sl = self.offload.speculative_layers
         if not (sl == "auto" or (isinstance(sl, int) and not isinstance(sl, bool) and sl >= 0)):
             raise ConfigError(f"offload.speculative_layers must be auto or an integer >= 0, got {sl!r}")
+        nf = self.offload.nvme_fraction
+        if not (nf == "auto" or (isinstance(nf, (int, float)) and not isinstance(nf, bool) and 0 <= nf <= 1)):
+            raise ConfigError(f"offload.nvme_fraction must be auto or a number in [0, 1], got {nf!r}")
         ws = self.offload.window_slots
         if not (ws == "auto" or (isinstance(ws, int) and not isinstance(ws, bool) and ws >= 2)):
             raise ConfigError(f"offload.window_slots must be auto or a number of slots >= 2, got {ws!r}")
