@@ -101,7 +101,8 @@ def run_slideformer(args, config):
 
     def extra():
         p = cfg.placement
-        rep = {"window_slots_chosen": p.window_slots, "nvme_fraction_chosen": p.nvme_fraction, "resident_layers_chosen": p.resident_layers,
+        rep = {"window_slots_chosen": p.window_slots, "nvme_fraction_chosen": p.nvme_fraction,
+               "resident_layers_chosen": p.resident_layers,
                "resident_edges_chosen": p.resident_edges,
                "host_weights_chosen": p.host_weights, "host_grad_buffers_chosen": p.host_grad_buffers,
                "speculative_layers_chosen": len(engine.store.spares),

@@ -329,14 +329,13 @@ def auto_tier(cfg, shape: ModelShape, batch: int, seq: int, p: Layout, ram: int,
     """``nvme_fraction`` "auto" (with ``offload_dir``), for an EngineConfig whose host settings ``auto_host``
     decided without the tier: the fewest decoder layers (the last streamed ones) whose moments go to the
     NVMe tier for the training state to meet ``host_budget``'s aim; none where RAM holds it. The host
-    weights stay as decided (a staged layer costs PCIe bytes a step, a tier layer disk bytes: far fewer per
-    second); gradient buffers and spares (where the caller leaves them to the planner) are decided again
+    weights stay as decided (a staged layer's extra bytes cross PCIe at ~55 GB/s, a tier layer's moments the
+    disk at ~1 GB/s); gradient buffers and spares (where the caller leaves them to the planner) are decided again
     beside the tier. Where even every streamed layer on the tier is not enough, that is returned: the host
     check says what else would help."""
     n = shape.layers
     streamed = n - min(p.resident_layers, n)
     aim = host_budget(cfg, ram)[0]
-    c = cfg.placed(nvme_fraction=0.0)
     for k in range(0, streamed + 1):
         c = cfg.placed(nvme_fraction=k / n)
         if k:
