@@ -31,8 +31,9 @@ class Placement:
     window_slots: int = 3
     prefetch_depth: int | None = None
     # Where the compute-dtype weights sent to the GPU come from: "persistent", a host copy the optimizer
-    # refreshes (+2 bytes/param); "staged", the fp32 master sent and cast on the GPU at copy time; an int k, the last k
-    # decoder layers staged (they stay in the window from forward into backward: sent once a step).
+    # refreshes (+2 bytes/param); "staged", the fp32 master sent and cast on the GPU at copy time; an int
+    # k, the last k decoder layers staged (they stay in the window from forward into backward: sent once a
+    # step).
     host_weights: Literal["persistent", "staged"] | int = "persistent"
     # Layer inputs of all but the last `gpu_activation_layers` layers go to pinned host memory and come
     # back one layer ahead of backward; with activations_to_nvme, on to files under offload_dir.

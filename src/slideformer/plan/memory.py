@@ -16,9 +16,9 @@ are fitted to the H200's max_memory_allocated of Qwen3-4B at batch 8 and 32 and 
 both loss heads, 2 and 3 slots: the model is at most 10% above each measurement, never below
 (tests/test_plan.py), and so it stays at the tight caps of bench/cases.yaml ``footprint``, measured since
 a layer's gradient accumulates per parameter in its slot (engine.py ``_bwd``: one weight's gradient in
-flight, not a second copy of the layer's). Where the fp32 lm_head accumulator leaves no plan, or only micro-batches
-under EFFICIENT_TOKENS, the fused head sums that gradient by vocabulary slices (``head_slice``,
-``loss_head_bytes``).
+flight, not a second copy of the layer's). Where the fp32 lm_head accumulator leaves no plan, or only
+micro-batches under EFFICIENT_TOKENS, the fused head sums that gradient by vocabulary slices
+(``head_slice``, ``loss_head_bytes``).
 
 Micro-batches are free in this engine (weights cross PCIe once per step however many there are), so
 the planner bounds a layer's backward by splitting the batch, and keeps as many layer inputs on the
@@ -29,6 +29,7 @@ chunks (model/chunked_mlp.py; one more MLP forward per layer).
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 
@@ -58,7 +59,7 @@ def parse_bytes(x) -> int:
     if isinstance(x, bool):
         raise ValueError(f"cannot read a memory size from {x!r}; write e.g. '24GiB' or '80GB'")
     if isinstance(x, (int, float)):
-        if x != x or x in (float("inf"), float("-inf")):
+        if not math.isfinite(x):
             raise ValueError(f"a memory size must be finite, got {x!r}")
         return int(x)
     m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?)B?\s*", str(x), re.IGNORECASE)
@@ -155,10 +156,9 @@ def loss_head_bytes(shape: ModelShape, T: int, t: int, p: Layout, dtype_bytes: i
     norm = HEAD_TOKEN_HIDDEN[p.loss_kernel] * t * H * dtype_bytes
     if p.head_slice is None or p.loss_kernel != "fused":
         return V * H * HEAD_GRAD_BYTES[p.loss_kernel] + chunk * V * LOGIT_BYTES[p.loss_kernel] + norm
-    rows = min(p.head_slice, V)
-    # the larger of the two passes (a chunk of whole-vocabulary logits; a slice's fp32 sum and its logits),
+    # a chunk of whole-vocabulary logits (the second pass's, of a slice, are fewer), a slice's fp32 sum,
     # and every micro-batch's normed hidden state and per-token log-sum-exp, kept for the second pass
-    return (max(chunk * V, chunk * rows) * LOGIT_BYTES["fused"] + rows * H * 4
+    return (chunk * V * LOGIT_BYTES["fused"] + min(p.head_slice, V) * H * 4
             + T * (H * dtype_bytes + 4) + norm)
 
 
@@ -263,7 +263,8 @@ def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training",
         hints.append(f"the master on the NVMe tier too ({k}nvme_master)")
     if cfg.optimizer_state != "compact":
         hints.append(f"compact optimizer state ({k}optimizer_state)")
-    if cfg.host_memory_limit and parse_bytes(cfg.host_memory_limit) - PROCESS_BYTES < int(0.95 * have):
+    unlimited = host_budget(replace(cfg, host_memory_limit=None), have)[1]
+    if cfg.host_memory_limit and host_budget(cfg, have)[1] < unlimited:  # (the limit binds, not the RAM)
         hints.append(f"a larger {k}host_memory_limit")
         has = (f"{k}host_memory_limit is {parse_bytes(cfg.host_memory_limit) / 2**30:.1f} GiB "
                f"({host_budget(cfg, have)[1] / 2**30:.1f} for the training state)")
@@ -329,9 +330,9 @@ def auto_tier(cfg, shape: ModelShape, batch: int, seq: int, p: Layout, ram: int,
     """``nvme_fraction`` "auto" (with ``offload_dir``), for an EngineConfig whose host settings ``auto_host``
     decided without the tier: the fewest decoder layers (the last streamed ones) whose moments go to the
     NVMe tier for the training state to meet ``host_budget``'s aim; none where RAM holds it. The host
-    weights stay as decided (a staged layer's extra bytes cross PCIe at ~55 GB/s, a tier layer's moments the
-    disk at ~1 GB/s); gradient buffers and spares (where the caller leaves them to the planner) are decided again
-    beside the tier. Where even every streamed layer on the tier is not enough, that is returned: the host
+    weights stay as decided (a staged layer's extra bytes cross PCIe at ~55 GB/s, a tier layer's moments
+    the disk at ~1 GB/s); gradient buffers and spares (where the caller leaves them to the planner) are
+    decided again beside the tier. Where even every streamed layer on the tier is not enough, that is returned: the host
     check says what else would help."""
     n = shape.layers
     streamed = n - min(p.resident_layers, n)

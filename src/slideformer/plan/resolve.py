@@ -65,7 +65,8 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
         cfg = cfg.placed(nvme_fraction=0.0)  # (RAM first; the tier is decided after the host settings)
     if auto.speculative_layers:
         cfg = cfg.placed(speculative_layers=spares_that_fit(cfg, shape, batch, seq, machine.ram))
-    if auto.window_slots and on_gpu and (cfg.gpu_memory_limit or machine.gpu) and (cfg.placement.prefetch_depth or 1) < 2:
+    depth_allows_two = (cfg.placement.prefetch_depth or 1) < 2  # (two slots prefetch one visit ahead)
+    if auto.window_slots and on_gpu and (cfg.gpu_memory_limit or machine.gpu) and depth_allows_two:
         cfg = cfg.placed(window_slots=choose_window_slots(shape, batch, seq, gpu_budget(cfg, machine.gpu),
                                                           Layout.of(cfg)))
     if auto.resident_layers and on_gpu:
