@@ -1,4 +1,5 @@
-"""model/recompute.py: backward's recompute records the down projection's graph without its product."""
+"""model/recompute.py: backward's recompute records the down projection's graph without its product, and
+returns saved layers' kept products instead of multiplying again."""
 import contextlib
 
 import pytest
@@ -6,9 +7,9 @@ import torch
 from torch import nn
 
 from slideformer import EngineConfig, SlideEngine
-from slideformer.model.recompute import OutputFreeRecompute, _GraphOnlyLinear
+from slideformer.model.recompute import LayerRecompute, _GraphOnlyLinear, kept_values_per_token
 
-from tiny import batch, build
+from tiny import FAMILIES, batch, build
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -43,7 +44,7 @@ def test_the_engine_skips_the_projection_in_backward_only(monkeypatch):
 
     loss, n, skipped = step()
     assert skipped == 3
-    monkeypatch.setattr(OutputFreeRecompute, "active", lambda self, on=True: contextlib.nullcontext())
+    monkeypatch.setattr(LayerRecompute, "active", lambda self, on=True, kept=None: contextlib.nullcontext())
     loss_full, n_full, skipped_full = step()
     assert (n_full - n, skipped_full, loss_full) == (3, 0, loss)
 
@@ -52,7 +53,77 @@ def test_a_normalised_mlp_output_is_refused():
     layer = nn.Module()
     layer.mlp = nn.Module()
     layer.mlp.down_proj = nn.Linear(4, 4)
-    OutputFreeRecompute([layer])
+    LayerRecompute([layer])
     layer.post_feedforward_layernorm = nn.LayerNorm(4)
     with pytest.raises(TypeError, match="residual sum"):
-        OutputFreeRecompute([layer])
+        LayerRecompute([layer])
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_saved_layers_train_bit_identically_without_recomputed_products(family, monkeypatch):
+    """Saved layers' backward multiplies nothing again (each of 3 layers' 6 products but the down
+    projection's, for each of 2 micro-batches, is gone from the step), and trains bit for bit as the
+    recompute does: the kept products are the values the recompute would compute."""
+    products = []
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: products.append(1) or real_linear(*a))
+    model = build(family)
+    steps = [[batch(97, seed=s), batch(97, seed=10 + s)] for s in range(3)]
+
+    def train(saved):
+        cfg = EngineConfig(device="cpu", compute_dtype=torch.float32).placed(saved_layers=saved)
+        counts = []
+        with SlideEngine(model, cfg) as eng:
+            for b in steps:
+                products.clear()
+                losses.append(eng.train_step(b))
+                counts.append(len(products))
+            return losses, eng.state_dict(), counts
+
+    losses = []
+    ref_losses, ref, ref_counts = train(0)
+    losses = []
+    got_losses, got, counts = train(2)
+    assert got_losses == ref_losses
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+    assert [r - c for r, c in zip(ref_counts, counts)] == [2 * 2 * 6] * 3  # 2 layers, 2 micro-batches
+
+
+def test_an_output_changed_in_place_is_multiplied_again_then_kept_as_a_copy(monkeypatch):
+    """A linear whose output forward changes in place (as Liger's RoPE does to q and k) is recomputed
+    the first time, and kept as a copy from then on: the gradients are autograd's either way."""
+    layer = nn.Module()
+    layer.q = nn.Linear(6, 6)
+    layer.mlp = nn.Module()
+    layer.mlp.down_proj = nn.Linear(6, 6)
+    rc = LayerRecompute([layer])
+
+    def run(x):
+        y = layer.q(x)
+        y.mul_(2)  # in place on the product
+        return layer.mlp.down_proj(torch.tanh(y)) + x
+
+    products = []
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: products.append(1) or real_linear(*a))
+    torch.manual_seed(0)
+    x, g = torch.randn(3, 6), torch.randn(3, 6)
+    params = list(layer.parameters())
+    ref = torch.autograd.grad(run(x.requires_grad_(True)), [x] + params, g)
+    for copies in (False, True):
+        with torch.no_grad(), rc.recording() as kept:
+            run(x)
+        products.clear()
+        with torch.enable_grad(), rc.active(kept=kept):
+            got = torch.autograd.grad(run(x), [x] + params, g)
+        assert len(products) == (0 if copies else 1)  # q's product again the first time (down's: graph only)
+        assert (layer.q in rc._copied) and not kept[layer.q]
+        for a, r in zip(got, ref):
+            torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6)
+
+
+def test_kept_values_are_the_linears_outputs_but_the_down_projections():
+    layer = build("llama").model.layers[0]
+    a, m = layer.self_attn, layer.mlp
+    assert kept_values_per_token(layer) == (a.q_proj.out_features + a.k_proj.out_features + a.v_proj.out_features
+                                            + a.o_proj.out_features + m.gate_proj.out_features + m.up_proj.out_features)

@@ -62,7 +62,7 @@ def cmd_plan(args) -> int:
     from .model import ModelAdapter
     from .machine import Machine, gpu_memory, host_memory
     from .plan import Auto, ModelShape, nvme_bytes, nvme_layer_count, parse_bytes, predicted_step, resolve
-    from .plan.memory import host_budget
+    from .plan.memory import host_budget, saved_layers
     from .presets import PRESETS, preset_config
 
     from .config import ConfigError
@@ -183,6 +183,8 @@ def cmd_plan(args) -> int:
         print(f"placement: micro-batch {min(placement.micro_batch, args.batch_size)}, "
               f"{min(placement.gpu_activation_layers, shape.layers)}/{shape.layers} layer inputs on the GPU"
               + (f", MLPs in {placement.mlp_chunk_tokens}-token chunks" if placement.mlp_chunk_tokens else "")
+              + (f", {saved_layers(shape, placement)} layers' products kept (no matmul recompute)"
+                 if saved_layers(shape, placement) else "")
               + (f", the lm_head gradient in {placement.head_slice}-row slices" if placement.head_slice else "")
               + (f", {placement.window_slots} window slots" if placement.window_slots != 3 else ""))
         print(f"predicted step {timing['step_s']:.2f} s ({out['predicted_tokens_per_s']:.0f} tok/s by the time model "

@@ -5,8 +5,8 @@ head, backward over the layers in reverse), running every micro-batch through a 
 in the window. That is "layer-major" accumulation: weights cross PCIe once per step however many
 micro-batches there are, and a layer's gradients are summed on the GPU before they leave it.
 
-Forward runs without autograd and keeps only each layer's input; backward recomputes a layer from
-that input. As soon as a unit's gradient is complete it goes to the host and the CPU optimizer
+Forward runs without autograd and keeps only each layer's input (and, for the planner's saved layers,
+its linears' outputs: model/recompute.py); backward recomputes a layer from that input. As soon as a unit's gradient is complete it goes to the host and the CPU optimizer
 updates that unit while the GPU continues with the layers below. With clipping, the update needs
 the global norm, known at the end of backward: layers with a spare state (``speculative_layers``)
 are updated before it, out of place, and the update stands if the norm is within the limit
@@ -31,12 +31,12 @@ from ..host.store import HostStore
 from ..model.adapter import ModelAdapter, bind_parameters
 from ..optim import native
 from ..model.chunked_mlp import MlpChunking
-from ..model.recompute import OutputFreeRecompute
+from ..model.recompute import LayerRecompute
 from ..model.fused_ops import apply_liger
 from ..model.fused_ops import resolve as resolve_fused_ops
 from ..machine import host_memory
 from ..plan.memory import (LOSS_CHUNK_TOKENS, ModelShape, Layout, check_host_fits, config_host_bytes, fit,
-                           nvme_layer_count, parse_bytes, speculative_spares)
+                           nvme_layer_count, parse_bytes, saved_layers, speculative_spares)
 from ..window.schedule import plan_step
 from .activations import ActivationStore
 from .loss import chunked_head_loss, fused_head_loss, sliced_head_loss
@@ -56,6 +56,7 @@ class _Step:
     norms: list = field(default_factory=list)  # per-unit gradient norms (fp32, on the device)
     finished: list = field(default_factory=list)  # (unit, SentGrads) awaiting the clip coefficient
     embed_grad_written: bool = False
+    kept: dict = field(default_factory=dict)  # saved layer -> its products per micro-batch, forward to backward
 
 
 @dataclass
@@ -104,7 +105,7 @@ class SlideEngine:
             apply_liger(self.adapter.layers + [self.adapter.norm], getattr(hf_config, "hidden_act", ""))
         # (after Liger: the chunks run whatever MLP forward is bound)
         self.mlp_chunking = MlpChunking([layer.mlp for layer in self.adapter.layers], t.mlp_chunk_tokens)
-        self.recompute = OutputFreeRecompute(self.adapter.layers)
+        self.recompute = LayerRecompute(self.adapter.layers)
         self.shape = ModelShape.from_adapter(self.adapter)
         self._limit = None if self.cfg.gpu_memory_limit is None else parse_bytes(self.cfg.gpu_memory_limit)
         if self._limit is not None:  # refuse before allocating anything if not even one sequence fits
@@ -115,6 +116,7 @@ class SlideEngine:
         self._placements: dict[tuple[int, int], Layout] = {}
         self._loss_chunk = t.loss_chunk_tokens or LOSS_CHUNK_TOKENS[-1]  # (under a budget: the planner's)
         self._head_slice = None  # the lm_head gradient by vocabulary slices: the planner's, under a budget
+        self._saved = self._last_layers(saved_layers(self.shape, Layout.of(self.cfg)))  # (under a budget: the planner's)
         ring = None if self.cfg.max_grad_norm is not None else p.host_grad_buffers  # clipping holds all
         n = self.adapter.num_layers
         # Resident layers are the first ones (config.py says why), the NVMe tier's the last ones.
@@ -236,7 +238,14 @@ class SlideEngine:
         layer = self.adapter.layers[unit.layer]
         bind_parameters(layer, slot.views(unit)[0])
         with torch.no_grad():
-            out = [self._run_layer(layer, unit.layer, h, mb) for h, mb in zip(st.hidden, st.mbs)]
+            if unit.layer in self._saved:  # its products stay on the GPU until its backward
+                out, st.kept[unit.layer] = [], []
+                for h, mb in zip(st.hidden, st.mbs):
+                    with self.recompute.recording() as kept:
+                        out.append(self._run_layer(layer, unit.layer, h, mb))
+                    st.kept[unit.layer].append(kept)
+            else:
+                out = [self._run_layer(layer, unit.layer, h, mb) for h, mb in zip(st.hidden, st.mbs)]
         self.activations.save(unit.layer, st.hidden)  # after the layer is enqueued: the copy overlaps the next
         st.hidden = out
 
@@ -295,11 +304,13 @@ class SlideEngine:
         torch._foreach_zero_(grads)
         for p, g in zip(plist, grads):
             p.grad = g
+        kept = st.kept.pop(unit.layer, [None] * len(st.mbs))
         for i, (x, mb) in enumerate(zip(inputs, st.mbs)):
             x = x.detach().requires_grad_(True)
             # (not with token-chunked MLPs: their checkpoints recompute the projection in backward)
-            with torch.enable_grad(), self.recompute.active(self.mlp_chunking.tokens is None):
+            with torch.enable_grad(), self.recompute.active(self.mlp_chunking.tokens is None, kept[i]):
                 y = self._run_layer(layer, unit.layer, x, mb)
+            kept[i] = None  # (what the recompute took is the graph's now, freed with it)
             torch.autograd.backward(y, st.grad_hidden[i], inputs=[x] + plist)
             st.grad_hidden[i] = x.grad
 
@@ -352,6 +363,7 @@ class SlideEngine:
         n = self.adapter.num_layers
         self.activations.offload_layers = set(range(max(0, n - p.gpu_activation_layers)))
         self.mlp_chunking.tokens = p.mlp_chunk_tokens
+        self._saved = self._last_layers(saved_layers(self.shape, p))
         self._loss_chunk = p.loss_chunk_tokens or LOSS_CHUNK_TOKENS[-1]
         self._head_slice = p.head_slice
         out = []
@@ -360,6 +372,10 @@ class SlideEngine:
                 out.append({k: torch.as_tensor(v).reshape(rows, -1)[start: start + p.micro_batch]
                             for k, v in it.items() if v is not None})
         return out
+
+    def _last_layers(self, k: int) -> frozenset[int]:
+        n = self.adapter.num_layers
+        return frozenset(range(n - min(k, n), n))
 
     def _run_layer(self, layer, index: int, h: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         out = layer(h, attention_mask=mb.masks[self.adapter.layer_attention_type(index)],

@@ -2,8 +2,8 @@
 
 The GPU peak is modelled as
 
-    window slots + saved layer inputs kept on the GPU + the hidden state and its gradient
-    + max(loss head, one layer's backward)
+    window slots + saved layer inputs kept on the GPU + saved layers' products
+    + the hidden state and its gradient + max(loss head, one layer's backward)
 
 where the loss head holds an fp32 accumulator for the [vocab, hidden] gradient and one chunk of logits
 (the fused kernel: 4 bytes per logit, the chunk becoming its own gradient and the lm_head gradient's
@@ -24,7 +24,8 @@ Micro-batches are free in this engine (weights cross PCIe once per step however 
 the planner bounds a layer's backward by splitting the batch, and keeps as many layer inputs on the
 GPU as the budget allows, offloading the rest: it prefers micro-batches of at least EFFICIENT_TOKENS
 tokens (matmuls at full speed), then the most layer inputs on the GPU (less pinned host memory and PCIe
-traffic), then the largest micro-batch. Where even one sequence does not fit, the MLPs run in token
+traffic), then the largest micro-batch; what the GPU still has left keeps saved layers' products (no
+matmul in their recompute). Where even one sequence does not fit, the MLPs run in token
 chunks (model/chunked_mlp.py; one more MLP forward per layer).
 """
 from __future__ import annotations
@@ -80,6 +81,7 @@ class ModelShape:
     layer_params: int  # padded numel of one decoder layer's flat buffer
     embed_params: int
     head_params: int  # final norm (+ lm_head when untied)
+    kept_per_token: int = 0  # values a token of a saved layer keeps for backward (model/recompute.py)
 
     @property
     def params(self) -> int:
@@ -87,10 +89,13 @@ class ModelShape:
 
     @classmethod
     def from_adapter(cls, adapter) -> "ModelShape":
+        from ..model.recompute import kept_values_per_token
+
         c = adapter.config
         return cls(layers=adapter.num_layers, hidden=c.hidden_size, ffn=c.intermediate_size, vocab=c.vocab_size,
                    tied=adapter.tied, layer_params=max(u.numel for u in adapter.units if u.kind == "layer"),
-                   embed_params=adapter.embed_unit.numel, head_params=adapter.head_unit.numel)
+                   embed_params=adapter.embed_unit.numel, head_params=adapter.head_unit.numel,
+                   kept_per_token=max(kept_values_per_token(layer) for layer in adapter.layers))
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,9 @@ class Layout:
     # GPU bytes per resident parameter besides its bf16 weights and gradient: fp32 master and moments (12),
     # or for compact state the master's bf16 lo half and bf16 moments (6)
     resident_state_bytes: int = 12
+    # the last layers keep their linears' outputs for backward, whose recompute then runs no matmul for them
+    # (model/recompute.py); fit() fills what the GPU has left with them
+    saved_layers: int = 0
 
     @classmethod
     def of(cls, cfg, **kw) -> "Layout":
@@ -118,7 +126,8 @@ class Layout:
         return cls(window_slots=cfg.placement.window_slots, loss_chunk_tokens=cfg.tuning.loss_chunk_tokens,
                    resident_layers=cfg.placement.resident_layers, loss_kernel=cfg.tuning.loss_kernel,
                    resident_edges=cfg.placement.resident_edges, mlp_chunk_tokens=cfg.tuning.mlp_chunk_tokens,
-                   resident_state_bytes=6 if cfg.optimizer_state == "compact" else 12, **kw)
+                   resident_state_bytes=6 if cfg.optimizer_state == "compact" else 12,
+                   saved_layers=cfg.placement.saved_layers, **kw)
 
     def edges_resident(self, shape: "ModelShape") -> bool:
         return self.resident_edges or self.resident_layers >= shape.layers
@@ -139,14 +148,21 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: i
         # slots hold bf16 weights and gradients; a resident unit adds its optimizer state
         "window": 2 * dtype_bytes * (streamed_slots + resident) + p.resident_state_bytes * resident,
         "activations": kept * T * H * dtype_bytes,
+        "saved_products": saved_layers(shape, p) * T * shape.kept_per_token * dtype_bytes,
         "hidden_flow": 2 * T * H * dtype_bytes,
         "loss_head": loss_head_bytes(shape, T, t, p, dtype_bytes),
         "layer_backward": (min(t, p.mlp_chunk_tokens or t) * LAYER_TOKEN_FFN * shape.ffn + t * LAYER_TOKEN_HIDDEN * H)
                           * dtype_bytes + H * shape.ffn * dtype_bytes,  # + one weight's gradient in flight
     }
-    out["peak"] = int(SAFETY * (out["window"] + out["activations"] + out["hidden_flow"]
+    out["peak"] = int(SAFETY * (out["window"] + out["activations"] + out["saved_products"] + out["hidden_flow"]
                                 + max(out["loss_head"], out["layer_backward"])))
     return out
+
+
+def saved_layers(shape: ModelShape, p: Layout) -> int:
+    """The layers whose products ``p`` keeps for backward (none with token-chunked MLPs, whose chunks
+    recompute under their own checkpoints)."""
+    return 0 if p.mlp_chunk_tokens else min(p.saved_layers, shape.layers)
 
 
 def loss_head_bytes(shape: ModelShape, T: int, t: int, p: Layout, dtype_bytes: int = 2) -> int:
@@ -388,10 +404,11 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
     """How many decoder layers to train on the GPU (``resident_layers="auto"``).
 
     As many as fit with micro-batches of at least EFFICIENT_TOKENS (or the whole batch): all of them
-    when the whole model fits (then it is plain GPU training). But where resident layers take GPU memory
-    that layer inputs would otherwise keep, no more than the step needs: once the CPU optimizer's
-    predicted time is under half the GPU's, another resident layer saves no time and pushes inputs to
-    pinned host memory and PCIe. The half leaves room for the time model's error (its GPU rate
+    when the whole model and every layer's products fit (then it is plain GPU training without
+    recompute). But where resident layers take GPU memory that layer inputs or saved layers' products
+    would otherwise keep, no more than the step needs: once the CPU optimizer's predicted time is under
+    half the GPU's (with every other layer streamed and saving what fits), another resident layer saves no
+    time and pushes inputs to pinned host memory and PCIe, or costs a layer's recompute. The half leaves room for the time model's error (its GPU rate
     underestimates 8B's).
     With ``clipping`` the update follows backward and only the next forward (a quarter of the GPU work)
     can hide it: a quarter, with no margin (that model already counts no overlap with backward)."""
@@ -408,9 +425,10 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
         if min(p.micro_batch, batch) * seq < want:
             break
         best, placed = k, p
-    if placed is None or placed.gpu_activation_layers >= shape.layers:
+    if placed is None or (placed.gpu_activation_layers >= shape.layers
+                          and (saved_layers(shape, placed) >= shape.layers or placed.mlp_chunk_tokens)):
         return best  # nothing competes for the memory
-    t = step_time(shape, batch, seq, replace(base, resident_layers=0), rates)
+    t = step_time(shape, batch, seq, fit(shape, batch, seq, limit, replace(base, resident_layers=0)), rates)
     per_param = t["optimizer_s"] / max(1, shape.params - (shape.embed_params + shape.head_params
                                                           if base.resident_edges else 0))
     on_cpu = lambda k: shape.params - k * shape.layer_params - (  # noqa: E731
@@ -477,7 +495,7 @@ def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout = Layo
     options = []
     for head in heads(base):
         for mb in (d for d in range(1, batch + 1) if batch % d == 0):
-            least = replace(base, micro_batch=mb, gpu_activation_layers=0, head_slice=head)
+            least = replace(base, micro_batch=mb, gpu_activation_layers=0, head_slice=head, saved_layers=0)
             base_peak = gpu_bytes(shape, batch, seq, least)["peak"]
             if base_peak > limit:
                 continue
@@ -487,12 +505,11 @@ def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout = Layo
     if options:  # (the sliced head only where it buys efficient micro-batches, or nothing fits without it)
         best = max(options, key=lambda p: (min(p.micro_batch * seq, EFFICIENT_TOKENS), p.head_slice is None,
                                            p.gpu_activation_layers, p.micro_batch))
-        if base.loss_chunk_tokens is not None:
-            return best
-        # then the largest loss chunk that fits beside that choice (it changes nothing else)
-        return next((q for q in (replace(best, loss_chunk_tokens=c) for c in LOSS_CHUNK_TOKENS)
-                     if gpu_bytes(shape, batch, seq, q)["peak"] <= limit),
-                    replace(best, loss_chunk_tokens=LOSS_CHUNK_TOKENS[-1]))
+        if base.loss_chunk_tokens is None:  # then the largest loss chunk that fits beside that choice
+            best = next((q for q in (replace(best, loss_chunk_tokens=c) for c in LOSS_CHUNK_TOKENS)
+                         if gpu_bytes(shape, batch, seq, q)["peak"] <= limit),
+                        replace(best, loss_chunk_tokens=LOSS_CHUNK_TOKENS[-1]))
+        return with_saved_layers(shape, batch, seq, limit, best)
     if base.mlp_chunk_tokens is None:  # a sequence too long for micro-batches: its MLPs in token chunks
         for chunk in MLP_CHUNK_TOKENS:
             if chunk < seq:
@@ -513,11 +530,24 @@ def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout = Layo
            f"not even batch 1 fits at seq {seq}: shorten the sequences or raise gpu_memory_limit"))
 
 
+def with_saved_layers(shape: ModelShape, batch: int, seq: int, limit: int, p: Layout) -> Layout:
+    """``p`` with as many saved layers (the last ones) as the GPU has left room for once every layer
+    input is kept on it: a saved layer's products take about 11 x hidden values a token against the input's
+    1, so they come after the inputs, which save PCIe traffic and pinned RAM."""
+    p = replace(p, saved_layers=0)
+    per_layer = batch * seq * shape.kept_per_token * 2
+    if p.gpu_activation_layers < shape.layers or p.mlp_chunk_tokens or not per_layer:
+        return p
+    room = int((limit / SAFETY - gpu_bytes(shape, batch, seq, p)["peak"] / SAFETY) // per_layer)
+    return replace(p, saved_layers=max(0, min(shape.layers, room)))
+
+
 def least_layout(shape: ModelShape, batch: int, seq: int, base: Layout) -> Layout:
     """The least GPU memory ``base`` allows: a sequence per micro-batch, every layer input offloaded, and
     the head of ``heads`` that needs less at this batch (the sliced head keeps every token's normed
     hidden state, which outgrows the accumulator it saves at long steps)."""
-    options = [replace(base, micro_batch=1, gpu_activation_layers=0, head_slice=h) for h in heads(base)]
+    options = [replace(base, micro_batch=1, gpu_activation_layers=0, head_slice=h, saved_layers=0)
+               for h in heads(base)]
     return min(options, key=lambda p: gpu_bytes(shape, batch, seq, p)["peak"])
 
 
@@ -575,10 +605,13 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
     out = {
         # the layers' forward, recompute and backward (2 + 2 + 4 FLOPs a parameter and token), less the
         # recompute of the down projection (2 x hidden x ffn a token and layer; model/recompute.py);
-        # token-chunked MLPs recompute it, and run their whole forward once more (6 x hidden x ffn). The
+        # token-chunked MLPs recompute it, and run their whole forward once more (6 x hidden x ffn); a
+        # saved layer recomputes none of its products (the attention and elementwise work are left out). The
         # head's three products are not recomputed (6 x vocab x hidden); the embedding is a lookup.
         "gpu_compute_s": (8 * shape.layers * shape.layer_params + head_flops
-                          + (6 if chunked else -2) * shape.layers * shape.hidden * shape.ffn) * tokens / rates.gpu_flops,
+                          + (6 if chunked else -2) * shape.layers * shape.hidden * shape.ffn
+                          - 2 * saved_layers(shape, p) * (shape.layer_params - shape.hidden * shape.ffn))
+                         * tokens / rates.gpu_flops,
         "gpu_adamw_s": (shape.params - on_cpu) / rates.gpu_adamw_params_per_s / (2.3 if compact else 1.0),
         # offloaded layer inputs: out and back once a step, each way on its own copy engine
         "activations_s": offloaded * tokens * shape.hidden * 2 / rates.pcie_bytes_per_s,
