@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import types
 
+import torch
 from torch import nn
 
 
@@ -49,10 +50,17 @@ def _swiglu_forward(self, x):
     return self.down_proj(LigerSiLUMulFunction.apply(self.gate_proj(x), self.up_proj(x)))
 
 
-def _liger_rope(*args, **kwargs):
+def _liger_rope(q, k, *args, **kwargs):
     from liger_kernel.transformers.rope import liger_rotary_pos_emb
 
-    return liger_rotary_pos_emb(*args, **kwargs)
+    out = liger_rotary_pos_emb(q, k, *args, **kwargs)
+    # Its kernel rotates q and k in their own memory where they are contiguous once transposed back (as a
+    # projection's output is), through raw pointers: torch's version counter must be told, or the kept
+    # products of model/recompute.py would take the rotated values for the projections' outputs.
+    for before, after in zip((q, k), out):
+        if after.data_ptr() == before.data_ptr():
+            torch.autograd.graph.increment_version(before)
+    return out
 
 
 def forward_with(fn, **globals_):

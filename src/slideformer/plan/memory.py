@@ -151,8 +151,10 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: i
         "saved_products": saved_layers(shape, p) * T * shape.kept_per_token * dtype_bytes,
         "hidden_flow": 2 * T * H * dtype_bytes,
         "loss_head": loss_head_bytes(shape, T, t, p, dtype_bytes),
-        "layer_backward": (min(t, p.mlp_chunk_tokens or t) * LAYER_TOKEN_FFN * shape.ffn + t * LAYER_TOKEN_HIDDEN * H)
-                          * dtype_bytes + H * shape.ffn * dtype_bytes,  # + one weight's gradient in flight
+        # (the first layer backward meets, the last, is a saved one if any is: its gate and up are kept products)
+        "layer_backward": (min(t, p.mlp_chunk_tokens or t) * (LAYER_TOKEN_FFN - 2 * bool(saved_layers(shape, p)))
+                           * shape.ffn + t * LAYER_TOKEN_HIDDEN * H) * dtype_bytes
+                          + H * shape.ffn * dtype_bytes,  # + one weight's gradient in flight
     }
     out["peak"] = int(SAFETY * (out["window"] + out["activations"] + out["saved_products"] + out["hidden_flow"]
                                 + max(out["loss_head"], out["layer_backward"])))
@@ -474,9 +476,12 @@ def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | N
         return without
     tier = dict(nvme_master=cfg.placement.nvme_master, activations_to_nvme=cfg.placement.activations_to_nvme,
                 compact=cfg.optimizer_state == "compact", clipping=clipping)
-    # A gain under 2% is not worth the layer inputs their GPU memory pushes to pinned RAM (8B b64: 17 GB)
+    # A gain under 2% is not worth the layer inputs their GPU memory pushes to pinned RAM (8B b64: 17 GB),
+    # nor the time model's error; where they displace saved layers only, the time model counts that
+    displaced_saved_only = pe.saved_layers < p0.saved_layers and pe.gpu_activation_layers >= p0.gpu_activation_layers
+    margin = 1.0 if displaced_saved_only else 0.98
     if step_time(shape, batch, seq, pe, nvme_layers=min(nvme, shape.layers - ke), **tier)["step_s"] < \
-            0.98 * step_time(shape, batch, seq, p0, nvme_layers=min(nvme, shape.layers - k), **tier)["step_s"]:
+            margin * step_time(shape, batch, seq, p0, nvme_layers=min(nvme, shape.layers - k), **tier)["step_s"]:
         return {"resident_layers": ke, "resident_edges": True}
     return without
 
@@ -501,10 +506,10 @@ def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout = Layo
                 continue
             per_layer = batch * seq * shape.hidden * 2
             kept = min(shape.layers, int((limit - base_peak) / SAFETY) // per_layer)
-            options.append(replace(least, gpu_activation_layers=kept))
+            options.append(with_saved_layers(shape, batch, seq, limit, replace(least, gpu_activation_layers=kept)))
     if options:  # (the sliced head only where it buys efficient micro-batches, or nothing fits without it)
         best = max(options, key=lambda p: (min(p.micro_batch * seq, EFFICIENT_TOKENS), p.head_slice is None,
-                                           p.gpu_activation_layers, p.micro_batch))
+                                           p.gpu_activation_layers, p.saved_layers, p.micro_batch))
         if base.loss_chunk_tokens is None:  # then the largest loss chunk that fits beside that choice
             best = next((q for q in (replace(best, loss_chunk_tokens=c) for c in LOSS_CHUNK_TOKENS)
                          if gpu_bytes(shape, batch, seq, q)["peak"] <= limit),
