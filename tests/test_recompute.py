@@ -127,3 +127,50 @@ def test_kept_values_are_the_linears_outputs_but_the_down_projections():
     a, m = layer.self_attn, layer.mlp
     assert kept_values_per_token(layer) == (a.q_proj.out_features + a.k_proj.out_features + a.v_proj.out_features
                                             + a.o_proj.out_features + m.gate_proj.out_features + m.up_proj.out_features)
+
+
+class _RotateThroughPointers(torch.autograd.Function):
+    """Liger's RoPE as torch sees it: q and k changed in their own memory where no version counter sees it,
+    views of them returned."""
+
+    @staticmethod
+    def forward(ctx, q, k, *_):
+        q.data.mul_(2)
+        k.data.mul_(3)
+        return q.view_as(q), k.view_as(k)
+
+    @staticmethod
+    def backward(ctx, gq, gk):
+        return 2 * gq, 3 * gk, None, None
+
+
+def test_kept_products_survive_a_rope_that_rotates_in_place(monkeypatch):
+    """fused_ops' Liger RoPE moves the version counters of q and k in a forward without gradients: the
+    kept q and k projections are multiplied again the first time and copied from then on, and gradients
+    are autograd's; with gradients on it leaves autograd alone (no view error)."""
+    rope = pytest.importorskip("liger_kernel.transformers.rope")
+    from slideformer.model.fused_ops import _liger_rope
+
+    monkeypatch.setattr(rope, "liger_rotary_pos_emb", _RotateThroughPointers.apply)
+    layer = nn.Module()
+    layer.q, layer.k = nn.Linear(6, 6), nn.Linear(6, 6)
+    layer.mlp = nn.Module()
+    layer.mlp.down_proj = nn.Linear(6, 6)
+    rc = LayerRecompute([layer])
+
+    def run(x):
+        q, k = _liger_rope(layer.q(x), layer.k(x), None, None)
+        return layer.mlp.down_proj(q * k) + x
+
+    torch.manual_seed(0)
+    x, g = torch.randn(3, 6), torch.randn(3, 6)
+    params = list(layer.parameters())
+    ref = torch.autograd.grad(run(x), params, g)
+    for step in range(2):
+        with torch.no_grad(), rc.recording() as kept:
+            run(x)
+        with torch.enable_grad(), rc.active(kept=kept):
+            got = torch.autograd.grad(run(x), params, g)
+        assert {layer.q, layer.k} <= rc._copied
+        for a, r in zip(got, ref):
+            torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6)

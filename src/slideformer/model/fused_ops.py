@@ -53,14 +53,14 @@ def _swiglu_forward(self, x):
 def _liger_rope(q, k, *args, **kwargs):
     from liger_kernel.transformers.rope import liger_rotary_pos_emb
 
-    out = liger_rotary_pos_emb(q, k, *args, **kwargs)
-    # Its kernel rotates q and k in their own memory where they are contiguous once transposed back (as a
-    # projection's output is), through raw pointers: torch's version counter must be told, or the kept
-    # products of model/recompute.py would take the rotated values for the projections' outputs.
-    for before, after in zip((q, k), out):
-        if after.data_ptr() == before.data_ptr():
-            torch.autograd.graph.increment_version(before)
-    return out
+    if not torch.is_grad_enabled():
+        # Its kernel rotates q and k in their own memory where it can (a projection's output, for Llama-style
+        # attention) through raw pointers, unseen by torch's version counters. A forward that keeps its
+        # linears' outputs for backward (model/recompute.py) must know: the counters are moved here, before
+        # the call (after it, autograd would take the views it returns for modified ones). Only without
+        # gradients: that is the forward that keeps products, and autograd then records nothing.
+        torch.autograd.graph.increment_version((q, k))
+    return liger_rotary_pos_emb(q, k, *args, **kwargs)
 
 
 def forward_with(fn, **globals_):
