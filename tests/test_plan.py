@@ -57,6 +57,62 @@ def test_gpu_model_matches_h200_at_tight_caps(name, batch, layout, allocated_gib
     assert allocated_gib <= peak <= 1.10 * allocated_gib
 
 
+@pytest.mark.parametrize("name,batch,layout,allocated_gib", [
+    ("qwen3-4b", 32, dict(micro_batch=32, loss_chunk_tokens=8192, resident_layers=2, resident_edges=True,
+                          saved_layers=36), 84.05),
+    ("qwen3-4b", 64, dict(micro_batch=16, loss_chunk_tokens=4096, resident_edges=True, saved_layers=28), 118.96),
+    ("llama3-8b", 32, dict(micro_batch=16, loss_chunk_tokens=8192, resident_layers=3, resident_edges=True,
+                           saved_layers=32), 118.40)])
+def test_gpu_model_matches_h200_with_saved_layers(name, batch, layout, allocated_gib):
+    """The whole card's plans with saved layers' products (saved-dc44f7b, every layer input on the GPU):
+    never under the measured max_memory_allocated, at most 10% over."""
+    peak = gpu_bytes(shape(name), batch, 1024, Layout(gpu_activation_layers=1 << 30, **layout))["peak"] / GiB
+    assert allocated_gib <= peak <= 1.10 * allocated_gib
+
+
+def test_saved_layers_fill_what_the_inputs_leave():
+    """fit keeps saved layers' products only once every layer input is on the GPU, as many as fit; at
+    b64 it takes smaller micro-batches where their smaller backward leaves room for more; token-chunked
+    MLPs keep none. A saved layer's recompute runs no products: 2 x (params - hidden x ffn) FLOPs a token
+    less."""
+    from slideformer.plan import step_time
+    from slideformer.plan.memory import with_saved_layers
+
+    sh, card = shape("qwen3-4b"), int(0.9 * 139.8 * GiB)
+    b32 = fit(sh, 32, 1024, card)
+    assert b32.saved_layers == sh.layers and gpu_bytes(sh, 32, 1024, b32)["peak"] <= card
+    b64 = fit(sh, 64, 1024, card)
+    assert 0 < b64.saved_layers < sh.layers and gpu_bytes(sh, 64, 1024, b64)["peak"] <= card
+    whole = with_saved_layers(sh, 64, 1024, card, replace(b64, micro_batch=64))
+    assert b64.micro_batch < 64 and b64.saved_layers > whole.saved_layers
+    one_more = replace(b64, saved_layers=b64.saved_layers + 1)
+    assert gpu_bytes(sh, 64, 1024, one_more)["peak"] > card
+    tight = fit(sh, 32, 1024, 9 * GiB)
+    assert tight.gpu_activation_layers < sh.layers and tight.saved_layers == 0
+    chunked = replace(b32, mlp_chunk_tokens=256)
+    assert gpu_bytes(sh, 32, 1024, chunked)["saved_products"] == 0
+    t0 = step_time(sh, 32, 1024, replace(b32, saved_layers=0))["gpu_compute_s"]
+    t1 = step_time(sh, 32, 1024, replace(b32, saved_layers=1))["gpu_compute_s"]
+    rate = MachineRates().gpu_flops
+    assert (t0 - t1) * rate == pytest.approx(2 * (sh.layer_params - sh.hidden * sh.ffn) * 32 * 1024)
+
+
+def test_the_whole_card_streams_layers_whose_memory_would_rather_keep_products():
+    """Qwen3-4B b32 fits whole on the card, but then not every layer's products: the planner trains only
+    the layers on the GPU that the CPU update needs and keeps every layer's products instead (saved-dc44f7b:
+    21257 tok/s with 2 resident layers against 18074 with all 36 and recompute, f192577, saved-af928e3).
+    At b8 everything fits: all resident, all saved."""
+    from slideformer.plan import auto_residency
+
+    sh = shape("qwen3-4b")
+    cfg = EngineConfig(gpu_memory_limit=f"{int(0.9 * 139.8 * GiB)}")
+    r = auto_residency(cfg, sh, 32, 1024)
+    assert r["resident_layers"] < sh.layers
+    assert fit(sh, 32, 1024, int(0.9 * 139.8 * GiB), Layout(**r)).saved_layers == sh.layers
+    assert auto_residency(cfg, sh, 8, 1024)["resident_layers"] == sh.layers
+    assert fit(sh, 8, 1024, int(0.9 * 139.8 * GiB), Layout(resident_layers=sh.layers)).saved_layers == sh.layers
+
+
 @pytest.mark.parametrize("name,batch,state,host_weights,ring,kept,rss_gib", [
     ("qwen3-4b", 8, "fp32", "persistent", None, 36, 61.6),  # table14-f6d277d
     ("qwen3-4b", 8, "compact", "persistent", None, 16, 40.0),  # table14-f6d277d
