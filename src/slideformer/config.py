@@ -42,12 +42,8 @@ class Placement:
     activations_to_nvme: bool = False
     # The last `saved_layers` layers keep their linears' outputs on the GPU from forward to backward, whose
     # recompute then runs no matmul for them (model/recompute.py): about a fifth less GPU work a layer,
-    # for about 11 x hidden bf16 values a token. Never with token-chunked MLPs. The first
-    # `host_saved_layers` of them keep their products in pinned RAM, out after the layer's forward and back
-    # one layer ahead of its backward, as offloaded layer inputs do (under a GPU budget: that many more than
-    # the GPU holds).
+    # for about 11 x hidden bf16 values a token. Never with token-chunked MLPs.
     saved_layers: int = 0
-    host_saved_layers: int = 0
     # Host buffers decoder-layer gradients land in, reused as the optimizer frees them (None: one per
     # layer; clipping always holds one per layer until the global norm is known).
     host_grad_buffers: int | None = 4
@@ -167,9 +163,8 @@ class EngineConfig:
             raise ConfigError(f"speculative_layers must be >= 0, got {p.speculative_layers}")
         if p.gpu_activation_layers < 0:
             raise ConfigError(f"gpu_activation_layers must be >= 0, got {p.gpu_activation_layers}")
-        if p.saved_layers < 0 or p.host_saved_layers < 0:
-            raise ConfigError(f"saved_layers and host_saved_layers must be >= 0, got {p.saved_layers} and "
-                              f"{p.host_saved_layers}")
+        if p.saved_layers < 0:
+            raise ConfigError(f"saved_layers must be >= 0, got {p.saved_layers}")
         if p.resident_layers < 0:
             raise ConfigError(f"resident_layers must be >= 0, got {p.resident_layers}")
         if self.optimizer_state not in ("fp32", "compact"):

@@ -31,12 +31,12 @@ from ..host.store import HostStore
 from ..model.adapter import ModelAdapter, bind_parameters
 from ..optim import native
 from ..model.chunked_mlp import MlpChunking
-from ..model.recompute import LayerRecompute, pack, unpack
+from ..model.recompute import LayerRecompute
 from ..model.fused_ops import apply_liger
 from ..model.fused_ops import resolve as resolve_fused_ops
 from ..machine import host_memory
 from ..plan.memory import (LOSS_CHUNK_TOKENS, ModelShape, Layout, check_host_fits, config_host_bytes, fit,
-                           host_saved_layers, nvme_layer_count, parse_bytes, saved_layers, speculative_spares)
+                           nvme_layer_count, parse_bytes, saved_layers, speculative_spares)
 from ..window.schedule import plan_step
 from .activations import ActivationStore
 from .loss import chunked_head_loss, fused_head_loss, sliced_head_loss
@@ -116,6 +116,7 @@ class SlideEngine:
         self._placements: dict[tuple[int, int], Layout] = {}
         self._loss_chunk = t.loss_chunk_tokens or LOSS_CHUNK_TOKENS[-1]  # (under a budget: the planner's)
         self._head_slice = None  # the lm_head gradient by vocabulary slices: the planner's, under a budget
+        self._saved = self._last_layers(saved_layers(self.shape, Layout.of(self.cfg)))  # (under a budget: the planner's)
         ring = None if self.cfg.max_grad_norm is not None else p.host_grad_buffers  # clipping holds all
         n = self.adapter.num_layers
         # Resident layers are the first ones (config.py says why), the NVMe tier's the last ones.
@@ -147,9 +148,6 @@ class SlideEngine:
         offload = set(range(max(0, n - p.gpu_activation_layers))) if p.offload_activations else set()
         self.activations = ActivationStore(self.runtime, n, offload,
                                            nvme_dir=self.cfg.offload_dir if p.activations_to_nvme else None)
-        # saved layers' products, the first host_saved_layers of them offloaded (under a budget: the planner's)
-        self.products = ActivationStore(self.runtime, n, set())
-        self._set_saved(Layout.of(self.cfg))
         self._embed_slot = next((v.group, v.slot) for v in self.plan if v.unit == self.adapter.embed_unit.index)
         self._loads_after: dict[int, list] = {}
         for v in self.plan:
@@ -189,9 +187,8 @@ class SlideEngine:
         mbs, denom = self._prepare(batch)
         st = _Step(mbs=mbs, denom=denom, index=self.store.step + 1)
         rt = self.runtime
-        tokens = sum(mb.input_ids.numel() for mb in mbs)
-        self.activations.begin_step(tokens, self.adapter.config.hidden_size, self.cfg.compute_dtype)
-        self.products.begin_step(tokens, self.shape.kept_per_token, self.cfg.compute_dtype)
+        self.activations.begin_step(sum(mb.input_ids.numel() for mb in mbs), self.adapter.config.hidden_size,
+                                    self.cfg.compute_dtype)
         rt.begin_step(self._update_order)
         for v in self._loads_after.get(-1, ()):
             rt.load(v.unit, rt.slots[v.group][v.slot])
@@ -241,15 +238,12 @@ class SlideEngine:
         layer = self.adapter.layers[unit.layer]
         bind_parameters(layer, slot.views(unit)[0])
         with torch.no_grad():
-            if unit.layer in self._saved:  # its products stay (on the GPU or in pinned RAM) until its backward
-                out, st.kept[unit.layer], products = [], [], []
+            if unit.layer in self._saved:  # its products stay on the GPU until its backward
+                out, st.kept[unit.layer] = [], []
                 for h, mb in zip(st.hidden, st.mbs):
                     with self.recompute.recording() as kept:
                         out.append(self._run_layer(layer, unit.layer, h, mb))
-                    layout, tensors = pack(kept)
-                    st.kept[unit.layer].append(layout)
-                    products += tensors
-                self.products.save(unit.layer, products)
+                    st.kept[unit.layer].append(kept)
             else:
                 out = [self._run_layer(layer, unit.layer, h, mb) for h, mb in zip(st.hidden, st.mbs)]
         self.activations.save(unit.layer, st.hidden)  # after the layer is enqueued: the copy overlaps the next
@@ -295,7 +289,6 @@ class SlideEngine:
             gw.copy_(acc_w)
         st.hidden = []
         self.activations.prefetch(ad.num_layers - 1)
-        self.products.prefetch(ad.num_layers - 1)
 
     def _bwd(self, st: "_Step", unit, slot) -> None:
         layer = self.adapter.layers[unit.layer]
@@ -311,11 +304,7 @@ class SlideEngine:
         torch._foreach_zero_(grads)
         for p, g in zip(plist, grads):
             p.grad = g
-        kept = [None] * len(st.mbs)
-        if unit.layer in st.kept:
-            products = iter(self.products.take(unit.layer))
-            kept = [unpack(layout, products) for layout in st.kept.pop(unit.layer)]
-            self.products.prefetch(unit.layer - 1)
+        kept = st.kept.pop(unit.layer, [None] * len(st.mbs))
         for i, (x, mb) in enumerate(zip(inputs, st.mbs)):
             x = x.detach().requires_grad_(True)
             # (not with token-chunked MLPs: their checkpoints recompute the projection in backward)
@@ -374,7 +363,7 @@ class SlideEngine:
         n = self.adapter.num_layers
         self.activations.offload_layers = set(range(max(0, n - p.gpu_activation_layers)))
         self.mlp_chunking.tokens = p.mlp_chunk_tokens
-        self._set_saved(p)
+        self._saved = self._last_layers(saved_layers(self.shape, p))
         self._loss_chunk = p.loss_chunk_tokens or LOSS_CHUNK_TOKENS[-1]
         self._head_slice = p.head_slice
         out = []
@@ -384,12 +373,9 @@ class SlideEngine:
                             for k, v in it.items() if v is not None})
         return out
 
-    def _set_saved(self, p: Layout) -> None:
-        """The saved layers of placement ``p`` (the last ones), and which of them offload their products
-        (the first of those: backward needs them last)."""
-        n, k = self.adapter.num_layers, saved_layers(self.shape, p)
-        self._saved = frozenset(range(n - k, n))
-        self.products.offload_layers = set(range(n - k, n - k + host_saved_layers(self.shape, p)))
+    def _last_layers(self, k: int) -> frozenset[int]:
+        n = self.adapter.num_layers
+        return frozenset(range(n - min(k, n), n))
 
     def _run_layer(self, layer, index: int, h: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         out = layer(h, attention_mask=mb.masks[self.adapter.layer_attention_type(index)],
@@ -501,7 +487,7 @@ class SlideEngine:
 
     def memory_report(self) -> dict[str, int]:
         rep = {f"host_{k}": v for k, v in self.store.bytes_by_category().items()}
-        rep["host_activations"] = self.activations.host_bytes + self.products.host_bytes
+        rep["host_activations"] = self.activations.host_bytes
         rep["nvme_disk"] = 0 if self.store.tier is None else self.store.tier.disk_bytes
         rep["nvme_activations"] = self.activations.disk_bytes
         rep["gpu_window"] = self.runtime.gpu_bytes()
@@ -514,7 +500,6 @@ class SlideEngine:
         finally:  # files and pinned memory go back even if the runtime's last wait failed
             try:
                 self.activations.close()
-                self.products.close()
             finally:
                 self.store.close()
 

@@ -87,9 +87,10 @@ class LayerRecompute:
                 if last and self._output_free:
                     return _GraphOnlyLinear.apply(x, proj.weight, proj.bias)
                 if kept is not None and not last:
-                    y = kept[proj].popleft()
-                    if y is not None:  # (None: forward changed it in place, multiply again)
+                    y, version = kept[proj].popleft()
+                    if y._version == version:
                         return _GraphOnlyLinear.apply(x, proj.weight, proj.bias, [y])
+                    self._copied.add(proj)  # changed in place after forward returned it: multiply again
             elif kept is not None and not last:
                 y = F.linear(x, proj.weight, proj.bias)
                 k = y.clone() if proj in self._copied else y
@@ -101,19 +102,12 @@ class LayerRecompute:
     @contextlib.contextmanager
     def recording(self):
         """A forward without gradients that keeps its linears' outputs: yields what backward's
-        ``active(kept=...)`` takes (one layer and micro-batch's worth), complete when the context exits.
-        An output changed in place since its linear returned it is dropped there (None: backward multiplies
-        again), and that linear's outputs are kept as copies from then on."""
+        ``active(kept=...)`` takes (one layer and micro-batch's worth)."""
         self._kept = kept = {}
         try:
             yield kept
         finally:
             self._kept = None
-            for proj, entries in kept.items():
-                for i, (y, version) in enumerate(entries):
-                    if y._version != version:
-                        self._copied.add(proj)
-                    entries[i] = y if y._version == version else None
 
     @contextlib.contextmanager
     def active(self, output_free: bool = True, kept: dict | None = None):
@@ -124,15 +118,3 @@ class LayerRecompute:
             yield
         finally:
             self._output_free, self._kept = False, None
-
-
-def pack(kept: dict) -> tuple[list, list[torch.Tensor]]:
-    """``recording``'s products as (their layout, the tensors): what a store can move off the GPU."""
-    layout = [(proj, [y is not None for y in entries]) for proj, entries in kept.items()]
-    return layout, [y for entries in kept.values() for y in entries if y is not None]
-
-
-def unpack(layout: list, tensors) -> dict:
-    """``pack``'s inverse, from the tensors in the same order (back from a store)."""
-    it = iter(tensors)
-    return {proj: deque(next(it) if present else None for present in entries) for proj, entries in layout}

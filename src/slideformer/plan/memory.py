@@ -115,10 +115,8 @@ class Layout:
     # or for compact state the master's bf16 lo half and bf16 moments (6)
     resident_state_bytes: int = 12
     # the last layers keep their linears' outputs for backward, whose recompute then runs no matmul for them
-    # (model/recompute.py); fit() fills what the GPU has left with them, and host_saved_layers more whose
-    # products go to pinned RAM (the first of the saved layers) where the planner finds RAM and PCIe for them
+    # (model/recompute.py); fit() fills what the GPU has left with them
     saved_layers: int = 0
-    host_saved_layers: int = 0
 
     @classmethod
     def of(cls, cfg, **kw) -> "Layout":
@@ -129,8 +127,7 @@ class Layout:
                    resident_layers=cfg.placement.resident_layers, loss_kernel=cfg.tuning.loss_kernel,
                    resident_edges=cfg.placement.resident_edges, mlp_chunk_tokens=cfg.tuning.mlp_chunk_tokens,
                    resident_state_bytes=6 if cfg.optimizer_state == "compact" else 12,
-                   saved_layers=cfg.placement.saved_layers, host_saved_layers=cfg.placement.host_saved_layers,
-                   **kw)
+                   saved_layers=cfg.placement.saved_layers, **kw)
 
     def edges_resident(self, shape: "ModelShape") -> bool:
         return self.resident_edges or self.resident_layers >= shape.layers
@@ -151,9 +148,7 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: i
         # slots hold bf16 weights and gradients; a resident unit adds its optimizer state
         "window": 2 * dtype_bytes * (streamed_slots + resident) + p.resident_state_bytes * resident,
         "activations": kept * T * H * dtype_bytes,
-        # (offloaded products: one layer's on its way out and one coming back beside those the GPU keeps)
-        "saved_products": (saved_layers(shape, p) - host_saved_layers(shape, p)
-                           + 2 * bool(host_saved_layers(shape, p))) * T * shape.kept_per_token * dtype_bytes,
+        "saved_products": saved_layers(shape, p) * T * shape.kept_per_token * dtype_bytes,
         "hidden_flow": 2 * T * H * dtype_bytes,
         "loss_head": loss_head_bytes(shape, T, t, p, dtype_bytes),
         # (the first layer backward meets, the last, is a saved one if any is: its gate and up are kept products)
@@ -170,11 +165,6 @@ def saved_layers(shape: ModelShape, p: Layout) -> int:
     """The layers whose products ``p`` keeps for backward (none with token-chunked MLPs, whose chunks
     recompute under their own checkpoints)."""
     return 0 if p.mlp_chunk_tokens else min(p.saved_layers, shape.layers)
-
-
-def host_saved_layers(shape: ModelShape, p: Layout) -> int:
-    """The saved layers whose products ``p`` keeps in pinned RAM (the first of the saved ones)."""
-    return min(p.host_saved_layers, saved_layers(shape, p))
 
 
 def loss_head_bytes(shape: ModelShape, T: int, t: int, p: Layout, dtype_bytes: int = 2) -> int:
@@ -221,7 +211,6 @@ def host_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, host_weights:
         # offloaded layer inputs in RAM, or on NVMe through 3 staging buffers (engine/activations.py)
         "activations": (min(offloaded, 3) if activations_to_nvme else offloaded) * batch * seq * shape.hidden * dtype_bytes,
         "spares": spare_layers * shape.layer_params * spare_bytes(compact),
-        "saved_products": host_saved_layers(shape, p) * batch * seq * shape.kept_per_token * dtype_bytes,
     }
 
 
@@ -550,43 +539,12 @@ def with_saved_layers(shape: ModelShape, batch: int, seq: int, limit: int, p: La
     """``p`` with as many saved layers (the last ones) as the GPU has left room for once every layer
     input is kept on it: a saved layer's products take about 11 x hidden values a token against the input's
     1, so they come after the inputs, which save PCIe traffic and pinned RAM."""
-    host = p.host_saved_layers
-    p = replace(p, saved_layers=0, host_saved_layers=0)
+    p = replace(p, saved_layers=0)
     per_layer = batch * seq * shape.kept_per_token * 2
     if p.gpu_activation_layers < shape.layers or p.mlp_chunk_tokens or not per_layer:
         return p
-    room = max(0, int((limit / SAFETY - gpu_bytes(shape, batch, seq, p)["peak"] / SAFETY) // per_layer))
-    on_gpu = min(shape.layers, room)
-    if host and on_gpu < shape.layers and room >= 2:  # (two layers' room for the products on the move)
-        total = min(shape.layers, room - 2 + host)
-        return replace(p, saved_layers=total, host_saved_layers=total - (room - 2))
-    return replace(p, saved_layers=on_gpu)
-
-
-def auto_host_saved(cfg, shape: ModelShape, batch: int, seq: int, p: Layout, limit: int, ram: int,
-                    rates: "MachineRates | None" = None) -> int:
-    """``host_saved_layers`` for an EngineConfig whose placement ``p`` (under ``limit`` GPU bytes) keeps every
-    layer input on the GPU but not every layer's products: the saved layers more whose products go to pinned
-    RAM, where that makes the predicted step shorter (the GPU bounds it). At most what the host budget has
-    left beside the rest of the state, and what the copy engines move in half the forward's GPU time, so
-    that the products still on their way out are gone before backward needs the room."""
-    rates = rates or MachineRates()
-    per_layer = batch * seq * shape.kept_per_token * 2
-    if p.gpu_activation_layers < shape.layers or p.mlp_chunk_tokens or saved_layers(shape, p) >= shape.layers \
-            or not per_layer:
-        return 0
-    rest = sum(config_host_bytes(cfg, shape, batch, seq, replace(p, host_saved_layers=0)).values())
-    forward_s = 2 * shape.layers * shape.layer_params * batch * seq / rates.gpu_flops
-    most = min(shape.layers, int((host_budget(cfg, ram)[0] - rest) // per_layer),
-               int(0.5 * forward_s * rates.pcie_bytes_per_s // per_layer))
-    best, best_s = 0, step_time(shape, batch, seq, p, rates)["step_s"]
-    base = Layout.of(cfg)
-    for k in range(1, most + 1):
-        q = fit(shape, batch, seq, limit, replace(base, host_saved_layers=k))
-        t = step_time(shape, batch, seq, q, rates)["step_s"]
-        if t < best_s:
-            best, best_s = k, t
-    return best
+    room = int((limit / SAFETY - gpu_bytes(shape, batch, seq, p)["peak"] / SAFETY) // per_layer)
+    return replace(p, saved_layers=max(0, min(shape.layers, room)))
 
 
 def least_layout(shape: ModelShape, batch: int, seq: int, base: Layout) -> Layout:
@@ -660,9 +618,8 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
                           - 2 * saved_layers(shape, p) * (shape.layer_params - shape.hidden * shape.ffn))
                          * tokens / rates.gpu_flops,
         "gpu_adamw_s": (shape.params - on_cpu) / rates.gpu_adamw_params_per_s / (2.3 if compact else 1.0),
-        # offloaded layer inputs and saved products: out and back once a step, each way on its own copy engine
-        "activations_s": (offloaded * shape.hidden + host_saved_layers(shape, p) * shape.kept_per_token)
-                         * tokens * 2 / rates.pcie_bytes_per_s,
+        # offloaded layer inputs: out and back once a step, each way on its own copy engine
+        "activations_s": offloaded * tokens * shape.hidden * 2 / rates.pcie_bytes_per_s,
         "optimizer_s": on_cpu / cpu_rate,
         # bf16 weights, about twice a step; staged parameters cross as their fp32 master
         "h2d_s": 2 * (2 * streamed + 2 * min(staged_params, streamed)) / rates.pcie_bytes_per_s,

@@ -4,15 +4,14 @@
 The order is the dependency chain: spare states for clipping (what RAM holds with every layer
 streamed; residency depends on them), then the window's slots and the units trained on the GPU (under
 the GPU budget), then the placement (micro-batches, offloaded layer inputs), then the host settings
-(bf16 copy, gradient buffers, spares), then the NVMe tier for what RAM still cannot hold, then the saved
-layers whose products RAM holds where the GPU cannot (what RAM has left), then the host check."""
+(bf16 copy, gradient buffers, spares), then the NVMe tier for what RAM still cannot hold, then the host
+check."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
 from ..machine import Machine
-from .memory import (DoesNotFit, ModelShape, Layout, auto_host, auto_host_saved, auto_residency, auto_tier,
-                     check_host_fits,
+from .memory import (DoesNotFit, ModelShape, Layout, auto_host, auto_residency, auto_tier, check_host_fits,
                      choose_window_slots, config_host_bytes, fit, gpu_budget, gpu_bytes, least_layout,
                      nvme_layer_count, parse_bytes, spares_that_fit, step_time)
 
@@ -96,12 +95,6 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
     if auto.nvme_fraction and cfg.offload_dir:
         cfg = auto_tier(cfg, shape, batch, seq, placement, machine.ram, buffers=auto.host_grad_buffers,
                         spares=auto.speculative_layers)
-    if problem is None and cfg.gpu_memory_limit and not cfg.placement.host_saved_layers:
-        k = auto_host_saved(cfg, shape, batch, seq, placement, limit, machine.ram)
-        if k:  # (the engine fits the same placement from this config)
-            cfg = cfg.placed(host_saved_layers=k)
-            placement = fit(shape, batch, seq, limit, Layout.of(cfg))
-            gpu = gpu_bytes(shape, batch, seq, placement, cfg.compute_dtype.itemsize)
     host = config_host_bytes(cfg, shape, batch, seq, placement)
     if problem is None:
         try:
