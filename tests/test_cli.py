@@ -178,3 +178,42 @@ def test_plan_names_what_binds(capsys):
     if not torch.cuda.is_available():
         main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1"])
         assert "no GPU here and no --gpu-memory" in capsys.readouterr().out
+
+
+def test_plan_on_paper_for_another_machine(capsys):
+    """Issue 21's plans on paper: a machine's rates as flags scale the time model's terms (GPU work, weight
+    copies, the NVMe tier's traffic), and the largest presets plan: Llama-3.1-70B and Mistral-Large-2 fit a
+    24 GB card with 256 GB of RAM and an NVMe tier, disk-bound; Llama-3.1-405B's layer does not fit 24 GB."""
+    import json
+
+    def plan(model, *extra):
+        code = main(["plan", "--model", model, "--seq-len", "1024", "--batch-size", "8", "--gpu-memory", "24GB",
+                     "--cpu-memory", "256GB", "--offload-dir", "/nvme", "--nvme-master", "--optimizer-state", "compact",
+                     "--max-grad-norm", "0", "--json", *extra])
+        return code, json.loads(capsys.readouterr().out)
+
+    rtx = ("--gpu-tflops", "165", "--pcie-gbps", "25", "--disk-gbps", "7")
+    code, base = plan("llama3.1-70b", *rtx)
+    assert code == 0 and base["fits"] and 70e9 < base["params"] < 71e9
+    t = base["timing"]
+    assert t["nvme_s"] == pytest.approx(2 * base["nvme_bytes"] / 7e9) and base["predicted_step_s"] >= t["nvme_s"]
+    _, slower = plan("llama3.1-70b", "--gpu-tflops", "82.5", "--pcie-gbps", "12.5", "--disk-gbps", "3.5")
+    for term in ("gpu_compute_s", "h2d_s", "nvme_s"):
+        assert slower["timing"][term] == pytest.approx(2 * t[term], rel=1e-6), term
+    code, large = plan("mistral-large-2", *rtx)
+    assert code == 0 and 122e9 < large["params"] < 123e9 and large["gpu_bytes"] <= 24e9
+    code, _ = plan("llama3.1-405b", *rtx)
+    assert code == 3
+
+
+def test_plan_names_a_disk_too_small_for_the_tier(capsys, tmp_path):
+    """With the free disk known (--disk-space, or measured under an existing --offload-dir) a tier larger
+    than it does not fit, and the line says how much it needs and has."""
+    base = ["plan", "--model", "qwen2.5-14b", "--seq-len", "1024", "--batch-size", "8", "--gpu-memory", "24GiB",
+            "--cpu-memory", "64GiB", "--offload-dir", str(tmp_path), "--nvme-master", "--optimizer-state", "compact",
+            "--max-grad-norm", "0"]
+    assert main(base + ["--disk-space", "10TB"]) == 0
+    capsys.readouterr()
+    assert main(base + ["--disk-space", "1GiB"]) == 3
+    out = capsys.readouterr().out
+    assert "does NOT fit the disk" in out and "1.0 GiB free there" in out and "optimizer_state" not in out

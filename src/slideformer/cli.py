@@ -60,7 +60,7 @@ def cmd_plan(args) -> int:
     from . import EngineConfig
     from .config import Placement
     from .model import ModelAdapter
-    from .machine import Machine, gpu_memory, host_memory
+    from .machine import Machine, MachineRates, disk_free, gpu_memory, host_memory
     from .plan import Auto, ModelShape, nvme_bytes, nvme_layer_count, parse_bytes, predicted_step, resolve
     from .plan.memory import host_budget, saved_layers
     from .presets import PRESETS, preset_config
@@ -76,7 +76,7 @@ def cmd_plan(args) -> int:
             raise ConfigError(f"--model {args.model}: not a preset ({', '.join(PRESETS)}) nor a local folder with "
                               "config.json")
         config = AutoConfig.from_pretrained(args.model)
-    for flag in ("gpu_memory", "cpu_memory", "host_memory_limit"):
+    for flag in ("gpu_memory", "cpu_memory", "host_memory_limit", "disk_space"):
         value = getattr(args, flag)
         try:
             if value is not None and parse_bytes(value) <= 0:
@@ -84,8 +84,13 @@ def cmd_plan(args) -> int:
         except ValueError as e:
             raise ConfigError(f"--{flag.replace('_', '-')}: {e}") from None
     shape = ModelShape.from_adapter(ModelAdapter(config))
+    rates = MachineRates(gpu_flops=args.gpu_tflops * 1e12, pcie_bytes_per_s=args.pcie_gbps * 1e9,
+                         disk_bytes_per_s=args.disk_gbps * 1e9, optimizer_params_per_s=args.cpu_update_gparams * 1e9)
+    disk = parse_bytes(args.disk_space) if args.disk_space is not None else \
+        disk_free(args.offload_dir) if args.offload_dir and Path(args.offload_dir).exists() else None
     machine = Machine(ram=parse_bytes(args.cpu_memory) if args.cpu_memory is not None else host_memory(),
-                      gpu=parse_bytes(args.gpu_memory) if args.gpu_memory is not None else gpu_memory())
+                      gpu=parse_bytes(args.gpu_memory) if args.gpu_memory is not None else gpu_memory(), rates=rates,
+                      disk=disk)
     cpu_limit, gpu_limit = machine.ram, machine.gpu
     # the engine settings `slideformer train` would use (clipping by default: a gradient buffer per layer)
     placement = Placement(nvme_master=args.nvme_master and bool(args.offload_dir),
@@ -139,12 +144,12 @@ def cmd_plan(args) -> int:
            "host_state_limit": host_budget(as_trained, cpu_limit)[1], "fits": fits, "max_batch_size": max_batch,
            "placement": vars(placement), "host_weights": chosen_host.host_weights,
            "host_grad_buffers": chosen_host.host_grad_buffers, "speculative_layers": chosen_host.speculative_layers}
-    timing = predicted_step(plan, shape, args.batch_size, args.seq_len)
+    timing = predicted_step(plan, shape, args.batch_size, args.seq_len, rates)
     if gpu_limit and fits_gpu:  # what training some layers on the GPU would buy
         def as_train_would(cfg) -> dict:
             """`train`'s step with ``cfg`` (its resident units chosen) and its host bytes."""
             p = trained(args.batch_size, cfg)
-            return {**predicted_step(p, shape, args.batch_size, args.seq_len), "host_bytes": sum(p.host.values()),
+            return {**predicted_step(p, shape, args.batch_size, args.seq_len, rates), "host_bytes": sum(p.host.values()),
                     "resident_layers": p.config.placement.resident_layers,
                     "resident_edges": p.config.placement.resident_edges}
 
@@ -187,8 +192,10 @@ def cmd_plan(args) -> int:
                  if saved_layers(shape, placement) else "")
               + (f", the lm_head gradient in {placement.head_slice}-row slices" if placement.head_slice else "")
               + (f", {placement.window_slots} window slots" if placement.window_slots != 3 else ""))
-        print(f"predicted step {timing['step_s']:.2f} s ({out['predicted_tokens_per_s']:.0f} tok/s by the time model "
-              f"of the H200 machine, within 6% of its unclipped 4B and 8B steps): GPU {timing['gpu_compute_s']:.2f} s, "
+        model = ("of the H200 machine, within 6% of its unclipped 4B and 8B steps" if rates == MachineRates() else
+                 "at the rates given")
+        print(f"predicted step {timing['step_s']:.2f} s ({out['predicted_tokens_per_s']:.1f} tok/s by the time model "
+              f"{model}): GPU {timing['gpu_compute_s']:.2f} s, "
               f"optimizer {timing['optimizer_s']:.2f} s"
               + (f" (clipping: it follows backward, {timing['after_backward_s']:.2f} s)"
                  if clip and timing["after_backward_s"] >= timing["step_s"] else "")
@@ -212,6 +219,8 @@ def cmd_plan(args) -> int:
             verdict = "fits"
         elif not fits_gpu:
             verdict = f"does NOT fit the GPU: {reason}"
+        elif plan.binds == "disk":
+            verdict = f"does NOT fit the disk: {reason}"
         else:  # the GPU holds it; host RAM binds
             need = out.get("host_bytes_resident", host_total)
             against = (f"{gib(host_budget(as_trained, cpu_limit)[1])} (--host-memory-limit less the process itself)"
@@ -383,6 +392,13 @@ def _non_negative(v: str) -> float:
     return _number(v, 0.0, float("inf"), "a finite number >= 0 (0: no clipping)")
 
 
+def _positive_float(v: str) -> float:
+    x = _number(v, 0.0, float("inf"), "a finite number > 0")
+    if x <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {v!r}")
+    return x
+
+
 def main(argv: list[str] | None = None) -> int:
     with Signals() as signals:  # (shares entry()'s where that is active)
         try:
@@ -394,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str], signals: Signals) -> int:
     from . import __version__
+    from .machine import MachineRates
+    from .presets import PRESETS
 
     # Before CUDA starts: the window's slots, loss chunks and layer activations come and go every step in
     # varying sizes, and fixed-size segments would hold their gaps reserved (over a gpu_memory_limit the
@@ -418,7 +436,7 @@ def _main(argv: list[str], signals: Signals) -> int:
     t.add_argument("overrides", nargs="*", metavar="key=value")
     t.set_defaults(func=cmd_train)
     pl = sub.add_parser("plan", help="GPU, host and NVMe bytes of a run, whether it fits, the largest batch")
-    pl.add_argument("--model", required=True, help="a preset (qwen3-4b, llama3-8b, qwen2.5-14b, tiny) or a HF directory")
+    pl.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or a HF directory")
     pl.add_argument("--seq-len", type=_positive, required=True)
     pl.add_argument("--batch-size", type=_positive, required=True)
     pl.add_argument("--gpu-memory", help="GPU budget, e.g. 24GiB (default: this machine's GPU)")
@@ -429,6 +447,8 @@ def _main(argv: list[str], signals: Signals) -> int:
     pl.add_argument("--nvme-fraction", type=lambda v: v if v == "auto" else _fraction(v), default="auto",
                     help="the last fraction of the layers on the tier, or auto (as `slideformer train`): as few "
                          "as the host budget allows")
+    pl.add_argument("--disk-space", help="bytes free for the tier under --offload-dir, e.g. 4TB (default: what is "
+                    "free there now, where the folder exists)")
     pl.add_argument("--nvme-master", action="store_true", help="the tier's layers keep their fp32 master there too")
     pl.add_argument("--activations-to-nvme", action="store_true",
                     help="offloaded layer inputs go to files under --offload-dir (RAM: 3 staging buffers)")
@@ -441,6 +461,15 @@ def _main(argv: list[str], signals: Signals) -> int:
                     help="as the trainer's max_grad_norm (default 1.0; 0: no clipping, which lets gradients share "
                          "a ring of host buffers)")
     pl.add_argument("--optimizer-state", default=PLAN_DEFAULTS["optimizer_state"], choices=["fp32", "compact"])
+    rates = MachineRates()
+    pl.add_argument("--gpu-tflops", type=_positive_float, default=rates.gpu_flops / 1e12,
+                    help="bf16 TFLOP/s a step's GPU work runs at (default: the H200's %(default).0f, measured)")
+    pl.add_argument("--pcie-gbps", type=_positive_float, default=rates.pcie_bytes_per_s / 1e9,
+                    help="host-GPU copies, GB/s each way (default %(default).0f)")
+    pl.add_argument("--disk-gbps", type=_positive_float, default=rates.disk_bytes_per_s / 1e9,
+                    help="the NVMe tier's reads and writes, GB/s (default %(default).0f)")
+    pl.add_argument("--cpu-update-gparams", type=_positive_float, default=rates.optimizer_params_per_s / 1e9,
+                    help="the CPU AdamW's billions of parameters a second (default %(default).0f, 15 threads)")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
     ex = sub.add_parser("export", help="a checkpoint's Hugging Face files, without the training state")

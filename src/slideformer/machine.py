@@ -1,6 +1,7 @@
-"""Facts about this machine that the planner is given: RAM and the GPU's memory. The one place that
-reads /proc and asks torch about the GPU; ``plan/`` takes a ``Machine`` and reads nothing itself, so
-that `slideformer plan` can describe another machine and the tests can describe any."""
+"""Facts about this machine that the planner is given: RAM, the GPU's memory and the rates its time model
+assumes. The one place that reads /proc and asks torch about the GPU; ``plan/`` takes a ``Machine`` and
+reads nothing itself, so that `slideformer plan` can describe another machine and the tests can describe
+any."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,13 +29,45 @@ def gpu_memory(device: str = "cuda") -> int | None:
 
 
 @dataclass(frozen=True)
+class MachineRates:
+    """Rates of the H200 machine the defaults were measured on; pass others for other machines (`slideformer plan`'s
+    flags)."""
+    # bf16 FLOP/s of a step's GPU work (step_time's count over gpu_compute_s) with Liger's kernels; one rate
+    # for every model, though larger GEMMs (Llama-8B's) run a little faster than Qwen3-4B's
+    gpu_flops: float = 565e12
+    # the engine's CPU update: one-pass AdamW on all cores but one, beside the copies
+    optimizer_params_per_s: float = 5.0e9
+    # compact state's update over that: it moves 18 bytes a parameter, not 28, but its rounding's hashing
+    # bounds it (it scales with threads), so it gains far less than 28/18
+    compact_speedup: float = 1.1
+    # the resident units' AdamW on the GPU, fp32 state (compact: 2.3x)
+    gpu_adamw_params_per_s: float = 77e9
+    pcie_bytes_per_s: float = 55e9
+    disk_bytes_per_s: float = 1e9  # the NVMe tier's reads and writes (about 1 GB/s on that machine)
+
+
+@dataclass(frozen=True)
 class Machine:
     ram: int  # bytes of RAM
     gpu: int | None = None  # bytes of the GPU's memory; None: no GPU (nothing on it is checked)
+    rates: MachineRates = MachineRates()  # what the time model assumes (not measured here)
+    disk: int | None = None  # bytes free for the NVMe tier under offload_dir; None: not checked
 
     @classmethod
     def detect(cls, device: str = "cuda") -> "Machine":
         return cls(ram=host_memory(), gpu=gpu_memory(device))
+
+
+def disk_free(path) -> int:
+    """Bytes free to this user on the file system that holds ``path`` (or its nearest existing parent)."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    p = Path(os.path.abspath(path))
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
 
 
 def describe() -> dict:

@@ -1,11 +1,12 @@
-"""Model shapes used by benchmarks and the planner, as Hugging Face configs (no download)."""
+"""Model shapes used by benchmarks and the planner, as Hugging Face configs (no download). The largest are for
+`slideformer plan` on paper: their layers are built on the meta device only."""
 from __future__ import annotations
 
 from importlib import resources
 
 
 def preset_config(name: str):
-    from transformers import AutoConfig, LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     if name == "qwen3-4b":
         return Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
@@ -19,9 +20,27 @@ def preset_config(name: str):
         return Qwen2Config(vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
                            num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=32768,
                            rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if name == "qwen2.5-32b":
+        return Qwen2Config(vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+                           num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=32768,
+                           rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if name == "llama3.1-70b":
+        return LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                           num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
+                           rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    if name == "mistral-large-2":  # Mistral-Large-Instruct-2407's shape, 123B
+        return MistralConfig(vocab_size=32768, hidden_size=12288, intermediate_size=28672, num_hidden_layers=88,
+                             num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+                             max_position_embeddings=131072, rope_theta=1_000_000.0, rms_norm_eps=1e-5,
+                             sliding_window=None, tie_word_embeddings=False)
+    if name == "llama3.1-405b":
+        return LlamaConfig(vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                           num_attention_heads=128, num_key_value_heads=8, max_position_embeddings=131072,
+                           rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
     if name == "tiny":
         return AutoConfig.from_pretrained(str(resources.files("slideformer") / "assets" / "tiny"))
     raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
 
 
-PRESETS = ("qwen3-4b", "llama3-8b", "qwen2.5-14b", "tiny")
+PRESETS = ("qwen3-4b", "llama3-8b", "qwen2.5-14b", "qwen2.5-32b", "llama3.1-70b", "mistral-large-2", "llama3.1-405b",
+           "tiny")

@@ -34,6 +34,8 @@ import math
 import re
 from dataclasses import dataclass, replace
 
+from ..machine import MachineRates
+
 LAYER_TOKEN_FFN = 10  # bf16 values per token per ffn unit at the peak of a layer's backward
 LAYER_TOKEN_HIDDEN = 6
 LOGIT_BYTES = {"torch": 16,  # bf16 logits, fp32 copy, fp32 log-softmax, fp32 gradient (x1 each), bf16 gradient
@@ -402,7 +404,7 @@ def choose_window_slots(shape: ModelShape, batch: int, seq: int, limit: int, bas
 
 
 def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout = Layout(),
-                           rates: "MachineRates | None" = None, clipping: bool = False) -> int:
+                           rates: "MachineRates | None" = None, clipping: bool = False, disk_s=None) -> int:
     """How many decoder layers to train on the GPU (``resident_layers="auto"``).
 
     As many as fit with micro-batches of at least EFFICIENT_TOKENS (or the whole batch): all of them
@@ -413,7 +415,9 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
     time and pushes inputs to pinned host memory and PCIe, or costs a layer's recompute. The half leaves room for the time model's error (its GPU rate
     underestimates 8B's).
     With ``clipping`` the update follows backward and only the next forward (a quarter of the GPU work)
-    can hide it: a quarter, with no margin (that model already counts no overlap with backward)."""
+    can hide it: a quarter, with no margin (that model already counts no overlap with backward).
+    ``disk_s(k)``: the NVMe tier's seconds a step with k resident layers, where the host budget cannot hold
+    the state; the GPU's memory is a tier too, and a resident layer's state crosses no disk."""
     rates = rates or MachineRates()
     want = min(batch * seq, EFFICIENT_TOKENS)
     best, placed = 0, None
@@ -435,14 +439,15 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
                                                           if base.resident_edges else 0))
     on_cpu = lambda k: shape.params - k * shape.layer_params - (  # noqa: E731
         shape.embed_params + shape.head_params if base.resident_edges else 0)
+    host_s = lambda k: max(per_param * on_cpu(k), disk_s(k) if disk_s else 0.0)  # noqa: E731
     needed = 0
-    while needed < best and per_param * on_cpu(needed) > (0.25 if clipping else 0.5) * t["gpu_compute_s"]:
+    while needed < best and host_s(needed) > (0.25 if clipping else 0.5) * t["gpu_compute_s"]:
         needed += 1
     return needed
 
 
 def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | None = None,
-                   gpu: int | None = None) -> dict:
+                   gpu: int | None = None, rates: MachineRates = MachineRates(), ram: int | None = None) -> dict:
     """``resident_layers="auto"`` for an EngineConfig: the ``resident_layers`` and ``resident_edges`` to
     set, chosen by ``choose_resident_layers`` under its GPU budget (``gpu_budget``; the caller hands the
     engine that budget too, so that micro-batches and activations are planned for the memory the choice
@@ -459,12 +464,32 @@ def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | N
     nvme = nvme_layer_count(cfg, shape.layers)
     clipping = cfg.max_grad_norm is not None and cfg.placement.speculative_layers < shape.layers - nvme
     plain = replace(base, resident_edges=False)
-    k = min(choose_resident_layers(shape, batch, seq, budget, plain, clipping=clipping), shape.layers - nvme)
+
+    def disk_s(resident_edges: bool):
+        """With ``offload_dir`` on a machine of ``ram``: what the host budget cannot hold, read and written
+        once a step at the disk's rate, by the resident layers (the NVMe tier is decided after them)."""
+        if not cfg.offload_dir or ram is None:
+            return None
+        aim = host_budget(cfg, ram)[0]
+
+        def seconds(k: int) -> float:  # (the layer inputs the resident layers push to RAM count too)
+            c = cfg.placed(resident_layers=k, resident_edges=resident_edges, nvme_fraction=0.0)
+            try:
+                p = fit(shape, batch, seq, budget, Layout.of(c))
+            except DoesNotFit:
+                return math.inf
+            over = sum(config_host_bytes(c, shape, batch, seq, p).values()) - aim
+            return 2 * max(0, over) / rates.disk_bytes_per_s
+        return seconds
+
+    k = min(choose_resident_layers(shape, batch, seq, budget, plain, rates, clipping, disk_s(False)),
+            shape.layers - nvme)
     without = {"resident_layers": k, "resident_edges": False}
     if k == shape.layers or edges is False:
         return without  # (all layers resident: the edges too)
     with_edges = replace(base, resident_edges=True)
-    ke = min(choose_resident_layers(shape, batch, seq, budget, with_edges, clipping=clipping), shape.layers - nvme)
+    ke = min(choose_resident_layers(shape, batch, seq, budget, with_edges, rates, clipping, disk_s(True)),
+             shape.layers - nvme)
     if edges:  # asked for: the layers that fit beside them (the engine's own check refuses if none does)
         return {"resident_layers": ke, "resident_edges": True}
     try:
@@ -475,7 +500,7 @@ def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | N
     if min(pe.micro_batch, batch) * seq < min(batch * seq, EFFICIENT_TOKENS, min(p0.micro_batch, batch) * seq):
         return without
     tier = dict(nvme_master=cfg.placement.nvme_master, activations_to_nvme=cfg.placement.activations_to_nvme,
-                compact=cfg.optimizer_state == "compact", clipping=clipping)
+                compact=cfg.optimizer_state == "compact", clipping=clipping, rates=rates)
     # A gain under 2% is not worth the layer inputs their GPU memory pushes to pinned RAM (8B b64: 17 GB),
     # nor the time model's error; where they displace saved layers only, the time model counts that
     displaced_saved_only = pe.saved_layers < p0.saved_layers and pe.gpu_activation_layers >= p0.gpu_activation_layers
@@ -562,23 +587,6 @@ def heads(base: Layout) -> list:
     if base.head_slice is not None or base.loss_kernel != "fused":
         return [base.head_slice]
     return [None, HEAD_SLICE_ROWS]
-
-
-@dataclass(frozen=True)
-class MachineRates:
-    """Rates of the H200 machine the defaults were measured on; pass others for other machines."""
-    # bf16 FLOP/s of a step's GPU work (step_time's count over gpu_compute_s) with Liger's kernels; one rate
-    # for every model, though larger GEMMs (Llama-8B's) run a little faster than Qwen3-4B's
-    gpu_flops: float = 565e12
-    # the engine's CPU update: one-pass AdamW on all cores but one, beside the copies
-    optimizer_params_per_s: float = 5.0e9
-    # compact state's update over that: it moves 18 bytes a parameter, not 28, but its rounding's hashing
-    # bounds it (it scales with threads), so it gains far less than 28/18
-    compact_speedup: float = 1.1
-    # the resident units' AdamW on the GPU, fp32 state (compact: 2.3x)
-    gpu_adamw_params_per_s: float = 77e9
-    pcie_bytes_per_s: float = 55e9
-    disk_bytes_per_s: float = 1e9  # the NVMe tier's reads and writes (about 1 GB/s on that machine)
 
 
 def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: MachineRates = MachineRates(),

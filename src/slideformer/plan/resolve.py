@@ -1,19 +1,20 @@
 """One place decides every "auto": the trainer, `slideformer plan` and the benchmark all call
-``resolve``. It is pure: the machine's RAM and GPU memory come in as a ``Machine``.
+``resolve``. It is pure: the machine's facts (RAM, GPU memory, the disk free for the NVMe tier, the time
+model's rates) come in as a ``Machine``.
 
 The order is the dependency chain: spare states for clipping (what RAM holds with every layer
 streamed; residency depends on them), then the window's slots and the units trained on the GPU (under
 the GPU budget), then the placement (micro-batches, offloaded layer inputs), then the host settings
 (bf16 copy, gradient buffers, spares), then the NVMe tier for what RAM still cannot hold, then the host
-check."""
+check, then the disk's where the machine says what is free."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ..machine import Machine
+from ..machine import Machine, MachineRates
 from .memory import (DoesNotFit, ModelShape, Layout, auto_host, auto_residency, auto_tier, check_host_fits,
                      choose_window_slots, config_host_bytes, fit, gpu_budget, gpu_bytes, least_layout,
-                     nvme_layer_count, parse_bytes, spares_that_fit, step_time)
+                     nvme_bytes, nvme_layer_count, parse_bytes, spares_that_fit, step_time)
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,7 @@ class Plan:
     gpu_limit: int | None
     host: dict  # host bytes by category
     problem: str | None = None  # what does not fit, naming the resource and the settings that would help
-    binds: str | None = None  # "gpu" or "host" where it does not fit
+    binds: str | None = None  # "gpu", "host" or "disk" where it does not fit
 
     @property
     def fits(self) -> bool:
@@ -71,7 +72,8 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
                                                           Layout.of(cfg)))
     if auto.resident_layers and on_gpu:
         budget = gpu_budget(cfg, machine.gpu)
-        cfg = replace(cfg.placed(**auto_residency(cfg, shape, batch, seq, auto.resident_edges, machine.gpu)),
+        cfg = replace(cfg.placed(**auto_residency(cfg, shape, batch, seq, auto.resident_edges, machine.gpu,
+                                                                 machine.rates, machine.ram)),
                       gpu_memory_limit=budget)
     gpu, limit, problem, binds = None, None, None, None
     placement = Layout.of(cfg, micro_batch=micro_batch or batch)
@@ -101,17 +103,34 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
             check_host_fits(host, machine.ram, cfg, prefix=prefix)
         except DoesNotFit as e:
             problem, binds = str(e), "host"
+    disk = tier_bytes(cfg, shape, batch, seq, placement)
+    if problem is None and machine.disk is not None and disk > machine.disk:
+        problem, binds = (f"the NVMe tier needs about {disk / 2**30:.1f} GiB under {prefix}offload_dir "
+                          f"{cfg.offload_dir}, {machine.disk / 2**30:.1f} GiB free there; free space, point it at a "
+                          f"larger disk, or use "
+                          + ("" if cfg.optimizer_state == "compact" else f"compact optimizer state ({prefix}optimizer_state) or ")
+                          + f"more RAM ({prefix}host_memory_limit)"), "disk"
     return Plan(cfg, placement, gpu, limit, host, problem, binds)
 
 
-def predicted_step(plan: Plan, shape: ModelShape, batch: int, seq: int) -> dict:
-    """``step_time`` of a resolved plan (the tier's layers are the last, never resident ones)."""
+def tier_bytes(cfg, shape: ModelShape, batch: int, seq: int, placement: Layout) -> int:
+    """Disk under offload_dir: the NVMe tier's state, and the layer inputs offloaded there."""
+    if not cfg.offload_dir:
+        return 0
+    inputs = shape.layers - min(shape.layers, placement.gpu_activation_layers) if cfg.placement.activations_to_nvme else 0
+    return nvme_bytes(shape, nvme_layer_count(cfg, shape.layers), cfg.optimizer_state == "compact",
+                      cfg.placement.nvme_master) + inputs * batch * seq * shape.hidden * cfg.compute_dtype.itemsize
+
+
+def predicted_step(plan: Plan, shape: ModelShape, batch: int, seq: int, rates: MachineRates = MachineRates()) -> dict:
+    """``step_time`` of a resolved plan on a machine of ``rates`` (the tier's layers are the last, never
+    resident ones)."""
     c = plan.config
     resident = min(plan.placement.resident_layers, shape.layers)
     hw, streamed = c.placement.host_weights, shape.layers - resident
     staged = 0 if c.optimizer_state == "compact" else shape.params if hw == "staged" else \
         0 if hw == "persistent" else min(hw, streamed) * shape.layer_params
-    return step_time(shape, batch, seq, plan.placement, compact=c.optimizer_state == "compact", staged_params=staged,
+    return step_time(shape, batch, seq, plan.placement, rates, compact=c.optimizer_state == "compact", staged_params=staged,
                      nvme_layers=min(nvme_layer_count(c, shape.layers), shape.layers - resident),
                      nvme_master=c.placement.nvme_master, activations_to_nvme=c.placement.activations_to_nvme,
                      clipping=c.max_grad_norm is not None, speculative_layers=c.placement.speculative_layers)
