@@ -182,36 +182,41 @@ def test_plan_names_what_binds(capsys):
 
 def test_plan_on_paper_for_another_machine(capsys):
     """Issue 21's plans on paper: a machine's rates as flags scale the time model's terms (GPU work, weight
-    copies, the NVMe tier's traffic), and the largest presets plan: Llama-3.1-70B and Mistral-Large-2 fit a
-    24 GB card with 256 GB of RAM and an NVMe tier, disk-bound; Llama-3.1-405B's layer does not fit 24 GB."""
+    copies, the NVMe tier's traffic), and the largest presets plan. On a 24 GB card with 256 GB of RAM and an
+    NVMe tier, Llama-3.1-70B fits with its fp32 master and moments on the tier (the planner puts the master
+    there where the moments alone are not enough) and the bf16 copy in RAM, disk-bound; Mistral-Large-2's
+    bf16 copy alone is over the RAM; Llama-3.1-405B's layer does not fit 24 GB."""
     import json
 
     def plan(model, *extra):
         code = main(["plan", "--model", model, "--seq-len", "1024", "--batch-size", "8", "--gpu-memory", "24GB",
-                     "--cpu-memory", "256GB", "--offload-dir", "/nvme", "--nvme-master", "--optimizer-state", "compact",
-                     "--max-grad-norm", "0", "--json", *extra])
+                     "--cpu-memory", "256GB", "--offload-dir", "/nvme", "--max-grad-norm", "0", "--json", *extra])
         return code, json.loads(capsys.readouterr().out)
 
-    rtx = ("--gpu-tflops", "165", "--pcie-gbps", "25", "--disk-gbps", "7")
+    rtx = ("--gpu-tflops", "95", "--pcie-gbps", "25", "--disk-gbps", "7")
     code, base = plan("llama3.1-70b", *rtx)
     assert code == 0 and base["fits"] and 70e9 < base["params"] < 71e9
+    assert base["host_bytes"] < 0.95 * 256e9 < base["nvme_bytes"]  # (the master on the tier too: 12 bytes a param)
     t = base["timing"]
     assert t["nvme_s"] == pytest.approx(2 * base["nvme_bytes"] / 7e9) and base["predicted_step_s"] >= t["nvme_s"]
-    _, slower = plan("llama3.1-70b", "--gpu-tflops", "82.5", "--pcie-gbps", "12.5", "--disk-gbps", "3.5")
+    _, slower = plan("llama3.1-70b", "--gpu-tflops", "47.5", "--pcie-gbps", "12.5", "--disk-gbps", "3.5")
     for term in ("gpu_compute_s", "h2d_s", "nvme_s"):
         assert slower["timing"][term] == pytest.approx(2 * t[term], rel=1e-6), term
     code, large = plan("mistral-large-2", *rtx)
-    assert code == 0 and 122e9 < large["params"] < 123e9 and large["gpu_bytes"] <= 24e9
+    assert code == 3 and 122e9 < large["params"] < 123e9 and large["gpu_bytes"] <= 24e9 and large["host_bytes"] > 256e9
     code, _ = plan("llama3.1-405b", *rtx)
     assert code == 3
+    assert main(["plan", "--model", "llama3.1-70b", "--seq-len", "1024", "--batch-size", "8", "--offload-dir", "/nvme",
+                 "--nvme-master", "--optimizer-state", "compact"]) == 2  # (train refuses it: so does plan)
+    assert "nvme_master needs" in capsys.readouterr().err
 
 
 def test_plan_names_a_disk_too_small_for_the_tier(capsys, tmp_path):
     """With the free disk known (--disk-space, or measured under an existing --offload-dir) a tier larger
     than it does not fit, and the line says how much it needs and has."""
     base = ["plan", "--model", "qwen2.5-14b", "--seq-len", "1024", "--batch-size", "8", "--gpu-memory", "24GiB",
-            "--cpu-memory", "64GiB", "--offload-dir", str(tmp_path), "--nvme-master", "--optimizer-state", "compact",
-            "--max-grad-norm", "0"]
+            "--cpu-memory", "64GiB", "--offload-dir", str(tmp_path), "--optimizer-state", "compact", "--max-grad-norm",
+            "0"]
     assert main(base + ["--disk-space", "10TB"]) == 0
     capsys.readouterr()
     assert main(base + ["--disk-space", "1GiB"]) == 3

@@ -450,3 +450,46 @@ def test_close_removes_the_owned_directory(tmp_path, monkeypatch):
     with pytest.raises(TierError, match="cannot reserve"):
         NvmeTier(tmp_path / "nvme", {0: 1024}, 1)
     assert not list((tmp_path / "nvme").iterdir())  # a tier that failed to start leaves nothing either
+
+
+def test_the_ram_budget_holds_under_a_model_four_times_its_size(tmp_path):
+    """host_memory_limit at a quarter of the model's training state (fp32 master and moments, bf16 copy: 14
+    bytes a parameter): the planner puts the tier layers' master and moments on NVMe (nvme_master, which it
+    turns on where the moments alone are not enough), the engine's host state stays within the budget by its
+    own accounting, and training equals training with everything in RAM."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from slideformer.machine import Machine
+    from slideformer.model import ModelAdapter
+    from slideformer.plan import Auto, ModelShape, nvme_layer_count, resolve
+    from slideformer.plan.memory import PROCESS_BYTES
+
+    config = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=128, num_hidden_layers=48,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float()
+    shape = ModelShape.from_adapter(ModelAdapter(config, torch.bfloat16))
+    budget = 14 * shape.params // 4
+    cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, lr=1e-2, max_grad_norm=None,
+                       offload_dir=str(tmp_path), host_memory_limit=PROCESS_BYTES + budget)
+    plan = resolve(cfg, Auto(), shape, 2, 12, Machine(ram=64 * 2**30))
+    assert plan.fits, plan.problem
+    tiered = plan.config
+    assert tiered.placement.nvme_master and nvme_layer_count(tiered, shape.layers) > 0
+    assert sum(plan.host.values()) <= budget
+    steps = [batch(97, seed=s) for s in range(3)]
+
+    def train(c):
+        with SlideEngine(model, c) as eng:
+            losses = [eng.train_step(b) for b in steps]
+            rep = eng.memory_report()
+            return losses, {k: v.clone() for k, v in eng.state_dict().items()}, rep
+
+    losses, state, rep = train(tiered)
+    assert sum(v for k, v in rep.items() if k.startswith("host_")) <= budget
+    assert rep["nvme_disk"] > 2 * budget
+    ram_losses, ram_state, _ = train(EngineConfig(device="cpu", compute_dtype=torch.bfloat16, lr=1e-2,
+                                                  max_grad_norm=None))
+    assert losses == ram_losses and all(torch.equal(state[k], ram_state[k]) for k in state)

@@ -61,7 +61,8 @@ def cmd_plan(args) -> int:
     from .config import Placement
     from .model import ModelAdapter
     from .machine import Machine, MachineRates, disk_free, gpu_memory, host_memory
-    from .plan import Auto, ModelShape, nvme_bytes, nvme_layer_count, parse_bytes, predicted_step, resolve
+    from .plan import Auto, ModelShape, nvme_layer_count, parse_bytes, predicted_step, resolve
+    from .plan.resolve import tier_bytes
     from .plan.memory import host_budget, saved_layers
     from .presets import PRESETS, preset_config
 
@@ -100,6 +101,7 @@ def cmd_plan(args) -> int:
     as_trained = EngineConfig(device="cuda", max_grad_norm=args.max_grad_norm or None,
                               host_memory_limit=args.host_memory_limit,
                               optimizer_state=args.optimizer_state, offload_dir=args.offload_dir, placement=placement)
+    replace(as_trained, device="cpu").validate()  # what train would refuse, refused here too (any machine's GPU)
     host_auto = dict(host_weights=args.host_weights == "auto", host_grad_buffers=True, speculative_layers=True,
                      nvme_fraction=args.nvme_fraction == "auto")
 
@@ -138,7 +140,7 @@ def cmd_plan(args) -> int:
     clip = as_trained.max_grad_norm is not None  # the update then waits for backward's global norm
     out = {"model": args.model, "params": shape.params, "seq_len": args.seq_len, "batch_size": args.batch_size,
            "clipping": clip,
-           "gpu_bytes": g["peak"], "gpu": g, "host_bytes": host_total, "host": h, "nvme_bytes": nvme_bytes(shape, nvme_layers, compact, args.nvme_master),
+           "gpu_bytes": g["peak"], "gpu": g, "host_bytes": host_total, "host": h, "nvme_bytes": tier_bytes(plan.config, shape, args.batch_size, args.seq_len, placement),
            "gpu_limit": gpu_limit,
            "host_limit": parse_bytes(args.host_memory_limit) if args.host_memory_limit else cpu_limit,
            "host_state_limit": host_budget(as_trained, cpu_limit)[1], "fits": fits, "max_batch_size": max_batch,
@@ -161,7 +163,7 @@ def cmd_plan(args) -> int:
         out["host_bytes_resident"] = t["host_bytes"]
         if clip:
             out["predicted_step_s_resident_unclipped"] = as_train_would(replace(as_trained, max_grad_norm=None))["step_s"]
-        if not compact and not args.nvme_master:
+        if not compact and not chosen_host.nvme_master:
             # where the CPU update bounds the step: compact state moves 18 instead of 28 bytes a parameter,
             # and its resident layers take 10 instead of 16 GPU bytes
             tc = as_train_would(replace(as_trained, optimizer_state="compact"))
@@ -219,8 +221,8 @@ def cmd_plan(args) -> int:
             verdict = "fits"
         elif not fits_gpu:
             verdict = f"does NOT fit the GPU: {reason}"
-        elif plan.binds == "disk":
-            verdict = f"does NOT fit the disk: {reason}"
+        elif (disk := next((q for q in (plan, trained(args.batch_size)) if q and q.binds == "disk"), None)):
+            verdict = f"does NOT fit the disk: {disk.problem}"
         else:  # the GPU holds it; host RAM binds
             need = out.get("host_bytes_resident", host_total)
             against = (f"{gib(host_budget(as_trained, cpu_limit)[1])} (--host-memory-limit less the process itself)"

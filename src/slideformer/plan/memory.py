@@ -346,23 +346,31 @@ def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Layout, ram: int,
 
 
 def auto_tier(cfg, shape: ModelShape, batch: int, seq: int, p: Layout, ram: int, *, buffers: bool = True,
-              spares: bool = False):
+              spares: bool = False, weights: bool = True):
     """``nvme_fraction`` "auto" (with ``offload_dir``), for an EngineConfig whose host settings ``auto_host``
     decided without the tier: the fewest decoder layers (the last streamed ones) whose moments go to the
     NVMe tier for the training state to meet ``host_budget``'s aim; none where RAM holds it. The host
     weights stay as decided (a staged layer's extra bytes cross PCIe at ~55 GB/s, a tier layer's moments
     the disk at ~1 GB/s); gradient buffers and spares (where the caller leaves them to the planner) are
-    decided again beside the tier. Where even every streamed layer on the tier is not enough, that is returned: the host
-    check says what else would help."""
+    decided again beside the tier. Where every streamed layer's moments are not enough, fp32 state puts
+    the tier layers' master there too (``nvme_master``, with the persistent bf16 copy in RAM the window
+    reads: 2 bytes a parameter in RAM instead of 4 staged; ``weights``: the caller leaves host_weights to
+    the planner). Where even that is not enough, the most is returned: the host check says what else would
+    help."""
     n = shape.layers
     streamed = n - min(p.resident_layers, n)
     aim = host_budget(cfg, ram)[0]
-    for k in range(0, streamed + 1):
-        c = cfg.placed(nvme_fraction=k / n)
-        if k:
-            c = auto_host(c, shape, batch, seq, p, ram, weights=False, buffers=buffers, spares=spares)
-        if sum(config_host_bytes(c, shape, batch, seq, p).values()) <= aim:
-            break
+    tiers = [cfg]
+    if cfg.optimizer_state == "fp32" and not cfg.placement.nvme_master and \
+            (weights or cfg.placement.host_weights in ("persistent", 0)):
+        tiers.append(cfg.placed(nvme_master=True, host_weights="persistent"))
+    for base in tiers:
+        for k in range(0, streamed + 1):
+            c = base.placed(nvme_fraction=k / n)
+            if k:
+                c = auto_host(c, shape, batch, seq, p, ram, weights=False, buffers=buffers, spares=spares)
+            if sum(config_host_bytes(c, shape, batch, seq, p).values()) <= aim:
+                return c
     return c
 
 

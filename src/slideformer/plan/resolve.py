@@ -96,7 +96,7 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
                     buffers=auto.host_grad_buffers, spares=auto.speculative_layers)
     if auto.nvme_fraction and cfg.offload_dir:
         cfg = auto_tier(cfg, shape, batch, seq, placement, machine.ram, buffers=auto.host_grad_buffers,
-                        spares=auto.speculative_layers)
+                        spares=auto.speculative_layers, weights=auto.host_weights)
     host = config_host_bytes(cfg, shape, batch, seq, placement)
     if problem is None:
         try:
