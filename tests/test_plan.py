@@ -9,7 +9,7 @@ from slideformer.config import Placement, Tuning
 from slideformer import EngineConfig, SlideEngine
 from slideformer.model import ModelAdapter
 from slideformer.plan import (DoesNotFit, MachineRates, ModelShape, Layout, auto_residency, choose_resident_layers,
-                              config_host_bytes, fit, gpu_bytes, host_bytes, nvme_bytes, parse_bytes)
+                              config_host_bytes, fit, gpu_bytes, host_bytes, nvme_bytes, nvme_layer_count, parse_bytes)
 from slideformer.presets import preset_config
 
 from test_engine_parity import engine_train
@@ -523,7 +523,7 @@ def test_activations_on_nvme_keep_three_layers_in_ram_and_cost_disk_time():
     disk = host_bytes(sh, 64, 1024, p, activations_to_nvme=True)["activations"]
     assert disk == 3 * 64 * 1024 * sh.hidden * 2 < ram
     t_ram, t_disk = step_time(sh, 64, 1024, p)["nvme_s"], step_time(sh, 64, 1024, p, activations_to_nvme=True)["nvme_s"]
-    assert t_ram == 0 and t_disk == pytest.approx(2 * ram / 1e9)  # written and read once a step at 1 GB/s
+    assert t_ram == 0 and t_disk == pytest.approx(ram / 0.9e9)  # written and read once a step, at once: 0.9 GB/s written
 
 
 def test_auto_residency_puts_embedding_and_head_first_where_they_fit():
@@ -716,7 +716,6 @@ def test_resident_layers_take_state_off_the_disk_where_it_binds():
     tier: the planner trains layers there, and the predicted step is shorter."""
     from slideformer.machine import Machine
     from slideformer.plan import resolve, Auto
-    from slideformer.plan import nvme_layer_count
     from slideformer.plan.resolve import predicted_step
 
     sh = shape("qwen2.5-14b")
@@ -731,3 +730,18 @@ def test_resident_layers_take_state_off_the_disk_where_it_binds():
     streamed = resolve(cfg, Auto(resident_layers=False, resident_edges=False), sh, 64, 1024, machine)
     assert chosen.config.placement.resident_layers == on_disk["resident_layers"]
     assert predicted_step(chosen, sh, 64, 1024)["step_s"] < predicted_step(streamed, sh, 64, 1024)["step_s"]
+
+
+def test_the_time_model_matches_the_measured_run_on_the_nvme_tier():
+    """capacity-f6068ac: Qwen2.5-14B b8 under 24 GiB, compact state, half the layers' moments on the tier,
+    unclipped: 30.47 s a step (268.8 tok/s), disk-bound. The time model with that machine's disk (1.6 GB/s
+    read, 0.9 written, on two threads at once) is within 10% of it and not under (+6.5%)."""
+    from slideformer.plan import step_time
+
+    sh = shape("qwen2.5-14b")
+    cfg = EngineConfig(gpu_memory_limit="24GiB", optimizer_state="compact", max_grad_norm=None, offload_dir="/nvme",
+                       placement=Placement(nvme_fraction=0.5))
+    p = fit(sh, 8, 1024, 24 * GiB, Layout.of(cfg))
+    t = step_time(sh, 8, 1024, p, compact=True, nvme_layers=nvme_layer_count(cfg, sh.layers))
+    assert t["nvme_s"] == max(v for k, v in t.items() if k != "step_s")
+    assert 30.47 <= t["step_s"] <= 1.10 * 30.47

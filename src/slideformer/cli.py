@@ -86,7 +86,9 @@ def cmd_plan(args) -> int:
             raise ConfigError(f"--{flag.replace('_', '-')}: {e}") from None
     shape = ModelShape.from_adapter(ModelAdapter(config))
     rates = MachineRates(gpu_flops=args.gpu_tflops * 1e12, pcie_bytes_per_s=args.pcie_gbps * 1e9,
-                         disk_bytes_per_s=args.disk_gbps * 1e9, optimizer_params_per_s=args.cpu_update_gparams * 1e9)
+                         disk_read_bytes_per_s=args.disk_read_gbps * 1e9,
+                         disk_write_bytes_per_s=args.disk_write_gbps * 1e9,
+                         optimizer_params_per_s=args.cpu_update_gparams * 1e9)
     disk = parse_bytes(args.disk_space) if args.disk_space is not None else \
         disk_free(args.offload_dir) if args.offload_dir and Path(args.offload_dir).exists() else None
     machine = Machine(ram=parse_bytes(args.cpu_memory) if args.cpu_memory is not None else host_memory(),
@@ -468,8 +470,10 @@ def _main(argv: list[str], signals: Signals) -> int:
                     help="bf16 TFLOP/s a step's GPU work runs at (default: the H200's %(default).0f, measured)")
     pl.add_argument("--pcie-gbps", type=_positive_float, default=rates.pcie_bytes_per_s / 1e9,
                     help="host-GPU copies, GB/s each way (default %(default).0f)")
-    pl.add_argument("--disk-gbps", type=_positive_float, default=rates.disk_bytes_per_s / 1e9,
-                    help="the NVMe tier's reads and writes, GB/s (default %(default).0f)")
+    pl.add_argument("--disk-read-gbps", type=_positive_float, default=rates.disk_read_bytes_per_s / 1e9,
+                    help="the NVMe tier's disk, GB/s read (default %(default).1f, the H200 machine's)")
+    pl.add_argument("--disk-write-gbps", type=_positive_float, default=rates.disk_write_bytes_per_s / 1e9,
+                    help="the NVMe tier's disk, GB/s written (default %(default).1f)")
     pl.add_argument("--cpu-update-gparams", type=_positive_float, default=rates.optimizer_params_per_s / 1e9,
                     help="the CPU AdamW's billions of parameters a second (default %(default).0f, 15 threads)")
     pl.add_argument("--json", action="store_true")

@@ -487,7 +487,7 @@ def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | N
             except DoesNotFit:
                 return math.inf
             over = sum(config_host_bytes(c, shape, batch, seq, p).values()) - aim
-            return 2 * max(0, over) / rates.disk_bytes_per_s
+            return rates.disk_s(max(0, over))
         return seconds
 
     k = min(choose_resident_layers(shape, batch, seq, budget, plain, rates, clipping, disk_s(False)),
@@ -639,9 +639,9 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
         "optimizer_s": on_cpu / cpu_rate,
         # bf16 weights, about twice a step; staged parameters cross as their fp32 master
         "h2d_s": 2 * (2 * streamed + 2 * min(staged_params, streamed)) / rates.pcie_bytes_per_s,
-        "nvme_s": 2 * (nvme_bytes(shape, nvme_layers, compact, nvme_master)
-                       + (activations_to_nvme * (shape.layers - min(shape.layers, p.gpu_activation_layers))
-                          * tokens * shape.hidden * 2)) / rates.disk_bytes_per_s,
+        "nvme_s": rates.disk_s(nvme_bytes(shape, nvme_layers, compact, nvme_master)
+                               + (activations_to_nvme * (shape.layers - min(shape.layers, p.gpu_activation_layers))
+                                  * tokens * shape.hidden * 2)),
     }
     # Streamed, the embedding is the last gradient of a step and the first weights of the next: the GPU
     # waits for its CPU update at every step boundary, whatever else overlaps.
