@@ -224,3 +224,20 @@ def test_plan_names_a_disk_too_small_for_the_tier(capsys, tmp_path):
     assert main(base + ["--disk-space", "1GiB"]) == 3
     out = capsys.readouterr().out
     assert "does NOT fit the disk" in out and "1.0 GiB free there" in out and "optimizer_state" not in out
+
+
+def test_plan_measures_the_free_disk_under_an_existing_offload_dir(capsys, tmp_path, monkeypatch):
+    """Without --disk-space, plan asks the file system what is free under an existing --offload-dir."""
+    import slideformer.machine
+
+    seen = []
+    monkeypatch.setattr(slideformer.machine, "disk_free", lambda path: seen.append(path) or 2**30)
+    code = main(["plan", "--model", "qwen2.5-14b", "--seq-len", "1024", "--batch-size", "8", "--gpu-memory", "24GiB",
+                 "--cpu-memory", "64GiB", "--offload-dir", str(tmp_path), "--max-grad-norm", "0", "--json"])
+    import json
+
+    out = json.loads(capsys.readouterr().out)
+    assert code == 3 and seen == [str(tmp_path)] and out["binds"] in ("disk", "host") and not out["fits"]
+    with pytest.raises(SystemExit) as usage:  # (argparse: a usage line, exit 2)
+        main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1", "--gpu-tflops", "1e300"])
+    assert usage.value.code == 2 and "--gpu-tflops" in capsys.readouterr().err

@@ -388,7 +388,7 @@ def test_resume_on_cuda_with_resident_units(tmp_path, state):
 
 
 @pytest.mark.parametrize("fused", ["none", "liger"])
-def test_saved_layers_on_cuda_train_like_the_recompute(fused):
+def test_saved_layers_on_cuda_train_like_the_recompute(fused, monkeypatch):
     """Kept products on the GPU train bit for bit as the recompute (the same kernels on the same inputs);
     with Liger, whose RoPE rotates Llama's q and k in their projections' memory, the first step multiplies
     those again and later ones keep copies (model/recompute.py)."""
@@ -396,7 +396,13 @@ def test_saved_layers_on_cuda_train_like_the_recompute(fused):
         pytest.importorskip("liger_kernel")
     model = build("llama")
     steps = [[batch(97, seed=s), batch(97, seed=10 + s)] for s in range(3)]
+    products = []
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: products.append(1) or real_linear(*a))
     ref, ref_losses = cuda_engine_train(model, steps, compute_dtype=torch.float32, fused_ops=fused)
+    ref_products, products[:] = len(products), []
     got, losses = cuda_engine_train(model, steps, compute_dtype=torch.float32, fused_ops=fused, saved_layers=3)
     assert losses == ref_losses
     assert all(torch.equal(got[k], ref[k]) for k in ref)
+    # 3 steps x 3 layers x 2 micro-batches x 6 products not recomputed; with Liger the first step's q and k are
+    assert ref_products - len(products) == 108 - (12 if fused == "liger" else 0)

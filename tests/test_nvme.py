@@ -493,3 +493,46 @@ def test_the_ram_budget_holds_under_a_model_four_times_its_size(tmp_path):
     ram_losses, ram_state, _ = train(EngineConfig(device="cpu", compute_dtype=torch.bfloat16, lr=1e-2,
                                                   max_grad_norm=None))
     assert losses == ram_losses and all(torch.equal(state[k], ram_state[k]) for k in state)
+
+
+def test_a_run_killed_while_saving_from_the_tier_resumes_the_same_training(tmp_path):
+    """The master and moments live on the NVMe tier; the process is SIGKILLed in the middle of its second
+    checkpoint (one unit's state file written). The first checkpoint is intact, its checksums hold, and a new
+    process with the tier resumes from it into the same training as one that never stopped."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    tier = dict(**CPU, offload_dir=str(tmp_path / "nvme"), nvme_master=True, nvme_fraction=1.0)
+    steps = [batch(97, seed=s) for s in range(4)]
+    script = textwrap.dedent(f"""
+        import os, signal, sys, torch
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from tiny import batch, build, engine_config
+        from slideformer import SlideEngine
+        from slideformer.checkpoint import state
+        eng = SlideEngine(build("llama"), engine_config(**{tier!r}))
+        for s in range(2):
+            eng.train_step(batch(97, seed=s))
+        eng.save_checkpoint({str(tmp_path / "ck")!r}, {{"next": 2}})
+        eng.train_step(batch(97, seed=2))
+        real = state.save_file
+        def dying(tensors, path, *a, **k):
+            real(tensors, path, *a, **k)
+            if path.endswith("layer1.safetensors"):
+                os.kill(os.getpid(), signal.SIGKILL)
+        state.save_file = dying
+        eng.save_checkpoint({str(tmp_path / "ck")!r}, {{"next": 3}})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    assert (tmp_path / "ck.tmp").exists()  # the interrupted save, never renamed over the first
+    with SlideEngine(build("llama"), engine_config(**tier)) as eng:  # the run that never stopped
+        ref_losses = [eng.train_step(b) for b in steps]
+        ref = {k: v.clone() for k, v in eng.state_dict().items()}
+    with SlideEngine(build("llama"), engine_config(**tier)) as eng:
+        assert eng.load_checkpoint(tmp_path / "ck")["next"] == 2
+        losses = [eng.train_step(b) for b in steps[2:]]
+        state = {k: v.clone() for k, v in eng.state_dict().items()}
+    assert losses == ref_losses[2:] and all(torch.equal(state[k], ref[k]) for k in ref)

@@ -105,7 +105,7 @@ def cmd_plan(args) -> int:
                               optimizer_state=args.optimizer_state, offload_dir=args.offload_dir, placement=placement)
     replace(as_trained, device="cpu").validate()  # what train would refuse, refused here too (any machine's GPU)
     host_auto = dict(host_weights=args.host_weights == "auto", host_grad_buffers=True, speculative_layers=True,
-                     nvme_fraction=args.nvme_fraction == "auto")
+                     nvme_fraction=args.nvme_fraction == "auto", nvme_master=not args.nvme_master)
 
     def streamed(b: int):
         """Every layer streamed, under the whole GPU (the lines below describe this)."""
@@ -142,7 +142,7 @@ def cmd_plan(args) -> int:
     clip = as_trained.max_grad_norm is not None  # the update then waits for backward's global norm
     out = {"model": args.model, "params": shape.params, "seq_len": args.seq_len, "batch_size": args.batch_size,
            "clipping": clip,
-           "gpu_bytes": g["peak"], "gpu": g, "host_bytes": host_total, "host": h, "nvme_bytes": tier_bytes(plan.config, shape, args.batch_size, args.seq_len, placement),
+           "binds": plan.binds, "gpu_bytes": g["peak"], "gpu": g, "host_bytes": host_total, "host": h, "nvme_bytes": tier_bytes(plan.config, shape, args.batch_size, args.seq_len, placement),
            "gpu_limit": gpu_limit,
            "host_limit": parse_bytes(args.host_memory_limit) if args.host_memory_limit else cpu_limit,
            "host_state_limit": host_budget(as_trained, cpu_limit)[1], "fits": fits, "max_batch_size": max_batch,
@@ -165,7 +165,7 @@ def cmd_plan(args) -> int:
         out["host_bytes_resident"] = t["host_bytes"]
         if clip:
             out["predicted_step_s_resident_unclipped"] = as_train_would(replace(as_trained, max_grad_norm=None))["step_s"]
-        if not compact and not chosen_host.nvme_master:
+        if not compact and not args.nvme_master:
             # where the CPU update bounds the step: compact state moves 18 instead of 28 bytes a parameter,
             # and its resident layers take 10 instead of 16 GPU bytes
             tc = as_train_would(replace(as_trained, optimizer_state="compact"))
@@ -187,7 +187,7 @@ def cmd_plan(args) -> int:
               f"host_weights {chosen_host.host_weights}, gradient buffers "
               f"{chosen_host.host_grad_buffers or 'one per layer'}"
               + (f", {chosen_host.speculative_layers} speculative layers" if clip else "") + ")")
-        if nvme_layers:
+        if out["nvme_bytes"]:
             print(f"NVMe {gib(out['nvme_bytes'])} under {args.offload_dir}")
         print(f"placement: micro-batch {min(placement.micro_batch, args.batch_size)}, "
               f"{min(placement.gpu_activation_layers, shape.layers)}/{shape.layers} layer inputs on the GPU"
@@ -397,9 +397,9 @@ def _non_negative(v: str) -> float:
 
 
 def _positive_float(v: str) -> float:
-    x = _number(v, 0.0, float("inf"), "a finite number > 0")
+    x = _number(v, 0.0, 1e9, "a number in (0, 1e9]")
     if x <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {v!r}")
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1e9], got {v!r}")
     return x
 
 
@@ -453,7 +453,8 @@ def _main(argv: list[str], signals: Signals) -> int:
                          "as the host budget allows")
     pl.add_argument("--disk-space", help="bytes free for the tier under --offload-dir, e.g. 4TB (default: what is "
                     "free there now, where the folder exists)")
-    pl.add_argument("--nvme-master", action="store_true", help="the tier's layers keep their fp32 master there too")
+    pl.add_argument("--nvme-master", action="store_true", help="the tier's layers keep their fp32 master there too "
+                    "(without it: as `slideformer train`, where the moments alone leave the host budget short)")
     pl.add_argument("--activations-to-nvme", action="store_true",
                     help="offloaded layer inputs go to files under --offload-dir (RAM: 3 staging buffers)")
     pl.add_argument("--host-weights", default="auto",

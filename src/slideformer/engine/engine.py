@@ -192,16 +192,20 @@ class SlideEngine:
         rt.begin_step(self._update_order)
         for v in self._loads_after.get(-1, ()):
             rt.load(v.unit, rt.slots[v.group][v.slot])
-        for t, v in enumerate(self.plan):
-            slot = rt.slots[v.group][v.slot]
-            unit = self.adapter.units[v.unit]
-            rt.begin_compute(slot)
-            getattr(self, f"_{v.phase}")(st, unit, slot)
-            rt.end_compute(slot, v.unit)
-            if v.last:
-                self._gradient_done(st, v.unit, slot)
-            for nxt in self._loads_after.get(t, ()):
-                rt.load(nxt.unit, rt.slots[nxt.group][nxt.slot])
+        try:
+            for t, v in enumerate(self.plan):
+                slot = rt.slots[v.group][v.slot]
+                unit = self.adapter.units[v.unit]
+                rt.begin_compute(slot)
+                getattr(self, f"_{v.phase}")(st, unit, slot)
+                rt.end_compute(slot, v.unit)
+                if v.last:
+                    self._gradient_done(st, v.unit, slot)
+                for nxt in self._loads_after.get(t, ()):
+                    rt.load(nxt.unit, rt.slots[nxt.group][nxt.slot])
+        except BaseException:
+            st.kept.clear()  # (saved layers' products: GPU memory a held traceback would otherwise keep)
+            raise
 
         total = torch.linalg.vector_norm(torch.stack(st.norms))
         self._grad_norm = total

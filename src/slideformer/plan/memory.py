@@ -119,6 +119,7 @@ class Layout:
     # the last layers keep their linears' outputs for backward, whose recompute then runs no matmul for them
     # (model/recompute.py); fit() fills what the GPU has left with them
     saved_layers: int = 0
+    compute_bytes: int = 2  # the compute dtype's: fit() models bf16 and fp16 (fp32 compute keeps no saved layers)
 
     @classmethod
     def of(cls, cfg, **kw) -> "Layout":
@@ -129,7 +130,7 @@ class Layout:
                    resident_layers=cfg.placement.resident_layers, loss_kernel=cfg.tuning.loss_kernel,
                    resident_edges=cfg.placement.resident_edges, mlp_chunk_tokens=cfg.tuning.mlp_chunk_tokens,
                    resident_state_bytes=6 if cfg.optimizer_state == "compact" else 12,
-                   saved_layers=cfg.placement.saved_layers, **kw)
+                   saved_layers=cfg.placement.saved_layers, compute_bytes=cfg.compute_dtype.itemsize, **kw)
 
     def edges_resident(self, shape: "ModelShape") -> bool:
         return self.resident_edges or self.resident_layers >= shape.layers
@@ -346,7 +347,7 @@ def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Layout, ram: int,
 
 
 def auto_tier(cfg, shape: ModelShape, batch: int, seq: int, p: Layout, ram: int, *, buffers: bool = True,
-              spares: bool = False, weights: bool = True):
+              spares: bool = False, weights: bool = True, master: bool = True):
     """``nvme_fraction`` "auto" (with ``offload_dir``), for an EngineConfig whose host settings ``auto_host``
     decided without the tier: the fewest decoder layers (the last streamed ones) whose moments go to the
     NVMe tier for the training state to meet ``host_budget``'s aim; none where RAM holds it. The host
@@ -354,14 +355,14 @@ def auto_tier(cfg, shape: ModelShape, batch: int, seq: int, p: Layout, ram: int,
     the disk at ~1 GB/s); gradient buffers and spares (where the caller leaves them to the planner) are
     decided again beside the tier. Where every streamed layer's moments are not enough, fp32 state puts
     the tier layers' master there too (``nvme_master``, with the persistent bf16 copy in RAM the window
-    reads: 2 bytes a parameter in RAM instead of 4 staged; ``weights``: the caller leaves host_weights to
-    the planner). Where even that is not enough, the most is returned: the host check says what else would
-    help."""
+    reads: 2 bytes a parameter in RAM instead of 4 staged; ``master`` and ``weights``: the caller leaves
+    nvme_master and host_weights to the planner). Where even that is not enough, the most is returned: the
+    host check says what else would help."""
     n = shape.layers
     streamed = n - min(p.resident_layers, n)
     aim = host_budget(cfg, ram)[0]
     tiers = [cfg]
-    if cfg.optimizer_state == "fp32" and not cfg.placement.nvme_master and \
+    if master and cfg.optimizer_state == "fp32" and not cfg.placement.nvme_master and \
             (weights or cfg.placement.host_weights in ("persistent", 0)):
         tiers.append(cfg.placed(nvme_master=True, host_weights="persistent"))
     for base in tiers:
@@ -412,7 +413,7 @@ def choose_window_slots(shape: ModelShape, batch: int, seq: int, limit: int, bas
 
 
 def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout = Layout(),
-                           rates: "MachineRates | None" = None, clipping: bool = False, disk_s=None) -> int:
+                           rates: "MachineRates | None" = None, clipping: bool = False, score=None) -> int:
     """How many decoder layers to train on the GPU (``resident_layers="auto"``).
 
     As many as fit with micro-batches of at least EFFICIENT_TOKENS (or the whole batch): all of them
@@ -424,8 +425,9 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
     underestimates 8B's).
     With ``clipping`` the update follows backward and only the next forward (a quarter of the GPU work)
     can hide it: a quarter, with no margin (that model already counts no overlap with backward).
-    ``disk_s(k)``: the NVMe tier's seconds a step with k resident layers, where the host budget cannot hold
-    the state; the GPU's memory is a tier too, and a resident layer's state crosses no disk."""
+    ``score(k)``: a step's predicted seconds with k resident layers, where the rule above does not see all
+    that k changes (the NVMe tier: a resident layer's state crosses no disk, but the layer inputs it pushes
+    to RAM may push state onto it): then the k of the shortest step, the fewest among equals."""
     rates = rates or MachineRates()
     want = min(batch * seq, EFFICIENT_TOKENS)
     best, placed = 0, None
@@ -447,9 +449,10 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
                                                           if base.resident_edges else 0))
     on_cpu = lambda k: shape.params - k * shape.layer_params - (  # noqa: E731
         shape.embed_params + shape.head_params if base.resident_edges else 0)
-    host_s = lambda k: max(per_param * on_cpu(k), disk_s(k) if disk_s else 0.0)  # noqa: E731
+    if score is not None:
+        return min(range(best + 1), key=lambda k: (score(k), k))
     needed = 0
-    while needed < best and host_s(needed) > (0.25 if clipping else 0.5) * t["gpu_compute_s"]:
+    while needed < best and per_param * on_cpu(needed) > (0.25 if clipping else 0.5) * t["gpu_compute_s"]:
         needed += 1
     return needed
 
@@ -473,30 +476,35 @@ def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | N
     clipping = cfg.max_grad_norm is not None and cfg.placement.speculative_layers < shape.layers - nvme
     plain = replace(base, resident_edges=False)
 
-    def disk_s(resident_edges: bool):
-        """With ``offload_dir`` on a machine of ``ram``: what the host budget cannot hold, read and written
-        once a step at the disk's rate, by the resident layers (the NVMe tier is decided after them)."""
-        if not cfg.offload_dir or ram is None:
+    def score(resident_edges: bool):
+        """With ``offload_dir`` and an NVMe tier the planner places (``nvme_fraction`` 0 until after the
+        residency), on a machine of ``ram``: the predicted step with k resident layers, the host settings
+        and the tier decided as resolve would (infinite where the host state does not fit)."""
+        if not cfg.offload_dir or ram is None or nvme:
             return None
-        aim = host_budget(cfg, ram)[0]
 
-        def seconds(k: int) -> float:  # (the layer inputs the resident layers push to RAM count too)
-            c = cfg.placed(resident_layers=k, resident_edges=resident_edges, nvme_fraction=0.0)
+        def seconds(k: int) -> float:
+            c = cfg.placed(resident_layers=k, resident_edges=resident_edges)
             try:
                 p = fit(shape, batch, seq, budget, Layout.of(c))
             except DoesNotFit:
                 return math.inf
-            over = sum(config_host_bytes(c, shape, batch, seq, p).values()) - aim
-            return rates.disk_s(max(0, over))
+            c = auto_tier(auto_host(c, shape, batch, seq, p, ram), shape, batch, seq, p, ram)
+            if sum(config_host_bytes(c, shape, batch, seq, p).values()) > host_budget(c, ram)[1]:
+                return math.inf
+            tiered = min(nvme_layer_count(c, shape.layers), shape.layers - k)
+            return step_time(shape, batch, seq, p, rates, compact=c.optimizer_state == "compact", nvme_layers=tiered,
+                             nvme_master=c.placement.nvme_master, clipping=clipping,
+                             speculative_layers=c.placement.speculative_layers)["step_s"]
         return seconds
 
-    k = min(choose_resident_layers(shape, batch, seq, budget, plain, rates, clipping, disk_s(False)),
+    k = min(choose_resident_layers(shape, batch, seq, budget, plain, rates, clipping, score(False)),
             shape.layers - nvme)
     without = {"resident_layers": k, "resident_edges": False}
     if k == shape.layers or edges is False:
         return without  # (all layers resident: the edges too)
     with_edges = replace(base, resident_edges=True)
-    ke = min(choose_resident_layers(shape, batch, seq, budget, with_edges, rates, clipping, disk_s(True)),
+    ke = min(choose_resident_layers(shape, batch, seq, budget, with_edges, rates, clipping, score(True)),
              shape.layers - nvme)
     if edges:  # asked for: the layers that fit beside them (the engine's own check refuses if none does)
         return {"resident_layers": ke, "resident_edges": True}
@@ -512,7 +520,7 @@ def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | N
     # A gain under 2% is not worth the layer inputs their GPU memory pushes to pinned RAM (8B b64: 17 GB),
     # nor the time model's error; where they displace saved layers only, the time model counts that
     displaced_saved_only = pe.saved_layers < p0.saved_layers and pe.gpu_activation_layers >= p0.gpu_activation_layers
-    margin = 1.0 if displaced_saved_only else 0.98
+    margin = 0.99 if displaced_saved_only else 0.98
     if step_time(shape, batch, seq, pe, nvme_layers=min(nvme, shape.layers - ke), **tier)["step_s"] < \
             margin * step_time(shape, batch, seq, p0, nvme_layers=min(nvme, shape.layers - k), **tier)["step_s"]:
         return {"resident_layers": ke, "resident_edges": True}
@@ -571,10 +579,12 @@ def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout = Layo
 def with_saved_layers(shape: ModelShape, batch: int, seq: int, limit: int, p: Layout) -> Layout:
     """``p`` with as many saved layers (the last ones) as the GPU has left room for once every layer
     input is kept on it: a saved layer's products take about 11 x hidden values a token against the input's
-    1, so they come after the inputs, which save PCIe traffic and pinned RAM."""
+    1, so they come after the inputs, which save PCIe traffic and pinned RAM. fit() fills them before it
+    takes a larger loss chunk (a chunk of 8192 tokens takes what about two saved layers would at Qwen3-4B
+    b32, for a similar share of the step). Only for 2-byte compute dtypes, which the model counts."""
     p = replace(p, saved_layers=0)
     per_layer = batch * seq * shape.kept_per_token * 2
-    if p.gpu_activation_layers < shape.layers or p.mlp_chunk_tokens or not per_layer:
+    if p.gpu_activation_layers < shape.layers or p.mlp_chunk_tokens or not per_layer or p.compute_bytes != 2:
         return p
     room = int((limit / SAFETY - gpu_bytes(shape, batch, seq, p)["peak"] / SAFETY) // per_layer)
     return replace(p, saved_layers=max(0, min(shape.layers, room)))

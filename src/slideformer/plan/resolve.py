@@ -28,6 +28,7 @@ class Auto:
     resident_edges: bool | None = None  # None: the planner's call; True or False: fixed
     window_slots: bool = True
     nvme_fraction: bool = True  # (with offload_dir: as few layers on the tier as the host budget allows)
+    nvme_master: bool = True  # (fp32 state: the tier's master too, where the moments alone are not enough)
 
     @classmethod
     def of(cls, asked: dict) -> tuple["Auto", dict]:
@@ -36,7 +37,7 @@ class Auto:
         edges = asked.get("resident_edges", "auto")
         auto = cls(**{k: asked.get(k, "auto") == "auto"
                       for k in ("host_weights", "host_grad_buffers", "speculative_layers", "resident_layers",
-                                "window_slots", "nvme_fraction")},
+                                "window_slots", "nvme_fraction", "nvme_master")},
                    resident_edges=None if edges == "auto" else edges)
         return auto, {k: v for k, v in asked.items() if v != "auto"}
 
@@ -96,7 +97,7 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
                     buffers=auto.host_grad_buffers, spares=auto.speculative_layers)
     if auto.nvme_fraction and cfg.offload_dir:
         cfg = auto_tier(cfg, shape, batch, seq, placement, machine.ram, buffers=auto.host_grad_buffers,
-                        spares=auto.speculative_layers, weights=auto.host_weights)
+                        spares=auto.speculative_layers, weights=auto.host_weights, master=auto.nvme_master)
     host = config_host_bytes(cfg, shape, batch, seq, placement)
     if problem is None:
         try:

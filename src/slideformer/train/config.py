@@ -58,7 +58,9 @@ class OffloadConfig:
     # the last fraction of the layers whose moments go to the tier; "auto": as few as the host budget
     # (host_memory_limit, else 85% of the RAM) allows, none where RAM holds everything
     nvme_fraction: float | str = "auto"
-    nvme_master: bool = False  # the tier's layers keep their fp32 master there too (4 bytes/param less RAM)
+    # the tier's layers keep their fp32 master there too (4 bytes/param less RAM); auto: where the moments
+    # alone leave the host budget short (fp32 state)
+    nvme_master: bool | str = "auto"
 
 
 @dataclass
@@ -160,6 +162,8 @@ class TrainConfig:
         nf = self.offload.nvme_fraction
         if not (nf == "auto" or (isinstance(nf, (int, float)) and not isinstance(nf, bool) and 0 <= nf <= 1)):
             raise ConfigError(f"offload.nvme_fraction must be auto or a number in [0, 1], got {nf!r}")
+        if self.offload.nvme_master not in (True, False, "auto"):
+            raise ConfigError(f"offload.nvme_master must be true, false or auto, got {self.offload.nvme_master!r}")
         ws = self.offload.window_slots
         if not (ws == "auto" or (isinstance(ws, int) and not isinstance(ws, bool) and ws >= 2)):
             raise ConfigError(f"offload.window_slots must be auto or a number of slots >= 2, got {ws!r}")
