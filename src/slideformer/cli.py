@@ -155,7 +155,7 @@ def cmd_plan(args) -> int:
             p = trained(args.batch_size, cfg)
             return {**predicted_step(p, shape, args.batch_size, args.seq_len, rates), "host_bytes": sum(p.host.values()),
                     "resident_layers": p.config.placement.resident_layers,
-                    "resident_edges": p.config.placement.resident_edges}
+                    "resident_edges": p.config.placement.resident_edges, "fits": p.fits}
 
         t = as_train_would(as_trained)
         out["suggested_resident_layers"] = t["resident_layers"]
@@ -169,7 +169,7 @@ def cmd_plan(args) -> int:
             # where the CPU update bounds the step: compact state moves 18 instead of 28 bytes a parameter,
             # and its resident layers take 10 instead of 16 GPU bytes
             tc = as_train_would(replace(as_trained, optimizer_state="compact"))
-            if tc["step_s"] < 0.95 * t["step_s"]:
+            if tc["fits"] and tc["step_s"] < 0.95 * t["step_s"]:  # (a plan that does not fit is no hint)
                 out["predicted_step_s_compact"] = tc["step_s"]
                 out["host_bytes_compact"] = tc["host_bytes"]
     out["predicted_step_s"] = timing["step_s"]
