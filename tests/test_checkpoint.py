@@ -92,3 +92,20 @@ def test_random_init_draws_large_matrices_in_blocks(monkeypatch):
     assert w.shape == (97, 32) and bool((w.abs().sum(1) > 0).all())
     assert not torch.equal(w[0:3], w[3:6])
     assert 0.015 < float(w.std()) < 0.025
+
+
+@pytest.mark.parametrize("family", ["olmo2", "phi3", "mistral-sliding"])
+def test_each_familys_export_gives_the_engines_logits(tmp_path, family):
+    """A trained model of each family exported and loaded in transformers gives the logits of the same
+    Hugging Face model holding the engine's weights."""
+    model = build(family)
+    ids = torch.tensor([[5, 9, 2, 40, 7, 3]])
+    with SlideEngine(model, engine_config(lr=1e-2, **CPU)) as eng:
+        eng.train_step(batch(97))
+        eng.save_pretrained(tmp_path, dtype=torch.float32)
+        state = {k: v.clone() for k, v in eng.state_dict().items()}
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    model.load_state_dict(state)
+    assert type(loaded) is type(model) and not torch.equal(state["model.embed_tokens.weight"],
+                                                           build(family).model.embed_tokens.weight)
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)

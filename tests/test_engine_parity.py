@@ -80,7 +80,7 @@ def test_window_shapes_do_not_change_training(slots, depth):
     assert_same(state, ref, losses, ref_losses)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3-tied"])
+@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "olmo2", "phi3"])
 def test_accumulation_equals_one_large_batch(family):
     model = build(family)
     V = model.config.vocab_size
@@ -333,7 +333,7 @@ def test_resident_layers_and_the_nvme_tier_take_opposite_ends(tmp_path):
     assert_same(state, ref, losses, ref_losses)
 
 
-@pytest.mark.parametrize("family,clip", [("llama", None), ("qwen3-tied", 0.05)])
+@pytest.mark.parametrize("family,clip", [("llama", None), ("qwen3-tied", 0.05), ("olmo2", None), ("phi3", 0.05)])
 def test_token_chunked_mlps_train_like_pytorch(family, clip):
     """mlp_chunk_tokens (model/chunked_mlp.py): every layer's MLP runs in chunks of 7 tokens, each under its
     own checkpoint in backward; the training is PyTorch's."""
@@ -380,7 +380,7 @@ def test_resident_state_survives_checkpoints(tmp_path):
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3-tied"])
+@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "olmo2", "phi3"])
 def test_padding_row_and_repeated_tokens_match_pytorch(family):
     """The embedding's backward sums each token's rows once (unique ids) and leaves the padding row's
     gradient at zero, as nn.Embedding(padding_idx) does; repeated tokens are the common case."""
@@ -399,7 +399,7 @@ def test_padding_row_and_repeated_tokens_match_pytorch(family):
     assert_same(state, ref, losses, ref_losses)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3-tied"])
+@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "olmo2", "phi3"])
 def test_gradient_norm_is_exact_every_step(family):
     """The head shares its slot with the embedding when untied: the alignment gaps of its layout must not
     carry the embedding's gradient of the step before into the norm (lr=0: the same norm every step)."""
@@ -630,3 +630,16 @@ def test_speculative_updates_of_compact_state_are_exact():
         assert out[0][1] == out[1][1]
         for key, v in out[0][0].items():
             assert torch.equal(out[1][0][key], v), (clip, key)
+
+
+def test_liger_ops_only_for_the_families_they_compute():
+    """Liger's RMSNorm ("llama" casting) and whole-head RoPE are not OLMo 2's norm or Phi-3's partial rotary:
+    "auto" leaves those families to transformers' modules, and "liger" asked for them is refused."""
+    from slideformer.model.fused_ops import resolve
+
+    assert resolve("auto", "cpu", "llama") == "none"  # (CUDA only)
+    for family in ("olmo2", "phi3"):
+        assert resolve("auto", "cuda", family) == "none"
+        with pytest.raises(ConfigError, match=f"not '{family}'"):
+            resolve("liger", "cuda", family)
+    assert resolve("none", "cuda", "olmo2") == "none"

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from slideformer import EngineConfig, SlideEngine
-from slideformer.model.recompute import LayerRecompute, _GraphOnlyLinear, kept_values_per_token
+from slideformer.model.recompute import LayerRecompute, _GraphOnlyLinear, kept_values_per_token, output_free_down
 
 from tiny import FAMILIES, batch, build
 
@@ -49,20 +49,21 @@ def test_the_engine_skips_the_projection_in_backward_only(monkeypatch):
     assert (n_full - n, skipped_full, loss_full) == (3, 0, loss)
 
 
-def test_a_normalised_mlp_output_is_refused():
+def test_a_normalised_mlp_output_is_kept_like_the_others():
+    """Where a norm reads the down projection's output (OLMo 2, Gemma), its product is neither skipped in
+    the recompute nor left out of the kept products (tests/test_engine_parity.py trains OLMo 2)."""
     layer = nn.Module()
     layer.mlp = nn.Module()
-    layer.mlp.down_proj = nn.Linear(4, 4)
-    LayerRecompute([layer])
+    layer.mlp.down_proj, layer.mlp.up_proj = nn.Linear(4, 6), nn.Linear(4, 4)
+    assert output_free_down(layer) is layer.mlp.down_proj and kept_values_per_token(layer) == 4
     layer.post_feedforward_layernorm = nn.LayerNorm(4)
-    with pytest.raises(TypeError, match="residual sum"):
-        LayerRecompute([layer])
+    assert output_free_down(layer) is None and kept_values_per_token(layer) == 10
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_saved_layers_train_bit_identically_without_recomputed_products(family, monkeypatch):
-    """Saved layers' backward multiplies nothing again (each of 3 layers' 6 products but the down
-    projection's, for each of 2 micro-batches, is gone from the step), and trains bit for bit as the
+    """Saved layers' backward multiplies nothing again (each of the 2 saved layers' kept products, for each
+    of 2 micro-batches, is gone from the step's recompute), and trains bit for bit as the
     recompute does: the kept products are the values the recompute would compute."""
     products = []
     real_linear = torch.nn.functional.linear
@@ -86,7 +87,10 @@ def test_saved_layers_train_bit_identically_without_recomputed_products(family, 
     got_losses, got, counts = train(2)
     assert got_losses == ref_losses
     assert all(torch.equal(got[k], ref[k]) for k in ref)
-    assert [r - c for r, c in zip(ref_counts, counts)] == [2 * 2 * 6] * 3  # 2 layers, 2 micro-batches
+    layer = model.model.layers[0]
+    kept = sum(type(m) is nn.Linear and m is not output_free_down(layer) for m in layer.modules())
+    assert kept == {"olmo2": 7, "phi3": 3}.get(family, 6)  # (OLMo 2 normalises the down projection's output)
+    assert [r - c for r, c in zip(ref_counts, counts)] == [2 * 2 * kept] * 3  # 2 layers, 2 micro-batches
 
 
 def test_an_output_changed_in_place_is_multiplied_again_then_kept_as_a_copy(monkeypatch):

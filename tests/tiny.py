@@ -1,6 +1,7 @@
 """Tiny configs of every supported family, built offline in milliseconds."""
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Olmo2Config, Phi3Config, Qwen2Config,
+                          Qwen3Config)
 
 COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
@@ -12,6 +13,10 @@ FAMILIES = {
     "qwen2-tied": lambda: Qwen2Config(**COMMON, tie_word_embeddings=True),
     "qwen3-tied": lambda: Qwen3Config(**COMMON, head_dim=8, tie_word_embeddings=True),
     "mistral-sliding": lambda: MistralConfig(**COMMON, sliding_window=5, tie_word_embeddings=False),
+    # post-norms around attention and MLP (the down projection's output is normalised), q/k norms
+    "olmo2": lambda: Olmo2Config(**COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False),
+    # fused qkv and gate_up projections
+    "phi3": lambda: Phi3Config(**COMMON, pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False),
 }
 
 

@@ -100,7 +100,7 @@ class SlideEngine:
         p, t = self.cfg.placement, self.cfg.tuning
         self.device = torch.device(self.cfg.device)
         self.adapter = ModelAdapter(hf_config, self.cfg.compute_dtype)
-        self.fused_ops = resolve_fused_ops(t.fused_ops, str(self.cfg.device))
+        self.fused_ops = resolve_fused_ops(t.fused_ops, str(self.cfg.device), self.adapter.model_type)
         if self.fused_ops == "liger":
             apply_liger(self.adapter.layers + [self.adapter.norm], getattr(hf_config, "hidden_act", ""))
         # (after Liger: the chunks run whatever MLP forward is bound)

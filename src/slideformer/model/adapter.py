@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# The families named and tested (tests/tiny.py); others are accepted by their structure (``_missing``).
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3")
 ALIGN = 128
 
 
@@ -73,19 +74,24 @@ class ModelAdapter:
         from transformers import AutoModelForCausalLM
 
         model_type = getattr(config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedModelError(
-                f"model_type {model_type!r} is not supported; slideformer supports "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama, Qwen2/2.5, Qwen3, Mistral families)"
-            )
+        if missing := _config_missing(config):
+            raise UnsupportedModelError(f"model_type {model_type!r}: {missing}; slideformer trains decoder-only "
+                                        f"models such as {', '.join(SUPPORTED_MODEL_TYPES)}")
         self.config = config
         self.model_type = model_type
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         # The skeleton's compute runs through SDPA whatever the checkpoint asked for: the window has
         # no KV cache and flash-attn is optional.
         config._attn_implementation = "sdpa"
-        with torch.device("meta"):
-            self.skeleton = AutoModelForCausalLM.from_config(config, dtype=compute_dtype)
+        try:
+            with torch.device("meta"):
+                self.skeleton = AutoModelForCausalLM.from_config(config, dtype=compute_dtype)
+        except ValueError as e:  # (transformers: no causal LM class for this config)
+            raise UnsupportedModelError(f"model_type {model_type!r}: not a causal language model transformers "
+                                        f"knows ({e})") from None
+        if missing := _structure_missing(self.skeleton):
+            raise UnsupportedModelError(f"model_type {model_type!r}: {missing}; slideformer trains decoder-only "
+                                        f"models such as {', '.join(SUPPORTED_MODEL_TYPES)}")
         self.skeleton.train()
         inner = self.skeleton.model
         self.layers: list[nn.Module] = list(inner.layers)
@@ -156,6 +162,41 @@ class ModelAdapter:
                 kw["cache_position"] = torch.arange(embeds.shape[1], device=embeds.device)
             out[kind] = fn(**kw)
         return out
+
+
+def _config_missing(config) -> str | None:
+    """What a config asks of the compute that the engine's own parts (the embedding lookup, the loss
+    head) do not do yet, in words; None where nothing is missing."""
+    if getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder model (the engine trains decoder-only models)"
+    if (getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0) > 1:
+        return "Mixture-of-Experts layers are not supported yet"
+    for key, neutral, what in (("final_logit_softcapping", None, "soft-capped logits"),
+                               ("logits_scaling", 1, "scaled logits"), ("logit_scale", None, "scaled logits"),
+                               ("embedding_multiplier", 1, "a scaled embedding"),
+                               ("attn_logit_softcapping", None, "soft-capped attention (which SDPA cannot run)")):
+        if getattr(config, key, neutral) not in (neutral, None):
+            return f"{what} ({key}={getattr(config, key)}): not supported yet"
+    return None
+
+
+def _structure_missing(skeleton: nn.Module) -> str | None:
+    """The parts the engine splits a model into (an embedding lookup, a stack of decoder layers of one
+    kind, a final norm, rotary positions and an unbiased linear head), named where one is missing."""
+    inner = getattr(skeleton, "model", None)
+    needs = {"model.embed_tokens (an nn.Embedding)": type(getattr(inner, "embed_tokens", None)) is nn.Embedding,
+             "model.layers (a list of decoder layers)": isinstance(getattr(inner, "layers", None), nn.ModuleList),
+             "model.norm": isinstance(getattr(inner, "norm", None), nn.Module),
+             "model.rotary_emb": isinstance(getattr(inner, "rotary_emb", None), nn.Module),
+             "lm_head (an nn.Linear without bias)": type(getattr(skeleton, "lm_head", None)) is nn.Linear
+             and skeleton.lm_head.bias is None}
+    absent = [k for k, ok in needs.items() if not ok]
+    if absent:
+        return f"no {', no '.join(absent)}"
+    kinds = {type(layer).__name__ for layer in inner.layers}
+    if len(kinds) > 1:
+        return f"decoder layers of several kinds ({', '.join(sorted(kinds))})"
+    return None
 
 
 def bind_parameters(module: nn.Module, params: dict[str, nn.Parameter]) -> None:

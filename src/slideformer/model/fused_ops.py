@@ -29,10 +29,22 @@ def liger_available() -> bool:
     return True
 
 
-def resolve(requested: str, device: str) -> str:
-    """"auto" becomes "liger" on CUDA when Liger-Kernel is installed, else "none"."""
+# Families whose RMSNorm, SwiGLU and RoPE are the ones Liger's kernels compute ("llama" casting, the whole
+# head rotated). Others differ (OLMo 2's norm casts after the product; Phi-3 rotates part of each head).
+LIGER_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def resolve(requested: str, device: str, model_type: str | None = None) -> str:
+    """"auto" becomes "liger" on CUDA when Liger-Kernel is installed and the family is one of
+    LIGER_FAMILIES, else "none"; "liger" asked for a family outside them is refused."""
+    fits = model_type is None or model_type in LIGER_FAMILIES
     if requested == "auto":
-        return "liger" if device.startswith("cuda") and liger_available() else "none"
+        return "liger" if device.startswith("cuda") and liger_available() and fits else "none"
+    if requested == "liger" and not fits:
+        from ..config import ConfigError
+
+        raise ConfigError(f"fused_ops='liger': Liger's kernels compute the norms and RoPE of "
+                          f"{', '.join(LIGER_FAMILIES)} models, not {model_type!r}'s; use fused_ops='none'")
     return requested
 
 

@@ -20,9 +20,9 @@ Backward recomputes each layer from its saved input to rebuild the autograd grap
   their projections' memory for Llama-style attention) cannot be returned: backward multiplies again for
   it, and from then on forward keeps a copy of that linear's output.
 
-For the families the adapter supports (Llama, Qwen2/3, Mistral) the down projection's output is used
-only by the residual add. A family that normalises the MLP output (Gemma's post-feedforward norm) would
-need it: ``LayerRecompute`` refuses modules it is not sure of.
+In most families the down projection's output is used only by the residual add. A family that normalises
+the MLP output (OLMo 2's and Gemma's post-feedforward norm) needs it: there the down projection is a kept
+linear like the others, computed again where its layer's products are not kept.
 """
 from __future__ import annotations
 
@@ -56,26 +56,33 @@ class _GraphOnlyLinear(torch.autograd.Function):
         return gx, gw, gb, None
 
 
+def output_free_down(layer: nn.Module) -> nn.Linear | None:
+    """The layer's MLP down projection where its output only joins the residual sum, else None."""
+    down = getattr(getattr(layer, "mlp", None), "down_proj", None)
+    if type(down) is not nn.Linear or hasattr(layer, "post_feedforward_layernorm"):
+        return None
+    return down
+
+
 def kept_values_per_token(layer: nn.Module) -> int:
     """Values a token of one layer keeps from forward to backward as kept products (the planner's
-    ``saved_layers``): every linear's output but the down projection's."""
-    return sum(m.out_features for m in layer.modules()
-               if type(m) is nn.Linear and m is not layer.mlp.down_proj)
+    ``saved_layers``): every linear's output but an output-free down projection's."""
+    down = output_free_down(layer)
+    return sum(m.out_features for m in layer.modules() if type(m) is nn.Linear and m is not down)
 
 
 class LayerRecompute:
     """Wraps the ``forward`` of each layer's linears. Inside ``recording()`` (a forward without
     gradients) they keep their outputs; inside ``active()`` (the engine's recompute, with gradients on)
-    the down projection records its graph only, and with the kept products the others return theirs."""
+    an output-free down projection records its graph only, and with the kept products the others return
+    theirs."""
 
     def __init__(self, layers: list[nn.Module]):
         self._output_free = False
         self._kept: dict | None = None
         self._copied: set[nn.Module] = set()  # linears whose output forward modifies in place: kept as copies
         for layer in layers:
-            down = layer.mlp.down_proj
-            if type(down) is not nn.Linear or hasattr(layer, "post_feedforward_layernorm"):
-                raise TypeError(f"{type(layer).__name__}: the MLP output must go straight to the residual sum")
+            down = output_free_down(layer)
             for m in layer.modules():
                 if type(m) is nn.Linear:
                     m.forward = self._wrap(m, last=m is down)
