@@ -10,7 +10,7 @@ from slideformer import EngineConfig, SlideEngine
 from slideformer.host.nvme import TierError
 
 from test_engine_parity import engine_train
-from tiny import batch, build, engine_config
+from tiny import batch, build, engine_config, kill_during_second_save
 
 CPU = dict(device="cpu", compute_dtype=torch.float32, lr=1e-2, weight_decay=0.1)
 
@@ -499,34 +499,9 @@ def test_a_run_killed_while_saving_from_the_tier_resumes_the_same_training(tmp_p
     """The master and moments live on the NVMe tier; the process is SIGKILLed in the middle of its second
     checkpoint (one unit's state file written). The first checkpoint is intact, its checksums hold, and a new
     process with the tier resumes from it into the same training as one that never stopped."""
-    import signal
-    import subprocess
-    import sys
-    import textwrap
-
     tier = dict(**CPU, offload_dir=str(tmp_path / "nvme"), nvme_master=True, nvme_fraction=1.0)
     steps = [batch(97, seed=s) for s in range(4)]
-    script = textwrap.dedent(f"""
-        import os, signal, sys, torch
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
-        from tiny import batch, build, engine_config
-        from slideformer import SlideEngine
-        from slideformer.checkpoint import state
-        eng = SlideEngine(build("llama"), engine_config(**{tier!r}))
-        for s in range(2):
-            eng.train_step(batch(97, seed=s))
-        eng.save_checkpoint({str(tmp_path / "ck")!r}, {{"next": 2}})
-        eng.train_step(batch(97, seed=2))
-        real = state.save_file
-        def dying(tensors, path, *a, **k):
-            real(tensors, path, *a, **k)
-            if path.endswith("layer1.safetensors"):
-                os.kill(os.getpid(), signal.SIGKILL)
-        state.save_file = dying
-        eng.save_checkpoint({str(tmp_path / "ck")!r}, {{"next": 3}})
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    kill_during_second_save(tmp_path / "ck", tier, 2)
     assert (tmp_path / "ck.tmp").exists()  # the interrupted save, never renamed over the first
     with SlideEngine(build("llama"), engine_config(**tier)) as eng:  # the run that never stopped
         ref_losses = [eng.train_step(b) for b in steps]

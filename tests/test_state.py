@@ -1,10 +1,4 @@
 """Training-state checkpoints: resume is bit-identical; corruption and interrupted saves are detected."""
-import os
-import signal
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -12,7 +6,7 @@ from transformers import AutoModelForCausalLM
 from slideformer import SlideEngine
 from slideformer.checkpoint.state import CorruptCheckpointError
 
-from tiny import batch, build, engine_config
+from tiny import batch, build, engine_config, kill_during_second_save
 
 CPU = dict(device="cpu", compute_dtype=torch.float32, lr=1e-2, weight_decay=0.1)
 
@@ -65,26 +59,7 @@ def test_corruption_is_detected(tmp_path):
 
 def test_sigkill_during_save_leaves_the_previous_checkpoint(tmp_path):
     """A child saves once, then is killed in the middle of its second save (while writing its files)."""
-    script = textwrap.dedent(f"""
-        import os, signal, sys, torch
-        sys.path.insert(0, {str(os.path.dirname(__file__))!r})
-        from tiny import batch, build
-        from slideformer import EngineConfig, SlideEngine
-        from slideformer.checkpoint import state
-        eng = SlideEngine(build("llama"), EngineConfig(device="cpu", compute_dtype=torch.float32, lr=1e-2))
-        eng.train_step(batch(97))
-        eng.save_checkpoint({str(tmp_path / "ck")!r}, {{"next": 1}})
-        eng.train_step(batch(97, seed=1))
-        real = state.save_file
-        def dying(tensors, path, *a, **k):
-            real(tensors, path, *a, **k)
-            if path.endswith("layer1.safetensors"):
-                os.kill(os.getpid(), signal.SIGKILL)
-        state.save_file = dying
-        eng.save_checkpoint({str(tmp_path / "ck")!r}, {{"next": 2}})
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    kill_during_second_save(tmp_path / "ck", CPU, 1)
     assert (tmp_path / "ck.tmp").exists()  # the interrupted save
     model = build("llama")
     eng = SlideEngine(model, engine_config(**CPU))

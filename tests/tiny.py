@@ -52,3 +52,36 @@ def engine_config(**flat):
     nested = {name: cls(**{f.name: flat.pop(f.name) for f in fields(cls) if f.name in flat})
               for name, cls in (("placement", Placement), ("tuning", Tuning))}
     return EngineConfig(**flat, **nested)
+
+
+def kill_during_second_save(ck, cfg: dict, first_steps: int) -> None:
+    """A child process trains ``first_steps`` steps (batch(97, seed=s)) with engine_config(**cfg), saves a
+    checkpoint at ``ck`` ({"next": first_steps}), trains one more step and is SIGKILLed in the middle of its
+    second save, right after layer1's state file is written."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import os, signal, sys, torch
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from tiny import batch, build, engine_config
+        from slideformer import SlideEngine
+        from slideformer.checkpoint import state
+        eng = SlideEngine(build("llama"), engine_config(**{cfg!r}))
+        for s in range({first_steps}):
+            eng.train_step(batch(97, seed=s))
+        eng.save_checkpoint({str(ck)!r}, {{"next": {first_steps}}})
+        eng.train_step(batch(97, seed={first_steps}))
+        real = state.save_file
+        def dying(tensors, path, *a, **k):
+            real(tensors, path, *a, **k)
+            if path.endswith("layer1.safetensors"):
+                os.kill(os.getpid(), signal.SIGKILL)
+        state.save_file = dying
+        eng.save_checkpoint({str(ck)!r}, {{"next": {first_steps + 1}}})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-# The families named and tested (tests/tiny.py); others are accepted by their structure (``_missing``).
+# The families named and tested (tests/tiny.py); others are accepted by their structure (_config_missing,
+# _structure_missing), less those whose model-level forward does what the engine's parts do not.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3")
+SCALED_EMBEDDING = ("gemma",)
 ALIGN = 128
 
 
@@ -171,9 +173,12 @@ def _config_missing(config) -> str | None:
         return "an encoder-decoder model (the engine trains decoder-only models)"
     if (getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0) > 1:
         return "Mixture-of-Experts layers are not supported yet"
+    if getattr(config, "model_type", None) in SCALED_EMBEDDING:  # (in the model's forward, no config key says so)
+        return "a scaled embedding (the model multiplies it by sqrt(hidden_size)): not supported yet"
     for key, neutral, what in (("final_logit_softcapping", None, "soft-capped logits"),
                                ("logits_scaling", 1, "scaled logits"), ("logit_scale", None, "scaled logits"),
                                ("embedding_multiplier", 1, "a scaled embedding"),
+                               ("scale_emb", 1, "a scaled embedding"), ("scale_depth", None, "scaled residuals"),
                                ("attn_logit_softcapping", None, "soft-capped attention (which SDPA cannot run)")):
         if getattr(config, key, neutral) not in (neutral, None):
             return f"{what} ({key}={getattr(config, key)}): not supported yet"
@@ -184,7 +189,10 @@ def _structure_missing(skeleton: nn.Module) -> str | None:
     """The parts the engine splits a model into (an embedding lookup, a stack of decoder layers of one
     kind, a final norm, rotary positions and an unbiased linear head), named where one is missing."""
     inner = getattr(skeleton, "model", None)
-    needs = {"model.embed_tokens (an nn.Embedding)": type(getattr(inner, "embed_tokens", None)) is nn.Embedding,
+    emb = getattr(inner, "embed_tokens", None)
+    if isinstance(emb, nn.Embedding) and type(emb) is not nn.Embedding:
+        return f"an embedding of its own kind ({type(emb).__name__}, e.g. scaled): not supported yet"
+    needs = {"model.embed_tokens (an nn.Embedding)": type(emb) is nn.Embedding,
              "model.layers (a list of decoder layers)": isinstance(getattr(inner, "layers", None), nn.ModuleList),
              "model.norm": isinstance(getattr(inner, "norm", None), nn.Module),
              "model.rotary_emb": isinstance(getattr(inner, "rotary_emb", None), nn.Module),
