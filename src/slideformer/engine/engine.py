@@ -19,6 +19,7 @@ import copy
 import math
 import os
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -233,6 +234,8 @@ class SlideEngine:
         with torch.no_grad():
             for mb in st.mbs:
                 h = F.embedding(mb.input_ids, w, self.adapter.padding_idx)  # [B, S, H]
+                if self.adapter.embed_scale != 1.0:  # (as the model's forward: in the compute dtype)
+                    h = h * self.adapter.embed_scale
                 # (unpacked rows: no position ids, or transformers reads them on the device to look for packing)
                 mb.masks = self.adapter.attention_masks(h, mb.attention_mask, mb.position_ids if mb.packed else None)
                 mb.rope = self.rotary(h, mb.position_ids)
@@ -276,15 +279,18 @@ class SlideEngine:
             acc_w = gw if sliced else torch.empty_like(gw, dtype=torch.float32)
         if sliced:
             loss, ghs = sliced_head_loss([h.flatten(0, 1) for h in st.hidden], [mb.labels for mb in st.mbs],
-                                         [mb.targets for mb in st.mbs], ad.norm, w, st.denom, self._loss_chunk,
+                                         [mb.targets for mb in st.mbs], ad.head_norm, w, st.denom, self._loss_chunk,
                                          self._head_slice, acc_n, gw)
             st.loss += loss
             st.grad_hidden = [gh.view_as(h) for gh, h in zip(ghs, st.hidden)]
         else:
-            head_loss = fused_head_loss if self.cfg.tuning.loss_kernel == "fused" else chunked_head_loss
+            # (the fused kernel takes the logits' scale on its input; the autograd head after the product, as HF)
+            fused = self.cfg.tuning.loss_kernel == "fused"
+            head_loss = partial(fused_head_loss, norm=ad.head_norm) if fused else \
+                partial(chunked_head_loss, norm=ad.norm, logit_scale=ad.logit_scale, logit_divisor=ad.logit_divisor)
             for i, (h, mb) in enumerate(zip(st.hidden, st.mbs)):
-                part, gh = head_loss(h.flatten(0, 1), mb.labels, ad.norm, w, st.denom,
-                                     self._loss_chunk, acc_n, acc_w, accumulate=i > 0, targets=mb.targets)
+                part, gh = head_loss(h.flatten(0, 1), mb.labels, weight=w, denom=st.denom, chunk=self._loss_chunk,
+                                     grad_norm_weight=acc_n, grad_weight=acc_w, accumulate=i > 0, targets=mb.targets)
                 st.loss += part
                 st.grad_hidden.append(gh.view_as(h))
         if acc_n is not gnorm:
@@ -329,6 +335,8 @@ class SlideEngine:
         pad = self.adapter.padding_idx
         for mb, gh in zip(st.mbs, st.grad_hidden):
             rows, where = mb.rows
+            if self.adapter.embed_scale != 1.0:
+                gh = gh * self.adapter.embed_scale
             g = torch.ops.aten.embedding_dense_backward(gh.flatten(0, 1), where, rows.numel(), -1, False)
             if pad is not None:
                 g.masked_fill_((rows == pad)[:, None], 0)

@@ -18,9 +18,12 @@ from torch import nn
 
 def chunked_head_loss(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Module | None, weight: torch.Tensor,
                       denom: int, chunk: int, grad_norm_weight: torch.Tensor | None, grad_weight: torch.Tensor,
-                      accumulate: bool, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      accumulate: bool, targets: torch.Tensor | None = None, logit_scale: float = 1.0,
+                      logit_divisor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss sum/denom of one micro-batch, its gradient w.r.t. ``hidden``; head gradients go into
-    ``grad_norm_weight`` and ``grad_weight`` (added when ``accumulate``, else overwritten).
+    ``grad_norm_weight`` and ``grad_weight`` (added when ``accumulate``, else overwritten). The logits are
+    multiplied by ``logit_scale`` and divided by ``logit_divisor`` after the product, as the model's own
+    forward does.
 
     hidden: [T, H] (no grad), labels: [T] already shifted (-100 = ignored). ``norm=None`` means
     ``hidden`` is already normalised (then there is no norm gradient). ``targets``: the host copy of
@@ -41,6 +44,10 @@ def chunked_head_loss(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Modul
         h = hidden[start: start + chunk].detach().requires_grad_(True)
         with torch.enable_grad():
             logits = F.linear(h if norm is None else norm(h), weight)  # [t, V] in the compute dtype, as HF does
+            if logit_scale != 1.0:
+                logits = logits * logit_scale
+            if logit_divisor != 1.0:
+                logits = logits / logit_divisor
             part = F.cross_entropy(logits.float(), lab, ignore_index=-100, reduction="sum") / denom
         gh, *gp = torch.autograd.grad(part, [h] + params)
         grad_hidden[start: start + chunk] = gh

@@ -19,7 +19,7 @@ from torch import nn
 
 # The families named and tested (tests/tiny.py); others are accepted by their structure (_config_missing,
 # _structure_missing), less those whose model-level forward does what the engine's parts do not.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", "granite")
 SCALED_EMBEDDING = ("gemma",)
 ALIGN = 128
 
@@ -101,6 +101,19 @@ class ModelAdapter:
         self.padding_idx = getattr(inner.embed_tokens, "padding_idx", None)
         self.num_layers = len(self.layers)
         self.units = self._build_units()
+        # What the model's own forward does around its layers, which the engine's embedding lookup and loss
+        # head repeat: the embedding times a constant (Granite's embedding_multiplier), and the logits times
+        # one (Cohere's logit_scale) or divided by one (Granite's logits_scaling).
+        self.embed_scale = float(getattr(config, "embedding_multiplier", None) or 1.0)
+        self.logit_scale = float(getattr(config, "logit_scale", None) or 1.0)
+        self.logit_divisor = float(getattr(config, "logits_scaling", None) or 1.0)
+
+    @property
+    def head_norm(self) -> nn.Module:
+        """The final norm as the loss head runs it: with the logits' scale folded into its output (the
+        head's product is linear), its ``weight`` the norm's own."""
+        scale = self.logit_scale / self.logit_divisor
+        return self.norm if scale == 1.0 else _Scaled(self.norm, scale)
 
     # -- layout -------------------------------------------------------------------------------
     def _build_units(self) -> list[UnitSpec]:
@@ -166,6 +179,21 @@ class ModelAdapter:
         return out
 
 
+class _Scaled(nn.Module):
+    """``module(x) * scale``, exposing the module's ``weight``."""
+
+    def __init__(self, module: nn.Module, scale: float):
+        super().__init__()
+        self.inner, self.scale = module, scale
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * self.scale
+
+
 def _config_missing(config) -> str | None:
     """What a config asks of the compute that the engine's own parts (the embedding lookup, the loss
     head) do not do yet, in words; None where nothing is missing."""
@@ -176,8 +204,6 @@ def _config_missing(config) -> str | None:
     if getattr(config, "model_type", None) in SCALED_EMBEDDING:  # (in the model's forward, no config key says so)
         return "a scaled embedding (the model multiplies it by sqrt(hidden_size)): not supported yet"
     for key, neutral, what in (("final_logit_softcapping", None, "soft-capped logits"),
-                               ("logits_scaling", 1, "scaled logits"), ("logit_scale", None, "scaled logits"),
-                               ("embedding_multiplier", 1, "a scaled embedding"),
                                ("scale_emb", 1, "a scaled embedding"), ("scale_depth", None, "scaled residuals"),
                                ("attn_logit_softcapping", None, "soft-capped attention (which SDPA cannot run)")):
         if getattr(config, key, neutral) not in (neutral, None):
