@@ -1,7 +1,7 @@
 """Tiny configs of every supported family, built offline in milliseconds."""
 import torch
-from transformers import (AutoModelForCausalLM, GraniteConfig, LlamaConfig, MistralConfig, Olmo2Config, Phi3Config,
-                          Qwen2Config, Qwen3Config)
+from transformers import (AutoModelForCausalLM, CohereConfig, GraniteConfig, LlamaConfig, MistralConfig, Olmo2Config,
+                          Phi3Config, Qwen2Config, Qwen3Config)
 
 COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
@@ -20,6 +20,9 @@ FAMILIES = {
     # multipliers: the embedding's and the logits' (the engine repeats them), the residuals' and attention's
     "granite": lambda: GraniteConfig(**COMMON, embedding_multiplier=3.0, logits_scaling=2.5, residual_multiplier=0.6,
                                      attention_multiplier=0.2, tie_word_embeddings=True),
+    # attention and MLP in parallel from one LayerNorm; the logits multiplied (logit_scale)
+    "cohere": lambda: CohereConfig(**COMMON, logit_scale=0.5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                   tie_word_embeddings=True),
 }
 
 

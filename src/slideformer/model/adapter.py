@@ -19,7 +19,7 @@ from torch import nn
 
 # The families named and tested (tests/tiny.py); others are accepted by their structure (_config_missing,
 # _structure_missing), less those whose model-level forward does what the engine's parts do not.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", "granite")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", "granite", "cohere")
 SCALED_EMBEDDING = ("gemma",)
 ALIGN = 128
 
