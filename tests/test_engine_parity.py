@@ -80,7 +80,7 @@ def test_window_shapes_do_not_change_training(slots, depth):
     assert_same(state, ref, losses, ref_losses)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "olmo2", "phi3", "granite", "cohere"])
+@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "olmo2", "phi3", "granite", "cohere", "gemma3"])
 def test_accumulation_equals_one_large_batch(family):
     model = build(family)
     V = model.config.vocab_size
@@ -380,7 +380,7 @@ def test_resident_state_survives_checkpoints(tmp_path):
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "olmo2", "phi3", "granite", "cohere"])
+@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "olmo2", "phi3", "granite", "cohere", "gemma3"])
 def test_padding_row_and_repeated_tokens_match_pytorch(family):
     """The embedding's backward sums each token's rows once (unique ids) and leaves the padding row's
     gradient at zero, as nn.Embedding(padding_idx) does; repeated tokens are the common case."""
@@ -399,7 +399,7 @@ def test_padding_row_and_repeated_tokens_match_pytorch(family):
     assert_same(state, ref, losses, ref_losses)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "olmo2", "phi3", "granite", "cohere"])
+@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "olmo2", "phi3", "granite", "cohere", "gemma3"])
 def test_gradient_norm_is_exact_every_step(family):
     """The head shares its slot with the embedding when untied: the alignment gaps of its layout must not
     carry the embedding's gradient of the step before into the norm (lr=0: the same norm every step)."""

@@ -1,7 +1,7 @@
 """Tiny configs of every supported family, built offline in milliseconds."""
 import torch
-from transformers import (AutoModelForCausalLM, CohereConfig, GraniteConfig, LlamaConfig, MistralConfig, Olmo2Config,
-                          Phi3Config, Qwen2Config, Qwen3Config)
+from transformers import (AutoModelForCausalLM, CohereConfig, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig,
+                          Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config)
 
 COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
@@ -23,6 +23,11 @@ FAMILIES = {
     # attention and MLP in parallel from one LayerNorm; the logits multiplied (logit_scale)
     "cohere": lambda: CohereConfig(**COMMON, logit_scale=0.5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
                                    tie_word_embeddings=True),
+    # an embedding that scales itself, (1 + w) norms around attention and MLP, sliding and full layers each
+    # with their own rotary frequencies
+    "gemma3": lambda: Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=8, sliding_window=5,
+                                       layer_types=["sliding_attention", "full_attention"] * 2,
+                                       pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True),
 }
 
 

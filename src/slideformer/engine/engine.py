@@ -233,12 +233,10 @@ class SlideEngine:
         w = slot.views(unit)[0]["weight"]
         with torch.no_grad():
             for mb in st.mbs:
-                h = F.embedding(mb.input_ids, w, self.adapter.padding_idx)  # [B, S, H]
-                if self.adapter.embed_scale != 1.0:  # (as the model's forward: in the compute dtype)
-                    h = h * self.adapter.embed_scale
+                h = self.adapter.embed_scaled(F.embedding(mb.input_ids, w, self.adapter.padding_idx))  # [B, S, H]
                 # (unpacked rows: no position ids, or transformers reads them on the device to look for packing)
                 mb.masks = self.adapter.attention_masks(h, mb.attention_mask, mb.position_ids if mb.packed else None)
-                mb.rope = self.rotary(h, mb.position_ids)
+                mb.rope = self.adapter.positions(self.rotary, h, mb.position_ids)
                 st.hidden.append(h)
 
     def _fwd(self, st: "_Step", unit, slot) -> None:
@@ -335,8 +333,7 @@ class SlideEngine:
         pad = self.adapter.padding_idx
         for mb, gh in zip(st.mbs, st.grad_hidden):
             rows, where = mb.rows
-            if self.adapter.embed_scale != 1.0:
-                gh = gh * self.adapter.embed_scale
+            gh = self.adapter.embed_scaled(gh)  # (the scale's backward)
             g = torch.ops.aten.embedding_dense_backward(gh.flatten(0, 1), where, rows.numel(), -1, False)
             if pad is not None:
                 g.masked_fill_((rows == pad)[:, None], 0)
@@ -390,8 +387,9 @@ class SlideEngine:
         return frozenset(range(n - min(k, n), n))
 
     def _run_layer(self, layer, index: int, h: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-        out = layer(h, attention_mask=mb.masks[self.adapter.layer_attention_type(index)],
-                    position_ids=mb.position_ids, position_embeddings=mb.rope)
+        kind = self.adapter.layer_attention_type(index)
+        out = layer(h, attention_mask=mb.masks[kind], position_ids=mb.position_ids,
+                    position_embeddings=mb.rope[kind] if isinstance(mb.rope, dict) else mb.rope)
         return out[0] if isinstance(out, tuple) else out
 
     def _prepare(self, batch) -> tuple[list[MicroBatch], int]:

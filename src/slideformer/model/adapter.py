@@ -19,7 +19,7 @@ from torch import nn
 
 # The families named and tested (tests/tiny.py); others are accepted by their structure (_config_missing,
 # _structure_missing), less those whose model-level forward does what the engine's parts do not.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", "granite", "cohere")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", "granite", "cohere", "gemma3_text")
 SCALED_EMBEDDING = ("gemma",)
 ALIGN = 128
 
@@ -105,6 +105,10 @@ class ModelAdapter:
         # head repeat: the embedding times a constant (Granite's embedding_multiplier), and the logits times
         # one (Cohere's logit_scale) or divided by one (Granite's logits_scaling).
         self.embed_scale = float(getattr(config, "embedding_multiplier", None) or 1.0)
+        # Gemma 3's embedding scales itself by a constant rounded to the weights' dtype
+        self.embed_scale_in_dtype = hasattr(inner.embed_tokens, "scalar_embed_scale")
+        if self.embed_scale_in_dtype:
+            self.embed_scale = float(inner.embed_tokens.scalar_embed_scale)
         self.logit_scale = float(getattr(config, "logit_scale", None) or 1.0)
         self.logit_divisor = float(getattr(config, "logits_scaling", None) or 1.0)
 
@@ -151,6 +155,20 @@ class ModelAdapter:
         """The model's rotary embedding, materialised on ``device`` (it is a buffer, not a weight)."""
         with torch.device(device):
             return type(self.skeleton.model.rotary_emb)(config=self.config)
+
+    def positions(self, rotary: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor):
+        """``rotary``'s (cos, sin), or, for a model whose layers of each attention type rotate by their own
+        frequencies (Gemma 3: the rotary module takes the layer type), one pair per type."""
+        if "layer_type" not in inspect.signature(rotary.forward).parameters:
+            return rotary(hidden, position_ids)
+        return {t: rotary(hidden, position_ids, t) for t in {self.layer_attention_type(i) for i in range(self.num_layers)}}
+
+    def embed_scaled(self, h: torch.Tensor) -> torch.Tensor:
+        """The embedding lookup ``h`` (or its gradient) times the model's embedding scale, as its forward does."""
+        if self.embed_scale == 1.0:
+            return h
+        return h * (torch.tensor(self.embed_scale, dtype=h.dtype, device=h.device) if self.embed_scale_in_dtype
+                    else self.embed_scale)
 
     def layer_attention_type(self, layer: int) -> str:
         types = getattr(self.config, "layer_types", None)
@@ -216,9 +234,9 @@ def _structure_missing(skeleton: nn.Module) -> str | None:
     kind, a final norm, rotary positions and an unbiased linear head), named where one is missing."""
     inner = getattr(skeleton, "model", None)
     emb = getattr(inner, "embed_tokens", None)
-    if isinstance(emb, nn.Embedding) and type(emb) is not nn.Embedding:
-        return f"an embedding of its own kind ({type(emb).__name__}, e.g. scaled): not supported yet"
-    needs = {"model.embed_tokens (an nn.Embedding)": type(emb) is nn.Embedding,
+    if isinstance(emb, nn.Embedding) and type(emb) is not nn.Embedding and not hasattr(emb, "scalar_embed_scale"):
+        return f"an embedding of its own kind ({type(emb).__name__}): not supported yet"
+    needs = {"model.embed_tokens (an nn.Embedding)": isinstance(emb, nn.Embedding),
              "model.layers (a list of decoder layers)": isinstance(getattr(inner, "layers", None), nn.ModuleList),
              "model.norm": isinstance(getattr(inner, "norm", None), nn.Module),
              "model.rotary_emb": isinstance(getattr(inner, "rotary_emb", None), nn.Module),
