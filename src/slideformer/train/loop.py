@@ -131,7 +131,7 @@ def load_model_config(cfg: TrainConfig):
             hf_config = AutoConfig.from_pretrained(str(path))
         except (OSError, ValueError, KeyError) as e:
             raise ConfigError(f"{path / 'config.json'}: transformers cannot read it ({str(e).splitlines()[0][:200]})") from e
-    ModelAdapter(hf_config)  # an unsupported family is refused here, naming what is supported
+    ModelAdapter(hf_config)  # a model the engine cannot split is refused here, naming what is missing
     positions = getattr(hf_config, "max_position_embeddings", None)
     if cfg.cutoff_len is None:
         cfg.cutoff_len = min(DEFAULT_CUTOFF_LEN, positions or DEFAULT_CUTOFF_LEN)
