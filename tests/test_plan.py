@@ -523,7 +523,7 @@ def test_activations_on_nvme_keep_three_layers_in_ram_and_cost_disk_time():
     disk = host_bytes(sh, 64, 1024, p, activations_to_nvme=True)["activations"]
     assert disk == 3 * 64 * 1024 * sh.hidden * 2 < ram
     t_ram, t_disk = step_time(sh, 64, 1024, p)["nvme_s"], step_time(sh, 64, 1024, p, activations_to_nvme=True)["nvme_s"]
-    assert t_ram == 0 and t_disk == pytest.approx(ram / 0.9e9)  # written and read once a step, at once: 0.9 GB/s written
+    assert t_ram == 0 and t_disk == pytest.approx(ram / 0.9e9)  # written and read at once: 0.9 GB/s written
 
 
 def test_auto_residency_puts_embedding_and_head_first_where_they_fit():

@@ -1,7 +1,7 @@
 """Tiny configs of every supported family, built offline in milliseconds."""
 import torch
-from transformers import (AutoModelForCausalLM, CohereConfig, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig,
-                          Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config)
+from transformers import (AutoModelForCausalLM, CohereConfig, Gemma3TextConfig, GraniteConfig, LlamaConfig,
+                          MistralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config)
 
 COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)

@@ -142,7 +142,8 @@ def cmd_plan(args) -> int:
     clip = as_trained.max_grad_norm is not None  # the update then waits for backward's global norm
     out = {"model": args.model, "params": shape.params, "seq_len": args.seq_len, "batch_size": args.batch_size,
            "clipping": clip,
-           "binds": plan.binds, "gpu_bytes": g["peak"], "gpu": g, "host_bytes": host_total, "host": h, "nvme_bytes": tier_bytes(plan.config, shape, args.batch_size, args.seq_len, placement),
+           "binds": plan.binds, "gpu_bytes": g["peak"], "gpu": g, "host_bytes": host_total, "host": h,
+           "nvme_bytes": tier_bytes(plan.config, shape, args.batch_size, args.seq_len, placement),
            "gpu_limit": gpu_limit,
            "host_limit": parse_bytes(args.host_memory_limit) if args.host_memory_limit else cpu_limit,
            "host_state_limit": host_budget(as_trained, cpu_limit)[1], "fits": fits, "max_batch_size": max_batch,
@@ -153,7 +154,8 @@ def cmd_plan(args) -> int:
         def as_train_would(cfg) -> dict:
             """`train`'s step with ``cfg`` (its resident units chosen) and its host bytes."""
             p = trained(args.batch_size, cfg)
-            return {**predicted_step(p, shape, args.batch_size, args.seq_len, rates), "host_bytes": sum(p.host.values()),
+            return {**predicted_step(p, shape, args.batch_size, args.seq_len, rates),
+                    "host_bytes": sum(p.host.values()),
                     "resident_layers": p.config.placement.resident_layers,
                     "resident_edges": p.config.placement.resident_edges, "fits": p.fits}
 

@@ -6,8 +6,9 @@ in the window. That is "layer-major" accumulation: weights cross PCIe once per s
 micro-batches there are, and a layer's gradients are summed on the GPU before they leave it.
 
 Forward runs without autograd and keeps only each layer's input (and, for the planner's saved layers,
-its linears' outputs: model/recompute.py); backward recomputes a layer from that input. As soon as a unit's gradient is complete it goes to the host and the CPU optimizer
-updates that unit while the GPU continues with the layers below. With clipping, the update needs
+its linears' outputs: model/recompute.py); backward recomputes a layer from that input. As soon as a
+unit's gradient is complete it goes to the host and the CPU optimizer updates that unit while the GPU
+continues with the layers below. With clipping, the update needs
 the global norm, known at the end of backward: layers with a spare state (``speculative_layers``)
 are updated before it, out of place, and the update stands if the norm is within the limit
 (engine/runtime.py); the others wait for it and then run in forward order, so the next step's
@@ -117,7 +118,8 @@ class SlideEngine:
         self._placements: dict[tuple[int, int], Layout] = {}
         self._loss_chunk = t.loss_chunk_tokens or LOSS_CHUNK_TOKENS[-1]  # (under a budget: the planner's)
         self._head_slice = None  # the lm_head gradient by vocabulary slices: the planner's, under a budget
-        self._saved = self._last_layers(saved_layers(self.shape, Layout.of(self.cfg)))  # (under a budget: the planner's)
+        # (under a budget: the planner's)
+        self._saved = self._last_layers(saved_layers(self.shape, Layout.of(self.cfg)))
         ring = None if self.cfg.max_grad_norm is not None else p.host_grad_buffers  # clipping holds all
         n = self.adapter.num_layers
         # Resident layers are the first ones (config.py says why), the NVMe tier's the last ones.

@@ -161,7 +161,8 @@ class ModelAdapter:
         frequencies (Gemma 3: the rotary module takes the layer type), one pair per type."""
         if "layer_type" not in inspect.signature(rotary.forward).parameters:
             return rotary(hidden, position_ids)
-        return {t: rotary(hidden, position_ids, t) for t in {self.layer_attention_type(i) for i in range(self.num_layers)}}
+        kinds = {self.layer_attention_type(i) for i in range(self.num_layers)}
+        return {t: rotary(hidden, position_ids, t) for t in kinds}
 
     def embed_scaled(self, h: torch.Tensor) -> torch.Tensor:
         """The embedding lookup ``h`` (or its gradient) times the model's embedding scale, as its forward does."""

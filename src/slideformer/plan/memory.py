@@ -421,8 +421,8 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
     recompute). But where resident layers take GPU memory that layer inputs or saved layers' products
     would otherwise keep, no more than the step needs: once the CPU optimizer's predicted time is under
     half the GPU's (with every other layer streamed and saving what fits), another resident layer saves no
-    time and pushes inputs to pinned host memory and PCIe, or costs a layer's recompute. The half leaves room for the time model's error (its GPU rate
-    underestimates 8B's).
+    time and pushes inputs to pinned host memory and PCIe, or costs a layer's recompute. The half leaves
+    room for the time model's error (its GPU rate underestimates 8B's).
     With ``clipping`` the update follows backward and only the next forward (a quarter of the GPU work)
     can hide it: a quarter, with no margin (that model already counts no overlap with backward).
     ``score(k)``: a step's predicted seconds with k resident layers, where the rule above does not see all

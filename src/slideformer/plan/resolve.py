@@ -109,7 +109,8 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
         problem, binds = (f"the NVMe tier needs about {disk / 2**30:.1f} GiB under {prefix}offload_dir "
                           f"{cfg.offload_dir}, {machine.disk / 2**30:.1f} GiB free there; free space, point it at a "
                           f"larger disk, or use "
-                          + ("" if cfg.optimizer_state == "compact" else f"compact optimizer state ({prefix}optimizer_state) or ")
+                          + ("" if cfg.optimizer_state == "compact"
+                             else f"compact optimizer state ({prefix}optimizer_state) or ")
                           + f"more RAM ({prefix}host_memory_limit)"), "disk"
     return Plan(cfg, placement, gpu, limit, host, problem, binds)
 
@@ -118,7 +119,8 @@ def tier_bytes(cfg, shape: ModelShape, batch: int, seq: int, placement: Layout) 
     """Disk under offload_dir: the NVMe tier's state, and the layer inputs offloaded there."""
     if not cfg.offload_dir:
         return 0
-    inputs = shape.layers - min(shape.layers, placement.gpu_activation_layers) if cfg.placement.activations_to_nvme else 0
+    inputs = shape.layers - min(shape.layers, placement.gpu_activation_layers) \
+        if cfg.placement.activations_to_nvme else 0
     return nvme_bytes(shape, nvme_layer_count(cfg, shape.layers), cfg.optimizer_state == "compact",
                       cfg.placement.nvme_master) + inputs * batch * seq * shape.hidden * cfg.compute_dtype.itemsize
 
@@ -131,7 +133,8 @@ def predicted_step(plan: Plan, shape: ModelShape, batch: int, seq: int, rates: M
     hw, streamed = c.placement.host_weights, shape.layers - resident
     staged = 0 if c.optimizer_state == "compact" else shape.params if hw == "staged" else \
         0 if hw == "persistent" else min(hw, streamed) * shape.layer_params
-    return step_time(shape, batch, seq, plan.placement, rates, compact=c.optimizer_state == "compact", staged_params=staged,
+    return step_time(shape, batch, seq, plan.placement, rates, compact=c.optimizer_state == "compact",
+                     staged_params=staged,
                      nvme_layers=min(nvme_layer_count(c, shape.layers), shape.layers - resident),
                      nvme_master=c.placement.nvme_master, activations_to_nvme=c.placement.activations_to_nvme,
                      clipping=c.max_grad_norm is not None, speculative_layers=c.placement.speculative_layers)
