@@ -70,7 +70,7 @@ class MicroBatch:
     position_ids: torch.Tensor  # [1, S], or [B, S] restarting at 0 for each packed sample
     packed: bool = False  # position_ids restart: the mask functions must look at them (a device read)
     masks: dict | None = None  # per attention type, built after the embedding
-    rope: tuple | None = None  # (cos, sin)
+    rope: dict | None = None  # attention type -> (cos, sin)
     rows: tuple | None = None  # (unique token ids, each position's index into them): the embedding's backward
 
 
@@ -391,7 +391,7 @@ class SlideEngine:
     def _run_layer(self, layer, index: int, h: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         kind = self.adapter.layer_attention_type(index)
         out = layer(h, attention_mask=mb.masks[kind], position_ids=mb.position_ids,
-                    position_embeddings=mb.rope[kind] if isinstance(mb.rope, dict) else mb.rope)
+                    position_embeddings=mb.rope[kind])
         return out[0] if isinstance(out, tuple) else out
 
     def _prepare(self, batch) -> tuple[list[MicroBatch], int]:

@@ -101,6 +101,10 @@ class ModelAdapter:
         self.padding_idx = getattr(inner.embed_tokens, "padding_idx", None)
         self.num_layers = len(self.layers)
         self.units = self._build_units()
+        # the attention types present (one mask and one rotary pair each), and whether the rotary module
+        # rotates each type by its own frequencies (Gemma 3's takes the layer type)
+        self.attention_types = sorted({self.layer_attention_type(i) for i in range(self.num_layers)})
+        self._rotary_by_type = "layer_type" in inspect.signature(type(inner.rotary_emb).forward).parameters
         # What the model's own forward does around its layers, which the engine's embedding lookup and loss
         # head repeat: the embedding times a constant (Granite's embedding_multiplier), and the logits times
         # one (Cohere's logit_scale) or divided by one (Granite's logits_scaling).
@@ -156,13 +160,13 @@ class ModelAdapter:
         with torch.device(device):
             return type(self.skeleton.model.rotary_emb)(config=self.config)
 
-    def positions(self, rotary: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor):
-        """``rotary``'s (cos, sin), or, for a model whose layers of each attention type rotate by their own
-        frequencies (Gemma 3: the rotary module takes the layer type), one pair per type."""
-        if "layer_type" not in inspect.signature(rotary.forward).parameters:
-            return rotary(hidden, position_ids)
-        kinds = {self.layer_attention_type(i) for i in range(self.num_layers)}
-        return {t: rotary(hidden, position_ids, t) for t in kinds}
+    def positions(self, rotary: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        """``rotary``'s (cos, sin) per attention type: the same pair for all, or, where the layers of each
+        type rotate by their own frequencies, each type's."""
+        if not self._rotary_by_type:
+            pair = rotary(hidden, position_ids)
+            return dict.fromkeys(self.attention_types, pair)
+        return {t: rotary(hidden, position_ids, t) for t in self.attention_types}
 
     def embed_scaled(self, h: torch.Tensor) -> torch.Tensor:
         """The embedding lookup ``h`` (or its gradient) times the model's embedding scale, as its forward does."""
@@ -186,7 +190,7 @@ class ModelAdapter:
         funcs = {"full_attention": masking_utils.create_causal_mask,
                  "sliding_attention": masking_utils.create_sliding_window_causal_mask}
         out = {}
-        for kind in {self.layer_attention_type(i) for i in range(self.num_layers)}:
+        for kind in self.attention_types:
             fn = funcs[kind]
             params = inspect.signature(fn).parameters
             kw = dict(config=self.config, inputs_embeds=embeds, attention_mask=attention_mask,
