@@ -223,7 +223,10 @@ def test_plan_names_a_disk_too_small_for_the_tier(capsys, tmp_path):
     capsys.readouterr()
     assert main(base + ["--disk-space", "1GiB"]) == 3
     out = capsys.readouterr().out
-    assert "does NOT fit the disk" in out and "1.0 GiB free there" in out and "optimizer_state" not in out
+    assert "does NOT fit the disk" in out and "1.0 GiB free there" in out and "(optimizer_state: 8bit)" in out
+    assert main([a if a != "compact" else "8bit" for a in base] + ["--disk-space", "1GiB"]) == 3
+    out = capsys.readouterr().out  # (the densest state says nothing of the state)
+    assert "does NOT fit the disk" in out and "optimizer_state" not in out
 
 
 def test_plan_measures_the_free_disk_under_an_existing_offload_dir(capsys, tmp_path, monkeypatch):

@@ -247,7 +247,7 @@ def test_compact_state_trains_close_to_fp32_state():
     g = torch.Generator().manual_seed(0)
     picks = [torch.randint(0, len(ex), (8,), generator=g).tolist() for _ in range(120)]
     steps = [pad_batch([ex[i] for i in p], 0) for p in picks]
-    runs = {"fp32": ("fp32", steps), "compact": ("compact", steps),  # and the same batches, rows reordered:
+    runs = {"fp32": ("fp32", steps), "compact": ("compact", steps), "8bit": ("8bit", steps),  # and the same batches, rows reordered:
             "fp32 reversed": ("fp32", [pad_batch([ex[i] for i in reversed(p)], 0) for p in picks]),
             "fp32 rotated": ("fp32", [pad_batch([ex[i] for i in p[4:] + p[:4]], 0) for p in picks])}
     from slideformer.presets import preset_config
@@ -261,8 +261,9 @@ def test_compact_state_trains_close_to_fp32_state():
         tails[name] = sum(curve[-20:]) / 20
     fp32 = [v for k, v in tails.items() if k.startswith("fp32")]
     noise = max(fp32) - min(fp32)
-    gap = abs(tails["compact"] - tails["fp32"])
-    assert gap <= max(3 * noise, 0.03 * tails["fp32"]), (gap, noise, tails)
+    for state in ("compact", "8bit"):
+        gap = abs(tails[state] - tails["fp32"])
+        assert gap <= max(3 * noise, 0.03 * tails["fp32"]), (state, gap, noise, tails)
 
 
 def test_packed_rows_train_like_separate_rows():
@@ -429,13 +430,14 @@ def test_non_blocking_steps_train_the_same():
     assert all(torch.equal(a[k], state[k]) for k in a)
 
 
-@pytest.mark.parametrize("state", ["fp32", "compact"])
+@pytest.mark.parametrize("state", ["fp32", "compact", "8bit"])
 def test_chunked_gradient_stream_updates_the_same(state, tmp_path):
     """Gradients leave the GPU and are updated chunk by chunk: the result is bit-identical to one chunk
     per unit (compact state: its stochastic rounding hashes the position in the unit, not in the chunk)."""
     model = build("qwen3-tied")
     steps = [batch(97, seed=s) for s in range(3)]
-    dt = torch.bfloat16 if state == "compact" else torch.float32
+    dt = torch.float32 if state == "fp32" else torch.bfloat16
+    odd = 128 if state == "8bit" else 100  # (8-bit blocks are whole in a chunk)
 
     def run(**extra):
         cfg = engine_config(device="cpu", compute_dtype=dt, lr=1e-2, weight_decay=0.1, optimizer_state=state, **extra, loss_kernel="torch")
@@ -444,21 +446,21 @@ def test_chunked_gradient_stream_updates_the_same(state, tmp_path):
             return losses, {k: v.clone() for k, v in e.state_dict().items()}
 
     la, a = run()
-    lb, b = run(grad_chunk_elems=100)  # odd, unaligned chunks: every unit is split many times
-    lc, c = run(grad_chunk_elems=100, offload_dir=str(tmp_path))  # and with the moments on the NVMe tier
+    lb, b = run(grad_chunk_elems=odd)  # small chunks: every unit is split many times
+    lc, c = run(grad_chunk_elems=odd, offload_dir=str(tmp_path))  # and with the moments on the NVMe tier
     assert la == lb == lc
     assert all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
 
 
-@pytest.mark.parametrize("clip", [None, 0.05])
-def test_compact_state_trains_resident_layers_like_streamed_ones(clip, tmp_path):
+@pytest.mark.parametrize("clip,state", [(None, "compact"), (0.05, "compact"), (0.05, "8bit")])
+def test_compact_state_trains_resident_layers_like_streamed_ones(clip, state, tmp_path):
     """Compact state on the device (the first layer, embedding and head resident: bf16 lo half and
     moments beside the bf16 weights, updated by kernels/compact_adamw.py) is the CPU's compact AdamW: the
     same arithmetic and rounding bits, so the training follows the streamed one to fp32 rounding. Its
     checkpoint resumes it to the bit."""
     model = build("qwen3-tied")
     steps = [batch(97, seed=s) for s in range(4)]
-    kw = dict(device="cpu", compute_dtype=torch.bfloat16, lr=1e-2, weight_decay=0.1, optimizer_state="compact",
+    kw = dict(device="cpu", compute_dtype=torch.bfloat16, lr=1e-2, weight_decay=0.1, optimizer_state=state,
               optimizer_backend="torch", loss_kernel="torch", max_grad_norm=clip)
 
     def run(**extra):
@@ -611,15 +613,16 @@ def test_speculative_updates_under_clipping_train_like_pytorch(clip, spares, bac
     assert_same(state, ref, losses, ref_losses)
 
 
-def test_speculative_updates_of_compact_state_are_exact():
-    """Compact state (bf16 hi/lo master, stochastically rounded moments) speculated and adopted or redone:
-    the same bits as updates that wait for the norm."""
+@pytest.mark.parametrize("state", ["compact", "8bit"])
+def test_speculative_updates_of_compact_state_are_exact(state):
+    """Compact state (bf16 hi/lo master, stochastically rounded moments) and 8-bit state speculated and
+    adopted or redone: the same bits as updates that wait for the norm."""
     model = build("qwen3-tied")
     batches = [batch(97, seed=s) for s in range(3)]
     for clip in (0.05, 100.0):
         out = []
         for spares in (0, 3):
-            cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, optimizer_state="compact", lr=1e-2, max_grad_norm=clip, placement=Placement(speculative_layers=spares))
+            cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, optimizer_state=state, lr=1e-2, max_grad_norm=clip, placement=Placement(speculative_layers=spares))
             with SlideEngine(model, cfg) as eng:
                 wait_for_speculation(eng)
                 losses = [eng.train_step(b) for b in batches]

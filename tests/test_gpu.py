@@ -115,7 +115,7 @@ def test_profile_counts_resident_adamw_as_gpu_work_not_idle():
     last one: the breakdown reports it (gpu_adamw_busy_s), the span reaches it, and idle is never negative.
     fp32 state (torch's fused AdamW) and compact state (kernels/compact_adamw.py) alike."""
     model = build("llama")
-    for state in ("fp32", "compact"):
+    for state in ("fp32", "compact", "8bit"):
         cfg = EngineConfig(device="cuda", compute_dtype=torch.bfloat16, lr=1e-3, max_grad_norm=0.05, optimizer_state=state, placement=Placement(resident_layers=3), tuning=Tuning(profile=True))
         with SlideEngine(model, cfg) as eng:
             eng.train_step(batch(97, b=4, s=32))
@@ -127,13 +127,15 @@ def test_profile_counts_resident_adamw_as_gpu_work_not_idle():
         assert b["gpu_adamw_busy_s"] > 0 and b["gpu_idle_s"] >= 0, state
 
 
-def test_compact_state_on_the_device_matches_the_cpu_update():
-    """Compact state for resident units is updated on the GPU by kernels/compact_adamw.py: the training
-    follows the all-streamed run (same arithmetic and rounding bits; only the device differs)."""
+@pytest.mark.parametrize("state", ["compact", "8bit"])
+def test_compact_state_on_the_device_matches_the_cpu_update(state):
+    """Compact state for resident units is updated on the GPU by kernels/compact_adamw.py (8-bit state by
+    the PyTorch reference, in pieces): the training follows the all-streamed run (same arithmetic and
+    rounding bits; only the device differs)."""
     model = build("qwen3-tied")
     steps = [batch(97, b=4, s=32, seed=s) for s in range(4)]
-    kw = dict(compute_dtype=torch.bfloat16, lr=1e-2, weight_decay=0.1, optimizer_state="compact",
-              optimizer_backend="torch")
+    kw = dict(compute_dtype=torch.bfloat16, lr=1e-2, weight_decay=0.1, optimizer_state=state,
+              optimizer_backend="native")
     a, la = cuda_engine_train(model, steps, **kw)
     b, lb = cuda_engine_train(model, steps, resident_layers=1, resident_edges=True, **kw)
     assert lb == pytest.approx(la, rel=1e-3)

@@ -163,37 +163,54 @@ def test_compact_state_tracks_fp32_adamw():
     assert float((v.float() - rv).norm() / rv.norm()) < 0.05
 
 
-@pytest.mark.parametrize("compact", [False, True])
-def test_native_update_follows_the_landing_flags(compact):
+def _state_and_update(fmt: str, n: int, g: torch.Tensor, **over):
+    """A unit's optimizer state of ``n`` parameters in format ``fmt`` (moments not all zero) and an update
+    of it by ``g``: ``update(state, landing=None, src=None)``."""
+    from slideformer.optim.adamw import adamw_8bit_, adamw_compact_
+    from slideformer.optim.formats import moment_numel
+
+    kw = dict(step=3, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, backend="native", threads=2) | over
+    if fmt == "fp32":
+        state = [torch.randn(n), torch.randn(n) * 0.1, torch.rand(n) * 0.01, torch.empty(n, dtype=torch.bfloat16)]
+
+        def update(s, landing=None, src=None):
+            return adamw_update_(s[0], g, s[1], s[2], out=s[3], scratch=torch.empty(n), landing=landing,
+                                 src=None if src is None else src[:3], **kw)
+        return state, update
+    hi, lo = torch.randn(n).bfloat16(), (torch.randn(n) * 1e-3).bfloat16()
+    if fmt == "compact":
+        state = [hi, lo, (torch.randn(n) * 0.1).bfloat16(), (torch.rand(n) * 0.01).bfloat16()]
+
+        def update(s, landing=None, src=None):
+            return adamw_compact_(*s[:2], g, *s[2:], seed=5, landing=landing, src=src, **kw)
+        return state, update
+    state = [hi, lo] + [torch.randint(0, 256, (moment_numel("8bit", n),), dtype=torch.uint8) for _ in range(2)]
+    for m in state[2:]:
+        m[n:].view(torch.float32).copy_(torch.rand(n // 128) * 0.1)  # (scales: finite and positive)
+
+    def update(s, landing=None, src=None):
+        return adamw_8bit_(*s[:2], g, *s[2:], landing=landing, src=src, **kw)
+    return state, update
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "compact", "8bit"])
+def test_native_update_follows_the_landing_flags(fmt):
     """One call per unit updates each chunk once its flag shows the ticket, and only then, and returns how
     long it waited for them (the profile's honest update time); an abort ends the wait for a chunk that
     never lands."""
     import threading
     import time
 
-    from slideformer.optim.adamw import Landing, adamw_compact_
+    from slideformer.optim.adamw import Landing
 
-    n, chunk, ticket = 1000, 300, 7
+    n, chunk, ticket = 1024, 384, 7  # (8-bit blocks of 128: chunks of whole blocks)
     torch.manual_seed(0)
     g = torch.randn(n).bfloat16()
-    if compact:
-        state = [torch.randn(n).bfloat16(), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16),
-                 torch.zeros(n, dtype=torch.bfloat16)]
-        ref = [t.clone() for t in state]
-
-        def update(s, landing=None):
-            return adamw_compact_(s[0], s[1], g, s[2], s[3], step=1, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                           backend="native", threads=2, landing=landing)
-    else:
-        state = [torch.randn(n), torch.zeros(n), torch.zeros(n)]
-        ref = [t.clone() for t in state]
-
-        def update(s, landing=None):
-            return adamw_update_(s[0], g, s[1], s[2], step=1, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
-                          backend="native", threads=2, landing=landing)
+    state, update = _state_and_update(fmt, n, g, weight_decay=0.0)
+    ref = [t.clone() for t in state]
     assert update(ref) == 0.0
     before = state[0].clone()
-    flags, abort = torch.zeros(4, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    flags, abort = torch.zeros(3, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
     flags[0] = ticket - 1  # a previous send's ticket: not this one
     waited = []
     th = threading.Thread(target=lambda: waited.append(update(state, Landing(flags, ticket, chunk, abort))))
@@ -229,38 +246,23 @@ def test_native_update_follows_the_landing_flags(compact):
 
 
 @pytest.mark.parametrize("backend", ["native", "torch"])
-@pytest.mark.parametrize("compact", [False, True])
-def test_update_out_of_place_leaves_the_source(backend, compact):
+@pytest.mark.parametrize("fmt", ["fp32", "compact", "8bit"])
+def test_update_out_of_place_leaves_the_source(backend, fmt):
     """``src``: the update reads the state there and writes it elsewhere (a speculative update into a spare
     state, engine/updates.py): the same bits as in place, the source untouched. bf16 gradient and copy
     out, odd length: the vector path (non-temporal stores where the destination is aligned) and its tail."""
-    from slideformer.optim.adamw import adamw_compact_
-
-    n = 4099
+    n = 4096 if fmt == "8bit" else 4099
     torch.manual_seed(0)
     g = torch.randn(n).bfloat16()
-    if compact:
-        state = [torch.randn(n).bfloat16(), (torch.randn(n) * 1e-3).bfloat16(), (torch.randn(n) * 0.1).bfloat16(),
-                 (torch.rand(n) * 0.01).bfloat16()]
-
-        def update(s, src=None):
-            adamw_compact_(*s[:2], g, *s[2:], step=3, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
-                           seed=5, backend=backend, threads=2, src=src)
-    else:
-        state = [torch.randn(n), torch.randn(n) * 0.1, torch.rand(n) * 0.01, torch.empty(n, dtype=torch.bfloat16)]
-
-        def update(s, src=None):
-            adamw_update_(s[0], g, s[1], s[2], out=s[3], step=3, lr=1e-2, betas=(0.9, 0.999), eps=1e-8,
-                          weight_decay=0.1, scratch=torch.empty(n), backend=backend, threads=2,
-                          src=None if src is None else src[:3])
+    state, update = _state_and_update(fmt, n, g, backend=backend)
     keep = [t.clone() for t in state]
     in_place = [t.clone() for t in state]
     update(in_place)
     out = [torch.empty_like(t) for t in state]
-    update(out, tuple(state))
+    update(out, src=tuple(state))
     for a, b in zip(out, in_place):
         assert torch.equal(a, b)
-    for a, b in zip(state[:3] if not compact else state, keep):
+    for a, b in zip(state[:3] if fmt == "fp32" else state, keep):
         assert torch.equal(a, b)
 
 
@@ -284,3 +286,122 @@ def test_without_a_compiler_auto_falls_back_to_torch_with_one_warning(monkeypatc
     monkeypatch.setattr(native, "_loaded", {})
     with pytest.raises(RuntimeError, match="c\\+\\+: not found"):
         resolve_backend("native")
+
+
+# -- 8-bit state (optim/formats.py) ---------------------------------------------------------------------
+
+def test_8bit_maps_and_blocks_are_torchaos():
+    """The dynamic maps are bitsandbytes' and torchao's, value for value."""
+    pytest.importorskip("torchao")
+    from torchao.optim.quant_utils import create_dynamic_map
+
+    from slideformer.optim.formats import qmap
+
+    for signed in (True, False):
+        assert torch.equal(qmap(signed), torch.tensor(create_dynamic_map(signed), dtype=torch.float32))
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_8bit_code_tables_are_the_binary_search(signed):
+    """The C++ kernel's two lookups give the binary search's code for random values, every map value, and
+    every midpoint and its fp32 neighbours (where a code changes)."""
+    from slideformer.optim.formats import code_tables, nearest_codes, qmap
+
+    q = qmap(signed)
+    mids = (q[1:] + q[:-1]) / 2
+    torch.manual_seed(0)
+    r = torch.rand(200_000)
+    y = torch.cat([r * 2 - 1 if signed else r, r ** 8, q, mids, torch.nextafter(mids, torch.tensor(-2.0)),
+                   torch.nextafter(mids, torch.tensor(2.0)), torch.tensor([0.0, -0.0, 1e-30, 1.0])])
+    y = y if signed else y.abs()
+    base, threshold = code_tables(signed)
+    k = (y.view(torch.int32).to(torch.int64) & 0xFFFFFFFF) >> 16
+    assert torch.equal(base[k].long() + (y >= threshold[k]).long(), nearest_codes(y, q))
+    assert int((threshold < float("inf")).sum()) > 200  # (most jumps fall inside a bucket)
+
+
+def test_8bit_update_is_torchaos_adamw8bit():
+    """Against torchao's AdamW8bit (blocks of 128) over 20 steps: the same codes, scales to fp32 rounding,
+    and the master within its bf16 hi + lo precision (torchao keeps an fp32 parameter)."""
+    pytest.importorskip("torchao")
+    from torchao.optim.adam import single_param_adam
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    from slideformer.optim.adamw import adamw_8bit_
+    from slideformer.optim.formats import moment_numel, split_moment
+
+    torch.manual_seed(0)
+    n = 8192
+    p0 = torch.randn(n) * 0.02
+    hi = p0.bfloat16()
+    lo = (p0 - hi.float()).bfloat16()
+    p = hi.float() + lo.float()
+    p0 = p.clone()
+    m, v = (torch.zeros(moment_numel("8bit", n), dtype=torch.uint8) for _ in range(2))
+    tm, tv = OptimState8bit.zeros((n,), True, 128), OptimState8bit.zeros((n,), False, 128)
+    for step in range(1, 21):
+        g = torch.randn(n) * (1 + step % 3)
+        adamw_8bit_(hi, lo, g, m, v, step=step, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
+                    backend="torch")
+        single_param_adam(p, g, torch.tensor(float(step)), tm, tv, None, torch.tensor(1e-3), 0.9, 0.999, 0.1, 1e-8,
+                          True, False)
+    for ours, theirs in ((m, tm), (v, tv)):
+        codes, scales = split_moment(ours, n)
+        assert torch.equal(codes, theirs.codes)
+        torch.testing.assert_close(scales, theirs.scale, rtol=1e-6, atol=0)
+    moved = (p - p0).abs().max()
+    assert float((hi.float() + lo.float() - p).abs().max()) < 1e-3 * float(moved)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+def test_8bit_kernel_matches_its_reference(grad_dtype):
+    """The C++ kernel is the PyTorch reference's arithmetic (no contracted multiply-adds): over 5 steps the
+    same hi halves and codes, and the lo halves equal but for a rare last bit."""
+    from slideformer.optim.adamw import adamw_8bit_
+    from slideformer.optim.formats import moment_numel
+
+    torch.manual_seed(0)
+    n = 128 * 1000
+    p = torch.randn(n) * 0.02
+    a = [p.bfloat16(), (p - p.bfloat16().float()).bfloat16()] + \
+        [torch.zeros(moment_numel("8bit", n), dtype=torch.uint8) for _ in range(2)]
+    for step in range(1, 6):
+        g = (torch.randn(n) * (1 + step % 3)).to(grad_dtype)
+        b = [t.clone() for t in a]
+        kw = dict(step=step, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, grad_coef=0.5)
+        adamw_8bit_(*a[:2], g, *a[2:], backend="torch", **kw)
+        adamw_8bit_(*b[:2], g, *b[2:], backend="native", threads=2, **kw)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
+        assert int((a[1] != b[1]).sum()) <= n // 5000
+        a = b
+
+
+def test_8bit_state_tracks_fp32_adamw_as_torchaos_does():
+    """On compact state's quadratic, 300 noisy steps: 8-bit moments move the weights off exact AdamW's path
+    (3.4% here), as torchao's AdamW8bit does; ours stays on torchao's path within 0.1% of the distance
+    travelled (what the bf16 hi + lo master adds), so its deviation is torchao's."""
+    pytest.importorskip("torchao")
+    from torchao.optim.adam import single_param_adam
+    from torchao.optim.subclass_8bit import OptimState8bit
+
+    from slideformer.optim.adamw import adamw_8bit_
+    from slideformer.optim.formats import moment_numel
+
+    torch.manual_seed(0)
+    n = 4096
+    target, p = torch.randn(n), torch.randn(n)
+    ref, theirs = p.clone(), p.clone()
+    hi, lo = p.bfloat16(), (p - p.bfloat16().float()).bfloat16()
+    m, v = (torch.zeros(moment_numel("8bit", n), dtype=torch.uint8) for _ in range(2))
+    tm, tv = OptimState8bit.zeros((n,), True, 128), OptimState8bit.zeros((n,), False, 128)
+    rm, rv = torch.zeros(n), torch.zeros(n)
+    kw = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    for step in range(1, 301):
+        noise = 0.1 * torch.randn(n)
+        adamw_8bit_(hi, lo, (hi.float() + lo.float() - target + noise), m, v, step=step, **kw)
+        single_param_adam(theirs, theirs - target + noise, torch.tensor(float(step)), tm, tv, None,
+                          torch.tensor(1e-2), 0.9, 0.999, 0.0, 1e-8, True, False)
+        adamw_update_(ref, ref - target + noise, rm, rv, step=step, backend="torch", **kw)
+    got, travelled = hi.float() + lo.float(), (ref - p).norm()
+    assert float((got - theirs).norm() / travelled) < 1e-3
+    assert 0.01 < float((theirs - ref).norm() / travelled) < 0.1  # (8-bit moments do move the path)

@@ -129,18 +129,20 @@ def test_host_model_matches_h200_rss(name, batch, state, host_weights, ring, kep
     assert planned + 1.5 <= rss_gib <= planned + 2.0
 
 
-@pytest.mark.parametrize("ring,compact,staged", [(None, False, "persistent"), (1, False, 1), (None, True, "staged")])
-def test_resident_units_have_no_host_state(ring, compact, staged):
+@pytest.mark.parametrize("ring,state,staged", [(None, "fp32", "persistent"), (1, "fp32", 1), (None, "compact", "staged"),
+                                               (None, "8bit", "staged")])
+def test_resident_units_have_no_host_state(ring, state, staged):
     """Units trained on the GPU keep their state there only: the host model and the engine's accounting
     agree, and both drop the resident units' master, moments, weights and gradient buffers."""
     model = build("llama")
+    compact = state != "fp32"
     dt = torch.bfloat16 if compact else torch.float32
     for k, edges in ((0, False), (1, True), (3, False)):
-        cfg = EngineConfig(device="cpu", compute_dtype=dt, optimizer_state="compact" if compact else "fp32", placement=Placement(host_grad_buffers=ring, host_weights=staged, resident_layers=k, resident_edges=edges))
+        cfg = EngineConfig(device="cpu", compute_dtype=dt, optimizer_state=state, placement=Placement(host_grad_buffers=ring, host_weights=staged, resident_layers=k, resident_edges=edges))
         with SlideEngine(model, cfg) as eng:
             sh = ModelShape.from_adapter(eng.adapter)
             host = host_bytes(sh, 1, 8, Layout.of(cfg), host_weights=staged, dtype_bytes=2 if compact else 4,
-                              host_grad_buffers=ring, compact=compact)
+                              host_grad_buffers=ring, state=state)
             rep = eng.memory_report()
             for cat in ("master", "moments", "weights", "grads"):
                 assert host[cat] == rep[f"host_{cat}"], (k, edges, cat)
@@ -231,17 +233,18 @@ def test_staged_host_weights_are_counted_over_the_host_units():
         assert eng.memory_report()["host_weights"] == 0
 
 
-@pytest.mark.parametrize("ring,compact", [(1, False), (4, False), (None, False), (4, True)])
-def test_window_and_host_match_engine_accounting(ring, compact):
+@pytest.mark.parametrize("ring,state", [(1, "fp32"), (4, "fp32"), (None, "fp32"), (4, "compact"), (None, "8bit")])
+def test_window_and_host_match_engine_accounting(ring, state):
     model = build("llama")
+    compact = state != "fp32"
     dt = torch.bfloat16 if compact else torch.float32
-    cfg = EngineConfig(device="cpu", compute_dtype=dt, optimizer_state="compact" if compact else "fp32", placement=Placement(host_grad_buffers=ring))
+    cfg = EngineConfig(device="cpu", compute_dtype=dt, optimizer_state=state, placement=Placement(host_grad_buffers=ring))
     with SlideEngine(model, cfg) as eng:
         assert ("1 gradient buffer for 3 streamed layers" in eng.describe()) == (ring == 1)
         sh = ModelShape.from_adapter(eng.adapter)
         db = 2 if compact else 4
         assert gpu_bytes(sh, 1, 8, Layout(), dtype_bytes=db)["window"] == eng.memory_report()["gpu_window"]
-        host = host_bytes(sh, 1, 8, Layout(), dtype_bytes=db, host_grad_buffers=ring, compact=compact)
+        host = host_bytes(sh, 1, 8, Layout(), dtype_bytes=db, host_grad_buffers=ring, state=state)
         rep = eng.memory_report()
         assert host["master"] == rep["host_master"] and host["moments"] == rep["host_moments"]
         assert host["grads"] == rep["host_grads"] and host["weights"] == rep["host_weights"]
@@ -437,13 +440,13 @@ def test_budget_split_trains_like_one_batch():
     ("llama3-8b", 32, dict(micro_batch=8, resident_edges=True, loss_chunk_tokens=1024, gpu_activation_layers=5), 3.137),  # table19
     ("llama3-8b", 64, dict(micro_batch=8, loss_chunk_tokens=2048, gpu_activation_layers=28), 6.408),  # table21
     ("llama3-8b", 8, dict(micro_batch=8, resident_layers=3, resident_edges=True, loss_chunk_tokens=1024,
-                          gpu_activation_layers=23, compact=True), 1.236)])  # table28
+                          gpu_activation_layers=23, state="compact"), 1.236)])  # table28
 def test_step_time_matches_h200_measurements(model, batch, placement, measured_s):
     from slideformer.plan import step_time
 
     placement = dict(placement)
-    compact = placement.pop("compact", False)
-    t = step_time(shape(model), batch, 1024, Layout(**placement), compact=compact)["step_s"]
+    state = placement.pop("state", "fp32")
+    t = step_time(shape(model), batch, 1024, Layout(**placement), state=state)["step_s"]
     assert abs(t - measured_s) <= 0.06 * measured_s
 
 
@@ -457,7 +460,7 @@ def test_step_time_counts_the_resident_units_adamw():
     assert t["step_s"] == pytest.approx(1.02 * (t["gpu_compute_s"] + t["gpu_adamw_s"]))
     # compact state: 10 instead of 16 GPU bytes a parameter to update there, 18 instead of 28 on the CPU
     eight = Layout(micro_batch=8, resident_layers=8, resident_edges=True)  # the planner's under 24 GiB
-    fp32, compact = step_time(sh, 8, 1024, eight), step_time(sh, 8, 1024, eight, compact=True)
+    fp32, compact = step_time(sh, 8, 1024, eight), step_time(sh, 8, 1024, eight, state="compact")
     assert compact["gpu_adamw_s"] == pytest.approx(fp32["gpu_adamw_s"] / 2.3)
     assert compact["optimizer_s"] == pytest.approx(fp32["optimizer_s"] / MachineRates().compact_speedup)
     # CPU-bound, the step is the update plus what it cannot overlap: the head and one layer's GPU work
@@ -746,6 +749,6 @@ def test_the_time_model_matches_the_measured_run_on_the_nvme_tier():
     cfg = EngineConfig(gpu_memory_limit="24GiB", optimizer_state="compact", max_grad_norm=None, offload_dir="/nvme",
                        placement=Placement(nvme_fraction=0.5))
     p = fit(sh, 8, 1024, 24 * GiB, Layout.of(cfg))
-    t = step_time(sh, 8, 1024, p, compact=True, nvme_layers=nvme_layer_count(cfg, sh.layers))
+    t = step_time(sh, 8, 1024, p, state="compact", nvme_layers=nvme_layer_count(cfg, sh.layers))
     assert t["nvme_s"] == max(v for k, v in t.items() if k != "step_s")
     assert 30.47 <= t["step_s"] <= 1.10 * 30.47

@@ -97,12 +97,14 @@ def test_full_disk_gives_a_clear_error_and_keeps_the_last_checkpoint(tmp_path, m
         assert eng.load_checkpoint(tmp_path / "ck")["next"] == 1
 
 
-def test_compact_state_resumes_bit_identically(tmp_path):
+@pytest.mark.parametrize("state,other", [("compact", "8bit"), ("8bit", "fp32")])
+def test_compact_state_resumes_bit_identically(tmp_path, state, other):
     model = build("llama")
-    kw = dict(compute_dtype=torch.bfloat16, optimizer_state="compact")
+    kw = dict(compute_dtype=torch.bfloat16, optimizer_state=state)
     straight = run(model, 4, **kw)
     run(model, 2, save=tmp_path / "ck", save_at=2, **kw)
     resumed = run(model, 4, start=2, resume=tmp_path / "ck", **kw)
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
-    with pytest.raises(CorruptCheckpointError, match="optimizer_state=compact; resume with the same"):
-        run(model, 3, start=2, resume=tmp_path / "ck", compute_dtype=torch.bfloat16)
+    with pytest.raises(CorruptCheckpointError, match=f"saved with optimizer_state={state}, this run has {other}; "
+                                                     f"resume with optimizer_state={state}"):
+        run(model, 3, start=2, resume=tmp_path / "ck", compute_dtype=torch.bfloat16, optimizer_state=other)

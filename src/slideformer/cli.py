@@ -137,7 +137,7 @@ def cmd_plan(args) -> int:
         if not fits_at(b):
             break
         max_batch = b
-    compact = args.optimizer_state == "compact"
+    compact = args.optimizer_state != "fp32"
     nvme_layers = nvme_layer_count(plan.config, shape.layers)  # (the tier's layers as resolved)
     clip = as_trained.max_grad_norm is not None  # the update then waits for backward's global norm
     out = {"model": args.model, "params": shape.params, "seq_len": args.seq_len, "batch_size": args.batch_size,
@@ -233,7 +233,9 @@ def cmd_plan(args) -> int:
                        if args.host_memory_limit else f"{gib(host_budget(as_trained, cpu_limit)[1])} (95% of "
                        f"{gib(cpu_limit)}, {'--cpu-memory' if args.cpu_memory else 'this machine'})")
             verdict = (f"does NOT fit host RAM: about {gib(need)} of state against {against}; the NVMe tier (--offload-dir) or "
-                       + ("a larger --gpu-memory" if compact else "--optimizer-state compact (8 instead of 14 bytes a parameter)")
+                       + ("a larger --gpu-memory" if args.optimizer_state == "8bit" else
+                          "--optimizer-state 8bit (6.06 bytes a parameter)" if compact else
+                          "--optimizer-state compact or 8bit (8 or 6.06 instead of 14 bytes a parameter)")
                        + " would lower it")
         print(f"{verdict}; largest batch that fits: {max_batch}")
     return EXIT_OK if fits else EXIT_DOES_NOT_FIT
@@ -467,7 +469,7 @@ def _main(argv: list[str], signals: Signals) -> int:
     pl.add_argument("--max-grad-norm", type=_non_negative, default=1.0,
                     help="as the trainer's max_grad_norm (default 1.0; 0: no clipping, which lets gradients share "
                          "a ring of host buffers)")
-    pl.add_argument("--optimizer-state", default=PLAN_DEFAULTS["optimizer_state"], choices=["fp32", "compact"])
+    pl.add_argument("--optimizer-state", default=PLAN_DEFAULTS["optimizer_state"], choices=["fp32", "compact", "8bit"])  # (optim/formats.py; the parser loads no torch)
     rates = MachineRates()
     pl.add_argument("--gpu-tflops", type=_positive_float, default=rates.gpu_flops / 1e12,
                     help="bf16 TFLOP/s a step's GPU work runs at (default: the H200's %(default).0f, measured)")

@@ -9,6 +9,8 @@ from typing import Literal
 
 import torch
 
+from .optim.formats import BLOCK8, STATE_FORMATS, compact_master
+
 
 class ConfigError(ValueError):
     """A setting is invalid; the message says which and how to fix it."""
@@ -96,8 +98,9 @@ class EngineConfig:
     # what the process itself takes (plan/memory.py host_budget); None: the machine's RAM, less a margin
     host_memory_limit: str | int | None = None
     # "fp32": exact AdamW. "compact": bf16 master with a bf16 compensation term and bf16 moments rounded
-    # stochastically: 8 instead of 14 bytes/param of host RAM. Needs bf16 compute.
-    optimizer_state: Literal["fp32", "compact"] = "fp32"
+    # stochastically: 8 instead of 14 bytes/param of host RAM. "8bit": that master and 8-bit block-quantized
+    # moments, 6.06 bytes/param (optim/formats.py). The last two need bf16 compute.
+    optimizer_state: Literal["fp32", "compact", "8bit"] = "fp32"
     offload_dir: str | None = None  # the NVMe tier's folder (Placement.nvme_*); None: no tier
     seed: int = 0
     placement: Placement = field(default_factory=Placement)
@@ -167,11 +170,15 @@ class EngineConfig:
             raise ConfigError(f"saved_layers must be >= 0, got {p.saved_layers}")
         if p.resident_layers < 0:
             raise ConfigError(f"resident_layers must be >= 0, got {p.resident_layers}")
-        if self.optimizer_state not in ("fp32", "compact"):
-            raise ConfigError(f"optimizer_state must be 'fp32' or 'compact', got {self.optimizer_state!r}")
-        if self.optimizer_state == "compact" and self.compute_dtype != torch.bfloat16:
-            raise ConfigError("optimizer_state='compact' keeps the weights the GPU reads in bf16: set "
-                              "compute_dtype=torch.bfloat16, or use optimizer_state='fp32'")
+        if self.optimizer_state not in STATE_FORMATS:
+            raise ConfigError(f"optimizer_state must be one of {', '.join(map(repr, STATE_FORMATS))}, "
+                              f"got {self.optimizer_state!r}")
+        if compact_master(self.optimizer_state) and self.compute_dtype != torch.bfloat16:
+            raise ConfigError(f"optimizer_state={self.optimizer_state!r} keeps the weights the GPU reads in bf16: "
+                              "set compute_dtype=torch.bfloat16, or use optimizer_state='fp32'")
+        if self.optimizer_state == "8bit" and t.grad_chunk_elems % BLOCK8:
+            raise ConfigError(f"8-bit moments are updated in blocks of {BLOCK8}: grad_chunk_elems must be a "
+                              f"multiple of it, got {t.grad_chunk_elems}")
         if not 0.0 <= p.nvme_fraction <= 1.0:
             raise ConfigError(f"nvme_fraction must lie in [0, 1], got {p.nvme_fraction}")
         if p.activations_to_nvme and self.offload_dir is None:

@@ -40,8 +40,20 @@ class MachineRates:
     # compact state's update over that: it moves 18 bytes a parameter, not 28, but its rounding's hashing
     # bounds it (it scales with threads), so it gains far less than 28/18
     compact_speedup: float = 1.1
-    # the resident units' AdamW on the GPU, fp32 state (compact: 2.3x)
+    # 8-bit state's: it moves 14.1 bytes a parameter, but each moment's block maximum and table lookups
+    # bound it (this repo's dev host: 0.35x compact's rate a core)
+    eightbit_speedup: float = 0.4
+    # the resident units' AdamW on the GPU, fp32 state (compact: 2.3x; 8-bit: PyTorch in pieces, slower)
     gpu_adamw_params_per_s: float = 77e9
+
+    @property
+    def state_speedup(self) -> dict[str, float]:
+        """The CPU update's rate by optimizer state format, over fp32's."""
+        return {"fp32": 1.0, "compact": self.compact_speedup, "8bit": self.eightbit_speedup}
+
+    @property
+    def gpu_state_speedup(self) -> dict[str, float]:
+        return {"fp32": 1.0, "compact": 2.3, "8bit": 0.3}
     pcie_bytes_per_s: float = 55e9
     # the NVMe tier's disk with O_DIRECT (that machine's: reads about 1.6 GB/s, writes about 0.9)
     disk_read_bytes_per_s: float = 1.6e9

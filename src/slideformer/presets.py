@@ -24,6 +24,15 @@ def preset_config(name: str):
         return Qwen2Config(vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
                            num_attention_heads=40, num_key_value_heads=8, max_position_embeddings=32768,
                            rope_theta=1_000_000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    if name == "mistral-small-24b":  # Mistral-Small-24B-Base-2501's shape, 23.6B
+        return MistralConfig(vocab_size=131072, hidden_size=5120, intermediate_size=32768, num_hidden_layers=40,
+                             num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                             max_position_embeddings=32768, rope_theta=100_000_000.0, rms_norm_eps=1e-5,
+                             sliding_window=None, tie_word_embeddings=False)
+    if name == "gemma2-27b-shape":  # Gemma-2-27B's sizes (27.2B, tied head) on a Llama layer: its soft-capping aside
+        return LlamaConfig(vocab_size=256000, hidden_size=4608, intermediate_size=36864, num_hidden_layers=46,
+                           num_attention_heads=32, num_key_value_heads=16, head_dim=128, max_position_embeddings=8192,
+                           rope_theta=10_000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
     if name == "llama3.1-70b":
         return LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                            num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=131072,
@@ -42,5 +51,5 @@ def preset_config(name: str):
     raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
 
 
-PRESETS = ("qwen3-4b", "llama3-8b", "qwen2.5-14b", "qwen2.5-32b", "llama3.1-70b", "mistral-large-2", "llama3.1-405b",
+PRESETS = ("qwen3-4b", "llama3-8b", "qwen2.5-14b", "mistral-small-24b", "gemma2-27b-shape", "qwen2.5-32b", "llama3.1-70b", "mistral-large-2", "llama3.1-405b",
            "tiny")

@@ -282,7 +282,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--loss-kernel", default=Tuning.loss_kernel, choices=["torch", "fused"])
     ap.add_argument("--fused-ops", default=Tuning.fused_ops, choices=["auto", "none", "liger"],
                     help="slideformer: its layers' RMSNorm/SwiGLU; plain: the same rebinding on the HF model")
-    ap.add_argument("--optimizer-state", default="fp32", choices=["fp32", "compact"])
+    ap.add_argument("--optimizer-state", default="fp32", choices=["fp32", "compact", "8bit"])
     ap.add_argument("--offload-dir", default=None, help="NVMe tier directory for the moments of --nvme-fraction of the layers")
     ap.add_argument("--nvme-fraction", default="auto", help="the layers on the tier, or auto (the planner's)")
     ap.add_argument("--nvme-master", action="store_true", help="the tier's layers keep their fp32 master there too")

@@ -34,7 +34,7 @@ VARIANTS = {
 }
 
 
-GROUPS = ("native", "out_of_place", "compact", "torch_fused", "dma")
+GROUPS = ("native", "out_of_place", "compact", "8bit", "torch_fused", "dma")
 
 
 class Copies:
@@ -116,7 +116,7 @@ def main(argv=None) -> dict:
     step = [0]
     cands, copies = {}, None
     names = [x for x in args.variants.split(",") if x]
-    if only & {"native", "out_of_place", "compact", "dma"}:
+    if only & {"native", "out_of_place", "compact", "8bit", "dma"}:
         out = torch.empty(n, dtype=torch.bfloat16)
 
         def adamw(mod, t, pieces=((p, g, m, v, out),)):
@@ -162,6 +162,18 @@ def main(argv=None) -> dict:
         # (at every thread count: does it scale with cores, i.e. is it bound by its arithmetic, or not?)
         cands.update({f"compact_t{t}": (lambda t=t: compact(mod, t)) for t in threads})
         cands.update({f"{k}_t{top}": (lambda k=k: compact(built[k], top)) for k in names if k.startswith("compact_")})
+    if "8bit" in only:
+        from ..optim.formats import code_tables, moment_numel, qmap
+
+        hi8, lo8 = (torch.zeros(n - n % 128, dtype=torch.bfloat16) for _ in range(2))
+        m8, v8 = (torch.zeros(moment_numel("8bit", hi8.numel()), dtype=torch.uint8) for _ in range(2))
+        tables = (qmap(True), qmap(False), *code_tables(True), *code_tables(False))
+
+        def eight(t):
+            mod.adamw_step_8bit(hi8, lo8, g[: hi8.numel()], m8, v8, *tables, step[0] + 1, 1e-5, 0.9, 0.999, 1e-8, 0.0,
+                                1.0, t)
+
+        cands.update({f"8bit_t{t}": (lambda t=t: eight(t)) for t in threads})
     if "torch_fused" in only:
         gf, st = g.float(), torch.tensor(1.0)
         cands[f"torch_fused_t{top}"] = lambda: torch._fused_adamw_(
@@ -169,8 +181,8 @@ def main(argv=None) -> dict:
             amsgrad=False, maximize=False)
     for k, dt in interleaved(cands, args.rounds).items():
         rec[f"{k}_gparams"] = n / dt / 1e9
-        if k.startswith(("native", "compact", "out_of_place")):  # (native_dma too)
-            rec[f"{k}_gbs"] = (18 if k.startswith("compact") else 28) * n / dt / 1e9
+        if k.startswith(("native", "compact", "8bit", "out_of_place")):  # (native_dma too)
+            rec[f"{k}_gbs"] = (18 if k.startswith("compact") else 14.125 if k.startswith("8bit") else 28) * n / dt / 1e9
     if {"native", "torch_fused"} <= only:
         rec["native_vs_torch_fused"] = rec[f"native_t{top}_gparams"] / rec[f"torch_fused_t{top}_gparams"]
     if copies is not None:

@@ -160,7 +160,9 @@ def verify_checkpoint(path: str | os.PathLike) -> dict:
     return meta
 
 
-_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I16": torch.int16, "I32": torch.int32}
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I16": torch.int16, "I32": torch.int32,
+           "U8": torch.uint8}
+_SAVED_FORMAT = {"F32": "fp32", "BF16": "compact", "U8": "8bit"}  # by the moments' dtype
 
 
 def load_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostStore) -> dict:
@@ -178,16 +180,16 @@ def load_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
             for k, (numel, dtype) in store.unit_layout(u).items():
                 if k not in saved:
                     raise CorruptCheckpointError(f"{f} lacks {k!r}: saved with another optimizer_state? Resume with the same")
+                if _DTYPES.get(saved[k].get_dtype()) != dtype:
+                    was = _SAVED_FORMAT.get(saved["exp_avg"].get_dtype() if "exp_avg" in saved else "", "another")
+                    raise CorruptCheckpointError(f"{root}: saved with optimizer_state={was}, this run has "
+                                                 f"{store.state}; resume with optimizer_state={was}")
                 got = 1
                 for d in saved[k].get_shape():
                     got *= d
                 if got != numel:
                     raise CorruptCheckpointError(f"{f}: {k} has {got} values, the model has {numel}: a "
                                                  "checkpoint of another model?")
-                if _DTYPES.get(saved[k].get_dtype()) != dtype:
-                    raise CorruptCheckpointError(f"{root}: saved with optimizer_state="
-                                                 f"{'compact' if saved[k].get_dtype() == 'BF16' else 'fp32'}; "
-                                                 "resume with the same")
     for u, f in enumerate(files):
         with safe_open(str(f), framework="pt") as fh:
             store.set_unit_state(u, {k: fh.get_tensor(k) for k in fh.keys()})

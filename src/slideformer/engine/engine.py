@@ -142,7 +142,7 @@ class SlideEngine:
         self.store = HostStore(self.adapter.units, self.cfg.compute_dtype, pin=self.device.type == "cuda",
                                staged_units=staged, host_grad_buffers=ring,
                                nvme_dir=self.cfg.offload_dir, nvme_units=nvme, nvme_buffers=p.nvme_buffers,
-                               compact=self.cfg.optimizer_state == "compact", nvme_master=p.nvme_master,
+                               state=self.cfg.optimizer_state, nvme_master=p.nvme_master,
                                spare_states=speculative_spares(self.cfg, n), resident_units=self.resident)
         # Untied: the head's weights take the embedding's slot after its forward (window/schedule.py).
         self.plan = plan_step(n, p.window_slots, p.lookahead, self.resident,

@@ -1,6 +1,6 @@
 """The state of the units trained on the GPU (resident layers, and the embedding and head when resident):
 fp32 master and moments, or for compact state the master's bf16 lo half and bf16 moments (its hi half is
-the weights the unit's slot holds). It lives here only; the host store reads and writes it through
+the weights the unit's slot holds), or for 8-bit state that lo half and 8-bit moments (optim/formats.py). It lives here only; the host store reads and writes it through
 ``copy_out`` and ``copy_in``.
 
 Updates run on the compute stream right after a unit's gradient completes (``update``), so the next
@@ -13,19 +13,27 @@ import contextlib
 import torch
 
 from ..kernels.compact_adamw import compact_adamw_
-from ..optim.adamw import compact_seed
+from ..optim import formats
+from ..optim.adamw import adamw_8bit_pieces_, compact_seed
 from ..window.slots import Slot
 
 RESIDENT_PIECE = 32 * 2**20  # elements per fused AdamW call: the fp32 gradient it needs is that large, not the unit's
+# elements per 8-bit update (PyTorch, some 30 bytes of fp32 temporaries an element): as little transient memory
+PIECE_8BIT = 4 * 2**20
 
 
 class ResidentState:
-    def __init__(self, slots: dict[int, Slot], numels: dict[int, int], compact: bool, cfg, compute_stream, profiler):
-        self.slots, self.compact, self.cfg = slots, compact, cfg
+    def __init__(self, slots: dict[int, Slot], numels: dict[int, int], state: str, cfg, compute_stream, profiler):
+        self.slots, self.cfg, self.format = slots, cfg, state
+        self.compact = compact = formats.compact_master(state)
         self.compute, self.profiler = compute_stream, profiler  # (compute_stream None: on the CPU)
         dtype = torch.bfloat16 if compact else torch.float32
-        self.state = {u: [torch.zeros(numels[u], dtype=dtype, device=s.params.device) for _ in range(3)]
-                      for u, s in sorted(slots.items())}  # master (compact: its lo half), exp_avg, exp_avg_sq
+
+        def zeros(u, s):  # master (compact: its lo half), exp_avg, exp_avg_sq
+            n, mt = numels[u], formats.moment_dtype(state)
+            return [torch.zeros(n, dtype=dtype, device=s.params.device)] + \
+                [torch.zeros(formats.moment_numel(state, n), dtype=mt, device=s.params.device) for _ in range(2)]
+        self.state = {u: zeros(u, s) for u, s in sorted(slots.items())}
         # torch's fused AdamW takes the step as a device tensor: filled by a kernel, never copied from the host
         self._step = {} if compact else {u: torch.zeros((), dtype=torch.float32, device=s.params.device)
                                          for u, s in slots.items()}
@@ -68,7 +76,14 @@ class ResidentState:
         slot = self.slots[unit]
         n, c = master.numel(), self.cfg
         start = self.profiler.mark(self.compute) if self.compute is not None else None
-        if self.compact:  # the CPU worker's arithmetic and rounding bits, one Triton pass on the device
+        if self.format == "8bit":  # the CPU worker's arithmetic, in pieces of whole blocks
+            (mc, ms), (vc, vs) = formats.split_moment(m, n), formats.split_moment(v, n)
+            for a in range(0, n, PIECE_8BIT):
+                b, ba, bb = min(n, a + PIECE_8BIT), a // formats.BLOCK8, min(n, a + PIECE_8BIT) // formats.BLOCK8
+                adamw_8bit_pieces_(slot.params[a:b], master[a:b], slot.grads[a:b], (mc[a:b], ms[ba:bb]),
+                                   (vc[a:b], vs[ba:bb]), step=step, lr=lr, betas=c.betas, eps=c.eps,
+                                   weight_decay=c.weight_decay, grad_coef=grad_coef)
+        elif self.compact:  # the CPU worker's arithmetic and rounding bits, one Triton pass on the device
             compact_adamw_(slot.params[:n], master, slot.grads[:n], m, v, step=step, lr=lr, betas=c.betas, eps=c.eps,
                            weight_decay=c.weight_decay, grad_coef=grad_coef, seed=compact_seed(c.seed, unit))
         else:

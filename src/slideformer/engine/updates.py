@@ -17,7 +17,7 @@ import torch
 from ..config import EngineConfig
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter
-from ..optim.adamw import Landing, adamw_compact_, adamw_update_, compact_seed, resolve_backend
+from ..optim.adamw import Landing, adamw_8bit_, adamw_compact_, adamw_update_, compact_seed, resolve_backend
 from ..window.schedule import next_update
 from .disk import DiskIO, Failure
 from .profile import NullProfiler, StepProfiler
@@ -205,11 +205,14 @@ class Updates:
                         out.copy_(master)
                 elif s.compact:
                     lo = s.master_lo[job.unit] if job.spare is None else s.spares[job.spare]["master_lo"]
-                    waited = adamw_compact_(master, lo, grad, exp_avg, exp_avg_sq,
-                                   step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
-                                   grad_coef=job.grad_coef, seed=compact_seed(c.seed, job.unit),
-                                   backend=self.backend, threads=c.tuning.optimizer_threads, landing=job.grads.landing,
-                                   src=src)
+                    common = dict(step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
+                                  grad_coef=job.grad_coef, backend=self.backend,
+                                  threads=c.tuning.optimizer_threads, landing=job.grads.landing, src=src)
+                    if s.state == "8bit":
+                        waited = adamw_8bit_(master, lo, grad, exp_avg, exp_avg_sq, **common)
+                    else:
+                        waited = adamw_compact_(master, lo, grad, exp_avg, exp_avg_sq,
+                                                seed=compact_seed(c.seed, job.unit), **common)
                 else:
                     cast_out = out is not None and out.dtype in (torch.bfloat16, torch.float16)
                     waited = adamw_update_(master, grad, exp_avg, exp_avg_sq, step=job.step, lr=job.lr,

@@ -32,34 +32,41 @@ Every buffer is allocated and zeroed once here; nothing else allocates host trai
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..model.adapter import UnitSpec
+from ..optim import formats
+from ..optim.formats import compact_master
 from . import pinned
 
 
-def _some(units: list, which: list, dtype: torch.dtype, pin: bool, registered: list) -> list[torch.Tensor | None]:
-    """An arena for ``which`` of ``units``, as a list over all of them (None for the others)."""
-    it = iter(_arena(which, dtype, pin, registered))
+def _some(units: list, which: list, dtype: torch.dtype, pin: bool, registered: list,
+          size=lambda n: n) -> list[torch.Tensor | None]:
+    """An arena for ``which`` of ``units``, as a list over all of them (None for the others); ``size`` maps a
+    unit's parameter count to its buffer's elements."""
+    it = iter(_arena(which, dtype, pin, registered, size))
     chosen = {u.index for u in which}
     return [next(it) if u.index in chosen else None for u in units]
 
 
-def _arena(units: list, dtype: torch.dtype, pin: bool, registered: list) -> list[torch.Tensor]:
+def _arena(units: list, dtype: torch.dtype, pin: bool, registered: list, size=lambda n: n) -> list[torch.Tensor]:
     """One allocation per category (pinned in place when the GPU reads or writes it), split into per-unit views."""
-    total = sum(u.numel for u in units)
+    sizes = [size(u.numel) for u in units]
+    total = sum(sizes)
     flat = torch.zeros(total, dtype=dtype)  # alignment padding must be zero: the optimizer updates it too
     if pin and total:
         pinned.pin(flat, "the host training state", "raise the locked-memory limit (ulimit -l), or need less pinned "
                    "memory: fewer host_grad_buffers, or host_weights='persistent' where it was staged")
         registered.append(flat)
-    return list(flat.split([u.numel for u in units]))
+    return list(flat.split(sizes))
 
 
 class HostStore:
     def __init__(self, units: list[UnitSpec], compute_dtype: torch.dtype, pin: bool, staged_units: set[int] = frozenset(),
                  host_grad_buffers: int | None = None, nvme_dir=None, nvme_units: set[int] = frozenset(),
-                 nvme_buffers: int = 4, compact: bool = False, nvme_master: bool = False, spare_states: int = 0,
+                 nvme_buffers: int = 4, state: str = "fp32", nvme_master: bool = False, spare_states: int = 0,
                  resident_units: set[int] = frozenset()):
         self.units = units
         self.resident_units, self.nvme_units = frozenset(resident_units), frozenset(nvme_units)
@@ -68,9 +75,11 @@ class HostStore:
         self.compute_dtype = compute_dtype
         self.pin = pin
         self._registered: list[torch.Tensor] = []
-        # Compact state (optimizer_state="compact"): the master is hi + lo, both bf16, and hi doubles as the
-        # weights the GPU reads; moments are bf16. 8 bytes per parameter instead of 12 (+2).
-        self.compact = compact
+        # Compact state (optimizer_state "compact" or "8bit"): the master is hi + lo, both bf16, and hi doubles
+        # as the weights the GPU reads; moments are bf16, or 8-bit codes and block scales in one byte buffer
+        # (optim/formats.py). 8 or 6.06 bytes per parameter instead of 12 (+2).
+        self.state = state
+        self.compact = compact = compact_master(state)
         master_dtype = torch.bfloat16 if compact else torch.float32
         self.master_dtype = master_dtype
         # Moments (and with nvme_master the master) in RAM for host units not on the NVMe tier; None elsewhere.
@@ -86,14 +95,15 @@ class HostStore:
         self.master = [a if a is not None else b for a, b in zip(pinned_part, rest)]
         pin_master = pin and bool(read)  # (a spare becomes some layer's master)
         self.master_lo = _some(units, host, torch.bfloat16, False, self._registered) if compact else None
-        self.moment_dtype = moment_dtype = torch.bfloat16 if compact else torch.float32
-        self.exp_avg = _some(units, in_ram, moment_dtype, False, self._registered)
-        self.exp_avg_sq = _some(units, in_ram, moment_dtype, False, self._registered)
+        self.moment_dtype = moment_dtype = formats.moment_dtype(state)
+        self.moment_numel = size = functools.partial(formats.moment_numel, state)
+        self.exp_avg = _some(units, in_ram, moment_dtype, False, self._registered, size)
+        self.exp_avg_sq = _some(units, in_ram, moment_dtype, False, self._registered, size)
         self.tier = None
         if nvme_units:
             from .nvme import NvmeTier
 
-            self.tier = NvmeTier(nvme_dir, {u: units[u].numel for u in sorted(nvme_units)}, nvme_buffers,
+            self.tier = NvmeTier(nvme_dir, {u: size(units[u].numel) for u in sorted(nvme_units)}, nvme_buffers,
                                  moment_dtype, fields=3 if self.nvme_master else 2)
         if compute_dtype == master_dtype and not self.nvme_master:
             self.weights: list[torch.Tensor | None] = self.master
@@ -122,8 +132,8 @@ class HostStore:
         fields = {"master": _arena(spare_units, master_dtype, pin_master, self._registered)}
         if compact:
             fields["master_lo"] = _arena(spare_units, torch.bfloat16, False, self._registered)
-        fields["exp_avg"] = _arena(spare_units, moment_dtype, False, self._registered)
-        fields["exp_avg_sq"] = _arena(spare_units, moment_dtype, False, self._registered)
+        fields["exp_avg"] = _arena(spare_units, moment_dtype, False, self._registered, size)
+        fields["exp_avg_sq"] = _arena(spare_units, moment_dtype, False, self._registered, size)
         self.spares = [{k: v[i] for k, v in fields.items()} for i in range(len(spare_units))]
         self.step = 0  # optimizer steps applied
 
@@ -167,7 +177,7 @@ class HostStore:
         lay = {"master": (n, self.master_dtype)}
         if self.master_lo is not None:
             lay["master_lo"] = (n, torch.bfloat16)
-        lay.update(exp_avg=(n, self.moment_dtype), exp_avg_sq=(n, self.moment_dtype))
+        lay.update(exp_avg=(self.moment_numel(n), self.moment_dtype), exp_avg_sq=(self.moment_numel(n), self.moment_dtype))
         return lay
 
     def unit_state(self, unit: int) -> dict[str, torch.Tensor]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from . import native
+from .formats import BLOCK8, code_tables, nearest_codes, qmap, split_moment
 
 
 @dataclass
@@ -155,6 +156,73 @@ def adamw_compact_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, exp_a
     exp_avg.copy_(_bf16_stochastic(m, seed_m, offset))
     exp_avg_sq.copy_(_bf16_stochastic(v, seed_v, offset))
     return waited
+
+
+def adamw_8bit_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                exp_avg_sq: torch.Tensor, *, step: int, lr: float, betas: tuple[float, float], eps: float,
+                weight_decay: float, grad_coef: float = 1.0, backend: str = "native", threads: int | None = None,
+                landing: Landing | None = None, src: tuple[torch.Tensor, ...] | None = None) -> float:
+    """AdamW on 8-bit state (optim/formats.py): master = hi + lo (bf16 each), each moment 8-bit codes of the
+    dynamic map with an fp32 absolute-maximum scale per block. A block's new moments are computed in fp32,
+    used for this step's update unrounded, then stored to the nearest code (as torchao's AdamW8bit does;
+    deterministic, so a resumed run repeats the same rounding). ``src`` and the return value as in
+    ``adamw_compact_``.
+
+    The PyTorch code below is the reference and the fallback (and runs on any device); the C++ kernel
+    computes the same, equal to rounding (it fuses multiply-adds, which may move a value across a code's
+    midpoint now and then)."""
+    if backend == "native":
+        return native.load(strict=True).adamw_step_8bit(hi, lo, grad, exp_avg, exp_avg_sq, qmap(True), qmap(False),
+                                                         *code_tables(True), *code_tables(False), step, lr, betas[0], betas[1], eps, weight_decay, grad_coef,
+                                                         threads or native.default_threads(),
+                                                         **(landing.kwargs() if landing else {}),
+                                                         src=None if src is None else list(src))
+    waited = landing.wait(grad.numel()) if landing is not None else 0.0
+    if src is not None:
+        for d, a in zip((hi, lo, exp_avg, exp_avg_sq), src):
+            d.copy_(a)
+    n = hi.numel()
+    adamw_8bit_pieces_(hi, lo, grad, split_moment(exp_avg, n), split_moment(exp_avg_sq, n), step=step, lr=lr,
+                       betas=betas, eps=eps, weight_decay=weight_decay, grad_coef=grad_coef)
+    return waited
+
+
+def adamw_8bit_pieces_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, m: tuple[torch.Tensor, torch.Tensor],
+                       v: tuple[torch.Tensor, torch.Tensor], *, step: int, lr: float, betas: tuple[float, float],
+                       eps: float, weight_decay: float, grad_coef: float = 1.0) -> None:
+    """``adamw_8bit_``'s arithmetic in PyTorch, on any device, with each moment given as (codes, scales): a
+    piece of a unit (whole blocks) can be updated alone, with fp32 temporaries of that piece's size."""
+    dev = hi.device
+    b1, b2 = betas
+    f = lambda x: torch.tensor(x, dtype=torch.float32, device=dev)  # noqa: E731  (fp32 scalars, as the kernel has)
+    qs, qu = qmap(True, dev), qmap(False, dev)
+    g = grad.float() * f(grad_coef)
+    m_new = _lerp(_dequantize(*m, qs), g, 1.0 - b1, f)
+    v_new = _lerp(_dequantize(*v, qu), g * g, 1.0 - b2, f)
+    denom = torch.sqrt(v_new) / f((1.0 - b2 ** step) ** 0.5) + f(eps)
+    p = (hi.float() + lo.float()) * f(1.0 - lr * weight_decay) - f(lr / (1.0 - b1 ** step)) * m_new / denom
+    hi.copy_(p)  # round to nearest even
+    lo.copy_(p - hi.float())
+    _quantize_(*m, m_new, qs)
+    _quantize_(*v, v_new, qu)
+
+
+def _lerp(a: torch.Tensor, b: torch.Tensor, w: float, f) -> torch.Tensor:
+    """torch.lerp's two forms, whichever is exact for its weight (the kernels compute the same)."""
+    return a + f(w) * (b - a) if w < 0.5 else b - (b - a) * f(1.0 - w)
+
+
+def _dequantize(codes: torch.Tensor, scales: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    return (q[codes.long()].view(-1, BLOCK8) * scales.view(-1, 1)).view(-1)
+
+
+def _quantize_(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, q: torch.Tensor) -> None:
+    """Each block of ``x`` over its absolute maximum, to the nearest code of ``q`` (a midpoint rounds up)."""
+    xb = x.view(-1, BLOCK8)
+    scale = xb.abs().amax(1).clamp_min(1e-12)
+    y = xb / scale.view(-1, 1)
+    codes.copy_(nearest_codes(y, q).view(-1))
+    scales.copy_(scale)
 
 
 def resolve_backend(requested: str) -> str:

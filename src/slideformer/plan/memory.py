@@ -35,6 +35,7 @@ import re
 from dataclasses import dataclass, replace
 
 from ..machine import MachineRates
+from ..optim.formats import compact_master, moment_bytes, state_bytes
 
 LAYER_TOKEN_FFN = 10  # bf16 values per token per ffn unit at the peak of a layer's backward
 LAYER_TOKEN_HIDDEN = 6
@@ -114,7 +115,7 @@ class Layout:
     # sliced_head_loss): no [vocab, hidden] fp32 accumulator, for one more head product a step
     head_slice: int | None = None
     # GPU bytes per resident parameter besides its bf16 weights and gradient: fp32 master and moments (12),
-    # or for compact state the master's bf16 lo half and bf16 moments (6)
+    # or for compact state the master's bf16 lo half and bf16 moments (6), for 8-bit state 4 (optim/formats.py)
     resident_state_bytes: int = 12
     # the last layers keep their linears' outputs for backward, whose recompute then runs no matmul for them
     # (model/recompute.py); fit() fills what the GPU has left with them
@@ -129,7 +130,7 @@ class Layout:
         return cls(window_slots=cfg.placement.window_slots, loss_chunk_tokens=cfg.tuning.loss_chunk_tokens,
                    resident_layers=cfg.placement.resident_layers, loss_kernel=cfg.tuning.loss_kernel,
                    resident_edges=cfg.placement.resident_edges, mlp_chunk_tokens=cfg.tuning.mlp_chunk_tokens,
-                   resident_state_bytes=6 if cfg.optimizer_state == "compact" else 12,
+                   resident_state_bytes=resident_state_bytes(cfg.optimizer_state),
                    saved_layers=cfg.placement.saved_layers, compute_bytes=cfg.compute_dtype.itemsize, **kw)
 
     def edges_resident(self, shape: "ModelShape") -> bool:
@@ -185,12 +186,12 @@ def loss_head_bytes(shape: ModelShape, T: int, t: int, p: Layout, dtype_bytes: i
 
 def host_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, host_weights: str = "persistent",
                dtype_bytes: int = 2, host_grad_buffers: int | None = 4, nvme_layers: int = 0,
-               compact: bool = False, nvme_master: bool = False, activations_to_nvme: bool = False,
+               state: str = "fp32", nvme_master: bool = False, activations_to_nvme: bool = False,
                nvme_buffers: int = 4, spare_layers: int = 0) -> dict[str, int]:
     """Host RAM by category (pass ``host_grad_buffers=None`` when clipping: one buffer per layer;
     ``nvme_layers``: layers whose moments (and with ``nvme_master`` fp32 master) are on the NVMe tier,
-    see ``nvme_bytes``; ``compact``: bf16 master hi + lo and bf16 moments, the hi half being the GPU's
-    weights; ``spare_layers``: spare copies of a layer's state for speculative updates under clipping).
+    see ``nvme_bytes``; ``state``: the optimizer state format (optim/formats.py; the compact ones' master
+    is bf16 hi + lo, the hi half being the GPU's weights); ``spare_layers``: spare copies of a layer's state for speculative updates under clipping).
     Units trained on the GPU (``p``'s resident layers, and edges) have no host state (host/store.py)."""
     streamed = shape.layers - min(p.resident_layers, shape.layers)
     edges = 0 if p.edges_resident(shape) else shape.embed_params + shape.head_params
@@ -202,18 +203,18 @@ def host_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, host_weights:
         min(host_weights, streamed)  # (the last layers: streamed ones)
     return {
         "master": 4 * N - tier_master,
-        "moments": (4 if compact else 8) * N - nvme_bytes(shape, nvme_layers, compact),
+        "moments": moment_bytes(state, N) - nvme_bytes(shape, nvme_layers, state),
         # a separate compute copy exists for persistent host weights in bf16/fp16 with fp32 state, and
         # whenever the master is on the tier ("staged": the edges too)
         "weights": dtype_bytes * (0 if host_weights == "staged" else N - staged * shape.layer_params)
-        if not compact and (dtype_bytes < 4 or tier_master) else 0,
+        if not compact_master(state) and (dtype_bytes < 4 or tier_master) else 0,
         "grads": dtype_bytes * (edges + ring * shape.layer_params),
         # the tier's RAM buffers: a layer's state each, read ahead and written behind (host/nvme.py)
-        "nvme_buffers": nvme_buffers * shape.layer_params * ((4 if compact else 8) + (4 if nvme_master else 0))
-        if nvme_layers else 0,
+        "nvme_buffers": nvme_buffers * (moment_bytes(state, shape.layer_params)
+                                        + (4 * shape.layer_params if nvme_master else 0)) if nvme_layers else 0,
         # offloaded layer inputs in RAM, or on NVMe through 3 staging buffers (engine/activations.py)
         "activations": (min(offloaded, 3) if activations_to_nvme else offloaded) * batch * seq * shape.hidden * dtype_bytes,
-        "spares": spare_layers * shape.layer_params * spare_bytes(compact),
+        "spares": spare_layers * state_bytes(state, shape.layer_params),
     }
 
 
@@ -222,9 +223,11 @@ def nvme_layer_count(cfg, layers: int) -> int:
     return round(cfg.placement.nvme_fraction * layers) if cfg.offload_dir else 0
 
 
-def spare_bytes(compact: bool) -> int:
-    """Bytes a parameter of one spare state (master, moments): what a speculative update writes into."""
-    return 8 if compact else 12
+def resident_state_bytes(state: str) -> int:
+    """GPU bytes a resident parameter holds besides its weights and gradient (a compact master's hi half is
+    those weights), rounded up."""
+    extra = state_bytes(state, 1 << 20) / (1 << 20) - (2 if compact_master(state) else 0)
+    return int(-(-extra // 1))
 
 
 def speculative_spares(cfg, layers: int) -> int:
@@ -242,7 +245,7 @@ def config_host_bytes(cfg, shape: ModelShape, batch: int, seq: int, p: Layout,
                       cfg.compute_dtype.itemsize,
                       None if cfg.max_grad_norm is not None else cfg.placement.host_grad_buffers,
                       nvme_layer_count(cfg, shape.layers),
-                      cfg.optimizer_state == "compact", cfg.placement.nvme_master, cfg.placement.activations_to_nvme, cfg.placement.nvme_buffers,
+                      cfg.optimizer_state, cfg.placement.nvme_master, cfg.placement.activations_to_nvme, cfg.placement.nvme_buffers,
                       speculative_spares(cfg, shape.layers))
 
 
@@ -282,8 +285,10 @@ def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training",
         hints.append(f"more of the NVMe tier ({k}nvme_fraction)")
     elif not cfg.placement.nvme_master and cfg.optimizer_state == "fp32" and cfg.placement.host_weights == "persistent":
         hints.append(f"the master on the NVMe tier too ({k}nvme_master)")
-    if cfg.optimizer_state != "compact":
+    if cfg.optimizer_state == "fp32":
         hints.append(f"compact optimizer state ({k}optimizer_state)")
+    if cfg.optimizer_state != "8bit":
+        hints.append(f"8-bit optimizer state ({k}optimizer_state)")
     unlimited = host_budget(replace(cfg, host_memory_limit=None), have)[1]
     if cfg.host_memory_limit and host_budget(cfg, have)[1] < unlimited:  # (the limit binds, not the RAM)
         hints.append(f"a larger {k}host_memory_limit")
@@ -339,7 +344,7 @@ def auto_host(cfg, shape: ModelShape, batch: int, seq: int, p: Layout, ram: int,
         cfg = cfg.placed(host_grad_buffers=None if cfg.max_grad_norm is not None or n >= shape.layers == streamed
                       else min(n, max(streamed, 1)))
     if spares and cfg.max_grad_norm is not None:  # as many as fit, at most one per layer updated from RAM
-        per_layer = shape.layer_params * spare_bytes(cfg.optimizer_state == "compact")
+        per_layer = state_bytes(cfg.optimizer_state, shape.layer_params)
         fit_n = int((budget - total(cfg)) // per_layer) if per_layer else 0
         cfg = cfg.placed(speculative_layers=speculative_spares(cfg.placed(speculative_layers=max(0, fit_n)),
                                                                  shape.layers))
@@ -493,7 +498,7 @@ def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | N
             if sum(config_host_bytes(c, shape, batch, seq, p).values()) > host_budget(c, ram)[1]:
                 return math.inf
             tiered = min(nvme_layer_count(c, shape.layers), shape.layers - k)
-            return step_time(shape, batch, seq, p, rates, compact=c.optimizer_state == "compact", nvme_layers=tiered,
+            return step_time(shape, batch, seq, p, rates, state=c.optimizer_state, nvme_layers=tiered,
                              nvme_master=c.placement.nvme_master, clipping=clipping,
                              speculative_layers=c.placement.speculative_layers)["step_s"]
         return seconds
@@ -516,7 +521,7 @@ def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | N
     if min(pe.micro_batch, batch) * seq < min(batch * seq, EFFICIENT_TOKENS, min(p0.micro_batch, batch) * seq):
         return without
     tier = dict(nvme_master=cfg.placement.nvme_master, activations_to_nvme=cfg.placement.activations_to_nvme,
-                compact=cfg.optimizer_state == "compact", clipping=clipping, rates=rates)
+                state=cfg.optimizer_state, clipping=clipping, rates=rates)
     # A gain under 2% is not worth the layer inputs their GPU memory pushes to pinned RAM (8B b64: 17 GB),
     # nor the time model's error; where they displace saved layers only, the time model counts that
     displaced_saved_only = pe.saved_layers < p0.saved_layers and pe.gpu_activation_layers >= p0.gpu_activation_layers
@@ -527,10 +532,11 @@ def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | N
     return without
 
 
-def nvme_bytes(shape: ModelShape, nvme_layers: int, compact: bool = False, master: bool = False) -> int:
-    """Disk for the Adam moments (exp_avg and exp_avg_sq: fp32, or bf16 when ``compact``) of
-    ``nvme_layers`` decoder layers, and their fp32 master with ``master``."""
-    return min(nvme_layers, shape.layers) * shape.layer_params * ((4 if compact else 8) + (4 if master else 0))
+def nvme_bytes(shape: ModelShape, nvme_layers: int, state: str = "fp32", master: bool = False) -> int:
+    """Disk for the Adam moments (exp_avg and exp_avg_sq in the ``state`` format) of ``nvme_layers``
+    decoder layers, and their fp32 master with ``master``."""
+    return min(nvme_layers, shape.layers) * (moment_bytes(state, shape.layer_params)
+                                             + (4 * shape.layer_params if master else 0))
 
 
 def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout = Layout()) -> Layout:
@@ -608,7 +614,7 @@ def heads(base: Layout) -> list:
 
 
 def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: MachineRates = MachineRates(),
-              compact: bool = False, nvme_layers: int = 0, nvme_master: bool = False,
+              state: str = "fp32", nvme_layers: int = 0, nvme_master: bool = False,
               activations_to_nvme: bool = False, clipping: bool = False,
               speculative_layers: int = 0, staged_params: int = 0) -> dict[str, float]:
     """Predicted seconds per step: the largest of the GPU's work (the layers' and the head's products,
@@ -630,7 +636,7 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
     streamed = max(0, on_cpu - min(p.window_slots, shape.layers - k) * shape.layer_params)  # the rest is reused
     offloaded = shape.layers - min(shape.layers, p.gpu_activation_layers)
     chunked = p.mlp_chunk_tokens and p.mlp_chunk_tokens < min(batch, p.micro_batch) * seq
-    cpu_rate = rates.optimizer_params_per_s * (rates.compact_speedup if compact else 1.0)
+    cpu_rate = rates.optimizer_params_per_s * rates.state_speedup[state]
     # a token's logits and their two gradients, not recomputed; the sliced head computes the logits twice
     head_flops = (8 if p.head_slice else 6) * shape.vocab * shape.hidden
     out = {
@@ -643,13 +649,13 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
                           + (6 if chunked else -2) * shape.layers * shape.hidden * shape.ffn
                           - 2 * saved_layers(shape, p) * (shape.layer_params - shape.hidden * shape.ffn))
                          * tokens / rates.gpu_flops,
-        "gpu_adamw_s": (shape.params - on_cpu) / rates.gpu_adamw_params_per_s / (2.3 if compact else 1.0),
+        "gpu_adamw_s": (shape.params - on_cpu) / rates.gpu_adamw_params_per_s / rates.gpu_state_speedup[state],
         # offloaded layer inputs: out and back once a step, each way on its own copy engine
         "activations_s": offloaded * tokens * shape.hidden * 2 / rates.pcie_bytes_per_s,
         "optimizer_s": on_cpu / cpu_rate,
         # bf16 weights, about twice a step; staged parameters cross as their fp32 master
         "h2d_s": 2 * (2 * streamed + 2 * min(staged_params, streamed)) / rates.pcie_bytes_per_s,
-        "nvme_s": rates.disk_s(nvme_bytes(shape, nvme_layers, compact, nvme_master)
+        "nvme_s": rates.disk_s(nvme_bytes(shape, nvme_layers, state, nvme_master)
                                + (activations_to_nvme * (shape.layers - min(shape.layers, p.gpu_activation_layers))
                                   * tokens * shape.hidden * 2)),
     }

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..machine import Machine, MachineRates
+from ..optim.formats import compact_master
 from .memory import (DoesNotFit, ModelShape, Layout, auto_host, auto_residency, auto_tier, check_host_fits,
                      choose_window_slots, config_host_bytes, fit, gpu_budget, gpu_bytes, least_layout,
                      nvme_bytes, nvme_layer_count, parse_bytes, spares_that_fit, step_time)
@@ -109,8 +110,8 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
         problem, binds = (f"the NVMe tier needs about {disk / 2**30:.1f} GiB under {prefix}offload_dir "
                           f"{cfg.offload_dir}, {machine.disk / 2**30:.1f} GiB free there; free space, point it at a "
                           f"larger disk, or use "
-                          + ("" if cfg.optimizer_state == "compact"
-                             else f"compact optimizer state ({prefix}optimizer_state) or ")
+                          + ("" if cfg.optimizer_state == "8bit"
+                             else f"denser optimizer state ({prefix}optimizer_state: 8bit) or ")
                           + f"more RAM ({prefix}host_memory_limit)"), "disk"
     return Plan(cfg, placement, gpu, limit, host, problem, binds)
 
@@ -121,7 +122,7 @@ def tier_bytes(cfg, shape: ModelShape, batch: int, seq: int, placement: Layout) 
         return 0
     inputs = shape.layers - min(shape.layers, placement.gpu_activation_layers) \
         if cfg.placement.activations_to_nvme else 0
-    return nvme_bytes(shape, nvme_layer_count(cfg, shape.layers), cfg.optimizer_state == "compact",
+    return nvme_bytes(shape, nvme_layer_count(cfg, shape.layers), cfg.optimizer_state,
                       cfg.placement.nvme_master) + inputs * batch * seq * shape.hidden * cfg.compute_dtype.itemsize
 
 
@@ -131,9 +132,9 @@ def predicted_step(plan: Plan, shape: ModelShape, batch: int, seq: int, rates: M
     c = plan.config
     resident = min(plan.placement.resident_layers, shape.layers)
     hw, streamed = c.placement.host_weights, shape.layers - resident
-    staged = 0 if c.optimizer_state == "compact" else shape.params if hw == "staged" else \
+    staged = 0 if compact_master(c.optimizer_state) else shape.params if hw == "staged" else \
         0 if hw == "persistent" else min(hw, streamed) * shape.layer_params
-    return step_time(shape, batch, seq, plan.placement, rates, compact=c.optimizer_state == "compact",
+    return step_time(shape, batch, seq, plan.placement, rates, state=c.optimizer_state,
                      staged_params=staged,
                      nvme_layers=min(nvme_layer_count(c, shape.layers), shape.layers - resident),
                      nvme_master=c.placement.nvme_master, activations_to_nvme=c.placement.activations_to_nvme,

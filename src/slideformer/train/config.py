@@ -31,7 +31,8 @@ class OffloadConfig:
     # e.g. 48GiB: the whole process's RAM; the planner fits the training state under it, else says what
     # would (null: the machine's RAM less 15%)
     host_memory_limit: str | None = None
-    optimizer_state: str = "fp32"  # or "compact" (bf16 state: 8 instead of 14 bytes/param of host RAM)
+    # or "compact" (bf16 state: 8 instead of 14 bytes/param of host RAM), or "8bit" (8-bit moments: 6.06)
+    optimizer_state: str = "fp32"
     offload_dir: str | None = None  # NVMe tier for the Adam moments of nvme_fraction of the layers
     # the first N layers train on the GPU (see `slideformer plan`); "auto": as many as the GPU budget
     # (gpu_memory_limit, else 90% of the card) leaves room for at this batch and cutoff_len

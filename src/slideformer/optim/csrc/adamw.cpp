@@ -542,6 +542,141 @@ double adamw_step_compact(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad
   });
 }
 
+// ---- 8-bit state: the compact master, moments as 8-bit codes with an fp32 scale per block (optim/formats.py) ----
+// A moment buffer holds n codes, then n / kBlock8 fp32 scales. A block's new moments are computed in fp32
+// and used unrounded for this step's update; then each is stored as the nearest code of the sorted
+// dynamic map, after division by the block's absolute maximum (optim/adamw.py adamw_8bit_, the reference).
+constexpr int64_t kBlock8 = 128;
+
+struct Moments8 {
+  const uint8_t* codes0;
+  const float* scales0;
+  uint8_t* codes;
+  float* scales;
+};
+
+// The nearest code of y (in [-1, 1]) by two lookups on its top 16 bits (optim/formats.py code_tables: the
+// code is base[k], plus one past the bucket's threshold), equal to the binary search over the map.
+struct CodeTable {
+  const uint8_t* base;
+  const float* threshold;
+};
+
+inline uint8_t nearest_code(float y, const CodeTable t) {
+  uint32_t bits;
+  std::memcpy(&bits, &y, 4);
+  const uint32_t k = bits >> 16;
+  return static_cast<uint8_t>(t.base[k] + (y >= t.threshold[k] ? 1 : 0));
+}
+
+// Without contracted multiply-adds (GCC's per-function option): a value one rounding off its PyTorch
+// reference's lands on the other side of a code's midpoint about once in a thousand elements a step, and
+// the codes then differ for good; unfused, the kernel is the reference's arithmetic.
+template <typename G>
+__attribute__((optimize("fp-contract=off"))) void range_8bit(const uint16_t* hi0, const uint16_t* lo0, uint16_t* hi, uint16_t* lo, const Moments8 m,
+                const Moments8 v, const typename G::T* __restrict g, int64_t begin, int64_t end, const Hyper hp,
+                const float* __restrict qs, const float* __restrict qu, const CodeTable ts, const CodeTable tu) {
+  const float decay = hp.lr_wd_decay, w1 = hp.w1, omb2 = hp.one_minus_beta2, eps = hp.eps;
+  const float step_size = hp.step_size, bc2_sqrt = hp.bc2_sqrt, coef = hp.coef;
+  alignas(64) float mv[kBlock8], vv[kBlock8];
+  for (int64_t b = begin; b < end; b += kBlock8) {
+    const int64_t j = b / kBlock8;
+    const float sm0 = m.scales0[j], sv0 = v.scales0[j];
+    float am = 0.0f, av = 0.0f;
+#pragma omp simd reduction(max : am, av)
+    for (int64_t k = 0; k < kBlock8; ++k) {
+      const int64_t i = b + k;
+      const float gi = G::load(g[i]) * coef;
+      const float mi0 = qs[m.codes0[i]] * sm0, vi0 = qu[v.codes0[i]] * sv0;
+      // torch's lerp(a, b, w): a + w * (b - a) for w < 0.5, else b - (b - a) * (1 - w)
+      const float mi = w1 < 0.5f ? mi0 + w1 * (gi - mi0) : gi - (gi - mi0) * (1.0f - w1);
+      const float g2 = gi * gi;
+      const float vi = omb2 < 0.5f ? vi0 + omb2 * (g2 - vi0) : g2 - (g2 - vi0) * (1.0f - omb2);
+      const float denom = std::sqrt(vi) / bc2_sqrt + eps;
+      const float pi = (bf16_to_f32(hi0[i]) + bf16_to_f32(lo0[i])) * decay - step_size * mi / denom;
+      const uint16_t h = f32_to_bf16(pi);
+      hi[i] = h;
+      lo[i] = f32_to_bf16(pi - bf16_to_f32(h));
+      mv[k] = mi;
+      vv[k] = vi;
+      am = std::max(am, std::fabs(mi));
+      av = std::max(av, std::fabs(vi));
+    }
+    const float sm = std::max(am, 1e-12f), sv = std::max(av, 1e-12f);
+#pragma omp simd
+    for (int64_t k = 0; k < kBlock8; ++k) {
+      m.codes[b + k] = nearest_code(mv[k] / sm, ts);
+      v.codes[b + k] = nearest_code(vv[k] / sv, tu);
+    }
+    m.scales[j] = sm;
+    v.scales[j] = sv;
+  }
+}
+
+double adamw_step_8bit(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad, torch::Tensor exp_avg,
+                       torch::Tensor exp_avg_sq, torch::Tensor qmap_signed, torch::Tensor qmap_unsigned,
+                       torch::Tensor base_signed, torch::Tensor threshold_signed, torch::Tensor base_unsigned,
+                       torch::Tensor threshold_unsigned, int64_t step,
+                       double lr, double beta1, double beta2, double eps, double weight_decay, double grad_coef,
+                       int64_t threads, c10::optional<torch::Tensor> flags, int64_t ticket, int64_t chunk,
+                       c10::optional<torch::Tensor> abort, c10::optional<std::vector<torch::Tensor>> src) {
+  const int64_t n = hi.numel(), bytes = n + 4 * (n / kBlock8);
+  TORCH_CHECK(n % kBlock8 == 0, "8-bit state: units padded to ", kBlock8, " elements");
+  auto check = [&](const torch::Tensor& h, const torch::Tensor& l, const torch::Tensor& a, const torch::Tensor& b) {
+    for (const auto* t : {&h, &l})
+      TORCH_CHECK(t->is_cpu() && t->is_contiguous() && t->scalar_type() == at::kBFloat16 && t->numel() == n,
+                  "8-bit state: contiguous bf16 CPU master halves of one size");
+    for (const auto* t : {&a, &b})
+      TORCH_CHECK(t->is_cpu() && t->is_contiguous() && t->scalar_type() == at::kByte && t->numel() == bytes &&
+                      reinterpret_cast<uintptr_t>(t->data_ptr()) % 4 == 0,
+                  "8-bit state: moments as contiguous 4-byte-aligned uint8 CPU buffers of n codes and n/",
+                  kBlock8, " fp32 scales");
+  };
+  check(hi, lo, exp_avg, exp_avg_sq);
+  for (const auto* q : {&qmap_signed, &qmap_unsigned})
+    TORCH_CHECK(q->is_cpu() && q->is_contiguous() && q->scalar_type() == at::kFloat && q->numel() == 256,
+                "qmap: 256 fp32 values");
+  for (const auto* b : {&base_signed, &base_unsigned})
+    TORCH_CHECK(b->is_cpu() && b->is_contiguous() && b->scalar_type() == at::kByte && b->numel() == 65536,
+                "code table base: 65536 uint8");
+  for (const auto* t : {&threshold_signed, &threshold_unsigned})
+    TORCH_CHECK(t->is_cpu() && t->is_contiguous() && t->scalar_type() == at::kFloat && t->numel() == 65536,
+                "code table threshold: 65536 fp32");
+  const CodeTable ts{base_signed.data_ptr<uint8_t>(), threshold_signed.data_ptr<float>()};
+  const CodeTable tu{base_unsigned.data_ptr<uint8_t>(), threshold_unsigned.data_ptr<float>()};
+  TORCH_CHECK(grad.is_cpu() && grad.is_contiguous() && grad.numel() == n, "grad: contiguous CPU tensor of the same size");
+  if (src.has_value()) {
+    TORCH_CHECK(src->size() == 4, "src: hi, lo, exp_avg, exp_avg_sq");
+    check((*src)[0], (*src)[1], (*src)[2], (*src)[3]);
+  }
+  const Hyper h = make_hyper(step, lr, beta1, beta2, eps, weight_decay, grad_coef);
+  const std::vector<torch::Tensor> dst{hi, lo, exp_avg, exp_avg_sq};
+  const auto& in = src.has_value() ? *src : dst;
+  auto u16 = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+  auto moments = [&](const torch::Tensor& from, const torch::Tensor& to) {
+    auto* f = reinterpret_cast<uint8_t*>(from.data_ptr());
+    auto* t = reinterpret_cast<uint8_t*>(to.data_ptr());
+    return Moments8{f, reinterpret_cast<const float*>(f + n), t, reinterpret_cast<float*>(t + n)};
+  };
+  const Moments8 m = moments(in[2], exp_avg), v = moments(in[3], exp_avg_sq);
+  const uint16_t *hi0 = u16(in[0]), *lo0 = u16(in[1]);
+  const float *qs = qmap_signed.data_ptr<float>(), *qu = qmap_unsigned.data_ptr<float>();
+  const bool bf16_grad = grad.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16_grad || grad.scalar_type() == at::kFloat, "grad must be bf16 or fp32");
+  const Landing landing = landing_of(flags, ticket, chunk, abort, n);
+  TORCH_CHECK(landing.flags == nullptr || chunk % kBlock8 == 0, "gradient chunks of whole 8-bit blocks");
+  pybind11::gil_scoped_release no_gil;
+  return for_each_landed(n, landing, [&](int64_t begin, int64_t end) {
+    parallel_ranges(begin, end, threads, [&](int64_t b, int64_t e) {  // (blocks of kBlock, whole 8-bit blocks)
+      if (bf16_grad)
+        range_8bit<BF16>(hi0, lo0, u16(hi), u16(lo), m, v, reinterpret_cast<const uint16_t*>(grad.data_ptr()), b, e,
+                         h, qs, qu, ts, tu);
+      else
+        range_8bit<F32>(hi0, lo0, u16(hi), u16(lo), m, v, grad.data_ptr<float>(), b, e, h, qs, qu, ts, tu);
+    });
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -553,5 +688,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw_step_compact", &adamw_step_compact, "one-pass AdamW on compact state (bf16 hi/lo master, bf16 moments); returns the seconds it waited for gradient chunks",
         "hi"_a, "lo"_a, "grad"_a, "exp_avg"_a, "exp_avg_sq"_a, "step"_a, "lr"_a, "beta1"_a, "beta2"_a, "eps"_a,
         "weight_decay"_a, "grad_coef"_a, "seed"_a, "offset"_a, "threads"_a, "flags"_a = pybind11::none(),
+        "ticket"_a = 0, "chunk"_a = 0, "abort"_a = pybind11::none(), "src"_a = pybind11::none());
+  m.def("adamw_step_8bit", &adamw_step_8bit, "one-pass AdamW on 8-bit state (bf16 hi/lo master, 8-bit block-quantized moments); returns the seconds it waited for gradient chunks",
+        "hi"_a, "lo"_a, "grad"_a, "exp_avg"_a, "exp_avg_sq"_a, "qmap_signed"_a, "qmap_unsigned"_a,
+        "base_signed"_a, "threshold_signed"_a, "base_unsigned"_a, "threshold_unsigned"_a, "step"_a, "lr"_a,
+        "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "grad_coef"_a, "threads"_a, "flags"_a = pybind11::none(),
         "ticket"_a = 0, "chunk"_a = 0, "abort"_a = pybind11::none(), "src"_a = pybind11::none());
 }
