@@ -111,7 +111,7 @@ def code_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     code = base[k] + (y >= threshold[k]). A binary search costs 8 dependent loads an element; the C++
     kernel's lookup costs two. Exact, because the code is monotone in y and no bucket of 2^16 fp32 values
     holds two of its jumps (the map is coarser than bf16 everywhere; checked here).
-    Returns (base uint8 [65536], threshold fp32 [65536], +inf where the bucket has no jump)."""
+    Returns (base int32 [65536], threshold fp32 [65536], +inf where the bucket has no jump)."""
     q = qmap(signed)
     k = torch.arange(1 << 16, dtype=torch.int64)
     negative = k >= 1 << 15
@@ -133,4 +133,4 @@ def code_tables(signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
         past = nearest_codes(value(mid).clamp(-1, 1), q) > base
         hi, lo = torch.where(past, mid, hi), torch.where(past, lo, mid + 1)
     threshold = torch.where(top > base, value(lo), torch.tensor(float("inf")))
-    return base.to(torch.uint8), threshold
+    return base.to(torch.int32), threshold
