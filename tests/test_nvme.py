@@ -433,6 +433,19 @@ def test_files_of_older_versions_and_cut_short_removals_are_removed(tmp_path, ca
     assert any(line.endswith(f"({cut})") for line in err) and len(err) == 2
 
 
+def test_a_tier_never_closed_is_removed_at_exit(tmp_path):
+    """A process that ends without closing its engine (a script, a benchmark) still takes its tier's files
+    with it: they are as large as the model's moments."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from slideformer.host.nvme import NvmeTier; "
+            f"t = NvmeTier({str(tmp_path / 'nvme')!r}, {{0: 1 << 20}}, 1); print(t.dir)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().startswith(str(tmp_path / "nvme" / "slideformer-"))
+    assert not list((tmp_path / "nvme").iterdir())
+
+
 def test_close_removes_the_owned_directory(tmp_path, monkeypatch):
     from slideformer.host.nvme import NvmeScratch, NvmeTier
 

@@ -21,6 +21,7 @@ resume the tier's state is rebuilt from the checkpoint, which holds all of it.
 """
 from __future__ import annotations
 
+import atexit
 import errno
 import fcntl
 import os
@@ -146,7 +147,8 @@ def remove_stale(offload_dir: str | os.PathLike) -> int:
 class OwnedDir:
     """A directory ``offload_dir/slideformer-<pid>-<hex>/`` that this process holds, for the files of one
     tier or scratch. Creating it first removes what ended processes left in offload_dir
-    (``remove_stale``); close() removes it and everything in it.
+    (``remove_stale``); close() removes it and everything in it, and so does the interpreter's exit where
+    its owner never called close() (tens of GB left on a disk until the next run otherwise).
 
     It is made under a name the scan ignores, gets its lock file and lock there, and only then is renamed
     to its final name, so no scan ever sees it unlocked while its owner lives."""
@@ -170,6 +172,7 @@ class OwnedDir:
             self._release()
             shutil.rmtree(pending, ignore_errors=True)
             raise
+        atexit.register(self.close)
 
     def _release(self) -> None:
         with _held_lock:
@@ -182,6 +185,7 @@ class OwnedDir:
         """Remove the directory and what is left in it (the lock file last, still held), then drop the lock."""
         if self._fd < 0:
             return
+        atexit.unregister(self.close)
         try:
             for entry in os.scandir(self.path):
                 if entry.name == LOCK_FILE:
