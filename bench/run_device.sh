@@ -57,7 +57,7 @@ fi
 if [[ $what == capacity ]]; then  # issue 21: the largest model on this box (8-bit state, moments on the NVMe tier)
   df -h /tmp | tail -1 | tee "$OUT/disk.txt"; free -g | head -2 | tee -a "$OUT/disk.txt"
   timeout "${CAPACITY_TIMEOUT:-560}" python3 -m slideformer.bench --system slideformer --model "${CAPACITY_MODEL:-gemma2-27b-shape}" \
-    --batch 8 --optimizer-state 8bit --gpu-memory-limit-gib 24 --offload-dir /tmp/nvme --warmup 1 --steps 2 \
+    --batch 8 --optimizer-state 8bit --gpu-memory-limit-gib 24 --offload-dir /tmp/nvme --warmup 1 --steps "${CAPACITY_STEPS:-2}" \
     --out "$OUT/capacity.jsonl" 2>&1 | tail -3 | cut -c1-600
 fi
 if [[ $what == demo || $what == all ]]; then
