@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(VPY) || $(PY) -m venv --system-site-packages $(VENV)
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q -c constraints.txt -e '.[dev]'
+	# torchao, the tests' 8-bit AdamW reference, apart from the venv: transformers imports an installed
+	# torchao at start, and its warnings would reach every run (tests/test_optim.py adds this folder)
+	$(VPY) -m pip install -q --no-deps -c constraints.txt --target $(VENV)/reference torchao
 	touch $(STAMP)
 
 demo: $(STAMP)

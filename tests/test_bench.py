@@ -190,16 +190,17 @@ def test_optimizer_benchmark_updates_under_copies():
     assert rec["dma_copies_gbs"] > 1 and rec["native_dma_t1_gparams"] > 0 and rec["dma_vs_alone"] > 0
 
 
-def test_convergence_run_compares_compact_with_fp32_state():
-    """The compact-vs-fp32 fine-tuning run end to end on a sliver of its corpora: both arms start from the
-    same pretrained weights, improve on the held-out documentation, and stay close after a few steps."""
+def test_convergence_run_compares_the_state_formats():
+    """The fine-tuning run end to end on a sliver of its corpora: every format's arm starts from the same
+    pretrained weights, improves on the held-out documentation, and stays close to fp32's after a few steps."""
     from slideformer.bench import convergence
 
     s = convergence.main(["--pretrain-steps", "6", "--steps", "4", "--eval-every", "2", "--seeds", "0",
                           "--limit-chars", "60000", "--seq", "64", "--batch", "4"])
-    (fp32,), (compact,) = s["final_eval_fp32"], s["final_eval_compact"]
-    assert fp32 < s["pretrained_eval_loss"] and compact < s["pretrained_eval_loss"]
-    assert s["max_abs_diff"] < 0.01
+    for state in ("fp32", "compact", "8bit"):
+        (final,) = s[f"final_eval_{state}"]
+        assert final < s["pretrained_eval_loss"], state
+    assert s["max_abs_diff_compact"] < 0.01 and s["max_abs_diff_8bit"] < 0.01
 
 
 def test_profile_names_the_shapes_of_each_matrix_product():

@@ -290,9 +290,23 @@ def test_without_a_compiler_auto_falls_back_to_torch_with_one_warning(monkeypatc
 
 # -- 8-bit state (optim/formats.py) ---------------------------------------------------------------------
 
+def torchao():
+    """torchao, the 8-bit AdamW reference, from the folder `make test` installs it into (apart from the
+    venv, whose transformers would import it in every run)."""
+    import sys
+    from pathlib import Path
+
+    ref = Path(sys.prefix) / "reference"
+    if ref.is_dir() and str(ref) not in sys.path:
+        sys.path.append(str(ref))
+    try:
+        import torchao.optim  # noqa: F401
+    except ImportError:
+        pytest.fail("torchao, the 8-bit AdamW reference, is missing: `make test` installs it into .venv/reference")
+
 def test_8bit_maps_and_blocks_are_torchaos():
     """The dynamic maps are bitsandbytes' and torchao's, value for value."""
-    pytest.importorskip("torchao")
+    torchao()
     from torchao.optim.quant_utils import create_dynamic_map
 
     from slideformer.optim.formats import qmap
@@ -323,7 +337,7 @@ def test_8bit_code_tables_are_the_binary_search(signed):
 def test_8bit_update_is_torchaos_adamw8bit():
     """Against torchao's AdamW8bit (blocks of 128) over 20 steps: the same codes, scales to fp32 rounding,
     and the master within its bf16 hi + lo precision (torchao keeps an fp32 parameter)."""
-    pytest.importorskip("torchao")
+    torchao()
     from torchao.optim.adam import single_param_adam
     from torchao.optim.subclass_8bit import OptimState8bit
 
@@ -380,7 +394,7 @@ def test_8bit_state_tracks_fp32_adamw_as_torchaos_does():
     """On compact state's quadratic, 300 noisy steps: 8-bit moments move the weights off exact AdamW's path
     (3.4% here), as torchao's AdamW8bit does; ours stays on torchao's path within 0.1% of the distance
     travelled (what the bf16 hi + lo master adds), so its deviation is torchao's."""
-    pytest.importorskip("torchao")
+    torchao()
     from torchao.optim.adam import single_param_adam
     from torchao.optim.subclass_8bit import OptimState8bit
 

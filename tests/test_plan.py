@@ -526,7 +526,7 @@ def test_activations_on_nvme_keep_three_layers_in_ram_and_cost_disk_time():
     disk = host_bytes(sh, 64, 1024, p, activations_to_nvme=True)["activations"]
     assert disk == 3 * 64 * 1024 * sh.hidden * 2 < ram
     t_ram, t_disk = step_time(sh, 64, 1024, p)["nvme_s"], step_time(sh, 64, 1024, p, activations_to_nvme=True)["nvme_s"]
-    assert t_ram == 0 and t_disk == pytest.approx(ram / 0.9e9)  # written and read at once: 0.9 GB/s written
+    assert t_ram == 0 and t_disk == pytest.approx(ram / MachineRates().disk_write_bytes_per_s)  # (writes bound: read at once)
 
 
 def test_auto_residency_puts_embedding_and_head_first_where_they_fit():
@@ -740,15 +740,20 @@ def test_resident_layers_take_state_off_the_disk_where_it_binds():
 
 
 def test_the_time_model_matches_the_measured_run_on_the_nvme_tier():
-    """capacity-f6068ac: Qwen2.5-14B b8 under 24 GiB, compact state, half the layers' moments on the tier,
-    unclipped: 30.47 s a step (268.8 tok/s), disk-bound. The time model with that machine's disk (1.6 GB/s
-    read, 0.9 written, on two threads at once) is within 10% of it and not under (+6.5%)."""
+    """capacity8-143c47f: the Gemma-2-27B shape b8 under 24 GiB, 8-bit state, every layer's moments on the
+    tier (53.7 GB each way a step), the edges on the GPU, unclipped: 55.86 s a step, disk-bound. The
+    model's write rate comes from that run, so this holds the model to it (within 3%, not under); with
+    the disk benchmark's own figure for writes beside reads (disk-f79021e: 0.90 GB/s) it says 59.7 s."""
     from slideformer.plan import step_time
 
-    sh = shape("qwen2.5-14b")
-    cfg = EngineConfig(gpu_memory_limit="24GiB", optimizer_state="compact", max_grad_norm=None, offload_dir="/nvme",
-                       placement=Placement(nvme_fraction=0.5))
+    sh = shape("gemma2-27b-shape")
+    cfg = EngineConfig(gpu_memory_limit="24GiB", optimizer_state="8bit", max_grad_norm=None, offload_dir="/nvme",
+                       placement=Placement(nvme_fraction=1.0, resident_edges=True))
     p = fit(sh, 8, 1024, 24 * GiB, Layout.of(cfg))
-    t = step_time(sh, 8, 1024, p, state="compact", nvme_layers=nvme_layer_count(cfg, sh.layers))
+    t = step_time(sh, 8, 1024, p, state="8bit", nvme_layers=nvme_layer_count(cfg, sh.layers))
     assert t["nvme_s"] == max(v for k, v in t.items() if k != "step_s")
-    assert 30.47 <= t["step_s"] <= 1.10 * 30.47
+    assert 55.86 <= t["step_s"] <= 1.03 * 55.86
+    slower = MachineRates(disk_write_bytes_per_s=0.90e9)
+    assert step_time(sh, 8, 1024, p, slower, state="8bit", nvme_layers=46)["step_s"] == pytest.approx(59.7, rel=0.01)
+
+

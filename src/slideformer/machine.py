@@ -40,10 +40,11 @@ class MachineRates:
     # compact state's update over that: it moves 18 bytes a parameter, not 28, but its rounding's hashing
     # bounds it (it scales with threads), so it gains far less than 28/18
     compact_speedup: float = 1.1
-    # 8-bit state's: it moves 14.1 bytes a parameter, but each moment's block maximum and table lookups
-    # bound it (this repo's dev host: 0.35x compact's rate a core)
-    eightbit_speedup: float = 0.4
-    # the resident units' AdamW on the GPU, fp32 state (compact: 2.3x; 8-bit: PyTorch in pieces, slower)
+    # 8-bit state's: it moves 14.1 bytes a parameter, but each moment's block maximum, divisions and table
+    # lookups bound it (2.1 G params/s in the engine at Qwen2.5-14B b8, 2.3 alone on 15 threads)
+    eightbit_speedup: float = 0.42
+    # the resident units' AdamW on the GPU, fp32 state (compact: 2.3x, one Triton pass; 8-bit: 1.35 G
+    # params/s, PyTorch in pieces, measured at Qwen3-4B b8 with 19 resident layers and the edges)
     gpu_adamw_params_per_s: float = 77e9
 
     @property
@@ -53,11 +54,12 @@ class MachineRates:
 
     @property
     def gpu_state_speedup(self) -> dict[str, float]:
-        return {"fp32": 1.0, "compact": 2.3, "8bit": 0.3}
+        return {"fp32": 1.0, "compact": 2.3, "8bit": 1.35e9 / self.gpu_adamw_params_per_s}
     pcie_bytes_per_s: float = 55e9
-    # the NVMe tier's disk with O_DIRECT (that machine's: reads about 1.6 GB/s, writes about 0.9)
+    # the NVMe tier's disk with O_DIRECT, reading and writing at once as the tier does (that machine's
+    # writes: 0.96 GB/s while reads run, the bound; 53.7 GB each way in a 55.9 s step)
     disk_read_bytes_per_s: float = 1.6e9
-    disk_write_bytes_per_s: float = 0.9e9
+    disk_write_bytes_per_s: float = 0.96e9
 
     def disk_s(self, nbytes: float) -> float:
         """Seconds to read ``nbytes`` from the tier and write them back: a step's traffic, on the runtime's

@@ -1,12 +1,14 @@
-"""Compact optimizer state against fp32 state on a fine-tuning run (issue 4), on the CPU.
+"""The optimizer state formats (fp32, compact, 8-bit) against each other on a fine-tuning run, on the CPU.
 
-No pretrained checkpoint can be reached on our machines, so the run makes its own: the bundled tiny
-Llama (0.8M parameters, bf16 compute) pretrained on CPython's standard-library source, then fine-tuned
-on CPython's English documentation topics (pydoc_data): from the same weights, with fp32 and with compact
-state, the same batches, at a fine-tuning learning rate. Both corpora ship with every Python, so anyone
-can rerun it. Reported: the held-out loss on the documentation, in fp32, through transformers' own model.
+From the same weights, with each format, the same batches, at a fine-tuning learning rate, fine-tuned on
+CPython's English documentation topics (pydoc_data, shipped with every Python). The weights: a real
+pretrained model (``--pretrained DIR``, e.g. SmolLM2-135M from bench/pretrained.py), or else the bundled
+tiny Llama (0.8M parameters) pretrained here on CPython's standard-library source. bf16 compute. Reported:
+the held-out loss on the documentation, in fp32, through transformers' own model; the fp32 arms' spread
+over data orders (seeds) is the noise the other formats' differences are read against.
 
     python -m slideformer.bench.convergence            # one JSON line per arm and evaluation, then a summary
+    python -m slideformer.bench.convergence --pretrained /tmp/smollm2 --steps 60 --lr 2e-5
 """
 from __future__ import annotations
 
@@ -35,10 +37,10 @@ def corpora(limit_chars: int | None = None) -> tuple[str, str]:
     return (code[:limit_chars], docs[:limit_chars]) if limit_chars else (code, docs)
 
 
-def windows(text: str, seq: int) -> torch.Tensor:
+def windows(text: str, seq: int, tokenizer: Path = ASSETS / "tokenizer.json") -> torch.Tensor:
     from tokenizers import Tokenizer
 
-    ids = Tokenizer.from_file(str(ASSETS / "tokenizer.json")).encode(text).ids
+    ids = Tokenizer.from_file(str(tokenizer)).encode(text).ids
     n = len(ids) // seq
     return torch.tensor(ids[: n * seq]).view(n, seq)
 
@@ -76,23 +78,34 @@ def main(argv=None) -> dict:
     ap.add_argument("--eval-every", type=int, default=50)
     ap.add_argument("--seeds", default="0,1", help="data orders of the fine-tuning arms")
     ap.add_argument("--limit-chars", type=int, default=None, help="truncate both corpora (tests)")
+    ap.add_argument("--pretrained", default=None, help="a Hugging Face folder to fine-tune (else the tiny model, "
+                                                        "pretrained here)")
+    ap.add_argument("--eval-windows", type=int, default=None, help="held-out windows (default: a tenth)")
+    ap.add_argument("--states", default="fp32,compact,8bit")
     args = ap.parse_args(argv)
+    states = args.states.split(",")
     code, docs = corpora(args.limit_chars)
-    pre, ft = windows(code, args.seq), windows(docs, args.seq)
-    held = max(1, len(ft) // 10)
+    tokenizer = Path(args.pretrained) / "tokenizer.json" if args.pretrained else ASSETS / "tokenizer.json"
+    ft = windows(docs, args.seq, tokenizer)
+    held = args.eval_windows or max(1, len(ft) // 10)
     ft_train, ft_eval = ft[:-held], ft[-held:]
-    config = preset_config("tiny")
     common = dict(device="cpu", compute_dtype=torch.bfloat16, max_grad_norm=1.0, weight_decay=0.01)
-    with tempfile.TemporaryDirectory() as tmp, \
-            SlideEngine.from_config(config, EngineConfig(lr=args.pretrain_lr, **common)) as eng:
-        for b in batches(pre, args.batch, args.pretrain_steps, seed=1234):
-            eng.train_step(b)
-        base = eval_loss(eng, ft_eval)
-        eng.save_pretrained(tmp, dtype=torch.float32)
-        print(json.dumps({"phase": "pretrained", "steps": args.pretrain_steps, "docs_eval_loss": base}), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.pretrained:
+            tmp = args.pretrained
+            with SlideEngine.from_pretrained(tmp, EngineConfig(**common)) as eng:
+                base = eval_loss(eng, ft_eval)
+        else:
+            with SlideEngine.from_config(preset_config("tiny"), EngineConfig(lr=args.pretrain_lr, **common)) as eng:
+                for b in batches(windows(code, args.seq), args.batch, args.pretrain_steps, seed=1234):
+                    eng.train_step(b)
+                base = eval_loss(eng, ft_eval)
+                eng.save_pretrained(tmp, dtype=torch.float32)
+        print(json.dumps({"phase": "pretrained", "model": args.pretrained or "tiny",
+                          "steps": 0 if args.pretrained else args.pretrain_steps, "docs_eval_loss": base}), flush=True)
         curves = {}
         for seed in (int(s) for s in args.seeds.split(",")):
-            for state in ("fp32", "compact"):
+            for state in states:
                 with SlideEngine.from_pretrained(tmp, EngineConfig(lr=args.lr, optimizer_state=state, **common)) as e:
                     train = []
                     for k, b in enumerate(batches(ft_train, args.batch, args.steps, seed), start=1):
@@ -104,11 +117,12 @@ def main(argv=None) -> dict:
                             print(json.dumps(rec), flush=True)
     final = {k: v[-1] for k, v in curves.items()}
     seeds = sorted({s for _, s in final})
-    summary = {"phase": "summary", "pretrained_eval_loss": base,
-               "final_eval_fp32": [final[("fp32", s)] for s in seeds],
-               "final_eval_compact": [final[("compact", s)] for s in seeds],
-               "max_abs_diff": max(abs(final[("fp32", s)] - final[("compact", s)]) for s in seeds),
-               "seed_spread_fp32": max(final[("fp32", s)] for s in seeds) - min(final[("fp32", s)] for s in seeds)}
+    summary = {"phase": "summary", "model": args.pretrained or "tiny", "pretrained_eval_loss": base,
+               **{f"final_eval_{st}": [final[(st, s)] for s in seeds] for st in states},
+               **{f"max_abs_diff_{st}": max(abs(final[("fp32", s)] - final[(st, s)]) for s in seeds)
+                  for st in states if st != "fp32" and "fp32" in states},
+               "seed_spread_fp32": max(final[("fp32", s)] for s in seeds) - min(final[("fp32", s)] for s in seeds)
+               if "fp32" in states else None}
     print(json.dumps(summary), flush=True)
     return summary
 

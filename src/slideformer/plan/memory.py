@@ -665,10 +665,11 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
         shape.embed_params / cpu_rate
     # What does not overlap. GPU-bound, little: prefetching two visits ahead hides nearly all copies (the
     # 2% below). CPU-bound, the head and the last streamed layer: between the last update the forward
-    # needs and the first gradient of backward the CPU has nothing to do.
+    # needs and the first gradient of backward the CPU has nothing to do. Bound by the tier's disk, the
+    # step is its traffic: the reads run ahead across the step boundary, so nothing waits on top.
     gap = (head_flops + 8 * shape.layer_params) * tokens / rates.gpu_flops if on_cpu else 0.0
     step = max(1.02 * (out["gpu_compute_s"] + out["gpu_adamw_s"]), out["optimizer_s"] + gap,
-               1.1 * max(out["activations_s"], out["h2d_s"], out["nvme_s"])) + stall
+               1.1 * max(out["activations_s"], out["h2d_s"]), out["nvme_s"]) + stall
     if clipping:
         ahead = max(0, min(speculative_layers, shape.layers - k - nvme_layers)) * shape.layer_params
         out["after_backward_s"] = 0.75 * out["gpu_compute_s"] + \
