@@ -433,6 +433,30 @@ def test_files_of_older_versions_and_cut_short_removals_are_removed(tmp_path, ca
     assert any(line.endswith(f"({cut})") for line in err) and len(err) == 2
 
 
+def test_checksums_chain_across_pieces_and_a_write_that_moves_nothing_fails(tmp_path, monkeypatch):
+    """The tier sums a unit's CRC32 piece by piece beside the I/O: over many pieces it is the whole unit's
+    CRC and reads back clean; a write that moves nothing is an error, not a file whose CRC lies."""
+    import zlib
+
+    from slideformer.host import nvme
+    from slideformer.host.nvme import NvmeTier
+
+    monkeypatch.setattr(nvme, "IO_CHUNK", 4096)
+    tier = NvmeTier(tmp_path, {0: 37 * 1024}, 1)  # fp32, two fields: 74 pieces of 4 KiB
+    try:
+        tier.buffers[0].view(torch.float32)[: 2 * 37 * 1024].uniform_()
+        view = memoryview(tier.buffers[0].numpy())[: tier.nbytes[0]]
+        tier.write(0, 0)
+        assert tier.crc[0] == zlib.crc32(view)
+        tier.read(0, 0)  # (the CRC summed beside the reads matches)
+        monkeypatch.setattr(nvme.os, "pwritev", lambda fd, bufs, off: 0)
+        with pytest.raises(TierError, match="a write moved nothing"):
+            tier.write(0, 0)
+    finally:
+        monkeypatch.undo()
+        tier.close()
+
+
 def test_a_tier_never_closed_is_removed_at_exit(tmp_path):
     """A process that ends without closing its engine (a script, a benchmark) still takes its tier's files
     with it: they are as large as the model's moments."""

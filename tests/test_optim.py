@@ -304,7 +304,7 @@ def torchao():
     except ImportError:
         pytest.fail("torchao, the 8-bit AdamW reference, is missing: `make test` installs it into .venv/reference")
 
-def test_8bit_maps_and_blocks_are_torchaos():
+def test_8bit_maps_are_torchaos():
     """The dynamic maps are bitsandbytes' and torchao's, value for value."""
     torchao()
     from torchao.optim.quant_utils import create_dynamic_map
@@ -388,6 +388,32 @@ def test_8bit_kernel_matches_its_reference(grad_dtype):
         assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
         assert int((a[1] != b[1]).sum()) <= n // 5000
         a = b
+
+
+def test_8bit_nan_reaches_the_scale_in_both_backends():
+    """A NaN gradient makes its block's scales NaN in the reference (its maximum keeps the NaN); the kernel's
+    vector maximum would drop it and store a finite, wrong moment: both give the same state."""
+    from slideformer.optim.adamw import adamw_8bit_
+    from slideformer.optim.formats import moment_numel, split_moment
+
+    n = 512
+    torch.manual_seed(0)
+    g = torch.randn(n)
+    g[130] = float("nan")
+    start = [torch.randn(n).bfloat16(), torch.zeros(n, dtype=torch.bfloat16)] + \
+        [torch.zeros(moment_numel("8bit", n), dtype=torch.uint8) for _ in range(2)]
+    states = []
+    for backend in ("torch", "native"):
+        s = [t.clone() for t in start]
+        adamw_8bit_(*s[:2], g, *s[2:], step=1, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                    backend=backend, threads=2)
+        states.append(s)
+    (hi, lo, m, v), (hi2, lo2, m2, v2) = states
+    torch.testing.assert_close(hi2, hi, rtol=0, atol=0, equal_nan=True)  # (a NaN's sign bit may differ)
+    torch.testing.assert_close(lo2, lo, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(m, m2) and torch.equal(v, v2)
+    scales = split_moment(states[1][2], n)[1]
+    assert scales[1].isnan() and not scales[[0, 2, 3]].isnan().any()  # (block 1 holds element 130)
 
 
 def test_8bit_state_tracks_fp32_adamw_as_torchaos_does():

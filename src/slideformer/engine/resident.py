@@ -14,12 +14,10 @@ import torch
 
 from ..kernels.compact_adamw import compact_adamw_
 from ..optim import formats
-from ..optim.adamw import adamw_8bit_pieces_, compact_seed
+from ..optim.adamw import adamw_8bit_, compact_seed
 from ..window.slots import Slot
 
 RESIDENT_PIECE = 32 * 2**20  # elements per fused AdamW call: the fp32 gradient it needs is that large, not the unit's
-# elements per 8-bit update (PyTorch, some 30 bytes of fp32 temporaries an element): as little transient memory
-PIECE_8BIT = 4 * 2**20
 
 
 class ResidentState:
@@ -76,13 +74,9 @@ class ResidentState:
         slot = self.slots[unit]
         n, c = master.numel(), self.cfg
         start = self.profiler.mark(self.compute) if self.compute is not None else None
-        if self.format == "8bit":  # the CPU worker's arithmetic, in pieces of whole blocks
-            (mc, ms), (vc, vs) = formats.split_moment(m, n), formats.split_moment(v, n)
-            for a in range(0, n, PIECE_8BIT):
-                b, ba, bb = min(n, a + PIECE_8BIT), a // formats.BLOCK8, min(n, a + PIECE_8BIT) // formats.BLOCK8
-                adamw_8bit_pieces_(slot.params[a:b], master[a:b], slot.grads[a:b], (mc[a:b], ms[ba:bb]),
-                                   (vc[a:b], vs[ba:bb]), step=step, lr=lr, betas=c.betas, eps=c.eps,
-                                   weight_decay=c.weight_decay, grad_coef=grad_coef)
+        if self.format == "8bit":  # the CPU worker's arithmetic, by the PyTorch reference in pieces of whole blocks
+            adamw_8bit_(slot.params[:n], master, slot.grads[:n], m, v, step=step, lr=lr, betas=c.betas, eps=c.eps,
+                        weight_decay=c.weight_decay, grad_coef=grad_coef, backend="torch")
         elif self.compact:  # the CPU worker's arithmetic and rounding bits, one Triton pass on the device
             compact_adamw_(slot.params[:n], master, slot.grads[:n], m, v, step=step, lr=lr, betas=c.betas, eps=c.eps,
                            weight_decay=c.weight_decay, grad_coef=grad_coef, seed=compact_seed(c.seed, unit))

@@ -241,6 +241,8 @@ class Checksummed:
             piece = view[done: done + IO_CHUNK]
             n = os.pwritev(fd, [piece], offset + done) if write else os.preadv(fd, [piece], offset + done)
             if n <= 0:
+                if write:  # (a write that moves nothing would leave a file whose CRC says otherwise)
+                    raise OSError(errno.EIO, f"a write moved nothing at byte {offset + done}")
                 break
             crc = pool.submit(_crc_after, crc, view[done: done + n])  # (in order: one thread a direction)
             done += n
@@ -363,8 +365,10 @@ class NvmeTier:
             f.unlink(missing_ok=True)
         self._fds.clear()
         self.files.clear()
-        self.owned.close()
-        self._sums.close()
+        try:
+            self.owned.close()
+        finally:
+            self._sums.close()
 
 
 class NvmeScratch:
@@ -432,5 +436,7 @@ class NvmeScratch:
             os.close(self.fd)
             self.fd = -1
             self.path.unlink(missing_ok=True)
-            self.owned.close()
-            self._sums.close()
+            try:
+                self.owned.close()
+            finally:
+                self._sums.close()

@@ -128,7 +128,7 @@ def adamw_compact_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, exp_a
     so updating a unit in chunks gives the same result as in one call). ``src``: (hi, lo, exp_avg,
     exp_avg_sq) to start from, left as they were (see ``adamw_update_``).
 
-    Same arithmetic in both backends, equal to rounding (the kernel fuses multiply-adds); the PyTorch one
+    Same arithmetic in both backends, equal to rounding (this kernel fuses multiply-adds); the PyTorch one
     is the reference and the fallback. Returns the seconds spent waiting for gradient chunks.
     """
     if backend == "native":
@@ -168,9 +168,9 @@ def adamw_8bit_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, exp_avg:
     deterministic, so a resumed run repeats the same rounding). ``src`` and the return value as in
     ``adamw_compact_``.
 
-    The PyTorch code below is the reference and the fallback (and runs on any device); the C++ kernel
-    computes the same, equal to rounding (it fuses multiply-adds, which may move a value across a code's
-    midpoint now and then)."""
+    The PyTorch code below is the reference and the fallback (and runs on any device, in pieces); the C++
+    kernel is its arithmetic (no contracted multiply-adds, which would move a value across a code's
+    midpoint now and then), equal but for a rare last bit of a lo half."""
     if backend == "native":
         return native.load(strict=True).adamw_step_8bit(hi, lo, grad, exp_avg, exp_avg_sq, qmap(True), qmap(False),
                                                          *code_tables(True), *code_tables(False), step, lr, betas[0], betas[1], eps, weight_decay, grad_coef,
@@ -182,20 +182,25 @@ def adamw_8bit_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, exp_avg:
         for d, a in zip((hi, lo, exp_avg, exp_avg_sq), src):
             d.copy_(a)
     n = hi.numel()
-    adamw_8bit_pieces_(hi, lo, grad, split_moment(exp_avg, n), split_moment(exp_avg_sq, n), step=step, lr=lr,
-                       betas=betas, eps=eps, weight_decay=weight_decay, grad_coef=grad_coef)
+    (mc, ms), (vc, vs) = split_moment(exp_avg, n), split_moment(exp_avg_sq, n)
+    for a in range(0, n, PIECE_8BIT):  # blocks are independent: pieces bound the temporaries, not the result
+        b, ba, bb = min(n, a + PIECE_8BIT), a // BLOCK8, min(n, a + PIECE_8BIT) // BLOCK8
+        _adamw_8bit_piece_(hi[a:b], lo[a:b], grad[a:b], (mc[a:b], ms[ba:bb]), (vc[a:b], vs[ba:bb]), step=step,
+                           lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, grad_coef=grad_coef)
     return waited
 
 
-def adamw_8bit_pieces_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, m: tuple[torch.Tensor, torch.Tensor],
+PIECE_8BIT = 4 * 2**20  # elements per PyTorch 8-bit update: about 72 bytes of fp32 and int64 temporaries each
+
+
+def _adamw_8bit_piece_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, m: tuple[torch.Tensor, torch.Tensor],
                        v: tuple[torch.Tensor, torch.Tensor], *, step: int, lr: float, betas: tuple[float, float],
                        eps: float, weight_decay: float, grad_coef: float = 1.0) -> None:
-    """``adamw_8bit_``'s arithmetic in PyTorch, on any device, with each moment given as (codes, scales): a
-    piece of a unit (whole blocks) can be updated alone, with fp32 temporaries of that piece's size."""
-    dev = hi.device
+    """The reference arithmetic on a piece of a unit (whole blocks), each moment as (codes, scales)."""
     b1, b2 = betas
-    f = lambda x: torch.tensor(x, dtype=torch.float32, device=dev)  # noqa: E731  (fp32 scalars, as the kernel has)
-    qs, qu = qmap(True, dev), qmap(False, dev)
+    # fp32 scalars, as the kernel has: 0-dim CPU tensors, which a GPU op takes as arguments (no copy, no sync)
+    f = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
+    qs, qu = qmap(True, hi.device), qmap(False, hi.device)
     g = grad.float() * f(grad_coef)
     m_new = _lerp(_dequantize(*m, qs), g, 1.0 - b1, f)
     v_new = _lerp(_dequantize(*v, qu), g * g, 1.0 - b2, f)

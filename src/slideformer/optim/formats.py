@@ -89,9 +89,14 @@ def _qmaps() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def qmap(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The sorted fp32 map: exp_avg's is signed, exp_avg_sq's unsigned."""
+    """The sorted fp32 map: exp_avg's is signed, exp_avg_sq's unsigned (a copy kept per device)."""
+    return _qmap_on(signed, torch.device(device))
+
+
+@functools.lru_cache(maxsize=None)
+def _qmap_on(signed: bool, device: torch.device) -> torch.Tensor:
     t = _qmaps()[0 if signed else 1]
-    return t if torch.device(device).type == "cpu" else t.to(device)
+    return t if device.type == "cpu" else t.to(device)
 
 
 def nearest_codes(y: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

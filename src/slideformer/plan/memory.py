@@ -115,7 +115,7 @@ class Layout:
     # sliced_head_loss): no [vocab, hidden] fp32 accumulator, for one more head product a step
     head_slice: int | None = None
     # GPU bytes per resident parameter besides its bf16 weights and gradient: fp32 master and moments (12),
-    # or for compact state the master's bf16 lo half and bf16 moments (6), for 8-bit state 4 (optim/formats.py)
+    # or for compact state the master's bf16 lo half and bf16 moments (6), for 8-bit state 4.06, counted as 5
     resident_state_bytes: int = 12
     # the last layers keep their linears' outputs for backward, whose recompute then runs no matmul for them
     # (model/recompute.py); fit() fills what the GPU has left with them

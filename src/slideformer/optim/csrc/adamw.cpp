@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -593,9 +594,10 @@ __attribute__((optimize("fp-contract=off"))) void range_8bit(const uint16_t* hi0
     const int64_t j = b / kBlock8;
     const float sm0 = m.scales0[j], sv0 = v.scales0[j];
     float am = 0.0f, av = 0.0f;
+    int nan_m = 0, nan_v = 0;  // (max() drops a NaN; the reference's block maximum keeps it)
     lookup_values(m.codes0 + b, qs, m0);
     lookup_values(v.codes0 + b, qu, v0);
-#pragma omp simd reduction(max : am, av)
+#pragma omp simd reduction(max : am, av) reduction(| : nan_m, nan_v)
     for (int64_t k = 0; k < kBlock8; ++k) {
       const int64_t i = b + k;
       const float gi = G::load(g[i]) * coef;
@@ -613,8 +615,11 @@ __attribute__((optimize("fp-contract=off"))) void range_8bit(const uint16_t* hi0
       vv[k] = vi;
       am = std::max(am, std::fabs(mi));
       av = std::max(av, std::fabs(vi));
+      nan_m |= mi != mi;
+      nan_v |= vi != vi;
     }
-    const float sm = std::max(am, 1e-12f), sv = std::max(av, 1e-12f);
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    const float sm = nan_m ? nan : std::max(am, 1e-12f), sv = nan_v ? nan : std::max(av, 1e-12f);
 #pragma omp simd
     for (int64_t k = 0; k < kBlock8; ++k) {
       mv[k] /= sm;
