@@ -132,15 +132,9 @@ def adamw_compact_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, exp_a
     is the reference and the fallback. Returns the seconds spent waiting for gradient chunks.
     """
     if backend == "native":
-        return native.load(strict=True).adamw_step_compact(hi, lo, grad, exp_avg, exp_avg_sq, step, lr, betas[0],
-                                                            betas[1], eps, weight_decay, grad_coef, seed, offset,
-                                                            threads or native.default_threads(),
-                                                            **(landing.kwargs() if landing else {}),
-                                                            src=None if src is None else list(src))
-    waited = landing.wait(grad.numel()) if landing is not None else 0.0
-    if src is not None:
-        for d, a in zip((hi, lo, exp_avg, exp_avg_sq), src):
-            d.copy_(a)
+        return _native("adamw_step_compact", hi, lo, grad, exp_avg, exp_avg_sq, step, lr, betas[0], betas[1], eps,
+                       weight_decay, grad_coef, seed, offset, threads=threads, landing=landing, src=src)
+    waited = _torch_start(grad.numel(), (hi, lo, exp_avg, exp_avg_sq), landing, src)
     b1, b2 = betas
     w1 = torch.tensor(1.0 - b1, dtype=torch.float32)
     f = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731  (fp32 scalars, as the kernel has)
@@ -172,15 +166,10 @@ def adamw_8bit_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, exp_avg:
     kernel is its arithmetic (no contracted multiply-adds, which would move a value across a code's
     midpoint now and then), equal but for a rare last bit of a lo half."""
     if backend == "native":
-        return native.load(strict=True).adamw_step_8bit(hi, lo, grad, exp_avg, exp_avg_sq, qmap(True), qmap(False),
-                                                         *code_tables(True), *code_tables(False), step, lr, betas[0], betas[1], eps, weight_decay, grad_coef,
-                                                         threads or native.default_threads(),
-                                                         **(landing.kwargs() if landing else {}),
-                                                         src=None if src is None else list(src))
-    waited = landing.wait(grad.numel()) if landing is not None else 0.0
-    if src is not None:
-        for d, a in zip((hi, lo, exp_avg, exp_avg_sq), src):
-            d.copy_(a)
+        return _native("adamw_step_8bit", hi, lo, grad, exp_avg, exp_avg_sq, qmap(True), qmap(False),
+                       *code_tables(True), *code_tables(False), step, lr, betas[0], betas[1], eps, weight_decay,
+                       grad_coef, threads=threads, landing=landing, src=src)
+    waited = _torch_start(grad.numel(), (hi, lo, exp_avg, exp_avg_sq), landing, src)
     n = hi.numel()
     (mc, ms), (vc, vs) = split_moment(exp_avg, n), split_moment(exp_avg_sq, n)
     for a in range(0, n, PIECE_8BIT):  # blocks are independent: pieces bound the temporaries, not the result
@@ -228,6 +217,23 @@ def _quantize_(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, q: to
     y = xb / scale.view(-1, 1)
     codes.copy_(nearest_codes(y, q).view(-1))
     scales.copy_(scale)
+
+
+def _native(kernel: str, *args, threads: int | None, landing: Landing | None, src) -> float:
+    """A C++ update (optim/csrc/adamw.cpp) on its threads, chunk by chunk as the gradient lands."""
+    return getattr(native.load(strict=True), kernel)(*args, threads or native.default_threads(),
+                                                       **(landing.kwargs() if landing else {}),
+                                                       src=None if src is None else list(src))
+
+
+def _torch_start(numel: int, dst: tuple[torch.Tensor, ...], landing: Landing | None, src) -> float:
+    """The PyTorch backend updates a unit in one piece: it waits for every chunk, and starts an update out
+    of place from a copy of ``src``; returns the seconds waited."""
+    waited = landing.wait(numel) if landing is not None else 0.0
+    if src is not None:
+        for d, a in zip(dst, src):
+            d.copy_(a)
+    return waited
 
 
 def resolve_backend(requested: str) -> str:
