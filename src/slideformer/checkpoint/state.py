@@ -183,7 +183,7 @@ def load_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
                 if _DTYPES.get(saved[k].get_dtype()) != dtype:
                     was = _SAVED_FORMAT.get(saved["exp_avg"].get_dtype() if "exp_avg" in saved else "", "another")
                     raise CorruptCheckpointError(f"{root}: saved with optimizer_state={was}, this run has "
-                                                 f"{store.state}; resume with optimizer_state={was}")
+                                                 f"{store.state_format}; resume with optimizer_state={was}")
                 got = 1
                 for d in saved[k].get_shape():
                     got *= d

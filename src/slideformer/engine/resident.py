@@ -1,7 +1,7 @@
 """The state of the units trained on the GPU (resident layers, and the embedding and head when resident):
 fp32 master and moments, or for compact state the master's bf16 lo half and bf16 moments (its hi half is
-the weights the unit's slot holds), or for 8-bit state that lo half and 8-bit moments (optim/formats.py). It lives here only; the host store reads and writes it through
-``copy_out`` and ``copy_in``.
+the weights the unit's slot holds), or for 8-bit state that lo half and 8-bit moments (optim/formats.py).
+It lives here only; the host store reads and writes it through ``copy_out`` and ``copy_in``.
 
 Updates run on the compute stream right after a unit's gradient completes (``update``), so the next
 kernel that reads the unit's slot (the next step's forward) runs after them in stream order; copies of

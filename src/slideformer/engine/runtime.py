@@ -122,7 +122,7 @@ class Runtime:
         self.copier = copier_for(self.device, self.profiler, min(STAGING_ELEMS, max(staged, default=0)))
         # Resident units train on the GPU; their state is there only (engine/resident.py).
         self.resident = ResidentState(self.slots["resident"], {u: adapter.units[u].numel for u in resident},
-                                      store.state, cfg, self.copier.compute, self.profiler)
+                                      store.state_format, cfg, self.copier.compute, self.profiler)
         store.attach_gpu(self.resident)
         self.failure = Failure()  # the first failure in any thread (engine/disk.py)
         self.disk = DiskIO(store.tier, self.failure)  # (engine/disk.py)

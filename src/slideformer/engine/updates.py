@@ -208,7 +208,7 @@ class Updates:
                     common = dict(step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
                                   grad_coef=job.grad_coef, backend=self.backend,
                                   threads=c.tuning.optimizer_threads, landing=job.grads.landing, src=src)
-                    if s.state == "8bit":
+                    if s.state_format == "8bit":
                         waited = adamw_8bit_(master, lo, grad, exp_avg, exp_avg_sq, **common)
                     else:
                         waited = adamw_compact_(master, lo, grad, exp_avg, exp_avg_sq,

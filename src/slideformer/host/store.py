@@ -2,7 +2,8 @@
 
 Per unit, flat 1-D tensors laid out as in ``UnitSpec``:
 - ``master``   fp32 weights, the source of truth;
-- ``exp_avg``, ``exp_avg_sq``  fp32 Adam moments;
+- ``exp_avg``, ``exp_avg_sq``  Adam moments in the state format's layout (optim/formats.py: fp32, bf16, or
+  8-bit codes followed by their block scales in one byte buffer);
 - ``weights``  the compute-dtype copy the GPU window reads (pinned under CUDA). With fp32 compute it
   *is* the master. ``staged_units`` have none (``weights[u] is None``): their master (pinned, in an arena
   apart from the others') crosses PCIe and is cast on the GPU at copy time instead (2 bytes/param less
@@ -78,7 +79,7 @@ class HostStore:
         # Compact state (optimizer_state "compact" or "8bit"): the master is hi + lo, both bf16, and hi doubles
         # as the weights the GPU reads; moments are bf16, or 8-bit codes and block scales in one byte buffer
         # (optim/formats.py). 8 or 6.06 bytes per parameter instead of 12 (+2).
-        self.state = state
+        self.state_format = state
         self.compact = compact = compact_master(state)
         master_dtype = torch.bfloat16 if compact else torch.float32
         self.master_dtype = master_dtype
