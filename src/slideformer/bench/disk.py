@@ -13,6 +13,8 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from ..host.nvme import IO_CHUNK, _open, aligned_empty
 
 
@@ -43,7 +45,7 @@ def main(argv=None) -> dict:
     paths = [os.path.join(args.dir, f"disk-bench-{os.getpid()}-{i}") for i in range(4)]
     fds, direct = [], True
     rec: dict = {"dir": args.dir, "bytes": 2 * size}
-    buf = aligned_empty(IO_CHUNK, __import__("torch").uint8).fill_(7)
+    buf = aligned_empty(IO_CHUNK, torch.uint8).fill_(7)
     try:
         for p in paths:
             fd, direct = _open(p, direct)

@@ -11,8 +11,8 @@ file says ``<|im_end|>``.
 """
 from __future__ import annotations
 
-import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -44,8 +44,8 @@ def smollm2(folder: str | Path) -> Path:
     tok.eos_token = "<|im_end|>"
     model.generation_config.eos_token_id = tok.eos_token_id
     model.config.eos_token_id = tok.eos_token_id
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))  # ours alone: nothing else is touched
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     tmp.rename(folder)
