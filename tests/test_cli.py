@@ -186,7 +186,8 @@ def test_plan_on_paper_for_another_machine(capsys):
     copies, the NVMe tier's traffic), and the largest presets plan. On a 24 GB card with 256 GB of RAM and an
     NVMe tier, Llama-3.1-70B fits with its fp32 master and moments on the tier (the planner puts the master
     there where the moments alone are not enough) and the bf16 copy in RAM, disk-bound; Mistral-Large-2's
-    bf16 copy alone is over the RAM; Llama-3.1-405B's layer does not fit 24 GB."""
+    bf16 copy alone is over the RAM with fp32 state, but with 8-bit state everything but buffers goes to the
+    tier; Llama-3.1-405B's layer does not fit 24 GB."""
     import json
 
     def plan(model, *extra):
@@ -208,9 +209,17 @@ def test_plan_on_paper_for_another_machine(capsys):
     assert code == 3 and 122e9 < large["params"] < 123e9 and large["gpu_bytes"] <= 24e9 and large["host_bytes"] > 256e9
     code, _ = plan("llama3.1-405b", *rtx)
     assert code == 3
+    # 8-bit state: the tier takes the master too, and with it the weights the window reads, so RAM holds only
+    # buffers and Mistral-Large-2 fits, bound by the disk (its weights read twice a step besides the state)
+    code, large8 = plan("mistral-large-2", *rtx, "--optimizer-state", "8bit")
+    assert code == 0 and large8["fits"] and large8["host_bytes"] < 0.95 * 256e9
+    assert large8["nvme_bytes"] > 2 * 256e9  # (more than the RAM could hold: the master is on the tier too)
+    t8 = large8["timing"]
+    assert large8["predicted_step_s"] == pytest.approx(t8["nvme_s"] + t8["edge_stall_s"])
+    assert t8["nvme_s"] == pytest.approx((large8["nvme_bytes"] + 4 * large8["nvme_bytes"] / 6.06) / 7e9, rel=0.02)
     assert main(["plan", "--model", "llama3.1-70b", "--seq-len", "1024", "--batch-size", "8", "--offload-dir", "/nvme",
-                 "--nvme-master", "--optimizer-state", "compact"]) == 2  # (train refuses it: so does plan)
-    assert "nvme_master needs" in capsys.readouterr().err
+                 "--nvme-master", "--host-weights", "staged"]) == 2  # (train refuses it: so does plan)
+    assert "nvme_master with fp32 state needs" in capsys.readouterr().err
 
 
 def test_plan_names_a_disk_too_small_for_the_tier(capsys, tmp_path):

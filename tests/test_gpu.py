@@ -297,13 +297,16 @@ def test_non_blocking_step_returns_the_same_loss_on_cuda():
     assert [float(t) for t in got] == pytest.approx(losses, rel=1e-6)
 
 
-def test_master_on_the_nvme_tier_on_cuda(tmp_path):
-    """bf16 compute copy pinned in RAM, fp32 master and moments in the tier's files: the same training."""
+@pytest.mark.parametrize("state", ["fp32", "8bit"])
+def test_master_on_the_nvme_tier_on_cuda(tmp_path, state):
+    """fp32: bf16 compute copy pinned in RAM, fp32 master and moments in the tier's files. 8bit: the compact
+    master (the weights the window reads) and moments in the files, the weights read into two pinned buffers
+    and copied on the h2d stream, each buffer reused only once its copy has finished. The same training."""
     model = build("llama")
-    batches = [batch(97, seed=s) for s in range(3)]
-    ram, la = cuda_engine_train(model, batches, compute_dtype=torch.bfloat16, lr=1e-3)
-    tier, lb = cuda_engine_train(model, batches, compute_dtype=torch.bfloat16, lr=1e-3, offload_dir=str(tmp_path),
-                                 nvme_master=True)
+    batches = [batch(97, seed=s) for s in range(4)]
+    kw = dict(compute_dtype=torch.bfloat16, lr=1e-3, optimizer_state=state, window_slots=2)
+    ram, la = cuda_engine_train(model, batches, **kw)
+    tier, lb = cuda_engine_train(model, batches, **kw, offload_dir=str(tmp_path), nvme_master=True)
     assert la == lb and all(torch.equal(ram[k], tier[k]) for k in ram)
 
 

@@ -66,26 +66,32 @@ def test_master_on_the_tier_needs_what_it_relies_on(tmp_path):
         EngineConfig(device="cpu", offload_dir=str(tmp_path), placement=Placement(nvme_master=True, host_weights="staged")).validate()
 
 
-@pytest.mark.parametrize("state", ["compact", "8bit"])
-def test_compact_state_on_the_tier_trains_like_ram(tmp_path, state):
+@pytest.mark.parametrize("state,master", [("compact", False), ("8bit", False), ("compact", True), ("8bit", True)])
+def test_compact_state_on_the_tier_trains_like_ram(tmp_path, state, master):
     """bf16 moments (compact optimizer state) on the tier: half the disk, the same training; 8-bit moments
-    (codes and block scales): a quarter and a little."""
+    (codes and block scales): a quarter and a little. With nvme_master the master's hi and lo halves go
+    too, and the window reads the weights (the hi half) from disk: RAM keeps no byte of those layers;
+    with clipping and two micro-batches a step, still the same training."""
     from slideformer.optim.formats import moment_bytes, moment_dtype
 
     model = build("qwen3-tied")
-    steps = [batch(97, seed=s) for s in range(3)]
-    kw = dict(device="cpu", lr=1e-2, compute_dtype=torch.bfloat16, optimizer_state=state, host_grad_buffers=1)
+    steps = [[batch(97, seed=s), batch(97, b=3, seed=s + 9)] if master else batch(97, seed=s) for s in range(3)]
+    kw = dict(device="cpu", lr=1e-2, compute_dtype=torch.bfloat16, optimizer_state=state, host_grad_buffers=1,
+              max_grad_norm=0.5 if master else None)
 
     def run(**extra):
         with SlideEngine(model, engine_config(**kw, **extra)) as e:
             losses = [e.train_step(b) for b in steps]
-            disk = e.memory_report()["nvme_disk"]
-            e.save_checkpoint(tmp_path / f"ck{len(extra)}")
-            return losses, {k: v.clone() for k, v in e.state_dict().items()}, disk, e.adapter.layer_unit(0).numel
+            rep = e.memory_report()
+            e.save_checkpoint(tmp_path / f"ck{bool(extra):d}")
+            return losses, {k: v.clone() for k, v in e.state_dict().items()}, rep, e.adapter.layer_unit(0).numel
 
-    la, a, _, _ = run()
-    lb, b, disk, layer = run(offload_dir=str(tmp_path / "nvme"))
-    assert 3 * moment_bytes(state, layer) <= disk < 3 * moment_bytes(state, layer) + 3 * 4096  # (4 KiB-aligned files)
+    la, a, ram, _ = run()
+    lb, b, rep, layer = run(offload_dir=str(tmp_path / "nvme"), nvme_master=master)
+    per_layer = moment_bytes(state, layer) + (4 * layer if master else 0)
+    assert 3 * per_layer <= rep["nvme_disk"] < 3 * per_layer + 3 * 4 * 4096  # (each field 4 KiB-aligned)
+    if master:  # the master (and the weights) of all three layers left RAM
+        assert ram["host_master"] - rep["host_master"] == 3 * 4 * layer
     assert la == lb
     assert all(torch.equal(a[k], b[k]) for k in a)
     # the checkpoint written from the tier holds the same moments as the one written from RAM
@@ -95,6 +101,13 @@ def test_compact_state_on_the_tier_trains_like_ram(tmp_path, state):
         u = x.adapter.layer_unit(1).index
         assert torch.equal(x.store.exp_avg_sq[u], y.store.exp_avg_sq[u]) and x.store.exp_avg_sq[u].dtype == moment_dtype(state)
         assert x.store.exp_avg_sq[u].any()
+    if master:  # resumed onto the tier (hi, lo and moments written there) and in RAM: the same next steps
+        tier = dict(offload_dir=str(tmp_path / "nvme"), nvme_master=True)
+        with SlideEngine(model, engine_config(**kw)) as x, SlideEngine(model, engine_config(**kw, **tier)) as y:
+            x.load_checkpoint(tmp_path / "ck0")
+            y.load_checkpoint(tmp_path / "ck0")
+            assert [x.train_step(b) for b in steps[:2]] == [y.train_step(b) for b in steps[:2]]
+            assert all(torch.equal(v, y.state_dict()[k]) for k, v in x.state_dict().items())
 
 
 def test_tier_accounting_and_checkpoint_round_trip(tmp_path):
@@ -126,8 +139,12 @@ def test_full_disk_is_refused_at_start(tmp_path, monkeypatch):
         SlideEngine(build("llama"), engine_config(**CPU, offload_dir=str(tmp_path)))
 
 
-def test_corrupt_state_file_is_detected(tmp_path):
-    eng = SlideEngine(build("llama"), engine_config(**CPU, offload_dir=str(tmp_path)))
+@pytest.mark.parametrize("weights", [False, True])
+def test_corrupt_state_file_is_detected(tmp_path, weights):
+    """A flipped byte in a moment, or (compact state's master on the tier) in the weights the window's
+    loader reads before any update does: the read that meets it stops training, naming the file."""
+    cfg = dict(CPU, compute_dtype=torch.bfloat16, optimizer_state="compact", nvme_master=True) if weights else CPU
+    eng = SlideEngine(build("llama"), engine_config(**cfg, offload_dir=str(tmp_path)))
     with eng:
         eng.train_step(batch(97))
         eng.synchronize()
@@ -141,6 +158,7 @@ def test_corrupt_state_file_is_detected(tmp_path):
             eng.train_step(batch(97, seed=1))
             eng.synchronize()
         assert isinstance(info.value.__cause__, TierError) and "corrupt" in str(info.value.__cause__)
+        assert ("in master" if weights else "in exp_avg") in str(info.value.__cause__)
 
 
 def test_failed_write_stops_training_clearly(tmp_path, monkeypatch):
@@ -447,7 +465,8 @@ def test_checksums_chain_across_pieces_and_a_write_that_moves_nothing_fails(tmp_
         tier.buffers[0].view(torch.float32)[: 2 * 37 * 1024].uniform_()
         view = memoryview(tier.buffers[0].numpy())[: tier.nbytes[0]]
         tier.write(0, 0)
-        assert tier.crc[0] == zlib.crc32(view)
+        half = len(view) // 2  # (each field's own CRC)
+        assert (tier.crc[0, "exp_avg"], tier.crc[0, "exp_avg_sq"]) == (zlib.crc32(view[:half]), zlib.crc32(view[half:]))
         tier.read(0, 0)  # (the CRC summed beside the reads matches)
         monkeypatch.setattr(nvme.os, "pwritev", lambda fd, bufs, off: 0)
         with pytest.raises(TierError, match="a write moved nothing"):
@@ -494,11 +513,13 @@ def test_close_removes_the_owned_directory(tmp_path, monkeypatch):
     assert not list((tmp_path / "nvme").iterdir())  # a tier that failed to start leaves nothing either
 
 
-def test_the_ram_budget_holds_under_a_model_four_times_its_size(tmp_path):
+@pytest.mark.parametrize("fmt,per_param", [("fp32", 14), ("8bit", 6.06)])
+def test_the_ram_budget_holds_under_a_model_four_times_its_size(tmp_path, fmt, per_param):
     """host_memory_limit at a quarter of the model's training state (fp32 master and moments, bf16 copy: 14
-    bytes a parameter): the planner puts the tier layers' master and moments on NVMe (nvme_master, which it
-    turns on where the moments alone are not enough), the engine's host state stays within the budget by its
-    own accounting, and training equals training with everything in RAM."""
+    bytes a parameter; 8-bit: 6.06): the planner puts the tier layers' master and moments on NVMe
+    (nvme_master, which it turns on where the moments alone are not enough; with 8-bit state the weights go
+    with the master), the engine's host state stays within the budget by its own accounting, and training
+    equals training with everything in RAM."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from slideformer.machine import Machine
@@ -513,9 +534,9 @@ def test_the_ram_budget_holds_under_a_model_four_times_its_size(tmp_path):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).float()
     shape = ModelShape.from_adapter(ModelAdapter(config, torch.bfloat16))
-    budget = 14 * shape.params // 4
+    budget = int(per_param * shape.params) // 4
     cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, lr=1e-2, max_grad_norm=None,
-                       offload_dir=str(tmp_path), host_memory_limit=PROCESS_BYTES + budget)
+                       offload_dir=str(tmp_path), host_memory_limit=PROCESS_BYTES + budget, optimizer_state=fmt)
     plan = resolve(cfg, Auto(), shape, 2, 12, Machine(ram=64 * 2**30))
     assert plan.fits, plan.problem
     tiered = plan.config
@@ -533,7 +554,7 @@ def test_the_ram_budget_holds_under_a_model_four_times_its_size(tmp_path):
     assert sum(v for k, v in rep.items() if k.startswith("host_")) <= budget
     assert rep["nvme_disk"] > 2 * budget
     ram_losses, ram_state, _ = train(EngineConfig(device="cpu", compute_dtype=torch.bfloat16, lr=1e-2,
-                                                  max_grad_norm=None))
+                                                  max_grad_norm=None, optimizer_state=fmt))
     assert losses == ram_losses and all(torch.equal(state[k], ram_state[k]) for k in state)
 
 

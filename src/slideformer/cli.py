@@ -457,8 +457,9 @@ def _main(argv: list[str], signals: Signals) -> int:
                          "as the host budget allows")
     pl.add_argument("--disk-space", help="bytes free for the tier under --offload-dir, e.g. 4TB (default: what is "
                     "free there now, where the folder exists)")
-    pl.add_argument("--nvme-master", action="store_true", help="the tier's layers keep their fp32 master there too "
-                    "(without it: as `slideformer train`, where the moments alone leave the host budget short)")
+    pl.add_argument("--nvme-master", action="store_true", help="the tier's layers keep their master there too (compact "
+                    "state: with the weights it doubles as, read from disk) (without it: as `slideformer train`, where "
+                    "the moments alone leave the host budget short)")
     pl.add_argument("--activations-to-nvme", action="store_true",
                     help="offloaded layer inputs go to files under --offload-dir (RAM: 3 staging buffers)")
     pl.add_argument("--host-weights", default="auto",

@@ -61,10 +61,10 @@ class MachineRates:
     disk_read_bytes_per_s: float = 1.6e9
     disk_write_bytes_per_s: float = 0.96e9
 
-    def disk_s(self, nbytes: float) -> float:
-        """Seconds to read ``nbytes`` from the tier and write them back: a step's traffic, on the runtime's
-        reader and writer threads at once (engine/disk.py)."""
-        return max(nbytes / self.disk_read_bytes_per_s, nbytes / self.disk_write_bytes_per_s)
+    def disk_s(self, nbytes: float, read_only: float = 0) -> float:
+        """Seconds to read ``nbytes`` from the tier and write them back, and to read ``read_only`` more: a
+        step's traffic, reads and writes at once (engine/disk.py's threads, and the window's loader)."""
+        return max((nbytes + read_only) / self.disk_read_bytes_per_s, nbytes / self.disk_write_bytes_per_s)
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,7 @@ def run_slideformer(args, config):
     def extra():
         p = cfg.placement
         rep = {"window_slots_chosen": p.window_slots, "nvme_fraction_chosen": p.nvme_fraction,
+               "nvme_master_chosen": p.nvme_master,
                "resident_layers_chosen": p.resident_layers,
                "resident_edges_chosen": p.resident_edges,
                "host_weights_chosen": p.host_weights, "host_grad_buffers_chosen": p.host_grad_buffers,
@@ -285,7 +286,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--optimizer-state", default="fp32", choices=["fp32", "compact", "8bit"])
     ap.add_argument("--offload-dir", default=None, help="NVMe tier directory for the moments of --nvme-fraction of the layers")
     ap.add_argument("--nvme-fraction", default="auto", help="the layers on the tier, or auto (the planner's)")
-    ap.add_argument("--nvme-master", action="store_true", help="the tier's layers keep their fp32 master there too")
+    ap.add_argument("--nvme-master", action="store_true", help="the tier's layers keep their master there too (compact "
+                    "state: and the weights it doubles as)")
     ap.add_argument("--offload-activations", type=int, metavar="KEEP",
                     help="offload every layer input to host memory but the last KEEP (without a GPU budget; "
                          "under one the planner decides)")

@@ -7,7 +7,10 @@ them; a read goes to the reader only once a RAM buffer is free for it (the reade
 activation reads share it, and backward may need those before any buffer comes free). The read sets the
 unit's ``ready`` flag; the optimizer worker ``take``s the buffer, updates it in place and ``give_back``s
 it, which queues its write; the buffer is free again when the write has finished, and the unit's file is
-read again (next step) only after that write (its ``written`` flag).
+read again (next step) only after that write (its ``written`` flag). The window's loads of weights on the
+tier (compact state's master there) read that one field on the loader thread (``read_weights``), once the
+unit's last update is on disk (its ``stored`` flag: cleared when the update hands its buffer back, set when
+the write has finished).
 
 Failures are the run's (``Failure``): the first is kept, every wait here ends when one is recorded, and
 each job still releases what it holds."""
@@ -58,7 +61,8 @@ class DiskIO:
             self._pending: collections.deque[int] = collections.deque()
             self._ready = {u: threading.Event() for u in tier.numels}
             self._written = {u: threading.Event() for u in tier.numels}
-            for e in self._written.values():
+            self._stored = {u: threading.Event() for u in tier.numels}
+            for e in (*self._written.values(), *self._stored.values()):
                 e.set()
 
     # -- the two threads -----------------------------------------------------------------------------
@@ -107,7 +111,15 @@ class DiskIO:
 
     def give_back(self, unit: int, buf: int) -> None:
         """The buffer goes back to its file (then to the free list)."""
+        self._stored[unit].clear()
         self._writes.put(lambda: self._write(unit, buf))
+
+    def read_weights(self, unit: int, dst) -> object | None:
+        """The unit's master (compact state: the weights the window reads) from its file into ``dst``, once
+        its last update is written; None if a failure means it may never be (its error is kept)."""
+        if not self.failure.wait(self._stored[unit]) or self.failure.first is not None:
+            return None
+        return self.tier.read_field(unit, "master", dst)
 
     def _schedule(self) -> None:
         with self._cv:
@@ -136,6 +148,7 @@ class DiskIO:
             self.failure.record(e)
         finally:
             self._written[unit].set()
+            self._stored[unit].set()
             with self._cv:
                 self._free[buf] = True
             self._schedule()

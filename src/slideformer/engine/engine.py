@@ -492,7 +492,8 @@ class SlideEngine:
                          if spec else "clipping: the CPU update waits for the global norm")
         if self.store.tier is not None:
             parts.append(f"NVMe tier: the last {len(self.store.tier.numels)} layers' moments"
-                         f"{' and master' if self.store.nvme_master else ''}")
+                         + (" and master, their weights read from disk" if self.store.tier_weights else
+                            " and master" if self.store.nvme_master else ""))
         if self._limit:
             parts.append(f"GPU budget {self._limit / 2**30:.1f} GiB")
         return "; ".join(parts)

@@ -132,6 +132,7 @@ class Runtime:
         self._landing_flags = torch.zeros(len(store.grad_buffers), chunks, dtype=torch.int64, pin_memory=cuda)
         self._abort = torch.zeros(1, dtype=torch.int64)
         self._tickets = 0
+        self._tier_turn, self._tier_copied = 0, [None, None]  # (the loader's: see _load_from_tier)
         self._loads: queue.Queue[tuple | None] = queue.Queue()
         self._loader = threading.Thread(target=self._load_work, name="slideformer-loader", daemon=True)
         self._loader.start()
@@ -186,9 +187,25 @@ class Runtime:
         if not self.wait_flag(self.updates.updated[unit]) or self._error is not None:
             return
         n = self.adapter.units[unit].numel
+        if self.store.weights_on_tier(unit):
+            slot.loaded = self._load_from_tier(unit, slot.params[:n], used)
+            return
         w = self.store.weights[unit]  # (None: staged, cast from the master)
         slot.loaded = self.copier.load(slot.params[:n], w if w is not None else self.store.master[unit],
                                        staged=w is None, used=used)
+
+    def _load_from_tier(self, unit: int, dst: torch.Tensor, used):
+        """Weights on the NVMe tier: read into the next of the two pinned ``tier_weights`` buffers (once the
+        copy that last read it has finished), then copied to the slot like host weights."""
+        k = self._tier_turn = 1 - self._tier_turn
+        if self._tier_copied[k] is not None:
+            self._tier_copied[k].synchronize()
+        with self.profiler.timed("loader_read_tier"):
+            src = self.disk.read_weights(unit, self.store.tier_weights[k])
+        if src is None:
+            return None
+        self._tier_copied[k] = loaded = self.copier.load(dst, src, staged=False, used=used)
+        return loaded
 
     def begin_compute(self, slot: Slot) -> None:
         if slot.issued is not None:  # the loader has enqueued (CPU: done) the copy, and recorded ``loaded``

@@ -178,16 +178,13 @@ class Updates:
         try:
             if self._error is None:
                 s, c = self.store, self.cfg
-                master = s.master[job.unit]
+                st = s.state_fields(job.unit)  # (None where the tier holds a field)
                 if s.on_tier(job.unit):  # its state is (being) read ahead
                     tier_buf = self.disk.take(job.unit)
                     if tier_buf is None or self._error is not None:  # a read failed: its error is kept
                         return
-                    exp_avg, exp_avg_sq, *rest = s.tier.views(job.unit, tier_buf)
-                    if rest:
-                        master = rest[0]
-                else:
-                    exp_avg, exp_avg_sq = s.exp_avg[job.unit], s.exp_avg_sq[job.unit]
+                    st.update(s.tier.views(job.unit, tier_buf))
+                master, exp_avg, exp_avg_sq = st["master"], st["exp_avg"], st["exp_avg_sq"]
                 n = self.adapter.units[job.unit].numel
                 grad = s.grad_buffers[job.grads.buffer][:n]
                 out = s.weights[job.unit] if s.weights is not s.master else None  # (None: staged)
@@ -204,7 +201,7 @@ class Updates:
                     if out is not None:
                         out.copy_(master)
                 elif s.compact:
-                    lo = s.master_lo[job.unit] if job.spare is None else s.spares[job.spare]["master_lo"]
+                    lo = st["master_lo"] if job.spare is None else s.spares[job.spare]["master_lo"]
                     common = dict(step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
                                   grad_coef=job.grad_coef, backend=self.backend,
                                   threads=c.tuning.optimizer_threads, landing=job.grads.landing, src=src)

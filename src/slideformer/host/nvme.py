@@ -1,13 +1,14 @@
 """The NVMe tier: the optimizer state of some units lives in files under ``offload_dir``.
 
-Each unit on the tier has one file holding its fields, one after another: exp_avg and exp_avg_sq, and
-with ``nvme_master`` the fp32 master weights too (4096-byte padded). It is reserved with
+Each unit on the tier has one file holding its fields, one after another, each 4096-byte aligned: with
+``nvme_master`` the master first (fp32; or compact state's bf16 hi half, which is also the weights the
+window reads, and its lo half), then exp_avg and exp_avg_sq. It is reserved with
 posix_fallocate at start, so a disk too small fails at once with the size it needs, not hours in.
 The runtime reads a unit's state into one of a few RAM buffers ahead of its update and writes it back
 behind it (engine/runtime.py owns those threads); this class only moves bytes.
 
 I/O uses O_DIRECT where the filesystem supports it (page cache would spend the RAM the tier saves),
-else buffered I/O followed by POSIX_FADV_DONTNEED. Every write records a CRC32 of the file's bytes
+else buffered I/O followed by POSIX_FADV_DONTNEED. Every write records a CRC32 of each field's bytes
 and every read checks it, so a corrupted or truncated state file is detected, never trained on.
 
 The files of each tier (and each ``NvmeScratch``) live in a directory of their own,
@@ -265,22 +266,37 @@ def _crc(view: memoryview, crc: int = 0) -> int:
     return crc
 
 
+MOMENTS = {"exp_avg": (torch.float32, None), "exp_avg_sq": (torch.float32, None)}
+
+
 class NvmeTier:
     """The state files of the tier's units, in an ``OwnedDir`` of their own under ``directory`` (the
-    offload_dir), and the RAM buffers they are read into and written from."""
+    offload_dir), and the RAM buffers they are read into and written from.
+
+    ``fields`` names what a unit's file holds, in file order: name -> (dtype, elements for a unit of n
+    parameters; None: n). Each field starts on a 4096-byte boundary and has a CRC32 of its own, so one
+    field (the weights the window reads) can be read and checked alone."""
 
     def __init__(self, directory: str | os.PathLike, numels: dict[int, int], buffers: int,
-                 dtype: torch.dtype = torch.float32, fields: int = 2):
+                 fields: dict[str, tuple[torch.dtype, object]] = MOMENTS):
         self.offload_dir = Path(directory)
         self.numels = numels
-        self.dtype = dtype  # fp32 state, or bf16 moments (compact optimizer state)
-        self.fields = fields  # 2: exp_avg, exp_avg_sq; 3: and the master
-        self.nbytes = {u: -(-fields * n * dtype.itemsize // ALIGN) * ALIGN for u, n in numels.items()}
+        self.fields = dict(fields)
+        # per unit: field -> (byte offset, elements, dtype); and the file's (and a buffer's) bytes
+        self.layout: dict[int, dict[str, tuple[int, int, torch.dtype]]] = {}
+        self.nbytes: dict[int, int] = {}
+        for u, n in numels.items():
+            at, lay = 0, {}
+            for name, (dtype, size) in self.fields.items():
+                k = n if size is None else size(n)
+                lay[name] = (at, k, dtype)
+                at += _padded(k * dtype.itemsize)
+            self.layout[u], self.nbytes[u] = lay, at
         need = sum(self.nbytes.values())
         self.files: dict[int, Path] = {}
         self._fds: dict[int, int] = {}
         self.direct = True
-        self.crc: dict[int, int] = {}
+        self.crc: dict[tuple[int, str], int] = {}  # (unit, field) -> the CRC32 of its padded bytes on disk
         self._sums = Checksummed()
         self.owned = OwnedDir(self.offload_dir)
         self.dir = self.owned.path
@@ -296,10 +312,13 @@ class NvmeTier:
                     raise TierError(e.errno, f"offload_dir {self.offload_dir}: cannot reserve {_gib(need)} "
                                     f"for the optimizer state on the NVMe tier ({e.strerror}); free space there, lower "
                                     "the fraction of units on the tier, or point offload_dir elsewhere") from e
-                if size not in zero_crc:
-                    zero_crc[size] = self._zero_crc(size)
-                self.crc[u] = zero_crc[size]  # fallocate'd space reads as zeros: the moments' initial value
-                # (a master on the tier is written before training starts: see HostStore.set_master)
+                for name, (_, k, dtype) in self.layout[u].items():
+                    padded = _padded(k * dtype.itemsize)
+                    if padded not in zero_crc:
+                        zero_crc[padded] = self._zero_crc(padded)
+                    # fallocate'd space reads as zeros: the moments' initial value (a master on the tier is
+                    # written before training starts: see HostStore.set_master)
+                    self.crc[u, name] = zero_crc[padded]
             width = max(self.nbytes.values())
             self.buffers = [aligned_empty(width, torch.uint8).zero_() for _ in range(buffers)]
         except BaseException:
@@ -321,39 +340,59 @@ class NvmeTier:
     def disk_bytes(self) -> int:
         return sum(self.nbytes.values())
 
-    def views(self, unit: int, buf: int) -> tuple[torch.Tensor, ...]:
-        """The fields of ``unit`` (exp_avg, exp_avg_sq[, master]) inside RAM buffer ``buf``."""
-        n = self.numels[unit]
-        return tuple(self.buffers[buf].view(self.dtype)[: self.fields * n].split(n))
+    def field_bytes(self, unit: int, name: str) -> int:
+        """The bytes a read of one field moves (4096-padded): the size its destination needs."""
+        _, k, dtype = self.layout[unit][name]
+        return _padded(k * dtype.itemsize)
+
+    def views(self, unit: int, buf: int) -> dict[str, torch.Tensor]:
+        """The fields of ``unit`` inside RAM buffer ``buf``, by name."""
+        raw = self.buffers[buf]
+        return {name: raw[at: at + k * dtype.itemsize].view(dtype) for name, (at, k, dtype) in self.layout[unit].items()}
 
     def read(self, unit: int, buf: int) -> None:
-        view = memoryview(self.buffers[buf].numpy())[: self.nbytes[unit]]
-        done, crc = self._sums.move(self._fds[unit], view, 0, self.direct, write=False)
+        """Every field of ``unit`` into RAM buffer ``buf``, each checked against its CRC."""
+        for name, (at, _, _) in self.layout[unit].items():
+            self._read_field(unit, name, self.buffers[buf][at: at + self.field_bytes(unit, name)])
+
+    def read_field(self, unit: int, name: str, dst: torch.Tensor) -> torch.Tensor:
+        """One field of ``unit`` into ``dst`` (4096-aligned bytes, at least ``field_bytes`` of them), checked;
+        returns it as a view of ``dst`` in the field's dtype."""
+        _, k, dtype = self.layout[unit][name]
+        self._read_field(unit, name, dst.view(torch.uint8)[: self.field_bytes(unit, name)])
+        return dst.view(torch.uint8)[: k * dtype.itemsize].view(dtype)
+
+    def _read_field(self, unit: int, name: str, dst: torch.Tensor) -> None:
+        view = memoryview(dst.numpy())
+        done, crc = self._sums.move(self._fds[unit], view, self.layout[unit][name][0], self.direct, write=False)
         if done < len(view):
-            raise TierError(errno.EIO, f"NVMe state file {self.files[unit]} is truncated at byte {done}")
-        if crc != self.crc[unit]:
-            raise TierError(errno.EIO, f"NVMe state file {self.files[unit]} is corrupt (CRC32 mismatch): the "
-                            "state read back is not what was written; resume from the last checkpoint")
+            raise TierError(errno.EIO, f"NVMe state file {self.files[unit]} is truncated in {name}")
+        if crc != self.crc[unit, name]:
+            raise TierError(errno.EIO, f"NVMe state file {self.files[unit]} is corrupt (CRC32 mismatch in {name}): "
+                            "the state read back is not what was written; resume from the last checkpoint")
 
     def write(self, unit: int, buf: int) -> None:
-        view = memoryview(self.buffers[buf].numpy())[: self.nbytes[unit]]
-        try:
-            _, crc = self._sums.move(self._fds[unit], view, 0, self.direct, write=True)
-        except OSError as e:
-            raise TierError(e.errno, f"writing NVMe state file {self.files[unit]} failed ({e.strerror}); "
-                            "training stops here, the last checkpoint is intact") from e
-        self.crc[unit] = crc
+        """Every field of ``unit`` from RAM buffer ``buf``; each field's CRC is the one of what was written."""
+        for name, (at, _, _) in self.layout[unit].items():
+            self.crc.pop((unit, name), None)  # until the write completes the field holds nothing valid
+            view = memoryview(self.buffers[buf].numpy())[at: at + self.field_bytes(unit, name)]
+            try:
+                _, crc = self._sums.move(self._fds[unit], view, at, self.direct, write=True)
+            except OSError as e:
+                raise TierError(e.errno, f"writing NVMe state file {self.files[unit]} failed ({e.strerror}); "
+                                "training stops here, the last checkpoint is intact") from e
+            self.crc[unit, name] = crc
 
-    def copy_out(self, unit: int) -> tuple[torch.Tensor, ...]:
-        """The unit's fields as new tensors (for checkpoints; the pipeline must be idle)."""
+    def copy_out(self, unit: int) -> dict[str, torch.Tensor]:
+        """The unit's fields as new tensors, by name (for checkpoints; the pipeline must be idle)."""
         self.read(unit, 0)
-        return tuple(t.clone() for t in self.views(unit, 0))
+        return {name: t.clone() for name, t in self.views(unit, 0).items()}
 
     def copy_in(self, unit: int, **fields: torch.Tensor) -> None:
-        """Replace some of the unit's fields (``exp_avg``, ``exp_avg_sq``, ``master``), keeping the others
-        (initialisation and checkpoint restore; the pipeline must be idle)."""
+        """Replace some of the unit's fields, keeping the others (initialisation and checkpoint restore; the
+        pipeline must be idle)."""
         self.read(unit, 0)
-        views = dict(zip(("exp_avg", "exp_avg_sq", "master"), self.views(unit, 0)))
+        views = self.views(unit, 0)
         for name, t in fields.items():
             views[name].copy_(t)
         self.write(unit, 0)
@@ -369,6 +408,10 @@ class NvmeTier:
             self.owned.close()
         finally:
             self._sums.close()
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 class NvmeScratch:

@@ -20,7 +20,10 @@ Per unit, flat 1-D tensors laid out as in ``UnitSpec``:
   unit's old buffers become that spare, so no state is copied.
 
 Units on the NVMe tier (host/nvme.py) have no moments here (``exp_avg[u] is None``), and with
-``nvme_master`` no master either; their compute copy stays in RAM, since the window reads it every step.
+``nvme_master`` no master either. With fp32 state their bf16 compute copy stays in RAM; with compact state
+the master's hi half is that copy, so it lives on the tier too (``weights[u] is None``) and the window's
+loads read it from disk into one of two pinned ``tier_weights`` buffers (engine/runtime.py): RAM then holds
+no byte a parameter for those units, only buffers.
 Units trained on the GPU (``resident_units``: resident layers, resident embedding and head) have nothing here:
 their state lives on the GPU only (engine/runtime.py owns it), and a host mirror would cost 14-16 bytes a
 parameter for nothing (~77 of 108 GiB of RSS at Llama-8B b8 with 23 layers and the edges resident).
@@ -41,6 +44,7 @@ from ..model.adapter import UnitSpec
 from ..optim import formats
 from ..optim.formats import compact_master
 from . import pinned
+from .nvme import aligned_empty
 
 
 def _some(units: list, which: list, dtype: torch.dtype, pin: bool, registered: list,
@@ -89,13 +93,14 @@ class HostStore:
         # Pinned where the GPU reads it: as the weights (fp32 compute), or to cast them there (staged units,
         # whose masters get an arena of their own: the others' stay pageable).
         with_master = in_ram if self.nvme_master else host
+        on_tier_master = [u for u in host if u.index in nvme_units] if self.nvme_master else []
         read = [u for u in with_master if compute_dtype == master_dtype or u.index in staged_units]
         pinned_part = _some(units, read, master_dtype, pin, self._registered)
         read_ix = {u.index for u in read}
         rest = _some(units, [u for u in with_master if u.index not in read_ix], master_dtype, False, self._registered)
         self.master = [a if a is not None else b for a, b in zip(pinned_part, rest)]
         pin_master = pin and bool(read)  # (a spare becomes some layer's master)
-        self.master_lo = _some(units, host, torch.bfloat16, False, self._registered) if compact else None
+        self.master_lo = _some(units, with_master, torch.bfloat16, False, self._registered) if compact else None
         self.moment_dtype = moment_dtype = formats.moment_dtype(state)
         self.moment_numel = size = functools.partial(formats.moment_numel, state)
         self.exp_avg = _some(units, in_ram, moment_dtype, False, self._registered, size)
@@ -104,9 +109,22 @@ class HostStore:
         if nvme_units:
             from .nvme import NvmeTier
 
-            self.tier = NvmeTier(nvme_dir, {u: size(units[u].numel) for u in sorted(nvme_units)}, nvme_buffers,
-                                 moment_dtype, fields=3 if self.nvme_master else 2)
-        if compute_dtype == master_dtype and not self.nvme_master:
+            fields = {"master": (master_dtype, None)} if self.nvme_master else {}
+            if self.nvme_master and compact:
+                fields["master_lo"] = (torch.bfloat16, None)
+            fields.update(exp_avg=(moment_dtype, size), exp_avg_sq=(moment_dtype, size))
+            self.tier = NvmeTier(nvme_dir, {u: units[u].numel for u in sorted(nvme_units)}, nvme_buffers, fields)
+        # Compact state's weights on the tier: two pinned buffers the window's loads read them into (one
+        # filling while the other's copy to the GPU runs).
+        self.tier_weights: list[torch.Tensor] = []
+        if compact and on_tier_master:
+            width = max(self.tier.field_bytes(u.index, "master") for u in on_tier_master)
+            self.tier_weights = [aligned_empty(width, torch.uint8) for _ in range(2)]
+            for t in self.tier_weights:
+                if pin:
+                    pinned.pin(t, "the weights read from the NVMe tier", "raise the locked-memory limit (ulimit -l)")
+                    self._registered.append(t)
+        if compute_dtype == master_dtype and (compact or not self.nvme_master):
             self.weights: list[torch.Tensor | None] = self.master
             self.staged = frozenset()
         else:
@@ -169,6 +187,10 @@ class HostStore:
     def on_tier(self, unit: int) -> bool:
         return unit in self.nvme_units
 
+    def weights_on_tier(self, unit: int) -> bool:
+        """Whether the window reads the unit's weights from the tier (compact state's master there)."""
+        return self.weights[unit] is None and self.master[unit] is None and self.on_tier(unit)
+
     def is_resident(self, unit: int) -> bool:
         return unit in self.resident_units
 
@@ -185,33 +207,25 @@ class HostStore:
         """master (+ master_lo), exp_avg, exp_avg_sq: views of RAM, or copies read from the tier or the GPU."""
         if self.is_resident(unit):
             return self.gpu.copy_out(unit)
-        st = {}
-        if self.on_tier(unit):
-            fields = self.tier.copy_out(unit)
-            st.update(exp_avg=fields[0], exp_avg_sq=fields[1])
-            st["master"] = fields[2] if self.nvme_master else self.master[unit]
-        else:
-            st.update(master=self.master[unit], exp_avg=self.exp_avg[unit], exp_avg_sq=self.exp_avg_sq[unit])
+        st = {"master": self.master[unit]}
         if self.master_lo is not None:
             st["master_lo"] = self.master_lo[unit]
+        if self.on_tier(unit):
+            st.update(self.tier.copy_out(unit))
+        else:
+            st.update(exp_avg=self.exp_avg[unit], exp_avg_sq=self.exp_avg_sq[unit])
         return st
 
     def set_unit_state(self, unit: int, st: dict[str, torch.Tensor]) -> None:
         """Restore what ``unit_state`` gave (a checkpoint), and the compute copy from it."""
         if self.is_resident(unit):
             return self.gpu.copy_in(unit, **st)
-        if self.master_lo is not None:
-            self.master_lo[unit].copy_(st["master_lo"])
-        if self.on_tier(unit):
-            fields = {k: st[k] for k in ("exp_avg", "exp_avg_sq")}
-            if self.nvme_master:
-                fields["master"] = st["master"]
-            else:
-                self.master[unit].copy_(st["master"])
-            self.tier.copy_in(unit, **fields)
-        else:
-            for k in ("master", "exp_avg", "exp_avg_sq"):
+        on_tier = self.tier.fields if self.on_tier(unit) else {}
+        for k in self.unit_layout(unit):
+            if k not in on_tier:
                 getattr(self, k)[unit].copy_(st[k])
+        if on_tier:
+            self.tier.copy_in(unit, **{k: st[k] for k in on_tier})
         self.refresh_weights(unit, st["master"])
 
     def set_master(self, unit: int, master: torch.Tensor) -> None:
@@ -230,8 +244,9 @@ class HostStore:
             st = self.gpu.copy_out(unit, "master", "master_lo")
             hi, lo = st["master"], st.get("master_lo")
         else:
-            hi = self.tier.copy_out(unit)[2] if self.master[unit] is None else self.master[unit]
-            lo = None if self.master_lo is None else self.master_lo[unit]
+            st = self.tier.copy_out(unit) if self.master[unit] is None else {}
+            hi = st.get("master", self.master[unit])
+            lo = None if self.master_lo is None else st.get("master_lo", self.master_lo[unit])
         out = {}
         for spec in self.units[unit].params:
             v = hi[spec.offset: spec.offset + spec.numel].view(spec.shape)
@@ -264,7 +279,7 @@ class HostStore:
             + total([t for t in self.master_lo or [] if t is not None]),
             "spares": sum(total(list(sp.values())) for sp in self.spares),
             "moments": total(ram),
-            "nvme_buffers": 0 if self.tier is None else sum(b.numel() for b in self.tier.buffers),
+            "nvme_buffers": 0 if self.tier is None else sum(b.numel() for b in self.tier.buffers + self.tier_weights),
             "weights": total([t for t in self.weights if t is not None]) if own_weights else 0,
             "grads": total(self.grad_buffers),
         }

@@ -209,9 +209,10 @@ def host_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, host_weights:
         "weights": dtype_bytes * (0 if host_weights == "staged" else N - staged * shape.layer_params)
         if not compact_master(state) and (dtype_bytes < 4 or tier_master) else 0,
         "grads": dtype_bytes * (edges + ring * shape.layer_params),
-        # the tier's RAM buffers: a layer's state each, read ahead and written behind (host/nvme.py)
-        "nvme_buffers": nvme_buffers * (moment_bytes(state, shape.layer_params)
-                                        + (4 * shape.layer_params if nvme_master else 0)) if nvme_layers else 0,
+        # the tier's RAM buffers: a layer's state each (every field 4096-aligned), read ahead and written
+        # behind (host/nvme.py); with compact state's master there, two pinned buffers of its weights
+        "nvme_buffers": nvme_buffers * (nvme_bytes(shape, 1, state, nvme_master) + 4 * 4096)
+        + (2 * (2 * shape.layer_params + 4096) if nvme_master and compact_master(state) else 0) if nvme_layers else 0,
         # offloaded layer inputs in RAM, or on NVMe through 3 staging buffers (engine/activations.py)
         "activations": (min(offloaded, 3) if activations_to_nvme else offloaded) * batch * seq * shape.hidden * dtype_bytes,
         "spares": spare_layers * state_bytes(state, shape.layer_params),
@@ -283,7 +284,8 @@ def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training",
         hints.append(f"the NVMe tier ({k}offload_dir, {k}nvme_fraction)")
     elif cfg.placement.nvme_fraction < 1:
         hints.append(f"more of the NVMe tier ({k}nvme_fraction)")
-    elif not cfg.placement.nvme_master and cfg.optimizer_state == "fp32" and cfg.placement.host_weights == "persistent":
+    elif not cfg.placement.nvme_master and (compact_master(cfg.optimizer_state)
+                                            or cfg.placement.host_weights == "persistent"):
         hints.append(f"the master on the NVMe tier too ({k}nvme_master)")
     if cfg.optimizer_state == "fp32":
         hints.append(f"compact optimizer state ({k}optimizer_state)")
@@ -358,18 +360,21 @@ def auto_tier(cfg, shape: ModelShape, batch: int, seq: int, p: Layout, ram: int,
     NVMe tier for the training state to meet ``host_budget``'s aim; none where RAM holds it. The host
     weights stay as decided (a staged layer's extra bytes cross PCIe at ~55 GB/s, a tier layer's moments
     the disk at ~1 GB/s); gradient buffers and spares (where the caller leaves them to the planner) are
-    decided again beside the tier. Where every streamed layer's moments are not enough, fp32 state puts
-    the tier layers' master there too (``nvme_master``, with the persistent bf16 copy in RAM the window
-    reads: 2 bytes a parameter in RAM instead of 4 staged; ``master`` and ``weights``: the caller leaves
-    nvme_master and host_weights to the planner). Where even that is not enough, the most is returned: the
-    host check says what else would help."""
+    decided again beside the tier. Where every streamed layer's moments are not enough, the tier layers'
+    master goes there too (``nvme_master``; ``master``: the caller leaves it to the planner): fp32 state
+    keeps the persistent bf16 copy in RAM the window reads (2 bytes a parameter in RAM instead of 4 staged;
+    ``weights``: the caller leaves host_weights to the planner); compact state's master is that copy, so
+    those layers keep nothing in RAM and the window reads their weights from disk, twice a step. Where even
+    that is not enough, the most is returned: the host check says what else would help."""
     n = shape.layers
     streamed = n - min(p.resident_layers, n)
     aim = host_budget(cfg, ram)[0]
     tiers = [cfg]
-    if master and cfg.optimizer_state == "fp32" and not cfg.placement.nvme_master and \
-            (weights or cfg.placement.host_weights in ("persistent", 0)):
-        tiers.append(cfg.placed(nvme_master=True, host_weights="persistent"))
+    if master and not cfg.placement.nvme_master:
+        if compact_master(cfg.optimizer_state):
+            tiers.append(cfg.placed(nvme_master=True))
+        elif weights or cfg.placement.host_weights in ("persistent", 0):
+            tiers.append(cfg.placed(nvme_master=True, host_weights="persistent"))
     for base in tiers:
         for k in range(0, streamed + 1):
             c = base.placed(nvme_fraction=k / n)
@@ -655,9 +660,13 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
         "optimizer_s": on_cpu / cpu_rate,
         # bf16 weights, about twice a step; staged parameters cross as their fp32 master
         "h2d_s": 2 * (2 * streamed + 2 * min(staged_params, streamed)) / rates.pcie_bytes_per_s,
+        # the tier's state read and written once a step, offloaded layer inputs out and back, and compact
+        # state's weights on the tier read by the window for forward and again for backward
         "nvme_s": rates.disk_s(nvme_bytes(shape, nvme_layers, state, nvme_master)
                                + (activations_to_nvme * (shape.layers - min(shape.layers, p.gpu_activation_layers))
-                                  * tokens * shape.hidden * 2)),
+                                  * tokens * shape.hidden * 2),
+                               2 * 2 * min(nvme_layers, shape.layers) * shape.layer_params
+                               if nvme_master and compact_master(state) else 0),
     }
     # Streamed, the embedding is the last gradient of a step and the first weights of the next: the GPU
     # waits for its CPU update at every step boundary, whatever else overlaps.

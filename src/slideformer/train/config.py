@@ -59,8 +59,9 @@ class OffloadConfig:
     # the last fraction of the layers whose moments go to the tier; "auto": as few as the host budget
     # (host_memory_limit, else 85% of the RAM) allows, none where RAM holds everything
     nvme_fraction: float | str = "auto"
-    # the tier's layers keep their fp32 master there too (4 bytes/param less RAM); auto: where the moments
-    # alone leave the host budget short (fp32 state)
+    # the tier's layers keep their master there too (4 bytes/param less RAM; compact and 8-bit state: with
+    # the weights it doubles as, which the window then reads from disk); auto: where the moments alone
+    # leave the host budget short
     nvme_master: bool | str = "auto"
 
 
