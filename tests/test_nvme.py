@@ -66,12 +66,14 @@ def test_master_on_the_tier_needs_what_it_relies_on(tmp_path):
         EngineConfig(device="cpu", offload_dir=str(tmp_path), placement=Placement(nvme_master=True, host_weights="staged")).validate()
 
 
-@pytest.mark.parametrize("state,master", [("compact", False), ("8bit", False), ("compact", True), ("8bit", True)])
-def test_compact_state_on_the_tier_trains_like_ram(tmp_path, state, master):
+@pytest.mark.parametrize("state,master,buffers", [("compact", False, 4), ("8bit", False, 4), ("compact", True, 4),
+                                                  ("8bit", True, 4), ("8bit", True, 1)])
+def test_compact_state_on_the_tier_trains_like_ram(tmp_path, state, master, buffers):
     """bf16 moments (compact optimizer state) on the tier: half the disk, the same training; 8-bit moments
     (codes and block scales): a quarter and a little. With nvme_master the master's hi and lo halves go
-    too, and the window reads the weights (the hi half) from disk: RAM keeps no byte of those layers;
-    with clipping and two micro-batches a step, still the same training."""
+    too, and the window reads the weights (the hi half) from disk, or from a buffer holding the layer's state
+    read ahead for its update (fewer of those with one buffer): RAM keeps no byte of those layers; with
+    clipping and two micro-batches a step, still the same training."""
     from slideformer.optim.formats import moment_bytes, moment_dtype
 
     model = build("qwen3-tied")
@@ -87,7 +89,7 @@ def test_compact_state_on_the_tier_trains_like_ram(tmp_path, state, master):
             return losses, {k: v.clone() for k, v in e.state_dict().items()}, rep, e.adapter.layer_unit(0).numel
 
     la, a, ram, _ = run()
-    lb, b, rep, layer = run(offload_dir=str(tmp_path / "nvme"), nvme_master=master)
+    lb, b, rep, layer = run(offload_dir=str(tmp_path / "nvme"), nvme_master=master, nvme_buffers=buffers)
     per_layer = moment_bytes(state, layer) + (4 * layer if master else 0)
     assert 3 * per_layer <= rep["nvme_disk"] < 3 * per_layer + 3 * 4 * 4096  # (each field 4 KiB-aligned)
     if master:  # the master (and the weights) of all three layers left RAM

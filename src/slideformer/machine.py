@@ -56,15 +56,19 @@ class MachineRates:
     def gpu_state_speedup(self) -> dict[str, float]:
         return {"fp32": 1.0, "compact": 2.3, "8bit": 1.35e9 / self.gpu_adamw_params_per_s}
     pcie_bytes_per_s: float = 55e9
-    # the NVMe tier's disk with O_DIRECT, reading and writing at once as the tier does (that machine's
-    # writes: 0.96 GB/s while reads run, the bound; 53.7 GB each way in a 55.9 s step)
+    # the NVMe tier's disk with O_DIRECT: each direction while the other runs, and both together, one
+    # device's bandwidth shared (that machine: 53.7 GB each way in a 55.9 s step; 59.2 GB read and 35.7 GB
+    # written in 47.7 s: 1.92-1.99 GB/s together, however they split)
     disk_read_bytes_per_s: float = 1.6e9
     disk_write_bytes_per_s: float = 0.96e9
+    disk_bytes_per_s: float = 1.92e9
 
     def disk_s(self, nbytes: float, read_only: float = 0) -> float:
         """Seconds to read ``nbytes`` from the tier and write them back, and to read ``read_only`` more: a
         step's traffic, reads and writes at once (engine/disk.py's threads, and the window's loader)."""
-        return max((nbytes + read_only) / self.disk_read_bytes_per_s, nbytes / self.disk_write_bytes_per_s)
+        read = nbytes + read_only
+        return max(read / self.disk_read_bytes_per_s, nbytes / self.disk_write_bytes_per_s,
+                   (read + nbytes) / self.disk_bytes_per_s)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,8 @@ def checkpoint_files(path: str | os.PathLike) -> list[Path]:
 class _UnitWriter:
     """Collects a unit's parameters into its master and commits the unit when all have arrived: straight
     into RAM, or (master on the NVMe tier or the GPU) into a temporary buffer written there at once, so
-    that only the units still being filled are ever held in RAM."""
+    that only the units still being filled are ever held in RAM; a GPU unit's buffer is on the GPU (an
+    embedding's is a GiB or more, which a host budget has no room for)."""
 
     def __init__(self, store: HostStore):
         self.store = store
@@ -57,7 +58,10 @@ class _UnitWriter:
         """``value``: the parameter, or its rows from ``row`` on (``last``: the final block of them)."""
         if unit.index not in self.open:
             buf = self.store.master[unit.index]
-            self.open[unit.index] = (torch.zeros(unit.numel, dtype=self.store.master_dtype) if buf is None else buf, set())
+            if buf is None:
+                on = self.store.gpu.device if self.store.is_resident(unit.index) else "cpu"
+                buf = torch.zeros(unit.numel, dtype=self.store.master_dtype, device=on)
+            self.open[unit.index] = (buf, set())
         buf, seen = self.open[unit.index]
         buf[spec.offset: spec.offset + spec.numel].view(spec.shape)[row: row + value.shape[0]].copy_(value)
         if not last:

@@ -115,10 +115,17 @@ class DiskIO:
         self._writes.put(lambda: self._write(unit, buf))
 
     def read_weights(self, unit: int, dst) -> object | None:
-        """The unit's master (compact state: the weights the window reads) from its file into ``dst``, once
-        its last update is written; None if a failure means it may never be (its error is kept)."""
+        """The unit's master (compact state: the weights the window reads): from the buffer its state was read
+        ahead into for its update where that read is done, else from its file into ``dst`` once its last
+        update is written; None if a failure means it may never be (its error is kept).
+
+        A buffer that is ``ready`` holds the unit's current state, and nothing writes it before the update
+        takes it, which waits for this step's gradient of the unit, which the GPU computes only once the
+        weights loaded from it have arrived."""
         if not self.failure.wait(self._stored[unit]) or self.failure.first is not None:
             return None
+        if self._ready[unit].is_set() and (buf := self._buf.get(unit)) is not None:
+            return self.tier.views(unit, buf)["master"] if self.failure.first is None else None
         return self.tier.read_field(unit, "master", dst)
 
     def _schedule(self) -> None:

@@ -25,6 +25,7 @@ class ResidentState:
         self.slots, self.cfg, self.format = slots, cfg, state
         self.compact = compact = formats.compact_master(state)
         self.compute, self.profiler = compute_stream, profiler  # (compute_stream None: on the CPU)
+        self.device = cfg.device
         dtype = torch.bfloat16 if compact else torch.float32
 
         def zeros(u, s):  # master (compact: its lo half), exp_avg, exp_avg_sq

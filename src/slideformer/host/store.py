@@ -115,14 +115,16 @@ class HostStore:
             fields.update(exp_avg=(moment_dtype, size), exp_avg_sq=(moment_dtype, size))
             self.tier = NvmeTier(nvme_dir, {u: units[u].numel for u in sorted(nvme_units)}, nvme_buffers, fields)
         # Compact state's weights on the tier: two pinned buffers the window's loads read them into (one
-        # filling while the other's copy to the GPU runs).
+        # filling while the other's copy to the GPU runs). The tier's own buffers are pinned too: a load
+        # copies the weights straight from one that holds the unit's state, read ahead for its update.
         self.tier_weights: list[torch.Tensor] = []
         if compact and on_tier_master:
             width = max(self.tier.field_bytes(u.index, "master") for u in on_tier_master)
             self.tier_weights = [aligned_empty(width, torch.uint8) for _ in range(2)]
-            for t in self.tier_weights:
+            for t in self.tier_weights + (self.tier.buffers if pin else []):
                 if pin:
-                    pinned.pin(t, "the weights read from the NVMe tier", "raise the locked-memory limit (ulimit -l)")
+                    pinned.pin(t, "the NVMe tier's buffers", "raise the locked-memory limit (ulimit -l), or fewer "
+                               "nvme_buffers")
                     self._registered.append(t)
         if compute_dtype == master_dtype and (compact or not self.nvme_master):
             self.weights: list[torch.Tensor | None] = self.master
