@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 from slideformer import EngineConfig, SlideEngine, lr_at
 from slideformer.config import ConfigError, Placement, Tuning
 
-from tiny import FAMILIES, batch, build, engine_config
+from tiny import FAMILIES, attention, batch, build, engine_config
 
 
 def reference_train(model, batches, *, lr, weight_decay=0.0, max_grad_norm=None, lrs=None, betas=(0.9, 0.999)):
@@ -80,7 +80,7 @@ def test_window_shapes_do_not_change_training(slots, depth):
     assert_same(state, ref, losses, ref_losses)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "olmo2", "phi3", "granite", "cohere", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "olmo2", "phi3", "granite", "cohere", "gemma3", "gemma2"])
 def test_accumulation_equals_one_large_batch(family):
     model = build(family)
     V = model.config.vocab_size
@@ -193,7 +193,7 @@ def test_host_gradient_ring_does_not_change_training(buffers):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "granite"])
+@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "granite", "gemma2"])
 def test_fused_loss_head_matches_pytorch(family):
     """The fused head (Triton, interpreted on the CPU) trains like the autograd head, which the tests
     above hold to plain PyTorch."""
@@ -207,7 +207,7 @@ def test_fused_loss_head_matches_pytorch(family):
 
 
 @pytest.mark.interpret
-@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "granite"])
+@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "granite", "gemma2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_sliced_head_trains_like_the_whole_head(family, dtype, monkeypatch):
     """A plan that sums the lm_head gradient by vocabulary slices (engine/loss.py sliced_head_loss; the
@@ -381,13 +381,13 @@ def test_resident_state_survives_checkpoints(tmp_path):
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "olmo2", "phi3", "granite", "cohere", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "olmo2", "phi3", "granite", "cohere", "gemma3", "gemma2"])
 def test_padding_row_and_repeated_tokens_match_pytorch(family):
     """The embedding's backward sums each token's rows once (unique ids) and leaves the padding row's
     gradient at zero, as nn.Embedding(padding_idx) does; repeated tokens are the common case."""
     cfg = FAMILIES[family]()
     cfg.pad_token_id = 3
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = attention(cfg)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).float()
     assert model.model.embed_tokens.padding_idx == 3
@@ -400,7 +400,7 @@ def test_padding_row_and_repeated_tokens_match_pytorch(family):
     assert_same(state, ref, losses, ref_losses)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "olmo2", "phi3", "granite", "cohere", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "olmo2", "phi3", "granite", "cohere", "gemma3", "gemma2"])
 def test_gradient_norm_is_exact_every_step(family):
     """The head shares its slot with the embedding when untied: the alignment gaps of its layout must not
     carry the embedding's gradient of the step before into the norm (lr=0: the same norm every step)."""

@@ -11,27 +11,19 @@ CPU = dict(device="cpu", compute_dtype=torch.float32)
 
 
 def test_an_architecture_without_the_parts_names_what_is_missing():
-    """Support is found by structure: GPT-2 has no rotary positions and keeps its layers elsewhere; Gemma 2's
-    soft-capped logits, Gemma's scaled embedding (in its forward, no config key) and a Mixture-of-Experts
-    model are named as what is not supported yet."""
-    from transformers import Gemma2Config, MixtralConfig
+    """Support is found by structure: GPT-2 has no rotary positions and keeps its layers elsewhere; what a
+    config asks of the model-level compute that the engine does not repeat (MiniCPM's scaled residuals, as a
+    config key) and a Mixture-of-Experts model are named as what is not supported yet."""
+    from transformers import LlamaConfig, MixtralConfig
 
     with pytest.raises(UnsupportedModelError, match="'gpt2': no model.embed_tokens.*model.rotary_emb.*such as llama"):
         SlideEngine.from_config(GPT2Config(n_layer=1, n_embd=16, n_head=2), engine_config(**CPU))
-    with pytest.raises(UnsupportedModelError, match="soft-capped logits \\(final_logit_softcapping=30.0\\)"):
-        SlideEngine.from_config(Gemma2Config(vocab_size=97, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                             num_key_value_heads=1, head_dim=8, intermediate_size=32),
-                                engine_config(**CPU))
-    from transformers import GemmaConfig
-
     small = dict(vocab_size=97, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                 head_dim=8, intermediate_size=32)
-    with pytest.raises(UnsupportedModelError, match="'gemma': a scaled embedding"):  # (its forward scales it)
-        SlideEngine.from_config(GemmaConfig(**small), engine_config(**CPU))
+                 intermediate_size=32)
+    with pytest.raises(UnsupportedModelError, match="scaled residuals \\(scale_depth=1.4\\): not supported yet"):
+        SlideEngine.from_config(LlamaConfig(**small, scale_depth=1.4), engine_config(**CPU))
     with pytest.raises(UnsupportedModelError, match="Mixture-of-Experts"):
-        SlideEngine.from_config(MixtralConfig(vocab_size=97, hidden_size=16, num_hidden_layers=1,
-                                              num_attention_heads=2, num_key_value_heads=1, intermediate_size=32),
-                                engine_config(**CPU))
+        SlideEngine.from_config(MixtralConfig(**small), engine_config(**CPU))
 
 
 def test_batch_longer_than_positions():

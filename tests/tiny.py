@@ -1,7 +1,7 @@
 """Tiny configs of every supported family, built offline in milliseconds."""
 import torch
-from transformers import (AutoModelForCausalLM, CohereConfig, Gemma3TextConfig, GraniteConfig, LlamaConfig,
-                          MistralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config)
+from transformers import (AutoModelForCausalLM, CohereConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig,
+                          LlamaConfig, MistralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config)
 
 COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
@@ -28,12 +28,26 @@ FAMILIES = {
     "gemma3": lambda: Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 4}, head_dim=8, sliding_window=5,
                                        layer_types=["sliding_attention", "full_attention"] * 2,
                                        pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True),
+    # a self-scaling embedding, (1 + w) norms, GeGLU
+    "gemma": lambda: GemmaConfig(**COMMON, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                 tie_word_embeddings=True),
+    # soft-capped logits and attention scores (eager attention: SDPA cannot cap), four norms a layer, sliding
+    # and full layers; caps low enough that the tiny model's logits and scores reach them
+    "gemma2": lambda: Gemma2Config(**{**COMMON, "num_hidden_layers": 4}, head_dim=8, sliding_window=5,
+                                   final_logit_softcapping=0.5, attn_logit_softcapping=0.05, query_pre_attn_scalar=1,
+                                   pad_token_id=0,
+                                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=True),
 }
+
+
+def attention(cfg) -> str:
+    """The attention a reference model runs: SDPA, or eager where scores are soft-capped (SDPA cannot)."""
+    return "eager" if getattr(cfg, "attn_logit_softcapping", None) else "sdpa"
 
 
 def build(family: str, seed: int = 0):
     cfg = FAMILIES[family]()
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = attention(cfg)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).float()
     # Make norms and biases non-trivial, so that their gradients and updates are checked too.

@@ -280,14 +280,15 @@ class SlideEngine:
         if sliced:
             loss, ghs = sliced_head_loss([h.flatten(0, 1) for h in st.hidden], [mb.labels for mb in st.mbs],
                                          [mb.targets for mb in st.mbs], ad.head_norm, w, st.denom, self._loss_chunk,
-                                         self._head_slice, acc_n, gw)
+                                         self._head_slice, acc_n, gw, softcap=ad.logit_softcap)
             st.loss += loss
             st.grad_hidden = [gh.view_as(h) for gh, h in zip(ghs, st.hidden)]
         else:
             # (the fused kernel takes the logits' scale on its input; the autograd head after the product, as HF)
             fused = self.cfg.tuning.loss_kernel == "fused"
-            head_loss = partial(fused_head_loss, norm=ad.head_norm) if fused else \
-                partial(chunked_head_loss, norm=ad.norm, logit_scale=ad.logit_scale, logit_divisor=ad.logit_divisor)
+            head_loss = partial(fused_head_loss, norm=ad.head_norm, softcap=ad.logit_softcap) if fused else \
+                partial(chunked_head_loss, norm=ad.norm, logit_scale=ad.logit_scale, logit_divisor=ad.logit_divisor,
+                        softcap=ad.logit_softcap)
             for i, (h, mb) in enumerate(zip(st.hidden, st.mbs)):
                 part, gh = head_loss(h.flatten(0, 1), mb.labels, weight=w, denom=st.denom, chunk=self._loss_chunk,
                                      grad_norm_weight=acc_n, grad_weight=acc_w, accumulate=i > 0, targets=mb.targets)

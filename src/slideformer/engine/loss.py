@@ -19,11 +19,11 @@ from torch import nn
 def chunked_head_loss(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Module | None, weight: torch.Tensor,
                       denom: int, chunk: int, grad_norm_weight: torch.Tensor | None, grad_weight: torch.Tensor,
                       accumulate: bool, targets: torch.Tensor | None = None, logit_scale: float = 1.0,
-                      logit_divisor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                      logit_divisor: float = 1.0, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss sum/denom of one micro-batch, its gradient w.r.t. ``hidden``; head gradients go into
     ``grad_norm_weight`` and ``grad_weight`` (added when ``accumulate``, else overwritten). The logits are
-    multiplied by ``logit_scale`` and divided by ``logit_divisor`` after the product, as the model's own
-    forward does.
+    multiplied by ``logit_scale``, divided by ``logit_divisor`` and soft-capped (``softcap`` x tanh(logits /
+    ``softcap``)) after the product, as the model's own forward does.
 
     hidden: [T, H] (no grad), labels: [T] already shifted (-100 = ignored). ``norm=None`` means
     ``hidden`` is already normalised (then there is no norm gradient). ``targets``: the host copy of
@@ -48,6 +48,8 @@ def chunked_head_loss(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Modul
                 logits = logits * logit_scale
             if logit_divisor != 1.0:
                 logits = logits / logit_divisor
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
             part = F.cross_entropy(logits.float(), lab, ignore_index=-100, reduction="sum") / denom
         gh, *gp = torch.autograd.grad(part, [h] + params)
         grad_hidden[start: start + chunk] = gh
@@ -61,8 +63,10 @@ def chunked_head_loss(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Modul
 
 def fused_head_loss(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Module | None, weight: torch.Tensor,
                     denom: int, chunk: int, grad_norm_weight: torch.Tensor | None, grad_weight: torch.Tensor,
-                    accumulate: bool, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``chunked_head_loss``; ``grad_weight`` must be fp32 (it is summed into)."""
+                    accumulate: bool, targets: torch.Tensor | None = None,
+                    softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``chunked_head_loss`` (a logit scale folded into ``norm``); ``grad_weight`` must be
+    fp32 (it is summed into)."""
     from ..kernels.fused_linear_ce import linear_cross_entropy_grads
 
     if not accumulate:
@@ -70,15 +74,15 @@ def fused_head_loss(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Module 
 
     def head(z):
         loss, gz, _ = linear_cross_entropy_grads(z, weight.detach(), labels, 1.0 / denom, chunk_tokens=chunk,
-                                                 grad_weight=grad_weight, targets=targets)
+                                                 grad_weight=grad_weight, targets=targets, softcap=softcap)
         return loss, gz
     return _through_norm(hidden, norm, grad_norm_weight, accumulate, head)
 
 
 def sliced_head_loss(hiddens: list[torch.Tensor], labels: list[torch.Tensor], targets: list[torch.Tensor | None],
                      norm: nn.Module | None, weight: torch.Tensor, denom: int, chunk: int, slice_rows: int,
-                     grad_norm_weight: torch.Tensor | None, grad_weight: torch.Tensor
-                     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                     grad_norm_weight: torch.Tensor | None, grad_weight: torch.Tensor,
+                     softcap: float | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """``fused_head_loss`` for all of a step's micro-batches at once, without the [vocab, hidden] fp32
     accumulator: the lm_head gradient is summed one ``slice_rows`` slice of the vocabulary at a time
     (kernels/fused_linear_ce.py ``weight_grad_by_slices``) and written into ``grad_weight`` (any dtype,
@@ -93,12 +97,12 @@ def sliced_head_loss(hiddens: list[torch.Tensor], labels: list[torch.Tensor], ta
         def head(z):
             parts.append((z, lab, lse, chunks_with_targets(lab, chunk, targets=tg)))
             part, gz, _ = linear_cross_entropy_grads(z, weight.detach(), lab, 1.0 / denom, chunk_tokens=chunk,
-                                                     targets=tg, lse_out=lse)
+                                                     targets=tg, lse_out=lse, softcap=softcap)
             return part, gz
         part, gh = _through_norm(hidden, norm, grad_norm_weight, i > 0, head)
         loss += part
         grads.append(gh)
-    weight_grad_by_slices(parts, weight.detach(), 1.0 / denom, grad_weight, slice_rows, chunk)
+    weight_grad_by_slices(parts, weight.detach(), 1.0 / denom, grad_weight, slice_rows, chunk, softcap=softcap)
     return loss, grads
 
 

@@ -19,8 +19,8 @@ from torch import nn
 
 # The families named and tested (tests/tiny.py); others are accepted by their structure (_config_missing,
 # _structure_missing), less those whose model-level forward does what the engine's parts do not.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", "granite", "cohere", "gemma3_text")
-SCALED_EMBEDDING = ("gemma",)
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", "granite", "cohere", "gemma",
+                         "gemma2", "gemma3_text")
 ALIGN = 128
 
 
@@ -82,9 +82,11 @@ class ModelAdapter:
         self.config = config
         self.model_type = model_type
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        # The skeleton's compute runs through SDPA whatever the checkpoint asked for: the window has
-        # no KV cache and flash-attn is optional.
-        config._attn_implementation = "sdpa"
+        # The skeleton's compute runs through SDPA whatever the checkpoint asked for (the window has no KV
+        # cache and flash-attn is optional), or, where the attention scores are soft-capped (Gemma 2), which
+        # SDPA cannot do, through transformers' eager attention. The masks follow (built for this config).
+        self.attn_implementation = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+        config._attn_implementation = self.attn_implementation
         try:
             with torch.device("meta"):
                 self.skeleton = AutoModelForCausalLM.from_config(config, dtype=compute_dtype)
@@ -115,6 +117,9 @@ class ModelAdapter:
             self.embed_scale = float(inner.embed_tokens.scalar_embed_scale)
         self.logit_scale = float(getattr(config, "logit_scale", None) or 1.0)
         self.logit_divisor = float(getattr(config, "logits_scaling", None) or 1.0)
+        # Gemma 2's logits soft-capped, cap * tanh(logits / cap), after any scale (the loss head does it)
+        cap = getattr(config, "final_logit_softcapping", None)
+        self.logit_softcap = float(cap) if cap else None
 
     @property
     def head_norm(self) -> nn.Module:
@@ -224,11 +229,7 @@ def _config_missing(config) -> str | None:
         return "an encoder-decoder model (the engine trains decoder-only models)"
     if (getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0) > 1:
         return "Mixture-of-Experts layers are not supported yet"
-    if getattr(config, "model_type", None) in SCALED_EMBEDDING:  # (in the model's forward, no config key says so)
-        return "a scaled embedding (the model multiplies it by sqrt(hidden_size)): not supported yet"
-    for key, neutral, what in (("final_logit_softcapping", None, "soft-capped logits"),
-                               ("scale_emb", 1, "a scaled embedding"), ("scale_depth", None, "scaled residuals"),
-                               ("attn_logit_softcapping", None, "soft-capped attention (which SDPA cannot run)")):
+    for key, neutral, what in (("scale_emb", 1, "a scaled embedding"), ("scale_depth", None, "scaled residuals")):
         if getattr(config, key, neutral) not in (neutral, None):
             return f"{what} ({key}={getattr(config, key)}): not supported yet"
     return None
