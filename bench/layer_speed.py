@@ -3,6 +3,7 @@ under each way of running it: what a GPU-work lever (attention backend, regional
 fused ops) could gain before it is built into the engine. Prints one JSON line per variant.
 
     python bench/layer_speed.py --model qwen3-4b --tokens 8192       # on the GPU machine
+    python bench/layer_speed.py --model olmoe-1b-7b --experts          # a MoE layer's experts implementations
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 import torch
 
 
-def build(model: str, liger: bool):
+def build(model: str, liger: bool, experts: str | None = None):
     from transformers import AutoModelForCausalLM
 
     from slideformer.model.fused_ops import apply_liger
@@ -22,6 +23,8 @@ def build(model: str, liger: bool):
     cfg = preset_config(model)
     cfg.num_hidden_layers = 1
     cfg._attn_implementation = "sdpa"
+    if experts:
+        cfg._experts_implementation = experts
     with torch.device("cuda"):
         m = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     layer = m.model.layers[0]
@@ -47,6 +50,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--experts", action="store_true", help="a MoE model: its experts run by transformers' loop "
+                    "(eager), batched_mm and grouped_mm")
     args = ap.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -54,8 +59,10 @@ def main() -> None:
                 ("liger+cudnn_attention", True, False, SDPBackend.CUDNN_ATTENTION),
                 ("liger+flash_attention", True, False, SDPBackend.FLASH_ATTENTION),
                 ("compiled", False, True, None), ("liger+compiled", True, True, None)]
+    if args.experts:
+        variants = [(f"experts={impl}", False, False, None) for impl in ("eager", "batched_mm", "grouped_mm")]
     for name, liger, compiled, backend in variants:
-        cfg, layer, rotary = build(args.model, liger)
+        cfg, layer, rotary = build(args.model, liger, name.split("=")[1] if args.experts else None)
         B, S = args.tokens // args.seq, args.seq
         x = torch.randn(B, S, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
         pos = torch.arange(S, device="cuda")[None]
@@ -83,7 +90,10 @@ def main() -> None:
         except Exception as e:  # a backend this shape or build lacks is a result too
             print(json.dumps({"variant": name, "error": str(e)[:200]}))
             continue
-        n = sum(p.numel() for p in params)
+        from slideformer.model.moe import expert_params, experts_of
+
+        experts, top_k = experts_of(cfg)  # (a MoE layer: the parameters a token passes through)
+        n = sum(p.numel() for p in params) - (experts - top_k) * (expert_params(layer, experts) // max(experts, 1))
         flops = 8 * n * args.tokens  # forward, recompute, backward: 2 + 2 + 4 a parameter and token
         print(json.dumps({"variant": name, "model": args.model, "tokens": args.tokens, "forward_ms": f * 1e3,
                           "recompute_backward_ms": b * 1e3, "layer_ms": (f + b) * 1e3,

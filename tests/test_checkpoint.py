@@ -94,7 +94,8 @@ def test_random_init_draws_large_matrices_in_blocks(monkeypatch):
     assert 0.015 < float(w.std()) < 0.025
 
 
-@pytest.mark.parametrize("family", ["olmo2", "phi3", "mistral-sliding", "granite", "cohere", "gemma3", "gemma", "gemma2"])
+@pytest.mark.parametrize("family", ["olmo2", "phi3", "mistral-sliding", "granite", "cohere", "gemma3", "gemma", "gemma2",
+                                    "qwen3-moe", "mixtral", "olmoe"])
 def test_each_familys_export_gives_the_engines_logits(tmp_path, family):
     """A trained model of each family exported and loaded in transformers gives the logits of the same
     Hugging Face model holding the engine's weights."""

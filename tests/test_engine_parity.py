@@ -80,7 +80,8 @@ def test_window_shapes_do_not_change_training(slots, depth):
     assert_same(state, ref, losses, ref_losses)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "olmo2", "phi3", "granite", "cohere", "gemma3", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "olmo2", "phi3", "granite", "cohere", "gemma3", "gemma2",
+                                    "qwen3-moe", "mixtral", "olmoe"])
 def test_accumulation_equals_one_large_batch(family):
     model = build(family)
     V = model.config.vocab_size
@@ -334,7 +335,8 @@ def test_resident_layers_and_the_nvme_tier_take_opposite_ends(tmp_path):
     assert_same(state, ref, losses, ref_losses)
 
 
-@pytest.mark.parametrize("family,clip", [("llama", None), ("qwen3-tied", 0.05), ("olmo2", None), ("phi3", 0.05)])
+@pytest.mark.parametrize("family,clip", [("llama", None), ("qwen3-tied", 0.05), ("olmo2", None), ("phi3", 0.05),
+                                         ("qwen3-moe", 0.05)])
 def test_token_chunked_mlps_train_like_pytorch(family, clip):
     """mlp_chunk_tokens (model/chunked_mlp.py): every layer's MLP runs in chunks of 7 tokens, each under its
     own checkpoint in backward; the training is PyTorch's."""
@@ -344,7 +346,9 @@ def test_token_chunked_mlps_train_like_pytorch(family, clip):
     rows = []
     cfg = EngineConfig(device="cpu", compute_dtype=torch.float32, lr=1e-3, weight_decay=0.1, max_grad_norm=clip, tuning=Tuning(loss_kernel="torch", mlp_chunk_tokens=7))
     with SlideEngine(model, cfg) as eng:
-        eng.adapter.layers[1].mlp.down_proj.register_forward_pre_hook(lambda m, i: rows.append(i[0].shape[0]))
+        mlp = eng.adapter.layers[1].mlp  # (the tokens each chunk's down projection, or experts, see)
+        (getattr(mlp, "down_proj", None) or mlp.experts).register_forward_pre_hook(
+            lambda m, i: rows.append(i[0].reshape(-1, i[0].shape[-1]).shape[0]))
         losses = [eng.train_step(b) for b in batches]
         state = {k: v.clone() for k, v in eng.state_dict().items()}
     # 24 tokens a micro-batch: chunks of 7, 7, 7 and 3, in the forward and twice in backward (recompute
@@ -381,7 +385,8 @@ def test_resident_state_survives_checkpoints(tmp_path):
     assert all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "olmo2", "phi3", "granite", "cohere", "gemma3", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "olmo2", "phi3", "granite", "cohere", "gemma3", "gemma2",
+                                    "qwen3-moe", "mixtral", "olmoe"])
 def test_padding_row_and_repeated_tokens_match_pytorch(family):
     """The embedding's backward sums each token's rows once (unique ids) and leaves the padding row's
     gradient at zero, as nn.Embedding(padding_idx) does; repeated tokens are the common case."""
@@ -400,7 +405,8 @@ def test_padding_row_and_repeated_tokens_match_pytorch(family):
     assert_same(state, ref, losses, ref_losses)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "olmo2", "phi3", "granite", "cohere", "gemma3", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "olmo2", "phi3", "granite", "cohere", "gemma3", "gemma2",
+                                    "qwen3-moe", "mixtral", "olmoe"])
 def test_gradient_norm_is_exact_every_step(family):
     """The head shares its slot with the embedding when untied: the alignment gaps of its layout must not
     carry the embedding's gradient of the step before into the norm (lr=0: the same norm every step)."""

@@ -13,8 +13,8 @@ CPU = dict(device="cpu", compute_dtype=torch.float32)
 def test_an_architecture_without_the_parts_names_what_is_missing():
     """Support is found by structure: GPT-2 has no rotary positions and keeps its layers elsewhere; what a
     config asks of the model-level compute that the engine does not repeat (MiniCPM's scaled residuals, as a
-    config key) and a Mixture-of-Experts model are named as what is not supported yet."""
-    from transformers import LlamaConfig, MixtralConfig
+    config key) is named as what is not supported yet."""
+    from transformers import LlamaConfig
 
     with pytest.raises(UnsupportedModelError, match="'gpt2': no model.embed_tokens.*model.rotary_emb.*such as llama"):
         SlideEngine.from_config(GPT2Config(n_layer=1, n_embd=16, n_head=2), engine_config(**CPU))
@@ -22,8 +22,6 @@ def test_an_architecture_without_the_parts_names_what_is_missing():
                  intermediate_size=32)
     with pytest.raises(UnsupportedModelError, match="scaled residuals \\(scale_depth=1.4\\): not supported yet"):
         SlideEngine.from_config(LlamaConfig(**small, scale_depth=1.4), engine_config(**CPU))
-    with pytest.raises(UnsupportedModelError, match="Mixture-of-Experts"):
-        SlideEngine.from_config(MixtralConfig(**small), engine_config(**CPU))
 
 
 def test_batch_longer_than_positions():

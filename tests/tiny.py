@@ -1,7 +1,8 @@
 """Tiny configs of every supported family, built offline in milliseconds."""
 import torch
 from transformers import (AutoModelForCausalLM, CohereConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig,
-                          LlamaConfig, MistralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen3Config)
+                          LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, OlmoeConfig, Phi3Config, Qwen2Config,
+                          Qwen3Config, Qwen3MoeConfig)
 
 COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
@@ -37,6 +38,15 @@ FAMILIES = {
                                    final_logit_softcapping=0.5, attn_logit_softcapping=0.05, query_pre_attn_scalar=1,
                                    pad_token_id=0,
                                    bos_token_id=1, eos_token_id=2, tie_word_embeddings=True),
+    # Mixture-of-Experts: 4 experts, 2 a token, as 3-D parameters; the router's load-balancing loss (a large
+    # coefficient, so that its gradient is not lost in rounding) in two of them
+    "qwen3-moe": lambda: Qwen3MoeConfig(**COMMON, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                        moe_intermediate_size=16, output_router_logits=True,
+                                        router_aux_loss_coef=0.5, tie_word_embeddings=False),
+    "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                                     router_aux_loss_coef=0.5, tie_word_embeddings=True),
+    "olmoe": lambda: OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, pad_token_id=0, bos_token_id=1,
+                                 eos_token_id=2, tie_word_embeddings=False),
 }
 
 

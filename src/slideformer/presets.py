@@ -6,7 +6,7 @@ from importlib import resources
 
 
 def preset_config(name: str):
-    from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import AutoConfig, LlamaConfig, MistralConfig, OlmoeConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     if name == "qwen3-4b":
         return Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
@@ -46,10 +46,21 @@ def preset_config(name: str):
         return LlamaConfig(vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
                            num_attention_heads=128, num_key_value_heads=8, max_position_embeddings=131072,
                            rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    if name == "olmoe-1b-7b":  # OLMoE-1B-7B-0924's shape: 6.9B, 1.3B active (64 experts, 8 a token)
+        return OlmoeConfig(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                           num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
+                           max_position_embeddings=4096, rope_theta=10_000.0, rms_norm_eps=1e-5,
+                           pad_token_id=1, bos_token_id=None, eos_token_id=50279, tie_word_embeddings=False)
+    if name == "qwen3-30b-a3b":  # Qwen3-30B-A3B's shape: 30.5B, 3.3B active (128 experts, 8 a token)
+        return Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                              num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                              num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                              max_position_embeddings=40960, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+                              tie_word_embeddings=False)
     if name == "tiny":
         return AutoConfig.from_pretrained(str(resources.files("slideformer") / "assets" / "tiny"))
     raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
 
 
 PRESETS = ("qwen3-4b", "llama3-8b", "qwen2.5-14b", "mistral-small-24b", "gemma2-27b-shape", "qwen2.5-32b", "llama3.1-70b", "mistral-large-2", "llama3.1-405b",
-           "tiny")
+           "olmoe-1b-7b", "qwen3-30b-a3b", "tiny")

@@ -356,9 +356,11 @@ def main(argv=None):
             _write(rec, args.out)
         raise
     tokens = args.batch * args.seq
+    shape = ModelShape.from_adapter(ModelAdapter(config, args.dtype))  # (a MoE layer: its active parameters)
+    active = params - shape.layers * (shape.layer_params - shape.flop_params)
     rec.update({
-        "step_s": dt, "tokens_per_s": tokens / dt,
-        "model_tflops": 6 * params * tokens / dt / 1e12, "loss": float(loss.detach() if torch.is_tensor(loss) else loss),
+        "step_s": dt, "tokens_per_s": tokens / dt, **({"active_params": active} if shape.experts else {}),
+        "model_tflops": 6 * active * tokens / dt / 1e12, "loss": float(loss.detach() if torch.is_tensor(loss) else loss),
         "build_s": build_s, **_common(args, cuda)})
     ex = extra()  # before the profiled step below, which is not one of the timed ones
     if args.profile_ops and cuda:

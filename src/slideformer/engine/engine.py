@@ -16,6 +16,7 @@ forward consumes them as they finish.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -33,6 +34,7 @@ from ..host.store import HostStore
 from ..model.adapter import ModelAdapter, bind_parameters
 from ..optim import native
 from ..model.chunked_mlp import MlpChunking
+from ..model.moe import RouterLoss
 from ..model.recompute import LayerRecompute
 from ..model.fused_ops import apply_liger
 from ..model.fused_ops import resolve as resolve_fused_ops
@@ -108,6 +110,14 @@ class SlideEngine:
         # (after Liger: the chunks run whatever MLP forward is bound)
         self.mlp_chunking = MlpChunking([layer.mlp for layer in self.adapter.layers], t.mlp_chunk_tokens)
         self.recompute = LayerRecompute(self.adapter.layers)
+        # Mixture-of-Experts: experts as one grouped GEMM on CUDA (transformers' loop on the CPU), and the
+        # router's load-balancing loss where the config asks for it (model/moe.py)
+        if self.adapter.experts:
+            for m in self.adapter.skeleton.modules():
+                if hasattr(getattr(m, "config", None), "_experts_implementation"):
+                    m.config._experts_implementation = "grouped_mm" if self.device.type == "cuda" else "eager"
+        self.router_loss = RouterLoss(self.adapter) if self.adapter.experts and \
+            getattr(hf_config, "output_router_logits", False) else None
         self.shape = ModelShape.from_adapter(self.adapter)
         self._limit = None if self.cfg.gpu_memory_limit is None else parse_bytes(self.cfg.gpu_memory_limit)
         if self._limit is not None:  # refuse before allocating anything if not even one sequence fits
@@ -190,6 +200,8 @@ class SlideEngine:
         mbs, denom = self._prepare(batch)
         st = _Step(mbs=mbs, denom=denom, index=self.store.step + 1)
         rt = self.runtime
+        if self.router_loss is not None:
+            self.router_loss.begin_step(self.device)
         self.activations.begin_step(sum(mb.input_ids.numel() for mb in mbs), self.adapter.config.hidden_size,
                                     self.cfg.compute_dtype)
         rt.begin_step(self._update_order)
@@ -244,20 +256,24 @@ class SlideEngine:
     def _fwd(self, st: "_Step", unit, slot) -> None:
         layer = self.adapter.layers[unit.layer]
         bind_parameters(layer, slot.views(unit)[0])
+        saved = unit.layer in self._saved  # its products stay on the GPU until its backward
+        out, kept = [], []
         with torch.no_grad():
-            if unit.layer in self._saved:  # its products stay on the GPU until its backward
-                out, st.kept[unit.layer] = [], []
-                for h, mb in zip(st.hidden, st.mbs):
-                    with self.recompute.recording() as kept:
-                        out.append(self._run_layer(layer, unit.layer, h, mb))
-                    st.kept[unit.layer].append(kept)
-            else:
-                out = [self._run_layer(layer, unit.layer, h, mb) for h, mb in zip(st.hidden, st.mbs)]
+            for h, mb in zip(st.hidden, st.mbs):
+                with (self.recompute.recording() if saved else contextlib.nullcontext()) as products, \
+                        (self.router_loss.counting(self._token_mask(mb)) if self.router_loss is not None
+                         else contextlib.nullcontext()):  # (the routing counted for the load-balancing loss)
+                    out.append(self._run_layer(layer, unit.layer, h, mb))
+                kept.append(products)
+        if saved:
+            st.kept[unit.layer] = kept
         self.activations.save(unit.layer, st.hidden)  # after the layer is enqueued: the copy overlaps the next
         st.hidden = out
 
     def _head(self, st: "_Step", unit, slot) -> None:
         rt, ad = self.runtime, self.adapter
+        if self.router_loss is not None:  # (every layer's routing counted by now)
+            st.loss += self.router_loss.loss()
         params, grads = slot.views(unit)
         bind_parameters(ad.skeleton.model, {"norm.weight": params["norm.weight"]})
         rt.begin_grads(slot)
@@ -319,10 +335,14 @@ class SlideEngine:
         for i, (x, mb) in enumerate(zip(inputs, st.mbs)):
             x = x.detach().requires_grad_(True)
             # (not with token-chunked MLPs: their checkpoints recompute the projection in backward)
-            with torch.enable_grad(), self.recompute.active(self.mlp_chunking.tokens is None, kept[i]):
+            with torch.enable_grad(), self.recompute.active(self.mlp_chunking.tokens is None, kept[i]), \
+                    (self.router_loss.recording(self._token_mask(mb)) if self.router_loss is not None
+                     else contextlib.nullcontext(lambda: None)) as router_term:
                 y = self._run_layer(layer, unit.layer, x, mb)
+                term = router_term()
             kept[i] = None  # (what the recompute took is the graph's now, freed with it)
-            torch.autograd.backward(y, st.grad_hidden[i], inputs=[x] + plist)
+            outs, grads = ([y], [st.grad_hidden[i]]) if term is None else ([y, term], [st.grad_hidden[i], None])
+            torch.autograd.backward(outs, grads, inputs=[x] + plist)
             st.grad_hidden[i] = x.grad
 
     def _embed_bwd(self, st: "_Step", unit, slot) -> None:
@@ -388,6 +408,14 @@ class SlideEngine:
     def _last_layers(self, k: int) -> frozenset[int]:
         n = self.adapter.num_layers
         return frozenset(range(n - min(k, n), n))
+
+    @staticmethod
+    def _token_mask(mb: MicroBatch) -> torch.Tensor:
+        """Which of the micro-batch's tokens count in the load-balancing loss, flat (transformers: those its
+        attention_mask keeps; all of them without one)."""
+        if mb.attention_mask is None:
+            return torch.ones(mb.input_ids.numel(), device=mb.input_ids.device)
+        return mb.attention_mask.reshape(-1)
 
     def _run_layer(self, layer, index: int, h: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         kind = self.adapter.layer_attention_type(index)

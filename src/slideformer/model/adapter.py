@@ -20,7 +20,7 @@ from torch import nn
 # The families named and tested (tests/tiny.py); others are accepted by their structure (_config_missing,
 # _structure_missing), less those whose model-level forward does what the engine's parts do not.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", "granite", "cohere", "gemma",
-                         "gemma2", "gemma3_text")
+                         "gemma2", "gemma3_text", "qwen3_moe", "mixtral", "olmoe")
 ALIGN = 128
 
 
@@ -97,6 +97,9 @@ class ModelAdapter:
             raise UnsupportedModelError(f"model_type {model_type!r}: {missing}; slideformer trains decoder-only "
                                         f"models such as {', '.join(SUPPORTED_MODEL_TYPES)}")
         self.skeleton.train()
+        from .moe import experts_of
+
+        self.experts, self.top_k = experts_of(config)  # (0, 0): dense
         inner = self.skeleton.model
         self.layers: list[nn.Module] = list(inner.layers)
         self.norm: nn.Module = inner.norm
@@ -227,8 +230,6 @@ def _config_missing(config) -> str | None:
     head) do not do yet, in words; None where nothing is missing."""
     if getattr(config, "is_encoder_decoder", False):
         return "an encoder-decoder model (the engine trains decoder-only models)"
-    if (getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0) > 1:
-        return "Mixture-of-Experts layers are not supported yet"
     for key, neutral, what in (("scale_emb", 1, "a scaled embedding"), ("scale_depth", None, "scaled residuals")):
         if getattr(config, key, neutral) not in (neutral, None):
             return f"{what} ({key}={getattr(config, key)}): not supported yet"

@@ -27,10 +27,11 @@ class MlpChunking:
             n = self.tokens
             if n is None or x.numel() <= n * x.shape[-1]:
                 return forward(x)
-            chunks = x.reshape(-1, x.shape[-1]).split(n)
+            # (each chunk a sequence of its own: a Mixture-of-Experts block reads [batch, seq, hidden])
+            chunks = x.reshape(1, -1, x.shape[-1]).split(n, dim=1)
             if torch.is_grad_enabled():
                 out = [checkpoint(forward, c, use_reentrant=False, preserve_rng_state=False) for c in chunks]
             else:
                 out = [forward(c) for c in chunks]
-            return torch.cat(out).view(*x.shape[:-1], -1)
+            return torch.cat(out, dim=1).view(*x.shape[:-1], -1)
         return run

@@ -85,20 +85,54 @@ class ModelShape:
     embed_params: int
     head_params: int  # final norm (+ lm_head when untied)
     kept_per_token: int = 0  # values a token of a saved layer keeps for backward (model/recompute.py)
+    # Mixture-of-Experts (model/moe.py): the experts a layer has (0: dense), the parameters a token passes
+    # through (attention, router and its top-k experts; ``ffn`` is then those experts' intermediate size
+    # summed), and the largest parameter (the 3-D experts tensor, whose gradient autograd makes whole)
+    experts: int = 0
+    active_params: int = 0
+    largest_param: int = 0
 
     @property
     def params(self) -> int:
         return self.embed_params + self.layers * self.layer_params + self.head_params
 
+    @property
+    def flop_params(self) -> int:
+        """The parameters of a layer one token multiplies by: all of them, or a MoE layer's active ones."""
+        return self.active_params if self.experts else self.layer_params
+
+    @property
+    def down_params(self) -> int:
+        """The output-free down projection's parameters (model/recompute.py): none in a MoE layer, whose
+        experts are not an nn.Linear."""
+        return 0 if self.experts else self.hidden * self.ffn
+
+    @property
+    def kept_params(self) -> int:
+        """The parameters of the linears whose products a saved layer keeps: all but the down projection,
+        or a MoE layer's attention (its experts are recomputed)."""
+        return self.flop_params - (3 * self.hidden * self.ffn if self.experts else self.hidden * self.ffn)
+
     @classmethod
     def from_adapter(cls, adapter) -> "ModelShape":
+        from ..model.moe import expert_params
         from ..model.recompute import kept_values_per_token
 
         c = adapter.config
-        return cls(layers=adapter.num_layers, hidden=c.hidden_size, ffn=c.intermediate_size, vocab=c.vocab_size,
-                   tied=adapter.tied, layer_params=max(u.numel for u in adapter.units if u.kind == "layer"),
-                   embed_params=adapter.embed_unit.numel, head_params=adapter.head_unit.numel,
-                   kept_per_token=max(kept_values_per_token(layer) for layer in adapter.layers))
+        moe = {}
+        if adapter.experts:
+            layer = adapter.layers[0]
+            per_expert = expert_params(layer, adapter.experts) // adapter.experts
+            numel = sum(p.numel() for p in layer.parameters())
+            ffn = adapter.top_k * (getattr(c, "moe_intermediate_size", None) or c.intermediate_size)
+            moe = dict(experts=adapter.experts, ffn=ffn,
+                       active_params=numel - (adapter.experts - adapter.top_k) * per_expert,
+                       largest_param=max(p.numel() for p in layer.parameters()))
+        return cls(**{**dict(layers=adapter.num_layers, hidden=c.hidden_size, ffn=c.intermediate_size,
+                             vocab=c.vocab_size, tied=adapter.tied,
+                             layer_params=max(u.numel for u in adapter.units if u.kind == "layer"),
+                             embed_params=adapter.embed_unit.numel, head_params=adapter.head_unit.numel,
+                             kept_per_token=max(kept_values_per_token(layer) for layer in adapter.layers)), **moe})
 
 
 @dataclass(frozen=True)
@@ -158,7 +192,7 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: i
         # (the first layer backward meets, the last, is a saved one if any is: its gate and up are kept products)
         "layer_backward": (min(t, p.mlp_chunk_tokens or t) * (LAYER_TOKEN_FFN - 2 * bool(saved_layers(shape, p)))
                            * shape.ffn + t * LAYER_TOKEN_HIDDEN * H) * dtype_bytes
-                          + H * shape.ffn * dtype_bytes,  # + one weight's gradient in flight
+                          + (shape.largest_param or H * shape.ffn) * dtype_bytes,  # + one weight's gradient in flight
     }
     out["peak"] = int(SAFETY * (out["window"] + out["activations"] + out["saved_products"] + out["hidden_flow"]
                                 + max(out["loss_head"], out["layer_backward"])))
@@ -650,9 +684,9 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
         # token-chunked MLPs recompute it, and run their whole forward once more (6 x hidden x ffn); a
         # saved layer recomputes none of its products (the attention and elementwise work are left out). The
         # head's three products are not recomputed (6 x vocab x hidden); the embedding is a lookup.
-        "gpu_compute_s": (8 * shape.layers * shape.layer_params + head_flops
-                          + (6 if chunked else -2) * shape.layers * shape.hidden * shape.ffn
-                          - 2 * saved_layers(shape, p) * (shape.layer_params - shape.hidden * shape.ffn))
+        "gpu_compute_s": (8 * shape.layers * shape.flop_params + head_flops
+                          + shape.layers * (6 * shape.hidden * shape.ffn if chunked else -2 * shape.down_params)
+                          - 2 * saved_layers(shape, p) * shape.kept_params)
                          * tokens / rates.gpu_flops,
         "gpu_adamw_s": (shape.params - on_cpu) / rates.gpu_adamw_params_per_s / rates.gpu_state_speedup[state],
         # offloaded layer inputs: out and back once a step, each way on its own copy engine
@@ -676,7 +710,7 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
     # 2% below). CPU-bound, the head and the last streamed layer: between the last update the forward
     # needs and the first gradient of backward the CPU has nothing to do. Bound by the tier's disk, the
     # step is its traffic: the reads run ahead across the step boundary, so nothing waits on top.
-    gap = (head_flops + 8 * shape.layer_params) * tokens / rates.gpu_flops if on_cpu else 0.0
+    gap = (head_flops + 8 * shape.flop_params) * tokens / rates.gpu_flops if on_cpu else 0.0
     step = max(1.02 * (out["gpu_compute_s"] + out["gpu_adamw_s"]), out["optimizer_s"] + gap,
                1.1 * max(out["activations_s"], out["h2d_s"]), out["nvme_s"]) + stall
     if clipping:

@@ -1,0 +1,74 @@
+"""Mixture-of-Experts layers (model/moe.py): the router's load-balancing loss as transformers computes it, and
+experts without tokens."""
+import copy
+
+import torch
+
+from slideformer import SlideEngine
+
+from test_engine_parity import assert_same, engine_train, reference_train
+from tiny import batch, build, engine_config
+
+
+def padded(seed: int, rows: int = 2, seq: int = 12, pad: int = 4) -> dict:
+    """A batch whose rows end in ``pad`` padding tokens: masked out of attention, labels and routing counts."""
+    b = batch(97, b=rows, s=seq, seed=seed)
+    mask = torch.ones(rows, seq, dtype=torch.long)
+    mask[:, seq - pad:] = 0
+    b["attention_mask"] = mask
+    b["labels"] = b["labels"].masked_fill(mask == 0, -100)
+    return b
+
+
+def test_router_loss_counts_unpadded_tokens_and_accumulates_like_one_batch():
+    """Two micro-batches a step with padding: the engine's loss and training equal transformers' on the step as
+    one batch (its load-balancing loss over the attention mask's tokens, times router_aux_loss_coef), and the
+    loss is not the one without it."""
+    model = build("qwen3-moe")
+    halves = [[padded(s), padded(s + 7, rows=3)] for s in range(3)]
+    whole = [{k: torch.cat([h[k] for h in step]) for k in step[0]} for step in halves]
+    state, losses = engine_train(model, halves, lr=1e-2)
+    ref, ref_losses = reference_train(model, whole, lr=1e-2)
+    assert_same(state, ref, losses, ref_losses)
+    plain = copy.deepcopy(model)
+    plain.config.output_router_logits = False
+    _, plain_losses = engine_train(plain, halves, lr=1e-2)
+    assert plain_losses[0] < losses[0] - 0.1  # (coefficient 0.5 times a loss near 2 for 4 experts, 2 a token)
+
+
+def test_an_expert_without_tokens_gets_a_zero_gradient_and_still_decays():
+    """Sixteen experts, one a token, three tokens: most experts receive none. Their gradient is exactly zero
+    (their first moment stays 0) and AdamW still applies weight decay to them, as PyTorch's AdamW does to a
+    3-D parameter's slice whose gradient is zero; the experts that were used moved otherwise."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from tiny import COMMON
+
+    cfg = Qwen3MoeConfig(**COMMON, head_dim=8, num_experts=16, num_experts_per_tok=1, moe_intermediate_size=8,
+                         tie_word_embeddings=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    step = batch(97, b=1, s=3, ignore=False)
+    with torch.no_grad():  # which experts each layer routes to (transformers' own router)
+        out = model(input_ids=step["input_ids"], output_router_logits=True)
+    # (the last token predicts nothing, and causal attention lets nothing else read it: its expert learns nothing)
+    used = [set(logits[:-1].topk(1, dim=-1).indices.flatten().tolist()) for logits in out.router_logits]
+    lr, wd = 1e-2, 0.1
+    with SlideEngine(model, engine_config(device="cpu", compute_dtype=torch.float32, lr=lr, weight_decay=wd)) as eng:
+        eng.train_step(step)
+        eng.synchronize()
+        for i, chosen in enumerate(used):
+            unit = eng.adapter.layer_unit(i)
+            spec = next(p for p in unit.params if p.key.endswith("experts.gate_up_proj"))
+            m = eng.store.exp_avg[unit.index][spec.offset: spec.offset + spec.numel].view(spec.shape)
+            after = eng.store.master[unit.index][spec.offset: spec.offset + spec.numel].view(spec.shape)
+            before = model.state_dict()[spec.key]
+            for e in range(16):
+                if e in chosen:
+                    assert m[e].abs().sum() > 0
+                    assert not torch.allclose(after[e], before[e] * (1 - lr * wd), rtol=1e-6, atol=0)
+                else:
+                    assert torch.equal(m[e], torch.zeros_like(m[e]))  # an exact zero gradient
+                    torch.testing.assert_close(after[e], before[e] * (1 - lr * wd), rtol=1e-7, atol=0)
+        assert sum(len(c) for c in used) < len(used) * 16 // 2  # (most experts idle: the test says something)
