@@ -576,3 +576,43 @@ def test_a_run_killed_while_saving_from_the_tier_resumes_the_same_training(tmp_p
         losses = [eng.train_step(b) for b in steps[2:]]
         state = {k: v.clone() for k, v in eng.state_dict().items()}
     assert losses == ref_losses[2:] and all(torch.equal(state[k], ref[k]) for k in ref)
+
+
+def test_weights_come_from_the_buffer_read_ahead_or_from_the_file_once_written(tmp_path):
+    """engine/disk.py read_weights: without a read-ahead, from the file into the caller's buffer; with the
+    unit's state read ahead for its update, from that buffer; once the update has taken it, not before its
+    write has finished (the file is behind until then); after a failure, nothing."""
+    import threading
+
+    from slideformer.engine.disk import DiskIO, Failure
+    from slideformer.host.nvme import NvmeTier, aligned_empty
+
+    bf16 = torch.bfloat16
+    tier = NvmeTier(tmp_path, {0: 1024, 1: 1024}, 1, {"master": (bf16, None), "exp_avg": (bf16, None),
+                                                      "exp_avg_sq": (bf16, None)})
+    disk = DiskIO(tier, Failure())
+    try:
+        tier.copy_in(0, master=torch.full((1024,), 2.0))
+        tier.copy_in(1, master=torch.full((1024,), 3.0))
+        dst = aligned_empty(2048, torch.uint8)
+        w = disk.read_weights(0, dst)
+        assert w.data_ptr() == dst.data_ptr() and bool((w == 2).all())
+        disk.begin_step([1, 0])  # one buffer: unit 1's state is read ahead, unit 0's waits for it
+        assert disk.failure.wait(disk._ready[1])
+        w = disk.read_weights(1, dst)
+        assert w.data_ptr() == tier.views(1, 0)["master"].data_ptr() and bool((w == 3).all())
+        buf = disk.take(1)  # the update: its new weights reach the file only with its write
+        tier.views(1, buf)["master"].fill_(4.0)
+        got = []
+        reader = threading.Thread(target=lambda: got.append(disk.read_weights(1, dst).clone()))
+        reader.start()
+        reader.join(0.3)
+        assert reader.is_alive() and not got  # waiting for the write
+        disk.give_back(1, buf)
+        reader.join(10)
+        assert not reader.is_alive() and bool((got[0] == 4).all())
+        disk.failure.record(RuntimeError("a failed copy elsewhere"))
+        assert disk.read_weights(0, dst) is None
+    finally:
+        disk.close()
+        tier.close()

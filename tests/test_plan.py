@@ -760,7 +760,7 @@ def test_the_time_model_matches_the_measured_run_on_the_nvme_tier():
     t = step_time(sh, 8, 1024, p, state="8bit", nvme_layers=nvme_layer_count(cfg, sh.layers))
     assert t["nvme_s"] == max(v for k, v in t.items() if k != "step_s")
     assert 55.86 <= t["step_s"] <= 1.03 * 55.86
-    slower = MachineRates(disk_write_bytes_per_s=0.90e9)
+    slower = MachineRates(disk_write_bytes_per_s=0.90e9, disk_bytes_per_s=1.80e9)  # (each way 0.90 at once)
     assert step_time(sh, 8, 1024, p, slower, state="8bit", nvme_layers=46)["step_s"] == pytest.approx(59.7, rel=0.01)
 
 

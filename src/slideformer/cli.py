@@ -88,12 +88,7 @@ def cmd_plan(args) -> int:
     rates = MachineRates(gpu_flops=args.gpu_tflops * 1e12, pcie_bytes_per_s=args.pcie_gbps * 1e9,
                          disk_read_bytes_per_s=args.disk_read_gbps * 1e9,
                          disk_write_bytes_per_s=args.disk_write_gbps * 1e9,
-                         # both directions at once: as given, else the H200 machine's with its rates, else
-                         # the faster direction's alone (one device's bandwidth, shared)
-                         disk_bytes_per_s=args.disk_gbps * 1e9 if args.disk_gbps else
-                         MachineRates.disk_bytes_per_s if (args.disk_read_gbps, args.disk_write_gbps) ==
-                         (MachineRates.disk_read_bytes_per_s / 1e9, MachineRates.disk_write_bytes_per_s / 1e9)
-                         else max(args.disk_read_gbps, args.disk_write_gbps) * 1e9,
+                         disk_bytes_per_s=args.disk_gbps * 1e9 if args.disk_gbps else None,
                          optimizer_params_per_s=args.cpu_update_gparams * 1e9)
     disk = parse_bytes(args.disk_space) if args.disk_space is not None else \
         disk_free(args.offload_dir) if args.offload_dir and Path(args.offload_dir).exists() else None
@@ -488,7 +483,8 @@ def _main(argv: list[str], signals: Signals) -> int:
                     help="the NVMe tier's disk, GB/s written (default %(default).1f)")
     pl.add_argument("--disk-gbps", type=_positive_float, default=None,
                     help="the NVMe tier's disk, GB/s read and written together (default: the H200 machine's "
-                    f"{rates.disk_bytes_per_s / 1e9:.2f} with its rates, else the faster of the two)")
+                    f"{rates.disk_shared_bytes_per_s / 1e9:.2f} with its rates, else the faster of the two: one "
+                    "device's bandwidth, shared)")
     pl.add_argument("--cpu-update-gparams", type=_positive_float, default=rates.optimizer_params_per_s / 1e9,
                     help="the CPU AdamW's billions of parameters a second (default %(default).0f, 15 threads)")
     pl.add_argument("--json", action="store_true")

@@ -61,14 +61,25 @@ class MachineRates:
     # written in 47.7 s: 1.92-1.99 GB/s together, however they split)
     disk_read_bytes_per_s: float = 1.6e9
     disk_write_bytes_per_s: float = 0.96e9
-    disk_bytes_per_s: float = 1.92e9
+    # both directions together; None: that machine's 1.92 GB/s with its rates above, else the faster
+    # direction's alone (one device's bandwidth, shared)
+    disk_bytes_per_s: float | None = None
+
+    @property
+    def disk_shared_bytes_per_s(self) -> float:
+        if self.disk_bytes_per_s:
+            return self.disk_bytes_per_s
+        if (self.disk_read_bytes_per_s, self.disk_write_bytes_per_s) == \
+                (type(self).disk_read_bytes_per_s, type(self).disk_write_bytes_per_s):
+            return 1.92e9
+        return max(self.disk_read_bytes_per_s, self.disk_write_bytes_per_s)
 
     def disk_s(self, nbytes: float, read_only: float = 0) -> float:
         """Seconds to read ``nbytes`` from the tier and write them back, and to read ``read_only`` more: a
         step's traffic, reads and writes at once (engine/disk.py's threads, and the window's loader)."""
         read = nbytes + read_only
         return max(read / self.disk_read_bytes_per_s, nbytes / self.disk_write_bytes_per_s,
-                   (read + nbytes) / self.disk_bytes_per_s)
+                   (read + nbytes) / self.disk_shared_bytes_per_s)
 
 
 @dataclass(frozen=True)

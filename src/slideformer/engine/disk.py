@@ -9,8 +9,8 @@ unit's ``ready`` flag; the optimizer worker ``take``s the buffer, updates it in 
 it, which queues its write; the buffer is free again when the write has finished, and the unit's file is
 read again (next step) only after that write (its ``written`` flag). The window's loads of weights on the
 tier (compact state's master there) read that one field on the loader thread (``read_weights``), once the
-unit's last update is on disk (its ``stored`` flag: cleared when the update hands its buffer back, set when
-the write has finished).
+unit's last update is on disk (its ``stored`` flag: cleared when the update takes its buffer, set when the
+write has finished), or from the buffer its state was read ahead into for its update, where that read is in.
 
 Failures are the run's (``Failure``): the first is kept, every wait here ends when one is recorded, and
 each job still releases what it holds."""
@@ -107,11 +107,13 @@ class DiskIO:
         """The buffer holding the unit's state, once read; None if the read failed (its error is kept)."""
         self.failure.wait(self._ready[unit])
         self._ready[unit].clear()
-        return self._buf.pop(unit, None)
+        buf = self._buf.pop(unit, None)
+        if buf is not None:  # (the file is behind the buffer until the update's write: loads wait for it)
+            self._stored[unit].clear()
+        return buf
 
     def give_back(self, unit: int, buf: int) -> None:
         """The buffer goes back to its file (then to the free list)."""
-        self._stored[unit].clear()
         self._writes.put(lambda: self._write(unit, buf))
 
     def read_weights(self, unit: int, dst) -> object | None:

@@ -9,6 +9,10 @@ Hand-offs, and what makes each safe:
   optimizer after its AdamW step) so the copy reads fresh weights ("staged" mode: the fp32 master,
   cast on the GPU), and enqueues the copy behind ``used``, so it never overwrites weights a queued
   kernel still reads. It then records ``loaded`` and sets the request's ``issued`` flag.
+- NVMe weights -> slot (compact state's master on the tier): the loader reads them, once the unit's last
+  update is written (engine/disk.py ``read_weights``), into the next of two pinned buffers, which it reuses
+  only after the copy that last read it has finished; or copies them from the buffer the disk reader
+  filled for the unit's update, which nothing writes before that update, after this step's gradient.
 - slot -> compute: the main thread waits for ``issued`` (the copy is enqueued), then the compute
   stream waits for ``loaded``.
 - slot grads -> host grads (d2h stream): the d2h stream waits for an event recorded on the compute
@@ -197,14 +201,17 @@ class Runtime:
     def _load_from_tier(self, unit: int, dst: torch.Tensor, used):
         """Weights on the NVMe tier: read into the next of the two pinned ``tier_weights`` buffers (once the
         copy that last read it has finished), then copied to the slot like host weights."""
-        k = self._tier_turn = 1 - self._tier_turn
+        k = 1 - self._tier_turn
         if self._tier_copied[k] is not None:
             self._tier_copied[k].synchronize()
+            self._tier_copied[k] = None
         with self.profiler.timed("loader_read_tier"):
             src = self.disk.read_weights(unit, self.store.tier_weights[k])
         if src is None:
             return None
-        self._tier_copied[k] = loaded = self.copier.load(dst, src, staged=False, used=used)
+        loaded = self.copier.load(dst, src, staged=False, used=used)
+        if src.data_ptr() == self.store.tier_weights[k].data_ptr():  # (else a buffer read ahead for the update)
+            self._tier_turn, self._tier_copied[k] = k, loaded
         return loaded
 
     def begin_compute(self, slot: Slot) -> None:

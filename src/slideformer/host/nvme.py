@@ -367,13 +367,18 @@ class NvmeTier:
         done, crc = self._sums.move(self._fds[unit], view, self.layout[unit][name][0], self.direct, write=False)
         if done < len(view):
             raise TierError(errno.EIO, f"NVMe state file {self.files[unit]} is truncated in {name}")
+        if (unit, name) not in self.crc:
+            raise TierError(errno.EIO, f"NVMe state file {self.files[unit]} holds an incomplete write of {name} (a "
+                            "write failed); resume from the last checkpoint")
         if crc != self.crc[unit, name]:
             raise TierError(errno.EIO, f"NVMe state file {self.files[unit]} is corrupt (CRC32 mismatch in {name}): "
                             "the state read back is not what was written; resume from the last checkpoint")
 
-    def write(self, unit: int, buf: int) -> None:
-        """Every field of ``unit`` from RAM buffer ``buf``; each field's CRC is the one of what was written."""
-        for name, (at, _, _) in self.layout[unit].items():
+    def write(self, unit: int, buf: int, names=None) -> None:
+        """The fields of ``unit`` (``names`` of them, or all) from where they lie in RAM buffer ``buf``; each
+        field's CRC is the one of what was written."""
+        for name in names or self.layout[unit]:
+            at = self.layout[unit][name][0]
             self.crc.pop((unit, name), None)  # until the write completes the field holds nothing valid
             view = memoryview(self.buffers[buf].numpy())[at: at + self.field_bytes(unit, name)]
             try:
@@ -383,19 +388,24 @@ class NvmeTier:
                                 "training stops here, the last checkpoint is intact") from e
             self.crc[unit, name] = crc
 
-    def copy_out(self, unit: int) -> dict[str, torch.Tensor]:
-        """The unit's fields as new tensors, by name (for checkpoints; the pipeline must be idle)."""
-        self.read(unit, 0)
-        return {name: t.clone() for name, t in self.views(unit, 0).items()}
+    def copy_out(self, unit: int, *names: str) -> dict[str, torch.Tensor]:
+        """The unit's fields (``names`` of them, or all) as new tensors, by name (for checkpoints and export;
+        the pipeline must be idle): only those fields are read."""
+        views = self.views(unit, 0)
+        out = {}
+        for name in names or self.layout[unit]:
+            at = self.layout[unit][name][0]
+            self._read_field(unit, name, self.buffers[0][at: at + self.field_bytes(unit, name)])
+            out[name] = views[name].clone()
+        return out
 
     def copy_in(self, unit: int, **fields: torch.Tensor) -> None:
         """Replace some of the unit's fields, keeping the others (initialisation and checkpoint restore; the
-        pipeline must be idle)."""
-        self.read(unit, 0)
+        pipeline must be idle): only those fields are written, nothing is read."""
         views = self.views(unit, 0)
         for name, t in fields.items():
             views[name].copy_(t)
-        self.write(unit, 0)
+        self.write(unit, 0, list(fields))
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -80,83 +80,87 @@ class HostStore:
         self.compute_dtype = compute_dtype
         self.pin = pin
         self._registered: list[torch.Tensor] = []
-        # Compact state (optimizer_state "compact" or "8bit"): the master is hi + lo, both bf16, and hi doubles
-        # as the weights the GPU reads; moments are bf16, or 8-bit codes and block scales in one byte buffer
-        # (optim/formats.py). 8 or 6.06 bytes per parameter instead of 12 (+2).
-        self.state_format = state
-        self.compact = compact = compact_master(state)
-        master_dtype = torch.bfloat16 if compact else torch.float32
-        self.master_dtype = master_dtype
-        # Moments (and with nvme_master the master) in RAM for host units not on the NVMe tier; None elsewhere.
-        in_ram = [u for u in host if u.index not in nvme_units]
-        self.nvme_master = nvme_master and bool(nvme_units)
-        # Pinned where the GPU reads it: as the weights (fp32 compute), or to cast them there (staged units,
-        # whose masters get an arena of their own: the others' stay pageable).
-        with_master = in_ram if self.nvme_master else host
-        on_tier_master = [u for u in host if u.index in nvme_units] if self.nvme_master else []
-        read = [u for u in with_master if compute_dtype == master_dtype or u.index in staged_units]
-        pinned_part = _some(units, read, master_dtype, pin, self._registered)
-        read_ix = {u.index for u in read}
-        rest = _some(units, [u for u in with_master if u.index not in read_ix], master_dtype, False, self._registered)
-        self.master = [a if a is not None else b for a, b in zip(pinned_part, rest)]
-        pin_master = pin and bool(read)  # (a spare becomes some layer's master)
-        self.master_lo = _some(units, with_master, torch.bfloat16, False, self._registered) if compact else None
-        self.moment_dtype = moment_dtype = formats.moment_dtype(state)
-        self.moment_numel = size = functools.partial(formats.moment_numel, state)
-        self.exp_avg = _some(units, in_ram, moment_dtype, False, self._registered, size)
-        self.exp_avg_sq = _some(units, in_ram, moment_dtype, False, self._registered, size)
         self.tier = None
-        if nvme_units:
-            from .nvme import NvmeTier
+        try:  # (what was pinned is unpinned, and the tier's files removed, if anything below fails)
+            # Compact state (optimizer_state "compact" or "8bit"): the master is hi + lo, both bf16, and hi doubles
+            # as the weights the GPU reads; moments are bf16, or 8-bit codes and block scales in one byte buffer
+            # (optim/formats.py). 8 or 6.06 bytes per parameter instead of 12 (+2).
+            self.state_format = state
+            self.compact = compact = compact_master(state)
+            master_dtype = torch.bfloat16 if compact else torch.float32
+            self.master_dtype = master_dtype
+            # Moments (and with nvme_master the master) in RAM for host units not on the NVMe tier; None elsewhere.
+            in_ram = [u for u in host if u.index not in nvme_units]
+            self.nvme_master = nvme_master and bool(nvme_units)
+            # Pinned where the GPU reads it: as the weights (fp32 compute), or to cast them there (staged units,
+            # whose masters get an arena of their own: the others' stay pageable).
+            with_master = in_ram if self.nvme_master else host
+            on_tier_master = [u for u in host if u.index in nvme_units] if self.nvme_master else []
+            read = [u for u in with_master if compute_dtype == master_dtype or u.index in staged_units]
+            pinned_part = _some(units, read, master_dtype, pin, self._registered)
+            read_ix = {u.index for u in read}
+            rest = _some(units, [u for u in with_master if u.index not in read_ix], master_dtype, False, self._registered)
+            self.master = [a if a is not None else b for a, b in zip(pinned_part, rest)]
+            pin_master = pin and bool(read)  # (a spare becomes some layer's master)
+            self.master_lo = _some(units, with_master, torch.bfloat16, False, self._registered) if compact else None
+            self.moment_dtype = moment_dtype = formats.moment_dtype(state)
+            self.moment_numel = size = functools.partial(formats.moment_numel, state)
+            self.exp_avg = _some(units, in_ram, moment_dtype, False, self._registered, size)
+            self.exp_avg_sq = _some(units, in_ram, moment_dtype, False, self._registered, size)
+            if nvme_units:
+                from .nvme import NvmeTier
 
-            fields = {"master": (master_dtype, None)} if self.nvme_master else {}
-            if self.nvme_master and compact:
-                fields["master_lo"] = (torch.bfloat16, None)
-            fields.update(exp_avg=(moment_dtype, size), exp_avg_sq=(moment_dtype, size))
-            self.tier = NvmeTier(nvme_dir, {u: units[u].numel for u in sorted(nvme_units)}, nvme_buffers, fields)
-        # Compact state's weights on the tier: two pinned buffers the window's loads read them into (one
-        # filling while the other's copy to the GPU runs). The tier's own buffers are pinned too: a load
-        # copies the weights straight from one that holds the unit's state, read ahead for its update.
-        self.tier_weights: list[torch.Tensor] = []
-        if compact and on_tier_master:
-            width = max(self.tier.field_bytes(u.index, "master") for u in on_tier_master)
-            self.tier_weights = [aligned_empty(width, torch.uint8) for _ in range(2)]
-            for t in self.tier_weights + (self.tier.buffers if pin else []):
-                if pin:
-                    pinned.pin(t, "the NVMe tier's buffers", "raise the locked-memory limit (ulimit -l), or fewer "
-                               "nvme_buffers")
-                    self._registered.append(t)
-        if compute_dtype == master_dtype and (compact or not self.nvme_master):
-            self.weights: list[torch.Tensor | None] = self.master
-            self.staged = frozenset()
-        else:
-            self.weights = _some(units, [u for u in host if u.index not in staged_units], compute_dtype, pin,
-                                 self._registered)
-            self.staged = frozenset(u.index for u in host if u.index in staged_units)  # cast at copy time
-        # Gradient buffers for the units the CPU updates (a GPU unit's gradient stays in its slot).
-        layers = [u for u in host if u.kind == "layer"]
-        if host_grad_buffers is None or host_grad_buffers >= len(layers):
-            shapes = host  # every unit owns its buffer
-            own = {u.index: [i] for i, u in enumerate(host)}
-            self.host_grad_buffers = len(layers)
-        else:
-            others = [u for u in host if u.kind != "layer"]
-            shapes = others + [layers[0]] * host_grad_buffers
-            ring = list(range(len(others), len(shapes)))
-            own = {u.index: [i] for i, u in enumerate(others)} | {u.index: ring for u in layers}
-            self.host_grad_buffers = host_grad_buffers
-        self.grad_owner = [own.get(u.index, []) for u in units]
-        self.grad_buffers = _arena(shapes, compute_dtype, pin, self._registered)
-        # Spare states, for decoder layers in RAM (all of one size): the master half is pinned as the master
-        # is, since a spare becomes a unit's master.
-        spare_units = [layers[0]] * spare_states if layers and len({u.numel for u in layers}) == 1 else []
-        fields = {"master": _arena(spare_units, master_dtype, pin_master, self._registered)}
-        if compact:
-            fields["master_lo"] = _arena(spare_units, torch.bfloat16, False, self._registered)
-        fields["exp_avg"] = _arena(spare_units, moment_dtype, False, self._registered, size)
-        fields["exp_avg_sq"] = _arena(spare_units, moment_dtype, False, self._registered, size)
-        self.spares = [{k: v[i] for k, v in fields.items()} for i in range(len(spare_units))]
-        self.step = 0  # optimizer steps applied
+                fields = {"master": (master_dtype, None)} if self.nvme_master else {}
+                if self.nvme_master and compact:
+                    fields["master_lo"] = (torch.bfloat16, None)
+                fields.update(exp_avg=(moment_dtype, size), exp_avg_sq=(moment_dtype, size))
+                self.tier = NvmeTier(nvme_dir, {u: units[u].numel for u in sorted(nvme_units)}, nvme_buffers, fields)
+            # Compact state's weights on the tier: two pinned buffers the window's loads read them into (one
+            # filling while the other's copy to the GPU runs). The tier's own buffers are pinned too: a load
+            # copies the weights straight from one that holds the unit's state, read ahead for its update.
+            self.tier_weights: list[torch.Tensor] = []
+            if compact and on_tier_master:
+                width = max(self.tier.field_bytes(u.index, "master") for u in on_tier_master)
+                self.tier_weights = [aligned_empty(width, torch.uint8) for _ in range(2)]
+                for t in self.tier_weights + (self.tier.buffers if pin else []):
+                    if pin:
+                        pinned.pin(t, "the NVMe tier's buffers", "raise the locked-memory limit (ulimit -l), or fewer "
+                                   "nvme_buffers")
+                        self._registered.append(t)
+            if compute_dtype == master_dtype and (compact or not self.nvme_master):
+                self.weights: list[torch.Tensor | None] = self.master
+                self.staged = frozenset()
+            else:
+                self.weights = _some(units, [u for u in host if u.index not in staged_units], compute_dtype, pin,
+                                     self._registered)
+                self.staged = frozenset(u.index for u in host if u.index in staged_units)  # cast at copy time
+            # Gradient buffers for the units the CPU updates (a GPU unit's gradient stays in its slot).
+            layers = [u for u in host if u.kind == "layer"]
+            if host_grad_buffers is None or host_grad_buffers >= len(layers):
+                shapes = host  # every unit owns its buffer
+                own = {u.index: [i] for i, u in enumerate(host)}
+                self.host_grad_buffers = len(layers)
+            else:
+                others = [u for u in host if u.kind != "layer"]
+                shapes = others + [layers[0]] * host_grad_buffers
+                ring = list(range(len(others), len(shapes)))
+                own = {u.index: [i] for i, u in enumerate(others)} | {u.index: ring for u in layers}
+                self.host_grad_buffers = host_grad_buffers
+            self.grad_owner = [own.get(u.index, []) for u in units]
+            self.grad_buffers = _arena(shapes, compute_dtype, pin, self._registered)
+            # Spare states, for decoder layers in RAM (all of one size): the master half is pinned as the master
+            # is, since a spare becomes a unit's master.
+            spare_units = [layers[0]] * spare_states if layers and len({u.numel for u in layers}) == 1 else []
+            fields = {"master": _arena(spare_units, master_dtype, pin_master, self._registered)}
+            if compact:
+                fields["master_lo"] = _arena(spare_units, torch.bfloat16, False, self._registered)
+            fields["exp_avg"] = _arena(spare_units, moment_dtype, False, self._registered, size)
+            fields["exp_avg_sq"] = _arena(spare_units, moment_dtype, False, self._registered, size)
+            self.spares = [{k: v[i] for k, v in fields.items()} for i in range(len(spare_units))]
+            self.step = 0  # optimizer steps applied
+        except BaseException:
+            self.close()
+            raise
 
     # -- spare states (speculative updates) -----------------------------------------------------------
     def can_spare(self, unit: int) -> bool:
@@ -246,7 +250,8 @@ class HostStore:
             st = self.gpu.copy_out(unit, "master", "master_lo")
             hi, lo = st["master"], st.get("master_lo")
         else:
-            st = self.tier.copy_out(unit) if self.master[unit] is None else {}
+            st = self.tier.copy_out(unit, *[k for k in ("master", "master_lo") if k in self.tier.fields]) \
+                if self.master[unit] is None else {}
             hi = st.get("master", self.master[unit])
             lo = None if self.master_lo is None else st.get("master_lo", self.master_lo[unit])
         out = {}

@@ -223,7 +223,7 @@ def host_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, host_weights:
                state: str = "fp32", nvme_master: bool = False, activations_to_nvme: bool = False,
                nvme_buffers: int = 4, spare_layers: int = 0) -> dict[str, int]:
     """Host RAM by category (pass ``host_grad_buffers=None`` when clipping: one buffer per layer;
-    ``nvme_layers``: layers whose moments (and with ``nvme_master`` fp32 master) are on the NVMe tier,
+    ``nvme_layers``: layers whose moments (and with ``nvme_master`` master) are on the NVMe tier,
     see ``nvme_bytes``; ``state``: the optimizer state format (optim/formats.py; the compact ones' master
     is bf16 hi + lo, the hi half being the GPU's weights); ``spare_layers``: spare copies of a layer's state for speculative updates under clipping).
     Units trained on the GPU (``p``'s resident layers, and edges) have no host state (host/store.py)."""
@@ -573,7 +573,7 @@ def auto_residency(cfg, shape: ModelShape, batch: int, seq: int, edges: bool | N
 
 def nvme_bytes(shape: ModelShape, nvme_layers: int, state: str = "fp32", master: bool = False) -> int:
     """Disk for the Adam moments (exp_avg and exp_avg_sq in the ``state`` format) of ``nvme_layers``
-    decoder layers, and their fp32 master with ``master``."""
+    decoder layers, and their master with ``master`` (fp32, or compact state's two bf16 halves)."""
     return min(nvme_layers, shape.layers) * (moment_bytes(state, shape.layer_params)
                                              + (4 * shape.layer_params if master else 0))
 
