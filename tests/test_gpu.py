@@ -54,7 +54,9 @@ def test_fp32_cuda_matches_pytorch(family, slots, depth, clip, fused):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3-moe"])
 def test_bf16_matches_fp32_within_bf16_tolerance(family):
-    """bf16 on CUDA (a MoE model's experts through transformers' grouped GEMM) against fp32 PyTorch."""
+    """bf16 on CUDA (a MoE model's experts through transformers' grouped GEMM) against fp32 PyTorch. A router's
+    weights move with bf16's noise in its softmax and top-k: on the CPU, the engine's bf16 run puts them 0.26 of
+    their movement from fp32's (other tensors: at most 0.07), so they get twice that."""
     model = build(family)
     batches = [batch(97, b=4, s=32, seed=s) for s in range(4)]
     state, losses = cuda_engine_train(model, batches, compute_dtype=torch.bfloat16, lr=1e-3)
@@ -65,7 +67,8 @@ def test_bf16_matches_fp32_within_bf16_tolerance(family):
     for k, v in state.items():
         moved = (ref_sd[k] - init[k]).norm()
         # the bf16 run moves each tensor the same way as the fp32 run, within bf16 noise
-        assert float((v - ref_sd[k]).norm()) <= 0.1 * float(moved) + 1e-3 * float(ref_sd[k].norm()), k
+        bound = 0.5 if k.endswith("mlp.gate.weight") else 0.1
+        assert float((v - ref_sd[k]).norm()) <= bound * float(moved) + 1e-3 * float(ref_sd[k].norm()), k
 
 
 @pytest.mark.parametrize("chunk", [1 << 24, 1000])  # one gradient chunk per unit, and many
