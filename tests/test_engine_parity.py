@@ -652,3 +652,25 @@ def test_liger_ops_only_for_the_families_they_compute():
         with pytest.raises(ConfigError, match=f"not '{family}'"):
             resolve("liger", "cuda", family)
     assert resolve("none", "cuda", "olmo2") == "none"
+
+
+def test_attention_implementation_is_passed_through():
+    """attn_implementation: eager trains like the SDPA reference; FlashAttention is refused on the CPU (and
+    where it is not installed) with the fix; SDPA is refused for soft-capped attention, whose default is eager."""
+    from slideformer.model.adapter import UnsupportedModelError
+
+    model = build("llama")
+    batches = [batch(97, seed=s) for s in range(2)]
+    with SlideEngine(model, engine_config(device="cpu", attn_implementation="eager")) as eng:
+        assert eng.adapter.layers[0].self_attn.config._attn_implementation == "eager"
+    state, losses = engine_train(model, batches, lr=1e-2, attn_implementation="eager")
+    ref, ref_losses = reference_train(model, batches, lr=1e-2)
+    assert_same(state, ref, losses, ref_losses)
+    with pytest.raises(ConfigError, match="runs on CUDA only"):
+        EngineConfig(device="cpu", attn_implementation="flash_attention_2").validate()
+    with pytest.raises(ConfigError, match="must be one of sdpa, eager"):
+        EngineConfig(device="cpu", attn_implementation="flash").validate()
+    with pytest.raises(UnsupportedModelError, match="soft-capped .*set attn_implementation to eager"):
+        SlideEngine(build("gemma2"), engine_config(device="cpu", attn_implementation="sdpa"))
+    with SlideEngine(build("gemma2"), engine_config(device="cpu")) as eng:
+        assert eng.adapter.attn_implementation == "eager"

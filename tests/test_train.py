@@ -45,7 +45,8 @@ def test_yaml_with_overrides(tmp_path):
 
 @pytest.mark.parametrize("bad,match", [("lr_scheduler_type=step", "lr_scheduler_type"),
                                        ("warmup_ratio=1.5", "warmup_ratio"), ("micro_batch_size=0", "micro_batch_size"),
-                                       ("offload.host_grad_buffers=0", "host_grad_buffers must be auto, null or")])
+                                       ("offload.host_grad_buffers=0", "host_grad_buffers must be auto, null or"),
+                                       ("attn_implementation=flash", "attn_implementation must be one of sdpa")])
 def test_conflicts_name_the_fix(bad, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, [bad])

@@ -12,6 +12,9 @@ import torch
 from .optim.formats import BLOCK8, STATE_FORMATS, compact_master
 
 
+ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
+
+
 class ConfigError(ValueError):
     """A setting is invalid; the message says which and how to fix it."""
 
@@ -103,6 +106,10 @@ class EngineConfig:
     # moments, 6.06 bytes/param (optim/formats.py). The last two need bf16 compute.
     optimizer_state: Literal["fp32", "compact", "8bit"] = "fp32"
     offload_dir: str | None = None  # the NVMe tier's folder (Placement.nvme_*); None: no tier
+    # transformers' attention for the layers: "sdpa", "eager", "flash_attention_2" or "flash_attention_3"
+    # (installed, on CUDA); None: SDPA (the fastest measured on the H200), or eager where the model's
+    # attention scores are soft-capped (Gemma 2), which SDPA cannot do
+    attn_implementation: str | None = None
     seed: int = 0
     placement: Placement = field(default_factory=Placement)
     tuning: Tuning = field(default_factory=Tuning)
@@ -180,6 +187,21 @@ class EngineConfig:
         if self.optimizer_state == "8bit" and t.grad_chunk_elems % BLOCK8:
             raise ConfigError(f"8-bit moments are updated in blocks of {BLOCK8}: grad_chunk_elems must be a "
                               f"multiple of it, got {t.grad_chunk_elems}")
+        if self.attn_implementation is not None:
+            if self.attn_implementation not in ATTENTION:
+                raise ConfigError(f"attn_implementation must be one of {', '.join(ATTENTION)} (or unset: sdpa, or "
+                                  f"eager where a model needs it), got {self.attn_implementation!r}")
+            if self.attn_implementation.startswith("flash"):
+                import transformers.utils as tu
+
+                version = self.attn_implementation[-1]
+                if dev.type != "cuda":
+                    raise ConfigError(f"attn_implementation={self.attn_implementation!r} runs on CUDA only; use "
+                                      "sdpa on the CPU")
+                if not getattr(tu, f"is_flash_attn_{version}_available")():
+                    raise ConfigError(f"attn_implementation={self.attn_implementation!r} needs FlashAttention "
+                                      f"{version} installed (pip install flash-attn"
+                                      f"{'' if version == '2' else ' from its hopper/ folder'}); or use sdpa")
         if not 0.0 <= p.nvme_fraction <= 1.0:
             raise ConfigError(f"nvme_fraction must lie in [0, 1], got {p.nvme_fraction}")
         if p.activations_to_nvme and self.offload_dir is None:

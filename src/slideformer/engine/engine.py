@@ -103,7 +103,7 @@ class SlideEngine:
         self.cfg = (cfg or EngineConfig()).validate()
         p, t = self.cfg.placement, self.cfg.tuning
         self.device = torch.device(self.cfg.device)
-        self.adapter = ModelAdapter(hf_config, self.cfg.compute_dtype)
+        self.adapter = ModelAdapter(hf_config, self.cfg.compute_dtype, self.cfg.attn_implementation)
         self.fused_ops = resolve_fused_ops(t.fused_ops, str(self.cfg.device), self.adapter.model_type)
         if self.fused_ops == "liger":
             apply_liger(self.adapter.layers + [self.adapter.norm], getattr(hf_config, "hidden_act", ""))

@@ -72,7 +72,7 @@ def _layout(index: int, kind: str, layer: int | None, named: list[tuple[str, str
 class ModelAdapter:
     """Owns the meta-device skeleton of one model and its unit layout."""
 
-    def __init__(self, config, compute_dtype: torch.dtype = torch.float32):
+    def __init__(self, config, compute_dtype: torch.dtype = torch.float32, attn_implementation: str | None = None):
         from transformers import AutoModelForCausalLM
 
         model_type = getattr(config, "model_type", None)
@@ -82,10 +82,16 @@ class ModelAdapter:
         self.config = config
         self.model_type = model_type
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        # The skeleton's compute runs through SDPA whatever the checkpoint asked for (the window has no KV
-        # cache and flash-attn is optional), or, where the attention scores are soft-capped (Gemma 2), which
-        # SDPA cannot do, through transformers' eager attention. The masks follow (built for this config).
-        self.attn_implementation = "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+        # The skeleton's compute runs through the attention asked for (EngineConfig.attn_implementation), by
+        # default SDPA whatever the checkpoint named (the window has no KV cache and flash-attn is optional),
+        # or, where the attention scores are soft-capped (Gemma 2), which SDPA cannot do, transformers' eager
+        # attention. The masks follow (built for this config).
+        capped = getattr(config, "attn_logit_softcapping", None)
+        if attn_implementation == "sdpa" and capped:
+            raise UnsupportedModelError(f"model_type {model_type!r}: its attention scores are soft-capped "
+                                        f"(attn_logit_softcapping={capped}), which SDPA cannot do; set "
+                                        "attn_implementation to eager or flash_attention_2, or leave it unset")
+        self.attn_implementation = attn_implementation or ("eager" if capped else "sdpa")
         config._attn_implementation = self.attn_implementation
         try:
             with torch.device("meta"):

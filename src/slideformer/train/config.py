@@ -12,7 +12,7 @@ from pathlib import Path
 
 import yaml
 
-from ..config import ConfigError
+from ..config import ATTENTION, ConfigError
 from ..data.formats import FORMATS
 from ..optim.schedule import SCHEDULES
 
@@ -104,6 +104,8 @@ class TrainConfig:
     resume_from_checkpoint: str | None = "auto"
     device: str | None = None  # default: cuda if available
     bf16: bool | None = None  # default: bf16 on CUDA, fp32 on CPU
+    # sdpa, eager, flash_attention_2 or flash_attention_3; default: sdpa, or eager where a model needs it
+    attn_implementation: str | None = None
     progress: bool = True
     offload: OffloadConfig = field(default_factory=OffloadConfig)
 
@@ -122,6 +124,9 @@ class TrainConfig:
         self.dataset = specs
         if not specs:
             raise ConfigError("dataset is empty: give one or more local files")
+        if self.attn_implementation is not None and self.attn_implementation not in ATTENTION:
+            raise ConfigError(f"attn_implementation must be one of {', '.join(ATTENTION)}, or unset (sdpa, or eager "
+                              f"where a model needs it), got {self.attn_implementation!r}")
         if self.lr_scheduler_type not in SCHEDULES:
             raise ConfigError(f"lr_scheduler_type {self.lr_scheduler_type!r}: choose one of {', '.join(SCHEDULES)}")
         for k in ("micro_batch_size", "gradient_accumulation_steps", "cutoff_len", "logging_steps"):

@@ -179,7 +179,7 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
                         max_grad_norm=cfg.max_grad_norm, device=device, seed=cfg.seed,
                         compute_dtype=torch.bfloat16 if bf16 else torch.float32,
                         gpu_memory_limit=o.gpu_memory_limit, host_memory_limit=o.host_memory_limit,
-                        optimizer_state=o.optimizer_state,
+                        optimizer_state=o.optimizer_state, attn_implementation=cfg.attn_implementation,
                         offload_dir=o.offload_dir, placement=_placement(o))
     try:
         ecfg.validate()  # (before any work; its messages in the config's key names)
