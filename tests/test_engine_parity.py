@@ -674,3 +674,35 @@ def test_attention_implementation_is_passed_through():
         SlideEngine(build("gemma2"), engine_config(device="cpu", attn_implementation="sdpa"))
     with SlideEngine(build("gemma2"), engine_config(device="cpu")) as eng:
         assert eng.adapter.attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "granite", "gemma2", "qwen3-moe"])
+def test_evaluation_is_pytorchs_loss_and_leaves_training_as_it_was(family):
+    """engine.evaluate (forward only, weights streamed, no gradient): transformers' loss on the same batch,
+    after each step of training, in micro-batches too; and training with evaluations between its steps is
+    the training without them."""
+    model = build(family)
+    steps = [batch(97, seed=s) for s in range(3)]
+    held = [batch(97, b=3, s=10, seed=50), batch(97, b=2, s=12, seed=51)]
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.999), weight_decay=0.0, fused=True)
+    with SlideEngine(model, engine_config(device="cpu", compute_dtype=torch.float32, lr=1e-2,
+                                          loss_kernel="torch")) as eng:
+        for b in steps:
+            eng.train_step(b)
+            ref(**b).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for h in held:
+                    loss, n = eng.evaluate(h)
+                    assert n == int((h["labels"][:, 1:] != -100).sum())
+                    assert loss == pytest.approx(ref(**h).loss.item(), rel=1e-5)
+            loss, _ = eng.evaluate(held)  # two micro-batches: the mean over both batches' targets
+            together = {k: torch.cat([torch.nn.functional.pad(h[k], (0, 12 - h[k].shape[1]), value=-100 if k ==
+                                                              "labels" else 0) for h in held]) for k in held[0]}
+            if family != "qwen3-moe":  # (padding would add routed tokens to the load-balancing loss)
+                assert loss == pytest.approx(ref(**together).loss.item(), rel=1e-5)
+        state = {k: v.clone() for k, v in eng.state_dict().items()}
+    plain, _ = engine_train(model, steps, lr=1e-2)
+    assert all(torch.equal(state[k], plain[k]) for k in plain)

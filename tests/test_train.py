@@ -299,3 +299,46 @@ def test_a_signal_during_dropped_steps_saves_the_last_good_step(tmp_path, monkey
                                          "skip_nonfinite_steps=true"])
     assert code == 143 and calls["n"] == 3
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1"]
+
+
+def test_held_out_evaluation_is_logged_and_kept_out_of_training(tmp_path):
+    """val_size keeps a seeded fifth of the samples out of training; they are evaluated every eval_steps and
+    at the end: eval loss and perplexity in metrics.jsonl, TensorBoard and the result; the loss is then the
+    engine's forward-only loss on those samples. eval_dataset names held-out files instead; both at once,
+    and a fraction outside [0, 1), are refused."""
+    from slideformer.train.loop import _evaluate, build_examples, load_tokenizer
+
+    c = cfg(tmp_path / "run", "max_steps=4", "val_size=0.2", "eval_steps=3")
+    result = train(c)
+    evals = result["evals"]
+    assert [e["step"] for e in evals] == [3, 4] and all(e["eval_ppl"] == pytest.approx(math.exp(e["eval_loss"]))
+                                                         for e in evals)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [3, 4]
+    assert list((tmp_path / "run" / "tb").glob("events.*")) or list((tmp_path / "run").rglob("events.*"))
+    # the samples held out: the seeded fifth, none of which was trained on; evaluated again from the checkpoint
+    tok = load_tokenizer(c)
+    examples, _, _ = build_examples(c, tok)
+    pick = torch.randperm(len(examples), generator=torch.Generator().manual_seed(c.seed + 7919)).tolist()
+    held = [examples[i] for i in sorted(pick[: round(0.2 * len(examples))])]
+    from slideformer import SlideEngine
+    from slideformer.presets import preset_config
+
+    with SlideEngine.from_config(preset_config("tiny"), EngineConfig(device="cpu", compute_dtype=torch.float32)) as eng:
+        eng.load_checkpoint(result["checkpoint"])
+        again = _evaluate(eng, held, 4, tok.pad_token_id, 4)
+    assert again["eval_loss"] == pytest.approx(evals[-1]["eval_loss"], rel=1e-6) and again["eval_tokens"] == \
+        evals[-1]["eval_tokens"]
+    with pytest.raises(ConfigError, match="set one of them"):
+        load_config(None, ["val_size=0.1", "eval_dataset=x.jsonl"])
+    with pytest.raises(ConfigError, match="val_size must lie in"):
+        load_config(None, ["val_size=1.0"])
+
+
+def test_the_logged_loss_is_the_intervals_mean(tmp_path):
+    """logging_steps=2: the loss logged at step 2 is the token-weighted mean of steps 1 and 2 (as logged one
+    by one by the same training), not step 2's alone."""
+    one = train(cfg(tmp_path / "a", "max_steps=2"))["history"]
+    two = train(cfg(tmp_path / "b", "max_steps=2", "logging_steps=2"))["history"]
+    lo, hi = sorted([one[0]["loss"], one[1]["loss"]])
+    assert len(two) == 1 and lo < two[0]["loss"] < hi

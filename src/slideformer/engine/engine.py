@@ -43,7 +43,7 @@ from ..plan.memory import (LOSS_CHUNK_TOKENS, ModelShape, Layout, check_host_fit
                            nvme_layer_count, parse_bytes, saved_layers, speculative_spares)
 from ..window.schedule import plan_step
 from .activations import ActivationStore
-from .loss import chunked_head_loss, fused_head_loss, sliced_head_loss
+from .loss import chunked_head_loss, fused_head_loss, head_loss_value, sliced_head_loss
 from .runtime import Runtime
 from .updates import UpdateJob
 
@@ -166,6 +166,13 @@ class SlideEngine:
         for v in self.plan:
             if v.load:
                 self._loads_after.setdefault(v.issue_after, []).append(v)
+        # Evaluation: the step's forward visits and the loss head, in the same slots (``evaluate``)
+        self._eval_plan = plan_step(n, p.window_slots, p.lookahead, self.resident, share_edge=not self.adapter.tied,
+                                    forward_only=True)
+        self._eval_loads_after: dict[int, list] = {}
+        for v in self._eval_plan:
+            if v.load:
+                self._eval_loads_after.setdefault(v.issue_after, []).append(v)
         # The order updates run in: as gradients complete, or (clipping) forward order after backward.
         done = [v.unit for v in self.plan if v.last and v.unit not in self.resident]
         self._update_order = sorted(done) if self.cfg.max_grad_norm is not None else done
@@ -242,6 +249,36 @@ class SlideEngine:
             self.store.step = st.index
         return float(loss) if blocking else loss.detach()
 
+    @torch.no_grad()
+    def evaluate(self, batch) -> tuple[float, int]:
+        """The loss of ``batch`` (a dict, or a list of micro-batch dicts) without training it: forward only,
+        the weights streamed through the window, no gradient, no update, no layer input kept. Returns (the
+        mean loss over its target tokens, their number): plain PyTorch's ``model(**batch).loss`` on it (with
+        a MoE model's load-balancing loss where its config asks for it)."""
+        if self._limit is not None:
+            batch = self._place(batch)
+        mbs, denom = self._prepare(batch)
+        st = _Step(mbs=mbs, denom=denom, index=self.store.step)
+        rt = self.runtime
+        if self.router_loss is not None:
+            self.router_loss.begin_step(self.device)
+        for v in self._eval_loads_after.get(-1, ()):
+            rt.load(v.unit, rt.slots[v.group][v.slot])
+        for t, v in enumerate(self._eval_plan):
+            slot = rt.slots[v.group][v.slot]
+            unit = self.adapter.units[v.unit]
+            rt.begin_compute(slot)
+            if v.phase == "embed_fwd":
+                self._embed_fwd(st, unit, slot)
+            elif v.phase == "fwd":
+                self._fwd(st, unit, slot, training=False)
+            else:
+                self._head_value(st, unit, slot)
+            rt.end_compute(slot, v.unit)
+            for nxt in self._eval_loads_after.get(t, ()):
+                rt.load(nxt.unit, rt.slots[nxt.group][nxt.slot])
+        return float(st.loss), denom
+
     # -- the phases of a step, one per visit kind (see window/schedule.py) --------------------------
     def _embed_fwd(self, st: "_Step", unit, slot) -> None:
         w = slot.views(unit)[0]["weight"]
@@ -253,10 +290,10 @@ class SlideEngine:
                 mb.rope = self.adapter.positions(self.rotary, h, mb.position_ids)
                 st.hidden.append(h)
 
-    def _fwd(self, st: "_Step", unit, slot) -> None:
+    def _fwd(self, st: "_Step", unit, slot, training: bool = True) -> None:
         layer = self.adapter.layers[unit.layer]
         bind_parameters(layer, slot.views(unit)[0])
-        saved = unit.layer in self._saved  # its products stay on the GPU until its backward
+        saved = training and unit.layer in self._saved  # its products stay on the GPU until its backward
         out, kept = [], []
         with torch.no_grad():
             for h, mb in zip(st.hidden, st.mbs):
@@ -267,7 +304,8 @@ class SlideEngine:
                 kept.append(products)
         if saved:
             st.kept[unit.layer] = kept
-        self.activations.save(unit.layer, st.hidden)  # after the layer is enqueued: the copy overlaps the next
+        if training:
+            self.activations.save(unit.layer, st.hidden)  # after the layer is enqueued: the copy overlaps the next
         st.hidden = out
 
     def _head(self, st: "_Step", unit, slot) -> None:
@@ -316,6 +354,23 @@ class SlideEngine:
             gw.copy_(acc_w)
         st.hidden = []
         self.activations.prefetch(ad.num_layers - 1)
+
+    def _head_value(self, st: "_Step", unit, slot) -> None:
+        """The loss head's forward alone (evaluation): the loss, no gradient."""
+        ad, rt = self.adapter, self.runtime
+        params = slot.views(unit)[0]
+        bind_parameters(ad.skeleton.model, {"norm.weight": params["norm.weight"]})
+        if ad.tied:  # the matrix lives in the embedding's slot
+            w = rt.slots[self._embed_slot[0]][self._embed_slot[1]].views(ad.embed_unit)[0]["weight"]
+        else:
+            w = params["lm_head.weight"]
+        if self.router_loss is not None:  # (every layer's routing counted by now)
+            st.loss += self.router_loss.loss()
+        for h, mb in zip(st.hidden, st.mbs):
+            st.loss += head_loss_value(h.flatten(0, 1), mb.labels, ad.norm, w, st.denom, self._loss_chunk,
+                                       targets=mb.targets, logit_scale=ad.logit_scale,
+                                       logit_divisor=ad.logit_divisor, softcap=ad.logit_softcap)
+        st.hidden = []
 
     def _bwd(self, st: "_Step", unit, slot) -> None:
         layer = self.adapter.layers[unit.layer]

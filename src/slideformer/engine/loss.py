@@ -61,6 +61,30 @@ def chunked_head_loss(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Modul
     return loss, grad_hidden
 
 
+def head_loss_value(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Module, weight: torch.Tensor, denom: int,
+                    chunk: int, targets: torch.Tensor | None = None, logit_scale: float = 1.0,
+                    logit_divisor: float = 1.0, softcap: float | None = None) -> torch.Tensor:
+    """``chunked_head_loss``'s loss alone, without autograd (evaluation): the logits of one chunk at a time."""
+    from ..kernels.fused_linear_ce import chunks_with_targets
+
+    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    live = chunks_with_targets(labels, chunk, targets=targets)
+    with torch.no_grad():
+        for start in range(0, hidden.shape[0], chunk):
+            if not live[start // chunk]:
+                continue
+            logits = F.linear(norm(hidden[start: start + chunk]), weight)
+            if logit_scale != 1.0:
+                logits = logits * logit_scale
+            if logit_divisor != 1.0:
+                logits = logits / logit_divisor
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
+            loss += F.cross_entropy(logits.float(), labels[start: start + chunk], ignore_index=-100,
+                                    reduction="sum") / denom
+    return loss
+
+
 def fused_head_loss(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Module | None, weight: torch.Tensor,
                     denom: int, chunk: int, grad_norm_weight: torch.Tensor | None, grad_weight: torch.Tensor,
                     accumulate: bool, targets: torch.Tensor | None = None,

@@ -65,12 +65,34 @@ class OffloadConfig:
     nvme_master: bool | str = "auto"
 
 
+def _specs(value, key: str) -> list[DatasetSpec]:
+    """A dataset key's files as DatasetSpecs (a path, a mapping with a path, or a list of those)."""
+    specs = []
+    for i, d in enumerate(value if isinstance(value, list) else [value]):
+        if isinstance(d, dict) and "path" not in d:
+            raise ConfigError(f"{key}[{i}] has no path; write it as {{path: data/train.jsonl, format: auto}}")
+        if not isinstance(d, (str, dict, DatasetSpec)):
+            raise ConfigError(f"{key}[{i}] must be a file path or a mapping with a path, got {d!r}")
+        spec = DatasetSpec(d) if isinstance(d, str) else d if isinstance(d, DatasetSpec) else \
+            DatasetSpec(**_checked(d, DatasetSpec, f"{key}[{i}]"))
+        if spec.format != "auto" and spec.format not in FORMATS:
+            raise ConfigError(f"{key} {spec.path}: format {spec.format!r} is unknown; use auto or one of "
+                              f"{', '.join(FORMATS)}")
+        specs.append(spec)
+    return specs
+
+
 @dataclass
 class TrainConfig:
     model_name_or_path: str = "tiny"  # a local Hugging Face directory, or "tiny" (bundled, random init)
     # default: the bundled sample, one file per format (alpaca, sharegpt, OpenAI messages, plain text)
     dataset: list | str = field(default_factory=lambda: [DatasetSpec(str(_assets() / "sample" / f"{f}.jsonl"))
                                                    for f in ("alpaca", "sharegpt", "messages", "text")])
+    # held-out data, evaluated every eval_steps (0: at the end only) and at the end: its files (as dataset),
+    # or val_size, a seeded fraction of dataset's samples kept out of training
+    eval_dataset: list | str | None = None
+    val_size: float = 0.0
+    eval_steps: int = 0
     chat_template: str | None = None  # default: the tokenizer's
     cutoff_len: int | None = None  # tokens a sample keeps; default: 1024, or the model's positions if fewer
     packing: bool = False  # pack samples into rows of cutoff_len; attention never crosses a sample boundary
@@ -110,20 +132,17 @@ class TrainConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def validate(self) -> "TrainConfig":
-        specs = []
-        for i, d in enumerate(self.dataset if isinstance(self.dataset, list) else [self.dataset]):
-            if isinstance(d, dict) and "path" not in d:
-                raise ConfigError(f"dataset[{i}] has no path; write it as {{path: data/train.jsonl, format: auto}}")
-            if not isinstance(d, (str, dict, DatasetSpec)):
-                raise ConfigError(f"dataset[{i}] must be a file path or a mapping with a path, got {d!r}")
-            spec = DatasetSpec(d) if isinstance(d, str) else d if isinstance(d, DatasetSpec) else \
-                DatasetSpec(**_checked(d, DatasetSpec, f"dataset[{i}]"))
-            if spec.format != "auto" and spec.format not in FORMATS:
-                raise ConfigError(f"dataset {spec.path}: format {spec.format!r} is unknown; use auto or one of {', '.join(FORMATS)}")
-            specs.append(spec)
-        self.dataset = specs
-        if not specs:
+        self.dataset = _specs(self.dataset, "dataset")
+        if not self.dataset:
             raise ConfigError("dataset is empty: give one or more local files")
+        if self.eval_dataset is not None:
+            self.eval_dataset = _specs(self.eval_dataset, "eval_dataset") or None
+        if not 0 <= self.val_size < 1:
+            raise ConfigError(f"val_size must lie in [0, 1) (a fraction of dataset's samples), got {self.val_size}")
+        if self.val_size and self.eval_dataset:
+            raise ConfigError("eval_dataset and val_size both name held-out data: set one of them")
+        if self.eval_steps < 0:
+            raise ConfigError(f"eval_steps must be >= 0 (0: evaluate at the end only), got {self.eval_steps}")
         if self.attn_implementation is not None and self.attn_implementation not in ATTENTION:
             raise ConfigError(f"attn_implementation must be one of {', '.join(ATTENTION)}, or unset (sdpa, or eager "
                               f"where a model needs it), got {self.attn_implementation!r}")
@@ -299,8 +318,12 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
     cfg = TrainConfig(**raw)
     if path is not None:  # dataset paths are relative to the config file
         base = Path(path).parent
-        ds = cfg.dataset if isinstance(cfg.dataset, list) else [cfg.dataset]
-        cfg.dataset = [{**d, "path": str(base / d["path"])}
-                       if isinstance(d, dict) and isinstance(d.get("path"), str) and not os.path.isabs(d["path"])
-                       else str(base / d) if isinstance(d, str) and not os.path.isabs(d) else d for d in ds]
+        for key in ("dataset", "eval_dataset"):
+            ds = getattr(cfg, key)
+            if ds is None:
+                continue
+            setattr(cfg, key, [{**d, "path": str(base / d["path"])}
+                               if isinstance(d, dict) and isinstance(d.get("path"), str) and not os.path.isabs(d["path"])
+                               else str(base / d) if isinstance(d, str) and not os.path.isabs(d) else d
+                               for d in (ds if isinstance(ds, list) else [ds])])
     return cfg.validate()

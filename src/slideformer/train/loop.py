@@ -56,12 +56,12 @@ def load_tokenizer(cfg: TrainConfig):
     return tok
 
 
-def build_examples(cfg: TrainConfig, tok) -> tuple[list[tuple[list[int], list[int]]], int, int]:
-    """Tokenized examples (truncated to cutoff_len), the number of records skipped as malformed, and the
-    number dropped for having no target token within cutoff_len."""
+def build_examples(cfg: TrainConfig, tok, specs=None) -> tuple[list[tuple[list[int], list[int]]], int, int]:
+    """Tokenized examples (truncated to cutoff_len) of ``specs`` (default: the dataset), the number of
+    records skipped as malformed, and the number dropped for having no target token within cutoff_len."""
     examples, skipped, dropped = [], 0, 0
     token_chars = max_token_chars(tok)
-    for spec in cfg.dataset:
+    for spec in specs or cfg.dataset:
         records = read_records(spec.path, skip_bad=cfg.skip_bad_records)
         if not records:
             raise DataError(f"dataset file {spec.path} holds no records")
@@ -196,6 +196,15 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     if dropped:
         print(f"slideformer: {dropped} sample(s) have no target token within cutoff_len {cfg.cutoff_len} and are "
               "left out", file=sys.stderr)
+    held = []  # evaluation's samples: eval_dataset's, or val_size of the dataset's (a seeded choice)
+    if cfg.eval_dataset:
+        held, _, _ = build_examples(cfg, tok, cfg.eval_dataset)
+    elif cfg.val_size:
+        k = max(1, round(cfg.val_size * len(examples)))
+        if k >= len(examples):
+            raise DataError(f"val_size {cfg.val_size} of {len(examples)} samples leaves none to train on")
+        pick = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.seed + 7919)).tolist()
+        held, examples = [examples[i] for i in sorted(pick[:k])], [examples[i] for i in sorted(pick[k:])]
     per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps
     steps_per_epoch = max(1, len(examples) // per_step)
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
@@ -218,7 +227,8 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
         else:
             engine = SlideEngine.from_pretrained(cfg.model_name_or_path, ecfg)
         with engine:
-            result = _loop(cfg, signals, engine, out, resume, tok, examples, skipped, dropped, total, warmup, device)
+            result = _loop(cfg, signals, engine, out, resume, tok, examples, skipped, dropped, total, warmup, device,
+                           held)
     except BaseException:
         out.close(ok=False)
         raise
@@ -227,7 +237,7 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
 
 
 def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, dropped, total, warmup,
-          device) -> dict:
+          device, held=()) -> dict:
     """Resume (the engine's state and the data position), then train to ``total`` steps, logging and saving."""
     print(f"slideformer: {engine.describe()}", flush=True)
     start, epoch, offset = 0, 0, 0
@@ -244,6 +254,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     order = _permutation(len(examples), cfg.seed, epoch)
     params = engine.adapter.num_params
     history, t_last, tokens_since = [], time.perf_counter(), 0
+    loss_sum, targets_since = 0.0, 0  # the logged loss: the mean over the interval's target tokens
+    evals = []
     progress = _progress(cfg.progress, total, start)
     status, dropped_steps, in_a_row, step = "finished", 0, 0, start
     saved = out.checkpoints()
@@ -297,12 +309,14 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                     break
                 continue  # the same step number, the next data
             in_a_row = 0
+            targets = sum(int((m["labels"][:, 1:] != -100).sum()) for m in mbs)
+            loss_sum, targets_since = loss_sum + loss * targets, targets_since + targets
             tokens_since += sum(m["input_ids"].numel() if m["attention_mask"] is None  # packed: full rows
                                 else int(m["attention_mask"].sum()) for m in mbs)
             step += 1
             if step % cfg.logging_steps == 0 or step == total:
                 now = time.perf_counter()
-                rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm,
+                rec = {"step": step, "loss": loss_sum / max(targets_since, 1), "lr": lr, "grad_norm": norm,
                        "tokens_per_s": tokens_since / (now - t_last),
                        "tflops": 6 * params * tokens_since / (now - t_last) / 1e12,
                        "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
@@ -311,7 +325,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                     rec["gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
                 if dropped_steps:
                     rec["dropped_steps"] = dropped_steps
-                t_last, tokens_since = now, 0
+                t_last, tokens_since, loss_sum, targets_since = now, 0, 0.0, 0
                 history.append(rec)
                 with open(out.path / METRICS, "a") as f:
                     f.write(json.dumps(_finite(rec), allow_nan=False) + "\n")
@@ -320,6 +334,16 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                         if rec.get(k) is not None:
                             tb.add_scalar(f"train/{k}", rec[k], step)
                 progress(step, rec)
+            if held and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total):
+                ev = _evaluate(engine, held, cfg.micro_batch_size, tok.pad_token_id, step)
+                evals.append(ev)
+                with open(out.path / METRICS, "a") as f:
+                    f.write(json.dumps(_finite(ev), allow_nan=False) + "\n")
+                if tb:
+                    tb.add_scalar("eval/loss", ev["eval_loss"], step)
+                    tb.add_scalar("eval/perplexity", ev["eval_ppl"], step)
+                print(f"slideformer: step {step}: eval loss {ev['eval_loss']:.4f}, perplexity {ev['eval_ppl']:.3f} "
+                      f"({ev['eval_tokens']} tokens)", flush=True)
             state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
                      "run_id": out.run_id}
             if (cfg.save_steps and step % cfg.save_steps == 0) or step == total or signals.requested:
@@ -332,10 +356,20 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
         if tb:
             tb.close()
         if history:
-            _plot_loss(history, out.path / "loss.png")
-    return {"status": status, "signal": signals.requested, "steps": step, "history": history,
+            _plot_loss(history, out.path / "loss.png", evals)
+    return {"status": status, "signal": signals.requested, "steps": step, "history": history, "evals": evals,
             "checkpoint": str(last_saved) if last_saved else None, "skipped_records": skipped,
             "dropped_samples": dropped, "dropped_steps": dropped_steps}
+
+
+def _evaluate(engine, held, batch: int, pad_id: int, step: int) -> dict:
+    """The held-out loss (mean over every target token) and perplexity, in batches of ``batch`` samples."""
+    total, tokens = 0.0, 0
+    for s in range(0, len(held), batch):
+        loss, n = engine.evaluate(pad_batch(held[s: s + batch], pad_id))
+        total, tokens = total + loss * n, tokens + n
+    mean = total / tokens
+    return {"step": step, "eval_loss": mean, "eval_ppl": math.exp(min(mean, 80.0)), "eval_tokens": tokens}
 
 
 def _check_writable(folder: str, key: str) -> None:
@@ -419,7 +453,7 @@ def _line(done, total, r) -> str:
             f"{r['tflops']:.3g} TFLOPS{gpu}  host {r['host_rss_gib']:.1f} GiB")
 
 
-def _plot_loss(history: list[dict], path: Path) -> None:
+def _plot_loss(history: list[dict], path: Path, evals: list[dict] = ()) -> None:
     try:
         import matplotlib
 
@@ -428,7 +462,10 @@ def _plot_loss(history: list[dict], path: Path) -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([h["step"] for h in history], [h["loss"] for h in history])
+    ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train")
+    if evals:
+        ax.plot([e["step"] for e in evals], [e["eval_loss"] for e in evals], "o-", label="held out")
+        ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)

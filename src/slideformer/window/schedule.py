@@ -44,17 +44,20 @@ def step_visits(num_layers: int) -> list[tuple[int, str, str]]:
 
 
 def plan_step(num_layers: int, layer_slots: int, prefetch_depth: int,
-              resident: frozenset[int] = frozenset(), share_edge: bool = False) -> list[Visit]:
+              resident: frozenset[int] = frozenset(), share_edge: bool = False,
+              forward_only: bool = False) -> list[Visit]:
     """Assign slots (farthest-next-use eviction) and load points for one step.
 
     Units in ``resident`` never leave the GPU: each has its own slot (group "resident", slot = unit)
     and is never loaded during a step; the ring of layer slots serves the others. With ``share_edge``
-    the head uses the embedding's group (one slot for both).
+    the head uses the embedding's group (one slot for both). ``forward_only``: the visits up to the loss
+    head (evaluation), in the same slots.
     """
     if layer_slots < prefetch_depth + 1:
         raise ValueError(f"{layer_slots} layer slots cannot prefetch {prefetch_depth} visit(s) ahead")
+    visits = step_visits(num_layers)[: num_layers + 2 if forward_only else None]
     seq = [(u, phase, "resident" if u in resident else "embed" if share_edge and g == "head" else g)
-           for u, phase, g in step_visits(num_layers)]
+           for u, phase, g in visits]
     n_slots = {"embed": 1, "layer": layer_slots, "head": 1}
     holding: dict[str, list[int | None]] = {g: [None] * k for g, k in n_slots.items()}
     last_use: dict[str, list[int]] = {g: [-1] * k for g, k in n_slots.items()}
