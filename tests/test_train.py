@@ -342,3 +342,21 @@ def test_the_logged_loss_is_the_intervals_mean(tmp_path):
     two = train(cfg(tmp_path / "b", "max_steps=2", "logging_steps=2"))["history"]
     lo, hi = sorted([one[0]["loss"], one[1]["loss"]])
     assert len(two) == 1 and lo < two[0]["loss"] < hi
+
+
+def test_generation_config_travels_into_checkpoints_and_exports(tmp_path):
+    """A source model's generation_config.json (its sampling defaults) is in every checkpoint and export."""
+    from importlib import resources
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from slideformer.presets import preset_config
+
+    src = tmp_path / "model"
+    AutoModelForCausalLM.from_config(preset_config("tiny")).save_pretrained(src)
+    AutoTokenizer.from_pretrained(str(resources.files("slideformer") / "assets" / "tiny")).save_pretrained(src)
+    GenerationConfig(do_sample=True, temperature=0.3, max_new_tokens=17).save_pretrained(src)
+    result = train(cfg(tmp_path / "run", "max_steps=1", f"model_name_or_path={src}"))
+    assert GenerationConfig.from_pretrained(result["checkpoint"]).temperature == 0.3
+    assert main(["export", result["checkpoint"], str(tmp_path / "hf")]) == 0
+    assert GenerationConfig.from_pretrained(tmp_path / "hf").max_new_tokens == 17

@@ -12,6 +12,7 @@ import json
 import math
 import re
 import resource
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -304,7 +305,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                 if signals.requested:  # the state is the last finished step's, the data past the dropped batch
                     state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
                              "run_id": out.run_id}
-                    last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved)
+                    last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
+                                       cfg.model_name_or_path)
                     status = "interrupted"
                     break
                 continue  # the same step number, the next data
@@ -347,7 +349,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
                      "run_id": out.run_id}
             if (cfg.save_steps and step % cfg.save_steps == 0) or step == total or signals.requested:
-                last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved)
+                last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
+                                   cfg.model_name_or_path)
             if signals.requested:
                 status = "interrupted"
                 break
@@ -397,13 +400,21 @@ def _permutation(n: int, seed: int, epoch: int) -> list[int]:
     return torch.randperm(n, generator=g).tolist()
 
 
-def _save(engine, tok, out: OutputDir, step: int, state: dict, limit: int | None, previous: Path | None) -> Path:
+def _save(engine, tok, out: OutputDir, step: int, state: dict, limit: int | None, previous: Path | None,
+          source: str = "tiny") -> Path:
     target = out.path / f"{CKPT_PREFIX}{step}"
     if target.exists() and not out.overwrite and target not in out.checkpoints():
         raise OutputDirError(f"{target} appeared during the run and was not written by it; move it away and resume "
                              "with resume_from_checkpoint: auto")
+    generation = Path(source) / "generation_config.json"  # (the source model's sampling defaults travel along)
+
+    def extra(tmp):
+        tok.save_pretrained(str(tmp))
+        if source != "tiny" and generation.is_file():
+            shutil.copyfile(generation, Path(tmp) / generation.name)
+
     try:  # (the tokenizer goes in before the checkpoint is sealed: its checksums and the rename cover it)
-        path = engine.save_checkpoint(target, state, extra=lambda tmp: tok.save_pretrained(str(tmp)))
+        path = engine.save_checkpoint(target, state, extra=extra)
     except CheckpointWriteError as e:
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
         raise CheckpointWriteError(e.errno, f"{e.strerror}; {kept}. Free space in {out.path} (or set output_dir "
