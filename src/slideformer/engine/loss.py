@@ -43,14 +43,7 @@ def chunked_head_loss(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Modul
             continue
         h = hidden[start: start + chunk].detach().requires_grad_(True)
         with torch.enable_grad():
-            logits = F.linear(h if norm is None else norm(h), weight)  # [t, V] in the compute dtype, as HF does
-            if logit_scale != 1.0:
-                logits = logits * logit_scale
-            if logit_divisor != 1.0:
-                logits = logits / logit_divisor
-            if softcap is not None:
-                logits = torch.tanh(logits / softcap) * softcap
-            part = F.cross_entropy(logits.float(), lab, ignore_index=-100, reduction="sum") / denom
+            part = _chunk_loss(h, lab, norm, weight, denom, logit_scale, logit_divisor, softcap)
         gh, *gp = torch.autograd.grad(part, [h] + params)
         grad_hidden[start: start + chunk] = gh
         torch._foreach_add_(grads_out, gp) if wrote else torch._foreach_copy_(grads_out, gp)
@@ -71,18 +64,23 @@ def head_loss_value(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Module,
     live = chunks_with_targets(labels, chunk, targets=targets)
     with torch.no_grad():
         for start in range(0, hidden.shape[0], chunk):
-            if not live[start // chunk]:
-                continue
-            logits = F.linear(norm(hidden[start: start + chunk]), weight)
-            if logit_scale != 1.0:
-                logits = logits * logit_scale
-            if logit_divisor != 1.0:
-                logits = logits / logit_divisor
-            if softcap is not None:
-                logits = torch.tanh(logits / softcap) * softcap
-            loss += F.cross_entropy(logits.float(), labels[start: start + chunk], ignore_index=-100,
-                                    reduction="sum") / denom
+            if live[start // chunk]:
+                loss += _chunk_loss(hidden[start: start + chunk], labels[start: start + chunk], norm, weight, denom,
+                                    logit_scale, logit_divisor, softcap)
     return loss
+
+
+def _chunk_loss(h, labels, norm, weight, denom, logit_scale, logit_divisor, softcap) -> torch.Tensor:
+    """One chunk's loss sum / denom by the model's own ops: [t, V] logits in the compute dtype (as HF does),
+    scaled, divided and soft-capped after the product, the cross-entropy in fp32."""
+    logits = F.linear(h if norm is None else norm(h), weight)
+    if logit_scale != 1.0:
+        logits = logits * logit_scale
+    if logit_divisor != 1.0:
+        logits = logits / logit_divisor
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum") / denom
 
 
 def fused_head_loss(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Module | None, weight: torch.Tensor,
