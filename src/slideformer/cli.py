@@ -17,8 +17,9 @@ from .signals import Interrupted, Signals
 EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_DOES_NOT_FIT, EXIT_NONFINITE, EXIT_IO = 0, 1, 2, 3, 4, 5
 EXIT_CODES_HELP = ("Exit codes: 0 done, 1 unexpected failure (traceback in slideformer-error.log), 2 bad config, "
                    "data, model or checkpoint, 3 does not fit, 4 non-finite loss or gradient, 5 a file could not be "
-                   "written or read (full or read-only disk, permissions), 130 SIGINT, 143 SIGTERM (a checkpoint "
-                   "was saved if a step had finished).")
+                   "written or read (full or read-only disk, permissions), 6 no progress within the watchdog's limit "
+                   "(every thread's stack printed), 130 SIGINT, 143 SIGTERM (a checkpoint was saved if a step had "
+                   "finished); 3 also where the process neared its host memory budget (a checkpoint was saved).")
 
 
 def cmd_train(args) -> int:
@@ -301,14 +302,14 @@ def _exit_code(e: BaseException) -> int | None:
     from .data.batches import BatchError
     from .model import UnsupportedModelError
     from .plan import DoesNotFit
-    from .train.loop import NonFiniteLoss
+    from .train.loop import HostMemoryExceeded, NonFiniteLoss
 
     if isinstance(e, Interrupted):
         return 128 + e.signum
     if isinstance(e, KeyboardInterrupt):
         return 130
     for types, code in (((ConfigError, DataError, CorruptCheckpointError, CheckpointError, UnsupportedModelError,
-                          BatchError), EXIT_USAGE), ((DoesNotFit,), EXIT_DOES_NOT_FIT),
+                          BatchError), EXIT_USAGE), ((DoesNotFit, HostMemoryExceeded), EXIT_DOES_NOT_FIT),
                         ((NonFiniteLoss, NonFiniteStateError), EXIT_NONFINITE), ((OSError,), EXIT_IO)):
         if isinstance(e, types):
             return code

@@ -27,11 +27,25 @@ from ..signals import Signals
 from ..checkpoint.state import CheckpointWriteError, CorruptCheckpointError, read_meta
 from .config import OffloadConfig, TrainConfig, _assets
 from .outdir import CKPT_PREFIX, METRICS, TENSORBOARD, OutputDir, OutputDirError
+from ..watchdog import GUARD_FRACTION, MemoryGuard, Watchdog
 
 # A run whose every step for this long comes out non-finite has diverged: skipping more cannot help.
 MAX_DROPPED_IN_A_ROW = 10
 DEFAULT_CUTOFF_LEN = 1024
 
+
+
+class HostMemoryExceeded(MemoryError):
+    """Resident memory neared the host budget: the run saved and stopped (watchdog.MemoryGuard)."""
+
+
+def _host_allowance(engine) -> int:
+    """The process's RAM allowance the memory guard holds it to: host_memory_limit, else 95% of the RAM."""
+    from ..machine import host_memory
+    from ..plan.memory import parse_bytes
+
+    limit = engine.cfg.host_memory_limit
+    return parse_bytes(limit) if limit else int(0.95 * host_memory())
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -261,6 +275,10 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     status, dropped_steps, in_a_row, step = "finished", 0, 0, start
     saved = out.checkpoints()
     last_saved = saved[-1] if saved else None
+    kept = [last_saved]  # (the watchdog's line names the newest checkpoint)
+    dog = Watchdog(cfg.watchdog_seconds, lambda: f"the last checkpoint ({kept[0]}) is intact" if kept[0]
+                   else "no checkpoint was saved")
+    guard = MemoryGuard(_host_allowance(engine))
     try:
         signals.training()
         while step < total:
@@ -311,6 +329,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                     break
                 continue  # the same step number, the next data
             in_a_row = 0
+            dog.progress()
             targets = sum(int((m["labels"][:, 1:] != -100).sum()) for m in mbs)
             loss_sum, targets_since = loss_sum + loss * targets, targets_since + targets
             tokens_since += sum(m["input_ids"].numel() if m["attention_mask"] is None  # packed: full rows
@@ -346,15 +365,27 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                     tb.add_scalar("eval/perplexity", ev["eval_ppl"], step)
                 print(f"slideformer: step {step}: eval loss {ev['eval_loss']:.4f}, perplexity {ev['eval_ppl']:.3f} "
                       f"({ev['eval_tokens']} tokens)", flush=True)
+                dog.progress(stepped=False)
+            memory = guard.tripped()
             state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
                      "run_id": out.run_id}
-            if (cfg.save_steps and step % cfg.save_steps == 0) or step == total or signals.requested:
+            if (cfg.save_steps and step % cfg.save_steps == 0) or step == total or signals.requested or memory:
                 last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
                                    cfg.model_name_or_path)
+                kept[0] = last_saved
+                dog.progress(stepped=False)
+            if memory:
+                raise HostMemoryExceeded(
+                    f"host memory: the process reached {guard.peak / 2**30:.1f} GiB at step {step}, over "
+                    f"{GUARD_FRACTION:.0%} of its {guard.budget / 2**30:.1f} GiB budget; stopped before the kernel's "
+                    f"OOM killer, with {last_saved} saved. Lower offload.host_memory_limit (the planner then keeps less "
+                    "in RAM), or use offload.optimizer_state: 8bit or offload.offload_dir; then resume")
             if signals.requested:
                 status = "interrupted"
                 break
     finally:
+        dog.close()
+        guard.close()
         progress(None, None)
         if tb:
             tb.close()
