@@ -360,3 +360,27 @@ def test_generation_config_travels_into_checkpoints_and_exports(tmp_path):
     assert GenerationConfig.from_pretrained(result["checkpoint"]).temperature == 0.3
     assert main(["export", result["checkpoint"], str(tmp_path / "hf")]) == 0
     assert GenerationConfig.from_pretrained(tmp_path / "hf").max_new_tokens == 17
+
+
+def test_export_writes_the_training_master_in_the_dtype_asked_for(tmp_path):
+    """A bf16 run with compact state: its checkpoint's weights are bf16 (the compute copy); export --dtype fp32
+    writes the master itself (hi + lo, exactly what training holds), and --dtype bf16 that rounded."""
+    from transformers import AutoModelForCausalLM
+
+    from slideformer import SlideEngine
+    from slideformer.presets import preset_config
+
+    result = train(cfg(tmp_path / "run", "max_steps=2", "bf16=true", "offload.optimizer_state=compact"))
+    ck = result["checkpoint"]
+    with SlideEngine.from_config(preset_config("tiny"), EngineConfig(device="cpu", optimizer_state="compact")) as eng:
+        eng.load_checkpoint(ck)
+        master = {k: v.clone() for k, v in eng.state_dict().items()}
+    for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        assert main(["export", ck, str(tmp_path / dtype), "--dtype", dtype]) == 0
+        got = load_file(str(tmp_path / dtype / "model.safetensors"))
+        assert all(got[k].dtype == torch_dtype and torch.equal(got[k], master[k].to(torch_dtype)) for k in got)
+        assert AutoModelForCausalLM.from_pretrained(tmp_path / dtype).dtype == torch_dtype
+    plain = load_file(str(tmp_path / "plain" / "model.safetensors")) if main(
+        ["export", ck, str(tmp_path / "plain")]) == 0 else None
+    assert plain is not None and all(v.dtype == torch.bfloat16 for v in plain.values())
+    assert any(not torch.equal(plain[k].float(), master[k]) for k in plain)  # (the master is finer than bf16)

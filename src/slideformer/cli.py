@@ -243,6 +243,12 @@ def cmd_plan(args) -> int:
     return EXIT_OK if fits else EXIT_DOES_NOT_FIT
 
 
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
 def cmd_export(args) -> int:
     """Copy a checkpoint's Hugging Face files (weights, config, tokenizer) without the training state,
     after checking them against the checkpoint's checksums."""
@@ -267,11 +273,18 @@ def cmd_export(args) -> int:
         print(f"error: export target {dst} exists and is not empty; choose a new folder, or pass --overwrite "
               "(its model weights and files of the same names are replaced)", file=sys.stderr)
         return EXIT_USAGE
+    if args.dtype and not (src / STATE_DIR).is_dir():
+        print(f"error: --dtype rewrites the weights from the training state, and {src} has no {STATE_DIR}/; export "
+              "it without --dtype", file=sys.stderr)
+        return EXIT_USAGE
     files = []
     for p in sorted(src.rglob("*")):
         rel = p.relative_to(src)
         if rel.parts[0] == STATE_DIR or p.name.endswith(".tmp"):
             continue
+        if args.dtype and (p.name.startswith("model") and p.name.endswith((".safetensors", ".index.json"))
+                           or p.name == "config.json"):
+            continue  # (written below, in the dtype asked for)
         if p.is_symlink() and not p.resolve().is_relative_to(rs):
             print(f"error: {p} is a link to {p.resolve()}, outside the checkpoint; export copies only the "
                   "checkpoint's own files", file=sys.stderr)
@@ -289,6 +302,11 @@ def cmd_export(args) -> int:
         tmp = target.with_name(target.name + ".tmp")
         shutil.copyfile(src / rel, tmp)
         os.replace(tmp, target)
+    if args.dtype:
+        from .checkpoint.export import save_from_state
+
+        files += save_from_state(src, dst, {"bf16": torch_dtype("bfloat16"), "fp16": torch_dtype("float16"),
+                                            "fp32": torch_dtype("float32")}[args.dtype])
     print(f"exported {src} -> {dst} ({len(files)} files)")
     return EXIT_OK
 
@@ -494,6 +512,9 @@ def _main(argv: list[str], signals: Signals) -> int:
     ex.add_argument("checkpoint")
     ex.add_argument("output_dir")
     ex.add_argument("--overwrite", action="store_true", help="export into a folder that is not empty")
+    ex.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default=None,
+                    help="write the weights in this dtype, from the checkpoint's training master (fp32, or compact "
+                    "state's two bf16 halves); default: as the checkpoint holds them (the training's compute dtype)")
     ex.set_defaults(func=cmd_export)
     sub.add_parser("bench", help="benchmark one case (see `slideformer bench --help`), or `bench report FILE...`",
                    add_help=False)

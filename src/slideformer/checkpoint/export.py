@@ -57,3 +57,39 @@ def save_pretrained(out: str | os.PathLike, adapter: ModelAdapter, store: HostSt
     cfg.dtype = dtype
     cfg.save_pretrained(str(out))
     return out
+
+
+class _StateMasters:
+    """A checkpoint's training state read back as ``save_pretrained``'s store: each unit's master in fp32
+    (compact state: hi + lo), one unit file at a time."""
+
+    def __init__(self, state_dir: Path, adapter: ModelAdapter):
+        self.state_dir, self.adapter = state_dir, adapter
+
+    def unit_params(self, unit: int) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        u = self.adapter.units[unit]
+        with safe_open(str(self.state_dir / f"{u.name}.safetensors"), framework="pt") as f:
+            hi = f.get_tensor("master")
+            lo = f.get_tensor("master_lo") if "master_lo" in f.keys() else None
+        out = {}
+        for spec in u.params:
+            v = hi[spec.offset: spec.offset + spec.numel].view(spec.shape).float()
+            if lo is not None:
+                v = v + lo[spec.offset: spec.offset + spec.numel].view(spec.shape).float()
+            out[spec.key] = v
+        return out
+
+
+def save_from_state(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype) -> list[Path]:
+    """The Hugging Face weights and config of a checkpoint written again in ``dtype`` from its training master
+    (the exact fp32 values, not the compute-dtype copy); returns the files written, relative to ``out``."""
+    from transformers import AutoConfig
+
+    from .state import STATE_DIR
+
+    adapter = ModelAdapter(AutoConfig.from_pretrained(str(checkpoint)))
+    before = set(Path(out).iterdir())
+    save_pretrained(out, adapter, _StateMasters(Path(checkpoint) / STATE_DIR, adapter), dtype)
+    return sorted(p.relative_to(out) for p in set(Path(out).iterdir()) - before)
