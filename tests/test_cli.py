@@ -256,3 +256,18 @@ def test_plan_measures_the_free_disk_under_an_existing_offload_dir(capsys, tmp_p
     with pytest.raises(SystemExit) as usage:  # (argparse: a usage line, exit 2)
         main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1", "--gpu-tflops", "1e300"])
     assert usage.value.code == 2 and "--gpu-tflops" in capsys.readouterr().err
+
+
+def test_data_shows_what_training_sees(capsys, tmp_path):
+    """`slideformer data`: the counts (samples, tokens, trained tokens, truncated, skipped, dropped) and samples
+    with the trained tokens marked; a cutoff that truncates is counted; a missing file is one line, exit 2."""
+    assert main(["data", "--samples", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- sample") == 1 and "[[" in out and "]]" in out
+    assert "samples 112 " in out and "truncated 0 " in out
+    assert main(["data", "cutoff_len=16", "--samples", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "--- sample" not in out and int(out.split("truncated ")[1].split()[0]) > 0
+    assert main(["data", f"dataset={tmp_path / 'missing.jsonl'}"]) == 2
+    err = capsys.readouterr().err
+    assert "missing.jsonl" in err and "Traceback" not in err

@@ -54,6 +54,17 @@ def cmd_train(args) -> int:
     return EXIT_OK
 
 
+def cmd_data(args) -> int:
+    from .train.config import load_config
+    from .train.loop import describe_data
+
+    config, overrides = args.config, list(args.overrides)
+    if config is not None and "=" in config and not Path(config).exists():
+        config, overrides = None, [config] + overrides  # only overrides were given
+    describe_data(load_config(config, overrides), args.samples)
+    return EXIT_OK
+
+
 def cmd_plan(args) -> int:
     import json
     from dataclasses import replace
@@ -463,6 +474,12 @@ def _main(argv: list[str], signals: Signals) -> int:
     t.add_argument("config", nargs="?", help="YAML config (default: the embedded demo)")
     t.add_argument("overrides", nargs="*", metavar="key=value")
     t.set_defaults(func=cmd_train)
+    d = sub.add_parser("data", help="what a config's data becomes: counts, and samples with the trained tokens "
+                       "marked")
+    d.add_argument("config", nargs="?", help="YAML config (default: the embedded demo)")
+    d.add_argument("overrides", nargs="*", metavar="key=value")
+    d.add_argument("--samples", type=int, default=2, help="samples to print (default 2)")
+    d.set_defaults(func=cmd_data)
     pl = sub.add_parser("plan", help="GPU, host and NVMe bytes of a run, whether it fits, the largest batch")
     pl.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or a HF directory")
     pl.add_argument("--seq-len", type=_positive, required=True)

@@ -71,9 +71,11 @@ def load_tokenizer(cfg: TrainConfig):
     return tok
 
 
-def build_examples(cfg: TrainConfig, tok, specs=None) -> tuple[list[tuple[list[int], list[int]]], int, int]:
+def build_examples(cfg: TrainConfig, tok, specs=None, counts: dict | None = None
+                   ) -> tuple[list[tuple[list[int], list[int]]], int, int]:
     """Tokenized examples (truncated to cutoff_len) of ``specs`` (default: the dataset), the number of
-    records skipped as malformed, and the number dropped for having no target token within cutoff_len."""
+    records skipped as malformed, and the number dropped for having no target token within cutoff_len;
+    ``counts`` (given) gets the number truncated."""
     examples, skipped, dropped = [], 0, 0
     token_chars = max_token_chars(tok)
     for spec in specs or cfg.dataset:
@@ -95,6 +97,8 @@ def build_examples(cfg: TrainConfig, tok, specs=None) -> tuple[list[tuple[list[i
                     raise
                 skipped += 1
                 continue
+            if counts is not None and len(ids) > cfg.cutoff_len:
+                counts["truncated"] = counts.get("truncated", 0) + 1
             ids, labels = ids[: cfg.cutoff_len], labels[: cfg.cutoff_len]
             if any(l != -100 for l in labels[1:]):
                 examples.append((ids, labels))
@@ -514,3 +518,33 @@ def _plot_loss(history: list[dict], path: Path, evals: list[dict] = ()) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def describe_data(cfg: TrainConfig, samples: int = 2, out=None) -> dict:
+    """What training would see (`slideformer data`): counts, and the first ``samples`` samples rendered with
+    the trained tokens marked [[like this]]."""
+    out = out or sys.stdout
+    load_model_config(cfg)  # (cutoff_len's default comes from the model)
+    tok = load_tokenizer(cfg)
+    counts: dict = {}
+    examples, skipped, dropped = build_examples(cfg, tok, counts=counts)
+    stats = {"samples": len(examples), "tokens": sum(len(ids) for ids, _ in examples),
+             "trained_tokens": sum(sum(1 for l in labels[1:] if l != -100) for _, labels in examples),
+             "truncated": counts.get("truncated", 0), "skipped_malformed": skipped, "dropped_no_target": dropped,
+             "cutoff_len": cfg.cutoff_len}
+    for i, (ids, labels) in enumerate(examples[:samples]):
+        parts, run, trained = [], [], labels[0] != -100
+        for t, l in zip(ids, labels):
+            if (l != -100) != trained and run:
+                text = tok.decode(run)
+                parts.append(f"[[{text}]]" if trained else text)
+                run = []
+            trained = l != -100
+            run.append(t)
+        if run:
+            text = tok.decode(run)
+            parts.append(f"[[{text}]]" if trained else text)
+        print(f"--- sample {i + 1} ({len(ids)} tokens; [[trained]])", file=out)
+        print("".join(parts), file=out)
+    print(" ".join(f"{k} {v}" for k, v in stats.items()), file=out)
+    return stats
