@@ -22,6 +22,10 @@ def test_an_architecture_without_the_parts_names_what_is_missing():
                  intermediate_size=32)
     with pytest.raises(UnsupportedModelError, match="scaled residuals \\(scale_depth=1.4\\): not supported yet"):
         SlideEngine.from_config(LlamaConfig(**small, scale_depth=1.4), engine_config(**CPU))
+    from transformers import MixtralConfig
+
+    with pytest.raises(UnsupportedModelError, match="router_jitter_noise=0.1.*recompute"):
+        SlideEngine.from_config(MixtralConfig(**small, router_jitter_noise=0.1), engine_config(**CPU))
 
 
 def test_batch_longer_than_positions():

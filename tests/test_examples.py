@@ -12,9 +12,10 @@ EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("*.yaml"))
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_each_example_trains(path, tmp_path):
-    extra = [f"offload.offload_dir={tmp_path / 'nvme'}"] if "offload_dir" in path.read_text() else []
+    text = path.read_text()
+    extra = [f"offload.offload_dir={tmp_path / 'nvme'}"] if "offload_dir" in text else []
+    extra += ["eval_steps=1"] if "val_size" in text or "eval_dataset" in text else []
     cfg = load_config(path, ["model_name_or_path=tiny", "cutoff_len=256", "device=cpu", "bf16=true", "max_steps=2",
-                             "eval_steps=1",
                              "progress=false", f"output_dir={tmp_path / 'run'}", *extra])
     result = train(cfg)
     assert result["status"] == "finished" and result["steps"] == 2

@@ -72,3 +72,18 @@ def test_an_expert_without_tokens_gets_a_zero_gradient_and_still_decays():
                     assert torch.equal(m[e], torch.zeros_like(m[e]))  # an exact zero gradient
                     torch.testing.assert_close(after[e], before[e] * (1 - lr * wd), rtol=1e-7, atol=0)
         assert sum(len(c) for c in used) < len(used) * 16 // 2  # (most experts idle: the test says something)
+
+
+def test_evaluation_reports_the_router_loss_apart():
+    """evaluate: the loss as transformers computes it (its load-balancing part included), and that part alone,
+    so that perplexity is of the cross-entropy."""
+    model = build("qwen3-moe")
+    held = padded(3)
+    with SlideEngine(model, engine_config(device="cpu", compute_dtype=torch.float32, loss_kernel="torch")) as eng:
+        r = eng.evaluate(held)
+    with torch.no_grad():
+        full = model(**held).loss.item()
+        plain = copy.deepcopy(model)
+        plain.config.output_router_logits = False
+        ce = plain(**held).loss.item()
+    assert r.router_loss > 0.1 and abs(r.loss - full) < 1e-5 * full and abs(r.loss - r.router_loss - ce) < 1e-5 * ce

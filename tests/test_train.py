@@ -333,6 +333,8 @@ def test_held_out_evaluation_is_logged_and_kept_out_of_training(tmp_path):
         load_config(None, ["val_size=0.1", "eval_dataset=x.jsonl"])
     with pytest.raises(ConfigError, match="val_size must lie in"):
         load_config(None, ["val_size=1.0"])
+    with pytest.raises(ConfigError, match="eval_steps needs held-out data"):
+        load_config(None, ["eval_steps=5"])
 
 
 def test_the_logged_loss_is_the_intervals_mean(tmp_path):

@@ -198,6 +198,9 @@ class EngineConfig:
                 if dev.type != "cuda":
                     raise ConfigError(f"attn_implementation={self.attn_implementation!r} runs on CUDA only; use "
                                       "sdpa on the CPU")
+                if self.compute_dtype == torch.float32:
+                    raise ConfigError(f"attn_implementation={self.attn_implementation!r} runs in bf16 or fp16, not "
+                                      "fp32: set compute_dtype=torch.bfloat16 (the trainer: bf16: true), or use sdpa")
                 if not getattr(tu, f"is_flash_attn_{version}_available")():
                     raise ConfigError(f"attn_implementation={self.attn_implementation!r} needs FlashAttention "
                                       f"{version} installed (pip install flash-attn"

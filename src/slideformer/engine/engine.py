@@ -22,6 +22,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,12 @@ class _Step:
     finished: list = field(default_factory=list)  # (unit, SentGrads) awaiting the clip coefficient
     embed_grad_written: bool = False
     kept: dict = field(default_factory=dict)  # saved layer -> its products per micro-batch, forward to backward
+
+
+class Evaluation(NamedTuple):
+    loss: float  # mean over the target tokens (+ coef x the router's load-balancing loss, for MoE models asking it)
+    tokens: int  # the target tokens
+    router_loss: float = 0.0  # that load-balancing part (0 for dense models)
 
 
 @dataclass
@@ -250,11 +257,11 @@ class SlideEngine:
         return float(loss) if blocking else loss.detach()
 
     @torch.no_grad()
-    def evaluate(self, batch) -> tuple[float, int]:
+    def evaluate(self, batch) -> "Evaluation":
         """The loss of ``batch`` (a dict, or a list of micro-batch dicts) without training it: forward only,
-        the weights streamed through the window, no gradient, no update, no layer input kept. Returns (the
-        mean loss over its target tokens, their number): plain PyTorch's ``model(**batch).loss`` on it (with
-        a MoE model's load-balancing loss where its config asks for it)."""
+        the weights streamed through the window, no gradient, no update, no layer input kept. Returns the
+        mean loss over its target tokens (plain PyTorch's ``model(**batch).loss`` on it, with a MoE model's
+        load-balancing loss where its config asks for it), their number, and that load-balancing part."""
         if self._limit is not None:
             batch = self._place(batch)
         mbs, denom = self._prepare(batch)
@@ -277,7 +284,8 @@ class SlideEngine:
             rt.end_compute(slot, v.unit)
             for nxt in self._eval_loads_after.get(t, ()):
                 rt.load(nxt.unit, rt.slots[nxt.group][nxt.slot])
-        return float(st.loss), denom
+        router = 0.0 if self.router_loss is None else float(self.router_loss.loss())
+        return Evaluation(float(st.loss), denom, router)
 
     # -- the phases of a step, one per visit kind (see window/schedule.py) --------------------------
     def _embed_fwd(self, st: "_Step", unit, slot) -> None:

@@ -99,7 +99,7 @@ class ModelAdapter:
         except ValueError as e:  # (transformers: no causal LM class for this config)
             raise UnsupportedModelError(f"model_type {model_type!r}: not a causal language model transformers "
                                         f"knows ({e})") from None
-        if missing := _structure_missing(self.skeleton):
+        if missing := _structure_missing(self.skeleton) or _noise(config):
             raise UnsupportedModelError(f"model_type {model_type!r}: {missing}; slideformer trains decoder-only "
                                         f"models such as {', '.join(SUPPORTED_MODEL_TYPES)}")
         self.skeleton.train()
@@ -239,6 +239,17 @@ def _config_missing(config) -> str | None:
     for key, neutral, what in (("scale_emb", 1, "a scaled embedding"), ("scale_depth", None, "scaled residuals")):
         if getattr(config, key, neutral) not in (neutral, None):
             return f"{what} ({key}={getattr(config, key)}): not supported yet"
+
+    return None
+
+
+def _noise(config) -> str | None:
+    """Random noise a model's forward draws in training (dropout, router jitter): backward recomputes each layer
+    and would draw it again, differently."""
+    for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "router_jitter_noise"):
+        if getattr(config, key, None):
+            return (f"random noise in the forward ({key}={getattr(config, key)}), which backward's recompute would draw "
+                    f"again, differently; set {key}: 0 in the model's config.json to fine-tune it")
     return None
 
 

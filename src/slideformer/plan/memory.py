@@ -91,6 +91,9 @@ class ModelShape:
     experts: int = 0
     active_params: int = 0
     largest_param: int = 0
+    top_k: int = 0  # experts a token visits; each visit keeps its gathered input and its output ([tokens x k, H])
+    # heads whose [seq x seq] scores eager attention keeps for backward (soft-capped attention: Gemma 2); 0: SDPA
+    eager_heads: int = 0
 
     @property
     def params(self) -> int:
@@ -120,14 +123,16 @@ class ModelShape:
 
         c = adapter.config
         moe = {}
-        if adapter.experts:
-            layer = adapter.layers[0]
+        if adapter.experts:  # (a model may mix in dense layers: the first with experts stands for them)
+            layer = next(m for m in adapter.layers if expert_params(m, adapter.experts))
             per_expert = expert_params(layer, adapter.experts) // adapter.experts
             numel = sum(p.numel() for p in layer.parameters())
             ffn = adapter.top_k * (getattr(c, "moe_intermediate_size", None) or c.intermediate_size)
-            moe = dict(experts=adapter.experts, ffn=ffn,
+            moe = dict(experts=adapter.experts, ffn=ffn, top_k=adapter.top_k,
                        active_params=numel - (adapter.experts - adapter.top_k) * per_expert,
-                       largest_param=max(p.numel() for p in layer.parameters()))
+                       largest_param=max(p.numel() for m in adapter.layers for p in m.parameters()))
+        if adapter.attn_implementation == "eager":
+            moe["eager_heads"] = c.num_attention_heads
         return cls(**{**dict(layers=adapter.num_layers, hidden=c.hidden_size, ffn=c.intermediate_size,
                              vocab=c.vocab_size, tied=adapter.tied,
                              layer_params=max(u.numel for u in adapter.units if u.kind == "layer"),
@@ -190,9 +195,12 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: i
         "hidden_flow": 2 * T * H * dtype_bytes,
         "loss_head": loss_head_bytes(shape, T, t, p, dtype_bytes),
         # (the first layer backward meets, the last, is a saved one if any is: its gate and up are kept products)
-        "layer_backward": (min(t, p.mlp_chunk_tokens or t) * (LAYER_TOKEN_FFN - 2 * bool(saved_layers(shape, p)))
-                           * shape.ffn + t * LAYER_TOKEN_HIDDEN * H) * dtype_bytes
-                          + (shape.largest_param or H * shape.ffn) * dtype_bytes,  # + one weight's gradient in flight
+        "layer_backward": (min(t, p.mlp_chunk_tokens or t) * ((LAYER_TOKEN_FFN - 2 * bool(saved_layers(shape, p)))
+                                                               * shape.ffn + 2 * shape.top_k * H)
+                           + t * LAYER_TOKEN_HIDDEN * H) * dtype_bytes
+                          + (shape.largest_param or H * shape.ffn) * dtype_bytes  # + one weight's gradient in flight
+                          # eager attention's scores and their softmax, kept for backward (about 16 bytes an entry)
+                          + min(batch, p.micro_batch) * shape.eager_heads * seq * seq * 16,
     }
     out["peak"] = int(SAFETY * (out["window"] + out["activations"] + out["saved_products"] + out["hidden_flow"]
                                 + max(out["loss_head"], out["layer_backward"])))

@@ -129,6 +129,9 @@ class TrainConfig:
     # sdpa, eager, flash_attention_2 or flash_attention_3; default: sdpa, or eager where a model needs it
     attn_implementation: str | None = None
     progress: bool = True
+    # where scalars and the run's metadata go: tensorboard, wandb, mlflow (their clients: optional extras), a
+    # list of them, or none
+    report_to: list | str = "tensorboard"
     # no step, evaluation or checkpoint for this long ends the run with every thread's stack (exit 6), the last
     # checkpoint intact; default: ten times the slowest step so far, at least 10 minutes (30 before the first
     # step); 0: off
@@ -145,10 +148,16 @@ class TrainConfig:
             raise ConfigError(f"val_size must lie in [0, 1) (a fraction of dataset's samples), got {self.val_size}")
         if self.val_size and self.eval_dataset:
             raise ConfigError("eval_dataset and val_size both name held-out data: set one of them")
+        from .trackers import parse
+
+        self.report_to = parse(self.report_to)
         if self.watchdog_seconds is not None and self.watchdog_seconds < 0:
             raise ConfigError(f"watchdog_seconds must be >= 0 (0: off), or unset, got {self.watchdog_seconds}")
         if self.eval_steps < 0:
             raise ConfigError(f"eval_steps must be >= 0 (0: evaluate at the end only), got {self.eval_steps}")
+        if self.eval_steps and not (self.eval_dataset or self.val_size):
+            raise ConfigError("eval_steps needs held-out data: set eval_dataset (files) or val_size (a fraction of "
+                              "dataset)")
         if self.attn_implementation is not None and self.attn_implementation not in ATTENTION:
             raise ConfigError(f"attn_implementation must be one of {', '.join(ATTENTION)}, or unset (sdpa, or eager "
                               f"where a model needs it), got {self.attn_implementation!r}")

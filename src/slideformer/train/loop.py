@@ -26,8 +26,9 @@ from ..data.formats import check_chat_template, max_token_chars
 from ..signals import Signals
 from ..checkpoint.state import CheckpointWriteError, CorruptCheckpointError, read_meta
 from .config import OffloadConfig, TrainConfig, _assets
-from .outdir import CKPT_PREFIX, METRICS, TENSORBOARD, OutputDir, OutputDirError
+from .outdir import CKPT_PREFIX, METRICS, OutputDir, OutputDirError
 from ..watchdog import GUARD_FRACTION, MemoryGuard, Watchdog
+from .trackers import Trackers, run_meta
 
 # A run whose every step for this long comes out non-finite has diverged: skipping more cannot help.
 MAX_DROPPED_IN_A_ROW = 10
@@ -150,7 +151,7 @@ def load_model_config(cfg: TrainConfig):
             hf_config = AutoConfig.from_pretrained(str(path))
         except (OSError, ValueError, KeyError) as e:
             raise ConfigError(f"{path / 'config.json'}: transformers cannot read it ({str(e).splitlines()[0][:200]})") from e
-    ModelAdapter(hf_config)  # a model the engine cannot split is refused here, naming what is missing
+    ModelAdapter(hf_config, attn_implementation=cfg.attn_implementation)  # (what the engine cannot run: refused now)
     positions = getattr(hf_config, "max_position_embeddings", None)
     if cfg.cutoff_len is None:
         cfg.cutoff_len = min(DEFAULT_CUTOFF_LEN, positions or DEFAULT_CUTOFF_LEN)
@@ -269,7 +270,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                              f"replace when it saves that step; move it away, choose another output_dir, or set "
                              "overwrite_output_dir: true")
     out.trim_metrics(start)
-    tb = _tensorboard(out.path, start)
+    tracking = Trackers(cfg.report_to, out.path, start, run_meta(cfg, engine, device))
     order = _permutation(len(examples), cfg.seed, epoch)
     params = engine.adapter.num_params
     history, t_last, tokens_since = [], time.perf_counter(), 0
@@ -279,8 +280,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     status, dropped_steps, in_a_row, step = "finished", 0, 0, start
     saved = out.checkpoints()
     last_saved = saved[-1] if saved else None
-    kept = [last_saved]  # (the watchdog's line names the newest checkpoint)
-    dog = Watchdog(cfg.watchdog_seconds, lambda: f"the last checkpoint ({kept[0]}) is intact" if kept[0]
+    newest = [last_saved]  # (the watchdog's line names the newest checkpoint)
+    dog = Watchdog(cfg.watchdog_seconds, lambda: f"the last checkpoint ({newest[0]}) is intact" if newest[0]
                    else "no checkpoint was saved")
     guard = MemoryGuard(_host_allowance(engine))
     try:
@@ -354,30 +355,29 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                 history.append(rec)
                 with open(out.path / METRICS, "a") as f:
                     f.write(json.dumps(_finite(rec), allow_nan=False) + "\n")
-                if tb:
-                    for k in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops", "gpu_mem_gib", "host_rss_gib"):
-                        if rec.get(k) is not None:
-                            tb.add_scalar(f"train/{k}", rec[k], step)
+                tracking.scalars({k: rec.get(k) for k in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops",
+                                                          "gpu_mem_gib", "host_rss_gib")}, step, "train")
                 progress(step, rec)
-            if held and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total):
-                ev = _evaluate(engine, held, cfg.micro_batch_size, tok.pad_token_id, step)
-                evals.append(ev)
-                with open(out.path / METRICS, "a") as f:
-                    f.write(json.dumps(_finite(ev), allow_nan=False) + "\n")
-                if tb:
-                    tb.add_scalar("eval/loss", ev["eval_loss"], step)
-                    tb.add_scalar("eval/perplexity", ev["eval_ppl"], step)
-                print(f"slideformer: step {step}: eval loss {ev['eval_loss']:.4f}, perplexity {ev['eval_ppl']:.3f} "
-                      f"({ev['eval_tokens']} tokens)", flush=True)
-                dog.progress(stepped=False)
             memory = guard.tripped()
             state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
                      "run_id": out.run_id}
             if (cfg.save_steps and step % cfg.save_steps == 0) or step == total or signals.requested or memory:
                 last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
                                    cfg.model_name_or_path)
-                kept[0] = last_saved
+                newest[0] = last_saved
                 dog.progress(stepped=False)
+            # (after the save, which a failing evaluation must not cost; not when the run is to stop now)
+            if held and not (signals.requested or memory) and \
+                    ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total):
+                ev = _evaluate(engine, held, cfg.micro_batch_size, tok.pad_token_id, step)
+                evals.append(ev)
+                with open(out.path / METRICS, "a") as f:
+                    f.write(json.dumps(_finite(ev), allow_nan=False) + "\n")
+                tracking.scalars({"loss": ev["eval_loss"], "perplexity": ev["eval_ppl"]}, step, "eval")
+                print(f"slideformer: step {step}: eval loss {ev['eval_loss']:.4f}, perplexity {ev['eval_ppl']:.3f} "
+                      f"({ev['eval_tokens']} tokens)", flush=True)
+                dog.progress(stepped=False)
+                t_last = time.perf_counter()  # (the evaluation's time is not the next interval's training)
             if memory:
                 raise HostMemoryExceeded(
                     f"host memory: the process reached {guard.peak / 2**30:.1f} GiB at step {step}, over "
@@ -391,8 +391,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
         dog.close()
         guard.close()
         progress(None, None)
-        if tb:
-            tb.close()
+        tracking.close()
         if history:
             _plot_loss(history, out.path / "loss.png", evals)
     return {"status": status, "signal": signals.requested, "steps": step, "history": history, "evals": evals,
@@ -401,13 +400,14 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
 
 
 def _evaluate(engine, held, batch: int, pad_id: int, step: int) -> dict:
-    """The held-out loss (mean over every target token) and perplexity, in batches of ``batch`` samples."""
-    total, tokens = 0.0, 0
+    """The held-out loss (mean over every target token; a MoE model's load-balancing loss included, as in
+    training) and the perplexity of its cross-entropy alone, in batches of ``batch`` samples."""
+    total, ce, tokens = 0.0, 0.0, 0
     for s in range(0, len(held), batch):
-        loss, n = engine.evaluate(pad_batch(held[s: s + batch], pad_id))
-        total, tokens = total + loss * n, tokens + n
-    mean = total / tokens
-    return {"step": step, "eval_loss": mean, "eval_ppl": math.exp(min(mean, 80.0)), "eval_tokens": tokens}
+        r = engine.evaluate(pad_batch(held[s: s + batch], pad_id))
+        total, ce, tokens = total + r.loss * r.tokens, ce + (r.loss - r.router_loss) * r.tokens, tokens + r.tokens
+    return {"step": step, "eval_loss": total / tokens, "eval_ppl": math.exp(min(ce / tokens, 80.0)),
+            "eval_tokens": tokens}
 
 
 def _check_writable(folder: str, key: str) -> None:
@@ -457,15 +457,6 @@ def _save(engine, tok, out: OutputDir, step: int, state: dict, limit: int | None
     if limit:
         out.rotate(limit)
     return path
-
-
-def _tensorboard(out: Path, start: int):
-    """A writer whose events past ``start`` (a resumed run logs those steps again) are dropped."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(str(out / TENSORBOARD), purge_step=start + 1 if start else None)
 
 
 def _progress(enabled: bool, total: int, start: int):

@@ -1,0 +1,113 @@
+"""Experiment tracking (``report_to``): where the loop's scalars and the run's metadata go.
+
+TensorBoard (the default) writes under ``output_dir/tensorboard``; Weights & Biases and MLflow go through their
+own clients, optional extras imported only when asked for. Their own settings choose where runs go (WANDB_MODE,
+WANDB_PROJECT; MLFLOW_TRACKING_URI); without a tracking URI, MLflow writes under ``output_dir/mlruns``. A
+resumed run logs its steps from where its checkpoint left off (TensorBoard drops the events after it).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+
+
+def parse(report_to) -> list[str]:
+    """``report_to`` as a list: a name, a list of names, "none" or an empty list."""
+    from ..config import ConfigError
+
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    names = [n for n in names if n != "none"]
+    import importlib.util
+
+    for n in names:
+        if n not in TRACKERS:
+            raise ConfigError(f"report_to: {n!r} is not a tracker; use {', '.join(TRACKERS)} or none")
+        client = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}[n]
+        if importlib.util.find_spec(client) is None:
+            raise ConfigError(f"report_to: {n} needs its client, which is not installed: pip install "
+                              f"{'mlflow-skinny' if n == 'mlflow' else n} (or pip install 'slideformer[tracking]')")
+    return names
+
+
+class Trackers:
+    def __init__(self, names: list[str], out: Path, start: int, meta: dict):
+        """Open each tracker and log ``meta`` (config, model, versions, machine) once."""
+        from ..config import ConfigError
+        from .outdir import TENSORBOARD
+
+        self._tb = self._wandb = self._mlflow = None
+        if "tensorboard" in names:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError("report_to: tensorboard needs the tensorboard package (pip install tensorboard)")
+            self._tb = SummaryWriter(str(out / TENSORBOARD), purge_step=start + 1 if start else None)
+            self._tb.add_text("run", "\n".join(f"    {k}: {v}" for k, v in _flat(meta).items()), start)
+        if "wandb" in names:
+            try:
+                import wandb
+            except ImportError:
+                raise ConfigError("report_to: wandb needs its client (pip install wandb)")
+            self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "slideformer"), name=out.name,
+                                     dir=str(out), config=meta, resume="allow" if start else None)
+        if "mlflow" in names:
+            try:
+                import mlflow
+            except ImportError:
+                raise ConfigError("report_to: mlflow needs its client (pip install mlflow-skinny)")
+            if not os.environ.get("MLFLOW_TRACKING_URI"):  # (a file store: mlflow-skinny has no database one)
+                os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+                mlflow.set_tracking_uri((out / "mlruns").resolve().as_uri())
+            self._mlflow = mlflow
+            mlflow.start_run(run_name=out.name)
+            mlflow.log_params({k: str(v)[:500] for k, v in _flat(meta).items()})
+
+    def scalars(self, values: dict, step: int, prefix: str) -> None:
+        """``values`` (None entries skipped) as ``prefix/name`` at ``step``."""
+        values = {f"{prefix}/{k}": float(v) for k, v in values.items() if v is not None}
+        if self._tb is not None:
+            for k, v in values.items():
+                self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+        if self._mlflow is not None:
+            self._mlflow.log_metrics({k.replace("/", "_"): v for k, v in values.items()}, step=step)
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+        if self._mlflow is not None:
+            self._mlflow.end_run()
+
+
+def _flat(meta: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in meta.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def run_meta(cfg, engine, device: str) -> dict:
+    """What a run is, logged once: its config, the model, the versions and the machine."""
+    import dataclasses
+    import platform
+
+    import torch
+    import transformers
+
+    from .. import __version__
+    from ..machine import describe
+
+    return {"config": {k: str(v) for k, v in dataclasses.asdict(cfg).items()},
+            "model": {"params": engine.adapter.num_params, "model_type": engine.adapter.model_type,
+                      "engine": engine.describe()},
+            "versions": {"slideformer": __version__, "torch": torch.__version__,
+                         "transformers": transformers.__version__, "python": platform.python_version()},
+            "machine": {**describe(), "device": device}}

@@ -1,0 +1,39 @@
+"""report_to (train/trackers.py): TensorBoard, Weights & Biases and MLflow, the last two in their offline modes."""
+import pytest
+
+from slideformer.config import ConfigError
+from slideformer.train.config import load_config
+from slideformer.train.loop import train
+
+FAST = ["progress=false", "device=cpu", "micro_batch_size=4", "logging_steps=1", "max_steps=3"]
+
+
+def test_every_tracker_gets_the_scalars_and_the_runs_metadata(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out = tmp_path / "run"
+    cfg = load_config(None, FAST + [f"output_dir={out}", "val_size=0.1", "eval_steps=3"])
+    cfg.report_to = ["tensorboard", "wandb", "mlflow"]
+    losses = [h["loss"] for h in train(cfg.validate())["history"]]
+    assert list((out / "tensorboard").glob("events.*"))
+    # wandb, offline: a run whose record (the .wandb file `wandb sync` uploads) holds the scalars and the config
+    (run,) = (out / "wandb").glob("offline-run-*")
+    (record,) = run.glob("run-*.wandb")
+    data = record.read_bytes()
+    assert all(key in data for key in (b"train/loss", b"eval/perplexity", b"learning_rate", b"versions"))
+    # mlflow, a file store under output_dir: every step's loss, and the run's metadata as parameters
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient((out / "mlruns").resolve().as_uri())
+    (r,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert [m.value for m in client.get_metric_history(r.info.run_id, "train_loss")] == pytest.approx(losses)
+    assert r.data.params["versions.slideformer"] and "model.params" in r.data.params
+
+
+def test_none_and_unknown_trackers(tmp_path):
+    out = tmp_path / "run"
+    train(load_config(None, FAST + [f"output_dir={out}", "report_to=none"]))
+    assert not (out / "tensorboard").exists()
+    with pytest.raises(ConfigError, match="report_to: 'comet' is not a tracker"):
+        load_config(None, ["report_to=comet"])
