@@ -4,7 +4,7 @@ import sys
 import textwrap
 
 from slideformer.checkpoint.state import read_meta
-from slideformer.watchdog import EXIT_HANG, FIRST_STEP_LIMIT_S, MIN_LIMIT_S, PACE, Watchdog
+from slideformer.watchdog import EXIT_HANG, FIRST_STEP_LIMIT_S, MIN_LIMIT_S, PACE, SAVE_LIMIT_S, Watchdog
 
 RUN = """
 import sys, time, torch
@@ -51,13 +51,17 @@ def test_the_memory_guard_saves_and_stops_before_the_oom_killer(tmp_path):
 
 
 def test_the_limit_follows_the_runs_pace():
-    dog = Watchdog(None, lambda: "")
+    """(Every watchdog made here is closed: one left running would end the test process.)"""
+    dog, fixed, off = Watchdog(None, lambda: ""), Watchdog(300, lambda: ""), Watchdog(0, lambda: "")
     try:
         assert dog.limit == FIRST_STEP_LIMIT_S
         dog._last -= 100.0  # a 100 s step
         dog.progress()
         assert abs(dog.limit - max(MIN_LIMIT_S, PACE * 100.0)) < 1.0
-        assert Watchdog(5, lambda: "").limit == 5
+        with dog.allowing(SAVE_LIMIT_S):  # a checkpoint
+            assert dog.limit == SAVE_LIMIT_S
+        assert dog.limit < SAVE_LIMIT_S
+        assert fixed.limit == 300 and off._thread is None
     finally:
-        dog.close()
-    assert Watchdog(0, lambda: "")._thread is None  # off
+        for d in (dog, fixed, off):
+            d.close()

@@ -2,7 +2,7 @@
 
 ``Watchdog``: a copy that never completes, an update or disk operation that never returns, or a GPU kernel
 that never ends all look the same from outside: no step finishes. The loop marks progress after every step,
-evaluation and checkpoint; where none comes within the limit, the watchdog prints one line saying so and
+evaluation batch and checkpoint (which gets an hour at least); where none comes within the limit, the watchdog prints one line saying so and
 the stacks of every thread (which wait is stuck), and ends the process with ``EXIT_HANG``. It never saves:
 the state in memory is that of a step that did not finish, and the last checkpoint, written atomically, is
 intact. The limit is the user's (``watchdog_seconds``) or, by default, generous against the run's own
@@ -16,6 +16,7 @@ the kernel's OOM killer ends the run with nothing said.
 """
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import sys
@@ -23,6 +24,7 @@ import threading
 import time
 
 EXIT_HANG = 6
+SAVE_LIMIT_S = 3600.0  # a checkpoint: the whole training state written (hundreds of GB for the largest models)
 MIN_LIMIT_S = 600.0
 FIRST_STEP_LIMIT_S = 1800.0
 PACE = 10.0
@@ -37,6 +39,7 @@ class Watchdog:
         self._slowest = 0.0
         self._last = time.monotonic()
         self._done_steps = 0
+        self._floor = 0.0  # a longer limit while a long operation runs (``allowing``)
         self._stop = threading.Event()
         self._thread = None
         if seconds != 0:
@@ -49,7 +52,17 @@ class Watchdog:
         if self.fixed:
             return self.fixed
         floor = MIN_LIMIT_S if self._done_steps else FIRST_STEP_LIMIT_S
-        return max(floor, PACE * self._slowest)
+        return max(floor, PACE * self._slowest, self._floor)
+
+    @contextlib.contextmanager
+    def allowing(self, seconds: float):
+        """At least ``seconds`` for what runs inside (a checkpoint of a large model on a slow disk)."""
+        self._floor = seconds
+        try:
+            yield
+        finally:
+            self._floor = 0.0
+            self.progress(stepped=False)
 
     def progress(self, stepped: bool = True) -> None:
         """Something finished (a step; or, ``stepped=False``, an evaluation or a checkpoint)."""

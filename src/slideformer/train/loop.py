@@ -27,7 +27,7 @@ from ..signals import Signals
 from ..checkpoint.state import CheckpointWriteError, CorruptCheckpointError, read_meta
 from .config import OffloadConfig, TrainConfig, _assets
 from .outdir import CKPT_PREFIX, METRICS, OutputDir, OutputDirError
-from ..watchdog import GUARD_FRACTION, MemoryGuard, Watchdog
+from ..watchdog import GUARD_FRACTION, SAVE_LIMIT_S, MemoryGuard, Watchdog
 from .trackers import Trackers, run_meta
 
 # A run whose every step for this long comes out non-finite has diverged: skipping more cannot help.
@@ -362,14 +362,15 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
                      "run_id": out.run_id}
             if (cfg.save_steps and step % cfg.save_steps == 0) or step == total or signals.requested or memory:
-                last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
-                                   cfg.model_name_or_path)
+                with dog.allowing(SAVE_LIMIT_S):
+                    last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
+                                       cfg.model_name_or_path)
                 newest[0] = last_saved
-                dog.progress(stepped=False)
             # (after the save, which a failing evaluation must not cost; not when the run is to stop now)
             if held and not (signals.requested or memory) and \
                     ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total):
-                ev = _evaluate(engine, held, cfg.micro_batch_size, tok.pad_token_id, step)
+                ev = _evaluate(engine, held, cfg.micro_batch_size, tok.pad_token_id, step,
+                               lambda: dog.progress(stepped=False))
                 evals.append(ev)
                 with open(out.path / METRICS, "a") as f:
                     f.write(json.dumps(_finite(ev), allow_nan=False) + "\n")
@@ -399,12 +400,13 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             "dropped_samples": dropped, "dropped_steps": dropped_steps}
 
 
-def _evaluate(engine, held, batch: int, pad_id: int, step: int) -> dict:
+def _evaluate(engine, held, batch: int, pad_id: int, step: int, done=lambda: None) -> dict:
     """The held-out loss (mean over every target token; a MoE model's load-balancing loss included, as in
     training) and the perplexity of its cross-entropy alone, in batches of ``batch`` samples."""
     total, ce, tokens = 0.0, 0.0, 0
     for s in range(0, len(held), batch):
         r = engine.evaluate(pad_batch(held[s: s + batch], pad_id))
+        done()  # (each batch is progress: the watchdog's)
         total, ce, tokens = total + r.loss * r.tokens, ce + (r.loss - r.router_loss) * r.tokens, tokens + r.tokens
     return {"step": step, "eval_loss": total / tokens, "eval_ppl": math.exp(min(ce / tokens, 80.0)),
             "eval_tokens": tokens}
