@@ -63,3 +63,36 @@ def test_json_and_parquet_files(tmp_path):
     datasets.Dataset.from_list(recs).to_parquet(str(tmp_path / "d.parquet"))
     where, rec = read_records(tmp_path / "d.parquet")[1]
     assert rec == {"text": "b"} and where.endswith("[record 1]")
+
+
+def test_datasets_sources_csv_save_to_disk_folders_and_hub_names(tmp_path, monkeypatch):
+    """Through datasets: a CSV file, a save_to_disk folder with splits (split chooses; a wrong one is named), a
+    folder of data files; a Hub name offline is one clear error with the fix."""
+    import csv
+
+    import datasets
+
+    from slideformer.data.formats import read_records
+
+    rows = [{"instruction": f"Say {i}", "input": "", "output": f"it is {i}"} for i in range(5)]
+    with open(tmp_path / "d.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    got = read_records(tmp_path / "d.csv")
+    assert [r["output"] for _, r in got] == [f"it is {i}" for i in range(5)]
+    assert got[0][0].endswith("d.csv[train record 0]") and to_messages(got[0][1], "alpaca", got[0][0])
+    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:3]),
+                               "test": datasets.Dataset.from_list(rows[3:])})
+    dd.save_to_disk(str(tmp_path / "saved"))
+    assert [r["output"] for _, r in read_records(tmp_path / "saved", split="test")] == ["it is 3", "it is 4"]
+    assert len(read_records(tmp_path / "saved")) == 3  # (train by default)
+    with pytest.raises(DataError, match="has no split 'dev'; it has train, test"):
+        read_records(tmp_path / "saved", split="dev")
+    (tmp_path / "shards").mkdir()
+    datasets.Dataset.from_list(rows).to_json(str(tmp_path / "shards" / "part-0.jsonl"))
+    assert len(read_records(tmp_path / "shards")) == 5
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    with pytest.raises(DataError, match="Hub dataset someorg/somedata.*hf download --repo-type dataset"):
+        read_records("someorg/somedata")

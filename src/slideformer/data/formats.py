@@ -22,10 +22,18 @@ class DataError(ValueError):
     """A malformed record; the message names the file and line (or record index)."""
 
 
-def read_records(path: str | os.PathLike, skip_bad: bool = False) -> list[tuple[str, dict | None]]:
+LOADERS = {".csv": "csv", ".tsv": "csv", ".arrow": "arrow"}  # file types read through datasets.load_dataset
+
+
+def read_records(path: str | os.PathLike, skip_bad: bool = False, split: str | None = None,
+                 subset: str | None = None) -> list[tuple[str, dict | None]]:
     """(where, record) pairs; ``where`` is "file:line" for JSONL, "file[record i]" otherwise. With
-    ``skip_bad`` a JSONL line that is not valid JSON comes back as ``None`` (to be counted), not an error."""
+    ``skip_bad`` a JSONL line that is not valid JSON comes back as ``None`` (to be counted), not an error.
+    JSONL, JSON and Parquet are read here; CSV and Arrow files, folders (``save_to_disk``'s, or of data
+    files) and Hub dataset names through ``datasets`` (``split``, default train; ``subset``)."""
     p = Path(path)
+    if p.is_dir() or p.suffix in LOADERS or (not p.exists() and _hub_name(str(path))):
+        return _through_datasets(str(path), p, split, subset)
     if not p.is_file():
         raise DataError(f"dataset file {p} does not exist" if not p.exists() else f"dataset path {p} is not a file")
     try:
@@ -215,3 +223,43 @@ def render(rec_messages, tokenizer, where: str, cutoff_len: int | None = None,
             labels += [-100] * (len(full) - len(ids))
         ids = full
     return ids, labels
+
+
+def _hub_name(name: str) -> bool:
+    """Whether ``name`` reads as a Hub dataset ("org/name", no such local path)."""
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~")) and "." not in parts[0]
+
+
+def _through_datasets(name: str, p: Path, split: str | None, subset: str | None) -> list[tuple[str, dict]]:
+    """Records that ``datasets`` reads: a save_to_disk folder, a folder of data files, a CSV or Arrow file, a
+    Hub dataset (online only)."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{name}: reading it needs the datasets package: pip install 'slideformer[data]'") from None
+    try:
+        if p.is_dir() and ((p / "dataset_dict.json").is_file() or (p / "state.json").is_file()):
+            data = datasets.load_from_disk(str(p))
+        elif p.is_file():
+            data = datasets.load_dataset(LOADERS[p.suffix], data_files=str(p),
+                                         **({"delimiter": "\t"} if p.suffix == ".tsv" else {}))
+        else:
+            data = datasets.load_dataset(name, subset)
+    except (FileNotFoundError, ConnectionError, OSError, ValueError) as e:
+        where = "folder" if p.is_dir() else "file" if p.is_file() else "Hub dataset"
+        hint = "" if p.exists() else ("; offline, fetch it first: hf download --repo-type dataset " + name +
+                                       " --local-dir DIR, and give DIR")
+        raise DataError(f"dataset {where} {name}: datasets cannot read it ({type(e).__name__}: "
+                        f"{(str(e).splitlines() or [''])[0][:200]}){hint}") from e
+    if isinstance(data, datasets.DatasetDict):
+        want = split or "train"
+        if want not in data:
+            raise DataError(f"dataset {name} has no split {want!r}; it has {', '.join(data)} (set split:)")
+        data = data[want]
+        tag = f"{want} record"
+    else:
+        if split:
+            raise DataError(f"dataset {name} has no splits (it is one dataset); remove split: {split}")
+        tag = "record"
+    return [(f"{name}[{tag} {i}]", dict(r)) for i, r in enumerate(data)]

@@ -19,8 +19,10 @@ from ..optim.schedule import SCHEDULES
 
 @dataclass
 class DatasetSpec:
-    path: str
+    path: str  # a JSONL/JSON/Parquet/CSV/Arrow file, a folder save_to_disk wrote or of data files, a Hub name
     format: str = "auto"
+    split: str | None = None  # of a folder or Hub dataset with several (default: train)
+    subset: str | None = None  # a Hub dataset's configuration
 
 
 @dataclass

@@ -80,7 +80,7 @@ def build_examples(cfg: TrainConfig, tok, specs=None, counts: dict | None = None
     examples, skipped, dropped = [], 0, 0
     token_chars = max_token_chars(tok)
     for spec in specs or cfg.dataset:
-        records = read_records(spec.path, skip_bad=cfg.skip_bad_records)
+        records = read_records(spec.path, skip_bad=cfg.skip_bad_records, split=spec.split, subset=spec.subset)
         if not records:
             raise DataError(f"dataset file {spec.path} holds no records")
         for where, rec in records:
