@@ -254,12 +254,6 @@ def cmd_plan(args) -> int:
     return EXIT_OK if fits else EXIT_DOES_NOT_FIT
 
 
-def torch_dtype(name: str):
-    import torch
-
-    return getattr(torch, name)
-
-
 def cmd_export(args) -> int:
     """Copy a checkpoint's Hugging Face files (weights, config, tokenizer) without the training state,
     after checking them against the checkpoint's checksums."""
@@ -314,10 +308,12 @@ def cmd_export(args) -> int:
         shutil.copyfile(src / rel, tmp)
         os.replace(tmp, target)
     if args.dtype:
+        import torch
+
         from .checkpoint.export import save_from_state
 
-        files += save_from_state(src, dst, {"bf16": torch_dtype("bfloat16"), "fp16": torch_dtype("float16"),
-                                            "fp32": torch_dtype("float32")}[args.dtype])
+        files += save_from_state(src, dst, {"bf16": torch.bfloat16, "fp16": torch.float16,
+                                            "fp32": torch.float32}[args.dtype])
     print(f"exported {src} -> {dst} ({len(files)} files)")
     return EXIT_OK
 

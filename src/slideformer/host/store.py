@@ -122,11 +122,10 @@ class HostStore:
             if compact and on_tier_master:
                 width = max(self.tier.field_bytes(u.index, "master") for u in on_tier_master)
                 self.tier_weights = [aligned_empty(width, torch.uint8) for _ in range(2)]
-                for t in self.tier_weights + (self.tier.buffers if pin else []):
-                    if pin:
-                        pinned.pin(t, "the NVMe tier's buffers", "raise the locked-memory limit (ulimit -l), or fewer "
-                                   "nvme_buffers")
-                        self._registered.append(t)
+                for t in self.tier_weights + self.tier.buffers if pin else []:
+                    pinned.pin(t, "the NVMe tier's buffers", "raise the locked-memory limit (ulimit -l), or fewer "
+                               "nvme_buffers")
+                    self._registered.append(t)
             if compute_dtype == master_dtype and (compact or not self.nvme_master):
                 self.weights: list[torch.Tensor | None] = self.master
                 self.staged = frozenset()

@@ -298,11 +298,20 @@ RAM_FRACTION = 0.85  # of the machine's RAM, for the training state: the rest fo
 PROCESS_BYTES = 2 * 2**30
 
 
+HOST_SHARE = 0.95  # of the RAM, the most a run may take (the OS keeps the rest)
+
+
+def process_allowance(cfg, ram: int) -> int:
+    """The whole process's RAM an EngineConfig allows on a machine with ``ram``: host_memory_limit, else
+    HOST_SHARE of the RAM (what watchdog.MemoryGuard holds a run to)."""
+    return parse_bytes(cfg.host_memory_limit) if cfg.host_memory_limit else int(HOST_SHARE * ram)
+
+
 def host_budget(cfg, ram: int) -> tuple[int, int]:
     """(the host bytes of training state the planner aims at, the most it accepts), for an EngineConfig on a
     machine with ``ram``: under ``host_memory_limit`` that limit less PROCESS_BYTES, both, and never more
     than 95% of the RAM (the OS keeps the rest); else RAM_FRACTION and 95% of the RAM."""
-    most = int(0.95 * ram)
+    most = int(HOST_SHARE * ram)
     if cfg.host_memory_limit:
         b = max(0, min(parse_bytes(cfg.host_memory_limit) - PROCESS_BYTES, most))
         return b, b

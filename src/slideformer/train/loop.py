@@ -40,15 +40,6 @@ class HostMemoryExceeded(MemoryError):
     """Resident memory neared the host budget: the run saved and stopped (watchdog.MemoryGuard)."""
 
 
-def _host_allowance(engine) -> int:
-    """The process's RAM allowance the memory guard holds it to: host_memory_limit, else 95% of the RAM."""
-    from ..machine import host_memory
-    from ..plan.memory import parse_bytes
-
-    limit = engine.cfg.host_memory_limit
-    return parse_bytes(limit) if limit else int(0.95 * host_memory())
-
-
 class NonFiniteLoss(FloatingPointError):
     """The loss or gradient norm became NaN or infinite; nothing after the last checkpoint is saved."""
 
@@ -283,7 +274,10 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     newest = [last_saved]  # (the watchdog's line names the newest checkpoint)
     dog = Watchdog(cfg.watchdog_seconds, lambda: f"the last checkpoint ({newest[0]}) is intact" if newest[0]
                    else "no checkpoint was saved")
-    guard = MemoryGuard(_host_allowance(engine))
+    from ..machine import host_memory
+    from ..plan.memory import process_allowance
+
+    guard = MemoryGuard(process_allowance(engine.cfg, host_memory()))
     try:
         signals.training()
         while step < total:

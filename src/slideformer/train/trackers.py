@@ -24,8 +24,7 @@ def parse(report_to) -> list[str]:
     for n in names:
         if n not in TRACKERS:
             raise ConfigError(f"report_to: {n!r} is not a tracker; use {', '.join(TRACKERS)} or none")
-        client = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}[n]
-        if importlib.util.find_spec(client) is None:
+        if importlib.util.find_spec(n) is None:  # (each tracker's client module has its name)
             raise ConfigError(f"report_to: {n} needs its client, which is not installed: pip install "
                               f"{'mlflow-skinny' if n == 'mlflow' else n} (or pip install 'slideformer[tracking]')")
     return names
