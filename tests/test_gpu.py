@@ -1,5 +1,7 @@
 """The engine on a real GPU: streams and events must give the same training as the CPU path."""
 
+import copy
+
 import pytest
 import torch
 
@@ -52,23 +54,41 @@ def test_fp32_cuda_matches_pytorch(family, slots, depth, clip, fused):
     assert losses == pytest.approx(ref_losses, rel=1e-4)
 
 
+def bf16_reference_train(model, batches, *, lr):
+    """Plain PyTorch mixed precision as the engine does it: an fp32 master updated by AdamW, and a bf16
+    copy of it that runs forward and backward, on CUDA."""
+    master = copy.deepcopy(model).cuda()
+    work = copy.deepcopy(model).cuda().to(torch.bfloat16)
+    opt = torch.optim.AdamW(master.parameters(), lr=lr, fused=True)
+    pairs = list(zip(master.parameters(), work.parameters()))
+    for b in batches:
+        with torch.no_grad():
+            for m, w in pairs:
+                w.copy_(m)
+        work(**{k: v.cuda() for k, v in b.items()}).loss.backward()
+        for m, w in pairs:
+            m.grad, w.grad = w.grad.float(), None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return master.cpu()
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3-moe"])
 def test_bf16_matches_fp32_within_bf16_tolerance(family):
-    """bf16 on CUDA (a MoE model's experts through transformers' grouped GEMM) against fp32 PyTorch. A router's
-    weights move with bf16's noise in its softmax and top-k: on the CPU, the engine's bf16 run puts them 0.26 of
-    their movement from fp32's (other tensors: at most 0.07), so they get twice that."""
+    """bf16 on CUDA (a MoE model's experts through transformers' grouped GEMM) against fp32 PyTorch, each
+    tensor within three times the distance plain PyTorch's own bf16 training (fp32 master, bf16 compute
+    copy) lands from fp32: bf16's noise, measured. A router's softmax and top-k turn that noise into other
+    routing choices, so a MoE model's experts are further apart than a dense model's tensors in both runs
+    (on the CPU the engine's largest distance is 2.1 times plain bf16's, an expert tensor's)."""
     model = build(family)
     batches = [batch(97, b=4, s=32, seed=s) for s in range(4)]
     state, losses = cuda_engine_train(model, batches, compute_dtype=torch.bfloat16, lr=1e-3)
     ref, ref_losses = reference_train(model, batches, lr=1e-3)
     assert losses == pytest.approx(ref_losses, rel=2e-2)
-    ref_sd = ref.state_dict()
-    init = model.state_dict()
+    ref_sd, plain = ref.state_dict(), bf16_reference_train(model, batches, lr=1e-3).state_dict()
     for k, v in state.items():
-        moved = (ref_sd[k] - init[k]).norm()
-        # the bf16 run moves each tensor the same way as the fp32 run, within bf16 noise
-        bound = 0.5 if k.endswith("mlp.gate.weight") else 0.1
-        assert float((v - ref_sd[k]).norm()) <= bound * float(moved) + 1e-3 * float(ref_sd[k].norm()), k
+        noise = (plain[k] - ref_sd[k]).norm()
+        assert float((v - ref_sd[k]).norm()) <= 3 * float(noise) + 1e-3 * float(ref_sd[k].norm()), k
 
 
 @pytest.mark.parametrize("chunk", [1 << 24, 1000])  # one gradient chunk per unit, and many
