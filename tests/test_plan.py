@@ -787,3 +787,14 @@ def test_the_time_model_matches_the_measured_run_with_weights_on_the_tier():
     assert 48.77 <= t["step_s"] <= 1.06 * 46.75
 
 
+
+
+def test_the_gpu_margin_is_a_tenth_of_the_card_and_at_most_4_gib():
+    """Without gpu_memory_limit the planner leaves a tenth of a small card, and 4 GiB of a large one: the
+    CUDA context and workspaces do not grow with the card (a tenth of an H200 is 14 GiB)."""
+    from slideformer.plan import gpu_budget
+
+    cfg = EngineConfig()
+    assert gpu_budget(cfg, 24 * GiB) == int(0.9 * 24 * GiB)
+    assert gpu_budget(cfg, int(139.8 * GiB)) == int(139.8 * GiB) - 4 * GiB
+    assert gpu_budget(EngineConfig(gpu_memory_limit="20GiB"), int(139.8 * GiB)) == 20 * GiB

@@ -126,7 +126,7 @@ def cmd_plan(args) -> int:
                                                                              **host_auto), shape, b, args.seq_len, machine)
 
     def trained(b: int, cfg=as_trained):
-        """What `train` would do: units on the GPU under its budget (--gpu-memory, else 90% of the card)."""
+        """What `train` would do: units on the GPU under its budget (--gpu-memory, else the card less its margin)."""
         if gpu_limit is None:
             return None
         return resolve(replace(cfg, gpu_memory_limit=args.gpu_memory), Auto(**host_auto), shape, b, args.seq_len,

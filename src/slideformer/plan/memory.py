@@ -447,13 +447,17 @@ def spares_that_fit(cfg, shape: ModelShape, batch: int, seq: int, ram: int) -> i
 
 
 def gpu_budget(cfg, gpu: int | None = None) -> int:
-    """An EngineConfig's GPU budget: its gpu_memory_limit, else 90% of the card's ``gpu`` bytes (room
-    for the CUDA context and the allocator's fragmentation)."""
+    """An EngineConfig's GPU budget: its gpu_memory_limit, else the card's ``gpu`` bytes less
+    ``GPU_MARGIN`` (room for the CUDA context, libraries' workspaces and the allocator's fragmentation,
+    which do not grow with the card: SAFETY already scales with what is planned)."""
     if cfg.gpu_memory_limit:
         return parse_bytes(cfg.gpu_memory_limit)
     if gpu is None:
         raise ValueError("no GPU budget: set gpu_memory_limit, or give the GPU's memory")
-    return int(0.9 * gpu)
+    return int(gpu - min(GPU_MARGIN[0] * gpu, GPU_MARGIN[1]))
+
+
+GPU_MARGIN = (0.1, 4 * 2**30)  # of the card: a tenth, and at most 4 GiB
 
 
 WINDOW_SLOTS = (3, 2)  # layer slots of the streamed window, the most first (3 prefetch two visits ahead)

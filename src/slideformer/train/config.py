@@ -37,7 +37,7 @@ class OffloadConfig:
     optimizer_state: str = "fp32"
     offload_dir: str | None = None  # NVMe tier for the Adam moments of nvme_fraction of the layers
     # the first N layers train on the GPU (see `slideformer plan`); "auto": as many as the GPU budget
-    # (gpu_memory_limit, else 90% of the card) leaves room for at this batch and cutoff_len
+    # (gpu_memory_limit, else the card less a tenth, at most 4 GiB) leaves room for at this batch and cutoff_len
     resident_layers: int | str = "auto"
     resident_edges: bool | str = "auto"  # embedding and head on the GPU too; "auto": the planner's call
     # (with resident_layers "auto"; with a fixed resident_layers, "auto" means no)
