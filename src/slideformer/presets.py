@@ -6,7 +6,8 @@ from importlib import resources
 
 
 def preset_config(name: str):
-    from transformers import AutoConfig, LlamaConfig, MistralConfig, OlmoeConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (AutoConfig, Gemma3TextConfig, LlamaConfig, MistralConfig, OlmoeConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
     if name == "qwen3-4b":
         return Qwen3Config(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
@@ -46,6 +47,16 @@ def preset_config(name: str):
         return LlamaConfig(vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
                            num_attention_heads=128, num_key_value_heads=8, max_position_embeddings=131072,
                            rope_theta=500_000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    if name == "gemma3-4b":  # Gemma-3-4B's language model: 3.9B, 5 sliding-window layers to each global one
+        return Gemma3TextConfig(vocab_size=262208, hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                                num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+                                sliding_window=1024, max_position_embeddings=131072, rope_theta=1_000_000.0,
+                                rms_norm_eps=1e-6, tie_word_embeddings=True)
+    if name == "phi4-mini":  # Phi-4-mini's shape: 3.8B, partial rotary, tied head (its long-context RoPE scaling aside)
+        return Phi3Config(vocab_size=200064, hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                          num_attention_heads=24, num_key_value_heads=8, partial_rotary_factor=0.75,
+                          max_position_embeddings=131072, rope_theta=10_000.0, rms_norm_eps=1e-5,
+                          pad_token_id=199999, bos_token_id=199999, eos_token_id=199999, tie_word_embeddings=True)
     if name == "olmoe-1b-7b":  # OLMoE-1B-7B-0924's shape: 6.9B, 1.3B active (64 experts, 8 a token)
         return OlmoeConfig(vocab_size=50304, hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
                            num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
@@ -63,4 +74,4 @@ def preset_config(name: str):
 
 
 PRESETS = ("qwen3-4b", "llama3-8b", "qwen2.5-14b", "mistral-small-24b", "gemma2-27b-shape", "qwen2.5-32b", "llama3.1-70b", "mistral-large-2", "llama3.1-405b",
-           "olmoe-1b-7b", "qwen3-30b-a3b", "tiny")
+           "gemma3-4b", "phi4-mini", "olmoe-1b-7b", "qwen3-30b-a3b", "tiny")
