@@ -55,7 +55,10 @@ class _UnitWriter:
         self.open: dict[int, tuple[torch.Tensor, set[str]]] = {}
 
     def put(self, unit, spec, value: torch.Tensor, row: int = 0, last: bool = True) -> None:
-        """``value``: the parameter, or its rows from ``row`` on (``last``: the final block of them)."""
+        """``value``: the parameter, or its rows from ``row`` on (``last``: the final block of them). Another
+        rank's unit is skipped: its owner writes it."""
+        if not self.store.owns(unit.index):
+            return
         if unit.index not in self.open:
             buf = self.store.master[unit.index]
             if buf is None:

@@ -27,6 +27,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from .. import parallel
 from ..checkpoint import export, loader
 from ..checkpoint import state as ckpt_state
 from ..config import ConfigError, EngineConfig
@@ -156,11 +157,27 @@ class SlideEngine:
             raise ConfigError("resident_layers and the NVMe tier (nvme_fraction) overlap: a layer on the GPU keeps "
                               "its moments there; lower one of them")
         self.resident = frozenset(resident)
+        # Data parallel (parallel.py): each unit's host state, update and checkpoint belong to one rank; the
+        # resident units are every rank's.
+        self.ranks = parallel.current()
+        units = self.adapter.units
+        self._owner = parallel.assign_units([u.numel for u in units], self.ranks.world) if self.ranks else \
+            [0] * len(units)
+        foreign = {u.index for u in units if self._owner[u.index] != self.ranks.rank} - self.resident \
+            if self.ranks else set()
+        if self.ranks is not None:
+            if nvme or p.activations_to_nvme:
+                raise ConfigError(f"the NVMe tier (offload_dir) under {self.ranks.world} processes is not built yet: "
+                                  "train with one process, or without offload_dir")
+            if self.router_loss is not None:
+                raise ConfigError(f"output_router_logits under {self.ranks.world} processes is not built yet (the "
+                                  "load-balancing loss is over the whole step): set it false, or train with one process")
         self.store = HostStore(self.adapter.units, self.cfg.compute_dtype, pin=self.device.type == "cuda",
                                staged_units=staged, host_grad_buffers=ring,
                                nvme_dir=self.cfg.offload_dir, nvme_units=nvme, nvme_buffers=p.nvme_buffers,
                                state=self.cfg.optimizer_state, nvme_master=p.nvme_master,
-                               spare_states=speculative_spares(self.cfg, n), resident_units=self.resident)
+                               spare_states=speculative_spares(self.cfg, n), resident_units=self.resident,
+                               foreign_units=foreign)
         # Untied: the head's weights take the embedding's slot after its forward (window/schedule.py).
         self.plan = plan_step(n, p.window_slots, p.lookahead, self.resident,
                               share_edge=not self.adapter.tied)
@@ -181,7 +198,7 @@ class SlideEngine:
             if v.load:
                 self._eval_loads_after.setdefault(v.issue_after, []).append(v)
         # The order updates run in: as gradients complete, or (clipping) forward order after backward.
-        done = [v.unit for v in self.plan if v.last and v.unit not in self.resident]
+        done = [v.unit for v in self.plan if v.last and v.unit not in self.resident and self.store.owns(v.unit)]
         self._update_order = sorted(done) if self.cfg.max_grad_norm is not None else done
         self.rotary = self.adapter.rotary(self.device)
         self.lr = self.cfg.lr
@@ -212,7 +229,7 @@ class SlideEngine:
         if self._limit is not None:
             batch = self._place(batch)
         mbs, denom = self._prepare(batch)
-        st = _Step(mbs=mbs, denom=denom, index=self.store.step + 1)
+        st = _Step(mbs=mbs, denom=self._global_count(denom), index=self.store.step + 1)
         rt = self.runtime
         if self.router_loss is not None:
             self.router_loss.begin_step(self.device)
@@ -226,6 +243,8 @@ class SlideEngine:
                 slot = rt.slots[v.group][v.slot]
                 unit = self.adapter.units[v.unit]
                 rt.begin_compute(slot)
+                if v.load and self.ranks is not None:  # another rank's unit: its owner's weights
+                    parallel.share(slot.params[: unit.numel], self._owner[v.unit])
                 getattr(self, f"_{v.phase}")(st, unit, slot)
                 rt.end_compute(slot, v.unit)
                 if v.last:
@@ -236,9 +255,12 @@ class SlideEngine:
             st.kept.clear()  # (saved layers' products: GPU memory a held traceback would otherwise keep)
             raise
 
-        total = torch.linalg.vector_norm(torch.stack(st.norms))
-        self._grad_norm = total
+        total = torch.linalg.vector_norm(torch.stack(st.norms)) if st.norms else torch.zeros((), device=self.device)
         loss = st.loss if torch.is_tensor(st.loss) else torch.tensor(st.loss)
+        if self.ranks is not None:  # each unit's norm was counted by its owner; the loss is each rank's part
+            both = parallel.sum_all(torch.stack([total.float() ** 2, loss.to(self.device, torch.float32)]))
+            total, loss = both[0].sqrt(), both[1]
+        self._grad_norm = total
         self.last_step_dropped = False
         if self.cfg.max_grad_norm is not None:
             norm, value = torch.stack([total, loss.to(total)]).tolist()  # (one wait for both)
@@ -265,6 +287,7 @@ class SlideEngine:
         if self._limit is not None:
             batch = self._place(batch)
         mbs, denom = self._prepare(batch)
+        denom = self._global_count(denom)
         st = _Step(mbs=mbs, denom=denom, index=self.store.step)
         rt = self.runtime
         if self.router_loss is not None:
@@ -275,6 +298,8 @@ class SlideEngine:
             slot = rt.slots[v.group][v.slot]
             unit = self.adapter.units[v.unit]
             rt.begin_compute(slot)
+            if v.load and self.ranks is not None:
+                parallel.share(slot.params[: unit.numel], self._owner[v.unit])
             if v.phase == "embed_fwd":
                 self._embed_fwd(st, unit, slot)
             elif v.phase == "fwd":
@@ -285,7 +310,10 @@ class SlideEngine:
             for nxt in self._eval_loads_after.get(t, ()):
                 rt.load(nxt.unit, rt.slots[nxt.group][nxt.slot])
         router = 0.0 if self.router_loss is None else float(self.router_loss.loss())
-        return Evaluation(float(st.loss), denom, router)
+        loss = st.loss if torch.is_tensor(st.loss) else torch.tensor(st.loss)
+        if self.ranks is not None:
+            loss = parallel.sum_all(loss.to(self.device, torch.float32))
+        return Evaluation(float(loss), denom, router)
 
     # -- the phases of a step, one per visit kind (see window/schedule.py) --------------------------
     def _embed_fwd(self, st: "_Step", unit, slot) -> None:
@@ -429,12 +457,23 @@ class SlideEngine:
     def _gradient_done(self, st: "_Step", unit: int, slot) -> None:
         """The unit's gradient is complete on the GPU: send it to the host, queue its update."""
         n = self.adapter.units[unit].numel
-        st.norms.append(torch.linalg.vector_norm(slot.grads[:n], dtype=torch.float32))
-        if unit in self.resident:  # updated on the GPU, in stream order
+        owned = True
+        if self.ranks is not None:  # the sum over the ranks: on every rank for a GPU unit, else on its owner
+            owner = self._owner[unit]
+            if unit in self.resident:
+                parallel.sum_all(slot.grads[:n])
+            else:
+                parallel.reduce_to(slot.grads[:n], owner)
+            owned = owner == self.ranks.rank
+        if owned:  # (each unit's norm counted once over the ranks)
+            st.norms.append(torch.linalg.vector_norm(slot.grads[:n], dtype=torch.float32))
+        if unit in self.resident:  # updated on the GPU, in stream order (on every rank alike)
             if self.cfg.max_grad_norm is None:
                 self.runtime.resident.update(unit, st.index, self.lr, 1.0)
             else:
                 st.finished.append((unit, None))
+            return
+        if not owned:  # another rank's unit: its owner sends the gradient and updates it
             return
         sent = self.runtime.send_grads(unit, slot)
         if self.cfg.max_grad_norm is None:
@@ -480,6 +519,12 @@ class SlideEngine:
             return torch.ones(mb.input_ids.numel(), device=mb.input_ids.device)
         return mb.attention_mask.reshape(-1)
 
+    def _global_count(self, n: int) -> int:
+        """The step's target tokens over every rank (the loss's denominator: the global batch's mean)."""
+        if self.ranks is None:
+            return n
+        return int(parallel.sum_all(torch.tensor(float(n), device=self.device)).item())
+
     def _run_layer(self, layer, index: int, h: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         kind = self.adapter.layer_attention_type(index)
         out = layer(h, attention_mask=mb.masks[kind], position_ids=mb.position_ids,
@@ -512,14 +557,16 @@ class SlideEngine:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Hugging Face-named fp32 master weights (views of RAM; copies for compact state and for units
-        trained on the GPU), after pending updates.
+        trained on the GPU), after pending updates. Under several ranks: the units this rank owns.
         The views are of this step's buffers: a later speculative update may hand the unit other ones
         (host/store.py ``adopt``), so copy what is kept."""
         self.synchronize()
-        return {k: v for u in self.adapter.units for k, v in self.store.unit_params(u.index).items()}
+        return {k: v for u in self.adapter.units if self.store.owns(u.index)
+                for k, v in self.store.unit_params(u.index).items()}
 
     def save_pretrained(self, out: str | os.PathLike, dtype: torch.dtype | None = None):
         """Write a Hugging Face checkpoint (config + safetensors) that from_pretrained loads."""
+        self._one_process("save_pretrained")
         self.synchronize()
         return export.save_pretrained(out, self.adapter, self.store, dtype or self.cfg.compute_dtype)
 
@@ -542,6 +589,7 @@ class SlideEngine:
                         dtype: torch.dtype | None = None, extra=None):
         """Hugging Face weights plus the full training state, written atomically (checkpoint/state.py);
         ``extra(folder)`` adds files (a tokenizer) before the checkpoint is sealed."""
+        self._one_process("save_checkpoint")
         self.synchronize()
         state = {"lr": self.lr, **(trainer_state or {})}
         return ckpt_state.save_checkpoint(path, self.adapter, self.store, dtype or self.cfg.compute_dtype, state,
@@ -549,10 +597,16 @@ class SlideEngine:
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Restore a checkpoint written by save_checkpoint; returns the trainer state saved with it."""
+        self._one_process("load_checkpoint")
         self.synchronize()
         state = ckpt_state.load_checkpoint(path, self.adapter, self.store)
         self.lr = float(state.get("lr", self.lr))
         return state
+
+    def _one_process(self, what: str) -> None:
+        if self.ranks is not None:
+            raise ConfigError(f"{what} under {self.ranks.world} processes is not built yet (each rank holds only "
+                              "its units' state): train with one process to write or read checkpoints")
 
     def describe(self) -> str:
         """One line on where the model trains: what a user should see once at start."""

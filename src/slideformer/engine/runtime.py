@@ -164,8 +164,12 @@ class Runtime:
 
     # -- weights into the window ------------------------------------------------------------------
     def load(self, unit: int, slot: Slot) -> None:
-        """Ask the loader thread to bring ``unit``'s weights into ``slot``; returns at once."""
+        """Ask the loader thread to bring ``unit``'s weights into ``slot``; returns at once. Another rank's
+        unit (data parallel) is not loaded here: the engine shares its owner's copy at the visit."""
         slot.unit = unit
+        if not self.store.owns(unit):
+            slot.issued = None
+            return
         slot.issued = threading.Event()
         # The slot's last reader is enqueued before this request (window.schedule guarantees it), so the
         # event captured now is the one the copy must wait for.

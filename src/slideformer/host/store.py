@@ -27,6 +27,7 @@ no byte a parameter for those units, only buffers.
 Units trained on the GPU (``resident_units``: resident layers, resident embedding and head) have nothing here:
 their state lives on the GPU only (engine/runtime.py owns it), and a host mirror would cost 14-16 bytes a
 parameter for nothing (~77 of 108 GiB of RSS at Llama-8B b8 with 23 layers and the edges resident).
+Units another rank owns (``foreign_units``, data parallel: parallel.py) have nothing here either.
 Readers and writers of whole-unit state (checkpoints, loaders, export) go through ``unit_state``,
 ``set_unit_state``, ``set_master`` and ``unit_params``, which read or write the tier or the GPU (through
 the owner ``attach_gpu`` names) as needed.
@@ -72,11 +73,12 @@ class HostStore:
     def __init__(self, units: list[UnitSpec], compute_dtype: torch.dtype, pin: bool, staged_units: set[int] = frozenset(),
                  host_grad_buffers: int | None = None, nvme_dir=None, nvme_units: set[int] = frozenset(),
                  nvme_buffers: int = 4, state: str = "fp32", nvme_master: bool = False, spare_states: int = 0,
-                 resident_units: set[int] = frozenset()):
+                 resident_units: set[int] = frozenset(), foreign_units: set[int] = frozenset()):
         self.units = units
         self.resident_units, self.nvme_units = frozenset(resident_units), frozenset(nvme_units)
+        self.foreign_units = frozenset(foreign_units)
         self.gpu = None  # the GPU units' state owner (attach_gpu): copy_out(unit) and copy_in(unit, **fields)
-        host = [u for u in units if u.index not in self.resident_units]
+        host = [u for u in units if u.index not in self.resident_units | self.foreign_units]
         self.compute_dtype = compute_dtype
         self.pin = pin
         self._registered: list[torch.Tensor] = []
@@ -198,6 +200,10 @@ class HostStore:
 
     def is_resident(self, unit: int) -> bool:
         return unit in self.resident_units
+
+    def owns(self, unit: int) -> bool:
+        """Whether this process keeps the unit's state (not another rank's unit: parallel.py)."""
+        return unit not in self.foreign_units
 
     def unit_layout(self, unit: int) -> dict[str, tuple[int, torch.dtype]]:
         """The names, sizes and dtypes of the unit's saved state."""

@@ -1,0 +1,85 @@
+"""Data parallel over torch.distributed: which rank owns which unit, and the collectives a step needs.
+
+Every rank runs the same window over its own part of the global batch. Each unit (the embedding, a
+decoder layer, the head) is *owned* by one rank, and only its owner keeps its host state (master,
+moments, compute copy), sends its gradient to the host and runs its CPU update. So on one host with N
+ranks the host state does not grow with N, each GPU's PCIe link carries about 1/N of the weights and
+gradients, and the CPU cores are split among the ranks' optimizers. Per visit:
+
+- a unit's weights: its owner loads them into its slot as a single process would; then they are
+  broadcast from the owner into every other rank's slot (``share``);
+- a unit's finished gradient: summed into its owner's slot (``reduce``); only the owner goes on with it;
+- units trained on the GPU (resident) are replicated: their gradient is summed on every rank
+  (``all_reduce``) and every rank applies the same update;
+- the loss's denominator (target tokens), the loss and the squared gradient norm are summed over ranks,
+  so the step is the one a single process takes over the global batch.
+
+Whole units, not slices of each, are what a rank owns: the host store, the NVMe tier, the update queue
+and checkpoints all work unit by unit, so ownership changes none of them, and a checkpoint written by N
+ranks resumes under M by assigning its units again. The collectives are issued by each rank's main thread
+in the visit plan's order, identical on every rank; the worker threads never take part in one.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place among the ranks of a data-parallel job."""
+    rank: int
+    world: int
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+
+def current() -> Ranks | None:
+    """The job's ranks when torch.distributed is initialised with more than one process, else None."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    return Ranks(dist.get_rank(), dist.get_world_size())
+
+
+def init_from_env(device_type: str) -> Ranks | None:
+    """Join the process group that torchrun's environment describes (RANK, WORLD_SIZE, MASTER_ADDR...):
+    NCCL for CUDA, gloo for the CPU. None outside torchrun."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return None
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    return current()
+
+
+def assign_units(numels: list[int], world: int) -> list[int]:
+    """Each unit's owner: the largest units first, each to the rank that owns the fewest elements so far
+    (ties to the lower rank). Deterministic, so every rank computes the same assignment."""
+    load = [0] * world
+    owner = [0] * len(numels)
+    for u in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+        r = min(range(world), key=lambda k: (load[k], k))
+        owner[u] = r
+        load[r] += numels[u]
+    return owner
+
+
+def share(t: torch.Tensor, owner: int) -> None:
+    """``t`` on every rank becomes the owner's (a unit's weights, after the owner's load)."""
+    dist.broadcast(t, src=owner)
+
+
+def reduce_to(t: torch.Tensor, owner: int) -> None:
+    """The owner's ``t`` becomes the sum of every rank's (a finished gradient); the others' is left
+    undefined."""
+    dist.reduce(t, dst=owner, op=dist.ReduceOp.SUM)
+
+
+def sum_all(t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over the ranks, on every rank (in place, and returned)."""
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
