@@ -1,13 +1,11 @@
 """Data parallel (parallel.py): N processes on gloo, each training its rows of every global batch, train
 the model one process trains on the whole batch; each rank keeps only the units it owns."""
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from slideformer.config import ConfigError
 from slideformer.parallel import assign_units
 
 from test_engine_parity import assert_same, reference_train
@@ -29,33 +27,42 @@ def _rows(b: dict, rank: int, world: int, micro: int) -> list[dict]:
     return [{k: v[list(c)] for k, v in mine.items()} for c in cuts if len(c)]
 
 
-def _rank(rank: int, world: int, init: str, family: str, cfg: dict, micro: int, out: str) -> None:
+def _rank(rank: int, world: int, init: str, family: str, cfg: dict, micro: int, out: str, steps: list[int],
+          resume: str | None, save: str | None) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
-        from slideformer import SlideEngine
-
-        model = build(family)
-        batches = [batch(model.config.vocab_size, b=6, seed=s) for s in range(3)]
-        with SlideEngine(model, engine_config(device="cpu", **cfg)) as eng:
-            losses = [eng.train_step(_rows(b, rank, world, micro)) for b in batches]
-            state = {k: v.clone() for k, v in eng.state_dict().items()}
-            norm = eng.last_grad_norm
-            try:
-                eng.save_checkpoint(os.path.join(os.path.dirname(out), f"ck{rank}"))
-                refused = None
-            except ConfigError as e:
-                refused = str(e)
-            host = eng.store.bytes_by_category()["master"]
-        torch.save({"losses": losses, "state": state, "norm": norm, "refused": refused, "host": host}, out)
+        res = train_steps(family, cfg, steps, rank, world, micro, resume, save)
+        torch.save(res, out)
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(tmp_path, world: int, family: str, cfg: dict, micro: int = 1) -> list[dict]:
+def train_steps(family: str, cfg: dict, steps: list[int], rank: int = 0, world: int = 1, micro: int = 1,
+                resume: str | None = None, save: str | None = None) -> dict:
+    """The engine over ``steps`` of the global batches batch(b=6, seed=s), this rank's rows of each; from the
+    checkpoint ``resume``, and saved to ``save`` (with an export beside it) at the end."""
+    from slideformer import SlideEngine
+
+    model = build(family)
+    with SlideEngine(model, engine_config(device="cpu", **cfg)) as eng:
+        if resume:
+            eng.load_checkpoint(resume)
+        losses = [eng.train_step(_rows(batch(model.config.vocab_size, b=6, seed=s), rank, world, micro))
+                  for s in steps]
+        state = {k: v.clone() for k, v in eng.state_dict().items()}
+        if save:
+            eng.save_checkpoint(save)
+            eng.save_pretrained(save + "-export")
+        return {"losses": losses, "state": state, "norm": eng.last_grad_norm,
+                "host": eng.store.bytes_by_category()["master"]}
+
+
+def run_ranks(tmp_path, world: int, family: str, cfg: dict, micro: int = 1, steps=(0, 1, 2), resume=None,
+              save=None) -> list[dict]:
     outs = [str(tmp_path / f"rank{r}.pt") for r in range(world)]
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, world, str(tmp_path / "init"), family, cfg, micro, outs[r]))
-             for r in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, str(tmp_path / f"init{world}"), family, cfg, micro, outs[r],
+                                             list(steps), resume, save)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -64,23 +71,30 @@ def run_ranks(tmp_path, world: int, family: str, cfg: dict, micro: int = 1) -> l
     return [torch.load(o) for o in outs]
 
 
+def reference(family: str, cfg: dict, steps=(0, 1, 2)):
+    model = build(family)
+    batches = [batch(model.config.vocab_size, b=6, seed=s) for s in steps]
+    return reference_train(model, batches, lr=cfg["lr"], max_grad_norm=cfg.get("max_grad_norm"),
+                           weight_decay=cfg.get("weight_decay", 0.0))
+
+
+BASE = dict(lr=1e-2, loss_kernel="torch", compute_dtype=torch.float32)
+
+
 @pytest.mark.parametrize("world,family,cfg,micro", [
     (2, "llama", dict(max_grad_norm=0.05, weight_decay=0.1), 2),  # clipping, accumulation, decay; untied
     (3, "qwen3-tied", dict(resident_layers=1, window_slots=2, prefetch_depth=1), 1),  # a GPU-trained layer; tied
 ])
 def test_ranks_train_the_global_batch_as_one_process(tmp_path, world, family, cfg, micro):
-    cfg = dict(lr=1e-2, loss_kernel="torch", compute_dtype=torch.float32, **cfg)
-    results = run_ranks(tmp_path, world, family, cfg, micro)
+    cfg = {**BASE, **cfg}
+    results = run_ranks(tmp_path, world, family, cfg, micro, save=str(tmp_path / "ck"))
+    ref, ref_losses = reference(family, cfg)
     model = build(family)
-    batches = [batch(model.config.vocab_size, b=6, seed=s) for s in range(3)]
-    ref, ref_losses = reference_train(model, batches, lr=1e-2, max_grad_norm=cfg.get("max_grad_norm"),
-                                      weight_decay=cfg.get("weight_decay", 0.0))
     keys = set(ref.state_dict()) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
     seen = set()
     for res in results:  # each rank: the same losses and norm, and the exact state of the units it owns
         assert_same(res["state"], ref, res["losses"], ref_losses)
         assert res["norm"] == pytest.approx(results[0]["norm"], rel=1e-6)
-        assert "not built yet" in res["refused"]
         seen |= set(res["state"])
     assert seen == keys
     # the host state is split, not copied: the ranks' masters together are one process's
@@ -89,3 +103,25 @@ def test_ranks_train_the_global_batch_as_one_process(tmp_path, world, family, cf
     with SlideEngine(model, engine_config(device="cpu", **cfg)) as one:
         assert sum(r["host"] for r in results) == one.store.bytes_by_category()["master"]
     assert all(0 < r["host"] for r in results)
+    # the export, each rank writing its units' files, loads in transformers as the trained model
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ck-export"), dtype=torch.float32)
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(exported.state_dict()[k], v, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("before,after", [(2, 1), (1, 3)])
+def test_a_checkpoint_of_n_ranks_resumes_under_m(tmp_path, before, after):
+    """Step 0 (and 1) under ``before`` ranks, saved; the rest under ``after`` from that checkpoint: the
+    training of one process over all three steps, with clipping."""
+    cfg = {**BASE, "max_grad_norm": 0.05}
+    split = 2 if before == 2 else 1
+    ck = str(tmp_path / "ck")
+    first = run_ranks(tmp_path, before, "llama", cfg, steps=range(split), save=ck) if before > 1 else \
+        [train_steps("llama", cfg, list(range(split)), save=ck)]
+    rest = run_ranks(tmp_path, after, "llama", cfg, steps=range(split, 3), resume=ck) if after > 1 else \
+        [train_steps("llama", cfg, list(range(split, 3)), resume=ck)]
+    ref, ref_losses = reference("llama", cfg)
+    for res in rest:
+        assert_same(res["state"], ref, first[0]["losses"] + res["losses"], ref_losses)

@@ -83,3 +83,16 @@ def sum_all(t: torch.Tensor) -> torch.Tensor:
     """``t`` summed over the ranks, on every rank (in place, and returned)."""
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
+
+
+def barrier() -> None:
+    dist.barrier()
+
+
+def failures(err: BaseException | None) -> list[tuple[int, str, str]]:
+    """Every rank's failure in a step that all ranks take together (a checkpoint's save or load), as
+    (rank, error type, message), the same list on every rank: each then stops, or none does."""
+    mine = None if err is None else (type(err).__name__, str(err))
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return [(r, *e) for r, e in enumerate(every) if e is not None]

@@ -26,32 +26,51 @@ def _write_atomic(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
-def save_pretrained(out: str | os.PathLike, adapter: ModelAdapter, store: HostStore, dtype: torch.dtype) -> Path:
+def shard_plan(adapter: ModelAdapter, dtype: torch.dtype, owner: list[int] | None = None) -> list[list]:
+    """The export's files: (unit, parameter) pairs in unit order, a new file past MAX_SHARD_BYTES and
+    wherever the owning rank changes (``owner``: each unit's, data parallel), so that each file is
+    written by one rank from its own units. The same on every rank."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shards: list[list] = [[]]
+    size, last = 0, None
+    for u in adapter.units:
+        who = owner[u.index] if owner else 0
+        for spec in u.params:
+            nbytes = spec.numel * itemsize
+            if shards[-1] and (size + nbytes > MAX_SHARD_BYTES or who != last):
+                shards.append([])
+                size = 0
+            shards[-1].append((u, spec))
+            size, last = size + nbytes, who
+    return shards
+
+
+def save_pretrained(out: str | os.PathLike, adapter: ModelAdapter, store: HostStore, dtype: torch.dtype,
+                    owner: list[int] | None = None, rank: int = 0) -> Path:
+    """Write the files of ``shard_plan`` one at a time (a file's tensors are all the export holds in RAM);
+    with ``owner``, only those of this ``rank``'s units, and rank 0 the index and config."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for u in adapter.units:
-        params = store.unit_params(u.index)
-        for spec in u.params:
-            t = params[spec.key].to(dtype).contiguous()
-            nbytes = t.numel() * t.element_size()
-            if size and size + nbytes > MAX_SHARD_BYTES:
-                shards.append({})
-                size = 0
-            shards[-1][spec.key] = t
-            size += nbytes
+    plan = shard_plan(adapter, dtype, owner)
+    names = ["model.safetensors"] if len(plan) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
     meta = {"format": "pt"}
-    if len(shards) == 1:
-        _write_atomic(out / "model.safetensors", lambda p: save_file(shards[0], str(p), metadata=meta))
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _write_atomic(out / name, lambda p, s=shard: save_file(s, str(p), metadata=meta))
-            weight_map.update({k: name for k in shard})
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for s in shards for t in s.values())},
-                 "weight_map": weight_map}
+    for name, shard in zip(names, plan):
+        if (owner[shard[0][0].index] if owner else 0) != rank:
+            continue
+        tensors, unit, params = {}, None, None
+        for u, spec in shard:
+            if u is not unit:
+                unit, params = u, store.unit_params(u.index)
+            tensors[spec.key] = params[spec.key].to(dtype).contiguous()
+        _write_atomic(out / name, lambda p, t=tensors: save_file(t, str(p), metadata=meta))
+        del tensors, params
+    if rank != 0:
+        return out
+    if len(plan) > 1:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        index = {"metadata": {"total_size": sum(spec.numel * itemsize for shard in plan for _, spec in shard)},
+                 "weight_map": {spec.key: name for name, shard in zip(names, plan) for _, spec in shard}}
         _write_atomic(out / "model.safetensors.index.json", lambda p: p.write_text(json.dumps(index, indent=2)))
     cfg = adapter.config
     cfg.dtype = dtype

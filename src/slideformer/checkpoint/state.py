@@ -77,26 +77,87 @@ def _unit_key(adapter: ModelAdapter, unit: int) -> str:
     return adapter.units[unit].name
 
 
+def _write_error(final: Path, e: BaseException) -> BaseException:
+    """A failed write as the error the caller reports: a full or read-only disk (safetensors reports one
+    as its own error type) becomes CheckpointWriteError with the system's words for it."""
+    if not isinstance(e, (OSError, SafetensorError)):
+        return e
+    errno_ = getattr(e, "errno", None)
+    if errno_ is None and (m := re.search(r"os error (\d+)", str(e))):
+        errno_ = int(m.group(1))
+    why = os.strerror(errno_) if errno_ else str(e)
+    return CheckpointWriteError(errno_ or 0, f"cannot write checkpoint {final}: {why}; the partial copy was "
+                                "removed and existing checkpoints are untouched")
+
+
+def _together(ranks, err: BaseException | None) -> None:
+    """Data parallel: raise on every rank if any rank failed (its own error, or the first failing rank's)."""
+    if ranks is None:
+        if err is not None:
+            raise err
+        return
+    from .. import parallel
+
+    failed = parallel.failures(err)
+    if not failed:
+        return
+    if err is not None:
+        raise err
+    rank, kind, message = failed[0]
+    message = f"rank {rank}: {message}"
+    raise NonFiniteStateError(message) if kind == NonFiniteStateError.__name__ else \
+        CheckpointWriteError(0, message) if kind == CheckpointWriteError.__name__ else RuntimeError(message)
+
+
 def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostStore, dtype: torch.dtype,
-                    trainer_state: dict | None = None, extra=None) -> Path:
-    """``extra(folder)`` writes more files (a tokenizer) into the checkpoint before its checksums are taken."""
+                    trainer_state: dict | None = None, extra=None, ranks=None, owner: list[int] | None = None) -> Path:
+    """``extra(folder)`` writes more files (a tokenizer) into the checkpoint before its checksums are taken.
+    Data parallel (``ranks``, every rank calls this): each rank writes its units' state and export files
+    (``owner``), rank 0 the rest, the checksums and the rename; a failure on any rank stops all of them."""
     final = Path(path)
     tmp = final.with_name(final.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)  # a save that was interrupted earlier
-    try:
-        (tmp / STATE_DIR).mkdir(parents=True)
-        for u in range(len(adapter.units)):  # (first: nothing is written for a state that is not finite)
-            st = store.unit_state(u)
-            _check_finite(st, f"unit {_unit_key(adapter, u)}")
-            save_file(st, str(tmp / STATE_DIR / f"{_unit_key(adapter, u)}.safetensors"))
-        export.save_pretrained(tmp, adapter, store, dtype)
-        if extra is not None:
+    rank = 0 if ranks is None else ranks.rank
+    lead = rank == 0
+    mine = [u for u in range(len(adapter.units)) if owner is None or owner[u] == rank]
+
+    def phase(work, clean: bool = True) -> None:
+        err = None
+        try:
+            work()
+        except BaseException as e:
+            err = _write_error(final, e)
+        try:
+            _together(ranks, err)
+        except BaseException:
+            if lead and clean:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+
+    def start():
+        if lead:
+            if tmp.exists():
+                shutil.rmtree(tmp)  # a save that was interrupted earlier
+            (tmp / STATE_DIR).mkdir(parents=True)
+
+    def check():  # (first: nothing is written for a state that is not finite)
+        for u in mine:
+            _check_finite(store.unit_state(u), f"unit {_unit_key(adapter, u)}")
+
+    def write():
+        for u in mine:
+            save_file(store.unit_state(u), str(tmp / STATE_DIR / f"{_unit_key(adapter, u)}.safetensors"))
+        export.save_pretrained(tmp, adapter, store, dtype, owner, rank)
+        if extra is not None and lead:
             extra(tmp)
+        for f in tmp.rglob("*"):  # (every rank syncs what it wrote; the others' files too, on one host)
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+
+    def seal():
+        if not lead:
+            return
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
-        for f in files:
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
         meta = {"format": FORMAT, "step": store.step, "trainer": trainer_state or {},
                 "checksums": {str(f.relative_to(tmp)): _crc(f) for f in files}}
         meta["crc32"] = _meta_crc(meta)
@@ -105,26 +166,23 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
             os.fsync(fh.fileno())
         _fsync_dir(tmp / STATE_DIR)
         _fsync_dir(tmp)
-    except (OSError, SafetensorError) as e:  # safetensors reports a full disk as its own error type
-        shutil.rmtree(tmp, ignore_errors=True)
-        errno_ = getattr(e, "errno", None)
-        if errno_ is None and (m := re.search(r"os error (\d+)", str(e))):
-            errno_ = int(m.group(1))
-        why = os.strerror(errno_) if errno_ else str(e)
-        raise CheckpointWriteError(errno_ or 0, f"cannot write checkpoint {final}: {why}; the partial copy was "
-                                   "removed and existing checkpoints are untouched") from e
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if final.exists():  # replacing a checkpoint of the same name: move the old one aside first
-        old = final.with_name(final.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    _fsync_dir(final.parent)
+
+    def rename():
+        if not lead:
+            return
+        if final.exists():  # replacing a checkpoint of the same name: move the old one aside first
+            old = final.with_name(final.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(final.parent)
+
+    for work in (start, check, write, seal):
+        phase(work)
+    phase(rename, clean=False)  # (what a failed rename leaves, the sealed copy or the old one, stays)
     return final
 
 
@@ -147,11 +205,14 @@ def read_meta(path: str | os.PathLike) -> dict:
     return meta
 
 
-def verify_checkpoint(path: str | os.PathLike) -> dict:
-    """Every file's CRC32 checked against ``trainer.json``, nothing loaded; returns that file's content."""
+def verify_checkpoint(path: str | os.PathLike, only=None) -> dict:
+    """Every file's CRC32 (``only``: of those relative paths) checked against ``trainer.json``, nothing
+    loaded; returns that file's content."""
     root = Path(path)
     meta = read_meta(root)
     for rel, crc in meta["checksums"].items():
+        if only is not None and rel not in only:
+            continue
         f = root / rel
         if not f.is_file():
             raise CorruptCheckpointError(f"checkpoint file {f} is missing")
@@ -165,14 +226,32 @@ _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "
 _SAVED_FORMAT = {"F32": "fp32", "BF16": "compact", "U8": "8bit"}  # by the moments' dtype
 
 
-def load_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostStore) -> dict:
+def load_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostStore, ranks=None) -> dict:
     """Restore master, moments and step into ``store``; returns the trainer state saved with them.
     Every file is verified, and every unit's layout checked from the file headers, before the store is
-    touched: a refused checkpoint leaves the state as it was."""
+    touched: a refused checkpoint leaves the state as it was. Data parallel (``ranks``): each rank reads
+    and verifies the units it keeps (whichever rank wrote them), and all stop if any refuses."""
     root = Path(path)
-    meta = verify_checkpoint(root)
-    files = [root / STATE_DIR / f"{_unit_key(adapter, u)}.safetensors" for u in range(len(adapter.units))]
-    for u, f in enumerate(files):
+    units = [u for u in range(len(adapter.units)) if store.owns(u)]
+    err, meta = None, None
+    try:
+        meta = _verified(root, adapter, store, units)
+    except BaseException as e:
+        err = e
+    _together(ranks, err)
+    for u in units:
+        with safe_open(str(root / STATE_DIR / f"{_unit_key(adapter, u)}.safetensors"), framework="pt") as fh:
+            store.set_unit_state(u, {k: fh.get_tensor(k) for k in fh.keys()})
+    store.step = int(meta["step"])
+    return meta["trainer"]
+
+
+def _verified(root: Path, adapter: ModelAdapter, store: HostStore, units: list[int]) -> dict:
+    """``trainer.json``, once the files that ``units`` need are checked (CRC32, names, layouts)."""
+    files = {u: root / STATE_DIR / f"{_unit_key(adapter, u)}.safetensors" for u in units}
+    everything = len(units) == len(adapter.units)
+    meta = verify_checkpoint(root, None if everything else {str(f.relative_to(root)) for f in files.values()})
+    for u, f in files.items():
         if not f.is_file():
             raise CorruptCheckpointError(f"{f} is missing: a checkpoint of another model?")
         with safe_open(str(f), framework="pt") as fh:
@@ -190,8 +269,4 @@ def load_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
                 if got != numel:
                     raise CorruptCheckpointError(f"{f}: {k} has {got} values, the model has {numel}: a "
                                                  "checkpoint of another model?")
-    for u, f in enumerate(files):
-        with safe_open(str(f), framework="pt") as fh:
-            store.set_unit_state(u, {k: fh.get_tensor(k) for k in fh.keys()})
-    store.step = int(meta["step"])
-    return meta["trainer"]
+    return meta

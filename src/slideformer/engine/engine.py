@@ -565,10 +565,15 @@ class SlideEngine:
                 for k, v in self.store.unit_params(u.index).items()}
 
     def save_pretrained(self, out: str | os.PathLike, dtype: torch.dtype | None = None):
-        """Write a Hugging Face checkpoint (config + safetensors) that from_pretrained loads."""
-        self._one_process("save_pretrained")
+        """Write a Hugging Face checkpoint (config + safetensors) that from_pretrained loads. Under several
+        ranks every rank calls it, and each writes the files of the units it owns."""
         self.synchronize()
-        return export.save_pretrained(out, self.adapter, self.store, dtype or self.cfg.compute_dtype)
+        if self.ranks is None:
+            return export.save_pretrained(out, self.adapter, self.store, dtype or self.cfg.compute_dtype)
+        out = export.save_pretrained(out, self.adapter, self.store, dtype or self.cfg.compute_dtype, self._owner,
+                                     self.ranks.rank)
+        parallel.barrier()
+        return out
 
     def profile(self, reset: bool = True, timeline: bool = False) -> dict:
         """Seconds per category since the last call (needs ``tuning=Tuning(profile=True)``); with
@@ -588,25 +593,20 @@ class SlideEngine:
     def save_checkpoint(self, path: str | os.PathLike, trainer_state: dict | None = None,
                         dtype: torch.dtype | None = None, extra=None):
         """Hugging Face weights plus the full training state, written atomically (checkpoint/state.py);
-        ``extra(folder)`` adds files (a tokenizer) before the checkpoint is sealed."""
-        self._one_process("save_checkpoint")
+        ``extra(folder)`` adds files (a tokenizer) before the checkpoint is sealed. Under several ranks every
+        rank calls it (with the same arguments): one checkpoint, each rank writing its units."""
         self.synchronize()
         state = {"lr": self.lr, **(trainer_state or {})}
         return ckpt_state.save_checkpoint(path, self.adapter, self.store, dtype or self.cfg.compute_dtype, state,
-                                          extra)
+                                          extra, ranks=self.ranks, owner=self._owner if self.ranks else None)
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
-        """Restore a checkpoint written by save_checkpoint; returns the trainer state saved with it."""
-        self._one_process("load_checkpoint")
+        """Restore a checkpoint written by save_checkpoint (by any number of ranks); returns the trainer state
+        saved with it. Under several ranks every rank calls it and reads the units it keeps."""
         self.synchronize()
-        state = ckpt_state.load_checkpoint(path, self.adapter, self.store)
+        state = ckpt_state.load_checkpoint(path, self.adapter, self.store, self.ranks)
         self.lr = float(state.get("lr", self.lr))
         return state
-
-    def _one_process(self, what: str) -> None:
-        if self.ranks is not None:
-            raise ConfigError(f"{what} under {self.ranks.world} processes is not built yet (each rank holds only "
-                              "its units' state): train with one process to write or read checkpoints")
 
     def describe(self) -> str:
         """One line on where the model trains: what a user should see once at start."""
