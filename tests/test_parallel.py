@@ -1,6 +1,8 @@
 """Data parallel (parallel.py): N processes on gloo, each training its rows of every global batch, train
 the model one process trains on the whole batch; each rank keeps only the units it owns."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -125,3 +127,56 @@ def test_a_checkpoint_of_n_ranks_resumes_under_m(tmp_path, before, after):
     ref, ref_losses = reference("llama", cfg)
     for res in rest:
         assert_same(res["state"], ref, first[0]["losses"] + res["losses"], ref_losses)
+
+
+def _trainer_rank(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
+    """One torchrun rank of `slideformer train` (torchrun's environment, set by hand)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from slideformer.train.config import load_config
+    from slideformer.train.loop import train
+
+    r = train(load_config(None, overrides))
+    torch.save({"losses": [h["loss"] for h in r["history"]], "checkpoint": r["checkpoint"]}, out)
+
+
+def test_the_trainer_under_torchrun_trains_as_one_process_with_the_global_batch(tmp_path):
+    """2 ranks of micro_batch_size 2 (and accumulation) against one process of micro_batch_size 4: the same
+    samples each step, the same losses, one checkpoint (rank 0 logs; each rank writes its units) with the
+    weights of the single process's."""
+    import socket
+
+    from safetensors.torch import load_file
+
+    from slideformer.train.config import load_config
+    from slideformer.train.loop import train
+
+    common = ["progress=false", "device=cpu", "logging_steps=1", "max_steps=4", "save_steps=2",
+              "gradient_accumulation_steps=2", "max_grad_norm=1.0"]
+    one = train(load_config(None, common + ["micro_batch_size=4", f"output_dir={tmp_path / 'one'}"]))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outs = [str(tmp_path / f"t{r}.pt") for r in range(2)]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_trainer_rank, args=(r, 2, port, common + ["micro_batch_size=2",
+                                                                           f"output_dir={tmp_path / 'two'}"], outs[r]))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        assert p.exitcode == 0
+    two = [torch.load(o) for o in outs]
+    ref = [h["loss"] for h in one["history"]]
+    for res in two:
+        assert res["losses"] == pytest.approx(ref, rel=1e-5)
+    metrics = (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
+    assert len(metrics) == 4  # rank 0 alone logs
+    a, b = (tmp_path / "one" / "checkpoint-4"), (tmp_path / "two" / "checkpoint-4")
+    for f in (a / "state").glob("*.safetensors"):
+        if f.stem != "trainer":
+            got, want = load_file(str(b / "state" / f.name))["master"], load_file(str(f))["master"]
+            assert float((got - want).norm() / want.norm()) <= 1e-5, f.name  # (assert_same's bounds: fp32 noise)
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+    assert sorted(p.name for p in (tmp_path / "two").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]

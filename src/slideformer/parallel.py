@@ -96,3 +96,35 @@ def failures(err: BaseException | None) -> list[tuple[int, str, str]]:
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     return [(r, *e) for r, e in enumerate(every) if e is not None]
+
+
+def from_leader(work):
+    """``work()`` run on rank 0 alone (a folder taken, a checkpoint found), its result given to every rank;
+    if it raised, every rank raises that error."""
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", work())
+        except BaseException as e:
+            box[0] = ("error", e)
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise value
+    return value
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` holds on some rank (a stop request, the memory guard): every rank stops together."""
+    return bool(sum_all(torch.tensor(float(flag), device=device)).item() > 0)
+
+
+def local_rows(mb: dict, ranks: Ranks) -> dict:
+    """This rank's rows of a global micro-batch (rank, rank + world, ...)."""
+    return {k: None if v is None else v[ranks.rank::ranks.world] for k, v in mb.items()}
+
+
+def leave() -> None:
+    """Leave the process group ``init_from_env`` joined (torchrun's), at the end of a run."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and dist.is_initialized():
+        dist.destroy_process_group()

@@ -86,6 +86,9 @@ def load_safetensors(path: str | os.PathLike, adapter: ModelAdapter, store: Host
                     if key not in wanted or key in seen:
                         continue  # e.g. a tied lm_head.weight, or rotary buffers saved by old versions
                     unit, spec = wanted[key]
+                    if not store.owns(unit.index):  # another rank's unit: not read (its owner does)
+                        seen.add(key)
+                        continue
                     t = f.get_tensor(key)
                     if tuple(t.shape) != spec.shape:
                         raise CheckpointError(f"{file}: {key} has shape {tuple(t.shape)}, the config implies {spec.shape}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import math
 import re
 import resource
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .. import EngineConfig, SlideEngine, lr_at
+from .. import EngineConfig, SlideEngine, lr_at, parallel
 from ..config import ConfigError, Placement
 from ..data import DataError, detect_format, pack_batch, pad_batch, read_records, render, to_messages
 from ..data.formats import check_chat_template, max_token_chars
@@ -175,7 +176,10 @@ def _placement(o: OffloadConfig) -> Placement:
 
 def train(cfg: TrainConfig) -> dict:
     with Signals() as signals:
-        return _train(cfg, signals)
+        try:
+            return _train(cfg, signals)
+        finally:
+            parallel.leave()
 
 
 def _train(cfg: TrainConfig, signals: Signals) -> dict:
@@ -184,6 +188,10 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
         raise ConfigError(f"device: cuda, but this torch ({torch.__version__}) sees no CUDA GPU; set device: cpu, "
                           "or leave device unset to use a GPU where there is one")
     bf16 = cfg.bf16 if cfg.bf16 is not None else device == "cuda"
+    if device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: one GPU a process
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    ranks = parallel.init_from_env(device)  # (under torchrun: data parallel, parallel.py)
+    world = ranks.world if ranks else 1
     hf_config = load_model_config(cfg)
     o = cfg.offload
     ecfg = EngineConfig(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
@@ -216,23 +224,29 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
             raise DataError(f"val_size {cfg.val_size} of {len(examples)} samples leaves none to train on")
         pick = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.seed + 7919)).tolist()
         held, examples = [examples[i] for i in sorted(pick[:k])], [examples[i] for i in sorted(pick[k:])]
-    per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps
+    per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world  # (micro_batch_size: a rank's)
     steps_per_epoch = max(1, len(examples) // per_step)
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
     warmup = int(cfg.warmup_ratio * total)
     from ..machine import Machine
 
     ecfg = resolve_engine(cfg, hf_config, ecfg, examples, Machine.detect(device))
-    out.open()  # (from here the folder is the run's: locked, marked)
+    if ranks is None:
+        out.open()  # (from here the folder is the run's: locked, marked)
+    else:  # rank 0 takes the folder; the others write only their checkpoint files into it, under its run id
+        out.run_id = parallel.from_leader(lambda: out.open().run_id)
+    lead = ranks is None or ranks.leader
     try:
         if resume == "auto":
-            found, damaged = out.latest_intact()
-            if found is None and damaged:
-                raise CorruptCheckpointError(
-                    f"resume_from_checkpoint: auto found no intact checkpoint of this run in {out.path} ({len(damaged)} "
-                    f"damaged, newest {damaged[0].name}); move them away to start over, or set resume_from_checkpoint "
-                    "to a checkpoint's path")
-            resume = str(found) if found else None
+            def latest():
+                found, damaged = out.latest_intact()
+                if found is None and damaged:
+                    raise CorruptCheckpointError(
+                        f"resume_from_checkpoint: auto found no intact checkpoint of this run in {out.path} "
+                        f"({len(damaged)} damaged, newest {damaged[0].name}); move them away to start over, or set "
+                        "resume_from_checkpoint to a checkpoint's path")
+                return str(found) if found else None
+            resume = latest() if ranks is None else parallel.from_leader(latest)
         if cfg.model_name_or_path == "tiny":
             engine = SlideEngine.from_config(hf_config, ecfg)
         else:
@@ -241,33 +255,41 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
             result = _loop(cfg, signals, engine, out, resume, tok, examples, skipped, dropped, total, warmup, device,
                            held)
     except BaseException:
-        out.close(ok=False)
+        if lead:
+            out.close(ok=False)
         raise
-    out.close()
+    if lead:
+        out.close()
     return result
 
 
 def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, dropped, total, warmup,
           device, held=()) -> dict:
-    """Resume (the engine's state and the data position), then train to ``total`` steps, logging and saving."""
-    print(f"slideformer: {engine.describe()}", flush=True)
+    """Resume (the engine's state and the data position), then train to ``total`` steps, logging and saving.
+    Under several ranks (parallel.py) every rank draws the same global micro-batches, of micro_batch_size
+    rows for each rank, and trains its rows of each; rank 0 alone prints, logs and rotates checkpoints."""
+    ranks = engine.ranks
+    world, lead = (ranks.world, ranks.leader) if ranks else (1, True)
+    say = print if lead else (lambda *a, **k: None)
+    say(f"slideformer: {engine.describe()}" + (f" (rank 0 of {world})" if ranks else ""), flush=True)
     start, epoch, offset = 0, 0, 0
     if resume:
         state = engine.load_checkpoint(resume)
         start, epoch, offset = state["step"], state["epoch"], state["offset"]
-        print(f"slideformer: resumed from {resume} at step {start}", flush=True)
+        say(f"slideformer: resumed from {resume} at step {start}", flush=True)
     if not cfg.overwrite_output_dir and (foreign := out.foreign_ahead(start, total)):
         raise OutputDirError(f"output_dir {out.path} holds {foreign[0].name}, which this run did not write and would "
                              f"replace when it saves that step; move it away, choose another output_dir, or set "
                              "overwrite_output_dir: true")
-    out.trim_metrics(start)
-    tracking = Trackers(cfg.report_to, out.path, start, run_meta(cfg, engine, device))
+    if lead:
+        out.trim_metrics(start)
+    tracking = Trackers(cfg.report_to if lead else "none", out.path, start, run_meta(cfg, engine, device))
     order = _permutation(len(examples), cfg.seed, epoch)
     params = engine.adapter.num_params
     history, t_last, tokens_since = [], time.perf_counter(), 0
     loss_sum, targets_since = 0.0, 0  # the logged loss: the mean over the interval's target tokens
     evals = []
-    progress = _progress(cfg.progress, total, start)
+    progress = _progress(cfg.progress, total, start) if lead else (lambda done, rec: None)
     status, dropped_steps, in_a_row, step = "finished", 0, 0, start
     saved = out.checkpoints()
     last_saved = saved[-1] if saved else None
@@ -283,23 +305,24 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
         while step < total:
             mbs = []
             for _ in range(cfg.gradient_accumulation_steps):
-                need = 1 if cfg.packing else cfg.micro_batch_size
+                rows = cfg.micro_batch_size * world
+                need = 1 if cfg.packing else rows
                 if offset + need > len(order):
                     epoch, offset = epoch + 1, 0
                     order = _permutation(len(examples), cfg.seed, epoch)
-                if cfg.packing:  # as many samples as fill micro_batch_size rows of cutoff_len tokens
-                    window = [examples[i] for i in order[offset: offset + cfg.micro_batch_size * cfg.cutoff_len]]
-                    mb = pack_batch(window, cfg.micro_batch_size, cfg.cutoff_len, tok.pad_token_id)
+                if cfg.packing:  # as many samples as fill the rows of cutoff_len tokens
+                    window = [examples[i] for i in order[offset: offset + rows * cfg.cutoff_len]]
+                    mb = pack_batch(window, rows, cfg.cutoff_len, tok.pad_token_id)
                     offset += mb.pop("examples_used")
                     mb["attention_mask"] = None
                 else:
-                    picked = [examples[i] for i in order[offset: offset + cfg.micro_batch_size]]
-                    offset += cfg.micro_batch_size
+                    picked = [examples[i] for i in order[offset: offset + rows]]
+                    offset += rows
                     mb = pad_batch(picked, tok.pad_token_id)
                 mbs.append(mb)
             lr = lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, warmup, total)
             engine.set_lr(lr)
-            loss = engine.train_step(mbs)
+            loss = engine.train_step([parallel.local_rows(mb, ranks) for mb in mbs] if ranks else mbs)
             norm = engine.last_grad_norm
             if not (math.isfinite(loss) and (norm is None or math.isfinite(norm))):
                 what = f"loss {loss}, gradient norm {norm}"
@@ -317,9 +340,9 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                                         + ("" if cfg.skip_nonfinite_steps else
                                            ", or set skip_nonfinite_steps: true to go on past such steps"))
                 dropped_steps += 1
-                print(f"slideformer: step {step + 1} dropped ({what}); the data moves on, the state stays",
-                      file=sys.stderr, flush=True)
-                if signals.requested:  # the state is the last finished step's, the data past the dropped batch
+                say(f"slideformer: step {step + 1} dropped ({what}); the data moves on, the state stays",
+                    file=sys.stderr, flush=True)
+                if signals.requested if ranks is None else parallel.any_rank(bool(signals.requested), engine.device):  # the state is the last finished step's, the data past the dropped batch
                     state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
                              "run_id": out.run_id}
                     last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
@@ -347,29 +370,33 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                     rec["dropped_steps"] = dropped_steps
                 t_last, tokens_since, loss_sum, targets_since = now, 0, 0.0, 0
                 history.append(rec)
-                with open(out.path / METRICS, "a") as f:
-                    f.write(json.dumps(_finite(rec), allow_nan=False) + "\n")
+                if lead:
+                    with open(out.path / METRICS, "a") as f:
+                        f.write(json.dumps(_finite(rec), allow_nan=False) + "\n")
                 tracking.scalars({k: rec.get(k) for k in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops",
                                                           "gpu_mem_gib", "host_rss_gib")}, step, "train")
                 progress(step, rec)
             memory = guard.tripped()
+            stop = bool(signals.requested) or memory
+            if ranks is not None:  # every rank stops, and saves, at the step any of them must stop at
+                stop = parallel.any_rank(stop, engine.device)
             state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
                      "run_id": out.run_id}
-            if (cfg.save_steps and step % cfg.save_steps == 0) or step == total or signals.requested or memory:
+            if (cfg.save_steps and step % cfg.save_steps == 0) or step == total or stop:
                 with dog.allowing(SAVE_LIMIT_S):
                     last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
                                        cfg.model_name_or_path)
                 newest[0] = last_saved
             # (after the save, which a failing evaluation must not cost; not when the run is to stop now)
-            if held and not (signals.requested or memory) and \
-                    ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total):
+            if held and not stop and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total):
                 ev = _evaluate(engine, held, cfg.micro_batch_size, tok.pad_token_id, step,
                                lambda: dog.progress(stepped=False))
                 evals.append(ev)
-                with open(out.path / METRICS, "a") as f:
-                    f.write(json.dumps(_finite(ev), allow_nan=False) + "\n")
+                if lead:
+                    with open(out.path / METRICS, "a") as f:
+                        f.write(json.dumps(_finite(ev), allow_nan=False) + "\n")
                 tracking.scalars({"loss": ev["eval_loss"], "perplexity": ev["eval_ppl"]}, step, "eval")
-                print(f"slideformer: step {step}: eval loss {ev['eval_loss']:.4f}, perplexity {ev['eval_ppl']:.3f} "
+                say(f"slideformer: step {step}: eval loss {ev['eval_loss']:.4f}, perplexity {ev['eval_ppl']:.3f} "
                       f"({ev['eval_tokens']} tokens)", flush=True)
                 dog.progress(stepped=False)
                 t_last = time.perf_counter()  # (the evaluation's time is not the next interval's training)
@@ -379,7 +406,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                     f"{GUARD_FRACTION:.0%} of its {guard.budget / 2**30:.1f} GiB budget; stopped before the kernel's "
                     f"OOM killer, with {last_saved} saved. Lower offload.host_memory_limit (the planner then keeps less "
                     "in RAM), or use offload.optimizer_state: 8bit or offload.offload_dir; then resume")
-            if signals.requested:
+            if stop:  # (a signal here, or another rank's signal or memory guard)
                 status = "interrupted"
                 break
     finally:
@@ -387,7 +414,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
         guard.close()
         progress(None, None)
         tracking.close()
-        if history:
+        if history and lead:
             _plot_loss(history, out.path / "loss.png", evals)
     return {"status": status, "signal": signals.requested, "steps": step, "history": history, "evals": evals,
             "checkpoint": str(last_saved) if last_saved else None, "skipped_records": skipped,
@@ -396,12 +423,16 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
 
 def _evaluate(engine, held, batch: int, pad_id: int, step: int, done=lambda: None) -> dict:
     """The held-out loss (mean over every target token; a MoE model's load-balancing loss included, as in
-    training) and the perplexity of its cross-entropy alone, in batches of ``batch`` samples."""
+    training) and the perplexity of its cross-entropy alone, in batches of ``batch`` samples. Under several
+    ranks each evaluates every batch whole (none is left with no rows); the engine's sums over the ranks then
+    count each token once per rank, in the mean's numerator and denominator alike."""
     total, ce, tokens = 0.0, 0.0, 0
+    world = engine.ranks.world if engine.ranks else 1
     for s in range(0, len(held), batch):
         r = engine.evaluate(pad_batch(held[s: s + batch], pad_id))
         done()  # (each batch is progress: the watchdog's)
-        total, ce, tokens = total + r.loss * r.tokens, ce + (r.loss - r.router_loss) * r.tokens, tokens + r.tokens
+        n = r.tokens // world
+        total, ce, tokens = total + r.loss * n, ce + (r.loss - r.router_loss) * n, tokens + n
     return {"step": step, "eval_loss": total / tokens, "eval_ppl": math.exp(min(ce / tokens, 80.0)),
             "eval_tokens": tokens}
 
@@ -450,7 +481,7 @@ def _save(engine, tok, out: OutputDir, step: int, state: dict, limit: int | None
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
         raise CheckpointWriteError(e.errno, f"{e.strerror}; {kept}. Free space in {out.path} (or set output_dir "
                                             "elsewhere), then resume with resume_from_checkpoint: auto") from e
-    if limit:
+    if limit and (engine.ranks is None or engine.ranks.leader):
         out.rotate(limit)
     return path
 
