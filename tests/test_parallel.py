@@ -180,3 +180,50 @@ def test_the_trainer_under_torchrun_trains_as_one_process_with_the_global_batch(
             assert float((got - want).norm() / want.norm()) <= 1e-5, f.name  # (assert_same's bounds: fp32 noise)
             torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
     assert sorted(p.name for p in (tmp_path / "two").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+
+
+def _dying_rank(rank: int, port: int, overrides: list[str], out: str) -> None:
+    """`slideformer train` as torchrun's rank ``rank`` of 2; rank 1 is killed (os._exit) during its second step."""
+    import sys
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from slideformer.cli import main
+    from slideformer.engine import engine as engine_mod
+
+    if rank == 1:
+        step = engine_mod.SlideEngine._gradient_done
+        calls = []
+
+        def die(self, st, unit, slot):
+            calls.append(unit)
+            if len(calls) > 6:  # (the second step, part-way through its backward)
+                os._exit(9)
+            return step(self, st, unit, slot)
+        engine_mod.SlideEngine._gradient_done = die
+    with open(out, "w") as f:
+        sys.stderr = f
+        code = main(["train"] + overrides)
+        f.write(f"\nexit {code}\n")
+
+
+def test_a_rank_that_dies_mid_step_ends_the_job_with_one_line_on_the_others(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    overrides = ["progress=false", "device=cpu", "max_steps=4", "micro_batch_size=2", f"output_dir={tmp_path / 'o'}"]
+    ctx = mp.get_context("spawn")
+    outs = [str(tmp_path / f"err{r}.txt") for r in range(2)]
+    procs = [ctx.Process(target=_dying_rank, args=(r, port, overrides, outs[r])) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert procs[1].exitcode == 9
+    assert procs[0].exitcode == 0  # (the process returned main's code: it is in the file)
+    text = open(outs[0]).read()
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    assert lines[-1] == "exit 7", text
+    assert "lost the others" in lines[-2] and "rank 0 of 2" in lines[-2] and "Traceback" not in text

@@ -14,11 +14,11 @@ from .signals import Interrupted, Signals
 
 
 # Exit codes (also in `slideformer train --help` and the README); a signal ends a run with 128 + its number.
-EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_DOES_NOT_FIT, EXIT_NONFINITE, EXIT_IO = 0, 1, 2, 3, 4, 5
+EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_DOES_NOT_FIT, EXIT_NONFINITE, EXIT_IO, EXIT_RANK_LOST = 0, 1, 2, 3, 4, 5, 7
 EXIT_CODES_HELP = ("Exit codes: 0 done, 1 unexpected failure (traceback in slideformer-error.log), 2 bad config, "
                    "data, model or checkpoint, 3 does not fit, 4 non-finite loss or gradient, 5 a file could not be "
                    "written or read (full or read-only disk, permissions), 6 no progress within the watchdog's limit "
-                   "(every thread's stack printed), 130 SIGINT, 143 SIGTERM (a checkpoint was saved if a step had "
+                   "(every thread's stack printed), 7 another rank of a torchrun job failed or was lost, 130 SIGINT, 143 SIGTERM (a checkpoint was saved if a step had "
                    "finished); 3 also where the process neared its host memory budget (a checkpoint was saved).")
 
 
@@ -326,6 +326,7 @@ def _exit_code(e: BaseException) -> int | None:
     from .data import DataError
     from .data.batches import BatchError
     from .model import UnsupportedModelError
+    from .parallel import RankLost
     from .plan import DoesNotFit
     from .train.loop import HostMemoryExceeded, NonFiniteLoss
 
@@ -335,7 +336,8 @@ def _exit_code(e: BaseException) -> int | None:
         return 130
     for types, code in (((ConfigError, DataError, CorruptCheckpointError, CheckpointError, UnsupportedModelError,
                           BatchError), EXIT_USAGE), ((DoesNotFit, HostMemoryExceeded), EXIT_DOES_NOT_FIT),
-                        ((NonFiniteLoss, NonFiniteStateError), EXIT_NONFINITE), ((OSError,), EXIT_IO)):
+                        ((NonFiniteLoss, NonFiniteStateError), EXIT_NONFINITE), ((OSError,), EXIT_IO),
+                        ((RankLost,), EXIT_RANK_LOST)):
         if isinstance(e, types):
             return code
     return None

@@ -21,11 +21,32 @@ in the visit plan's order, identical on every rank; the worker threads never tak
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+class RankLost(RuntimeError):
+    """A collective failed: another rank died, was killed or stopped answering. The job cannot go on."""
+
+
+def _collective(fn):
+    """A failed collective as RankLost: one line on every surviving rank, naming what to read next."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RankLost:
+            raise
+        except (RuntimeError, dist.DistError) as e:
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise RankLost(f"rank {dist.get_rank()} of {dist.get_world_size()} lost the others in {fn.__name__} "
+                           f"({first}): another rank failed or was killed, and its own output says why; resume "
+                           "from the last checkpoint once it is fixed") from e
+    return run
 
 
 @dataclass(frozen=True)
@@ -68,27 +89,32 @@ def assign_units(numels: list[int], world: int) -> list[int]:
     return owner
 
 
+@_collective
 def share(t: torch.Tensor, owner: int) -> None:
     """``t`` on every rank becomes the owner's (a unit's weights, after the owner's load)."""
     dist.broadcast(t, src=owner)
 
 
+@_collective
 def reduce_to(t: torch.Tensor, owner: int) -> None:
     """The owner's ``t`` becomes the sum of every rank's (a finished gradient); the others' is left
     undefined."""
     dist.reduce(t, dst=owner, op=dist.ReduceOp.SUM)
 
 
+@_collective
 def sum_all(t: torch.Tensor) -> torch.Tensor:
     """``t`` summed over the ranks, on every rank (in place, and returned)."""
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
 
+@_collective
 def barrier() -> None:
     dist.barrier()
 
 
+@_collective
 def failures(err: BaseException | None) -> list[tuple[int, str, str]]:
     """Every rank's failure in a step that all ranks take together (a checkpoint's save or load), as
     (rank, error type, message), the same list on every rank: each then stops, or none does."""
@@ -107,13 +133,14 @@ def from_leader(work):
             box[0] = ("ok", work())
         except BaseException as e:
             box[0] = ("error", e)
-    dist.broadcast_object_list(box, src=0)
+    _collective(dist.broadcast_object_list)(box, src=0)
     kind, value = box[0]
     if kind == "error":
         raise value
     return value
 
 
+@_collective
 def any_rank(flag: bool, device: torch.device) -> bool:
     """Whether ``flag`` holds on some rank (a stop request, the memory guard): every rank stops together."""
     return bool(sum_all(torch.tensor(float(flag), device=device)).item() > 0)
