@@ -56,7 +56,7 @@ def train_steps(family: str, cfg: dict, steps: list[int], rank: int = 0, world: 
             eng.save_checkpoint(save)
             eng.save_pretrained(save + "-export")
         return {"losses": losses, "state": state, "norm": eng.last_grad_norm,
-                "host": eng.store.bytes_by_category()["master"]}
+                "host": eng.store.bytes_by_category()["master"], "tier": len(eng.store.nvme_units)}
 
 
 def run_ranks(tmp_path, world: int, family: str, cfg: dict, micro: int = 1, steps=(0, 1, 2), resume=None,
@@ -86,9 +86,12 @@ BASE = dict(lr=1e-2, loss_kernel="torch", compute_dtype=torch.float32)
 @pytest.mark.parametrize("world,family,cfg,micro", [
     (2, "llama", dict(max_grad_norm=0.05, weight_decay=0.1), 2),  # clipping, accumulation, decay; untied
     (3, "qwen3-tied", dict(resident_layers=1, window_slots=2, prefetch_depth=1), 1),  # a GPU-trained layer; tied
+    (2, "llama", dict(offload_dir="TMP", nvme_fraction=1.0, max_grad_norm=0.05), 1),  # each rank's NVMe tier
 ])
 def test_ranks_train_the_global_batch_as_one_process(tmp_path, world, family, cfg, micro):
     cfg = {**BASE, **cfg}
+    if cfg.get("offload_dir") == "TMP":
+        cfg["offload_dir"] = str(tmp_path / "nvme")
     results = run_ranks(tmp_path, world, family, cfg, micro, save=str(tmp_path / "ck"))
     ref, ref_losses = reference(family, cfg)
     model = build(family)
@@ -105,6 +108,8 @@ def test_ranks_train_the_global_batch_as_one_process(tmp_path, world, family, cf
     with SlideEngine(model, engine_config(device="cpu", **cfg)) as one:
         assert sum(r["host"] for r in results) == one.store.bytes_by_category()["master"]
     assert all(0 < r["host"] for r in results)
+    if cfg.get("offload_dir"):  # every layer's moments on some rank's tier, each layer on one
+        assert sum(r["tier"] for r in results) == model.config.num_hidden_layers
     # the export, each rank writing its units' files, loads in transformers as the trained model
     from transformers import AutoModelForCausalLM
 

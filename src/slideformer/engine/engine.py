@@ -165,10 +165,8 @@ class SlideEngine:
             [0] * len(units)
         foreign = {u.index for u in units if self._owner[u.index] != self.ranks.rank} - self.resident \
             if self.ranks else set()
+        nvme -= foreign  # (each rank's tier holds its own layers, in a folder of its own under offload_dir)
         if self.ranks is not None:
-            if nvme or p.activations_to_nvme:
-                raise ConfigError(f"the NVMe tier (offload_dir) under {self.ranks.world} processes is not built yet: "
-                                  "train with one process, or without offload_dir")
             if self.router_loss is not None:
                 raise ConfigError(f"output_router_logits under {self.ranks.world} processes is not built yet (the "
                                   "load-balancing loss is over the whole step): set it false, or train with one process")

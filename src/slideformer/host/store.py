@@ -151,7 +151,9 @@ class HostStore:
             self.grad_buffers = _arena(shapes, compute_dtype, pin, self._registered)
             # Spare states, for decoder layers in RAM (all of one size): the master half is pinned as the master
             # is, since a spare becomes a unit's master.
-            spare_units = [layers[0]] * spare_states if layers and len({u.numel for u in layers}) == 1 else []
+            # (at most one a layer this store updates: under several ranks, its own layers)
+            spare_units = [layers[0]] * min(spare_states, len(layers)) if layers and len({u.numel for u in layers}) == 1 \
+                else []
             fields = {"master": _arena(spare_units, master_dtype, pin_master, self._registered)}
             if compact:
                 fields["master_lo"] = _arena(spare_units, torch.bfloat16, False, self._registered)

@@ -299,7 +299,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     from ..machine import host_memory
     from ..plan.memory import process_allowance
 
-    guard = MemoryGuard(process_allowance(engine.cfg, host_memory()))
+    # (under several ranks on one host, the budget is the box's, shared: each process guards its share)
+    guard = MemoryGuard(process_allowance(engine.cfg, host_memory()) // world)
     try:
         signals.training()
         while step < total:
