@@ -87,6 +87,9 @@ BASE = dict(lr=1e-2, loss_kernel="torch", compute_dtype=torch.float32)
     (2, "llama", dict(max_grad_norm=0.05, weight_decay=0.1), 2),  # clipping, accumulation, decay; untied
     (3, "qwen3-tied", dict(resident_layers=1, window_slots=2, prefetch_depth=1), 1),  # a GPU-trained layer; tied
     (2, "llama", dict(offload_dir="TMP", nvme_fraction=1.0, max_grad_norm=0.05), 1),  # each rank's NVMe tier
+    # the router's load-balancing loss over the global batch, against one process of the engine (the engine's
+    # MoE parity with transformers is test_moe.py's)
+    (2, "qwen3-moe", dict(max_grad_norm=0.05), 2),
 ])
 def test_ranks_train_the_global_batch_as_one_process(tmp_path, world, family, cfg, micro):
     cfg = {**BASE, **cfg}
@@ -95,6 +98,10 @@ def test_ranks_train_the_global_batch_as_one_process(tmp_path, world, family, cf
     results = run_ranks(tmp_path, world, family, cfg, micro, save=str(tmp_path / "ck"))
     ref, ref_losses = reference(family, cfg)
     model = build(family)
+    if family.endswith("moe"):
+        one = train_steps(family, cfg, [0, 1, 2])
+        ref, ref_losses = build(family), one["losses"]
+        ref.load_state_dict(one["state"], strict=False)
     keys = set(ref.state_dict()) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
     seen = set()
     for res in results:  # each rank: the same losses and norm, and the exact state of the units it owns

@@ -166,10 +166,6 @@ class SlideEngine:
         foreign = {u.index for u in units if self._owner[u.index] != self.ranks.rank} - self.resident \
             if self.ranks else set()
         nvme -= foreign  # (each rank's tier holds its own layers, in a folder of its own under offload_dir)
-        if self.ranks is not None:
-            if self.router_loss is not None:
-                raise ConfigError(f"output_router_logits under {self.ranks.world} processes is not built yet (the "
-                                  "load-balancing loss is over the whole step): set it false, or train with one process")
         self.store = HostStore(self.adapter.units, self.cfg.compute_dtype, pin=self.device.type == "cuda",
                                staged_units=staged, host_grad_buffers=ring,
                                nvme_dir=self.cfg.offload_dir, nvme_units=nvme, nvme_buffers=p.nvme_buffers,
@@ -345,7 +341,7 @@ class SlideEngine:
     def _head(self, st: "_Step", unit, slot) -> None:
         rt, ad = self.runtime, self.adapter
         if self.router_loss is not None:  # (every layer's routing counted by now)
-            st.loss += self.router_loss.loss()
+            st.loss += self._router_part()
         params, grads = slot.views(unit)
         bind_parameters(ad.skeleton.model, {"norm.weight": params["norm.weight"]})
         rt.begin_grads(slot)
@@ -399,7 +395,7 @@ class SlideEngine:
         else:
             w = params["lm_head.weight"]
         if self.router_loss is not None:  # (every layer's routing counted by now)
-            st.loss += self.router_loss.loss()
+            st.loss += self._router_part()
         for h, mb in zip(st.hidden, st.mbs):
             st.loss += head_loss_value(h.flatten(0, 1), mb.labels, ad.norm, w, st.denom, self._loss_chunk,
                                        targets=mb.targets, logit_scale=ad.logit_scale,
@@ -516,6 +512,14 @@ class SlideEngine:
         if mb.attention_mask is None:
             return torch.ones(mb.input_ids.numel(), device=mb.input_ids.device)
         return mb.attention_mask.reshape(-1)
+
+    def _router_part(self) -> torch.Tensor:
+        """The load-balancing loss over the global batch (every rank's routing counts summed), as this rank's
+        share of the step's loss: the loss is summed over the ranks."""
+        if self.ranks is None:
+            return self.router_loss.loss()
+        self.router_loss.combine(parallel.sum_all)
+        return self.router_loss.loss() / self.ranks.world
 
     def _global_count(self, n: int) -> int:
         """The step's target tokens over every rank (the loss's denominator: the global batch's mean)."""

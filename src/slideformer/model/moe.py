@@ -109,6 +109,12 @@ class RouterLoss:
         weight = self.coef * self.experts * self.counts / self.rows ** 2  # d loss / d P_e's sum
         return (probs.float() * self._mask.to(torch.float32).unsqueeze(-1) * weight).sum()
 
+    def combine(self, sum_all) -> None:
+        """The counts summed over the ranks of a data-parallel step (``sum_all``: parallel.sum_all), so that
+        the loss and its gradient are the global batch's."""
+        both = sum_all(torch.cat([self.counts, self.probs, self.rows.view(1)]))
+        self.counts, self.probs, self.rows = both[: self.experts], both[self.experts: -1], both[-1]
+
     def loss(self) -> torch.Tensor:
         """coef x the step's load-balancing loss (once forward has counted every layer)."""
         share, prob = self.counts / self.rows, self.probs / self.rows  # (transformers' order of operations)
