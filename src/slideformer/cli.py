@@ -33,6 +33,8 @@ def cmd_train(args) -> int:
     args.log_dir = cfg.output_dir
     result = train(cfg)
     h = result["history"]
+    if not result.get("lead", True):  # (another rank of a torchrun job: rank 0 says it)
+        return EXIT_OK
     if h:
         print(f"loss {h[0]['loss']:.3f} -> {h[-1]['loss']:.3f} over {result['steps']} steps; "
               f"checkpoint: {result['checkpoint']} (loads with transformers' from_pretrained)")

@@ -418,6 +418,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
         if history and lead:
             _plot_loss(history, out.path / "loss.png", evals)
     return {"status": status, "signal": signals.requested, "steps": step, "history": history, "evals": evals,
+            "lead": lead,
             "checkpoint": str(last_saved) if last_saved else None, "skipped_records": skipped,
             "dropped_samples": dropped, "dropped_steps": dropped_steps}
 
