@@ -194,8 +194,10 @@ def test_the_trainer_under_torchrun_trains_as_one_process_with_the_global_batch(
     assert sorted(p.name for p in (tmp_path / "two").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
 
 
-def _dying_rank(rank: int, port: int, overrides: list[str], out: str) -> None:
-    """`slideformer train` as torchrun's rank ``rank`` of 2; rank 1 is killed (os._exit) during its second step."""
+def _faulty_rank(rank: int, port: int, overrides: list[str], out: str, fault: str) -> None:
+    """`slideformer train` as torchrun's rank ``rank`` of 2. Rank 1, during its second step: ``fault`` "die"
+    (os._exit mid-backward) or "term" (a SIGTERM to itself alone)."""
+    import signal
     import sys
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
@@ -207,35 +209,79 @@ def _dying_rank(rank: int, port: int, overrides: list[str], out: str) -> None:
         step = engine_mod.SlideEngine._gradient_done
         calls = []
 
-        def die(self, st, unit, slot):
+        def fail(self, st, unit, slot):
             calls.append(unit)
-            if len(calls) > 6:  # (the second step, part-way through its backward)
-                os._exit(9)
+            if len(calls) == 7:  # (the second step, part-way through its backward)
+                if fault == "die":
+                    os._exit(9)
+                os.kill(os.getpid(), signal.SIGTERM)
             return step(self, st, unit, slot)
-        engine_mod.SlideEngine._gradient_done = die
+        engine_mod.SlideEngine._gradient_done = fail
     with open(out, "w") as f:
-        sys.stderr = f
+        sys.stderr = sys.stdout = f
         code = main(["train"] + overrides)
         f.write(f"\nexit {code}\n")
 
 
-def test_a_rank_that_dies_mid_step_ends_the_job_with_one_line_on_the_others(tmp_path):
+def faulty_job(tmp_path, fault: str, overrides: list[str]) -> list:
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    overrides = ["progress=false", "device=cpu", "max_steps=4", "micro_batch_size=2", f"output_dir={tmp_path / 'o'}"]
     ctx = mp.get_context("spawn")
-    outs = [str(tmp_path / f"err{r}.txt") for r in range(2)]
-    procs = [ctx.Process(target=_dying_rank, args=(r, port, overrides, outs[r])) for r in range(2)]
+    outs = [str(tmp_path / f"out{r}.txt") for r in range(2)]
+    procs = [ctx.Process(target=_faulty_rank, args=(r, port, overrides, outs[r], fault)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=120)
+    return procs, [open(o).read() if os.path.exists(o) else "" for o in outs]
+
+
+FAULT = ["progress=false", "device=cpu", "max_steps=4", "micro_batch_size=2"]
+
+
+def test_a_rank_that_dies_mid_step_ends_the_job_with_one_line_on_the_others(tmp_path):
+    procs, texts = faulty_job(tmp_path, "die", FAULT + [f"output_dir={tmp_path / 'o'}"])
     assert procs[1].exitcode == 9
-    assert procs[0].exitcode == 0  # (the process returned main's code: it is in the file)
-    text = open(outs[0]).read()
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    assert lines[-1] == "exit 7", text
-    assert "lost the others" in lines[-2] and "rank 0 of 2" in lines[-2] and "Traceback" not in text
+    lines = [ln for ln in texts[0].splitlines() if ln.strip()]
+    assert lines[-1] == "exit 7", texts[0]
+    assert "lost the others" in lines[-2] and "rank 0 of 2" in lines[-2] and "Traceback" not in texts[0]
+
+
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step_with_one_checkpoint(tmp_path):
+    procs, texts = faulty_job(tmp_path, "term", FAULT + [f"output_dir={tmp_path / 'o'}"])
+    for text in texts:  # each rank: exit 143 (128 + SIGTERM)
+        assert text.splitlines()[-1] == "exit 143", text
+    assert "SIGTERM: stopped after step 2" in texts[0]
+    assert [p.name for p in (tmp_path / "o").glob("checkpoint-*")] == ["checkpoint-2"]
+
+
+def test_packed_rows_of_an_epochs_tail_train_as_one_process(tmp_path):
+    """Packing: the last micro-batches of an epoch hold rows of padding only, which some ranks get; the
+    step's target count is the global one, so they train on as one process does."""
+    from slideformer.train.config import load_config
+    from slideformer.train.loop import train
+
+    common = ["progress=false", "device=cpu", "logging_steps=1", "packing=true", "cutoff_len=256",
+              "max_steps=8", "max_grad_norm=1.0"]  # (the bundled data's first epoch ends at step 5)
+    one = train(load_config(None, common + ["micro_batch_size=4", f"output_dir={tmp_path / 'one'}"]))
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    outs = [str(tmp_path / f"t{r}.pt") for r in range(2)]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_trainer_rank, args=(r, 2, port, common + ["micro_batch_size=2",
+                                                                           f"output_dir={tmp_path / 'two'}"], outs[r]))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+        assert p.exitcode == 0
+    losses = torch.load(outs[0])["losses"]
+    assert [h["epoch"] for h in one["history"]][4:6] == [0, 1]
+    assert losses == pytest.approx([h["loss"] for h in one["history"]], rel=1e-5)

@@ -32,9 +32,10 @@ def cmd_train(args) -> int:
     cfg = load_config(config, overrides)
     args.log_dir = cfg.output_dir
     result = train(cfg)
-    h = result["history"]
+    code = 128 + result["signal"] if result["status"] == "interrupted" else EXIT_OK
     if not result.get("lead", True):  # (another rank of a torchrun job: rank 0 says it)
-        return EXIT_OK
+        return code
+    h = result["history"]
     if h:
         print(f"loss {h[0]['loss']:.3f} -> {h[-1]['loss']:.3f} over {result['steps']} steps; "
               f"checkpoint: {result['checkpoint']} (loads with transformers' from_pretrained)")
@@ -52,8 +53,7 @@ def cmd_train(args) -> int:
         name = signal.Signals(result["signal"]).name
         print(f"{name}: stopped after step {result['steps']}; saved {result['checkpoint']}; the same command "
               "continues the run", file=sys.stderr)
-        return 128 + result["signal"]
-    return EXIT_OK
+    return code
 
 
 def cmd_data(args) -> int:
@@ -382,8 +382,9 @@ def _log_bug(log_dir: str | None) -> Path:
 
     # (into output_dir only where a run has marked it as its own: never into a folder it refused)
     folder = Path(log_dir) if log_dir and (Path(log_dir) / RUN_FILE).is_file() else Path(tempfile.gettempdir())
-    path = folder / (ERROR_LOG if folder != Path(tempfile.gettempdir())
-                     else f"slideformer-error-{os.getpid()}.log")
+    rank = os.environ.get("RANK", "0")  # (each rank of a torchrun job its own file)
+    path = folder / (f"slideformer-error-{os.getpid()}.log" if folder == Path(tempfile.gettempdir())
+                     else ERROR_LOG if rank == "0" else ERROR_LOG.replace(".log", f"-rank{rank}.log"))
     try:
         path.write_text(traceback.format_exc())
     except OSError:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import os
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -115,13 +116,28 @@ def barrier() -> None:
 
 
 @_collective
-def failures(err: BaseException | None) -> list[tuple[int, str, str]]:
+def failures(err: BaseException | None) -> list[tuple[int, BaseException]]:
     """Every rank's failure in a step that all ranks take together (a checkpoint's save or load), as
-    (rank, error type, message), the same list on every rank: each then stops, or none does."""
-    mine = None if err is None else (type(err).__name__, str(err))
+    (rank, error), the same list on every rank: each then stops, or none does."""
+    mine = None
+    if err is not None:
+        try:
+            mine = pickle.loads(pickle.dumps(err))
+        except Exception:  # (an error that does not pickle: its type and words)
+            mine = RuntimeError(f"{type(err).__name__}: {err}")
+        mine.__cause__ = mine.__context__ = None
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
-    return [(r, *e) for r, e in enumerate(every) if e is not None]
+    return [(r, e) for r, e in enumerate(every) if e is not None]
+
+
+def together(err: BaseException | None) -> None:
+    """Raise on every rank if any rank failed: its own error, else the first failing rank's."""
+    failed = failures(err)
+    if err is not None:
+        raise err
+    if failed:
+        raise failed[0][1]
 
 
 def from_leader(work):
@@ -141,9 +157,12 @@ def from_leader(work):
 
 
 @_collective
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """Whether ``flag`` holds on some rank (a stop request, the memory guard): every rank stops together."""
-    return bool(sum_all(torch.tensor(float(flag), device=device)).item() > 0)
+def largest(values: list[float], device: torch.device) -> list[float]:
+    """Each value's largest over the ranks (why to stop: a signal's number, the memory guard), the same on
+    every rank, so that every rank stops at the same step, for the same reason."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
 
 
 def local_rows(mb: dict, ranks: Ranks) -> dict:

@@ -45,6 +45,17 @@ def shard_plan(adapter: ModelAdapter, dtype: torch.dtype, owner: list[int] | Non
     return shards
 
 
+def _names(plan: list) -> list[str]:
+    return ["model.safetensors"] if len(plan) == 1 else \
+        [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
+
+
+def files_of(adapter: ModelAdapter, dtype: torch.dtype, owner: list[int] | None, rank: int) -> list[str]:
+    """The weight files ``save_pretrained`` writes on ``rank``."""
+    plan = shard_plan(adapter, dtype, owner)
+    return [n for n, shard in zip(_names(plan), plan) if (owner[shard[0][0].index] if owner else 0) == rank]
+
+
 def save_pretrained(out: str | os.PathLike, adapter: ModelAdapter, store: HostStore, dtype: torch.dtype,
                     owner: list[int] | None = None, rank: int = 0) -> Path:
     """Write the files of ``shard_plan`` one at a time (a file's tensors are all the export holds in RAM);
@@ -52,8 +63,7 @@ def save_pretrained(out: str | os.PathLike, adapter: ModelAdapter, store: HostSt
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     plan = shard_plan(adapter, dtype, owner)
-    names = ["model.safetensors"] if len(plan) == 1 else \
-        [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
+    names = _names(plan)
     meta = {"format": "pt"}
     for name, shard in zip(names, plan):
         if (owner[shard[0][0].index] if owner else 0) != rank:

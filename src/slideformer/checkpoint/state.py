@@ -77,36 +77,31 @@ def _unit_key(adapter: ModelAdapter, unit: int) -> str:
     return adapter.units[unit].name
 
 
-def _write_error(final: Path, e: BaseException) -> BaseException:
+def _write_error(final: Path, e: BaseException, left: str) -> BaseException:
     """A failed write as the error the caller reports: a full or read-only disk (safetensors reports one
-    as its own error type) becomes CheckpointWriteError with the system's words for it."""
+    as its own error type) becomes CheckpointWriteError with the system's words for it, and ``left``: what
+    the failure left on disk."""
     if not isinstance(e, (OSError, SafetensorError)):
         return e
     errno_ = getattr(e, "errno", None)
     if errno_ is None and (m := re.search(r"os error (\d+)", str(e))):
         errno_ = int(m.group(1))
     why = os.strerror(errno_) if errno_ else str(e)
-    return CheckpointWriteError(errno_ or 0, f"cannot write checkpoint {final}: {why}; the partial copy was "
-                                "removed and existing checkpoints are untouched")
+    out = CheckpointWriteError(errno_ or 0, f"cannot write checkpoint {final}: {why}; {left}")
+    out.__cause__ = e
+    return out
 
 
 def _together(ranks, err: BaseException | None) -> None:
-    """Data parallel: raise on every rank if any rank failed (its own error, or the first failing rank's)."""
+    """Raise if this rank failed, or (data parallel) any rank did: its own error, else the first failing
+    rank's."""
     if ranks is None:
         if err is not None:
             raise err
         return
     from .. import parallel
 
-    failed = parallel.failures(err)
-    if not failed:
-        return
-    if err is not None:
-        raise err
-    rank, kind, message = failed[0]
-    message = f"rank {rank}: {message}"
-    raise NonFiniteStateError(message) if kind == NonFiniteStateError.__name__ else \
-        CheckpointWriteError(0, message) if kind == CheckpointWriteError.__name__ else RuntimeError(message)
+    parallel.together(err)
 
 
 def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostStore, dtype: torch.dtype,
@@ -125,7 +120,9 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
         try:
             work()
         except BaseException as e:
-            err = _write_error(final, e)
+            err = _write_error(final, e, "the partial copy was removed and existing checkpoints are untouched"
+                               if clean else f"what was written is in {tmp} (or the old copy in "
+                               f"{final.name}.old); move it into place by hand")
         try:
             _together(ranks, err)
         except BaseException:
@@ -139,25 +136,29 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
                 shutil.rmtree(tmp)  # a save that was interrupted earlier
             (tmp / STATE_DIR).mkdir(parents=True)
 
-    def check():  # (first: nothing is written for a state that is not finite)
+    def write():  # (a unit that is not finite stops the save before its file: the folder is then removed)
+        written = []
         for u in mine:
-            _check_finite(store.unit_state(u), f"unit {_unit_key(adapter, u)}")
-
-    def write():
-        for u in mine:
-            save_file(store.unit_state(u), str(tmp / STATE_DIR / f"{_unit_key(adapter, u)}.safetensors"))
+            st = store.unit_state(u)  # (read once: from the tier or the GPU, it is a copy)
+            _check_finite(st, f"unit {_unit_key(adapter, u)}")
+            written.append(tmp / STATE_DIR / f"{_unit_key(adapter, u)}.safetensors")
+            save_file(st, str(written[-1]))
         export.save_pretrained(tmp, adapter, store, dtype, owner, rank)
-        if extra is not None and lead:
-            extra(tmp)
-        for f in tmp.rglob("*"):  # (every rank syncs what it wrote; the others' files too, on one host)
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
+        if lead:  # (rank 0 syncs every file in seal)
+            return
+        for f in written + [tmp / name for name in export.files_of(adapter, dtype, owner, rank)]:
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
 
     def seal():
         if not lead:
             return
+        if extra is not None:
+            extra(tmp)
         files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        for f in files:
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
         meta = {"format": FORMAT, "step": store.step, "trainer": trainer_state or {},
                 "checksums": {str(f.relative_to(tmp)): _crc(f) for f in files}}
         meta["crc32"] = _meta_crc(meta)
@@ -180,7 +181,7 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
             os.replace(tmp, final)
         _fsync_dir(final.parent)
 
-    for work in (start, check, write, seal):
+    for work in (start, write, seal):
         phase(work)
     phase(rename, clean=False)  # (what a failed rename leaves, the sealed copy or the old one, stays)
     return final

@@ -22,9 +22,11 @@ class HostMicroBatch:
     position_ids: torch.Tensor | None  # [B, S] restarting at 0 per packed sample; None: 0..S-1
 
 
-def check_step(batch, vocab: int, max_positions: int | None) -> tuple[list[HostMicroBatch], int]:
+def check_step(batch, vocab: int, max_positions: int | None, some_targets: bool = True
+               ) -> tuple[list[HostMicroBatch], int]:
     """A step's micro-batches (a dict, or a list of them) checked and shifted, and the number of target
-    tokens in the whole step (each micro-batch's loss sum is divided by it)."""
+    tokens in the whole step (each micro-batch's loss sum is divided by it). ``some_targets``: refuse a
+    step with none (a data-parallel rank's part may have none: the engine checks the whole step's)."""
     items = batch if isinstance(batch, (list, tuple)) else [batch]
     if not items:
         raise BatchError("empty batch: pass a dict with input_ids, or a non-empty list of them")
@@ -66,7 +68,7 @@ def check_step(batch, vocab: int, max_positions: int | None) -> tuple[list[HostM
         shifted[:, :-1] = labels[:, 1:]
         denom += int((shifted != -100).sum())
         out.append(HostMicroBatch(ids, shifted, am, pos))
-    if denom == 0:
+    if denom == 0 and some_targets:
         raise BatchError("every label in the step is ignored (-100): there is nothing to train on")
     return out, denom
 

@@ -223,7 +223,7 @@ class SlideEngine:
         if self._limit is not None:
             batch = self._place(batch)
         mbs, denom = self._prepare(batch)
-        st = _Step(mbs=mbs, denom=self._global_count(denom), index=self.store.step + 1)
+        st = _Step(mbs=mbs, denom=denom, index=self.store.step + 1)
         rt = self.runtime
         if self.router_loss is not None:
             self.router_loss.begin_step(self.device)
@@ -281,7 +281,6 @@ class SlideEngine:
         if self._limit is not None:
             batch = self._place(batch)
         mbs, denom = self._prepare(batch)
-        denom = self._global_count(denom)
         st = _Step(mbs=mbs, denom=denom, index=self.store.step)
         rt = self.runtime
         if self.router_loss is not None:
@@ -521,12 +520,6 @@ class SlideEngine:
         self.router_loss.combine(parallel.sum_all)
         return self.router_loss.loss() / self.ranks.world
 
-    def _global_count(self, n: int) -> int:
-        """The step's target tokens over every rank (the loss's denominator: the global batch's mean)."""
-        if self.ranks is None:
-            return n
-        return int(parallel.sum_all(torch.tensor(float(n), device=self.device)).item())
-
     def _run_layer(self, layer, index: int, h: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
         kind = self.adapter.layer_attention_type(index)
         out = layer(h, attention_mask=mb.masks[kind], position_ids=mb.position_ids,
@@ -534,9 +527,25 @@ class SlideEngine:
         return out[0] if isinstance(out, tuple) else out
 
     def _prepare(self, batch) -> tuple[list[MicroBatch], int]:
-        """The step's micro-batches, checked on the host (data/batches.py), then on their way to the device."""
+        """The step's micro-batches, checked on the host (data/batches.py), then on their way to the device;
+        and the step's target tokens (the loss's denominator), over every rank's part of it."""
         cfgm = self.adapter.config
-        host, denom = check_step(batch, cfgm.vocab_size, getattr(cfgm, "max_position_embeddings", None))
+        check = partial(check_step, batch, cfgm.vocab_size, getattr(cfgm, "max_position_embeddings", None))
+        if self.ranks is None:
+            host, denom = check()
+        else:  # every rank learns whether any rank's part was refused, and the global batch's target count
+            err, host, denom = None, [], 0
+            try:
+                host, denom = check(some_targets=False)
+            except BatchError as e:
+                err = e
+            total, refused = parallel.sum_all(torch.tensor([float(denom), float(err is not None)],
+                                                           dtype=torch.float64, device=self.device)).tolist()
+            if refused:
+                raise err or BatchError("another rank's part of this step was refused: its own message says why")
+            if total == 0:
+                raise BatchError("every label in the step is ignored (-100): there is nothing to train on")
+            denom = int(total)
         dev, mbs = self.device, []
         for h in host:
             S = h.input_ids.shape[1]

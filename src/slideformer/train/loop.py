@@ -290,6 +290,16 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     loss_sum, targets_since = 0.0, 0  # the logged loss: the mean over the interval's target tokens
     evals = []
     progress = _progress(cfg.progress, total, start) if lead else (lambda done, rec: None)
+
+    def why_stop(signum, memory: bool) -> tuple[int, bool]:
+        """The signal to stop for (0: none) and whether a memory guard tripped: under several ranks, any
+        rank's (the largest signal number), so that every rank stops at the same step for the same reason."""
+        if ranks is None:
+            return signum or 0, memory
+        signum, memory = parallel.largest([float(signum or 0), float(memory)], engine.device)
+        return int(signum), bool(memory)
+
+    signum = 0
     status, dropped_steps, in_a_row, step = "finished", 0, 0, start
     saved = out.checkpoints()
     last_saved = saved[-1] if saved else None
@@ -343,7 +353,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                 dropped_steps += 1
                 say(f"slideformer: step {step + 1} dropped ({what}); the data moves on, the state stays",
                     file=sys.stderr, flush=True)
-                if signals.requested if ranks is None else parallel.any_rank(bool(signals.requested), engine.device):  # the state is the last finished step's, the data past the dropped batch
+                signum, _ = why_stop(signals.requested, False)
+                if signum:  # the state is the last finished step's, the data past the dropped batch
                     state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
                              "run_id": out.run_id}
                     last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
@@ -378,9 +389,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                                                           "gpu_mem_gib", "host_rss_gib")}, step, "train")
                 progress(step, rec)
             memory = guard.tripped()
-            stop = bool(signals.requested) or memory
-            if ranks is not None:  # every rank stops, and saves, at the step any of them must stop at
-                stop = parallel.any_rank(stop, engine.device)
+            signum, memory_somewhere = why_stop(signals.requested, memory)
+            stop = bool(signum) or memory_somewhere
             state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
                      "run_id": out.run_id}
             if (cfg.save_steps and step % cfg.save_steps == 0) or step == total or stop:
@@ -401,6 +411,9 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                       f"({ev['eval_tokens']} tokens)", flush=True)
                 dog.progress(stepped=False)
                 t_last = time.perf_counter()  # (the evaluation's time is not the next interval's training)
+            if memory_somewhere and not memory:
+                raise HostMemoryExceeded(f"host memory: another rank neared its share of the host budget at step {step}; "
+                                         f"all stopped with {last_saved} saved (that rank's line names the fix)")
             if memory:
                 raise HostMemoryExceeded(
                     f"host memory: the process reached {guard.peak / 2**30:.1f} GiB at step {step}, over "
@@ -417,7 +430,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
         tracking.close()
         if history and lead:
             _plot_loss(history, out.path / "loss.png", evals)
-    return {"status": status, "signal": signals.requested, "steps": step, "history": history, "evals": evals,
+    return {"status": status, "signal": signum, "steps": step, "history": history, "evals": evals,
             "lead": lead,
             "checkpoint": str(last_saved) if last_saved else None, "skipped_records": skipped,
             "dropped_samples": dropped, "dropped_steps": dropped_steps}

@@ -83,7 +83,8 @@ class OutputDir:
                         "new run there, or choose another output_dir")
                 run_id = None  # a new run: the earlier one's checkpoints are no longer ours to rotate
         elif out.is_dir() and not overwrite:
-            shown = sorted(p.name for p in out.iterdir() if p.name not in (LOCK_FILE, ERROR_LOG))
+            shown = sorted(p.name for p in out.iterdir()  # (the error logs: a failed start's, any rank's)
+                           if p.name != LOCK_FILE and not (p.name.startswith(ERROR_LOG[:-4]) and p.suffix == ".log"))
             if shown:
                 raise OutputDirError(
                     f"output_dir {out} is not empty ({', '.join(shown[:4])}{', ...' if len(shown) > 4 else ''}) and "
