@@ -152,12 +152,35 @@ def _trainer_rank(rank: int, world: int, port: int, overrides: list[str], out: s
     torch.save({"losses": [h["loss"] for h in r["history"]], "checkpoint": r["checkpoint"]}, out)
 
 
+def torchrun_job(target, args_of) -> list:
+    """Two processes as torchrun would start them on loopback: ``target(*args_of(rank, port))``."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=args_of(r, port)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    return procs
+
+
+def two_trainers(tmp_path, overrides: list[str]) -> list[dict]:
+    """`slideformer train` on 2 ranks (output_dir tmp_path/two); what each returned."""
+    outs = [str(tmp_path / f"t{r}.pt") for r in range(2)]
+    procs = torchrun_job(_trainer_rank, lambda r, port: (r, 2, port, overrides + [f"output_dir={tmp_path / 'two'}"],
+                                                         outs[r]))
+    assert [p.exitcode for p in procs] == [0, 0]
+    return [torch.load(o) for o in outs]
+
+
 def test_the_trainer_under_torchrun_trains_as_one_process_with_the_global_batch(tmp_path):
     """2 ranks of micro_batch_size 2 (and accumulation) against one process of micro_batch_size 4: the same
     samples each step, the same losses, one checkpoint (rank 0 logs; each rank writes its units) with the
     weights of the single process's."""
-    import socket
-
     from safetensors.torch import load_file
 
     from slideformer.train.config import load_config
@@ -166,20 +189,7 @@ def test_the_trainer_under_torchrun_trains_as_one_process_with_the_global_batch(
     common = ["progress=false", "device=cpu", "logging_steps=1", "max_steps=4", "save_steps=2",
               "gradient_accumulation_steps=2", "max_grad_norm=1.0"]
     one = train(load_config(None, common + ["micro_batch_size=4", f"output_dir={tmp_path / 'one'}"]))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    outs = [str(tmp_path / f"t{r}.pt") for r in range(2)]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_trainer_rank, args=(r, 2, port, common + ["micro_batch_size=2",
-                                                                           f"output_dir={tmp_path / 'two'}"], outs[r]))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-        assert p.exitcode == 0
-    two = [torch.load(o) for o in outs]
+    two = two_trainers(tmp_path, common + ["micro_batch_size=2"])
     ref = [h["loss"] for h in one["history"]]
     for res in two:
         assert res["losses"] == pytest.approx(ref, rel=1e-5)
@@ -224,18 +234,8 @@ def _faulty_rank(rank: int, port: int, overrides: list[str], out: str, fault: st
 
 
 def faulty_job(tmp_path, fault: str, overrides: list[str]) -> list:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
     outs = [str(tmp_path / f"out{r}.txt") for r in range(2)]
-    procs = [ctx.Process(target=_faulty_rank, args=(r, port, overrides, outs[r], fault)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
+    procs = torchrun_job(_faulty_rank, lambda r, port: (r, port, overrides, outs[r], fault))
     return procs, [open(o).read() if os.path.exists(o) else "" for o in outs]
 
 
@@ -267,21 +267,6 @@ def test_packed_rows_of_an_epochs_tail_train_as_one_process(tmp_path):
     common = ["progress=false", "device=cpu", "logging_steps=1", "packing=true", "cutoff_len=256",
               "max_steps=8", "max_grad_norm=1.0"]  # (the bundled data's first epoch ends at step 5)
     one = train(load_config(None, common + ["micro_batch_size=4", f"output_dir={tmp_path / 'one'}"]))
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    outs = [str(tmp_path / f"t{r}.pt") for r in range(2)]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_trainer_rank, args=(r, 2, port, common + ["micro_batch_size=2",
-                                                                           f"output_dir={tmp_path / 'two'}"], outs[r]))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-        assert p.exitcode == 0
-    losses = torch.load(outs[0])["losses"]
+    losses = two_trainers(tmp_path, common + ["micro_batch_size=2"])[0]["losses"]
     assert [h["epoch"] for h in one["history"]][4:6] == [0, 1]
     assert losses == pytest.approx([h["loss"] for h in one["history"]], rel=1e-5)
