@@ -111,24 +111,23 @@ def sum_all(t: torch.Tensor) -> torch.Tensor:
 
 
 @_collective
-def barrier() -> None:
-    dist.barrier()
-
-
-@_collective
 def failures(err: BaseException | None) -> list[tuple[int, BaseException]]:
     """Every rank's failure in a step that all ranks take together (a checkpoint's save or load), as
     (rank, error), the same list on every rank: each then stops, or none does."""
-    mine = None
-    if err is not None:
-        try:
-            mine = pickle.loads(pickle.dumps(err))
-        except Exception:  # (an error that does not pickle: its type and words)
-            mine = RuntimeError(f"{type(err).__name__}: {err}")
-        mine.__cause__ = mine.__context__ = None
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    dist.all_gather_object(every, None if err is None else _portable(err))
     return [(r, e) for r, e in enumerate(every) if e is not None]
+
+
+def _portable(err: BaseException) -> BaseException:
+    """``err`` as another process can raise it: a copy without its chain, or (one that does not pickle) its
+    type and words."""
+    try:
+        out = pickle.loads(pickle.dumps(err))
+    except Exception:
+        out = RuntimeError(f"{type(err).__name__}: {err}")
+    out.__cause__ = out.__context__ = None
+    return out
 
 
 def together(err: BaseException | None) -> None:
@@ -149,10 +148,13 @@ def from_leader(work):
             box[0] = ("ok", work())
         except BaseException as e:
             box[0] = ("error", e)
+    mine = box[0]
+    if mine is not None and mine[0] == "error":
+        box[0] = ("error", _portable(mine[1]))
     _collective(dist.broadcast_object_list)(box, src=0)
     kind, value = box[0]
     if kind == "error":
-        raise value
+        raise mine[1] if mine is not None else value  # (rank 0: its own error, traceback and all)
     return value
 
 

@@ -581,9 +581,13 @@ class SlideEngine:
         self.synchronize()
         if self.ranks is None:
             return export.save_pretrained(out, self.adapter, self.store, dtype or self.cfg.compute_dtype)
-        out = export.save_pretrained(out, self.adapter, self.store, dtype or self.cfg.compute_dtype, self._owner,
-                                     self.ranks.rank)
-        parallel.barrier()
+        err = None
+        try:
+            out = export.save_pretrained(out, self.adapter, self.store, dtype or self.cfg.compute_dtype, self._owner,
+                                         self.ranks.rank)
+        except BaseException as e:
+            err = e
+        parallel.together(err)  # (a rank that failed to write stops every rank, with its error)
         return out
 
     def profile(self, reset: bool = True, timeline: bool = False) -> dict:
