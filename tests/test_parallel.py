@@ -31,6 +31,7 @@ def _rows(b: dict, rank: int, world: int, micro: int) -> list[dict]:
 
 def _rank(rank: int, world: int, init: str, family: str, cfg: dict, micro: int, out: str, steps: list[int],
           resume: str | None, save: str | None) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # (loopback, whatever the host's name resolves to)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
         res = train_steps(family, cfg, steps, rank, world, micro, resume, save)
@@ -144,7 +145,7 @@ def test_a_checkpoint_of_n_ranks_resumes_under_m(tmp_path, before, after):
 def _trainer_rank(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
     """One torchrun rank of `slideformer train` (torchrun's environment, set by hand)."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     from slideformer.train.config import load_config
     from slideformer.train.loop import train
 
@@ -211,7 +212,7 @@ def _faulty_rank(rank: int, port: int, overrides: list[str], out: str, fault: st
     import sys
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+                      MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     from slideformer.cli import main
     from slideformer.engine import engine as engine_mod
 
