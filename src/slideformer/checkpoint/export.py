@@ -50,10 +50,15 @@ def _names(plan: list) -> list[str]:
         [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
 
 
+def _writer(shard: list, owner: list[int] | None) -> int:
+    """The rank that writes a file of ``shard_plan``: its units' owner."""
+    return owner[shard[0][0].index] if owner else 0
+
+
 def files_of(adapter: ModelAdapter, dtype: torch.dtype, owner: list[int] | None, rank: int) -> list[str]:
     """The weight files ``save_pretrained`` writes on ``rank``."""
     plan = shard_plan(adapter, dtype, owner)
-    return [n for n, shard in zip(_names(plan), plan) if (owner[shard[0][0].index] if owner else 0) == rank]
+    return [n for n, shard in zip(_names(plan), plan) if _writer(shard, owner) == rank]
 
 
 def save_pretrained(out: str | os.PathLike, adapter: ModelAdapter, store: HostStore, dtype: torch.dtype,
@@ -66,7 +71,7 @@ def save_pretrained(out: str | os.PathLike, adapter: ModelAdapter, store: HostSt
     names = _names(plan)
     meta = {"format": "pt"}
     for name, shard in zip(names, plan):
-        if (owner[shard[0][0].index] if owner else 0) != rank:
+        if _writer(shard, owner) != rank:
             continue
         tensors, unit, params = {}, None, None
         for u, spec in shard:

@@ -71,6 +71,15 @@ class Evaluation(NamedTuple):
     router_loss: float = 0.0  # that load-balancing part (0 for dense models)
 
 
+def _loads_after(plan) -> dict[int, list]:
+    """A plan's loads by the visit after whose compute each is issued (-1: at the step's start)."""
+    out: dict[int, list] = {}
+    for v in plan:
+        if v.load:
+            out.setdefault(v.issue_after, []).append(v)
+    return out
+
+
 @dataclass
 class MicroBatch:
     input_ids: torch.Tensor  # [B, S] on the device
@@ -175,22 +184,16 @@ class SlideEngine:
         # Untied: the head's weights take the embedding's slot after its forward (window/schedule.py).
         self.plan = plan_step(n, p.window_slots, p.lookahead, self.resident,
                               share_edge=not self.adapter.tied)
-        self.runtime = Runtime(self.adapter, self.store, self.cfg, self.plan)
+        self.runtime = Runtime(self.adapter, self.store, self.cfg, self.plan, self._owner if self.ranks else None)
         offload = set(range(max(0, n - p.gpu_activation_layers))) if p.offload_activations else set()
         self.activations = ActivationStore(self.runtime, n, offload,
                                            nvme_dir=self.cfg.offload_dir if p.activations_to_nvme else None)
         self._embed_slot = next((v.group, v.slot) for v in self.plan if v.unit == self.adapter.embed_unit.index)
-        self._loads_after: dict[int, list] = {}
-        for v in self.plan:
-            if v.load:
-                self._loads_after.setdefault(v.issue_after, []).append(v)
+        self._loads_after = _loads_after(self.plan)
         # Evaluation: the step's forward visits and the loss head, in the same slots (``evaluate``)
         self._eval_plan = plan_step(n, p.window_slots, p.lookahead, self.resident, share_edge=not self.adapter.tied,
                                     forward_only=True)
-        self._eval_loads_after: dict[int, list] = {}
-        for v in self._eval_plan:
-            if v.load:
-                self._eval_loads_after.setdefault(v.issue_after, []).append(v)
+        self._eval_loads_after = _loads_after(self._eval_plan)
         # The order updates run in: as gradients complete, or (clipping) forward order after backward.
         done = [v.unit for v in self.plan if v.last and v.unit not in self.resident and self.store.owns(v.unit)]
         self._update_order = sorted(done) if self.cfg.max_grad_norm is not None else done
@@ -237,8 +240,6 @@ class SlideEngine:
                 slot = rt.slots[v.group][v.slot]
                 unit = self.adapter.units[v.unit]
                 rt.begin_compute(slot)
-                if v.load and self.ranks is not None:  # another rank's unit: its owner's weights
-                    parallel.share(slot.params[: unit.numel], self._owner[v.unit])
                 getattr(self, f"_{v.phase}")(st, unit, slot)
                 rt.end_compute(slot, v.unit)
                 if v.last:
@@ -252,8 +253,8 @@ class SlideEngine:
         total = torch.linalg.vector_norm(torch.stack(st.norms)) if st.norms else torch.zeros((), device=self.device)
         loss = st.loss if torch.is_tensor(st.loss) else torch.tensor(st.loss)
         if self.ranks is not None:  # each unit's norm was counted by its owner; the loss is each rank's part
-            both = parallel.sum_all(torch.stack([total.float() ** 2, loss.to(self.device, torch.float32)]))
-            total, loss = both[0].sqrt(), both[1]
+            total, loss = parallel.sum_all(torch.stack([total.float() ** 2, loss.to(self.device, torch.float32)]))
+            total = total.sqrt()
         self._grad_norm = total
         self.last_step_dropped = False
         if self.cfg.max_grad_norm is not None:
@@ -291,8 +292,6 @@ class SlideEngine:
             slot = rt.slots[v.group][v.slot]
             unit = self.adapter.units[v.unit]
             rt.begin_compute(slot)
-            if v.load and self.ranks is not None:
-                parallel.share(slot.params[: unit.numel], self._owner[v.unit])
             if v.phase == "embed_fwd":
                 self._embed_fwd(st, unit, slot)
             elif v.phase == "fwd":

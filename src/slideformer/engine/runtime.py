@@ -14,7 +14,8 @@ Hand-offs, and what makes each safe:
   only after the copy that last read it has finished; or copies them from the buffer the disk reader
   filled for the unit's update, which nothing writes before that update, after this step's gradient.
 - slot -> compute: the main thread waits for ``issued`` (the copy is enqueued), then the compute
-  stream waits for ``loaded``.
+  stream waits for ``loaded``. Under data parallel (parallel.py) only the unit's owner loads it; at the
+  visit every rank then takes the owner's copy by a broadcast issued behind that wait, in stream order.
 - slot grads -> host grads (d2h stream): the d2h stream waits for an event recorded on the compute
   stream after the unit's last backward kernel; it records ``grads_sent``, which the compute stream
   waits for before writing that slot's gradients again.
@@ -61,6 +62,7 @@ import threading
 
 import torch
 
+from .. import parallel
 from ..config import EngineConfig
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter
@@ -107,8 +109,10 @@ _SWITCH_INTERVAL = _SwitchInterval()
 
 
 class Runtime:
-    def __init__(self, adapter: ModelAdapter, store: HostStore, cfg: EngineConfig, plan: list[Visit]):
-        self.adapter, self.store, self.cfg = adapter, store, cfg
+    def __init__(self, adapter: ModelAdapter, store: HostStore, cfg: EngineConfig, plan: list[Visit],
+                 owner: list[int] | None = None):
+        """``owner``: each unit's rank under data parallel (parallel.py), else None."""
+        self.adapter, self.store, self.cfg, self.owner = adapter, store, cfg, owner
         self.device = torch.device(cfg.device)
         cuda = self.device.type == "cuda"
         dt = cfg.compute_dtype
@@ -164,9 +168,11 @@ class Runtime:
 
     # -- weights into the window ------------------------------------------------------------------
     def load(self, unit: int, slot: Slot) -> None:
-        """Ask the loader thread to bring ``unit``'s weights into ``slot``; returns at once. Another rank's
-        unit (data parallel) is not loaded here: the engine shares its owner's copy at the visit."""
+        """Ask the loader thread to bring ``unit``'s weights into ``slot``; returns at once. Under data
+        parallel the owner's copy is broadcast to every rank at the visit (``begin_compute``), and another
+        rank's unit is not loaded here."""
         slot.unit = unit
+        slot.shared_by = None if self.owner is None else self.owner[unit]
         if not self.store.owns(unit):
             slot.issued = None
             return
@@ -226,6 +232,9 @@ class Runtime:
             slot.issued = None
             self._raise_worker_error()
         self.copier.begin_visit(slot.loaded)
+        if slot.shared_by is not None:  # (the owner's load has landed: in stream order, before the broadcast)
+            parallel.share(slot.params[: self.adapter.units[slot.unit].numel], slot.shared_by)
+            slot.shared_by = None
 
     def end_compute(self, slot: Slot, unit: int) -> None:
         slot.used = self.copier.end_visit(unit)

@@ -22,6 +22,7 @@ class Slot:
         self.used = None  # compute stream: the last compute that read the weights is done
         self.grads_sent = None  # d2h stream: the last gradient copy out of ``grads`` is done
         self.issued = None  # threading.Event: the loader has enqueued this slot's pending copy
+        self.shared_by = None  # data parallel: the rank whose copy of the pending load every rank takes
         self._views: dict[tuple, tuple[dict[str, nn.Parameter], list[torch.Tensor]]] = {}
 
     def views(self, unit: UnitSpec) -> tuple[dict[str, nn.Parameter], list[torch.Tensor]]:
