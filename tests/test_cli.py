@@ -271,3 +271,24 @@ def test_data_shows_what_training_sees(capsys, tmp_path):
     assert main(["data", f"dataset={tmp_path / 'missing.jsonl'}"]) == 2
     err = capsys.readouterr().err
     assert "missing.jsonl" in err and "Traceback" not in err
+
+
+def test_plan_for_several_processes_on_one_machine(capsys):
+    """--nproc-per-node: each GPU's figures at its own batch, one process's share of the host state and of
+    the RAM, and the machine's RAM for them all."""
+    import json
+
+    base = ["plan", "--model", "llama3-8b", "--seq-len", "1024", "--batch-size", "32", "--gpu-memory", "24GiB",
+            "--cpu-memory", "125GiB", "--optimizer-state", "compact", "--json"]
+    assert main(base) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert main(base + ["--nproc-per-node", "2"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert two["gpu"] == one["gpu"] and two["nproc_per_node"] == 2
+    assert two["host"]["master"] == pytest.approx(one["host"]["master"] / 2, rel=1e-3)  # (the heavier rank)
+    assert two["host_state_limit"] == pytest.approx(one["host_state_limit"] / 2, rel=1e-6)
+    assert two["host_bytes"] < two["host_bytes_machine"] <= 2 * two["host_bytes"] + 2 * 2 * 2**30
+    assert two["timing"]["h2d_s"] < one["timing"]["h2d_s"] and two["timing"]["peer_s"] > 0
+    assert main(base[:-1] + ["--nproc-per-node", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "per GPU, 2 processes" in text and "host of the machine" in text and "in all" in text

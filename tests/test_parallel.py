@@ -2,6 +2,7 @@
 the model one process trains on the whole batch; each rank keeps only the units it owns."""
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -57,7 +58,7 @@ def train_steps(family: str, cfg: dict, steps: list[int], rank: int = 0, world: 
             eng.save_checkpoint(save)
             eng.save_pretrained(save + "-export")
         return {"losses": losses, "state": state, "norm": eng.last_grad_norm,
-                "host": eng.store.bytes_by_category()["master"], "tier": len(eng.store.nvme_units)}
+                "host": eng.store.bytes_by_category(), "tier": len(eng.store.nvme_units)}
 
 
 def run_ranks(tmp_path, world: int, family: str, cfg: dict, micro: int = 1, steps=(0, 1, 2), resume=None,
@@ -113,9 +114,18 @@ def test_ranks_train_the_global_batch_as_one_process(tmp_path, world, family, cf
     # the host state is split, not copied: the ranks' masters together are one process's
     from slideformer import SlideEngine
 
+    from slideformer.plan import Layout, ModelShape
+    from slideformer.plan.memory import config_rank_host_bytes
+
     with SlideEngine(model, engine_config(device="cpu", **cfg)) as one:
-        assert sum(r["host"] for r in results) == one.store.bytes_by_category()["master"]
-    assert all(0 < r["host"] for r in results)
+        assert sum(r["host"]["master"] for r in results) == one.store.bytes_by_category()["master"]
+        # and as the planner counts each rank's (plan/memory.py rank_host_bytes)
+        sh = replace(ModelShape.from_adapter(one.adapter), ranks=world)
+        planned = config_rank_host_bytes(one.cfg, sh, 0, 1, Layout.of(one.cfg))
+    for r, res in enumerate(results):
+        assert {k: res["host"][k] for k in ("master", "moments", "weights", "grads", "spares")} == \
+            {k: planned[r][k] for k in ("master", "moments", "weights", "grads", "spares")}, r
+    assert all(0 < r["host"]["master"] for r in results)
     if cfg.get("offload_dir"):  # every layer's moments on some rank's tier, each layer on one
         assert sum(r["tier"] for r in results) == model.config.num_hidden_layers
     # the export, each rank writing its units' files, loads in transformers as the trained model
@@ -150,7 +160,8 @@ def _trainer_rank(rank: int, world: int, port: int, overrides: list[str], out: s
     from slideformer.train.loop import train
 
     r = train(load_config(None, overrides))
-    torch.save({"losses": [h["loss"] for h in r["history"]], "checkpoint": r["checkpoint"]}, out)
+    torch.save({"losses": [h["loss"] for h in r["history"]], "checkpoint": r["checkpoint"], "evals": r["evals"]},
+               out)
 
 
 def torchrun_job(target, args_of) -> list:
@@ -181,21 +192,25 @@ def two_trainers(tmp_path, overrides: list[str]) -> list[dict]:
 def test_the_trainer_under_torchrun_trains_as_one_process_with_the_global_batch(tmp_path):
     """2 ranks of micro_batch_size 2 (and accumulation) against one process of micro_batch_size 4: the same
     samples each step, the same losses, one checkpoint (rank 0 logs; each rank writes its units) with the
-    weights of the single process's."""
+    weights of the single process's; and the same held-out loss, each rank evaluating its rows of each batch
+    (9 samples held out: batches of 4, 4 and a last one of 1, which each rank evaluates whole)."""
     from safetensors.torch import load_file
 
     from slideformer.train.config import load_config
     from slideformer.train.loop import train
 
     common = ["progress=false", "device=cpu", "logging_steps=1", "max_steps=4", "save_steps=2",
-              "gradient_accumulation_steps=2", "max_grad_norm=1.0"]
+              "gradient_accumulation_steps=2", "max_grad_norm=1.0", "val_size=0.1"]
     one = train(load_config(None, common + ["micro_batch_size=4", f"output_dir={tmp_path / 'one'}"]))
     two = two_trainers(tmp_path, common + ["micro_batch_size=2"])
     ref = [h["loss"] for h in one["history"]]
     for res in two:
         assert res["losses"] == pytest.approx(ref, rel=1e-5)
+        assert len(res["evals"]) == len(one["evals"]) == 1
+        assert res["evals"][0]["eval_tokens"] == one["evals"][0]["eval_tokens"]
+        assert res["evals"][0]["eval_loss"] == pytest.approx(one["evals"][0]["eval_loss"], rel=1e-5)
     metrics = (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()
-    assert len(metrics) == 4  # rank 0 alone logs
+    assert len(metrics) == 5  # rank 0 alone logs: 4 steps and the evaluation
     a, b = (tmp_path / "one" / "checkpoint-4"), (tmp_path / "two" / "checkpoint-4")
     for f in (a / "state").glob("*.safetensors"):
         if f.stem != "trainer":

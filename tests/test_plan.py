@@ -798,3 +798,56 @@ def test_the_gpu_margin_is_a_tenth_of_the_card_and_at_most_4_gib():
     assert gpu_budget(cfg, 24 * GiB) == int(0.9 * 24 * GiB)
     assert gpu_budget(cfg, int(139.8 * GiB)) == int(139.8 * GiB) - 4 * GiB
     assert gpu_budget(EngineConfig(gpu_memory_limit="20GiB"), int(139.8 * GiB)) == 20 * GiB
+
+
+def test_data_parallel_ranks_split_the_host_state_and_share_the_machine():
+    """N processes on one machine (Machine.ranks): each keeps the state of the units it owns, so their
+    state adds up to one process's, while the layer inputs each offloads and its gradient buffers' share
+    are its own; each is planned within its share of the RAM and of host_memory_limit, and the time model
+    gives each GPU its own PCIe link but a share of the CPU's cores."""
+    from slideformer.machine import Machine
+    from slideformer.plan import Auto, resolve
+    from slideformer.plan import step_time
+    from slideformer.plan.memory import rank_host_bytes
+
+    eight = shape("llama3-8b")
+    p = Layout(gpu_activation_layers=20, resident_layers=4)
+    one = rank_host_bytes(eight, 32, 1024, p, host_grad_buffers=None)
+    two = rank_host_bytes(replace(eight, ranks=2), 32, 1024, p, host_grad_buffers=None)
+    assert len(one) == 1 and len(two) == 2
+    for k in ("master", "moments", "weights", "grads"):  # split by unit, nothing lost or doubled
+        assert sum(r[k] for r in two) == one[0][k] > 0
+    assert all(r["activations"] == one[0]["activations"] > 0 for r in two)  # each rank's own batch
+    assert max(sum(r.values()) for r in two) < 0.6 * sum(one[0].values())  # balanced: the embedding and head split
+    # resolve: the host limit is the machine's, each process plans within (and keeps) its share
+    cfg = EngineConfig(gpu_memory_limit="24GiB", max_grad_norm=1.0, host_memory_limit="100GiB")
+    solo = resolve(cfg, Auto(), eight, 32, 1024, Machine(ram=125 * GiB, gpu=140 * GiB))
+    duo = resolve(cfg, Auto(), eight, 32, 1024, Machine(ram=125 * GiB, gpu=140 * GiB, ranks=2))
+    assert not solo.fits and "host_memory_limit is 100.0 GiB" in solo.problem  # (fp32 state: 14 bytes a parameter)
+    assert duo.config.host_memory_limit == 50 * GiB and duo.shape.ranks == 2
+    assert not duo.fits and "in each of the 2 processes" in duo.problem and "shared by 2 processes" in duo.problem
+    compact = resolve(replace(cfg, optimizer_state="compact"), Auto(), eight, 32, 1024,
+                      Machine(ram=125 * GiB, gpu=140 * GiB, ranks=2))
+    assert compact.fits and sum(compact.host.values()) <= 50 * GiB - 2 * GiB
+    assert compact.gpu == resolve(replace(cfg, optimizer_state="compact"), Auto(), eight, 32, 1024,
+                                  Machine(ram=125 * GiB, gpu=140 * GiB)).gpu  # each GPU plans as one process's
+    # the time model: each GPU loads its own units (half the weights over its link), the ranks' CPU updates
+    # share the cores (the same seconds), and the units cross between the GPUs
+    streamed = Layout(gpu_activation_layers=32)
+    t1 = step_time(eight, 32, 1024, streamed, MachineRates())
+    t2 = step_time(replace(eight, ranks=2), 32, 1024, streamed, Machine(ram=0, ranks=2).rank_rates)
+    assert t2["h2d_s"] == pytest.approx(t1["h2d_s"] / 2, rel=0.05)
+    assert t2["optimizer_s"] == pytest.approx(t1["optimizer_s"], rel=0.05)
+    assert t1["peer_s"] == 0 and 0.1 < t2["peer_s"] < 0.3  # 6 bytes a streamed parameter at 250 GB/s
+
+
+def test_machine_detects_torchruns_processes(monkeypatch):
+    from slideformer.machine import Machine
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    m = Machine.detect("cpu")
+    assert (m.ranks, m.nodes, m.world) == (4, 2, 8) and m.rank_ram == m.ram // 4
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert Machine.detect("cpu").world == 1

@@ -77,7 +77,7 @@ def cmd_plan(args) -> int:
     from .machine import Machine, MachineRates, disk_free, gpu_memory, host_memory
     from .plan import Auto, ModelShape, nvme_layer_count, parse_bytes, predicted_step, resolve
     from .plan.resolve import tier_bytes
-    from .plan.memory import host_budget, saved_layers
+    from .plan.memory import PROCESS_BYTES, config_rank_host_bytes, host_budget, saved_layers
     from .presets import PRESETS, preset_config
 
     from .config import ConfigError
@@ -108,7 +108,7 @@ def cmd_plan(args) -> int:
         disk_free(args.offload_dir) if args.offload_dir and Path(args.offload_dir).exists() else None
     machine = Machine(ram=parse_bytes(args.cpu_memory) if args.cpu_memory is not None else host_memory(),
                       gpu=parse_bytes(args.gpu_memory) if args.gpu_memory is not None else gpu_memory(), rates=rates,
-                      disk=disk)
+                      disk=disk, ranks=args.nproc_per_node)
     cpu_limit, gpu_limit = machine.ram, machine.gpu
     # the engine settings `slideformer train` would use (clipping by default: a gradient buffer per layer)
     placement = Placement(nvme_master=args.nvme_master and bool(args.offload_dir),
@@ -146,6 +146,7 @@ def cmd_plan(args) -> int:
     fits_gpu, reason = plan.binds != "gpu", plan.problem
     placement, chosen_host, h, g = plan.placement, plan.config.placement, plan.host, plan.gpu
     host_total = sum(h.values())
+    state_limit = host_budget(plan.config, machine.rank_ram)[1]  # (one process's, under several)
     fits = fits_at(args.batch_size, plan)
     max_batch = 0
     for b in range(1, 4097):
@@ -158,18 +159,22 @@ def cmd_plan(args) -> int:
     out = {"model": args.model, "params": shape.params, "seq_len": args.seq_len, "batch_size": args.batch_size,
            "clipping": clip,
            "binds": plan.binds, "gpu_bytes": g["peak"], "gpu": g, "host_bytes": host_total, "host": h,
-           "nvme_bytes": tier_bytes(plan.config, shape, args.batch_size, args.seq_len, placement),
+           "nvme_bytes": tier_bytes(plan.config, plan.shape, args.batch_size, args.seq_len, placement),
            "gpu_limit": gpu_limit,
            "host_limit": parse_bytes(args.host_memory_limit) if args.host_memory_limit else cpu_limit,
-           "host_state_limit": host_budget(as_trained, cpu_limit)[1], "fits": fits, "max_batch_size": max_batch,
+           "host_state_limit": state_limit, "fits": fits, "max_batch_size": max_batch,
            "placement": vars(placement), "host_weights": chosen_host.host_weights,
            "host_grad_buffers": chosen_host.host_grad_buffers, "speculative_layers": chosen_host.speculative_layers}
-    timing = predicted_step(plan, shape, args.batch_size, args.seq_len, rates)
+    if args.nproc_per_node > 1:  # the machine's RAM: every process's state, and each process itself
+        ranks = config_rank_host_bytes(plan.config, plan.shape, args.batch_size, args.seq_len, placement)
+        out.update(nproc_per_node=args.nproc_per_node,
+                   host_bytes_machine=sum(sum(r.values()) for r in ranks) + PROCESS_BYTES * len(ranks))
+    timing = predicted_step(plan, plan.shape, args.batch_size, args.seq_len, machine.rank_rates)
     if gpu_limit and fits_gpu:  # what training some layers on the GPU would buy
         def as_train_would(cfg) -> dict:
             """`train`'s step with ``cfg`` (its resident units chosen) and its host bytes."""
             p = trained(args.batch_size, cfg)
-            return {**predicted_step(p, shape, args.batch_size, args.seq_len, rates),
+            return {**predicted_step(p, p.shape, args.batch_size, args.seq_len, machine.rank_rates),
                     "host_bytes": sum(p.host.values()),
                     "resident_layers": p.config.placement.resident_layers,
                     "resident_edges": p.config.placement.resident_edges, "fits": p.fits}
@@ -196,7 +201,10 @@ def cmd_plan(args) -> int:
         print(json.dumps(out))
     else:
         gib = lambda x: f"{x / 2**30:.1f} GiB"  # noqa: E731
-        print(f"{args.model}: {shape.params / 1e9:.2f} B params, batch {args.batch_size} x seq {args.seq_len}")
+        n = args.nproc_per_node
+        print(f"{args.model}: {shape.params / 1e9:.2f} B params, batch {args.batch_size} x seq {args.seq_len}"
+              + (f" per GPU, {n} processes (data parallel): each GPU's and one process's figures, the one "
+                 "that holds the most" if n > 1 else ""))
         print("GPU  " + ", ".join(f"{k} {gib(v)}" for k, v in g.items()) + (
             f"  (limit {gib(gpu_limit)})" if gpu_limit else
             "  (no GPU here and no --gpu-memory: no GPU size assumed, none checked; pass e.g. --gpu-memory 24GiB)"))
@@ -204,6 +212,9 @@ def cmd_plan(args) -> int:
               f"host_weights {chosen_host.host_weights}, gradient buffers "
               f"{chosen_host.host_grad_buffers or 'one per layer'}"
               + (f", {chosen_host.speculative_layers} speculative layers" if clip else "") + ")")
+        if n > 1:
+            print(f"host of the machine: {gib(out['host_bytes_machine'])} for {n} processes' state and the processes "
+                  f"themselves (the state is split by unit; each keeps its own gradient buffers and layer inputs)")
         if out["nvme_bytes"]:
             print(f"NVMe {gib(out['nvme_bytes'])} under {args.offload_dir}")
         print(f"placement: micro-batch {min(placement.micro_batch, args.batch_size)}, "
@@ -215,8 +226,11 @@ def cmd_plan(args) -> int:
               + (f", {placement.window_slots} window slots" if placement.window_slots != 3 else ""))
         model = ("of the H200 machine, within 6% of its unclipped 4B and 8B steps" if rates == MachineRates() else
                  "at the rates given")
-        print(f"predicted step {timing['step_s']:.2f} s ({out['predicted_tokens_per_s']:.1f} tok/s by the time model "
-              f"{model}): GPU {timing['gpu_compute_s']:.2f} s, "
+        each = f" per GPU, {n * out['predicted_tokens_per_s']:.1f} in all" if n > 1 else ""
+        print(f"predicted step {timing['step_s']:.2f} s ({out['predicted_tokens_per_s']:.1f} tok/s{each} by the time "
+              f"model {model}): GPU {timing['gpu_compute_s']:.2f} s"
+              + (f" + {timing['peer_s']:.2f} s between GPUs (weights and gradients over NVLink)" if n > 1 else "")
+              + ", "
               f"optimizer {timing['optimizer_s']:.2f} s"
               + (f" (clipping: it follows backward, {timing['after_backward_s']:.2f} s)"
                  if clip and timing["after_backward_s"] >= timing["step_s"] else "")
@@ -244,9 +258,10 @@ def cmd_plan(args) -> int:
             verdict = f"does NOT fit the disk: {disk.problem}"
         else:  # the GPU holds it; host RAM binds
             need = out.get("host_bytes_resident", host_total)
-            against = (f"{gib(host_budget(as_trained, cpu_limit)[1])} (--host-memory-limit less the process itself)"
-                       if args.host_memory_limit else f"{gib(host_budget(as_trained, cpu_limit)[1])} (95% of "
-                       f"{gib(cpu_limit)}, {'--cpu-memory' if args.cpu_memory else 'this machine'})")
+            share = f", shared by {args.nproc_per_node} processes" if args.nproc_per_node > 1 else ""
+            against = (f"{gib(state_limit)} (--host-memory-limit{share}, less the process itself)"
+                       if args.host_memory_limit else f"{gib(state_limit)} (95% of "
+                       f"{gib(cpu_limit)}, {'--cpu-memory' if args.cpu_memory else 'this machine'}{share})")
             verdict = (f"does NOT fit host RAM: about {gib(need)} of state against {against}; the NVMe tier (--offload-dir) or "
                        + ("a larger --gpu-memory" if args.optimizer_state == "8bit" else
                           "--optimizer-state 8bit (6.06 bytes a parameter)" if compact else
@@ -524,6 +539,9 @@ def _main(argv: list[str], signals: Signals) -> int:
                     "device's bandwidth, shared)")
     pl.add_argument("--cpu-update-gparams", type=_positive_float, default=rates.optimizer_params_per_s / 1e9,
                     help="the CPU AdamW's billions of parameters a second (default %(default).0f, 15 threads)")
+    pl.add_argument("--nproc-per-node", type=_positive, default=1,
+                    help="data parallel (torchrun's --nproc-per-node): processes on this machine, one a GPU; "
+                         "--batch-size is then one GPU's, and the processes share the RAM, cores and disk")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
     ex = sub.add_parser("export", help="a checkpoint's Hugging Face files, without the training state")

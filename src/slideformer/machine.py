@@ -4,7 +4,7 @@ reads nothing itself, so that `slideformer plan` can describe another machine an
 any."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 def host_memory() -> int:
@@ -56,6 +56,9 @@ class MachineRates:
     def gpu_state_speedup(self) -> dict[str, float]:
         return {"fp32": 1.0, "compact": 2.3, "8bit": 1.35e9 / self.gpu_adamw_params_per_s}
     pcie_bytes_per_s: float = 55e9
+    # between the GPUs of a data-parallel job: NCCL's broadcast and reduce over NVLink (H200's is 450 GB/s
+    # each way; NCCL reaches about half of it at a layer's size); not measured on this machine
+    peer_bytes_per_s: float = 250e9
     # the NVMe tier's disk with O_DIRECT: each direction while the other runs, and both together, one
     # device's bandwidth shared (that machine: 53.7 GB each way in a 55.9 s step; 59.2 GB read and 35.7 GB
     # written in 47.7 s: 1.92-1.99 GB/s together, however they split)
@@ -85,13 +88,47 @@ class MachineRates:
 @dataclass(frozen=True)
 class Machine:
     ram: int  # bytes of RAM
-    gpu: int | None = None  # bytes of the GPU's memory; None: no GPU (nothing on it is checked)
+    gpu: int | None = None  # bytes of one GPU's memory; None: no GPU (nothing on it is checked)
     rates: MachineRates = MachineRates()  # what the time model assumes (not measured here)
     disk: int | None = None  # bytes free for the NVMe tier under offload_dir; None: not checked
+    # data parallel: the processes training on this machine, one a GPU (they share its RAM, cores and
+    # disk), and the machines of the job, each alike
+    ranks: int = 1
+    nodes: int = 1
+
+    @property
+    def world(self) -> int:
+        return self.ranks * self.nodes
+
+    @property
+    def rank_ram(self) -> int:
+        """One process's share of the RAM."""
+        return self.ram // self.ranks
+
+    @property
+    def rank_disk(self) -> int | None:
+        return None if self.disk is None else self.disk // self.ranks
+
+    @property
+    def rank_rates(self) -> MachineRates:
+        """One process's share of the rates its machine's processes share: the CPU update's cores and the
+        disk (each GPU keeps its own PCIe link)."""
+        r, n = self.rates, self.ranks
+        if n == 1:
+            return r
+        return replace(r, optimizer_params_per_s=r.optimizer_params_per_s / n,
+                       disk_read_bytes_per_s=r.disk_read_bytes_per_s / n,
+                       disk_write_bytes_per_s=r.disk_write_bytes_per_s / n,
+                       disk_bytes_per_s=r.disk_shared_bytes_per_s / n)
 
     @classmethod
     def detect(cls, device: str = "cuda") -> "Machine":
-        return cls(ram=host_memory(), gpu=gpu_memory(device))
+        """This machine; under torchrun, with its data-parallel processes (LOCAL_WORLD_SIZE, WORLD_SIZE)."""
+        import os
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        return cls(ram=host_memory(), gpu=gpu_memory(device), ranks=local, nodes=max(1, world // local))
 
 
 def disk_free(path) -> int:

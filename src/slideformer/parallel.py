@@ -68,6 +68,14 @@ def current() -> Ranks | None:
     return Ranks(dist.get_rank(), dist.get_world_size())
 
 
+def local_world(ranks: Ranks | None) -> int:
+    """How many of the job's ranks share this machine (its RAM, cores and disk): torchrun's
+    LOCAL_WORLD_SIZE, else all of them."""
+    if ranks is None:
+        return 1
+    return int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world))
+
+
 def init_from_env(device_type: str) -> Ranks | None:
     """Join the process group that torchrun's environment describes (RANK, WORLD_SIZE, MASTER_ADDR...):
     NCCL for CUDA, gloo for the CPU. None outside torchrun."""

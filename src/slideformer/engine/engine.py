@@ -20,7 +20,7 @@ import contextlib
 import copy
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import NamedTuple
 
@@ -135,13 +135,17 @@ class SlideEngine:
                     m.config._experts_implementation = "grouped_mm" if self.device.type == "cuda" else "eager"
         self.router_loss = RouterLoss(self.adapter) if self.adapter.experts and \
             getattr(hf_config, "output_router_logits", False) else None
-        self.shape = ModelShape.from_adapter(self.adapter)
+        # Data parallel (parallel.py): each unit's host state, update and checkpoint belong to one rank; the
+        # resident units are every rank's. host_memory_limit is then this process's (plan.resolve's share).
+        self.ranks = parallel.current()
+        self.shape = replace(ModelShape.from_adapter(self.adapter), ranks=self.ranks.world if self.ranks else 1)
         self._limit = None if self.cfg.gpu_memory_limit is None else parse_bytes(self.cfg.gpu_memory_limit)
         if self._limit is not None:  # refuse before allocating anything if not even one sequence fits
             fit(self.shape, 1, 1, self._limit, Layout.of(self.cfg))
         # and if the host state alone (no layer inputs yet: they depend on the batch) is over the RAM
-        check_host_fits(config_host_bytes(self.cfg, self.shape, 0, 1, Layout.of(self.cfg)), host_memory(),
-                        self.cfg, "this model's host state")
+        local = parallel.local_world(self.ranks)
+        check_host_fits(config_host_bytes(self.cfg, self.shape, 0, 1, Layout.of(self.cfg)), host_memory() // local,
+                        self.cfg, "this model's host state", ranks=local)
         self._placements: dict[tuple[int, int], Layout] = {}
         self._loss_chunk = t.loss_chunk_tokens or LOSS_CHUNK_TOKENS[-1]  # (under a budget: the planner's)
         self._head_slice = None  # the lm_head gradient by vocabulary slices: the planner's, under a budget
@@ -166,9 +170,6 @@ class SlideEngine:
             raise ConfigError("resident_layers and the NVMe tier (nvme_fraction) overlap: a layer on the GPU keeps "
                               "its moments there; lower one of them")
         self.resident = frozenset(resident)
-        # Data parallel (parallel.py): each unit's host state, update and checkpoint belong to one rank; the
-        # resident units are every rank's.
-        self.ranks = parallel.current()
         units = self.adapter.units
         self._owner = parallel.assign_units([u.numel for u in units], self.ranks.world) if self.ranks else \
             [0] * len(units)

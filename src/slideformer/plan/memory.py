@@ -94,6 +94,9 @@ class ModelShape:
     top_k: int = 0  # experts a token visits; each visit keeps its gathered input and its output ([tokens x k, H])
     # heads whose [seq x seq] scores eager attention keeps for backward (soft-capped attention: Gemma 2); 0: SDPA
     eager_heads: int = 0
+    # data-parallel ranks the units are owned by (parallel.py): each keeps the host state of its own units
+    # only, and updates them on its share of the CPU (host_bytes, step_time); the GPU's bytes do not change
+    ranks: int = 1
 
     @property
     def params(self) -> int:
@@ -230,35 +233,75 @@ def host_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, host_weights:
                dtype_bytes: int = 2, host_grad_buffers: int | None = 4, nvme_layers: int = 0,
                state: str = "fp32", nvme_master: bool = False, activations_to_nvme: bool = False,
                nvme_buffers: int = 4, spare_layers: int = 0) -> dict[str, int]:
-    """Host RAM by category (pass ``host_grad_buffers=None`` when clipping: one buffer per layer;
-    ``nvme_layers``: layers whose moments (and with ``nvme_master`` master) are on the NVMe tier,
-    see ``nvme_bytes``; ``state``: the optimizer state format (optim/formats.py; the compact ones' master
-    is bf16 hi + lo, the hi half being the GPU's weights); ``spare_layers``: spare copies of a layer's state for speculative updates under clipping).
-    Units trained on the GPU (``p``'s resident layers, and edges) have no host state (host/store.py)."""
-    streamed = shape.layers - min(p.resident_layers, shape.layers)
-    edges = 0 if p.edges_resident(shape) else shape.embed_params + shape.head_params
-    N = edges + streamed * shape.layer_params  # the parameters the CPU updates
-    offloaded = shape.layers - min(shape.layers, p.gpu_activation_layers)
-    ring = streamed if host_grad_buffers is None else min(streamed, host_grad_buffers)
-    tier_master = 4 * min(nvme_layers, shape.layers) * shape.layer_params if nvme_master else 0
-    staged = streamed if host_weights == "staged" else 0 if host_weights == "persistent" else \
-        min(host_weights, streamed)  # (the last layers: streamed ones)
-    return {
-        "master": 4 * N - tier_master,
-        "moments": moment_bytes(state, N) - nvme_bytes(shape, nvme_layers, state),
-        # a separate compute copy exists for persistent host weights in bf16/fp16 with fp32 state, and
-        # whenever the master is on the tier ("staged": the edges too)
-        "weights": dtype_bytes * (0 if host_weights == "staged" else N - staged * shape.layer_params)
-        if not compact_master(state) and (dtype_bytes < 4 or tier_master) else 0,
-        "grads": dtype_bytes * (edges + ring * shape.layer_params),
-        # the tier's RAM buffers: a layer's state each (every field 4096-aligned), read ahead and written
-        # behind (host/nvme.py); with compact state's master there, two pinned buffers of its weights
-        "nvme_buffers": nvme_buffers * (nvme_bytes(shape, 1, state, nvme_master) + 4 * 4096)
-        + (2 * (2 * shape.layer_params + 4096) if nvme_master and compact_master(state) else 0) if nvme_layers else 0,
-        # offloaded layer inputs in RAM, or on NVMe through 3 staging buffers (engine/activations.py)
-        "activations": (min(offloaded, 3) if activations_to_nvme else offloaded) * batch * seq * shape.hidden * dtype_bytes,
-        "spares": spare_layers * state_bytes(state, shape.layer_params),
-    }
+    """Host RAM by category of the process that holds the most (``rank_host_bytes``'s heaviest rank; the
+    only one without data parallel)."""
+    return max(rank_host_bytes(shape, batch, seq, p, host_weights, dtype_bytes, host_grad_buffers, nvme_layers,
+                               state, nvme_master, activations_to_nvme, nvme_buffers, spare_layers),
+               key=lambda d: sum(d.values()))
+
+
+def owned_units(shape: ModelShape) -> list[set[int]]:
+    """The units (0: the embedding, 1..layers: the decoder layers, then the head) each of ``shape.ranks``
+    data-parallel ranks owns: parallel.assign_units over the units' sizes, as the engine assigns them."""
+    from ..parallel import assign_units
+
+    sizes = [shape.embed_params] + [shape.layer_params] * shape.layers + [shape.head_params]
+    owner = assign_units(sizes, shape.ranks)
+    return [{u for u, o in enumerate(owner) if o == r} for r in range(shape.ranks)]
+
+
+def held(shape: ModelShape, p: Layout) -> list[tuple[list[int], int]]:
+    """Each rank's units the CPU updates: (its streamed decoder layers, the edges' parameters it keeps).
+    Resident units (the first ``p.resident_layers`` layers; the edges where ``p`` trains them on the GPU)
+    are every rank's, on the GPU."""
+    L, k = shape.layers, min(p.resident_layers, shape.layers)
+    return [([i for i in range(k, L) if i + 1 in owned],
+             0 if p.edges_resident(shape) else
+             (shape.embed_params if 0 in owned else 0) + (shape.head_params if L + 1 in owned else 0))
+            for owned in owned_units(shape)]
+
+
+def rank_host_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, host_weights: str = "persistent",
+                    dtype_bytes: int = 2, host_grad_buffers: int | None = 4, nvme_layers: int = 0,
+                    state: str = "fp32", nvme_master: bool = False, activations_to_nvme: bool = False,
+                    nvme_buffers: int = 4, spare_layers: int = 0) -> list[dict[str, int]]:
+    """Host RAM by category of each data-parallel rank (``shape.ranks``; one without data parallel), as
+    host/store.py holds it (pass ``host_grad_buffers=None`` when clipping: one buffer per layer;
+    ``nvme_layers``: the last decoder layers, whose moments (and with ``nvme_master`` master) are on the
+    NVMe tier, see ``nvme_bytes``; ``state``: the optimizer state format (optim/formats.py; the compact
+    ones' master is bf16 hi + lo, the hi half being the GPU's weights); ``spare_layers``: spare copies of
+    a layer's state for speculative updates under clipping). A rank keeps the state of the units it owns
+    (``owned_units``); units trained on the GPU (``p``'s resident layers, the first ones, and edges) have
+    none. The layer inputs a step offloads are every rank's own."""
+    L = shape.layers
+    tier_from = L - min(nvme_layers, L)
+    staged_from = 0 if host_weights == "staged" else L if host_weights == "persistent" else L - min(host_weights, L)
+    offloaded = L - min(L, p.gpu_activation_layers)
+    out = []
+    for layers, edges in held(shape, p):
+        N = edges + len(layers) * shape.layer_params  # the parameters this rank's CPU update covers
+        tier = sum(i >= tier_from for i in layers)
+        staged = sum(i >= staged_from for i in layers)  # (the last layers: streamed ones)
+        ring = len(layers) if host_grad_buffers is None else min(len(layers), host_grad_buffers)
+        tier_master = 4 * tier * shape.layer_params if nvme_master else 0
+        out.append({
+            "master": 4 * N - tier_master,
+            "moments": moment_bytes(state, N) - nvme_bytes(shape, tier, state),
+            # a separate compute copy exists for persistent host weights in bf16/fp16 with fp32 state, and
+            # whenever the master is on the tier ("staged": the edges too)
+            "weights": dtype_bytes * (0 if host_weights == "staged" else N - staged * shape.layer_params)
+            if not compact_master(state) and (dtype_bytes < 4 or tier_master) else 0,
+            "grads": dtype_bytes * (edges + ring * shape.layer_params),
+            # the tier's RAM buffers: a layer's state each (every field 4096-aligned), read ahead and written
+            # behind (host/nvme.py); with compact state's master there, two pinned buffers of its weights
+            "nvme_buffers": nvme_buffers * (nvme_bytes(shape, 1, state, nvme_master) + 4 * 4096)
+            + (2 * (2 * shape.layer_params + 4096) if nvme_master and compact_master(state) else 0) if tier else 0,
+            # offloaded layer inputs in RAM, or on NVMe through 3 staging buffers (engine/activations.py)
+            "activations": (min(offloaded, 3) if activations_to_nvme else offloaded) * batch * seq * shape.hidden
+            * dtype_bytes,
+            "spares": min(spare_layers, len(layers)) * state_bytes(state, shape.layer_params),
+        })
+    return out
 
 
 def nvme_layer_count(cfg, layers: int) -> int:
@@ -284,7 +327,13 @@ def speculative_spares(cfg, layers: int) -> int:
 def config_host_bytes(cfg, shape: ModelShape, batch: int, seq: int, p: Layout,
                       host_weights: str | int | None = None) -> dict[str, int]:
     """``host_bytes`` for an EngineConfig (``host_weights`` overrides the config's)."""
-    return host_bytes(shape, batch, seq, p, cfg.placement.host_weights if host_weights is None else host_weights,
+    return max(config_rank_host_bytes(cfg, shape, batch, seq, p, host_weights), key=lambda d: sum(d.values()))
+
+
+def config_rank_host_bytes(cfg, shape: ModelShape, batch: int, seq: int, p: Layout,
+                           host_weights: str | int | None = None) -> list[dict[str, int]]:
+    """``rank_host_bytes`` for an EngineConfig."""
+    return rank_host_bytes(shape, batch, seq, p, cfg.placement.host_weights if host_weights is None else host_weights,
                       cfg.compute_dtype.itemsize,
                       None if cfg.max_grad_norm is not None else cfg.placement.host_grad_buffers,
                       nvme_layer_count(cfg, shape.layers),
@@ -318,11 +367,13 @@ def host_budget(cfg, ram: int) -> tuple[int, int]:
     return int(RAM_FRACTION * ram), most
 
 
-def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training", prefix: str = "") -> None:
+def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training", prefix: str = "",
+                    ranks: int = 1) -> None:
     """Refuse, before anything is allocated, host RAM (``ram`` by category, for EngineConfig ``cfg``) over
     what ``host_budget`` accepts on a machine with ``have``: the kernel's OOM killer would otherwise end
     the run mid-way, with nothing said. The message names the settings (``prefix``: the trainer's
-    "offload.") that would need less and are not in use yet."""
+    "offload.") that would need less and are not in use yet. Data parallel: ``have`` and ``cfg``'s limit
+    are one of ``ranks`` processes' share of the machine's, and ``ram`` is that process's."""
     total = sum(ram.values())
     if total <= host_budget(cfg, have)[1]:
         return
@@ -345,10 +396,14 @@ def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training",
     unlimited = host_budget(replace(cfg, host_memory_limit=None), have)[1]
     if cfg.host_memory_limit and host_budget(cfg, have)[1] < unlimited:  # (the limit binds, not the RAM)
         hints.append(f"a larger {k}host_memory_limit")
-        has = (f"{k}host_memory_limit is {parse_bytes(cfg.host_memory_limit) / 2**30:.1f} GiB "
-               f"({host_budget(cfg, have)[1] / 2**30:.1f} for the training state)")
+        whose = "each one's" if ranks > 1 else "the"
+        has = (f"{k}host_memory_limit is {ranks * parse_bytes(cfg.host_memory_limit) / 2**30:.1f} GiB "
+               + (f"shared by {ranks} processes " if ranks > 1 else "")
+               + f"({host_budget(cfg, have)[1] / 2**30:.1f} for {whose} training state)")
     else:
-        has = f"this machine has {have / 2**30:.1f} GiB"
+        has = f"this machine has {ranks * have / 2**30:.1f} GiB" + (f" for {ranks} processes" if ranks > 1 else "")
+    if ranks > 1:
+        what = f"{what} in each of the {ranks} processes on this machine"
     raise DoesNotFit(f"{what} needs about {total / 2**30:.1f} GiB of host RAM "
                      f"({', '.join(f'{k} {v / 2**30:.1f}' for k, v in ram.items())}), {has}; "
                      f"use {', '.join(hints + ['a smaller model'])}")
@@ -691,9 +746,16 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
     steps short)."""
     tokens = batch * seq
     k = min(p.resident_layers, shape.layers)
-    on_cpu = shape.params - k * shape.layer_params - (shape.embed_params + shape.head_params
-                                                      if p.edges_resident(shape) else 0)
-    streamed = max(0, on_cpu - min(p.window_slots, shape.layers - k) * shape.layer_params)  # the rest is reused
+    everyone = shape.params - k * shape.layer_params - (shape.embed_params + shape.head_params
+                                                        if p.edges_resident(shape) else 0)
+    # Data parallel (shape.ranks): each rank loads, and the CPU updates, the units it owns; the heaviest
+    # rank's share bounds the step. ``rates`` are then one rank's share of what the machine's ranks share
+    # (Machine.rank_rates: the CPU's cores, the disk).
+    mine = max(held(shape, p), key=lambda h: h[1] + len(h[0]) * shape.layer_params)
+    on_cpu = mine[1] + len(mine[0]) * shape.layer_params
+    nvme_layers = sum(i >= shape.layers - min(nvme_layers, shape.layers) for i in mine[0])
+    reused = min(p.window_slots, shape.layers - k) * shape.layer_params  # the backward's first layers, kept
+    streamed = max(0, on_cpu - reused // shape.ranks)
     offloaded = shape.layers - min(shape.layers, p.gpu_activation_layers)
     chunked = p.mlp_chunk_tokens and p.mlp_chunk_tokens < min(batch, p.micro_batch) * seq
     cpu_rate = rates.optimizer_params_per_s * rates.state_speedup[state]
@@ -709,7 +771,11 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
                           + shape.layers * (6 * shape.hidden * shape.ffn if chunked else -2 * shape.down_params)
                           - 2 * saved_layers(shape, p) * shape.kept_params)
                          * tokens / rates.gpu_flops,
-        "gpu_adamw_s": (shape.params - on_cpu) / rates.gpu_adamw_params_per_s / rates.gpu_state_speedup[state],
+        "gpu_adamw_s": (shape.params - everyone) / rates.gpu_adamw_params_per_s / rates.gpu_state_speedup[state],
+        # data parallel: a streamed unit's weights broadcast from its owner at its two loads and its gradient
+        # summed to it; a resident one's gradient summed on every rank (twice its bytes), on the compute stream
+        "peer_s": (2 * 2 * max(0, everyone - reused) + 2 * everyone + 2 * 2 * (shape.params - everyone))
+        / rates.peer_bytes_per_s if shape.ranks > 1 else 0.0,
         # offloaded layer inputs: out and back once a step, each way on its own copy engine
         "activations_s": offloaded * tokens * shape.hidden * 2 / rates.pcie_bytes_per_s,
         "optimizer_s": on_cpu / cpu_rate,
@@ -732,10 +798,10 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
     # needs and the first gradient of backward the CPU has nothing to do. Bound by the tier's disk, the
     # step is its traffic: the reads run ahead across the step boundary, so nothing waits on top.
     gap = (head_flops + 8 * shape.flop_params) * tokens / rates.gpu_flops if on_cpu else 0.0
-    step = max(1.02 * (out["gpu_compute_s"] + out["gpu_adamw_s"]), out["optimizer_s"] + gap,
+    step = max(1.02 * (out["gpu_compute_s"] + out["gpu_adamw_s"] + out["peer_s"]), out["optimizer_s"] + gap,
                1.1 * max(out["activations_s"], out["h2d_s"]), out["nvme_s"]) + stall
     if clipping:
-        ahead = max(0, min(speculative_layers, shape.layers - k - nvme_layers)) * shape.layer_params
+        ahead = max(0, min(speculative_layers, len(mine[0]) - nvme_layers)) * shape.layer_params
         out["after_backward_s"] = 0.75 * out["gpu_compute_s"] + \
             (on_cpu - ahead) / cpu_rate
         step = max(step, out["after_backward_s"])

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from ..machine import Machine, MachineRates
 from ..optim.formats import compact_master
 from .memory import (DoesNotFit, ModelShape, Layout, auto_host, auto_residency, auto_tier, check_host_fits,
-                     choose_window_slots, config_host_bytes, fit, gpu_budget, gpu_bytes, least_layout,
+                     choose_window_slots, config_host_bytes, fit, gpu_budget, gpu_bytes, held, least_layout,
                      nvme_bytes, nvme_layer_count, parse_bytes, spares_that_fit, step_time)
 
 
@@ -52,6 +52,7 @@ class Plan:
     host: dict  # host bytes by category
     problem: str | None = None  # what does not fit, naming the resource and the settings that would help
     binds: str | None = None  # "gpu", "host" or "disk" where it does not fit
+    shape: ModelShape | None = None  # the model as planned: with data parallel, its ranks (``predicted_step``)
 
     @property
     def fits(self) -> bool:
@@ -62,12 +63,22 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
             micro_batch: int | None = None, prefix: str = "") -> Plan:
     """``cfg`` with what ``auto`` names decided, for steps of ``batch`` x ``seq`` tokens on ``machine``.
     Without a GPU budget (gpu_memory_limit, or residency's) the step runs in micro-batches of
-    ``micro_batch``. ``prefix`` is how the caller's config names the engine's settings ("offload.")."""
+    ``micro_batch``. ``prefix`` is how the caller's config names the engine's settings ("offload.").
+
+    Data parallel (``machine.ranks`` processes on each of ``machine.nodes`` machines): ``batch`` is one
+    rank's, each rank keeps the host state of the units it owns (``ModelShape.ranks``), and the heaviest
+    rank is planned within its share of the RAM, the disk and the cores. ``host_memory_limit`` is the
+    machine's; the plan's config holds one process's share of it, which its engine and memory guard keep."""
     on_gpu = str(cfg.device).startswith("cuda")
+    if machine.world > 1:
+        shape = replace(shape, ranks=machine.world)
+    if machine.ranks > 1 and cfg.host_memory_limit:
+        cfg = replace(cfg, host_memory_limit=parse_bytes(cfg.host_memory_limit) // machine.ranks)
+    ram, rates, free = machine.rank_ram, machine.rank_rates, machine.rank_disk
     if auto.nvme_fraction and cfg.offload_dir:
         cfg = cfg.placed(nvme_fraction=0.0)  # (RAM first; the tier is decided after the host settings)
     if auto.speculative_layers:
-        cfg = cfg.placed(speculative_layers=spares_that_fit(cfg, shape, batch, seq, machine.ram))
+        cfg = cfg.placed(speculative_layers=spares_that_fit(cfg, shape, batch, seq, ram))
     depth_allows_two = (cfg.placement.prefetch_depth or 1) < 2  # (two slots prefetch one visit ahead)
     if auto.window_slots and on_gpu and (cfg.gpu_memory_limit or machine.gpu) and depth_allows_two:
         cfg = cfg.placed(window_slots=choose_window_slots(shape, batch, seq, gpu_budget(cfg, machine.gpu),
@@ -75,7 +86,7 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
     if auto.resident_layers and on_gpu:
         budget = gpu_budget(cfg, machine.gpu)
         cfg = replace(cfg.placed(**auto_residency(cfg, shape, batch, seq, auto.resident_edges, machine.gpu,
-                                                                 machine.rates, machine.ram)),
+                                                                 rates, ram)),
                       gpu_memory_limit=budget)
     gpu, limit, problem, binds = None, None, None, None
     placement = Layout.of(cfg, micro_batch=micro_batch or batch)
@@ -94,36 +105,40 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
             placement, problem = least_layout(shape, batch, seq, Layout.of(cfg)), str(e)
             gpu = gpu_bytes(shape, batch, seq, placement, cfg.compute_dtype.itemsize)
         binds = "gpu" if problem else None
-    cfg = auto_host(cfg, shape, batch, seq, placement, machine.ram, weights=auto.host_weights,
+    cfg = auto_host(cfg, shape, batch, seq, placement, ram, weights=auto.host_weights,
                     buffers=auto.host_grad_buffers, spares=auto.speculative_layers)
     if auto.nvme_fraction and cfg.offload_dir:
-        cfg = auto_tier(cfg, shape, batch, seq, placement, machine.ram, buffers=auto.host_grad_buffers,
+        cfg = auto_tier(cfg, shape, batch, seq, placement, ram, buffers=auto.host_grad_buffers,
                         spares=auto.speculative_layers, weights=auto.host_weights, master=auto.nvme_master)
     host = config_host_bytes(cfg, shape, batch, seq, placement)
     if problem is None:
         try:
-            check_host_fits(host, machine.ram, cfg, prefix=prefix)
+            check_host_fits(host, ram, cfg, prefix=prefix, ranks=machine.ranks)
         except DoesNotFit as e:
             problem, binds = str(e), "host"
     disk = tier_bytes(cfg, shape, batch, seq, placement)
-    if problem is None and machine.disk is not None and disk > machine.disk:
-        problem, binds = (f"the NVMe tier needs about {disk / 2**30:.1f} GiB under {prefix}offload_dir "
-                          f"{cfg.offload_dir}, {machine.disk / 2**30:.1f} GiB free there; free space, point it at a "
-                          f"larger disk, or use "
+    if problem is None and free is not None and disk > free:
+        each = f" ({machine.ranks} processes' tiers)" if machine.ranks > 1 else ""
+        problem, binds = (f"the NVMe tier needs about {disk * machine.ranks / 2**30:.1f} GiB under {prefix}offload_dir "
+                          f"{cfg.offload_dir}{each}, {machine.disk / 2**30:.1f} GiB free there; free space, point it "
+                          f"at a larger disk, or use "
                           + ("" if cfg.optimizer_state == "8bit"
                              else f"denser optimizer state ({prefix}optimizer_state: 8bit) or ")
                           + f"more RAM ({prefix}host_memory_limit)"), "disk"
-    return Plan(cfg, placement, gpu, limit, host, problem, binds)
+    return Plan(cfg, placement, gpu, limit, host, problem, binds, shape)
 
 
 def tier_bytes(cfg, shape: ModelShape, batch: int, seq: int, placement: Layout) -> int:
-    """Disk under offload_dir: the NVMe tier's state, and the layer inputs offloaded there."""
+    """Disk under offload_dir of the process that needs the most: the NVMe tier's state of its layers
+    (the last ones), and the layer inputs it offloads there."""
     if not cfg.offload_dir:
         return 0
     inputs = shape.layers - min(shape.layers, placement.gpu_activation_layers) \
         if cfg.placement.activations_to_nvme else 0
-    return nvme_bytes(shape, nvme_layer_count(cfg, shape.layers), cfg.optimizer_state,
-                      cfg.placement.nvme_master) + inputs * batch * seq * shape.hidden * cfg.compute_dtype.itemsize
+    first = shape.layers - min(nvme_layer_count(cfg, shape.layers), shape.layers)
+    layers = max(sum(i >= first for i in mine) for mine, _ in held(shape, replace(placement, resident_layers=0)))
+    return nvme_bytes(shape, layers, cfg.optimizer_state, cfg.placement.nvme_master) \
+        + inputs * batch * seq * shape.hidden * cfg.compute_dtype.itemsize
 
 
 def predicted_step(plan: Plan, shape: ModelShape, batch: int, seq: int, rates: MachineRates = MachineRates()) -> dict:

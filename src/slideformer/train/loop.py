@@ -309,8 +309,9 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     from ..machine import host_memory
     from ..plan.memory import process_allowance
 
-    # (under several ranks on one host, the budget is the box's, shared: each process guards its share)
-    guard = MemoryGuard(process_allowance(engine.cfg, host_memory()) // world)
+    # (several ranks on one host share its budget: the engine's host_memory_limit is this process's share,
+    # plan.resolve's; each process guards it)
+    guard = MemoryGuard(process_allowance(engine.cfg, host_memory() // parallel.local_world(ranks)))
     try:
         signals.training()
         while step < total:
@@ -438,15 +439,20 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
 
 def _evaluate(engine, held, batch: int, pad_id: int, step: int, done=lambda: None) -> dict:
     """The held-out loss (mean over every target token; a MoE model's load-balancing loss included, as in
-    training) and the perplexity of its cross-entropy alone, in batches of ``batch`` samples. Under several
-    ranks each evaluates every batch whole (none is left with no rows); the engine's sums over the ranks then
-    count each token once per rank, in the mean's numerator and denominator alike."""
+    training) and the perplexity of its cross-entropy alone, in batches of ``batch`` samples a rank. Under
+    several ranks each evaluates its rows of every batch, as in training (the engine sums the loss over
+    the ranks, against the batch's target count); a last batch with fewer rows than ranks is evaluated
+    whole by every rank, its tokens then counted once per rank by the engine's sums."""
     total, ce, tokens = 0.0, 0.0, 0
-    world = engine.ranks.world if engine.ranks else 1
-    for s in range(0, len(held), batch):
-        r = engine.evaluate(pad_batch(held[s: s + batch], pad_id))
+    ranks = engine.ranks
+    world = ranks.world if ranks else 1
+    for s in range(0, len(held), batch * world):
+        rows = held[s: s + batch * world]
+        split = ranks is not None and len(rows) >= world
+        mb = pad_batch(rows, pad_id)
+        r = engine.evaluate(parallel.local_rows(mb, ranks) if split else mb)
         done()  # (each batch is progress: the watchdog's)
-        n = r.tokens // world
+        n = r.tokens if split else r.tokens // world
         total, ce, tokens = total + r.loss * n, ce + (r.loss - r.router_loss) * n, tokens + n
     return {"step": step, "eval_loss": total / tokens, "eval_ppl": math.exp(min(ce / tokens, 80.0)),
             "eval_tokens": tokens}
