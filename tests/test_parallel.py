@@ -48,7 +48,7 @@ def train_steps(family: str, cfg: dict, steps: list[int], rank: int = 0, world: 
     from slideformer import SlideEngine
 
     model = build(family)
-    with SlideEngine(model, engine_config(device="cpu", **cfg)) as eng:
+    with SlideEngine(model, engine_config(**{"device": "cpu", **cfg})) as eng:
         if resume:
             eng.load_checkpoint(resume)
         losses = [eng.train_step(_rows(batch(model.config.vocab_size, b=6, seed=s), rank, world, micro))
@@ -134,6 +134,24 @@ def test_ranks_train_the_global_batch_as_one_process(tmp_path, world, family, cf
     exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ck-export"), dtype=torch.float32)
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(exported.state_dict()[k], v, rtol=0, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [
+    dict(max_grad_norm=0.05, weight_decay=0.1),  # the streamed units' weights shared, gradients reduced, clipping
+    dict(resident_layers=1, window_slots=2, prefetch_depth=1),  # a layer trained on the GPU: its gradient summed
+])
+def test_ranks_on_the_gpu_train_the_global_batch_as_one_process(tmp_path, cfg):
+    """The collectives in order with the window's CUDA streams: 2 ranks on one GPU (gloo: NCCL refuses two
+    ranks on one device) against one process on it, fp32, with accumulation."""
+    cfg = {**BASE, **cfg, "device": "cuda"}
+    results = run_ranks(tmp_path, 2, "llama", cfg, micro=2)
+    one = train_steps("llama", cfg, [0, 1, 2])
+    ref = build("llama")
+    ref.load_state_dict(one["state"], strict=False)
+    for res in results:
+        assert_same({k: v.cpu() for k, v in res["state"].items()}, ref, res["losses"], one["losses"])
+        assert res["norm"] == pytest.approx(one["norm"], rel=1e-5)
 
 
 @pytest.mark.parametrize("before,after", [(2, 1), (1, 3)])

@@ -107,8 +107,12 @@ def share(t: torch.Tensor, owner: int) -> None:
 @_collective
 def reduce_to(t: torch.Tensor, owner: int) -> None:
     """The owner's ``t`` becomes the sum of every rank's (a finished gradient); the others' is left
-    undefined."""
-    dist.reduce(t, dst=owner, op=dist.ReduceOp.SUM)
+    undefined. (gloo reduces CPU tensors only: a CUDA one is summed on every rank, as the GPU tests run
+    several ranks on one GPU, which NCCL refuses.)"""
+    if t.is_cuda and dist.get_backend() == "gloo":
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    else:
+        dist.reduce(t, dst=owner, op=dist.ReduceOp.SUM)
 
 
 @_collective
