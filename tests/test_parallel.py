@@ -143,15 +143,26 @@ def test_ranks_train_the_global_batch_as_one_process(tmp_path, world, family, cf
 ])
 def test_ranks_on_the_gpu_train_the_global_batch_as_one_process(tmp_path, cfg):
     """The collectives in order with the window's CUDA streams: 2 ranks on one GPU (gloo: NCCL refuses two
-    ranks on one device) against one process on it, fp32, with accumulation."""
+    ranks on one device) against one process on it, fp32, with accumulation. The bound is the one process's
+    own noise on the GPU: its distance to itself with the batch in 1 or 3 micro-batches instead of 2 (on the
+    H200 the ranks are at most 1.3x that, its largest 1.1e-4)."""
     cfg = {**BASE, **cfg, "device": "cuda"}
     results = run_ranks(tmp_path, 2, "llama", cfg, micro=2)
-    one = train_steps("llama", cfg, [0, 1, 2])
-    ref = build("llama")
-    ref.load_state_dict(one["state"], strict=False)
+    one = train_steps("llama", cfg, [0, 1, 2], micro=2)
+    others = [train_steps("llama", cfg, [0, 1, 2], micro=m) for m in (1, 3)]
+
+    def rel(a, b):
+        return float((a.cpu() - b.cpu()).norm() / b.cpu().norm())
+
+    seen = set()
     for res in results:
-        assert_same({k: v.cpu() for k, v in res["state"].items()}, ref, res["losses"], one["losses"])
+        for k, v in res["state"].items():
+            noise = max(rel(o["state"][k], one["state"][k]) for o in others)
+            assert rel(v, one["state"][k]) <= 2 * noise, f"{k}: {rel(v, one['state'][k]):.2e} against noise {noise:.2e}"
+            seen.add(k)
+        assert res["losses"] == pytest.approx(one["losses"], rel=1e-6)
         assert res["norm"] == pytest.approx(one["norm"], rel=1e-5)
+    assert seen == set(one["state"])
 
 
 @pytest.mark.parametrize("before,after", [(2, 1), (1, 3)])
