@@ -34,31 +34,9 @@ def read_records(path: str | os.PathLike, skip_bad: bool = False, split: str | N
     p = Path(path)
     if p.is_dir() or p.suffix in LOADERS or (not p.exists() and _hub_name(str(path))):
         return _through_datasets(str(path), p, split, subset)
-    if not p.is_file():
-        raise DataError(f"dataset file {p} does not exist" if not p.exists() else f"dataset path {p} is not a file")
-    try:
-        with open(p, "rb") as f:
-            head = f.read(4)
-    except OSError as e:
-        raise DataError(f"dataset file {p}: cannot read it ({e.strerror})") from e
-    if head[:2] == b"\x1f\x8b" or head[:3] == b"BZh" or head[:4] == b"\x28\xb5\x2f\xfd":
-        raise DataError(f"dataset file {p} is compressed (gzip, bzip2 or zstd); decompress it first, e.g. gunzip")
+    check_readable(p)
     if p.suffix == ".parquet":
-        with open(p, "rb") as f:
-            f.seek(-min(4, p.stat().st_size), os.SEEK_END)
-            tail = f.read(4)
-        if head != b"PAR1" or tail != b"PAR1":
-            raise DataError(f"dataset file {p}: not a readable Parquet file (no Parquet markers at its start and end)")
-        try:
-            from datasets import Dataset
-        except ImportError:
-            raise DataError(f"{p}: reading Parquet needs the datasets package: pip install 'slideformer[data]' "
-                            "(or pip install datasets)") from None
-        try:
-            return [(f"{p}[record {i}]", dict(r)) for i, r in enumerate(Dataset.from_parquet(str(p)))]
-        except Exception as e:  # pyarrow raises its own types for a file that is not Parquet
-            raise DataError(f"dataset file {p}: not a readable Parquet file ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0][:200] if str(e) else ''})") from e
+        return [(f"{p}[record {i}]", dict(r)) for i, r in enumerate(open_parquet(p))]
     if p.suffix == ".json":
         try:
             data = json.loads(p.read_text(encoding="utf-8"))
@@ -91,6 +69,39 @@ def read_records(path: str | os.PathLike, skip_bad: bool = False, split: str | N
                 raise DataError(f"{p}:{lineno}: not valid JSON ({why}); fix the line, or set "
                                 "skip_bad_records: true to skip such lines") from None
     return out
+
+
+def check_readable(p: Path) -> None:
+    """A file of records that exists, is readable and not compressed; a Parquet file with its markers."""
+    if not p.is_file():
+        raise DataError(f"dataset file {p} does not exist" if not p.exists() else f"dataset path {p} is not a file")
+    try:
+        with open(p, "rb") as f:
+            head = f.read(4)
+    except OSError as e:
+        raise DataError(f"dataset file {p}: cannot read it ({e.strerror})") from e
+    if head[:2] == b"\x1f\x8b" or head[:3] == b"BZh" or head[:4] == b"\x28\xb5\x2f\xfd":
+        raise DataError(f"dataset file {p} is compressed (gzip, bzip2 or zstd); decompress it first, e.g. gunzip")
+    if p.suffix == ".parquet":
+        with open(p, "rb") as f:
+            f.seek(-min(4, p.stat().st_size), os.SEEK_END)
+            tail = f.read(4)
+        if head != b"PAR1" or tail != b"PAR1":
+            raise DataError(f"dataset file {p}: not a readable Parquet file (no Parquet markers at its start and end)")
+
+
+def open_parquet(p: Path):
+    """A Parquet file as ``datasets``' Dataset (Arrow, memory-mapped)."""
+    try:
+        from datasets import Dataset
+    except ImportError:
+        raise DataError(f"{p}: reading Parquet needs the datasets package: pip install 'slideformer[data]' "
+                        "(or pip install datasets)") from None
+    try:
+        return Dataset.from_parquet(str(p))
+    except Exception as e:  # pyarrow raises its own types for a file that is not Parquet
+        raise DataError(f"dataset file {p}: not a readable Parquet file ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0][:200] if str(e) else ''})") from e
 
 
 def detect_format(rec: dict, where: str) -> str:
@@ -234,6 +245,13 @@ def _hub_name(name: str) -> bool:
 def _through_datasets(name: str, p: Path, split: str | None, subset: str | None) -> list[tuple[str, dict]]:
     """Records that ``datasets`` reads: a save_to_disk folder, a folder of data files, a CSV or Arrow file, a
     Hub dataset (online only)."""
+    data, tag = open_through_datasets(name, p, split, subset)
+    return [(f"{name}[{tag} {i}]", dict(r)) for i, r in enumerate(data)]
+
+
+def open_through_datasets(name: str, p: Path, split: str | None, subset: str | None):
+    """``datasets``' Dataset of what ``_through_datasets`` reads (Arrow, memory-mapped), and how a record of
+    it is named ("record", or the split's)."""
     try:
         import datasets
     except ImportError:
@@ -262,4 +280,4 @@ def _through_datasets(name: str, p: Path, split: str | None, subset: str | None)
         if split:
             raise DataError(f"dataset {name} has no splits (it is one dataset); remove split: {split}")
         tag = "record"
-    return [(f"{name}[{tag} {i}]", dict(r)) for i, r in enumerate(data)]
+    return data, tag

@@ -349,6 +349,18 @@ PROCESS_BYTES = 2 * 2**30
 
 HOST_SHARE = 0.95  # of the RAM, the most a run may take (the OS keeps the rest)
 
+# Samples tokenized up front cost about 17 bytes of RAM per byte of their JSONL (Python lists of ints, measured
+# on the bundled data); a dataset is tokenized up front while that is within this share of the allowance
+DATA_BYTES_PER_SOURCE_BYTE = 17
+DATA_RAM_SHARE = 0.05
+
+
+def data_in_ram(source_bytes: int, allowance: int) -> bool:
+    """Whether a dataset of ``source_bytes`` (its files') is tokenized up front, which counts and checks
+    every record before the first step, or read as the steps reach it (data/lazy.py: RAM holds an index):
+    up front while its samples take at most DATA_RAM_SHARE of the process's RAM ``allowance``."""
+    return DATA_BYTES_PER_SOURCE_BYTE * source_bytes <= DATA_RAM_SHARE * allowance
+
 
 def process_allowance(cfg, ram: int) -> int:
     """The whole process's RAM an EngineConfig allows on a machine with ``ram``: host_memory_limit, else

@@ -8,6 +8,8 @@ What the run may touch in ``output_dir`` is decided by train/outdir.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import json
 import os
 import math
@@ -24,6 +26,7 @@ from .. import EngineConfig, SlideEngine, lr_at, parallel
 from ..config import ConfigError, Placement
 from ..data import DataError, detect_format, pack_batch, pad_batch, read_records, render, to_messages
 from ..data.formats import check_chat_template, max_token_chars
+from ..data.lazy import LazyExamples, Subset
 from ..signals import Signals
 from ..checkpoint.state import CheckpointWriteError, CorruptCheckpointError, read_meta
 from .config import OffloadConfig, TrainConfig, _assets
@@ -34,6 +37,7 @@ from .trackers import Trackers, run_meta
 # A run whose every step for this long comes out non-finite has diverged: skipping more cannot help.
 MAX_DROPPED_IN_A_ROW = 10
 DEFAULT_CUTOFF_LEN = 1024
+VAL_SPLIT_SEED = 7919  # val_size's choice of held-out samples
 
 
 
@@ -64,14 +68,38 @@ def load_tokenizer(cfg: TrainConfig):
     return tok
 
 
-def build_examples(cfg: TrainConfig, tok, specs=None, counts: dict | None = None
-                   ) -> tuple[list[tuple[list[int], list[int]]], int, int]:
-    """Tokenized examples (truncated to cutoff_len) of ``specs`` (default: the dataset), the number of
-    records skipped as malformed, and the number dropped for having no target token within cutoff_len;
-    ``counts`` (given) gets the number truncated."""
+def make_sample(cfg: TrainConfig, tok, token_chars: int, spec, where: str, rec: dict):
+    """One record's sample: (ids, labels) truncated to cutoff_len and whether it was, or None where no token
+    within cutoff_len is a target; DataError where the record is malformed."""
+    fmt = detect_format(rec, where) if spec.format == "auto" else spec.format
+    if fmt != "text" and tok.chat_template is None:
+        raise ConfigError(f"{where}: {fmt} data needs a chat template, and the tokenizer has none; "
+                          "set chat_template in the config")
+    ids, labels = render(to_messages(rec, fmt, where), tok, where, cfg.cutoff_len, token_chars)
+    truncated = len(ids) > cfg.cutoff_len
+    ids, labels = ids[: cfg.cutoff_len], labels[: cfg.cutoff_len]
+    return (ids, labels, truncated) if any(l != -100 for l in labels[1:]) else None
+
+
+def build_examples(cfg: TrainConfig, tok, specs=None, lazy: bool = False):
+    """The samples of ``specs`` (default: the dataset), the number of records skipped as malformed, and the
+    number dropped for having no target token within cutoff_len: tokenized up front (a list), or with
+    ``lazy`` a LazyExamples (data/lazy.py: each made when a step reaches it, its counts growing as records
+    are met; the two numbers returned are then 0)."""
+    from ..data.lazy import open_records
+
+    specs = specs or cfg.dataset
+    make = functools.partial(make_sample, cfg, tok, max_token_chars(tok))
+    if lazy:
+        sources = []
+        for spec in specs:
+            records = open_records(spec.path, skip_bad=cfg.skip_bad_records, split=spec.split, subset=spec.subset)
+            if not len(records):
+                raise DataError(f"dataset file {spec.path} holds no records")
+            sources.append((records, spec))
+        return LazyExamples(sources, make, cfg.skip_bad_records), 0, 0
     examples, skipped, dropped = [], 0, 0
-    token_chars = max_token_chars(tok)
-    for spec in specs or cfg.dataset:
+    for spec in specs:
         records = read_records(spec.path, skip_bad=cfg.skip_bad_records, split=spec.split, subset=spec.subset)
         if not records:
             raise DataError(f"dataset file {spec.path} holds no records")
@@ -80,23 +108,16 @@ def build_examples(cfg: TrainConfig, tok, specs=None, counts: dict | None = None
                 skipped += 1
                 continue
             try:
-                fmt = detect_format(rec, where) if spec.format == "auto" else spec.format
-                if fmt != "text" and tok.chat_template is None:
-                    raise ConfigError(f"{where}: {fmt} data needs a chat template, and the tokenizer has none; "
-                                      "set chat_template in the config")
-                ids, labels = render(to_messages(rec, fmt, where), tok, where, cfg.cutoff_len, token_chars)
+                made = make(spec, where, rec)
             except DataError:
                 if not cfg.skip_bad_records:
                     raise
                 skipped += 1
                 continue
-            if counts is not None and len(ids) > cfg.cutoff_len:
-                counts["truncated"] = counts.get("truncated", 0) + 1
-            ids, labels = ids[: cfg.cutoff_len], labels[: cfg.cutoff_len]
-            if any(l != -100 for l in labels[1:]):
-                examples.append((ids, labels))
-            else:
+            if made is None:
                 dropped += 1
+                continue
+            examples.append(made[:2])
     if not examples:
         raise DataError(f"no trainable examples: {skipped} record(s) skipped as malformed, {dropped} with no target "
                         f"token within cutoff_len {cfg.cutoff_len}")
@@ -110,7 +131,9 @@ def resolve_engine(cfg: TrainConfig, hf_config, ecfg: EngineConfig, examples, ma
     from ..plan import Auto, DoesNotFit, ModelShape, resolve
 
     shape = ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype))
-    seq = cfg.cutoff_len if cfg.packing else min(cfg.cutoff_len, max(len(ids) for ids, _ in examples))  # packed: full
+    # packed rows are full; samples read as the steps reach them may be as long as cutoff_len
+    seq = cfg.cutoff_len if cfg.packing or not isinstance(examples, list) else \
+        min(cfg.cutoff_len, max(len(ids) for ids, _ in examples))
     auto, _ = Auto.of(_asked(cfg.offload))
     plan = resolve(ecfg, auto, shape, cfg.micro_batch_size * cfg.gradient_accumulation_steps, seq, machine,
                    micro_batch=cfg.micro_batch_size, prefix="offload.")
@@ -211,25 +234,38 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     if o.offload_dir:
         _check_writable(o.offload_dir, "offload.offload_dir")
     tok = load_tokenizer(cfg)
-    examples, skipped, dropped = build_examples(cfg, tok)
+    from ..data.lazy import source_bytes
+    from ..machine import Machine, host_memory
+    from ..plan.memory import data_in_ram, process_allowance
+
+    allowance = process_allowance(ecfg, host_memory() // parallel.local_world(ranks))  # (one process's)
+
+    def in_ram(specs) -> bool:
+        return data_in_ram(sum(source_bytes(s.path) for s in specs), allowance)
+    examples, skipped, dropped = build_examples(cfg, tok, lazy=not in_ram(cfg.dataset))
+    if isinstance(examples, LazyExamples):
+        say0 = print if ranks is None or ranks.leader else (lambda *a, **k: None)
+        say0(f"slideformer: the dataset ({len(examples)} records) is read as the steps reach it, not tokenized up "
+             "front: its records are checked and counted as they are met", flush=True)
     if dropped:
         print(f"slideformer: {dropped} sample(s) have no target token within cutoff_len {cfg.cutoff_len} and are "
               "left out", file=sys.stderr)
-    held = []  # evaluation's samples: eval_dataset's, or val_size of the dataset's (a seeded choice)
+    held = []  # evaluation's samples: eval_dataset's, or val_size of the dataset's
     if cfg.eval_dataset:
-        held, _, _ = build_examples(cfg, tok, cfg.eval_dataset)
+        held, _, _ = build_examples(cfg, tok, cfg.eval_dataset, lazy=not in_ram(cfg.eval_dataset))
     elif cfg.val_size:
         k = max(1, round(cfg.val_size * len(examples)))
         if k >= len(examples):
             raise DataError(f"val_size {cfg.val_size} of {len(examples)} samples leaves none to train on")
-        pick = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.seed + 7919)).tolist()
-        held, examples = [examples[i] for i in sorted(pick[:k])], [examples[i] for i in sorted(pick[k:])]
+        # (one choice whatever the seed: runs that differ in seed are evaluated on the same samples)
+        pick = torch.randperm(len(examples), generator=torch.Generator().manual_seed(VAL_SPLIT_SEED)).tolist()
+        part = (lambda ix: [examples[i] for i in ix]) if isinstance(examples, list) else \
+            (lambda ix: Subset(examples, ix))  # (read as reached: a view)
+        held, examples = part(sorted(pick[:k])), part(sorted(pick[k:]))
     per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world  # (micro_batch_size: a rank's)
     steps_per_epoch = max(1, len(examples) // per_step)
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
     warmup = int(cfg.warmup_ratio * total)
-    from ..machine import Machine
-
     ecfg = resolve_engine(cfg, hf_config, ecfg, examples, Machine.detect(device))
     if ranks is None:
         out.open()  # (from here the folder is the run's: locked, marked)
@@ -318,19 +354,15 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             mbs = []
             for _ in range(cfg.gradient_accumulation_steps):
                 rows = cfg.micro_batch_size * world
-                need = 1 if cfg.packing else rows
-                if offset + need > len(order):
+                drawn = _draw(examples, order, offset, rows, cfg.packing, cfg.cutoff_len, tok.pad_token_id)
+                if drawn is None:  # this epoch has not enough left: the next one's order
                     epoch, offset = epoch + 1, 0
                     order = _permutation(len(examples), cfg.seed, epoch)
-                if cfg.packing:  # as many samples as fill the rows of cutoff_len tokens
-                    window = [examples[i] for i in order[offset: offset + rows * cfg.cutoff_len]]
-                    mb = pack_batch(window, rows, cfg.cutoff_len, tok.pad_token_id)
-                    offset += mb.pop("examples_used")
-                    mb["attention_mask"] = None
-                else:
-                    picked = [examples[i] for i in order[offset: offset + rows]]
-                    offset += rows
-                    mb = pad_batch(picked, tok.pad_token_id)
+                    drawn = _draw(examples, order, offset, rows, cfg.packing, cfg.cutoff_len, tok.pad_token_id,
+                                  short=True)
+                    if drawn is None:
+                        raise DataError(f"no record of the dataset is a sample: {_counts(examples, skipped, dropped)}")
+                mb, offset = drawn
                 mbs.append(mb)
             lr = lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, warmup, total)
             engine.set_lr(lr)
@@ -433,8 +465,10 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             _plot_loss(history, out.path / "loss.png", evals)
     return {"status": status, "signal": signum, "steps": step, "history": history, "evals": evals,
             "lead": lead,
-            "checkpoint": str(last_saved) if last_saved else None, "skipped_records": skipped,
-            "dropped_samples": dropped, "dropped_steps": dropped_steps}
+            "checkpoint": str(last_saved) if last_saved else None,
+            # (read as the steps reach them: the records met so far)
+            "skipped_records": skipped + getattr(examples, "skipped", 0),
+            "dropped_samples": dropped + getattr(examples, "dropped", 0), "dropped_steps": dropped_steps}
 
 
 def _evaluate(engine, held, batch: int, pad_id: int, step: int, done=lambda: None) -> dict:
@@ -447,13 +481,18 @@ def _evaluate(engine, held, batch: int, pad_id: int, step: int, done=lambda: Non
     ranks = engine.ranks
     world = ranks.world if ranks else 1
     for s in range(0, len(held), batch * world):
-        rows = held[s: s + batch * world]
+        rows = [e for e in held[s: s + batch * world] if e is not None]  # (None: a record that is no sample)
+        if not rows:
+            continue
         split = ranks is not None and len(rows) >= world
         mb = pad_batch(rows, pad_id)
         r = engine.evaluate(parallel.local_rows(mb, ranks) if split else mb)
         done()  # (each batch is progress: the watchdog's)
         n = r.tokens if split else r.tokens // world
         total, ce, tokens = total + r.loss * n, ce + (r.loss - r.router_loss) * n, tokens + n
+    if not tokens:
+        raise DataError("no held-out record is a sample (each malformed, or with no target token within "
+                        "cutoff_len): check eval_dataset")
     return {"step": step, "eval_loss": total / tokens, "eval_ppl": math.exp(min(ce / tokens, 80.0)),
             "eval_tokens": tokens}
 
@@ -476,6 +515,45 @@ def _check_writable(folder: str, key: str) -> None:
 def _finite(rec: dict) -> dict:
     """JSON has no NaN: a value that is not finite is written as null."""
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in rec.items()}
+
+
+def _samples(examples, order, offset: int):
+    """The samples in ``order`` from ``offset`` on, each with the offset after it (records that are no
+    sample, where they are read as the steps reach them, passed over)."""
+    for k in range(offset, len(order)):
+        e = examples[order[k]]
+        if e is not None:
+            yield e, k + 1
+
+
+def _draw(examples, order, offset: int, rows: int, packing: bool, length: int, pad_id: int, short: bool = False):
+    """The next micro-batch of ``rows`` rows from ``offset`` in this epoch's ``order``, and the offset after
+    it; None where the epoch has not enough left: no sample (packed: as many as fill the rows of ``length``
+    tokens), or fewer than ``rows`` (unpacked; with ``short``, a dataset smaller than that, what there is)."""
+    if packing:
+        ends = []
+
+        def fill():
+            for e, end in _samples(examples, order, offset):
+                ends.append(end)
+                yield e
+        mb = pack_batch(fill(), rows, length, pad_id)
+        used = mb.pop("examples_used")
+        if not used:
+            return None
+        mb["attention_mask"] = None
+        return mb, ends[used - 1]
+    picked = list(itertools.islice(_samples(examples, order, offset), rows))
+    if not picked or (len(picked) < rows and not short):
+        return None
+    return pad_batch([e for e, _ in picked], pad_id), picked[-1][1]
+
+
+def _counts(examples, skipped: int, dropped: int) -> str:
+    """Records that were no sample: skipped as malformed, dropped without a target (up front, and as met)."""
+    skipped += getattr(examples, "skipped", 0)
+    dropped += getattr(examples, "dropped", 0)
+    return f"{skipped} record(s) skipped as malformed, {dropped} with no target token within cutoff_len"
 
 
 def _permutation(n: int, seed: int, epoch: int) -> list[int]:
@@ -565,13 +643,24 @@ def describe_data(cfg: TrainConfig, samples: int = 2, out=None) -> dict:
     out = out or sys.stdout
     load_model_config(cfg)  # (cutoff_len's default comes from the model)
     tok = load_tokenizer(cfg)
-    counts: dict = {}
-    examples, skipped, dropped = build_examples(cfg, tok, counts=counts)
-    stats = {"samples": len(examples), "tokens": sum(len(ids) for ids, _ in examples),
-             "trained_tokens": sum(sum(1 for l in labels[1:] if l != -100) for _, labels in examples),
-             "truncated": counts.get("truncated", 0), "skipped_malformed": skipped, "dropped_no_target": dropped,
-             "cutoff_len": cfg.cutoff_len}
-    for i, (ids, labels) in enumerate(examples[:samples]):
+    lazy, _, _ = build_examples(cfg, tok, lazy=True)  # (one record at a time: any size in bounded RAM)
+    stats = {"samples": 0, "tokens": 0, "trained_tokens": 0}
+    shown = []
+    for i in range(len(lazy)):
+        if (e := lazy[i]) is None:
+            continue
+        ids, labels = e
+        stats["samples"] += 1
+        stats["tokens"] += len(ids)
+        stats["trained_tokens"] += sum(1 for l in labels[1:] if l != -100)
+        if len(shown) < samples:
+            shown.append(e)
+    if not stats["samples"]:
+        raise DataError(f"no trainable examples: {lazy.skipped} record(s) skipped as malformed, {lazy.dropped} with "
+                        f"no target token within cutoff_len {cfg.cutoff_len}")
+    stats.update(truncated=lazy.truncated, skipped_malformed=lazy.skipped, dropped_no_target=lazy.dropped,
+                 cutoff_len=cfg.cutoff_len)
+    for i, (ids, labels) in enumerate(shown):
         parts, run, trained = [], [], labels[0] != -100
         for t, l in zip(ids, labels):
             if (l != -100) != trained and run:
