@@ -306,7 +306,7 @@ def test_held_out_evaluation_is_logged_and_kept_out_of_training(tmp_path):
     at the end: eval loss and perplexity in metrics.jsonl, TensorBoard and the result; the loss is then the
     engine's forward-only loss on those samples. eval_dataset names held-out files instead; both at once,
     and a fraction outside [0, 1), are refused."""
-    from slideformer.train.loop import _evaluate, build_examples, load_tokenizer
+    from slideformer.train.loop import VAL_SPLIT_SEED, _evaluate, build_examples, load_tokenizer
 
     c = cfg(tmp_path / "run", "max_steps=4", "val_size=0.2", "eval_steps=3")
     result = train(c)
@@ -319,7 +319,7 @@ def test_held_out_evaluation_is_logged_and_kept_out_of_training(tmp_path):
     # the samples held out: the seeded fifth, none of which was trained on; evaluated again from the checkpoint
     tok = load_tokenizer(c)
     examples, _, _ = build_examples(c, tok)
-    pick = torch.randperm(len(examples), generator=torch.Generator().manual_seed(c.seed + 7919)).tolist()
+    pick = torch.randperm(len(examples), generator=torch.Generator().manual_seed(VAL_SPLIT_SEED)).tolist()
     held = [examples[i] for i in sorted(pick[: round(0.2 * len(examples))])]
     from slideformer import SlideEngine
     from slideformer.presets import preset_config

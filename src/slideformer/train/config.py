@@ -91,7 +91,7 @@ class TrainConfig:
     dataset: list | str = field(default_factory=lambda: [DatasetSpec(str(_assets() / "sample" / f"{f}.jsonl"))
                                                    for f in ("alpaca", "sharegpt", "messages", "text")])
     # held-out data, evaluated every eval_steps (0: at the end only) and at the end: its files (as dataset),
-    # or val_size, a seeded fraction of dataset's samples kept out of training
+    # or val_size, a fraction of dataset's samples kept out of training (the same ones whatever the seed)
     eval_dataset: list | str | None = None
     val_size: float = 0.0
     eval_steps: int = 0

@@ -556,9 +556,9 @@ def _counts(examples, skipped: int, dropped: int) -> str:
     return f"{skipped} record(s) skipped as malformed, {dropped} with no target token within cutoff_len"
 
 
-def _permutation(n: int, seed: int, epoch: int) -> list[int]:
+def _permutation(n: int, seed: int, epoch: int):
     g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    return torch.randperm(n, generator=g).tolist()
+    return torch.randperm(n, generator=g).numpy()  # (8 bytes a record: a dataset may be larger than RAM)
 
 
 def _save(engine, tok, out: OutputDir, step: int, state: dict, limit: int | None, previous: Path | None,

@@ -1,0 +1,109 @@
+"""Datasets read as the steps reach them (data/lazy.py): the records, samples and training of tokenizing up
+front, in bounded RAM."""
+import json
+
+import pytest
+
+from slideformer.data import DataError, read_records
+from slideformer.data import lazy
+from slideformer.data.lazy import BLANK, JsonlLines, open_records
+from slideformer.plan import memory
+
+from test_train import cfg, train
+
+
+def records(seq):
+    return [seq[i] for i in range(len(seq)) if seq[i][1] is not BLANK]
+
+
+def test_jsonl_lines_are_the_records_read_up_front(tmp_path, monkeypatch):
+    """Line ends across the scan's chunks, blank lines, CRLF, multi-byte text, no newline at the end."""
+    monkeypatch.setattr(lazy, "CHUNK", 7)
+    f = tmp_path / "d.jsonl"
+    lines = [json.dumps({"text": "é" * i}, ensure_ascii=False) for i in range(5)]
+    f.write_bytes(("\n".join(lines[:2]) + "\n\n  \r\n" + "\r\n".join(lines[2:])).encode())
+    got = records(JsonlLines(f, skip_bad=False))
+    assert got == read_records(f) and len(got) == 5 and got[4] == (f"{f}:7", {"text": "éééé"})
+    assert len(JsonlLines(f, False)) == 7  # (blank lines read as BLANK: no record)
+    (tmp_path / "e.jsonl").write_bytes(b"")
+    assert len(JsonlLines(tmp_path / "e.jsonl", False)) == 0
+
+
+def test_a_bad_line_is_named_when_a_step_reaches_it(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"text": "ok"}) + "\n" + '{"text": "broken"\n' + json.dumps({"text": "ok"}) + "\n")
+    lines = JsonlLines(f, skip_bad=False)
+    assert lines[2] == (f"{f}:3", {"text": "ok"})
+    with pytest.raises(DataError, match=r"d.jsonl:2: not valid JSON .* skip_bad_records"):
+        lines[1]
+    assert JsonlLines(f, skip_bad=True)[1] == (f"{f}:2", None)
+    f.write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
+    with pytest.raises(DataError, match=r"d.jsonl:2: not UTF-8"):
+        JsonlLines(f, skip_bad=True)[1]
+
+
+def test_parquet_and_datasets_folders_are_read_by_row(tmp_path):
+    from datasets import Dataset
+
+    recs = [{"text": f"s{i}"} for i in range(5)]
+    Dataset.from_list(recs).to_parquet(str(tmp_path / "d.parquet"))
+    Dataset.from_list(recs).save_to_disk(str(tmp_path / "saved"))
+    for name in ("d.parquet", "saved"):
+        rows = open_records(tmp_path / name)
+        assert [rows[i] for i in range(len(rows))] == read_records(tmp_path / name)
+
+
+@pytest.mark.parametrize("extra", [[], ["packing=true", "cutoff_len=96", "micro_batch_size=2"]])
+def test_training_on_data_read_as_reached_is_training_on_it_tokenized_up_front(tmp_path, monkeypatch, capsys, extra):
+    """Over an epoch's end, with held-out evaluation, and resumed mid-way: the same losses, bit for bit."""
+    opts = ["max_steps=24", "val_size=0.1", "eval_steps=12", "save_steps=12", "save_total_limit=5", *extra]
+    up = train(cfg(tmp_path / "up", *opts))
+    assert "read as the steps reach it" not in capsys.readouterr().out
+    monkeypatch.setattr(memory, "DATA_RAM_SHARE", 0.0)  # (the bundled data then counts as large)
+    reached = train(cfg(tmp_path / "lazy", *opts))
+    assert "read as the steps reach it" in capsys.readouterr().out
+    assert [h["loss"] for h in reached["history"]] == [h["loss"] for h in up["history"]]
+    assert reached["evals"] == up["evals"] and len(up["evals"]) == 2
+    import shutil
+
+    shutil.rmtree(tmp_path / "lazy" / "checkpoint-24")  # a crash after step 12
+    again = train(cfg(tmp_path / "lazy", *opts, "resume_from_checkpoint=auto"))
+    assert [h["loss"] for h in again["history"]] == [h["loss"] for h in up["history"]][12:]
+
+
+def test_records_that_are_no_sample_are_counted_once_when_met(tmp_path, monkeypatch):
+    """A line that is not JSON, a malformed record and one with no target within cutoff_len, under
+    skip_bad_records over two epochs: skipped and counted once each, as tokenizing up front counts them."""
+    d = tmp_path / "d.jsonl"
+    d.write_text("\n".join([json.dumps({"text": f"sample {i}"}) for i in range(8)]
+                           + ['{"text": "broken', json.dumps({"conversations": [{"from": "alien", "value": "x"}]}),
+                              json.dumps({"instruction": "word " * 60, "output": "x"})]) + "\n")
+    opts = [f"dataset=[{d}]", "skip_bad_records=true", "cutoff_len=32", "max_steps=8", "micro_batch_size=2"]
+    up = train(cfg(tmp_path / "up", *opts))
+    monkeypatch.setattr(memory, "DATA_RAM_SHARE", 0.0)
+    reached = train(cfg(tmp_path / "lazy", *opts))
+    assert (up["skipped_records"], up["dropped_samples"]) == (2, 1)
+    assert (reached["skipped_records"], reached["dropped_samples"]) == (2, 1)
+    assert reached["steps"] == 8
+
+
+def test_a_dataset_larger_than_its_share_of_ram_is_read_in_bounded_ram(tmp_path):
+    """96 MiB of JSONL would take about 1.6 GiB tokenized up front; read as reached, RAM holds its index (8
+    bytes a line, a byte a record met, the order's 8): a few MiB, however many steps are drawn."""
+    from slideformer.train.loop import _draw, _permutation, build_examples, load_tokenizer
+    from slideformer.watchdog import rss_bytes
+
+    f = tmp_path / "big.jsonl"
+    line = json.dumps({"instruction": "add " * 40, "output": "sum " * 40}) + "\n"
+    with open(f, "w") as out:
+        out.write(line * (96 * 2**20 // len(line)))
+    assert not memory.data_in_ram(f.stat().st_size, 16 * 2**30)  # (a 16 GiB allowance: its 5% is 0.8 GiB)
+    c = cfg(tmp_path / "o", f"dataset=[{f}]", "cutoff_len=256")
+    tok = load_tokenizer(c)
+    before = rss_bytes()
+    examples, _, _ = build_examples(c, tok, lazy=True)
+    order, offset = _permutation(len(examples), 0, 0), 0
+    for _ in range(50):
+        mb, offset = _draw(examples, order, offset, 8, False, 256, tok.pad_token_id)
+    assert mb["input_ids"].shape[0] == 8 and offset == 400
+    assert rss_bytes() - before < 64 * 2**20  # (about 23 MiB: the index and the scan's buffers)
