@@ -340,10 +340,13 @@ def test_held_out_evaluation_is_logged_and_kept_out_of_training(tmp_path):
 def test_the_logged_loss_is_the_intervals_mean(tmp_path):
     """logging_steps=2: the loss logged at step 2 is the token-weighted mean of steps 1 and 2 (as logged one
     by one by the same training), not step 2's alone."""
-    one = train(cfg(tmp_path / "a", "max_steps=2"))["history"]
-    two = train(cfg(tmp_path / "b", "max_steps=2", "logging_steps=2"))["history"]
-    lo, hi = sorted([one[0]["loss"], one[1]["loss"]])
-    assert len(two) == 1 and lo < two[0]["loss"] < hi
+    for packed in ([], ["packing=true", "cutoff_len=100", "micro_batch_size=2"]):
+        one = train(cfg(tmp_path / f"a{len(packed)}", "max_steps=2", *packed))["history"]
+        two = train(cfg(tmp_path / f"b{len(packed)}", "max_steps=2", "logging_steps=2", *packed))["history"]
+        (a, n), (b, m) = [(h["loss"], h["target_tokens"]) for h in one]
+        assert n != m and len(two) == 1 and two[0]["target_tokens"] == n + m
+        assert two[0]["loss"] == pytest.approx((a * n + b * m) / (n + m), rel=1e-9)  # weighted, not (a + b) / 2
+        assert abs(two[0]["loss"] - (a + b) / 2) > 1e-6
 
 
 def test_generation_config_travels_into_checkpoints_and_exports(tmp_path):

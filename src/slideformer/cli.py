@@ -44,6 +44,8 @@ def cmd_train(args) -> int:
               "raise max_steps or num_train_epochs to train on")
     if result["skipped_records"]:
         print(f"skipped {result['skipped_records']} malformed record(s) (skip_bad_records: true)")
+    if result.get("dropped_as_met"):  # (data read as the steps reached it: met on the way)
+        print(f"left out {result['dropped_as_met']} sample(s) with no target token within cutoff_len")
     if result["dropped_steps"]:
         print(f"dropped {result['dropped_steps']} step(s) with a non-finite loss or gradient norm "
               "(skip_nonfinite_steps: true)")

@@ -128,6 +128,8 @@ class LazyExamples:
         return len(self._met)
 
     def __getitem__(self, i: int):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
         i = int(i)
         s = int(np.searchsorted(self.ends, i, side="right"))
         records, spec = self.sources[s]

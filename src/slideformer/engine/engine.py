@@ -205,6 +205,7 @@ class SlideEngine:
         # is then dropped (no state changes). Without clipping the updates run as gradients land, so such a
         # step has been applied when its norm is known (the caller must not save that state).
         self.last_step_dropped = False
+        self.last_step_targets = 0  # the target tokens of the last step's loss (over every rank's part)
 
     # -- public API -----------------------------------------------------------------------------
     def set_lr(self, lr: float) -> None:
@@ -227,6 +228,7 @@ class SlideEngine:
         if self._limit is not None:
             batch = self._place(batch)
         mbs, denom = self._prepare(batch)
+        self.last_step_targets = denom  # (the loss is the mean over these, every rank's)
         st = _Step(mbs=mbs, denom=denom, index=self.store.step + 1)
         rt = self.runtime
         if self.router_loss is not None:

@@ -252,7 +252,10 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
               "left out", file=sys.stderr)
     held = []  # evaluation's samples: eval_dataset's, or val_size of the dataset's
     if cfg.eval_dataset:
-        held, _, _ = build_examples(cfg, tok, cfg.eval_dataset, lazy=not in_ram(cfg.eval_dataset))
+        held, h_skipped, h_dropped = build_examples(cfg, tok, cfg.eval_dataset, lazy=not in_ram(cfg.eval_dataset))
+        if h_skipped or h_dropped:
+            print(f"slideformer: eval_dataset: {_counts(held, h_skipped, h_dropped)}; left out of evaluation",
+                  file=sys.stderr)
     elif cfg.val_size:
         k = max(1, round(cfg.val_size * len(examples)))
         if k >= len(examples):
@@ -397,14 +400,15 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                 continue  # the same step number, the next data
             in_a_row = 0
             dog.progress()
-            targets = sum(int((m["labels"][:, 1:] != -100).sum()) for m in mbs)
+            targets = engine.last_step_targets  # (the loss's denominator: packed rows drop the sample starts')
             loss_sum, targets_since = loss_sum + loss * targets, targets_since + targets
             tokens_since += sum(m["input_ids"].numel() if m["attention_mask"] is None  # packed: full rows
                                 else int(m["attention_mask"].sum()) for m in mbs)
             step += 1
             if step % cfg.logging_steps == 0 or step == total:
                 now = time.perf_counter()
-                rec = {"step": step, "loss": loss_sum / max(targets_since, 1), "lr": lr, "grad_norm": norm,
+                rec = {"step": step, "loss": loss_sum / max(targets_since, 1), "target_tokens": targets_since,
+                       "lr": lr, "grad_norm": norm,
                        "tokens_per_s": tokens_since / (now - t_last),
                        "tflops": 6 * params * tokens_since / (now - t_last) / 1e12,
                        "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
@@ -468,7 +472,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             "checkpoint": str(last_saved) if last_saved else None,
             # (read as the steps reach them: the records met so far)
             "skipped_records": skipped + getattr(examples, "skipped", 0),
-            "dropped_samples": dropped + getattr(examples, "dropped", 0), "dropped_steps": dropped_steps}
+            "dropped_samples": dropped + getattr(examples, "dropped", 0), "dropped_steps": dropped_steps,
+            "dropped_as_met": getattr(examples, "dropped", 0)}
 
 
 def _evaluate(engine, held, batch: int, pad_id: int, step: int, done=lambda: None) -> dict:
@@ -553,7 +558,8 @@ def _counts(examples, skipped: int, dropped: int) -> str:
     """Records that were no sample: skipped as malformed, dropped without a target (up front, and as met)."""
     skipped += getattr(examples, "skipped", 0)
     dropped += getattr(examples, "dropped", 0)
-    return f"{skipped} record(s) skipped as malformed, {dropped} with no target token within cutoff_len"
+    return f"{skipped} record(s) skipped as malformed, {dropped} with no target token within cutoff_len" \
+        + ("" if isinstance(examples, list) else " so far")
 
 
 def _permutation(n: int, seed: int, epoch: int):
