@@ -181,14 +181,15 @@ def test_a_checkpoint_of_n_ranks_resumes_under_m(tmp_path, before, after):
         assert_same(res["state"], ref, first[0]["losses"] + res["losses"], ref_losses)
 
 
-def _trainer_rank(rank: int, world: int, port: int, overrides: list[str], out: str) -> None:
-    """One torchrun rank of `slideformer train` (torchrun's environment, set by hand)."""
+def _trainer_rank(rank: int, world: int, port: int, overrides: list[str], out: str, config: str | None = None) -> None:
+    """One torchrun rank of `slideformer train` (torchrun's environment, set by hand), of ``config`` (a YAML
+    file) with ``overrides``."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     from slideformer.train.config import load_config
     from slideformer.train.loop import train
 
-    r = train(load_config(None, overrides))
+    r = train(load_config(config, overrides))
     torch.save({"losses": [h["loss"] for h in r["history"]], "checkpoint": r["checkpoint"], "evals": r["evals"]},
                out)
 
