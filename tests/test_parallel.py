@@ -252,9 +252,10 @@ def test_the_trainer_under_torchrun_trains_as_one_process_with_the_global_batch(
 
 def _faulty_rank(rank: int, port: int, overrides: list[str], out: str, fault: str) -> None:
     """`slideformer train` as torchrun's rank ``rank`` of 2. Rank 1, during its second step: ``fault`` "die"
-    (os._exit mid-backward) or "term" (a SIGTERM to itself alone)."""
+    (os._exit mid-backward), "hang" (20 s without a word) or "term" (a SIGTERM to itself alone)."""
     import signal
     import sys
+    import time
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
@@ -270,7 +271,10 @@ def _faulty_rank(rank: int, port: int, overrides: list[str], out: str, fault: st
             if len(calls) == 7:  # (the second step, part-way through its backward)
                 if fault == "die":
                     os._exit(9)
-                os.kill(os.getpid(), signal.SIGTERM)
+                if fault == "hang":
+                    time.sleep(20)
+                else:
+                    os.kill(os.getpid(), signal.SIGTERM)
             return step(self, st, unit, slot)
         engine_mod.SlideEngine._gradient_done = fail
     with open(out, "w") as f:
@@ -294,6 +298,23 @@ def test_a_rank_that_dies_mid_step_ends_the_job_with_one_line_on_the_others(tmp_
     lines = [ln for ln in texts[0].splitlines() if ln.strip()]
     assert lines[-1] == "exit 7", texts[0]
     assert "lost the others" in lines[-2] and "rank 0 of 2" in lines[-2] and "Traceback" not in texts[0]
+
+
+def test_a_rank_that_hangs_ends_the_job_through_the_watchdog(tmp_path):
+    """Rank 1 stops answering mid-step (20 s), rank 0 waits for it in a collective: a watchdog (4 s here)
+    ends the job long before rank 1 wakes. Whichever fires first exits 6 with its line and every thread's
+    stack; rank 0 then ends with its own watchdog's (6) or, once rank 1 is gone, the lost-rank line (7)."""
+    import time
+
+    t0 = time.monotonic()
+    procs, texts = faulty_job(tmp_path, "hang", FAULT + [f"output_dir={tmp_path / 'o'}", "watchdog_seconds=4"])
+    assert time.monotonic() - t0 < 20 + 10
+    fired = [r for r in (0, 1) if procs[r].exitcode == 6 or texts[r].rstrip().endswith("exit 6")]
+    assert fired, texts
+    for r in fired:
+        assert "no progress for" in texts[r] and "another rank did not finish" in texts[r]
+    lines = [ln for ln in texts[0].splitlines() if ln.strip()]
+    assert 0 in fired or (lines[-1] == "exit 7" and "lost the others" in lines[-2]), texts[0]
 
 
 def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step_with_one_checkpoint(tmp_path):

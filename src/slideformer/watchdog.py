@@ -77,7 +77,8 @@ class Watchdog:
             idle = time.monotonic() - self._last
             if idle > self.limit:
                 print(f"slideformer: no progress for {idle:.0f} s (the limit: {self.limit:.0f} s): a copy, an update, a "
-                      f"disk operation or a GPU kernel did not finish; the stacks of every thread follow; "
+                      f"disk operation, a GPU kernel or (data parallel) another rank did not finish; the stacks of "
+                      f"every thread follow; "
                       f"{self.what()}. Exit code {EXIT_HANG}. A run slower than this needs watchdog_seconds set "
                       "higher (0: off)", file=sys.stderr, flush=True)
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
