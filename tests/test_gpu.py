@@ -327,11 +327,23 @@ def test_non_blocking_step_returns_the_same_loss_on_cuda():
     assert [float(t) for t in got] == pytest.approx(losses, rel=1e-6)
 
 
-@pytest.mark.parametrize("state", ["fp32", "8bit"])
-def test_master_on_the_nvme_tier_on_cuda(tmp_path, state):
+@pytest.mark.parametrize("state,slow", [("fp32", False), ("8bit", False), ("8bit", True)])
+def test_master_on_the_nvme_tier_on_cuda(tmp_path, monkeypatch, state, slow):
     """fp32: bf16 compute copy pinned in RAM, fp32 master and moments in the tier's files. 8bit: the compact
     master (the weights the window reads) and moments in the files, the weights read into two pinned buffers
-    and copied on the h2d stream, each buffer reused only once its copy has finished. The same training."""
+    and copied on the h2d stream, each buffer reused only once its copy has finished. The same training.
+    ``slow``: each copy waits behind a 10 ms spin on the h2d stream, so the loader's reads run ahead of the
+    copies and a buffer reused early would be overwritten before its copy (caught without the guard)."""
+    if slow:
+        from slideformer.engine.copier import CudaCopier
+
+        load = CudaCopier.load
+
+        def late(self, dst, src, staged, used):
+            with torch.cuda.stream(self.h2d):
+                torch.cuda._sleep(20_000_000)
+            return load(self, dst, src, staged, used)
+        monkeypatch.setattr(CudaCopier, "load", late)
     model = build("llama")
     batches = [batch(97, seed=s) for s in range(4)]
     kw = dict(compute_dtype=torch.bfloat16, lr=1e-3, optimizer_state=state, window_slots=2)
