@@ -332,9 +332,20 @@ def test_master_on_the_nvme_tier_on_cuda(tmp_path, monkeypatch, state, slow):
     """fp32: bf16 compute copy pinned in RAM, fp32 master and moments in the tier's files. 8bit: the compact
     master (the weights the window reads) and moments in the files, the weights read into two pinned buffers
     and copied on the h2d stream, each buffer reused only once its copy has finished. The same training.
-    ``slow``: each copy waits behind a 10 ms spin on the h2d stream, so the loader's reads run ahead of the
-    copies and a buffer reused early would be overwritten before its copy (caught without the guard)."""
+    ``slow``: 8 layers, one buffer read ahead for the update (so that the window's loads read the files),
+    and each copy behind a 10 ms spin on the h2d stream: the loader's reads run ahead of the copies, and a
+    buffer reused early would be overwritten before its copy."""
+    kw = dict(compute_dtype=torch.bfloat16, lr=1e-3, optimizer_state=state, window_slots=2)
+    model = build("llama")
     if slow:
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        from tiny import COMMON
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**{**COMMON, "num_hidden_layers": 8},
+                                                             tie_word_embeddings=False)).float()
+        kw["nvme_buffers"] = 1
         from slideformer.engine.copier import CudaCopier
 
         load = CudaCopier.load
@@ -344,12 +355,19 @@ def test_master_on_the_nvme_tier_on_cuda(tmp_path, monkeypatch, state, slow):
                 torch.cuda._sleep(20_000_000)
             return load(self, dst, src, staged, used)
         monkeypatch.setattr(CudaCopier, "load", late)
-    model = build("llama")
+    from slideformer.engine.runtime import Runtime
+
+    from_tier, reuses = Runtime._load_from_tier, []
+
+    def counted(self, unit, dst, used):  # (a buffer whose last copy may still be pending: the guard's case)
+        reuses.append(self._tier_copied[1 - self._tier_turn] is not None)
+        return from_tier(self, unit, dst, used)
+    monkeypatch.setattr(Runtime, "_load_from_tier", counted)
     batches = [batch(97, seed=s) for s in range(4)]
-    kw = dict(compute_dtype=torch.bfloat16, lr=1e-3, optimizer_state=state, window_slots=2)
     ram, la = cuda_engine_train(model, batches, **kw)
     tier, lb = cuda_engine_train(model, batches, **kw, offload_dir=str(tmp_path), nvme_master=True)
     assert la == lb and all(torch.equal(ram[k], tier[k]) for k in ram)
+    assert not slow or sum(reuses) >= 8, reuses
 
 
 def test_sending_gradients_never_synchronizes(monkeypatch):
