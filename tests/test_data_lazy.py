@@ -6,14 +6,14 @@ import pytest
 
 from slideformer.data import DataError, read_records
 from slideformer.data import lazy
-from slideformer.data.lazy import BLANK, JsonlLines, open_records
+from slideformer.data.lazy import JsonlLines, open_records
 from slideformer.plan import memory
 
 from test_train import cfg, train
 
 
 def records(seq):
-    return [seq[i] for i in range(len(seq)) if seq[i][1] is not BLANK]
+    return [seq[i] for i in range(len(seq))]
 
 
 def test_jsonl_lines_are_the_records_read_up_front(tmp_path, monkeypatch):
@@ -24,9 +24,9 @@ def test_jsonl_lines_are_the_records_read_up_front(tmp_path, monkeypatch):
     f.write_bytes(("\n".join(lines[:2]) + "\n\n  \r\n" + "\r\n".join(lines[2:])).encode())
     got = records(JsonlLines(f, skip_bad=False))
     assert got == read_records(f) and len(got) == 5 and got[4] == (f"{f}:7", {"text": "éééé"})
-    assert len(JsonlLines(f, False)) == 7  # (blank lines read as BLANK: no record)
-    (tmp_path / "e.jsonl").write_bytes(b"")
-    assert len(JsonlLines(tmp_path / "e.jsonl", False)) == 0
+    for text in (b"", b"\n \n\t\r\n  ", b'{"text": "a"}\n\n  \n{"text": "b"}\n \n'):  # (blank lines are no record)
+        (tmp_path / "e.jsonl").write_bytes(text)
+        assert records(JsonlLines(tmp_path / "e.jsonl", False)) == read_records(tmp_path / "e.jsonl")
 
 
 def test_a_bad_line_is_named_when_a_step_reaches_it(tmp_path):
@@ -72,26 +72,27 @@ def test_training_on_data_read_as_reached_is_training_on_it_tokenized_up_front(t
 
 
 def test_records_that_are_no_sample_are_counted_once_when_met(tmp_path, monkeypatch, capsys):
-    """A line that is not JSON, a malformed record and one with no target within cutoff_len, under
-    skip_bad_records over two epochs: skipped and counted once each, as tokenizing up front counts them."""
+    """A line that is not JSON, a malformed record, one with no target within cutoff_len and a blank line,
+    under skip_bad_records over two epochs: the same training as tokenizing up front (the order is the
+    records', those that are no sample passed over), each counted once."""
     d = tmp_path / "d.jsonl"
     d.write_text("\n".join([json.dumps({"text": f"sample {i}"}) for i in range(8)]
                            + ['{"text": "broken', json.dumps({"conversations": [{"from": "alien", "value": "x"}]}),
-                              json.dumps({"instruction": "word " * 60, "output": "x"})]) + "\n")
+                              "   ", json.dumps({"instruction": "word " * 60, "output": "x"})]) + "\n")
     opts = [f"dataset=[{d}]", "skip_bad_records=true", "cutoff_len=32", "max_steps=8", "micro_batch_size=2"]
     up = train(cfg(tmp_path / "up", *opts))
     monkeypatch.setattr(memory, "DATA_RAM_SHARE", 0.0)
     reached = train(cfg(tmp_path / "lazy", *opts))
     assert (up["skipped_records"], up["dropped_samples"]) == (2, 1)
     assert (reached["skipped_records"], reached["dropped_samples"], reached["dropped_as_met"]) == (2, 1, 1)
-    assert reached["steps"] == 8
-    # held out and read as reached, they are left out of evaluation as when tokenized up front (the training
-    # orders differ: a permutation of 11 records, not of the 8 samples)
+    assert [h["loss"] for h in reached["history"]] == [h["loss"] for h in up["history"]] and reached["steps"] == 8
+    # held out and read as reached, they are left out of evaluation as when tokenized up front
     held = train(cfg(tmp_path / "held", *opts, f"eval_dataset=[{d}]"))
     monkeypatch.undo()
     capsys.readouterr()
     held_up = train(cfg(tmp_path / "held_up", *opts, f"eval_dataset=[{d}]"))
-    assert held["evals"][-1]["eval_tokens"] == held_up["evals"][-1]["eval_tokens"] == 33  # (8 samples' targets)
+    (a,), (b,) = held["evals"], held_up["evals"]
+    assert a["eval_tokens"] == b["eval_tokens"] == 33 and a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-6)
     assert "eval_dataset: 2 record(s) skipped as malformed, 1 with no target token within cutoff_len; left out " \
         "of evaluation" in capsys.readouterr().err
 

@@ -4,9 +4,10 @@ Tokenized up front, a sample costs about 17 bytes of RAM per byte of its JSONL (
 a 1 GB file would take 17 GB. Read lazily, RAM holds an index instead: 8 bytes a JSONL line (where it
 starts; the line is read back with one ``pread``), or nothing for what ``datasets`` reads (its Arrow
 files are memory-mapped: page cache, which the kernel reclaims). A record becomes a sample when the
-trainer's seeded order reaches it, so the order, epochs and resume are those of tokenizing up front
-wherever every record is a sample; one that is malformed (under skip_bad_records) or has no target token
-within cutoff_len is met then, skipped and counted once.
+trainer's seeded order reaches it. That order is over records whichever way they are read (a record that
+is no sample, up front, keeps its place as None), so the epochs and resume do not depend on it; a record
+that is malformed (under skip_bad_records) or has no target token within cutoff_len is met when reached,
+passed over and counted once.
 """
 from __future__ import annotations
 
@@ -18,47 +19,67 @@ import numpy as np
 
 from .formats import LOADERS, DataError, _hub_name, check_readable, open_parquet, open_through_datasets, read_records
 
-CHUNK = 16 << 20  # bytes scanned for line ends at a time
-BLANK = object()  # a JSONL line of whitespace: no record (as read_records skips it)
+CHUNK = 4 << 20  # bytes scanned for line ends at a time
+_SPACE = np.zeros(256, np.bool_)
+_SPACE[[9, 10, 11, 12, 13, 32]] = True  # (ASCII whitespace: a line of only these is blank)
 
 
 class JsonlLines:
-    """The lines of a JSONL file, by index: (where, record); (where, None) for a line that is not JSON under
-    ``skip_bad`` (else DataError, naming the file and line); (where, BLANK) for a blank line."""
+    """The records of a JSONL file (its lines that are not blank, as read_records has them), by index:
+    (where, record), or (where, None) for a line that is not JSON under ``skip_bad`` (else DataError,
+    naming the file and line). RAM: 8 bytes a record (where its line starts), and the blank lines' numbers.
+    The file is opened for each read: nothing stays open (a dataset may be thousands of files), and a copy
+    in another process reads it as well."""
 
     def __init__(self, path: Path, skip_bad: bool):
-        self.path, self.skip_bad, self._fd = Path(path), skip_bad, None
-        starts, at = [np.zeros(1, np.int64)], 0
+        self.path, self.skip_bad = Path(path), skip_bad
+        starts, blank = [], []  # (records' line starts; blank lines' 0-based numbers)
+        line_start, pending, lines, at = 0, 0, 0, 0  # (the unfinished line: its start and non-space bytes)
         try:
             with open(self.path, "rb") as f:
                 while chunk := f.read(CHUNK):
-                    starts.append(np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10).astype(np.int64) + at + 1)
+                    b = np.frombuffer(chunk, np.uint8)
+                    nl = np.flatnonzero(b == 10)
+                    if len(nl):
+                        filled = np.cumsum(~_SPACE[b], dtype=np.int64)[nl]  # non-space bytes up to each line end
+                        counts = np.diff(filled, prepend=0)
+                        counts[0] += pending
+                        line_starts = np.concatenate([[line_start], nl[:-1] + at + 1])
+                        starts.append(line_starts[counts > 0])
+                        blank.append(np.flatnonzero(counts == 0) + lines)
+                        lines += len(nl)
+                        line_start, pending = int(nl[-1]) + at + 1, int(np.count_nonzero(~_SPACE[b[nl[-1] + 1:]]))
+                    else:
+                        pending += int(np.count_nonzero(~_SPACE[b]))
                     at += len(chunk)
         except OSError as e:
             raise DataError(f"dataset file {self.path}: cannot read it ({e.strerror})") from e
-        starts = np.concatenate(starts)
-        self.starts = starts[starts < at]  # (a newline at the end starts no line; an empty file has none)
+        if line_start < at:  # (a last line without a newline)
+            (starts if pending else blank).append(np.array([line_start if pending else lines], np.int64))
+        self.starts = np.concatenate(starts).astype(np.int64) if starts else np.zeros(0, np.int64)
+        blank = np.concatenate(blank).astype(np.int64) if blank else np.zeros(0, np.int64)
+        self._blank_at = blank - np.arange(len(blank))  # (the record index each blank line comes before)
         self.size = at
-
-    def _raw(self, k: int) -> bytes:
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDONLY)
-        end = int(self.starts[k + 1]) if k + 1 < len(self.starts) else self.size
-        return os.pread(self._fd, end - int(self.starts[k]), int(self.starts[k]))
 
     def __len__(self) -> int:
         return len(self.starts)
 
-    def __getitem__(self, k: int) -> tuple[str, object]:
-        where = f"{self.path}:{k + 1}"
+    def __getitem__(self, i: int) -> tuple[str, dict | None]:
+        i = int(i)
+        where = f"{self.path}:{i + 1 + int(np.searchsorted(self._blank_at, i, side='right'))}"
+        start = int(self.starts[i])
+        end = int(self.starts[i + 1]) if i + 1 < len(self.starts) else self.size  # (blank lines between: spaces)
         try:
-            line = self._raw(k).decode("utf-8")
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                raw = os.pread(fd, end - start, start)
+            finally:
+                os.close(fd)
+            line = raw.decode("utf-8")
         except UnicodeDecodeError as e:
             raise DataError(f"{where}: not UTF-8 text (byte {e.start} of the line); save the file as UTF-8") from e
         except OSError as e:
             raise DataError(f"dataset file {self.path}: cannot read it ({e.strerror})") from e
-        if not line.strip():
-            return where, BLANK
         try:
             return where, json.loads(line)
         except (json.JSONDecodeError, RecursionError) as e:
@@ -67,10 +88,6 @@ class JsonlLines:
             why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deeply"
             raise DataError(f"{where}: not valid JSON ({why}); fix the line, or set skip_bad_records: true to "
                             "skip such lines") from None
-
-    def __del__(self):
-        if self._fd is not None:
-            os.close(self._fd)
 
 
 class ArrowRows:
@@ -102,21 +119,21 @@ def open_records(path, skip_bad: bool = False, split: str | None = None, subset:
 
 
 def source_bytes(path) -> int:
-    """The bytes of a dataset's files (a folder's, summed); 0 for a Hub name, which is read as ``datasets``
-    caches it (memory-mapped)."""
+    """The bytes of a dataset's files (a folder's, summed); for a Hub name, whose size is not known before
+    ``datasets`` fetches it, more than any RAM (its memory-mapped cache is read by row)."""
     p = Path(path)
     if p.is_file():
         return p.stat().st_size
     if p.is_dir():
         return sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
-    return 0
+    return 1 << 62
 
 
 class LazyExamples:
     """The samples of several sources' records, by index (each source's records in turn), made when asked
     for and not kept: ``make(spec, where, record)`` -> (ids, labels, truncated), None without a target token,
-    DataError where malformed. Reads as None where a record is no sample (blank, malformed under
-    ``skip_bad``, no target); ``skipped``, ``dropped`` and ``truncated`` count the records met, each once."""
+    DataError where malformed. Reads as None where a record is no sample (malformed under ``skip_bad``, no
+    target); ``skipped``, ``dropped`` and ``truncated`` count the records met, each once."""
 
     def __init__(self, sources: list, make, skip_bad: bool):
         self.sources, self.make, self.skip_bad = sources, make, skip_bad
@@ -135,8 +152,6 @@ class LazyExamples:
         records, spec = self.sources[s]
         where, rec = records[i - (int(self.ends[s - 1]) if s else 0)]
         first, self._met[i] = not self._met[i], True
-        if rec is BLANK:
-            return None
         if rec is None:  # a line that is not JSON, under skip_bad
             self.skipped += first
             return None

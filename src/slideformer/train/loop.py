@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .. import EngineConfig, SlideEngine, lr_at, parallel
@@ -82,10 +83,11 @@ def make_sample(cfg: TrainConfig, tok, token_chars: int, spec, where: str, rec: 
 
 
 def build_examples(cfg: TrainConfig, tok, specs=None, lazy: bool = False):
-    """The samples of ``specs`` (default: the dataset), the number of records skipped as malformed, and the
-    number dropped for having no target token within cutoff_len: tokenized up front (a list), or with
-    ``lazy`` a LazyExamples (data/lazy.py: each made when a step reaches it, its counts growing as records
-    are met; the two numbers returned are then 0)."""
+    """The samples of ``specs`` (default: the dataset) by record, None for a record that is no sample; the
+    number of records skipped as malformed, and the number dropped for having no target token within
+    cutoff_len: tokenized up front (a list), or with ``lazy`` a LazyExamples (data/lazy.py: each made when a
+    step reaches it, its counts growing as records are met; the two numbers returned are then 0). Both are
+    indexed by record, so the seeded order over them is the same either way."""
     from ..data.lazy import open_records
 
     specs = specs or cfg.dataset
@@ -103,22 +105,21 @@ def build_examples(cfg: TrainConfig, tok, specs=None, lazy: bool = False):
         records = read_records(spec.path, skip_bad=cfg.skip_bad_records, split=spec.split, subset=spec.subset)
         if not records:
             raise DataError(f"dataset file {spec.path} holds no records")
-        for where, rec in records:
+        for where, rec in records:  # (a record that is no sample keeps its place, as None: the order is the records')
+            made = None
             if rec is None:  # a line that is not JSON, skipped (skip_bad_records)
                 skipped += 1
-                continue
-            try:
-                made = make(spec, where, rec)
-            except DataError:
-                if not cfg.skip_bad_records:
-                    raise
-                skipped += 1
-                continue
-            if made is None:
-                dropped += 1
-                continue
-            examples.append(made[:2])
-    if not examples:
+            else:
+                try:
+                    made = make(spec, where, rec)
+                except DataError:
+                    if not cfg.skip_bad_records:
+                        raise
+                    skipped += 1
+                else:
+                    dropped += made is None
+            examples.append(None if made is None else made[:2])
+    if skipped + dropped == len(examples):
         raise DataError(f"no trainable examples: {skipped} record(s) skipped as malformed, {dropped} with no target "
                         f"token within cutoff_len {cfg.cutoff_len}")
     return examples, skipped, dropped
@@ -133,7 +134,7 @@ def resolve_engine(cfg: TrainConfig, hf_config, ecfg: EngineConfig, examples, ma
     shape = ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype))
     # packed rows are full; samples read as the steps reach them may be as long as cutoff_len
     seq = cfg.cutoff_len if cfg.packing or not isinstance(examples, list) else \
-        min(cfg.cutoff_len, max(len(ids) for ids, _ in examples))
+        min(cfg.cutoff_len, max(len(e[0]) for e in examples if e is not None))
     auto, _ = Auto.of(_asked(cfg.offload))
     plan = resolve(ecfg, auto, shape, cfg.micro_batch_size * cfg.gradient_accumulation_steps, seq, machine,
                    micro_batch=cfg.micro_batch_size, prefix="offload.")
@@ -238,7 +239,7 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     from ..machine import Machine, host_memory
     from ..plan.memory import data_in_ram, process_allowance
 
-    allowance = process_allowance(ecfg, host_memory() // parallel.local_world(ranks))  # (one process's)
+    allowance = process_allowance(ecfg, host_memory()) // parallel.local_world(ranks)  # (one process's share)
 
     def in_ram(specs) -> bool:
         return data_in_ram(sum(source_bytes(s.path) for s in specs), allowance)
@@ -261,10 +262,11 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
         if k >= len(examples):
             raise DataError(f"val_size {cfg.val_size} of {len(examples)} samples leaves none to train on")
         # (one choice whatever the seed: runs that differ in seed are evaluated on the same samples)
-        pick = torch.randperm(len(examples), generator=torch.Generator().manual_seed(VAL_SPLIT_SEED)).tolist()
+        pick = torch.randperm(len(examples), generator=torch.Generator().manual_seed(VAL_SPLIT_SEED)).numpy()
         part = (lambda ix: [examples[i] for i in ix]) if isinstance(examples, list) else \
             (lambda ix: Subset(examples, ix))  # (read as reached: a view)
-        held, examples = part(sorted(pick[:k])), part(sorted(pick[k:]))
+        held, examples = part(np.sort(pick[:k])), part(np.sort(pick[k:]))
+        del pick
     per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world  # (micro_batch_size: a rank's)
     steps_per_epoch = max(1, len(examples) // per_step)
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
@@ -439,13 +441,20 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             if held and not stop and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total):
                 ev = _evaluate(engine, held, cfg.micro_batch_size, tok.pad_token_id, step,
                                lambda: dog.progress(stepped=False))
-                evals.append(ev)
-                if lead:
-                    with open(out.path / METRICS, "a") as f:
-                        f.write(json.dumps(_finite(ev), allow_nan=False) + "\n")
-                tracking.scalars({"loss": ev["eval_loss"], "perplexity": ev["eval_ppl"]}, step, "eval")
-                say(f"slideformer: step {step}: eval loss {ev['eval_loss']:.4f}, perplexity {ev['eval_ppl']:.3f} "
-                      f"({ev['eval_tokens']} tokens)", flush=True)
+                if ev is None:  # (records read as the steps reach them are first checked here)
+                    say(f"slideformer: step {step}: no held-out record is a sample (each malformed, or without a "
+                        f"target token within cutoff_len {cfg.cutoff_len}): no evaluation; check "
+                        + ("eval_dataset" if cfg.eval_dataset else "the dataset (val_size holds out its records)"),
+                        file=sys.stderr, flush=True)
+                    held = ()
+                else:
+                    evals.append(ev)
+                    if lead:
+                        with open(out.path / METRICS, "a") as f:
+                            f.write(json.dumps(_finite(ev), allow_nan=False) + "\n")
+                    tracking.scalars({"loss": ev["eval_loss"], "perplexity": ev["eval_ppl"]}, step, "eval")
+                    say(f"slideformer: step {step}: eval loss {ev['eval_loss']:.4f}, perplexity "
+                        f"{ev['eval_ppl']:.3f} ({ev['eval_tokens']} tokens)", flush=True)
                 dog.progress(stepped=False)
                 t_last = time.perf_counter()  # (the evaluation's time is not the next interval's training)
             if memory_somewhere and not memory:
@@ -478,7 +487,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
 
 def _evaluate(engine, held, batch: int, pad_id: int, step: int, done=lambda: None) -> dict:
     """The held-out loss (mean over every target token; a MoE model's load-balancing loss included, as in
-    training) and the perplexity of its cross-entropy alone, in batches of ``batch`` samples a rank. Under
+    training) and the perplexity of its cross-entropy alone, in batches of ``batch`` samples a rank (None
+    where no held-out record is a sample). Under
     several ranks each evaluates its rows of every batch, as in training (the engine sums the loss over
     the ranks, against the batch's target count); a last batch with fewer rows than ranks is evaluated
     whole by every rank, its tokens then counted once per rank by the engine's sums."""
@@ -496,8 +506,7 @@ def _evaluate(engine, held, batch: int, pad_id: int, step: int, done=lambda: Non
         n = r.tokens if split else r.tokens // world
         total, ce, tokens = total + r.loss * n, ce + (r.loss - r.router_loss) * n, tokens + n
     if not tokens:
-        raise DataError("no held-out record is a sample (each malformed, or with no target token within "
-                        "cutoff_len): check eval_dataset")
+        return None
     return {"step": step, "eval_loss": total / tokens, "eval_ppl": math.exp(min(ce / tokens, 80.0)),
             "eval_tokens": tokens}
 
