@@ -327,15 +327,18 @@ def test_non_blocking_step_returns_the_same_loss_on_cuda():
     assert [float(t) for t in got] == pytest.approx(losses, rel=1e-6)
 
 
-@pytest.mark.parametrize("state,slow", [("fp32", False), ("8bit", False), ("8bit", True)])
+@pytest.mark.parametrize("state,slow", [("fp32", False), ("8bit", False), ("8bit", True), ("fp32-staged", False),
+                                        ("fp32-staged", True)])
 def test_master_on_the_nvme_tier_on_cuda(tmp_path, monkeypatch, state, slow):
     """fp32: bf16 compute copy pinned in RAM, fp32 master and moments in the tier's files. 8bit: the compact
     master (the weights the window reads) and moments in the files, the weights read into two pinned buffers
     and copied on the h2d stream, each buffer reused only once its copy has finished. The same training.
     ``slow``: 8 layers, one buffer read ahead for the update (so that the window's loads read the files),
     and each copy behind a 10 ms spin on the h2d stream: the loader's reads run ahead of the copies, and a
-    buffer reused early would be overwritten before its copy."""
-    kw = dict(compute_dtype=torch.bfloat16, lr=1e-3, optimizer_state=state, window_slots=2)
+    buffer reused early would be overwritten before its copy. fp32-staged: fp32 state with staged layers,
+    whose master the window reads from the files the same way, cast on the GPU."""
+    kw = dict(compute_dtype=torch.bfloat16, lr=1e-3, optimizer_state=state.split("-")[0], window_slots=2,
+              **({"host_weights": "staged"} if state.endswith("staged") else {}))
     model = build("llama")
     if slow:
         from transformers import AutoModelForCausalLM, LlamaConfig

@@ -62,34 +62,38 @@ def test_master_on_the_tier_needs_what_it_relies_on(tmp_path):
 
     with pytest.raises(ConfigError, match="offload_dir"):
         EngineConfig(device="cpu", placement=Placement(nvme_master=True)).validate()
-    with pytest.raises(ConfigError, match="persistent"):
-        EngineConfig(device="cpu", offload_dir=str(tmp_path), placement=Placement(nvme_master=True, host_weights="staged")).validate()
+    # fp32 state's staged layers: the window reads their master from the tier (test_state_on_the_tier_...)
+    EngineConfig(device="cpu", offload_dir=str(tmp_path), placement=Placement(nvme_master=True, host_weights="staged")).validate()
 
 
 @pytest.mark.parametrize("state,master,buffers", [("compact", False, 4), ("8bit", False, 4), ("compact", True, 4),
-                                                  ("8bit", True, 4), ("8bit", True, 1)])
-def test_compact_state_on_the_tier_trains_like_ram(tmp_path, state, master, buffers):
+                                                  ("8bit", True, 4), ("8bit", True, 1), ("fp32", True, 4),
+                                                  ("fp32", True, 1)])
+def test_state_on_the_tier_trains_like_ram(tmp_path, state, master, buffers):
     """bf16 moments (compact optimizer state) on the tier: half the disk, the same training; 8-bit moments
     (codes and block scales): a quarter and a little. With nvme_master the master's hi and lo halves go
     too, and the window reads the weights (the hi half) from disk, or from a buffer holding the layer's state
     read ahead for its update (fewer of those with one buffer): RAM keeps no byte of those layers; with
-    clipping and two micro-batches a step, still the same training."""
+    clipping and two micro-batches a step, still the same training. fp32 state with staged layers: their
+    fp32 master goes, the window reads it from disk the same way and casts it: RAM keeps no byte either."""
     from slideformer.optim.formats import moment_bytes, moment_dtype
 
     model = build("qwen3-tied")
     steps = [[batch(97, seed=s), batch(97, b=3, seed=s + 9)] if master else batch(97, seed=s) for s in range(3)]
     kw = dict(device="cpu", lr=1e-2, compute_dtype=torch.bfloat16, optimizer_state=state, host_grad_buffers=1,
-              max_grad_norm=0.5 if master else None)
+              max_grad_norm=0.5 if master else None, **({"host_weights": "staged"} if state == "fp32" else {}))
 
     def run(**extra):
         with SlideEngine(model, engine_config(**kw, **extra)) as e:
             losses = [e.train_step(b) for b in steps]
             rep = e.memory_report()
             e.save_checkpoint(tmp_path / f"ck{bool(extra):d}")
+            rep["from_tier"] = e.store.weights_on_tier(e.adapter.layer_unit(0).index)
             return losses, {k: v.clone() for k, v in e.state_dict().items()}, rep, e.adapter.layer_unit(0).numel
 
     la, a, ram, _ = run()
     lb, b, rep, layer = run(offload_dir=str(tmp_path / "nvme"), nvme_master=master, nvme_buffers=buffers)
+    assert rep["from_tier"] == master and not ram["from_tier"]  # (the window's loads read the files)
     per_layer = moment_bytes(state, layer) + (4 * layer if master else 0)
     assert 3 * per_layer <= rep["nvme_disk"] < 3 * per_layer + 3 * 4 * 4096  # (each field 4 KiB-aligned)
     if master:  # the master (and the weights) of all three layers left RAM
@@ -515,13 +519,14 @@ def test_close_removes_the_owned_directory(tmp_path, monkeypatch):
     assert not list((tmp_path / "nvme").iterdir())  # a tier that failed to start leaves nothing either
 
 
-@pytest.mark.parametrize("fmt,per_param", [("fp32", 14), ("8bit", 6.06)])
-def test_the_ram_budget_holds_under_a_model_four_times_its_size(tmp_path, fmt, per_param):
+@pytest.mark.parametrize("fmt,per_param,times", [("fp32", 14, 4), ("8bit", 6.06, 4), ("fp32", 14, 8)])
+def test_the_ram_budget_holds_under_a_model_four_times_its_size(tmp_path, fmt, per_param, times):
     """host_memory_limit at a quarter of the model's training state (fp32 master and moments, bf16 copy: 14
     bytes a parameter; 8-bit: 6.06): the planner puts the tier layers' master and moments on NVMe
     (nvme_master, which it turns on where the moments alone are not enough; with 8-bit state the weights go
     with the master), the engine's host state stays within the budget by its own accounting, and training
-    equals training with everything in RAM."""
+    equals training with everything in RAM. At an eighth, fp32 state's bf16 copy of those layers would not
+    fit either: they are staged, the window reading their fp32 master from the tier."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from slideformer.machine import Machine
@@ -536,7 +541,7 @@ def test_the_ram_budget_holds_under_a_model_four_times_its_size(tmp_path, fmt, p
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).float()
     shape = ModelShape.from_adapter(ModelAdapter(config, torch.bfloat16))
-    budget = int(per_param * shape.params) // 4
+    budget = int(per_param * shape.params) // times
     cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, lr=1e-2, max_grad_norm=None,
                        offload_dir=str(tmp_path), host_memory_limit=PROCESS_BYTES + budget, optimizer_state=fmt)
     plan = resolve(cfg, Auto(), shape, 2, 12, Machine(ram=64 * 2**30))
@@ -544,6 +549,9 @@ def test_the_ram_budget_holds_under_a_model_four_times_its_size(tmp_path, fmt, p
     tiered = plan.config
     assert tiered.placement.nvme_master and nvme_layer_count(tiered, shape.layers) > 0
     assert sum(plan.host.values()) <= budget
+    # (an eighth: the tier layers staged, and only they; a quarter: their bf16 copy kept)
+    assert tiered.placement.host_weights == (nvme_layer_count(tiered, shape.layers) if times > 4 and fmt == "fp32"
+                                             else "persistent")
     steps = [batch(97, seed=s) for s in range(3)]
 
     def train(c):

@@ -57,7 +57,8 @@ class Placement:
     speculative_layers: int = 0
     # NVMe tier (with offload_dir): the Adam moments of the last nvme_fraction of the decoder layers live
     # in files, read ahead into nvme_buffers RAM buffers; nvme_master puts their master there too (compact
-    # state: with the weights it doubles as, which the window then reads from disk).
+    # state: with the weights it doubles as, which the window then reads from disk; fp32 state: the window
+    # reads a staged layer's master from disk, and the others' bf16 copy from RAM).
     nvme_fraction: float = 1.0
     nvme_buffers: int = 4
     nvme_master: bool = False
@@ -212,10 +213,6 @@ class EngineConfig:
         if p.nvme_master:
             if self.offload_dir is None:
                 raise ConfigError("nvme_master puts the master on the NVMe tier: set offload_dir too")
-            if p.host_weights not in ("persistent", 0) and not compact_master(self.optimizer_state):
-                raise ConfigError("nvme_master with fp32 state needs host_weights='persistent': the window reads the "
-                                  "bf16 copy in RAM, not the master (compact state's master is that copy, and goes "
-                                  "to the tier with it)")
         if p.nvme_buffers < 1:
             raise ConfigError(f"nvme_buffers must be >= 1, got {p.nvme_buffers}")
         if t.loss_kernel not in ("torch", "fused"):

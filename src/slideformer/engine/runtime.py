@@ -209,8 +209,9 @@ class Runtime:
                                        staged=w is None, used=used)
 
     def _load_from_tier(self, unit: int, dst: torch.Tensor, used):
-        """Weights on the NVMe tier: read into the next of the two pinned ``tier_weights`` buffers (once the
-        copy that last read it has finished), then copied to the slot like host weights."""
+        """Weights on the NVMe tier (compact state's master, or fp32 state's for a staged unit): read into the
+        next of the two pinned ``tier_weights`` buffers (once the copy that last read it has finished), then
+        copied to the slot like host weights (the fp32 master cast on the way, like a staged unit's)."""
         k = 1 - self._tier_turn
         if self._tier_copied[k] is not None:
             self._tier_copied[k].synchronize()
@@ -219,7 +220,7 @@ class Runtime:
             src = self.disk.read_weights(unit, self.store.tier_weights[k])
         if src is None:
             return None
-        loaded = self.copier.load(dst, src, staged=False, used=used)
+        loaded = self.copier.load(dst, src, staged=src.dtype != dst.dtype, used=used)  # (fp32 master: cast there)
         if src.data_ptr() == self.store.tier_weights[k].data_ptr():  # (else a buffer read ahead for the update)
             self._tier_turn, self._tier_copied[k] = k, loaded
         return loaded

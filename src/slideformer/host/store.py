@@ -20,10 +20,11 @@ Per unit, flat 1-D tensors laid out as in ``UnitSpec``:
   unit's old buffers become that spare, so no state is copied.
 
 Units on the NVMe tier (host/nvme.py) have no moments here (``exp_avg[u] is None``), and with
-``nvme_master`` no master either. With fp32 state their bf16 compute copy stays in RAM; with compact state
-the master's hi half is that copy, so it lives on the tier too (``weights[u] is None``) and the window's
-loads read it from disk into one of two pinned ``tier_weights`` buffers (engine/runtime.py): RAM then holds
-no byte a parameter for those units, only buffers.
+``nvme_master`` no master either. With compact state the master's hi half is their compute copy, so it
+lives on the tier too (``weights[u] is None``) and the window's loads read it from disk into one of two
+pinned ``tier_weights`` buffers (engine/runtime.py); with fp32 state their bf16 copy stays in RAM, unless
+they are staged (``host_weights``), when the loads read the fp32 master the same way and cast it on the
+GPU. RAM then holds no byte a parameter for those units, only buffers.
 Units trained on the GPU (``resident_units``: resident layers, resident embedding and head) have nothing here:
 their state lives on the GPU only (engine/runtime.py owns it), and a host mirror would cost 14-16 bytes a
 parameter for nothing (~77 of 108 GiB of RSS at Llama-8B b8 with 23 layers and the edges resident).
@@ -120,9 +121,12 @@ class HostStore:
             # Compact state's weights on the tier: two pinned buffers the window's loads read them into (one
             # filling while the other's copy to the GPU runs). The tier's own buffers are pinned too: a load
             # copies the weights straight from one that holds the unit's state, read ahead for its update.
+            # fp32 state's staged tier layers have no bf16 copy either: their fp32 master is read the same way,
+            # and cast on the GPU as a staged unit's is.
             self.tier_weights: list[torch.Tensor] = []
-            if compact and on_tier_master:
-                width = max(self.tier.field_bytes(u.index, "master") for u in on_tier_master)
+            read_from_tier = [u for u in on_tier_master if compact or u.index in staged_units]
+            if read_from_tier:
+                width = max(self.tier.field_bytes(u.index, "master") for u in read_from_tier)
                 self.tier_weights = [aligned_empty(width, torch.uint8) for _ in range(2)]
                 for t in self.tier_weights + self.tier.buffers if pin else []:
                     pinned.pin(t, "the NVMe tier's buffers", "raise the locked-memory limit (ulimit -l), or fewer "

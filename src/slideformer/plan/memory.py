@@ -282,6 +282,10 @@ def rank_host_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, host_wei
         N = edges + len(layers) * shape.layer_params  # the parameters this rank's CPU update covers
         tier = sum(i >= tier_from for i in layers)
         staged = sum(i >= staged_from for i in layers)  # (the last layers: streamed ones)
+        # the window reads weights from the tier: compact state's (the master's hi half), or fp32 state's
+        # staged layers' master, cast on the GPU
+        read = nvme_master and tier and (compact_master(state) or min(tier, staged))
+        width = (2 if compact_master(state) else 4) * shape.layer_params
         ring = len(layers) if host_grad_buffers is None else min(len(layers), host_grad_buffers)
         tier_master = 4 * tier * shape.layer_params if nvme_master else 0
         out.append({
@@ -293,9 +297,9 @@ def rank_host_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, host_wei
             if not compact_master(state) and (dtype_bytes < 4 or tier_master) else 0,
             "grads": dtype_bytes * (edges + ring * shape.layer_params),
             # the tier's RAM buffers: a layer's state each (every field 4096-aligned), read ahead and written
-            # behind (host/nvme.py); with compact state's master there, two pinned buffers of its weights
+            # behind (host/nvme.py); where the window reads weights from there, two pinned buffers of them
             "nvme_buffers": nvme_buffers * (nvme_bytes(shape, 1, state, nvme_master) + 4 * 4096)
-            + (2 * (2 * shape.layer_params + 4096) if nvme_master and compact_master(state) else 0) if tier else 0,
+            + (2 * (width + 4096) if read else 0) if tier else 0,
             # offloaded layer inputs in RAM, or on NVMe through 3 staging buffers (engine/activations.py)
             "activations": (min(offloaded, 3) if activations_to_nvme else offloaded) * batch * seq * shape.hidden
             * dtype_bytes,
@@ -398,8 +402,7 @@ def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training",
         hints.append(f"the NVMe tier ({k}offload_dir, {k}nvme_fraction)")
     elif cfg.placement.nvme_fraction < 1:
         hints.append(f"more of the NVMe tier ({k}nvme_fraction)")
-    elif not cfg.placement.nvme_master and (compact_master(cfg.optimizer_state)
-                                            or cfg.placement.host_weights == "persistent"):
+    elif not cfg.placement.nvme_master:
         hints.append(f"the master on the NVMe tier too ({k}nvme_master)")
     if cfg.optimizer_state == "fp32":
         hints.append(f"compact optimizer state ({k}optimizer_state)")
@@ -481,21 +484,27 @@ def auto_tier(cfg, shape: ModelShape, batch: int, seq: int, p: Layout, ram: int,
     decided again beside the tier. Where every streamed layer's moments are not enough, the tier layers'
     master goes there too (``nvme_master``; ``master``: the caller leaves it to the planner): fp32 state
     keeps the persistent bf16 copy in RAM the window reads (2 bytes a parameter in RAM instead of 4 staged;
-    ``weights``: the caller leaves host_weights to the planner); compact state's master is that copy, so
-    those layers keep nothing in RAM and the window reads their weights from disk, twice a step. Where even
-    that is not enough, the most is returned: the host check says what else would help."""
+    ``weights``: the caller leaves host_weights to the planner), and where that is not enough either, the
+    tier layers are staged: the window reads their fp32 master from disk, twice a step, and casts it on
+    the GPU; compact state's master is that copy, so those layers keep nothing in RAM and the window reads
+    their weights from disk, twice a step. Where even that is not enough, the most is returned: the host
+    check says what else would help."""
     n = shape.layers
     streamed = n - min(p.resident_layers, n)
     aim = host_budget(cfg, ram)[0]
-    tiers = [cfg]
+    tiers = [(cfg, False)]  # (a base config, and whether the tier layers are the staged ones)
     if master and not cfg.placement.nvme_master:
         if compact_master(cfg.optimizer_state):
-            tiers.append(cfg.placed(nvme_master=True))
+            tiers.append((cfg.placed(nvme_master=True), False))
         elif weights or cfg.placement.host_weights in ("persistent", 0):
-            tiers.append(cfg.placed(nvme_master=True, host_weights="persistent"))
-    for base in tiers:
+            tiers.append((cfg.placed(nvme_master=True, host_weights="persistent"), False))
+            if weights:
+                tiers.append((cfg.placed(nvme_master=True), True))
+    for base, staged in tiers:
+        if staged and sum(config_host_bytes(c, shape, batch, seq, p).values()) <= host_budget(cfg, ram)[1]:
+            return c  # (the bf16 copy fits, if over the aim: cheaper than reading the master twice a step)
         for k in range(0, streamed + 1):
-            c = base.placed(nvme_fraction=k / n)
+            c = base.placed(nvme_fraction=k / n, **({"host_weights": k} if staged else {}))
             if k:
                 c = auto_host(c, shape, batch, seq, p, ram, weights=False, buffers=buffers, spares=spares)
             if sum(config_host_bytes(c, shape, batch, seq, p).values()) <= aim:
@@ -793,13 +802,15 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
         "optimizer_s": on_cpu / cpu_rate,
         # bf16 weights, about twice a step; staged parameters cross as their fp32 master
         "h2d_s": 2 * (2 * streamed + 2 * min(staged_params, streamed)) / rates.pcie_bytes_per_s,
-        # the tier's state read and written once a step, offloaded layer inputs out and back, and compact
-        # state's weights on the tier read by the window for forward and again for backward
+        # the tier's state read and written once a step, offloaded layer inputs out and back, and the
+        # weights the window reads from the tier for forward and again for backward (compact state's; fp32
+        # state's staged layers' master)
         "nvme_s": rates.disk_s(nvme_bytes(shape, nvme_layers, state, nvme_master)
                                + (activations_to_nvme * (shape.layers - min(shape.layers, p.gpu_activation_layers))
                                   * tokens * shape.hidden * 2),
-                               2 * 2 * min(nvme_layers, shape.layers) * shape.layer_params
-                               if nvme_master and compact_master(state) else 0),
+                               (2 * 2 * min(nvme_layers, shape.layers) if compact_master(state) else
+                                2 * 4 * min(nvme_layers, staged_params // max(1, shape.layer_params)))
+                               * shape.layer_params if nvme_master else 0),
     }
     # Streamed, the embedding is the last gradient of a step and the first weights of the next: the GPU
     # waits for its CPU update at every step boundary, whatever else overlaps.
