@@ -212,6 +212,10 @@ def test_plan_on_paper_for_another_machine(capsys):
     code, large = plan("mistral-large-2", *rtx)
     assert code == 0 and 122e9 < large["params"] < 123e9 and large["gpu_bytes"] <= 24e9
     assert large["host_bytes"] < 0.95 * 256e9 < 2 * large["params"] and isinstance(large["host_weights"], int)
+    _, asked = plan("mistral-large-2", *rtx, "--nvme-master")  # (the master on the tier asked for: the same plan)
+    assert asked["fits"] and asked["host_weights"] == large["host_weights"]
+    _, hand = plan("llama3.1-70b", *rtx, "--host-weights", "staged")  # (staged asked for: the master goes too)
+    assert hand["fits"] and hand["host"]["weights"] == 0  # (without nvme_master: 322 GiB, over the RAM)
     code, _ = plan("llama3.1-405b", *rtx)
     assert code == 3
     # 8-bit state: the tier takes the master too, and with it the weights the window reads, so RAM holds only

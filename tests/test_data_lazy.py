@@ -24,9 +24,13 @@ def test_jsonl_lines_are_the_records_read_up_front(tmp_path, monkeypatch):
     f.write_bytes(("\n".join(lines[:2]) + "\n\n  \r\n" + "\r\n".join(lines[2:])).encode())
     got = records(JsonlLines(f, skip_bad=False))
     assert got == read_records(f) and len(got) == 5 and got[4] == (f"{f}:7", {"text": "éééé"})
-    for text in (b"", b"\n \n\t\r\n  ", b'{"text": "a"}\n\n  \n{"text": "b"}\n \n'):  # (blank lines are no record)
+    for text in (b"", b"\n \n\t\r\n  ", b'{"text": "a"}\n\n  \n{"text": "b"}\n \n',  # (blank lines are no record)
+                 b'{"text": "a"}\n\x0c\x0b\n{"text": "b"}\n'):  # (form feeds: blank, and not JSON after a record)
         (tmp_path / "e.jsonl").write_bytes(text)
         assert records(JsonlLines(tmp_path / "e.jsonl", False)) == read_records(tmp_path / "e.jsonl")
+    (tmp_path / "e.jsonl").write_bytes('{"text": "a"}\n\u00a0\n'.encode())  # (non-ASCII space: a line, not JSON)
+    assert records(JsonlLines(tmp_path / "e.jsonl", True)) == read_records(tmp_path / "e.jsonl", skip_bad=True)
+    assert len(read_records(tmp_path / "e.jsonl", skip_bad=True)) == 2
 
 
 def test_a_bad_line_is_named_when_a_step_reaches_it(tmp_path):
@@ -117,3 +121,32 @@ def test_a_dataset_larger_than_its_share_of_ram_is_read_in_bounded_ram(tmp_path)
         mb, offset = _draw(examples, order, offset, 8, False, 256, tok.pad_token_id)
     assert mb["input_ids"].shape[0] == 8 and offset == 400
     assert rss_bytes() - before < 64 * 2**20  # (about 23 MiB: the index and the scan's buffers)
+
+
+def test_an_epoch_is_the_samples_and_held_out_data_without_one_is_said(tmp_path, capsys):
+    """Tokenized up front, num_train_epochs counts the samples, not the records that are no sample; a
+    val_size that leaves no sample to train on, and held-out data with none, are said in one line."""
+    from slideformer.data import DataError
+
+    d = tmp_path / "d.jsonl"
+    good = [json.dumps({"text": f"sample {i}"}) for i in range(8)]
+    bad = [json.dumps({"instruction": "word " * 60, "output": "x"})] * 8  # (no target within cutoff_len)
+    d.write_text("\n".join(good + bad) + "\n")
+    r = train(cfg(tmp_path / "o", f"dataset=[{d}]", "cutoff_len=32", "micro_batch_size=2", "num_train_epochs=1",
+                  "max_steps=-1"))
+    assert r["steps"] == 4 and {h["epoch"] for h in r["history"]} == {0}
+    import torch
+
+    from slideformer.train.loop import VAL_SPLIT_SEED
+
+    first = int(torch.randperm(2, generator=torch.Generator().manual_seed(VAL_SPLIT_SEED))[0])  # (the one held out)
+    v = tmp_path / "v.jsonl"
+    v.write_text("\n".join([good[0], bad[0]] if first == 0 else [bad[0], good[0]]) + "\n")
+    with pytest.raises(DataError, match="val_size 0.5 leaves no sample to train on"):
+        train(cfg(tmp_path / "v", f"dataset=[{v}]", "cutoff_len=32", "max_steps=1", "val_size=0.5"))
+    only_bad = tmp_path / "b.jsonl"
+    only_bad.write_text("\n".join(bad[:2]) + "\n")
+    capsys.readouterr()
+    r = train(cfg(tmp_path / "e", f"dataset=[{d}]", "cutoff_len=32", "max_steps=2", f"eval_dataset=[{only_bad}]"))
+    assert r["steps"] == 2 and r["evals"] == []
+    assert "no held-out record is a sample" in capsys.readouterr().err

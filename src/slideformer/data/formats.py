@@ -57,7 +57,7 @@ def read_records(path: str | os.PathLike, skip_bad: bool = False, split: str | N
             except UnicodeDecodeError as e:
                 raise DataError(f"{p}:{lineno}: not UTF-8 text (byte {e.start} of the line); save the file as "
                                 "UTF-8") from e
-            if not line.strip():
+            if not raw.strip():  # (ASCII whitespace only, as data/lazy.py's index has it)
                 continue
             try:
                 out.append((f"{p}:{lineno}", json.loads(line)))

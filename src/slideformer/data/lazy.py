@@ -68,14 +68,14 @@ class JsonlLines:
         i = int(i)
         where = f"{self.path}:{i + 1 + int(np.searchsorted(self._blank_at, i, side='right'))}"
         start = int(self.starts[i])
-        end = int(self.starts[i + 1]) if i + 1 < len(self.starts) else self.size  # (blank lines between: spaces)
+        end = int(self.starts[i + 1]) if i + 1 < len(self.starts) else self.size
         try:
             fd = os.open(self.path, os.O_RDONLY)
             try:
                 raw = os.pread(fd, end - start, start)
             finally:
                 os.close(fd)
-            line = raw.decode("utf-8")
+            line = raw.split(b"\n", 1)[0].decode("utf-8")  # (the record's own line: blank ones may follow)
         except UnicodeDecodeError as e:
             raise DataError(f"{where}: not UTF-8 text (byte {e.start} of the line); save the file as UTF-8") from e
         except OSError as e:

@@ -493,13 +493,17 @@ def auto_tier(cfg, shape: ModelShape, batch: int, seq: int, p: Layout, ram: int,
     streamed = n - min(p.resident_layers, n)
     aim = host_budget(cfg, ram)[0]
     tiers = [(cfg, False)]  # (a base config, and whether the tier layers are the staged ones)
-    if master and not cfg.placement.nvme_master:
-        if compact_master(cfg.optimizer_state):
+    on = cfg.placement.nvme_master
+    if master and not on and compact_master(cfg.optimizer_state):
+        tiers.append((cfg.placed(nvme_master=True), False))
+    elif (master or on) and not compact_master(cfg.optimizer_state):
+        if weights:  # host_weights the planner's: the bf16 copy kept, else the tier layers staged
+            if not on:
+                tiers.append((cfg.placed(nvme_master=True, host_weights="persistent"), False))
+            tiers.append((cfg.placed(nvme_master=True), True))
+        elif not on:  # the caller's host_weights: its staged tier layers are then read from disk
             tiers.append((cfg.placed(nvme_master=True), False))
-        elif weights or cfg.placement.host_weights in ("persistent", 0):
-            tiers.append((cfg.placed(nvme_master=True, host_weights="persistent"), False))
-            if weights:
-                tiers.append((cfg.placed(nvme_master=True), True))
+    c = cfg
     for base, staged in tiers:
         if staged and sum(config_host_bytes(c, shape, batch, seq, p).values()) <= host_budget(cfg, ram)[1]:
             return c  # (the bf16 copy fits, if over the aim: cheaper than reading the master twice a step)

@@ -119,7 +119,7 @@ def build_examples(cfg: TrainConfig, tok, specs=None, lazy: bool = False):
                 else:
                     dropped += made is None
             examples.append(None if made is None else made[:2])
-    if skipped + dropped == len(examples):
+    if specs is cfg.dataset and skipped + dropped == len(examples):  # (held-out data: evaluation says so)
         raise DataError(f"no trainable examples: {skipped} record(s) skipped as malformed, {dropped} with no target "
                         f"token within cutoff_len {cfg.cutoff_len}")
     return examples, skipped, dropped
@@ -241,8 +241,9 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
 
     allowance = process_allowance(ecfg, host_memory()) // parallel.local_world(ranks)  # (one process's share)
 
-    def in_ram(specs) -> bool:
-        return data_in_ram(sum(source_bytes(s.path) for s in specs), allowance)
+    def in_ram(specs) -> bool:  # (under several ranks rank 0's choice: each rank counts the steps alike)
+        fits = lambda: data_in_ram(sum(source_bytes(s.path) for s in specs), allowance)  # noqa: E731
+        return fits() if ranks is None else parallel.from_leader(fits)
     examples, skipped, dropped = build_examples(cfg, tok, lazy=not in_ram(cfg.dataset))
     if isinstance(examples, LazyExamples):
         say0 = print if ranks is None or ranks.leader else (lambda *a, **k: None)
@@ -267,8 +268,13 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
             (lambda ix: Subset(examples, ix))  # (read as reached: a view)
         held, examples = part(np.sort(pick[:k])), part(np.sort(pick[k:]))
         del pick
+    # an epoch's samples: those tokenized up front; read as reached, the records (those that are no sample
+    # then make an epoch's last steps wrap into the next)
+    samples = sum(e is not None for e in examples) if isinstance(examples, list) else len(examples)
+    if not samples:
+        raise DataError(f"val_size {cfg.val_size} leaves no sample to train on: {_counts(examples, skipped, dropped)}")
     per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world  # (micro_batch_size: a rank's)
-    steps_per_epoch = max(1, len(examples) // per_step)
+    steps_per_epoch = max(1, samples // per_step)
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
     warmup = int(cfg.warmup_ratio * total)
     ecfg = resolve_engine(cfg, hf_config, ecfg, examples, Machine.detect(device))
