@@ -491,13 +491,13 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             "dropped_as_met": getattr(examples, "dropped", 0)}
 
 
-def _evaluate(engine, held, batch: int, pad_id: int, step: int, done=lambda: None) -> dict:
+def _evaluate(engine, held, batch: int, pad_id: int, step: int, done=lambda: None) -> dict | None:
     """The held-out loss (mean over every target token; a MoE model's load-balancing loss included, as in
-    training) and the perplexity of its cross-entropy alone, in batches of ``batch`` samples a rank (None
-    where no held-out record is a sample). Under
-    several ranks each evaluates its rows of every batch, as in training (the engine sums the loss over
-    the ranks, against the batch's target count); a last batch with fewer rows than ranks is evaluated
-    whole by every rank, its tokens then counted once per rank by the engine's sums."""
+    training) and the perplexity of its cross-entropy alone, in batches of ``batch`` samples a rank; None
+    where no held-out record is a sample. Under several ranks each evaluates its rows of every batch, as in
+    training (the engine sums the loss over the ranks, against the batch's target count); a last batch with
+    fewer rows than ranks is evaluated whole by every rank, its tokens then counted once per rank by the
+    engine's sums."""
     total, ce, tokens = 0.0, 0.0, 0
     ranks = engine.ranks
     world = ranks.world if ranks else 1
