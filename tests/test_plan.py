@@ -309,28 +309,32 @@ def test_host_weights_match_engine_accounting(host_weights):
         assert re.search(said, eng.describe()) if said else "no bf16 host copy" not in eng.describe()
 
 
-@pytest.mark.parametrize("dt,state", [(torch.float32, "fp32"), (torch.bfloat16, "fp32"), (torch.bfloat16, "compact"),
-                                      (torch.bfloat16, "8bit")])
-def test_host_plan_matches_engine_with_the_master_on_the_tier(tmp_path, dt, state):
+@pytest.mark.parametrize("dt,state,staged", [(torch.float32, "fp32", "persistent"), (torch.bfloat16, "fp32", "persistent"),
+                                             (torch.bfloat16, "fp32", 1), (torch.bfloat16, "compact", "persistent"),
+                                             (torch.bfloat16, "8bit", "persistent")])
+def test_host_plan_matches_engine_with_the_master_on_the_tier(tmp_path, dt, state, staged):
     """The master on the tier: RAM and disk as planned (the tier's buffers at most 4 KiB a field over, for
-    each field's alignment). Compact state's weights go with it: no host copy, two pinned read buffers."""
+    each field's alignment). Compact state's weights go with it: no host copy, two pinned read buffers; so
+    do fp32 state's staged layers' (the last one of the two tier layers here)."""
     model = build("llama")
     cfg = EngineConfig(device="cpu", compute_dtype=dt, offload_dir=str(tmp_path), optimizer_state=state,
-                       placement=Placement(nvme_fraction=0.5, nvme_master=True))
+                       placement=Placement(nvme_fraction=0.5, nvme_master=True, host_weights=staged))
     with SlideEngine(model, cfg) as eng:
         sh = ModelShape.from_adapter(eng.adapter)
         layers = round(0.5 * sh.layers)
-        host = host_bytes(sh, 1, 8, Layout(), dtype_bytes=dt.itemsize, nvme_layers=layers, nvme_master=True,
-                          state=state)
+        host = host_bytes(sh, 1, 8, Layout(), host_weights=staged, dtype_bytes=dt.itemsize, nvme_layers=layers,
+                          nvme_master=True, state=state)
         rep = eng.memory_report()
         assert host["master"] == rep["host_master"] < 4 * sh.params
         assert host["moments"] == rep["host_moments"] and host["weights"] == rep["host_weights"]
         assert (host["weights"] > 0) == (state == "fp32")
+        if staged == 1:  # (of the two tier layers, the last reads its weights from disk; the other's copy stays)
+            assert "2 layers' moments and master, 1 of them their weights read from disk" in eng.describe()
         fields = 4 if state != "fp32" else 3
         disk = nvme_bytes(sh, layers, state, master=True)
         assert disk <= rep["nvme_disk"] < disk + layers * fields * 4096
         assert rep["host_nvme_buffers"] <= host["nvme_buffers"] < rep["host_nvme_buffers"] + 6 * 4 * 4096
-        assert ("their weights read from disk" in eng.describe()) == (state != "fp32")
+        assert ("their weights read from disk" in eng.describe()) == (state != "fp32" or staged == 1)
 
 
 def test_fit_prefers_gpu_activations_then_offloads_then_refuses():

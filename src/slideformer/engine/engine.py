@@ -654,9 +654,12 @@ class SlideEngine:
             parts.append(f"clipping: {spec} of {n - layers} streamed layers updated before the global norm"
                          if spec else "clipping: the CPU update waits for the global norm")
         if self.store.tier is not None:
-            parts.append(f"NVMe tier: the last {len(self.store.tier.numels)} layers' moments"
-                         + (" and master, their weights read from disk" if self.store.tier_weights else
-                            " and master" if self.store.nvme_master else ""))
+            tier = self.store.tier.numels
+            read = sum(self.store.weights_on_tier(u) for u in tier)
+            parts.append(f"NVMe tier: the last {len(tier)} layers' moments"
+                         + (" and master" if self.store.nvme_master else "")
+                         + (f", {'their' if read == len(tier) else f'{read} of them their'} weights read from disk"
+                            if read else ""))
         if self._limit:
             parts.append(f"GPU budget {self._limit / 2**30:.1f} GiB")
         return "; ".join(parts)
