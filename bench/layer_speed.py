@@ -44,12 +44,51 @@ def timed(fn, reps: int) -> float:
     return (time.perf_counter() - t) / reps
 
 
+def floor(args) -> None:
+    """The layer's GEMMs at its shapes (forward once, recompute without the down projection, backward's
+    two products each) and its attention (SDPA forward twice, backward once), each timed alone."""
+    import torch.nn.functional as F
+
+    cfg, layer, _ = build(args.model, False)
+    T = args.tokens
+    gemms = []  # (name, rows, inner, cols) of each product a step runs
+    for name, mod in layer.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            n, k = mod.out_features, mod.in_features
+            passes = 1 if name.endswith("down_proj") else 2  # forward (and recompute)
+            gemms += [(name, T, k, n)] * passes + [(name + ".dx", T, n, k), (name + ".dw", n, T, k)]
+    bufs = [(torch.randn(m, k, device="cuda", dtype=torch.bfloat16), torch.randn(k, n, device="cuda", dtype=torch.bfloat16))
+            for _, m, k, n in gemms]
+    mm = timed(lambda: [a @ b for a, b in bufs], args.reps)
+    flops = sum(2 * m * k * n for _, m, k, n in gemms)
+    heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    B, S = T // args.seq, args.seq
+    q = torch.randn(B, heads, S, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k_ = torch.randn(B, kv, S, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn_like(k_, requires_grad=True)
+    go = torch.randn(B, heads, S, d, device="cuda", dtype=torch.bfloat16)
+
+    def attention():
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q, k_, v, is_causal=True, enable_gqa=True)
+        o = F.scaled_dot_product_attention(q, k_, v, is_causal=True, enable_gqa=True)
+        torch.autograd.backward(o, go)
+
+    att = timed(attention, args.reps)
+    print(json.dumps({"variant": "floor", "model": args.model, "tokens": T, "matmuls_ms": mm * 1e3,
+                      "matmul_tflops": flops / mm / 1e12, "attention_ms": att * 1e3,
+                      "floor_ms": (mm + att) * 1e3, "torch": torch.__version__}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-4b")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--floor", action="store_true", help="also time the layer's matrix products alone and its "
+                    "attention alone (SDPA), forward + recompute + backward: what no fusion can take off")
     ap.add_argument("--experts", action="store_true", help="a MoE model: its experts run by transformers' loop "
                     "(eager), batched_mm and grouped_mm")
     args = ap.parse_args()
@@ -61,6 +100,8 @@ def main() -> None:
                 ("compiled", False, True, None), ("liger+compiled", True, True, None)]
     if args.experts:
         variants = [(f"experts={impl}", False, False, None) for impl in ("eager", "batched_mm", "grouped_mm")]
+    if args.floor:
+        floor(args)
     for name, liger, compiled, backend in variants:
         cfg, layer, rotary = build(args.model, liger, name.split("=")[1] if args.experts else None)
         B, S = args.tokens // args.seq, args.seq
