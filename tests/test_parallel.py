@@ -337,3 +337,36 @@ def test_packed_rows_of_an_epochs_tail_train_as_one_process(tmp_path):
     losses = two_trainers(tmp_path, common + ["micro_batch_size=2"])[0]["losses"]
     assert [h["epoch"] for h in one["history"]][4:6] == [0, 1]
     assert losses == pytest.approx([h["loss"] for h in one["history"]], rel=1e-5)
+
+
+def test_two_nodes_meeting_through_torchruns_rendezvous_train_as_one_process(tmp_path):
+    """torchrun itself, as two nodes of one process each that meet through its c10d rendezvous on loopback:
+    each process is its host's only one (LOCAL_WORLD_SIZE 1 of WORLD_SIZE 2), so its host share, threads
+    and device are a node's, while the batch, the collectives and the checkpoint are the job's. The same
+    losses as one process with the global batch, logged once, and one checkpoint."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from slideformer.train.config import load_config
+    from slideformer.train.loop import train
+
+    common = ["progress=false", "device=cpu", "logging_steps=1", "max_steps=3", "save_steps=3",
+              "gradient_accumulation_steps=2", "max_grad_norm=1.0"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
+         "-m", "slideformer", "train", *common, "micro_batch_size=2", f"output_dir={tmp_path / 'two'}"],
+        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    logs = [n.communicate(timeout=300)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], logs
+    one = train(load_config(None, common + ["micro_batch_size=4", f"output_dir={tmp_path / 'one'}"]))
+    logged = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in logged] == pytest.approx([h["loss"] for h in one["history"]], rel=1e-5)
+    assert sum("checkpoint: " in log for log in logs) == 1  # (the node of rank 0 reports)
+    assert [p.name for p in (tmp_path / "two").glob("checkpoint-*")] == ["checkpoint-3"]
