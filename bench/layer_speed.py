@@ -81,6 +81,32 @@ def floor(args) -> None:
                       "floor_ms": (mm + att) * 1e3, "torch": torch.__version__}))
 
 
+def norms(args) -> None:
+    """Each of the layer's RMSNorm shapes (the hidden norms, Qwen3's per-head q and k norms), forward then
+    backward, under Liger's kernels and ours, with the bytes each moves at the memory's rate."""
+    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+    from slideformer.kernels.rms_norm import RMSNormFunction
+
+    cfg = __import__("slideformer.presets", fromlist=["preset_config"]).preset_config(args.model)
+    heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    T = args.tokens
+    for name, shape in (("hidden", (T, cfg.hidden_size)), ("q_norm", (T, heads, d)), ("k_norm", (T, kv, d))):
+        x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.ones(shape[-1], device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn_like(x)
+        for impl, fn in (("liger", lambda: LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", False)),
+                         ("slideformer", lambda: RMSNormFunction.apply(x, w, 1e-6))):
+            with torch.no_grad():
+                f = timed(fn, args.reps * 5)
+            y = fn()
+            b = timed(lambda: torch.autograd.grad(y, [x, w], dy, retain_graph=True), args.reps * 5)
+            print(json.dumps({"variant": f"norm {name} {impl}", "model": args.model, "shape": list(shape),
+                              "forward_us": f * 1e6, "backward_us": b * 1e6,
+                              "backward_gbps": 3 * x.numel() * 2 / b / 1e9, "torch": torch.__version__}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-4b")
@@ -89,6 +115,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--floor", action="store_true", help="also time the layer's matrix products alone and its "
                     "attention alone (SDPA), forward + recompute + backward: what no fusion can take off")
+    ap.add_argument("--norms", action="store_true", help="also time the layer's RMSNorms alone (forward and "
+                    "backward), Liger's kernels against slideformer's (kernels/rms_norm.py)")
     ap.add_argument("--experts", action="store_true", help="a MoE model: its experts run by transformers' loop "
                     "(eager), batched_mm and grouped_mm")
     args = ap.parse_args()
@@ -102,6 +130,8 @@ def main() -> None:
         variants = [(f"experts={impl}", False, False, None) for impl in ("eager", "batched_mm", "grouped_mm")]
     if args.floor:
         floor(args)
+    if args.norms:
+        norms(args)
     for name, liger, compiled, backend in variants:
         cfg, layer, rotary = build(args.model, liger, name.split("=")[1] if args.experts else None)
         B, S = args.tokens // args.seq, args.seq

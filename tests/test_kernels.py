@@ -211,3 +211,43 @@ def test_compact_adamw_kernel_is_the_reference_update(grad_dtype):
     assert (hi != rhi).float().mean() < 0.01  # the weights themselves to the bit, nearly everywhere
     assert rel(m, rm) < 1e-3 and rel(v, rv) < 1e-3  # moments: the same hashed rounding bits
     assert float(m.float().abs().sum()) > 0  # they moved
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(37, 40), (5, 7, 3, 16), (0, 24)])
+def test_rms_norm_is_transformers_norm(dtype, shape):
+    """kernels/rms_norm.py against transformers' Llama RMSNorm under autograd, both measured against the same
+    norm in fp64: ours is no farther from it than transformers' own in that dtype (twice, plus fp32's
+    ulp: bf16's output rounding differs element by element; three times under Triton's CPU interpreter,
+    which casts to bf16 by truncation, measured 2.4-2.8x, against rounding to nearest on the GPU). Rows spread over several programs, each
+    with several row blocks (the weight gradient is summed over programs), a row length that is not a
+    power of two, per-head rows (Qwen3's q and k norms), and no rows at all."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from slideformer.kernels.rms_norm import RMSNormFunction
+
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype).to(DEV)
+    w = (1 + torch.randn(shape[-1], generator=g) / 4).to(dtype).to(DEV)
+    dy = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+
+    def run(fn, x, w):
+        x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        y = fn(x, w)
+        return (y, *torch.autograd.grad(y, [x, w], dy.to(x.dtype)))
+
+    def hf(x, w):
+        m = LlamaRMSNorm(shape[-1], eps=1e-6)
+        del m.weight
+        m.weight = w  # (the tensor itself, so that its gradient is asked of the module's graph)
+        return m(x)
+
+    ours = run(lambda x, w: RMSNormFunction.apply(x, w, 1e-6), x, w)
+    theirs = run(hf, x, w)
+    exact = run(hf, x.double(), w.double())
+    if not x.numel():
+        assert all(t.shape == e.shape for t, e in zip(ours, exact)) and float(ours[2].abs().sum()) == 0
+        return
+    factor = 3 if dtype == torch.bfloat16 and DEV == "cpu" else 2
+    for name, a, b, e in zip(("y", "dx", "dw"), ours, theirs, exact):
+        assert rel(a, e) <= factor * rel(b, e) + 1e-7, (name, rel(a, e), rel(b, e))

@@ -1,14 +1,16 @@
-"""Liger-Kernel's fused RMSNorm, SwiGLU and RoPE on the engine's own layer modules.
+"""Fused RMSNorm, SwiGLU and RoPE on the engine's own layer modules: Liger-Kernel's SwiGLU and RoPE, and
+our RMSNorm (kernels/rms_norm.py: Liger's backward moves its bytes at a third of the memory's rate at
+a layer's shapes).
 
 Liger's ``apply_liger_kernel_to_*`` functions replace transformers' module-level classes and functions,
 which changes every model of that family in the process (a user's reference model too). Here only the
 engine's skeleton instances change: each RMSNorm's and each MLP's ``forward`` is rebound, and each
 attention module gets its class's own ``forward`` code run with Liger's RoPE in place of the
 ``apply_rotary_pos_emb`` its modeling module defines (a copy of the function with one global swapped).
-CUDA only: Liger's Triton kernels do not run in Triton's CPU interpreter.
+CUDA only: Liger's SwiGLU does not run in Triton's CPU interpreter.
 
 Why these: unfused, RMSNorm, RoPE and SwiGLU each run as many small elementwise kernels that together
-take a sizeable share of a step's GPU time; Liger fuses each of them.
+take a sizeable share of a step's GPU time.
 """
 from __future__ import annotations
 
@@ -21,7 +23,6 @@ from torch import nn
 
 def liger_available() -> bool:
     try:
-        import liger_kernel.ops.rms_norm  # noqa: F401
         import liger_kernel.ops.swiglu  # noqa: F401
         import liger_kernel.transformers.rope  # noqa: F401
     except Exception:  # not installed, or its Triton does not import: transformers' modules serve
@@ -49,11 +50,9 @@ def resolve(requested: str, device: str, model_type: str | None = None) -> str:
 
 
 def _rms_norm_forward(self, x):
-    from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    from ..kernels.rms_norm import rms_norm
 
-    # "llama" casting: the inverse RMS in fp32, the product with the weight in the input dtype, as in
-    # transformers' RMSNorm; not in place, since the engine reuses the incoming gradients.
-    return LigerRMSNormFunction.apply(x, self.weight, self.variance_epsilon, 0.0, "llama", False)
+    return rms_norm(x, self.weight, self.variance_epsilon)
 
 
 def _swiglu_forward(self, x):
