@@ -1,5 +1,6 @@
-"""model/recompute.py: backward's recompute records the down projection's graph without its product, and
-returns saved layers' kept products instead of multiplying again."""
+"""model/recompute.py: backward's recompute records the down projection's graph without its product,
+returns saved layers' kept products instead of multiplying again, and adds each weight's gradient into
+its .grad within the GEMM."""
 import contextlib
 
 import pytest
@@ -7,24 +8,43 @@ import torch
 from torch import nn
 
 from slideformer import EngineConfig, SlideEngine
-from slideformer.model.recompute import LayerRecompute, _GraphOnlyLinear, kept_values_per_token, output_free_down
+from slideformer.model.recompute import LayerRecompute, _RecomputedLinear, kept_values_per_token, output_free_down
 
 from tiny import FAMILIES, batch, build
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_graph_only_linear_has_linears_gradients(bias):
+@pytest.mark.parametrize("mode", ["computed", "output_free", "kept"])
+@pytest.mark.parametrize("into_grad", [False, True])
+def test_the_recomputed_linear_has_linears_gradients(bias, mode, into_grad, monkeypatch):
+    """Its output: the product, the kept one, or memory of the right shape; its gradients: autograd's for
+    the linear, the weight's added into a .grad of the product's dtype where one is bound (and then not
+    again by autograd), else returned."""
     torch.manual_seed(0)
     x = torch.randn(2, 5, 6, requires_grad=True)
     w = torch.randn(4, 6, requires_grad=True)
     b = torch.randn(4, requires_grad=True) if bias else None
     g = torch.randn(2, 5, 4)
-    ref = torch.autograd.grad(nn.functional.linear(x, w, b), [x, w] + ([b] if bias else []), g)
-    out = _GraphOnlyLinear.apply(x, w, b)
+    y = nn.functional.linear(x, w, b)
+    ref = torch.autograd.grad(y, [x, w] + ([b] if bias else []), g)
+    before = torch.randn(4, 6)
+    fused, real = [], torch.Tensor.addmm_
+    monkeypatch.setattr(torch.Tensor, "addmm_", lambda *a, **k: fused.append(1) or real(*a, **k))
+    if into_grad:
+        w.grad = before.clone()
+    out = _RecomputedLinear.apply(x, w, b, [y.detach()] if mode == "kept" else None, mode == "output_free")
     assert out.shape == (2, 5, 4)
-    got = torch.autograd.grad(out, [x, w] + ([b] if bias else []), g)
-    for a, r in zip(got, ref):
-        assert a.is_contiguous() and torch.equal(a, r)
+    if mode != "output_free":
+        assert torch.equal(out, y)
+    torch.autograd.backward(out, g, inputs=[x, w] + ([b] if bias else []))
+    assert torch.equal(x.grad, ref[0]) and x.grad.is_contiguous()
+    if bias:
+        assert torch.equal(b.grad, ref[2])
+    assert len(fused) == into_grad
+    if into_grad:  # added once, in the GEMM (fp32 rounding of one sum against two)
+        torch.testing.assert_close(w.grad, before + ref[1], rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(w.grad, ref[1]) and w.grad.is_contiguous()
 
 
 def test_the_engine_skips_the_projection_in_backward_only(monkeypatch):
@@ -32,9 +52,15 @@ def test_the_engine_skips_the_projection_in_backward_only(monkeypatch):
     linear products a step (3 layers, one micro-batch) than with the projection computed, the same loss
     (the training itself: tests/test_engine_parity.py)."""
     products, graph_only = [], []
-    real_linear, real_apply = torch.nn.functional.linear, _GraphOnlyLinear.apply
+    real_linear, real_apply = torch.nn.functional.linear, _RecomputedLinear.apply
     monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: products.append(1) or real_linear(*a))
-    monkeypatch.setattr(_GraphOnlyLinear, "apply", lambda *a: graph_only.append(1) or real_apply(*a))
+
+    def counted(*a):
+        if a[4:5] == (True,):  # (output_free)
+            graph_only.append(1)
+        return real_apply(*a)
+
+    monkeypatch.setattr(_RecomputedLinear, "apply", counted)
 
     def step():
         products.clear()

@@ -1,7 +1,7 @@
 """Backward's recompute of a layer: never the output of its last matmul, and, for the layers the planner
-names, none of its matmuls at all.
+names, none of its matmuls at all; each weight's gradient added into its slot within the GEMM.
 
-Backward recomputes each layer from its saved input to rebuild the autograd graph. Two savings:
+Backward recomputes each layer from its saved input to rebuild the autograd graph. Three savings:
 
 - **The down projection's output** (every layer). It is the layer's last matmul, and its output only
   joins the residual sum, whose value backward never reads: the projection's backward needs its input
@@ -19,6 +19,9 @@ Backward recomputes each layer from its saved input to rebuild the autograd grap
   An output that forward changed in place after its linear returned it (Liger's RoPE rotates q and k in
   their projections' memory for Llama-style attention) cannot be returned: backward multiplies again for
   it, and from then on forward keeps a copy of that linear's output.
+- **The weight gradient's second pass** (every layer). The recompute's linears add their weight's
+  gradient into the ``.grad`` the engine binds to the slot with the GEMM itself (beta 1), where autograd
+  would write each micro-batch's gradient to a temporary and add it in a separate kernel.
 
 In most families the down projection's output is used only by the residual add. A family that normalises
 the MLP output (OLMo 2's and Gemma's post-feedforward norm) needs it: there the down projection is a kept
@@ -34,26 +37,40 @@ import torch.nn.functional as F
 from torch import nn
 
 
-class _GraphOnlyLinear(torch.autograd.Function):
-    """``F.linear``'s graph and gradients (the products autograd's backward computes), no forward
-    product: the output is ``kept[0]`` (the product forward kept) where given, else uninitialised memory
-    of the right shape. (A list, not a tensor argument: an input returned as an output would become a
-    view, which the in-place RoPE may not modify.)"""
+class _RecomputedLinear(torch.autograd.Function):
+    """``F.linear`` in backward's recompute. Its output is ``kept[0]`` (the product forward kept) where
+    given, uninitialised memory of the right shape where ``output_free``, else the product. Backward adds
+    the weight's gradient into the weight's ``.grad`` within the GEMM (beta 1: one pass over it, one
+    rounding) where the engine has bound one of the product's dtype, which it does for each visit's
+    slot: autograd would write the product to a temporary and add it in a second pass, a weight's worth
+    of memory traffic three times over for every micro-batch after the first. (``kept`` a list, not a
+    tensor argument: an input returned as an output would become a view, which the in-place RoPE may
+    not modify.)"""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, kept=None):
+    def forward(ctx, x, weight, bias, kept=None, output_free=False):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return kept[0] if kept else x.new_empty(*x.shape[:-1], weight.shape[0])
+        if kept:
+            return kept[0]
+        if output_free:
+            return x.new_empty(*x.shape[:-1], weight.shape[0])
+        return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         gx = g2.mm(w).view_as(x) if ctx.needs_input_grad[0] else None
-        gw = g2.t().mm(x2) if ctx.needs_input_grad[1] else None  # (as autograd: contiguous, [out, in])
+        gw = None
+        if ctx.needs_input_grad[1]:
+            into = w.grad  # (the parameter ctx saved is the one the layer holds: its .grad is the slot's view)
+            if into is not None and into.dtype == g2.dtype and into.is_contiguous():
+                into.addmm_(g2.t(), x2)
+            else:
+                gw = g2.t().mm(x2)  # (as autograd: contiguous, [out, in])
         gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb, None
+        return gx, gw, gb, None, None
 
 
 def output_free_down(layer: nn.Module) -> nn.Linear | None:
@@ -74,11 +91,11 @@ def kept_values_per_token(layer: nn.Module) -> int:
 class LayerRecompute:
     """Wraps the ``forward`` of each layer's linears. Inside ``recording()`` (a forward without
     gradients) they keep their outputs; inside ``active()`` (the engine's recompute, with gradients on)
-    an output-free down projection records its graph only, and with the kept products the others return
-    theirs."""
+    an output-free down projection records its graph only, with the kept products the others return
+    theirs, and each adds its weight's gradient into the weight's ``.grad``."""
 
     def __init__(self, layers: list[nn.Module]):
-        self._output_free = False
+        self._active = False
         self._kept: dict | None = None
         self._copied: set[nn.Module] = set()  # linears whose output forward modifies in place: kept as copies
         for layer in layers:
@@ -90,14 +107,15 @@ class LayerRecompute:
     def _wrap(self, proj: nn.Linear, last: bool):
         def forward(x: torch.Tensor) -> torch.Tensor:
             kept = self._kept
-            if torch.is_grad_enabled():
-                if last and self._output_free:
-                    return _GraphOnlyLinear.apply(x, proj.weight, proj.bias)
+            if torch.is_grad_enabled() and self._active:
+                if last:
+                    return _RecomputedLinear.apply(x, proj.weight, proj.bias, None, True)
                 if kept is not None and not last:
                     y, version = kept[proj].popleft()
                     if y._version == version:
-                        return _GraphOnlyLinear.apply(x, proj.weight, proj.bias, [y])
+                        return _RecomputedLinear.apply(x, proj.weight, proj.bias, [y])
                     self._copied.add(proj)  # changed in place after forward returned it: multiply again
+                return _RecomputedLinear.apply(x, proj.weight, proj.bias)
             elif kept is not None and not last:
                 y = F.linear(x, proj.weight, proj.bias)
                 k = y.clone() if proj in self._copied else y
@@ -117,11 +135,13 @@ class LayerRecompute:
             self._kept = None
 
     @contextlib.contextmanager
-    def active(self, output_free: bool = True, kept: dict | None = None):
-        """Backward's recompute: the down projection without its product (``output_free``), and the other
-        linears' products taken from ``kept`` (from ``recording``; emptied as they are used)."""
-        self._output_free, self._kept = output_free, kept
+    def active(self, on: bool = True, kept: dict | None = None):
+        """Backward's recompute: the down projection without its product, and the other linears' products
+        taken from ``kept`` (from ``recording``; emptied as they are used), every weight's gradient added
+        in its GEMM. ``on`` False (token-chunked MLPs, whose checkpoints run their linears again after this
+        context has closed, and must find the same graph): plain linears throughout."""
+        self._active, self._kept = on, kept
         try:
             yield
         finally:
-            self._output_free, self._kept = False, None
+            self._active, self._kept = False, None
