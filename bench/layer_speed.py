@@ -122,6 +122,7 @@ def main() -> None:
     args = ap.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    # ("liger": the engine's fused ops, Liger's SwiGLU and RoPE with our RMSNorm; --norms times the norms apart)
     variants = [("eager", False, False, None), ("liger", True, False, None),
                 ("liger+cudnn_attention", True, False, SDPBackend.CUDNN_ATTENTION),
                 ("liger+flash_attention", True, False, SDPBackend.FLASH_ATTENTION),

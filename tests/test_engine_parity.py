@@ -547,7 +547,7 @@ def test_liger_rope_in_the_attention_matches_transformers():
         return [y] + list(torch.autograd.grad((y * y).sum(), [x] + params))
 
     ref = run()
-    apply_liger([model.model.layers[0]], "gelu")  # only the attention runs here: its norms are Liger's too
+    apply_liger([model.model.layers[0]], "gelu")  # only the attention runs here: its norms are the fused ones too
     for a, b in zip(run(), ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 

@@ -215,16 +215,23 @@ def test_compact_adamw_kernel_is_the_reference_update(grad_dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(37, 40), (5, 7, 3, 16), (0, 24)])
-def test_rms_norm_is_transformers_norm(dtype, shape):
+@pytest.mark.parametrize("rows", [None, 4])
+def test_rms_norm_is_transformers_norm(dtype, shape, rows, monkeypatch):
     """kernels/rms_norm.py against transformers' Llama RMSNorm under autograd, both measured against the same
     norm in fp64: ours is no farther from it than transformers' own in that dtype (twice, plus fp32's
     ulp: bf16's output rounding differs element by element; three times under Triton's CPU interpreter,
     which casts to bf16 by truncation, measured 2.4-2.8x, against rounding to nearest on the GPU). Rows spread over several programs, each
     with several row blocks (the weight gradient is summed over programs), a row length that is not a
-    power of two, per-head rows (Qwen3's q and k norms), and no rows at all."""
+    power of two, per-head rows (Qwen3's q and k norms), and no rows at all; ``rows``: blocks of several
+    rows, as the GPU takes short rows (the interpreter's default is one)."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+    from slideformer.kernels import rms_norm
     from slideformer.kernels.rms_norm import RMSNormFunction
+
+    if rows:
+        blocks = rms_norm._blocks
+        monkeypatch.setattr(rms_norm, "_blocks", lambda n, interpret: (blocks(n, interpret)[0], rows, 1))
 
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(*shape, generator=g) * 3).to(dtype).to(DEV)

@@ -79,7 +79,7 @@ class Tuning:
     loss_chunk_tokens: int | None = None
     mlp_chunk_tokens: int | None = None
     loss_kernel: Literal["torch", "fused"] = "fused"  # "torch": autograd per chunk, the plain-PyTorch reference
-    # "auto": Liger-Kernel's RMSNorm and SwiGLU where it runs (CUDA) and is installed
+    # "auto": the fused ops (our RMSNorm, Liger-Kernel's SwiGLU and RoPE) where Liger runs (CUDA) and is installed
     fused_ops: Literal["auto", "none", "liger"] = "auto"
     optimizer_backend: Literal["auto", "native", "torch"] = "auto"  # "auto": our C++ kernel when it builds
     optimizer_threads: int | None = None  # None: all cores but one, which drives the GPU

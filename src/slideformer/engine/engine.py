@@ -411,9 +411,10 @@ class SlideEngine:
         self.activations.prefetch(unit.layer - 1)  # one layer ahead: it lands while this layer computes
         self.runtime.begin_grads(slot)
         plist = list(params.values())
-        # Autograd adds each parameter's gradient into the slot as soon as it is computed (the .grad of a
-        # slot's parameters is its gradient view), so a layer's gradient never exists twice on the GPU;
-        # micro-batches sum there too.
+        # Each parameter's gradient is added into the slot as soon as it is computed (the .grad of a slot's
+        # parameters is its gradient view: autograd adds there, and the recompute's linears add their
+        # weight's within the GEMM), so a layer's gradient never exists twice on the GPU; micro-batches sum
+        # there too.
         torch._foreach_zero_(grads)
         for p, g in zip(plist, grads):
             p.grad = g

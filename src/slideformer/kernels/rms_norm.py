@@ -37,7 +37,7 @@ if triton is not None:
 
     @triton.jit
     def _rms_backward(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, n_rows, N: tl.constexpr,
-                      BLOCK_N: tl.constexpr, ROWS: tl.constexpr, BLOCKS_PER_PROGRAM: tl.constexpr):
+                      BLOCK_N: tl.constexpr, ROWS: tl.constexpr, blocks_per_program):
         # Program p takes the row blocks p, p + P, p + 2P, ... (P programs) and writes its fp32 share of the
         # weight gradient to row p of dw.
         pid = tl.program_id(0).to(tl.int64)
@@ -46,7 +46,7 @@ if triton is not None:
         cmask = cols < N
         w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
         dw = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-        for i in range(BLOCKS_PER_PROGRAM):
+        for i in range(blocks_per_program):  # (a runtime bound: no build per token count)
             rows = (pid + i * programs) * ROWS + tl.arange(0, ROWS)
             rmask = rows < n_rows
             mask = rmask[:, None] & cmask[None, :]
@@ -69,7 +69,8 @@ def _blocks(n: int, interpret: bool) -> tuple[int, int, int]:
     from 2048 up), so that short rows (per-head norms) still give each program a sizeable load."""
     block_n = triton.next_power_of_2(n)
     rows = 1 if interpret else max(1, 4096 // block_n)
-    warps = 1 if interpret else (8 if block_n * rows >= 4096 else 4)
+    # (as Liger's settings for long rows: more warps, fewer values a thread keeps in registers)
+    warps = 1 if interpret else 32 if block_n >= 32768 else 16 if block_n >= 8192 else 8 if block_n * rows >= 4096 else 4
     return block_n, rows, warps
 
 
@@ -81,6 +82,7 @@ class RMSNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, eps):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1]).contiguous()
+        weight = weight.contiguous()  # (the kernels read it as one row)
         n_rows, n = x2.shape
         y = torch.empty_like(x2)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
@@ -104,7 +106,7 @@ class RMSNormFunction(torch.autograd.Function):
         dw = torch.zeros(programs, n, dtype=torch.float32, device=x2.device)
         if n_rows:
             _rms_backward[(programs,)](dy2, x2, weight, rstd, dx, dw, n_rows, N=n, BLOCK_N=block_n, ROWS=rows,
-                                       BLOCKS_PER_PROGRAM=triton.cdiv(row_blocks, programs), num_warps=warps)
+                                       blocks_per_program=triton.cdiv(row_blocks, programs), num_warps=warps)
         return dx.view(dy.shape), dw.sum(0).to(weight.dtype), None
 
 

@@ -140,7 +140,7 @@ class LayerRecompute:
         taken from ``kept`` (from ``recording``; emptied as they are used), every weight's gradient added
         in its GEMM. ``on`` False (token-chunked MLPs, whose checkpoints run their linears again after this
         context has closed, and must find the same graph): plain linears throughout."""
-        self._active, self._kept = on, kept
+        self._active, self._kept = on, kept if on else None
         try:
             yield
         finally:
