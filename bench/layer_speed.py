@@ -81,9 +81,24 @@ def floor(args) -> None:
                       "floor_ms": (mm + att) * 1e3, "torch": torch.__version__}))
 
 
+def kernel_us(fn, calls: int) -> float:
+    """GPU kernel time of one call of ``fn``, microseconds, summed from the profiler's kernel records: wall
+    time would count the launches, which on a slow host take longer than these small kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / calls
+
+
 def norms(args) -> None:
     """Each of the layer's RMSNorm shapes (the hidden norms, Qwen3's per-head q and k norms), forward then
-    backward, under Liger's kernels and ours, with the bytes each moves at the memory's rate."""
+    backward, under Liger's kernels and ours: kernel time, and the rate backward moves its bytes at."""
     from liger_kernel.ops.rms_norm import LigerRMSNormFunction
 
     from slideformer.kernels.rms_norm import RMSNormFunction
@@ -99,12 +114,12 @@ def norms(args) -> None:
         for impl, fn in (("liger", lambda: LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", False)),
                          ("slideformer", lambda: RMSNormFunction.apply(x, w, 1e-6))):
             with torch.no_grad():
-                f = timed(fn, args.reps * 5)
+                f = kernel_us(fn, args.reps * 5)
             y = fn()
-            b = timed(lambda: torch.autograd.grad(y, [x, w], dy, retain_graph=True), args.reps * 5)
+            b = kernel_us(lambda: torch.autograd.grad(y, [x, w], dy, retain_graph=True), args.reps * 5)
             print(json.dumps({"variant": f"norm {name} {impl}", "model": args.model, "shape": list(shape),
-                              "forward_us": f * 1e6, "backward_us": b * 1e6,
-                              "backward_gbps": 3 * x.numel() * 2 / b / 1e9, "torch": torch.__version__}))
+                              "forward_kernel_us": f, "backward_kernel_us": b,
+                              "backward_gbps": 3 * x.numel() * 2 / b / 1e3, "torch": torch.__version__}))
 
 
 def main() -> None:
