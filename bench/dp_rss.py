@@ -21,7 +21,11 @@ import torch.multiprocessing as mp
 
 def one(rank: int, world: int, init: str, args, out: str) -> None:
     os.environ.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo")
-    if world > 1:
+    if world > 1 and args.backend == "nccl":  # one GPU a rank (train/loop.py's LOCAL_RANK)
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"file://{init}", rank=rank, world_size=world,
+                                device_id=torch.device("cuda", rank))
+    elif world > 1:
         dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     from slideformer import EngineConfig, SlideEngine
     from slideformer.machine import Machine
@@ -32,6 +36,7 @@ def one(rank: int, world: int, init: str, args, out: str) -> None:
     config = preset_config(args.model)
     cfg = EngineConfig(lr=1e-5, device=args.device, compute_dtype=torch.bfloat16, max_grad_norm=1.0,
                        optimizer_state=args.state,
+                       host_memory_limit=f"{args.host_gib / world}GiB" if args.host_gib else None,
                        gpu_memory_limit=f"{args.gpu_gib}GiB" if args.device == "cuda" else None)
     shape = ModelShape.from_adapter(ModelAdapter(config, torch.bfloat16))
     plan = resolve(cfg, Auto(), shape, args.batch, args.seq, Machine.detect(args.device))
@@ -77,6 +82,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--gpu-gib", type=float, default=24)
     ap.add_argument("--state", default="compact")
+    ap.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    ap.add_argument("--host-gib", type=float, default=None,
+                    help="host_memory_limit of the machine (split by the ranks)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     import datetime
@@ -87,7 +95,8 @@ def main() -> None:
     meta = {"commit": os.environ.get("SLIDEFORMER_COMMIT"), "date": datetime.datetime.now(datetime.timezone.utc)
             .isoformat(timespec="seconds"), "machine": describe(), "command": " ".join(["python3"] + sys.argv)}
     for world in (1, args.ranks):
-        print(json.dumps({"bench": "dp_rss", "model": args.model, "batch": args.batch, "state": args.state,
+        print(json.dumps({"bench": "dp_rss", "backend": args.backend, "model": args.model, "batch": args.batch,
+                          "state": args.state,
                           "device": args.device, **run(world, args), **meta}), flush=True)
 
 

@@ -31,9 +31,15 @@ def _rows(b: dict, rank: int, world: int, micro: int) -> list[dict]:
 
 
 def _rank(rank: int, world: int, init: str, family: str, cfg: dict, micro: int, out: str, steps: list[int],
-          resume: str | None, save: str | None) -> None:
+          resume: str | None, save: str | None, backend: str = "gloo") -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # (loopback, whatever the host's name resolves to)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    if backend == "nccl":  # one GPU a rank, as torchrun's LOCAL_RANK gives it (train/loop.py)
+        import datetime
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"file://{init}", rank=rank, world_size=world,
+                                device_id=torch.device("cuda", rank), timeout=datetime.timedelta(seconds=120))
+    else:
+        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
         res = train_steps(family, cfg, steps, rank, world, micro, resume, save)
         torch.save(res, out)
@@ -62,11 +68,11 @@ def train_steps(family: str, cfg: dict, steps: list[int], rank: int = 0, world: 
 
 
 def run_ranks(tmp_path, world: int, family: str, cfg: dict, micro: int = 1, steps=(0, 1, 2), resume=None,
-              save=None) -> list[dict]:
+              save=None, backend: str = "gloo") -> list[dict]:
     outs = [str(tmp_path / f"rank{r}.pt") for r in range(world)]
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_rank, args=(r, world, str(tmp_path / f"init{world}"), family, cfg, micro, outs[r],
-                                             list(steps), resume, save)) for r in range(world)]
+                                             list(steps), resume, save, backend)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -147,7 +153,25 @@ def test_ranks_on_the_gpu_train_the_global_batch_as_one_process(tmp_path, cfg):
     own noise on the GPU: its distance to itself with the batch in 1 or 3 micro-batches instead of 2 (on the
     H200 the ranks are at most 1.3x that, its largest 1.1e-4)."""
     cfg = {**BASE, **cfg, "device": "cuda"}
-    results = run_ranks(tmp_path, 2, "llama", cfg, micro=2)
+    _against_one_process(run_ranks(tmp_path, 2, "llama", cfg, micro=2), cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("cfg", [
+    dict(max_grad_norm=0.05, weight_decay=0.1),
+    dict(resident_layers=1, window_slots=2, prefetch_depth=1),
+])
+def test_ranks_on_two_gpus_over_nccl_train_the_global_batch_as_one_process(tmp_path, cfg):
+    """The same over NCCL, one GPU a rank: broadcast, reduce (not all_reduce), and the object collectives of a
+    checkpoint's save."""
+    cfg = {**BASE, **cfg, "device": "cuda"}
+    results = run_ranks(tmp_path, 2, "llama", cfg, micro=2, backend="nccl", save=str(tmp_path / "ck"))
+    _against_one_process(results, cfg)
+
+
+def _against_one_process(results, cfg):
+    """Each rank's state within twice one process's own micro-batch-reorder noise, on the same device."""
     one = train_steps("llama", cfg, [0, 1, 2], micro=2)
     others = [train_steps("llama", cfg, [0, 1, 2], micro=m) for m in (1, 3)]
 
@@ -194,7 +218,7 @@ def _trainer_rank(rank: int, world: int, port: int, overrides: list[str], out: s
                out)
 
 
-def torchrun_job(target, args_of) -> list:
+def torchrun_job(target, args_of, timeout: float = 300) -> list:
     """Two processes as torchrun would start them on loopback: ``target(*args_of(rank, port))``."""
     import socket
 
@@ -206,7 +230,7 @@ def torchrun_job(target, args_of) -> list:
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=300)
+        p.join(timeout=timeout)
     return procs
 
 
@@ -283,9 +307,9 @@ def _faulty_rank(rank: int, port: int, overrides: list[str], out: str, fault: st
         f.write(f"\nexit {code}\n")
 
 
-def faulty_job(tmp_path, fault: str, overrides: list[str]) -> list:
+def faulty_job(tmp_path, fault: str, overrides: list[str], timeout: float = 300) -> list:
     outs = [str(tmp_path / f"out{r}.txt") for r in range(2)]
-    procs = torchrun_job(_faulty_rank, lambda r, port: (r, port, overrides, outs[r], fault))
+    procs = torchrun_job(_faulty_rank, lambda r, port: (r, port, overrides, outs[r], fault), timeout)
     return procs, [open(o).read() if os.path.exists(o) else "" for o in outs]
 
 
@@ -370,3 +394,55 @@ def test_two_nodes_meeting_through_torchruns_rendezvous_train_as_one_process(tmp
     assert [r["loss"] for r in logged] == pytest.approx([h["loss"] for h in one["history"]], rel=1e-5)
     assert sum("checkpoint: " in log for log in logs) == 1  # (the node of rank 0 reports)
     assert [p.name for p in (tmp_path / "two").glob("checkpoint-*")] == ["checkpoint-3"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_a_rank_that_dies_on_two_gpus_over_nccl_ends_the_job(tmp_path):
+    """Rank 1 os._exit(9)s mid-backward of step 2 over NCCL. Gloo's peer raises at once (exit 7); NCCL's
+    collectives only enqueue, so rank 0 blocks at its next host sync: what ends it (its watchdog, 6; the
+    NCCL watchdog's abort; or RankLost, 7) and how fast is what this records. Nothing is left running."""
+    import time
+
+    t0 = time.monotonic()
+    procs, texts = faulty_job(tmp_path, "die", ["progress=false", "device=cuda", "max_steps=4", "micro_batch_size=2",
+                                                "watchdog_seconds=60", f"output_dir={tmp_path / 'o'}"], timeout=140)
+    took = time.monotonic() - t0
+    for p in procs:  # (a survivor left behind would hold its GPU for the rest of the call)
+        if p.is_alive():
+            p.kill()
+            p.join()
+    print(f"\nnccl die: exit codes {[p.exitcode for p in procs]} after {took:.0f} s; rank 0's last lines:\n"
+          + "\n".join(texts[0].splitlines()[-4:]))
+    assert procs[1].exitcode == 9
+    assert took < 150 and procs[0].exitcode != 0, texts[0][-2000:]
+
+
+def _trainer_parity(tmp_path, device: str, rel: float) -> None:
+    """`slideformer train` on 2 ranks against one process with the global batch, then resumed (auto) by the
+    2 ranks: from_leader, the checkpoint's object collectives, evaluation and the stop vote all run."""
+    from slideformer.train.config import load_config
+    from slideformer.train.loop import train
+
+    common = ["progress=false", f"device={device}", "bf16=false", "logging_steps=1", "save_steps=2",
+              "gradient_accumulation_steps=2", "max_grad_norm=1.0", "val_size=0.1", "watchdog_seconds=120"]
+    solo = common + ["micro_batch_size=4", f"output_dir={tmp_path / 'one'}"]
+    ref = [h["loss"] for h in train(load_config(None, solo + ["max_steps=4"]))["history"]]
+    one = train(load_config(None, solo + ["max_steps=6", "resume_from_checkpoint=auto"]))
+    ref += [h["loss"] for h in one["history"]]
+    first = two_trainers(tmp_path, common + ["max_steps=4", "micro_batch_size=2"])
+    rest = two_trainers(tmp_path, common + ["max_steps=6", "micro_batch_size=2", "resume_from_checkpoint=auto"])
+    for a, b in zip(first, rest):
+        assert a["losses"] + b["losses"] == pytest.approx(ref, rel=rel)
+        assert b["evals"][-1]["eval_loss"] == pytest.approx(one["evals"][-1]["eval_loss"], rel=rel)
+    assert "checkpoint-6" in [p.name for p in (tmp_path / "two").glob("checkpoint-*")]
+
+
+def test_the_trainer_resumes_under_torchrun_as_one_process(tmp_path):
+    _trainer_parity(tmp_path, "cpu", 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_the_trainer_on_two_gpus_over_nccl_trains_and_resumes_as_one_process(tmp_path):
+    _trainer_parity(tmp_path, "cuda", 1e-4)

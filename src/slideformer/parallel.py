@@ -82,7 +82,18 @@ def init_from_env(device_type: str) -> Ranks | None:
     if int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return None
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+        if device_type == "cuda":  # (train/loop.py has set LOCAL_RANK's device)
+            from datetime import timedelta
+
+            from .watchdog import SAVE_LIMIT_S
+
+            # NCCL's default timeout is 10 minutes (gloo's 30): rank 0 alone checksums a whole checkpoint
+            # (resume's latest_intact, a save's seal) while the others wait in a collective; a real hang is
+            # the watchdog's (watchdog.py) and a dead rank torchrun's to end
+            dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()),
+                                    timeout=timedelta(seconds=SAVE_LIMIT_S))
+        else:
+            dist.init_process_group("gloo")
     return current()
 
 

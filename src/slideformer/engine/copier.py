@@ -158,6 +158,22 @@ class CudaCopier:
         torch.cuda.synchronize(self.device)
 
 
+def on_device(target, device):
+    """``target`` for a thread of its own, run on ``device`` (the creating thread's GPU where it has no index).
+    CUDA's current device is per thread and a new thread starts on GPU 0: a rank on GPU 1 whose worker
+    thread records, waits on or leaves a stream would otherwise open a context on GPU 0 (as torch's
+    DataLoader does for its pinning thread)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return target
+    index = device.index if device.index is not None else torch.cuda.current_device()
+
+    def run(*args, **kwargs):
+        torch.cuda.set_device(index)
+        return target(*args, **kwargs)
+    return run
+
+
 def copier_for(device: torch.device, profiler, staging_elems: int) -> CpuCopier | CudaCopier:
     if device.type == "cuda":
         return CudaCopier(device, profiler, staging_elems)

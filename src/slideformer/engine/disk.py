@@ -20,6 +20,8 @@ import collections
 import queue
 import threading
 
+from .copier import on_device
+
 
 class Failure:
     """The first failure in any of the run's threads; later ones are its consequences."""
@@ -46,11 +48,11 @@ class Failure:
 
 
 class DiskIO:
-    def __init__(self, tier, failure: Failure):
+    def __init__(self, tier, failure: Failure, device="cpu"):
         self.tier, self.failure = tier, failure
         self._reads: queue.Queue = queue.Queue()
         self._writes: queue.Queue = queue.Queue()
-        self._threads = [threading.Thread(target=self._work, args=(q,), name=name, daemon=True)
+        self._threads = [threading.Thread(target=on_device(self._work, device), args=(q,), name=name, daemon=True)
                          for q, name in ((self._reads, "slideformer-disk-read"), (self._writes, "slideformer-disk-write"))]
         for th in self._threads:
             th.start()

@@ -69,7 +69,7 @@ from ..model.adapter import ModelAdapter
 from ..optim.adamw import Landing
 from ..window.schedule import Visit
 from ..window.slots import Slot
-from .copier import copier_for
+from .copier import copier_for, on_device
 from .disk import DiskIO, Failure
 from .profile import NullProfiler, StepProfiler
 from .updates import SentGrads, Updates
@@ -133,7 +133,7 @@ class Runtime:
                                       store.state_format, cfg, self.copier.compute, self.profiler)
         store.attach_gpu(self.resident)
         self.failure = Failure()  # the first failure in any thread (engine/disk.py)
-        self.disk = DiskIO(store.tier, self.failure)  # (engine/disk.py)
+        self.disk = DiskIO(store.tier, self.failure, self.device)  # (engine/disk.py)
         self.updates = Updates(adapter, store, cfg, self.disk, self.failure, self.profiler)
         # Each host gradient buffer has a row of landing flags, one per chunk; tickets number the sends.
         chunks = -(-max(u.numel for u in adapter.units) // cfg.tuning.grad_chunk_elems)
@@ -142,7 +142,8 @@ class Runtime:
         self._tickets = 0
         self._tier_turn, self._tier_copied = 0, [None, None]  # (the loader's: see _load_from_tier)
         self._loads: queue.Queue[tuple | None] = queue.Queue()
-        self._loader = threading.Thread(target=self._load_work, name="slideformer-loader", daemon=True)
+        self._loader = threading.Thread(target=on_device(self._load_work, self.device), name="slideformer-loader",
+                                        daemon=True)
         self._loader.start()
         self._closed = False
         _SWITCH_INTERVAL.acquire()

@@ -19,6 +19,7 @@ from ..host.store import HostStore
 from ..model.adapter import ModelAdapter
 from ..optim.adamw import Landing, adamw_8bit_, adamw_compact_, adamw_update_, compact_seed, resolve_backend
 from ..window.schedule import next_update
+from .copier import on_device
 from .disk import DiskIO, Failure
 from .profile import NullProfiler, StepProfiler
 
@@ -77,7 +78,8 @@ class Updates:
         # One thread: its kernels release the GIL and use their own threads, so the updates overlap the
         # Python thread driving the GPU.
         self._jobs: queue.Queue[UpdateJob | _Verdict | None] = queue.Queue()
-        self._worker = threading.Thread(target=self._work, name="slideformer-optimizer", daemon=True)
+        self._worker = threading.Thread(target=on_device(self._work, cfg.device), name="slideformer-optimizer",
+                                        daemon=True)
         self._worker.start()
 
     @property

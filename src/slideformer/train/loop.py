@@ -200,10 +200,11 @@ def _placement(o: OffloadConfig) -> Placement:
 
 def train(cfg: TrainConfig) -> dict:
     with Signals() as signals:
-        try:
-            return _train(cfg, signals)
-        finally:
-            parallel.leave()
+        result = _train(cfg, signals)
+        # (only after a run that ended well: after a failure, tearing NCCL down can hang on a lost peer's
+        # communicator, and the process is about to exit anyway)
+        parallel.leave()
+        return result
 
 
 def _train(cfg: TrainConfig, signals: Signals) -> dict:
