@@ -19,6 +19,7 @@ step() { local s=$1; shift; echo "== $*"; timeout -k 5 "$s" "$@"; echo "== rc $?
 (while sleep 2; do nvidia-smi --query-compute-apps=pid,gpu_bus_id,used_memory --format=csv,noheader; echo; done) \
   > "$OUT/gpu_apps.txt" &
 smi=$!
+step 60 python3 -m pytest -q -m gpu tests/test_gpu.py -k second_gpu 2>&1 | tee "$OUT/0_threads.log" | tail -3
 step 150 python3 -m pytest -x -q -s -m gpu tests/test_parallel.py -k nccl_train_the_global_batch 2>&1 \
   | tee "$OUT/1_parity.log" | tail -15
 step 170 python3 -m pytest -x -q -s -m gpu tests/test_parallel.py -k trainer_on_two_gpus 2>&1 \

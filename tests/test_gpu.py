@@ -475,3 +475,35 @@ def test_saved_layers_on_cuda_train_like_the_recompute(fused, monkeypatch):
     assert all(torch.equal(got[k], ref[k]) for k in ref)
     # 3 steps x 3 layers x 2 micro-batches x 6 products not recomputed; with Liger the first step's q and k are
     assert ref_products - len(products) == 108 - (12 if fused == "liger" else 0)
+
+
+_ON_SECOND_GPU = """
+import sys
+import torch
+sys.path[:0] = {paths!r}
+from tiny import batch, build, engine_config
+from slideformer import SlideEngine
+
+torch.cuda.set_device(1)  # (as train/loop.py does with torchrun's LOCAL_RANK)
+cfg = engine_config(device="cuda", offload_dir={tier!r}, nvme_fraction=1.0, window_slots=2)
+with SlideEngine(build("llama"), cfg) as eng:
+    for s in range(2):
+        eng.train_step(batch(97, seed=s))
+print("context on GPU 0:", torch._C._cuda_hasPrimaryContext(0), "on GPU 1:", torch._C._cuda_hasPrimaryContext(1))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_an_engine_on_the_second_gpu_opens_no_context_on_the_first(tmp_path):
+    """A data-parallel rank on GPU 1: its loader, optimizer and disk threads run on its device (a new thread
+    starts on GPU 0, and a stream's context manager or an event wait there would open a context on GPU 0:
+    about 0.5 GiB that rank 0's plan does not count). A fresh process, so nothing else has touched GPU 0."""
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    code = _ON_SECOND_GPU.format(paths=[tests, os.path.join(os.path.dirname(tests), "src")], tier=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "context on GPU 0: False on GPU 1: True" in out.stdout, out.stdout
