@@ -15,6 +15,9 @@ step() { local s=$1; shift; echo "== $*"; timeout -k 5 "$s" "$@"; echo "== rc $?
 { nvidia-smi topo -m; grep MemTotal /proc/meminfo
   python3 -c "import torch; print(torch.__version__, torch.cuda.nccl.version(), torch.cuda.device_count())"
   echo "commit ${SLIDEFORMER_COMMIT:-unset}"; } 2>&1 | tee "$OUT/facts.txt"
+# The x2 VM's MemTotal starts at 31 GiB and grows as memory is touched (KINDS.md), and the planner sizes host
+# state from MemTotal: touch 96 GiB once, in the background, before the RSS step needs it.
+python3 -c "import numpy as np; a = [np.ones(2**30, dtype=np.uint8) for _ in range(96)]" &
 # each process's GPU: a rank's worker threads must not open a context on GPU 0
 (while sleep 2; do nvidia-smi --query-compute-apps=pid,gpu_bus_id,used_memory --format=csv,noheader; echo; done) \
   > "$OUT/gpu_apps.txt" &
