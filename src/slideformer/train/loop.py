@@ -200,9 +200,13 @@ def _placement(o: OffloadConfig) -> Placement:
 
 def train(cfg: TrainConfig) -> dict:
     with Signals() as signals:
-        result = _train(cfg, signals)
-        # (only after a run that ended well: after a failure, tearing NCCL down can hang on a lost peer's
-        # communicator, and the process is about to exit anyway)
+        try:
+            result = _train(cfg, signals)
+        except parallel.RankLost:
+            raise  # (no teardown: NCCL's can hang on a lost peer's communicator; the process exits anyway)
+        except BaseException:
+            parallel.leave()
+            raise
         parallel.leave()
         return result
 
