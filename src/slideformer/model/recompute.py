@@ -110,7 +110,7 @@ class LayerRecompute:
             if torch.is_grad_enabled() and self._active:
                 if last:
                     return _RecomputedLinear.apply(x, proj.weight, proj.bias, None, True)
-                if kept is not None and not last:
+                if kept is not None:
                     y, version = kept[proj].popleft()
                     if y._version == version:
                         return _RecomputedLinear.apply(x, proj.weight, proj.bias, [y])
