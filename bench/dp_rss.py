@@ -36,7 +36,7 @@ def one(rank: int, world: int, init: str, args, out: str) -> None:
     config = preset_config(args.model)
     cfg = EngineConfig(lr=1e-5, device=args.device, compute_dtype=torch.bfloat16, max_grad_norm=1.0,
                        optimizer_state=args.state,
-                       host_memory_limit=f"{args.host_gib / world}GiB" if args.host_gib else None,
+                       host_memory_limit=f"{args.host_gib}GiB" if args.host_gib else None,  # (resolve splits it)
                        gpu_memory_limit=f"{args.gpu_gib}GiB" if args.device == "cuda" else None)
     shape = ModelShape.from_adapter(ModelAdapter(config, torch.bfloat16))
     plan = resolve(cfg, Auto(), shape, args.batch, args.seq, Machine.detect(args.device))
