@@ -97,6 +97,43 @@ def test_saved_layers_fill_what_the_inputs_leave():
     assert (t0 - t1) * rate == pytest.approx(2 * (sh.layer_params - sh.hidden * sh.ffn) * 32 * 1024)
 
 
+def test_layer_inputs_make_room_for_saved_layers_where_the_host_has_it():
+    """Where saved layers do not all fit beside every layer input, fit gives the first layers' inputs to
+    pinned RAM within ``host_input_bytes``: the most saved layers the allowance reaches, each for the
+    fewest inputs, under the budget; none without an allowance. The resolver makes the allowance from
+    the RAM its state leaves, and only where the time model calls the step faster: Qwen3-4B b64 on the
+    whole card keeps every layer's products; under a host limit its state fills, nothing moves."""
+    from slideformer.machine import Machine
+    from slideformer.plan import Auto, resolve, step_time
+    from slideformer.plan.memory import with_displaced_inputs
+
+    sh, card = shape("qwen3-4b"), int(135.8 * GiB)
+    base = fit(sh, 64, 1024, card)
+    assert base.gpu_activation_layers == sh.layers and base.saved_layers < sh.layers
+    per_input = 64 * 1024 * sh.hidden * 2
+    roomy = fit(sh, 64, 1024, card, Layout(host_input_bytes=100 * GiB))
+    assert roomy.saved_layers == sh.layers and gpu_bytes(sh, 64, 1024, roomy)["peak"] <= card
+    fewer = replace(roomy, gpu_activation_layers=roomy.gpu_activation_layers + 1)
+    assert gpu_bytes(sh, 64, 1024, fewer)["peak"] > card  # the fewest inputs for that
+    some = fit(sh, 64, 1024, card, Layout(host_input_bytes=5 * per_input))
+    assert sh.layers - some.gpu_activation_layers <= 5 and base.saved_layers <= some.saved_layers < sh.layers
+    assert with_displaced_inputs(sh, 64, 1024, card, base) == base  # (no allowance)
+
+    machine = Machine(ram=int(125.8 * GiB), gpu=int(139.8 * GiB))
+    cfg = EngineConfig(device="cuda")
+    plan = resolve(cfg, Auto(resident_edges=True), sh, 64, 1024, machine)
+    p = plan.placement
+    assert p.saved_layers == sh.layers and p.gpu_activation_layers < sh.layers
+    offloaded = (sh.layers - p.gpu_activation_layers) * per_input
+    assert plan.config.placement.host_input_bytes == offloaded == plan.host["activations"]
+    assert plan.gpu["peak"] <= plan.gpu_limit
+    kept = fit(sh, 64, 1024, plan.gpu_limit, Layout.of(plan.config.placed(host_input_bytes=0)))
+    assert step_time(sh, 64, 1024, p)["step_s"] < step_time(sh, 64, 1024, kept)["step_s"]
+    tight = resolve(replace(cfg, host_memory_limit="52GiB"), Auto(resident_edges=True), sh, 64, 1024, machine)
+    assert tight.fits and tight.config.placement.host_input_bytes == 0
+    assert tight.placement.gpu_activation_layers == sh.layers and tight.placement.saved_layers < sh.layers
+
+
 def test_the_whole_card_streams_layers_whose_memory_would_rather_keep_products():
     """Qwen3-4B b32 fits whole on the card, but then not every layer's products: the planner trains only
     the layers on the GPU that the CPU update needs and keeps every layer's products instead (saved-dc44f7b:

@@ -120,6 +120,28 @@ def test_saved_layers_train_bit_identically_without_recomputed_products(family, 
     assert [r - c for r, c in zip(ref_counts, counts)] == [2 * 2 * kept] * 3  # 2 layers, 2 micro-batches
 
 
+def test_saved_layers_with_offloaded_inputs_train_as_the_recompute():
+    """Saved layers whose inputs went to host memory (the planner's ``host_input_bytes``: every layer
+    saved, the first layer's input offloaded) train bit for bit as the recompute with every input kept:
+    the recompute of a saved layer takes its input back from the activation store."""
+    model = build("llama")
+    steps = [[batch(97, seed=s), batch(97, seed=10 + s)] for s in range(3)]
+
+    def train(**placement):
+        cfg = EngineConfig(device="cpu", compute_dtype=torch.float32).placed(**placement)
+        with SlideEngine(model, cfg) as eng:
+            losses = [eng.train_step(b) for b in steps]
+            offloaded = set(eng.activations.offload_layers)
+            return losses, eng.state_dict(), offloaded
+
+    ref_losses, ref, _ = train()
+    n = model.config.num_hidden_layers
+    got_losses, got, offloaded = train(saved_layers=n, offload_activations=True, gpu_activation_layers=n - 1)
+    assert offloaded == {0}
+    assert got_losses == ref_losses
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+
+
 def test_an_output_changed_in_place_is_multiplied_again_then_kept_as_a_copy(monkeypatch):
     """A linear whose output forward changes in place (as Liger's RoPE does to q and k) is recomputed
     the first time, and kept as a copy from then on: the gradients are autograd's either way."""

@@ -49,6 +49,9 @@ class Placement:
     # recompute then runs no matmul for them (model/recompute.py): about a fifth less GPU work a layer,
     # for about 11 x hidden bf16 values a token. Never with token-chunked MLPs.
     saved_layers: int = 0
+    # Pinned host bytes the planner may give the first layers' inputs (offloaded then) so that their GPU
+    # memory keeps more saved layers' products: where RAM has room and the time model says it is faster.
+    host_input_bytes: int = 0
     # Host buffers decoder-layer gradients land in, reused as the optimizer frees them (None: one per
     # layer; clipping always holds one per layer until the global norm is known).
     host_grad_buffers: int | None = 4
@@ -177,6 +180,8 @@ class EngineConfig:
             raise ConfigError(f"gpu_activation_layers must be >= 0, got {p.gpu_activation_layers}")
         if p.saved_layers < 0:
             raise ConfigError(f"saved_layers must be >= 0, got {p.saved_layers}")
+        if p.host_input_bytes < 0:
+            raise ConfigError(f"host_input_bytes must be >= 0, got {p.host_input_bytes}")
         if p.resident_layers < 0:
             raise ConfigError(f"resident_layers must be >= 0, got {p.resident_layers}")
         if self.optimizer_state not in STATE_FORMATS:

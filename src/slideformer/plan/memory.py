@@ -11,7 +11,8 @@ addmm copying it, plus the final norm's buffers;
 the autograd head: 16 bytes per logit and a bf16 chunk gradient of [vocab, hidden]), and a layer's
 backward holds about 10 x ffn + 6 x hidden bf16 values per token of the micro-batch (HF's MLP keeps
 gate, up, act and product and their gradients; the norms upcast to fp32) plus one weight's gradient.
-The window counts one slot for an untied model's embedding and head (they share it). The constants
+Every term but the saved products (large tensors of exact size) is scaled by SAFETY. The window counts
+one slot for an untied model's embedding and head (they share it). The constants
 are fitted to the H200's max_memory_allocated of Qwen3-4B at batch 8 and 32 and Llama-3.1-8B at batch 8,
 both loss heads, 2 and 3 slots: the model is at most 10% above each measurement, never below
 (tests/test_plan.py), and so it stays at the tight caps of bench/cases.yaml ``footprint``, measured since
@@ -25,7 +26,8 @@ the planner bounds a layer's backward by splitting the batch, and keeps as many 
 GPU as the budget allows, offloading the rest: it prefers micro-batches of at least EFFICIENT_TOKENS
 tokens (matmuls at full speed), then the most layer inputs on the GPU (less pinned host memory and PCIe
 traffic), then the largest micro-batch; what the GPU still has left keeps saved layers' products (no
-matmul in their recompute). Where even one sequence does not fit, the MLPs run in token
+matmul in their recompute), and where the resolver allows pinned RAM for it (``host_input_bytes``), the
+first layers' inputs go there to keep more of them. Where even one sequence does not fit, the MLPs run in token
 chunks (model/chunked_mlp.py; one more MLP forward per layer).
 """
 from __future__ import annotations
@@ -163,6 +165,9 @@ class Layout:
     # (model/recompute.py); fit() fills what the GPU has left with them
     saved_layers: int = 0
     compute_bytes: int = 2  # the compute dtype's: fit() models bf16 and fp16 (fp32 compute keeps no saved layers)
+    # pinned host bytes fit() may give layer inputs whose GPU memory then keeps more saved layers' products
+    # (the resolver's call, from the RAM left and the time model: ``displace_inputs``)
+    host_input_bytes: int = 0
 
     @classmethod
     def of(cls, cfg, **kw) -> "Layout":
@@ -173,7 +178,8 @@ class Layout:
                    resident_layers=cfg.placement.resident_layers, loss_kernel=cfg.tuning.loss_kernel,
                    resident_edges=cfg.placement.resident_edges, mlp_chunk_tokens=cfg.tuning.mlp_chunk_tokens,
                    resident_state_bytes=resident_state_bytes(cfg.optimizer_state),
-                   saved_layers=cfg.placement.saved_layers, compute_bytes=cfg.compute_dtype.itemsize, **kw)
+                   saved_layers=cfg.placement.saved_layers, compute_bytes=cfg.compute_dtype.itemsize,
+                   host_input_bytes=cfg.placement.host_input_bytes, **kw)
 
     def edges_resident(self, shape: "ModelShape") -> bool:
         return self.resident_edges or self.resident_layers >= shape.layers
@@ -205,8 +211,9 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: i
                           # eager attention's scores and their softmax, kept for backward (about 16 bytes an entry)
                           + min(batch, p.micro_batch) * shape.eager_heads * seq * seq * 16,
     }
-    out["peak"] = int(SAFETY * (out["window"] + out["activations"] + out["saved_products"] + out["hidden_flow"]
-                                + max(out["loss_head"], out["layer_backward"])))
+    # (saved products are a few large tensors of exact size: the allocator adds nothing the model leaves out)
+    out["peak"] = int(SAFETY * (out["window"] + out["activations"] + out["hidden_flow"]
+                                + max(out["loss_head"], out["layer_backward"])) + out["saved_products"])
     return out
 
 
@@ -701,7 +708,7 @@ def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout = Layo
             best = next((q for q in (replace(best, loss_chunk_tokens=c) for c in LOSS_CHUNK_TOKENS)
                          if gpu_bytes(shape, batch, seq, q)["peak"] <= limit),
                         replace(best, loss_chunk_tokens=LOSS_CHUNK_TOKENS[-1]))
-        return with_saved_layers(shape, batch, seq, limit, best)
+        return with_displaced_inputs(shape, batch, seq, limit, with_saved_layers(shape, batch, seq, limit, best))
     if base.mlp_chunk_tokens is None:  # a sequence too long for micro-batches: its MLPs in token chunks
         for chunk in MLP_CHUNK_TOKENS:
             if chunk < seq:
@@ -732,8 +739,28 @@ def with_saved_layers(shape: ModelShape, batch: int, seq: int, limit: int, p: La
     per_layer = batch * seq * shape.kept_per_token * 2
     if p.gpu_activation_layers < shape.layers or p.mlp_chunk_tokens or not per_layer or p.compute_bytes != 2:
         return p
-    room = int((limit / SAFETY - gpu_bytes(shape, batch, seq, p)["peak"] / SAFETY) // per_layer)
+    room = int((limit - gpu_bytes(shape, batch, seq, p)["peak"]) // per_layer)
     return replace(p, saved_layers=max(0, min(shape.layers, room)))
+
+
+def with_displaced_inputs(shape: ModelShape, batch: int, seq: int, limit: int, p: Layout) -> Layout:
+    """``p`` with the first layers' inputs offloaded to pinned RAM, within ``p.host_input_bytes``, where
+    their GPU memory keeps more saved layers: the most saved layers the allowance reaches, each for the
+    fewest inputs (a layer's products take about 11 inputs' bytes, and an input crosses PCIe twice a step).
+    ``p`` as it is where it keeps every layer's products, or not every input, or no allowance."""
+    L, per_input = shape.layers, batch * seq * shape.hidden * 2
+    most = min(L, p.host_input_bytes // per_input) if per_input else 0
+    if not most or p.gpu_activation_layers < L or p.mlp_chunk_tokens or p.compute_bytes != 2:
+        return p
+    for s in range(L, saved_layers(shape, p), -1):
+        q = replace(p, saved_layers=s)
+        over = gpu_bytes(shape, batch, seq, q)["peak"] - limit
+        d = max(0, math.ceil(over / (SAFETY * per_input)))  # (each input is SAFETY x its bytes of the peak)
+        while d <= most and gpu_bytes(shape, batch, seq, replace(q, gpu_activation_layers=L - d))["peak"] > limit:
+            d += 1  # (the peak's rounding)
+        if d <= most:
+            return replace(q, gpu_activation_layers=L - d)
+    return p
 
 
 def least_layout(shape: ModelShape, batch: int, seq: int, base: Layout) -> Layout:

@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 from ..machine import Machine, MachineRates
 from ..optim.formats import compact_master
 from .memory import (DoesNotFit, ModelShape, Layout, auto_host, auto_residency, auto_tier, check_host_fits,
-                     choose_window_slots, config_host_bytes, fit, gpu_budget, gpu_bytes, held, least_layout,
+                     choose_window_slots, config_host_bytes, fit, gpu_budget, gpu_bytes, held, host_budget,
+                     least_layout,
                      nvme_bytes, nvme_layer_count, parse_bytes, spares_that_fit, step_time)
 
 
@@ -110,6 +111,9 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
     if auto.nvme_fraction and cfg.offload_dir:
         cfg = auto_tier(cfg, shape, batch, seq, placement, ram, buffers=auto.host_grad_buffers,
                         spares=auto.speculative_layers, weights=auto.host_weights, master=auto.nvme_master)
+    if problem is None and on_gpu and cfg.gpu_memory_limit:
+        cfg, placement = displace_inputs(cfg, shape, batch, seq, limit, placement, ram, rates)
+        gpu = gpu_bytes(shape, batch, seq, placement, cfg.compute_dtype.itemsize)
     host = config_host_bytes(cfg, shape, batch, seq, placement)
     if problem is None:
         try:
@@ -126,6 +130,27 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
                              else f"denser optimizer state ({prefix}optimizer_state: 8bit) or ")
                           + f"more RAM ({prefix}host_memory_limit)"), "disk"
     return Plan(cfg, placement, gpu, limit, host, problem, binds, shape)
+
+
+def displace_inputs(cfg, shape: ModelShape, batch: int, seq: int, limit: int, placement: Layout, ram: int,
+                    rates: MachineRates) -> tuple[object, Layout]:
+    """The config and placement with ``host_input_bytes`` decided, last of the host's claims: the RAM that
+    ``host_budget`` aims at and the state leaves, where fit() turns it into more saved layers and the time
+    model says the step is faster for it (the inputs' copies share the copy engines with the weights)."""
+    room = host_budget(cfg, ram)[0] - sum(config_host_bytes(cfg, shape, batch, seq, placement).values())
+    if room <= 0:
+        return cfg, placement
+    q = fit(shape, batch, seq, limit, Layout.of(cfg.placed(host_input_bytes=room)))
+
+    def seconds(p: Layout) -> float:
+        return step_time(shape, batch, seq, p, rates, state=cfg.optimizer_state,
+                         clipping=cfg.max_grad_norm is not None)["step_s"]
+
+    if q.saved_layers <= placement.saved_layers or seconds(q) >= seconds(placement):
+        return cfg, placement
+    used = (shape.layers - q.gpu_activation_layers) * batch * seq * shape.hidden * cfg.compute_dtype.itemsize
+    cfg = cfg.placed(host_input_bytes=used)
+    return cfg, fit(shape, batch, seq, limit, Layout.of(cfg))
 
 
 def tier_bytes(cfg, shape: ModelShape, batch: int, seq: int, placement: Layout) -> int:
