@@ -122,6 +122,58 @@ def norms(args) -> None:
                               "backward_gbps": 3 * x.numel() * 2 / b / 1e3, "torch": torch.__version__}))
 
 
+def fp8(args) -> None:
+    """The layer's GEMMs (as ``floor`` counts them) in FP8 through torch._scaled_mm with one dynamic scale a
+    tensor (torchao's float8 training recipe: e4m3 inputs and weights, e5m2 gradients): the products alone,
+    then with the eager work around each (amax, scale, cast, and the transposed copies backward's layouts
+    need), against bf16. What the FP8 stretch could gain before it is built."""
+    cfg, layer, _ = build(args.model, False)
+    T, e4, e5 = args.tokens, torch.float8_e4m3fn, torch.float8_e5m2
+    linears = [(n, m.in_features, m.out_features) for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)]
+    bufs = [(name, torch.randn(T, i, device="cuda", dtype=torch.bfloat16),
+             torch.randn(o, i, device="cuda", dtype=torch.bfloat16) / i ** 0.5,
+             torch.randn(T, o, device="cuda", dtype=torch.bfloat16)) for name, i, o in linears]
+
+    def cast(t, dtype):
+        scale = torch.finfo(dtype).max / t.abs().amax().float().clamp(min=1e-12)
+        return (t.float() * scale).to(dtype), scale.reciprocal()
+
+    def bf16_step():
+        for name, x, w, dy in bufs:
+            for _ in range(1 if name.endswith("down_proj") else 2):
+                x @ w.t()
+            dy @ w
+            dy.t() @ x
+
+    pre = [(name, cast(x, e4), cast(w, e4), cast(dy, e5)) for name, x, w, dy in bufs]
+    pre = [(name, x8, w8, dy8, (w8[0].t().contiguous(), w8[1]), (dy8[0].t().contiguous(), dy8[1]),
+            (x8[0].t().contiguous(), x8[1])) for name, x8, w8, dy8 in pre]
+
+    def mm(a, b):
+        return torch._scaled_mm(a[0], b[0], a[1], b[1], out_dtype=torch.bfloat16)
+
+    def fp8_gemms():
+        for name, x8, w8, dy8, wt8, dyt8, xt8 in pre:
+            for _ in range(1 if name.endswith("down_proj") else 2):
+                mm(x8, (w8[0].t(), w8[1]))
+            mm(dy8, (wt8[0].t(), wt8[1]))
+            mm(dyt8, (xt8[0].t(), xt8[1]))
+
+    def fp8_eager():
+        for name, x, w, dy in bufs:
+            x8, w8 = cast(x, e4), cast(w, e4)
+            for _ in range(1 if name.endswith("down_proj") else 2):
+                mm(x8, (w8[0].t(), w8[1]))
+            dy8 = cast(dy, e5)
+            mm(dy8, (w8[0].t().contiguous().t(), w8[1]))
+            mm((dy8[0].t().contiguous(), dy8[1]), (x8[0].t().contiguous().t(), x8[1]))
+
+    out = {"variant": "fp8", "model": args.model, "tokens": T, "torch": torch.__version__}
+    for key, fn in (("bf16_ms", bf16_step), ("fp8_gemms_ms", fp8_gemms), ("fp8_eager_ms", fp8_eager)):
+        out[key] = timed(fn, args.reps) * 1e3
+    print(json.dumps(out))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-4b")
@@ -132,8 +184,11 @@ def main() -> None:
                     "attention alone (SDPA), forward + recompute + backward: what no fusion can take off")
     ap.add_argument("--norms", action="store_true", help="also time the layer's RMSNorms alone (forward and "
                     "backward), Liger's kernels against slideformer's (kernels/rms_norm.py)")
+    ap.add_argument("--fp8", action="store_true", help="also time the layer's GEMMs in FP8 (torch._scaled_mm, "
+                    "a dynamic scale a tensor), alone and with their casts, against bf16")
     ap.add_argument("--experts", action="store_true", help="a MoE model: its experts run by transformers' loop "
                     "(eager), batched_mm and grouped_mm")
+    ap.add_argument("--variants", default="all", help="the layer's ways to time, comma-separated, or none")
     args = ap.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -144,10 +199,14 @@ def main() -> None:
                 ("compiled", False, True, None), ("liger+compiled", True, True, None)]
     if args.experts:
         variants = [(f"experts={impl}", False, False, None) for impl in ("eager", "batched_mm", "grouped_mm")]
+    if args.variants != "all":
+        variants = [v for v in variants if v[0] in args.variants.split(",")]
     if args.floor:
         floor(args)
     if args.norms:
         norms(args)
+    if args.fp8:
+        fp8(args)
     for name, liger, compiled, backend in variants:
         cfg, layer, rotary = build(args.model, liger, name.split("=")[1] if args.experts else None)
         B, S = args.tokens // args.seq, args.seq
