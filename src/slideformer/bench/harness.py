@@ -393,6 +393,8 @@ def _common(args, cuda: bool) -> dict:
     return {
         "gpu_peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "gpu_peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
+        # (the caching allocator freed its cache and tried again: each a device-wide sync)
+        "gpu_alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0,
         "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name() if cuda else "none", "torch": torch.__version__,
