@@ -11,8 +11,7 @@ addmm copying it, plus the final norm's buffers;
 the autograd head: 16 bytes per logit and a bf16 chunk gradient of [vocab, hidden]), and a layer's
 backward holds about 10 x ffn + 6 x hidden bf16 values per token of the micro-batch (HF's MLP keeps
 gate, up, act and product and their gradients; the norms upcast to fp32) plus one weight's gradient.
-Every term but the saved products (large tensors of exact size) is scaled by SAFETY. The window counts
-one slot for an untied model's embedding and head (they share it). The constants
+The window counts one slot for an untied model's embedding and head (they share it). The constants
 are fitted to the H200's max_memory_allocated of Qwen3-4B at batch 8 and 32 and Llama-3.1-8B at batch 8,
 both loss heads, 2 and 3 slots: the model is at most 10% above each measurement, never below
 (tests/test_plan.py), and so it stays at the tight caps of bench/cases.yaml ``footprint``, measured since
@@ -211,9 +210,8 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: i
                           # eager attention's scores and their softmax, kept for backward (about 16 bytes an entry)
                           + min(batch, p.micro_batch) * shape.eager_heads * seq * seq * 16,
     }
-    # (saved products are a few large tensors of exact size: the allocator adds nothing the model leaves out)
-    out["peak"] = int(SAFETY * (out["window"] + out["activations"] + out["hidden_flow"]
-                                + max(out["loss_head"], out["layer_backward"])) + out["saved_products"])
+    out["peak"] = int(SAFETY * (out["window"] + out["activations"] + out["saved_products"] + out["hidden_flow"]
+                                + max(out["loss_head"], out["layer_backward"])))
     return out
 
 
@@ -739,7 +737,7 @@ def with_saved_layers(shape: ModelShape, batch: int, seq: int, limit: int, p: La
     per_layer = batch * seq * shape.kept_per_token * 2
     if p.gpu_activation_layers < shape.layers or p.mlp_chunk_tokens or not per_layer or p.compute_bytes != 2:
         return p
-    room = int((limit - gpu_bytes(shape, batch, seq, p)["peak"]) // per_layer)
+    room = int((limit / SAFETY - gpu_bytes(shape, batch, seq, p)["peak"] / SAFETY) // per_layer)
     return replace(p, saved_layers=max(0, min(shape.layers, room)))
 
 
