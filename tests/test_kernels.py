@@ -258,3 +258,38 @@ def test_rms_norm_is_transformers_norm(dtype, shape, rows, monkeypatch):
     factor = 3 if dtype == torch.bfloat16 and DEV == "cpu" else 2
     for name, a, b, e in zip(("y", "dx", "dw"), ours, theirs, exact):
         assert rel(a, e) <= factor * rel(b, e) + 1e-7, (name, rel(a, e), rel(b, e))
+
+
+def e4m3_half_step(v: torch.Tensor) -> torch.Tensor:
+    """Half the spacing of e4m3 values around ``v``: 3 mantissa bits from 2^-6 up, 2^-9 below."""
+    a = v.abs().clamp(min=2.0 ** -6)
+    return torch.exp2(torch.floor(torch.log2(a)) - 3) / 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_row_cast_rounds_each_row_to_nearest_on_its_own_scale(dtype):
+    """Each row's largest magnitude maps to 448 (its inverse scale is amax / 448); every value, from that
+    scale's subnormals (2^-9 steps) to 448, lands on the nearest e4m3 value, as PyTorch's own cast puts it
+    (ties may differ by the scale's last bit); a zero row stays zero; strided rows (a weight's columns) and
+    no rows work. Rows longer than a block (2048 values) take the largest over every block."""
+    from slideformer.kernels.fp8 import E4M3, cast_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(19, 2500, generator=g) * torch.logspace(-7, 2, 2500)[torch.randperm(2500, generator=g)]
+    x[3] = 0
+    x[5, 2300] = 1e3  # (the row's largest in its second block)
+    x = x.to(dtype).to(DEV)
+    q, inv = cast_rows(x)
+    assert q.dtype == E4M3 and q.shape == x.shape and inv.shape == (19, 1) and inv.dtype == torch.float32
+    amax = x.float().abs().amax(1, keepdim=True).clamp(min=1e-12)
+    torch.testing.assert_close(inv, amax / 448, rtol=1e-6, atol=0)
+    assert q[5, 2300].float() == 448 and torch.all(q[3].float() == 0)
+    v = x.float() / inv
+    assert torch.all((q.float() - v).abs() <= e4m3_half_step(v) * (1 + 1e-5))
+    assert (q.float() != v.to(E4M3).float()).float().mean() < 1e-3
+    w = torch.randn(48, 32, generator=g).to(dtype).to(DEV)
+    qt, it = cast_rows(w.t())
+    q2, i2 = cast_rows(w.t().contiguous())
+    assert torch.equal(qt.float(), q2.float()) and torch.equal(it, i2)
+    empty, inv0 = cast_rows(torch.zeros(0, 32, dtype=dtype, device=DEV))
+    assert empty.shape == (0, 32) and inv0.shape == (0, 1)

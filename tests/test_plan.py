@@ -97,6 +97,16 @@ def test_saved_layers_fill_what_the_inputs_leave():
     assert (t0 - t1) * rate == pytest.approx(2 * (sh.layer_params - sh.hidden * sh.ffn) * 32 * 1024)
 
 
+def test_fp8_counts_each_window_weights_two_casts():
+    """With fp8 each weight of the window's layer slots and the resident layers keeps its rows' and its
+    columns' e4m3 casts (model/fp8.py): one byte a parameter each; the embedding and head none."""
+    sh = shape("qwen3-4b")
+    for p in (Layout(window_slots=3), Layout(window_slots=2, resident_layers=5, resident_edges=True)):
+        extra = gpu_bytes(sh, 8, 1024, replace(p, fp8=True))["window"] - gpu_bytes(sh, 8, 1024, p)["window"]
+        assert extra == 2 * (p.window_slots + p.resident_layers) * sh.layer_params
+    assert Layout.of(EngineConfig(fp8=True)).fp8
+
+
 def test_layer_inputs_make_room_for_saved_layers_where_the_host_has_it():
     """Where saved layers do not all fit beside every layer input, fit gives the first layers' inputs to
     pinned RAM within ``host_input_bytes``: the most saved layers the allowance reaches, each for the

@@ -119,7 +119,8 @@ def cmd_plan(args) -> int:
                           **({} if args.host_weights == "auto" else {"host_weights": args.host_weights}))
     as_trained = EngineConfig(device="cuda", max_grad_norm=args.max_grad_norm or None,
                               host_memory_limit=args.host_memory_limit,
-                              optimizer_state=args.optimizer_state, offload_dir=args.offload_dir, placement=placement)
+                              optimizer_state=args.optimizer_state, offload_dir=args.offload_dir, fp8=args.fp8,
+                              placement=placement)
     replace(as_trained, device="cpu").validate()  # what train would refuse, refused here too (any machine's GPU)
     host_auto = dict(host_weights=args.host_weights == "auto", host_grad_buffers=True, speculative_layers=True,
                      nvme_fraction=args.nvme_fraction == "auto", nvme_master=not args.nvme_master)
@@ -526,6 +527,7 @@ def _main(argv: list[str], signals: Signals) -> int:
                     help="as the trainer's max_grad_norm (default 1.0; 0: no clipping, which lets gradients share "
                          "a ring of host buffers)")
     pl.add_argument("--optimizer-state", default=PLAN_DEFAULTS["optimizer_state"], choices=["fp32", "compact", "8bit"])  # (optim/formats.py; the parser loads no torch)
+    pl.add_argument("--fp8", action="store_true", help="the layers' linears in FP8 (train's fp8: true)")
     rates = MachineRates()
     pl.add_argument("--gpu-tflops", type=_positive_float, default=rates.gpu_flops / 1e12,
                     help="bf16 TFLOP/s a step's GPU work runs at (default: the H200's %(default).0f, measured)")

@@ -114,6 +114,9 @@ class EngineConfig:
     # (installed, on CUDA); None: SDPA (the fastest measured on the H200), or eager where the model's
     # attention scores are soft-capped (Gemma 2), which SDPA cannot do
     attn_implementation: str | None = None
+    # The decoder layers' linears multiply in FP8 (e4m3, a scale a row; the weight gradient in bf16:
+    # model/fp8.py): Hopper's FP8 tensor cores, bf16 compute. Not the same training as bf16: opt-in.
+    fp8: bool = False
     seed: int = 0
     placement: Placement = field(default_factory=Placement)
     tuning: Tuning = field(default_factory=Tuning)
@@ -151,6 +154,9 @@ class EngineConfig:
                               f"got {p.host_weights!r}")
         if self.compute_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ConfigError(f"compute_dtype must be bfloat16, float16 or float32, got {self.compute_dtype}")
+        if self.fp8 and (self.compute_dtype != torch.bfloat16 and str(self.device).startswith("cuda")):
+            raise ConfigError("fp8 multiplies the layers' linears in FP8 with bf16 outputs: set compute_dtype="
+                              "torch.bfloat16 (bf16: true), or leave fp8 off")
         dev = torch.device(self.device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device='cuda' but CUDA is not available; pass device='cpu' to run on the CPU")

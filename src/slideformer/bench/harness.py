@@ -76,7 +76,7 @@ def run_slideformer(args, config):
     tuning = Tuning(profile=True, grad_chunk_elems=args.grad_chunk_elems, optimizer_threads=args.optimizer_threads,
                     loss_chunk_tokens=args.loss_chunk, loss_kernel=args.loss_kernel, fused_ops=args.fused_ops)
     cfg = EngineConfig(lr=1e-5, device=args.device, compute_dtype=args.dtype, max_grad_norm=args.max_grad_norm,
-                       optimizer_state=args.optimizer_state, offload_dir=args.offload_dir,
+                       optimizer_state=args.optimizer_state, offload_dir=args.offload_dir, fp8=args.fp8,
                        gpu_memory_limit=int(args.gpu_memory_limit_gib * 2**30) if args.gpu_memory_limit_gib else None,
                        host_memory_limit=int(args.host_memory_limit_gib * 2**30) if args.host_memory_limit_gib else None,
                        placement=placement, tuning=tuning)
@@ -284,6 +284,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--fused-ops", default=Tuning.fused_ops, choices=["auto", "none", "liger"],
                     help="slideformer: its layers' RMSNorm/SwiGLU; plain: the same rebinding on the HF model")
     ap.add_argument("--optimizer-state", default="fp32", choices=["fp32", "compact", "8bit"])
+    ap.add_argument("--fp8", action="store_true", help="slideformer: the layers' linears in FP8 (model/fp8.py)")
     ap.add_argument("--offload-dir", default=None, help="NVMe tier directory for the moments of --nvme-fraction of the layers")
     ap.add_argument("--nvme-fraction", default="auto", help="the layers on the tier, or auto (the planner's)")
     ap.add_argument("--nvme-master", action="store_true", help="the tier's layers keep their master there too (compact "
@@ -406,7 +407,7 @@ def _common(args, cuda: bool) -> dict:
                                                    "resident_layers", "resident_edges",
                                                    "loss_kernel", "fused_ops", "optimizer_state", "ds_loss", "offload_dir",
                                                    "nvme_fraction", "nvme_master", "activations_to_nvme",
-                                                   "offload_activations")},
+                                                   "offload_activations", "fp8")},
     }
 
 

@@ -35,7 +35,7 @@ DEFAULTS = {"slots": (3, "auto"), "depth": (None, 1), "host_weights": ("auto", "
             "grad_chunk_elems": 16 << 20, "switch_interval": None, "nvme_master": False,
             "activations_to_nvme": False, "resident_edges": False, "offload_activations": None,
             "resident_at": "start",  # a setting of older files only ("end": the last layers resident)
-            "max_grad_norm": None, "speculative_layers": "auto", "host_memory_limit_gib": None}
+            "max_grad_norm": None, "speculative_layers": "auto", "host_memory_limit_gib": None, "fp8": False}
 
 
 def variant(r) -> str:

@@ -126,7 +126,10 @@ class SlideEngine:
             apply_liger(self.adapter.layers + [self.adapter.norm], getattr(hf_config, "hidden_act", ""))
         # (after Liger: the chunks run whatever MLP forward is bound)
         self.mlp_chunking = MlpChunking([layer.mlp for layer in self.adapter.layers], t.mlp_chunk_tokens)
-        self.recompute = LayerRecompute(self.adapter.layers)
+        if self.cfg.fp8 and self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            raise ConfigError(f"fp8: {torch.cuda.get_device_name(self.device)} has no FP8 tensor cores (compute "
+                              "capability 8.9 or newer: Ada, Hopper, Blackwell); leave fp8 off")
+        self.recompute = LayerRecompute(self.adapter.layers, fp8=self.cfg.fp8)
         # Mixture-of-Experts: experts as one grouped GEMM on CUDA (transformers' loop on the CPU), and the
         # router's load-balancing loss where the config asks for it (model/moe.py)
         if self.adapter.experts:

@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fp8 import Fp8Weights, fp8_input_grad, fp8_linear
+
 
 class _RecomputedLinear(torch.autograd.Function):
     """``F.linear`` in backward's recompute. Its output is ``kept[0]`` (the product forward kept) where
@@ -48,20 +50,23 @@ class _RecomputedLinear(torch.autograd.Function):
     not modify.)"""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, kept=None, output_free=False):
+    def forward(ctx, x, weight, bias, kept=None, output_free=False, casts=None):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
+        ctx.casts = casts
         if kept:
             return kept[0]
         if output_free:
             return x.new_empty(*x.shape[:-1], weight.shape[0])
-        return F.linear(x, weight, bias)
+        return F.linear(x, weight, bias) if casts is None else fp8_linear(x, weight, bias, casts)
 
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-        gx = g2.mm(w).view_as(x) if ctx.needs_input_grad[0] else None
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = (g2.mm(w) if ctx.casts is None else fp8_input_grad(g2, w, ctx.casts)).view_as(x)
         gw = None
         if ctx.needs_input_grad[1]:
             into = w.grad  # (the parameter ctx saved is the one the layer holds: its .grad is the slot's view)
@@ -70,7 +75,7 @@ class _RecomputedLinear(torch.autograd.Function):
             else:
                 gw = g2.t().mm(x2)  # (as autograd: contiguous, [out, in])
         gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb, None, None
+        return gx, gw, gb, None, None, None
 
 
 def output_free_down(layer: nn.Module) -> nn.Linear | None:
@@ -92,9 +97,11 @@ class LayerRecompute:
     """Wraps the ``forward`` of each layer's linears. Inside ``recording()`` (a forward without
     gradients) they keep their outputs; inside ``active()`` (the engine's recompute, with gradients on)
     an output-free down projection records its graph only, with the kept products the others return
-    theirs, and each adds its weight's gradient into the weight's ``.grad``."""
+    theirs, and each adds its weight's gradient into the weight's ``.grad``. With ``fp8`` their products
+    without gradients and in the recompute, and their input gradients, multiply in FP8 (model/fp8.py)."""
 
-    def __init__(self, layers: list[nn.Module]):
+    def __init__(self, layers: list[nn.Module], fp8: bool = False):
+        self.casts = Fp8Weights() if fp8 else None
         self._active = False
         self._kept: dict | None = None
         self._copied: set[nn.Module] = set()  # linears whose output forward modifies in place: kept as copies
@@ -106,22 +113,24 @@ class LayerRecompute:
 
     def _wrap(self, proj: nn.Linear, last: bool):
         def forward(x: torch.Tensor) -> torch.Tensor:
-            kept = self._kept
-            if torch.is_grad_enabled() and self._active:
+            kept, casts = self._kept, self.casts
+            grad = torch.is_grad_enabled()
+            if grad and self._active:
                 if last:
-                    return _RecomputedLinear.apply(x, proj.weight, proj.bias, None, True)
+                    return _RecomputedLinear.apply(x, proj.weight, proj.bias, None, True, casts)
                 if kept is not None:
                     y, version = kept[proj].popleft()
                     if y._version == version:
-                        return _RecomputedLinear.apply(x, proj.weight, proj.bias, [y])
+                        return _RecomputedLinear.apply(x, proj.weight, proj.bias, [y], False, casts)
                     self._copied.add(proj)  # changed in place after forward returned it: multiply again
-                return _RecomputedLinear.apply(x, proj.weight, proj.bias)
-            elif kept is not None and not last:
-                y = F.linear(x, proj.weight, proj.bias)
+                return _RecomputedLinear.apply(x, proj.weight, proj.bias, None, False, casts)
+            # (with gradients outside the recompute, as token-chunked MLPs' checkpoints: autograd's linear)
+            y = F.linear(x, proj.weight, proj.bias) if grad or casts is None else \
+                fp8_linear(x, proj.weight, proj.bias, casts)
+            if kept is not None and not last:
                 k = y.clone() if proj in self._copied else y
                 kept.setdefault(proj, deque()).append((k, k._version))
-                return y
-            return F.linear(x, proj.weight, proj.bias)
+            return y
         return forward
 
     @contextlib.contextmanager

@@ -167,6 +167,7 @@ class Layout:
     # pinned host bytes fit() may give layer inputs whose GPU memory then keeps more saved layers' products
     # (the resolver's call, from the RAM left and the time model: ``displace_inputs``)
     host_input_bytes: int = 0
+    fp8: bool = False  # the layers' linears in FP8: each weight in the window keeps two e4m3 casts (model/fp8.py)
 
     @classmethod
     def of(cls, cfg, **kw) -> "Layout":
@@ -178,7 +179,7 @@ class Layout:
                    resident_edges=cfg.placement.resident_edges, mlp_chunk_tokens=cfg.tuning.mlp_chunk_tokens,
                    resident_state_bytes=resident_state_bytes(cfg.optimizer_state),
                    saved_layers=cfg.placement.saved_layers, compute_bytes=cfg.compute_dtype.itemsize,
-                   host_input_bytes=cfg.placement.host_input_bytes, **kw)
+                   host_input_bytes=cfg.placement.host_input_bytes, fp8=cfg.fp8, **kw)
 
     def edges_resident(self, shape: "ModelShape") -> bool:
         return self.resident_edges or self.resident_layers >= shape.layers
@@ -197,7 +198,8 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: i
     resident = k * shape.layer_params + (shape.embed_params + shape.head_params if edges else 0)
     out = {
         # slots hold bf16 weights and gradients; a resident unit adds its optimizer state
-        "window": 2 * dtype_bytes * (streamed_slots + resident) + p.resident_state_bytes * resident,
+        "window": 2 * dtype_bytes * (streamed_slots + resident) + p.resident_state_bytes * resident
+        + (2 * (min(p.window_slots, shape.layers - k) + k) * shape.layer_params if p.fp8 else 0),
         "activations": kept * T * H * dtype_bytes,
         "saved_products": saved_layers(shape, p) * T * shape.kept_per_token * dtype_bytes,
         "hidden_flow": 2 * T * H * dtype_bytes,

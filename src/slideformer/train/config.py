@@ -130,6 +130,8 @@ class TrainConfig:
     bf16: bool | None = None  # default: bf16 on CUDA, fp32 on CPU
     # sdpa, eager, flash_attention_2 or flash_attention_3; default: sdpa, or eager where a model needs it
     attn_implementation: str | None = None
+    # the decoder layers' linears in FP8 (Hopper or newer, bf16): faster matmuls, not the same training as bf16
+    fp8: bool = False
     progress: bool = True
     # where scalars and the run's metadata go: tensorboard, wandb, mlflow (their clients: optional extras), a
     # list of them, or none

@@ -228,7 +228,7 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
                         compute_dtype=torch.bfloat16 if bf16 else torch.float32,
                         gpu_memory_limit=o.gpu_memory_limit, host_memory_limit=o.host_memory_limit,
                         optimizer_state=o.optimizer_state, attn_implementation=cfg.attn_implementation,
-                        offload_dir=o.offload_dir, placement=_placement(o))
+                        fp8=cfg.fp8, offload_dir=o.offload_dir, placement=_placement(o))
     try:
         ecfg.validate()  # (before any work; its messages in the config's key names)
     except ConfigError as e:

@@ -1,0 +1,75 @@
+"""Rows cast to FP8 (e4m3) with one scale a row, in one kernel: each row's largest magnitude maps to
+e4m3's largest value (448), the rowwise recipe of torchao's float8 training. ``torch._scaled_mm`` then
+multiplies the quantized rows, given the inverse scales.
+
+Why our own: torchao's casts are PyTorch ops that only torch.compile fuses, and the engine runs its layers
+eagerly (the recompute's wrapped linears). Unfused, the casts (abs, amax, an fp32 product, the cast, for
+each activation, gradient and weight) cost more than the FP8 GEMMs save (bench/NOTES.md, session 19).
+Here a row is read twice (its amax, then the cast) and written once as one byte a value.
+
+Each value is rounded to e4m3's grid in fp32 (to nearest, ties to even; subnormals on their fixed step)
+before the conversion, which is then exact: Triton's CPU interpreter, which the tests use, rounds some
+values just under a power of two down a whole binade.
+"""
+from __future__ import annotations
+
+import torch
+
+from .cross_entropy import triton, triton_usable
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _cast_rows(x_ptr, q_ptr, inv_ptr, n_rows, stride, N: tl.constexpr, BLOCK_N: tl.constexpr,
+                   ROWS: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        rmask = rows < n_rows
+        amax = tl.zeros((ROWS,), dtype=tl.float32)
+        for c0 in range(0, N, BLOCK_N):
+            cols = c0 + tl.arange(0, BLOCK_N)
+            mask = rmask[:, None] & (cols < N)[None, :]
+            x = tl.load(x_ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), 1))
+        amax = tl.maximum(amax, 1e-12)
+        scale = 448.0 / amax
+        for c0 in range(0, N, BLOCK_N):
+            cols = c0 + tl.arange(0, BLOCK_N)
+            mask = rmask[:, None] & (cols < N)[None, :]
+            x = tl.load(x_ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            v = x * scale[:, None]
+            # normals: 3 mantissa bits, to nearest even, on the bit pattern
+            bits = v.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
+            normal = bits.to(tl.float32, bitcast=True)
+            # subnormals (under 2^-6): multiples of 2^-9, rounded by the fp32 add of 1.5 x 2^23
+            sub = v * 512.0 + 12582912.0
+            sub = (sub - 12582912.0) / 512.0
+            v = tl.where(tl.abs(v) >= 0.015625, normal, sub)
+            v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+            tl.store(q_ptr + rows[:, None] * N + cols[None, :], v.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(inv_ptr + rows, amax / 448.0, mask=rmask)
+
+
+def cast_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, inv)`` for a 2-D ``x`` (its rows may be strided): ``q`` e4m3 [rows, n], contiguous, and ``inv``
+    fp32 [rows, 1], with ``q * inv`` about ``x`` (each row to e4m3's 3 mantissa bits of its largest value).
+    The kernel where Triton runs, else the same arithmetic in PyTorch."""
+    n_rows, n = x.shape
+    if not triton_usable(x):
+        amax = x.abs().amax(1, keepdim=True).float().clamp(min=1e-12)
+        q = (x.float() * (E4M3_MAX / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+        return q, amax / E4M3_MAX
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    q = torch.empty(n_rows, n, dtype=E4M3, device=x.device)
+    inv = torch.empty(n_rows, 1, dtype=torch.float32, device=x.device)
+    block_n = min(triton.next_power_of_2(max(n, 16)), 2048)
+    rows = 1 if not x.is_cuda else max(1, 2048 // block_n)
+    if n_rows:
+        _cast_rows[(triton.cdiv(n_rows, rows),)](x, q, inv, n_rows, x.stride(0), N=n, BLOCK_N=block_n, ROWS=rows,
+                                                 num_warps=1 if not x.is_cuda else 8)
+    return q, inv

@@ -1,0 +1,66 @@
+"""The decoder layers' linears in FP8 (opt-in: ``EngineConfig.fp8``), as torchao's rowwise float8 recipe
+with the weight gradient in high precision: forward's product and backward's input gradient multiply e4m3
+rows, each with its own scale (kernels/fp8.py), on Hopper's FP8 tensor cores through ``torch._scaled_mm``;
+the weight gradient stays a bf16 GEMM that adds into the slot's gradient (model/recompute.py), since
+it sums over every token of the step and carries FP8's error straight into the update.
+
+A weight is cast once for every visit of its slot, not once per micro-batch: the casts (its rows for
+forward, its columns for backward) are kept per weight while its storage and version counter are
+unchanged (a slot's new weights, a resident unit's update, each bumps the counter). That is at most two
+bytes per parameter of the window and the resident layers, which the planner counts.
+
+A linear whose dimensions ``_scaled_mm`` cannot take (not multiples of 16) runs in the compute dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels.fp8 import cast_rows
+
+
+def fp8_shapes_ok(weight: torch.Tensor) -> bool:
+    """``_scaled_mm`` takes inner and outer dimensions in multiples of 16."""
+    return weight.dim() == 2 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+
+
+class Fp8Weights:
+    """Each weight's e4m3 casts, kept while it is unchanged: its rows (forward: ``x @ w.T``) and its
+    columns (backward: ``g @ w``), each as (values, inverse scales)."""
+
+    def __init__(self):
+        self._casts: dict[int, tuple[tuple, dict[bool, tuple[torch.Tensor, torch.Tensor]]]] = {}
+
+    def get(self, w: torch.Tensor, columns: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (w._version, tuple(w.shape), w.dtype, w.device)
+        entry = self._casts.get(w.data_ptr())
+        if entry is None or entry[0] != key:
+            entry = self._casts[w.data_ptr()] = (key, {})
+        if columns not in entry[1]:
+            entry[1][columns] = cast_rows(w.detach().t() if columns else w.detach())
+        return entry[1][columns]
+
+    def clear(self) -> None:
+        self._casts.clear()
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, casts: Fp8Weights) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with x's rows and the weight's rows in e4m3 (no gradient recorded)."""
+    if not fp8_shapes_ok(weight):
+        return F.linear(x, weight, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    qx, sx = cast_rows(x2)
+    qw, sw = casts.get(weight)
+    y = torch._scaled_mm(qx, qw.t(), sx, sw.t(), bias=None, out_dtype=x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_input_grad(g2: torch.Tensor, weight: torch.Tensor, casts: Fp8Weights) -> torch.Tensor:
+    """``g2 @ weight`` (the input's gradient, [tokens, in]) with g's rows and the weight's columns in e4m3."""
+    if not fp8_shapes_ok(weight):
+        return g2.mm(weight)
+    qg, sg = cast_rows(g2)
+    qwt, swt = casts.get(weight, columns=True)
+    return torch._scaled_mm(qg, qwt.t(), sg, swt.t(), out_dtype=g2.dtype)
