@@ -22,7 +22,7 @@ def rel(a, b) -> float:
 def test_fp8_products_are_within_fp8s_error_and_cast_each_weight_once(monkeypatch):
     """``x @ w.T`` and ``g @ w`` from e4m3 rows: off the exact product by about e4m3's rounding (3
     mantissa bits: a few percent of its norm), not bf16's; the weight's two casts are made once while it
-    is unchanged and again once it changes in place (a slot's new weights). A weight whose dimensions
+    is kept, and made again once the owner clears them (a new visit). A weight whose dimensions
     ``_scaled_mm`` cannot take multiplies in the compute dtype."""
     casts = []
     real = fp8_mod.cast_rows
@@ -42,8 +42,9 @@ def test_fp8_products_are_within_fp8s_error_and_cast_each_weight_once(monkeypatc
     fp8_input_grad(gy, w, cache)
     # x's rows twice, gy's twice, the weight's rows and columns once
     assert sorted(casts) == sorted([(132, 64)] * 2 + [(132, 96)] * 2 + [(96, 64), (64, 96)])
-    w.mul_(2)  # (in place: the version counter moves)
+    w.mul_(2)
     casts.clear()
+    cache.clear()
     assert rel(fp8_linear(x, w, None, cache), F.linear(x.double(), w.double())) < 0.05
     assert (96, 64) in casts
     odd = torch.randn(40, 24, generator=g).to(DEV)  # (24 in, 40 out: not multiples of 16)
@@ -85,6 +86,32 @@ def test_the_engine_trains_in_fp8_as_in_full_precision_within_fp8s_error(family,
     drift = max(rel(got[k] - model.state_dict()[k], ref[k] - model.state_dict()[k]) for k in ref
                 if "layers" in k and not torch.equal(ref[k], model.state_dict()[k]))
     assert 0 < drift < 0.4
+
+
+@pytest.mark.parametrize("placement,state", [
+    (dict(window_slots=2, prefetch_depth=1), "fp32"),  # a slot takes another layer's weights within a step
+    (dict(resident_layers=1, window_slots=2, prefetch_depth=1), "compact"),  # a Triton update, in place
+])
+def test_the_casts_a_visit_reuses_are_those_of_its_weights(placement, state, monkeypatch):
+    """A weight's casts serve every micro-batch of a visit and never another visit: training with them
+    kept is training with each weight cast afresh at each use, bit for bit, where slots take other layers'
+    weights and where a resident layer's update writes its weights without moving their version counter
+    (compact state's kernel)."""
+    steps = [[batch(97, seed=s), batch(97, seed=10 + s)] for s in range(3)]
+
+    def run():
+        model = build("llama")
+        cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, fp8=True, lr=1e-2,
+                           optimizer_state=state).placed(**placement)
+        with SlideEngine(model, cfg) as eng:
+            return [eng.train_step(b) for b in steps], eng.state_dict()
+
+    kept_losses, kept = run()
+    monkeypatch.setattr(Fp8Weights, "get", lambda self, w, columns=False:
+                        fp8_mod.cast_rows(w.detach().t() if columns else w.detach()))
+    fresh_losses, fresh = run()
+    assert kept_losses == fresh_losses
+    assert all(torch.equal(kept[k], fresh[k]) for k in fresh)
 
 
 def test_fp8_asks_for_bf16_on_the_gpu():

@@ -97,13 +97,13 @@ def test_saved_layers_fill_what_the_inputs_leave():
     assert (t0 - t1) * rate == pytest.approx(2 * (sh.layer_params - sh.hidden * sh.ffn) * 32 * 1024)
 
 
-def test_fp8_counts_each_window_weights_two_casts():
-    """With fp8 each weight of the window's layer slots and the resident layers keeps its rows' and its
-    columns' e4m3 casts (model/fp8.py): one byte a parameter each; the embedding and head none."""
+def test_fp8_counts_the_visited_layers_two_casts():
+    """With fp8 the visited layer's weights keep their rows' and their columns' e4m3 casts for the visit
+    (model/fp8.py): one byte a parameter each, however many slots and resident layers."""
     sh = shape("qwen3-4b")
     for p in (Layout(window_slots=3), Layout(window_slots=2, resident_layers=5, resident_edges=True)):
         extra = gpu_bytes(sh, 8, 1024, replace(p, fp8=True))["window"] - gpu_bytes(sh, 8, 1024, p)["window"]
-        assert extra == 2 * (p.window_slots + p.resident_layers) * sh.layer_params
+        assert extra == 2 * sh.layer_params
     assert Layout.of(EngineConfig(fp8=True)).fp8
 
 
@@ -141,6 +141,8 @@ def test_layer_inputs_make_room_for_saved_layers_where_the_host_has_it():
     assert plan.gpu["peak"] <= plan.gpu_limit
     kept = fit(sh, 64, 1024, plan.gpu_limit, Layout.of(plan.config.placed(host_input_bytes=0)))
     assert step_time(sh, 64, 1024, p)["step_s"] < step_time(sh, 64, 1024, kept)["step_s"]
+    to_disk = resolve(cfg.placed(activations_to_nvme=True), Auto(resident_edges=True), sh, 64, 1024, machine)
+    assert to_disk.config.placement.host_input_bytes == 0  # (offloaded inputs would go on to the disk)
     tight = resolve(replace(cfg, host_memory_limit="52GiB"), Auto(resident_edges=True), sh, 64, 1024, machine)
     assert tight.fits and tight.config.placement.host_input_bytes == 0
     assert tight.placement.gpu_activation_layers == sh.layers and tight.placement.saved_layers < sh.layers

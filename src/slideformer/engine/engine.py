@@ -126,9 +126,10 @@ class SlideEngine:
             apply_liger(self.adapter.layers + [self.adapter.norm], getattr(hf_config, "hidden_act", ""))
         # (after Liger: the chunks run whatever MLP forward is bound)
         self.mlp_chunking = MlpChunking([layer.mlp for layer in self.adapter.layers], t.mlp_chunk_tokens)
-        if self.cfg.fp8 and self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
-            raise ConfigError(f"fp8: {torch.cuda.get_device_name(self.device)} has no FP8 tensor cores (compute "
-                              "capability 8.9 or newer: Ada, Hopper, Blackwell); leave fp8 off")
+        if self.cfg.fp8 and self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (9, 0):
+            raise ConfigError(f"fp8: {torch.cuda.get_device_name(self.device)} cannot multiply FP8 rows with a scale "
+                              "each (torch._scaled_mm's rowwise scaling: compute capability 9.0 or newer, Hopper "
+                              "on); leave fp8 off")
         self.recompute = LayerRecompute(self.adapter.layers, fp8=self.cfg.fp8)
         # Mixture-of-Experts: experts as one grouped GEMM on CUDA (transformers' loop on the CPU), and the
         # router's load-balancing loss where the config asks for it (model/moe.py)
@@ -246,6 +247,7 @@ class SlideEngine:
                 slot = rt.slots[v.group][v.slot]
                 unit = self.adapter.units[v.unit]
                 rt.begin_compute(slot)
+                self.recompute.new_visit()
                 getattr(self, f"_{v.phase}")(st, unit, slot)
                 rt.end_compute(slot, v.unit)
                 if v.last:
@@ -298,6 +300,7 @@ class SlideEngine:
             slot = rt.slots[v.group][v.slot]
             unit = self.adapter.units[v.unit]
             rt.begin_compute(slot)
+            self.recompute.new_visit()
             if v.phase == "embed_fwd":
                 self._embed_fwd(st, unit, slot)
             elif v.phase == "fwd":

@@ -49,7 +49,8 @@ if triton is not None:
             sub = v * 512.0 + 12582912.0
             sub = (sub - 12582912.0) / 512.0
             v = tl.where(tl.abs(v) >= 0.015625, normal, sub)
-            v = tl.minimum(tl.maximum(v, -448.0), 448.0)
+            v = tl.where(v == v, tl.minimum(tl.maximum(v, -448.0), 448.0), v)  # (NaN stays NaN: the GPU's min
+            # and max drop it, and a NaN or infinite input must reach the loss)
             tl.store(q_ptr + rows[:, None] * N + cols[None, :], v.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(inv_ptr + rows, amax / 448.0, mask=rmask)
 

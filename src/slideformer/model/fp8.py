@@ -4,10 +4,10 @@ rows, each with its own scale (kernels/fp8.py), on Hopper's FP8 tensor cores thr
 the weight gradient stays a bf16 GEMM that adds into the slot's gradient (model/recompute.py), since
 it sums over every token of the step and carries FP8's error straight into the update.
 
-A weight is cast once for every visit of its slot, not once per micro-batch: the casts (its rows for
-forward, its columns for backward) are kept per weight while its storage and version counter are
-unchanged (a slot's new weights, a resident unit's update, each bumps the counter). That is at most two
-bytes per parameter of the window and the resident layers, which the planner counts.
+A weight is cast once a visit of its unit, not once per micro-batch: the casts (its rows for forward, its
+columns for backward) are kept until the engine starts the next visit (``LayerRecompute.new_visit``),
+whatever the weights' version counters say: broadcasts and Triton kernels write weights without moving
+them. That is two bytes per parameter of one layer, which the planner counts.
 
 A linear whose dimensions ``_scaled_mm`` cannot take (not multiples of 16) runs in the compute dtype.
 """
@@ -25,20 +25,18 @@ def fp8_shapes_ok(weight: torch.Tensor) -> bool:
 
 
 class Fp8Weights:
-    """Each weight's e4m3 casts, kept while it is unchanged: its rows (forward: ``x @ w.T``) and its
-    columns (backward: ``g @ w``), each as (values, inverse scales)."""
+    """The current visit's e4m3 casts of each weight: its rows (forward: ``x @ w.T``) and its columns
+    (backward: ``g @ w``), each as (values, inverse scales). The owner clears them when the weights
+    may change."""
 
     def __init__(self):
-        self._casts: dict[int, tuple[tuple, dict[bool, tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self._casts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def get(self, w: torch.Tensor, columns: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (w._version, tuple(w.shape), w.dtype, w.device)
-        entry = self._casts.get(w.data_ptr())
-        if entry is None or entry[0] != key:
-            entry = self._casts[w.data_ptr()] = (key, {})
-        if columns not in entry[1]:
-            entry[1][columns] = cast_rows(w.detach().t() if columns else w.detach())
-        return entry[1][columns]
+        key = (w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device, columns)
+        if key not in self._casts:
+            self._casts[key] = cast_rows(w.detach().t() if columns else w.detach())
+        return self._casts[key]
 
     def clear(self) -> None:
         self._casts.clear()

@@ -98,7 +98,8 @@ class LayerRecompute:
     gradients) they keep their outputs; inside ``active()`` (the engine's recompute, with gradients on)
     an output-free down projection records its graph only, with the kept products the others return
     theirs, and each adds its weight's gradient into the weight's ``.grad``. With ``fp8`` their products
-    without gradients and in the recompute, and their input gradients, multiply in FP8 (model/fp8.py)."""
+    without gradients and in the recompute, and their input gradients, multiply in FP8 (model/fp8.py);
+    token-chunked MLPs' layers recompute in the compute dtype (their checkpoints run plain linears)."""
 
     def __init__(self, layers: list[nn.Module], fp8: bool = False):
         self.casts = Fp8Weights() if fp8 else None
@@ -132,6 +133,12 @@ class LayerRecompute:
                 kept.setdefault(proj, deque()).append((k, k._version))
             return y
         return forward
+
+    def new_visit(self) -> None:
+        """A unit's visit begins: FP8 casts of the weights a slot held before are gone (a slot's new weights
+        come by copies, broadcasts and kernels that a version counter does not always see)."""
+        if self.casts is not None:
+            self.casts.clear()
 
     @contextlib.contextmanager
     def recording(self):

@@ -167,7 +167,7 @@ class Layout:
     # pinned host bytes fit() may give layer inputs whose GPU memory then keeps more saved layers' products
     # (the resolver's call, from the RAM left and the time model: ``displace_inputs``)
     host_input_bytes: int = 0
-    fp8: bool = False  # the layers' linears in FP8: each weight in the window keeps two e4m3 casts (model/fp8.py)
+    fp8: bool = False  # the layers' linears in FP8: the visited layer's weights keep two e4m3 casts (model/fp8.py)
 
     @classmethod
     def of(cls, cfg, **kw) -> "Layout":
@@ -199,7 +199,7 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: i
     out = {
         # slots hold bf16 weights and gradients; a resident unit adds its optimizer state
         "window": 2 * dtype_bytes * (streamed_slots + resident) + p.resident_state_bytes * resident
-        + (2 * (min(p.window_slots, shape.layers - k) + k) * shape.layer_params if p.fp8 else 0),
+        + (2 * shape.layer_params if p.fp8 else 0),
         "activations": kept * T * H * dtype_bytes,
         "saved_products": saved_layers(shape, p) * T * shape.kept_per_token * dtype_bytes,
         "hidden_flow": 2 * T * H * dtype_bytes,

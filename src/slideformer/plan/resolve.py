@@ -138,7 +138,7 @@ def displace_inputs(cfg, shape: ModelShape, batch: int, seq: int, limit: int, pl
     ``host_budget`` aims at and the state leaves, where fit() turns it into more saved layers and the time
     model says the step is faster for it (the inputs' copies share the copy engines with the weights)."""
     room = host_budget(cfg, ram)[0] - sum(config_host_bytes(cfg, shape, batch, seq, placement).values())
-    if room <= 0:
+    if room <= 0 or cfg.placement.activations_to_nvme:  # (offloaded inputs would go on to the disk)
         return cfg, placement
     q = fit(shape, batch, seq, limit, Layout.of(cfg.placed(host_input_bytes=room)))
 
