@@ -50,6 +50,9 @@ HEAD_GRAD_BYTES = {"torch": 6,  # per lm_head element: the fp32 accumulator and 
                    "fused": 4}  # the fp32 accumulator only (cuBLAS adds into it)
 SAFETY = 1.05  # allocator rounding and what the model leaves out
 EFFICIENT_TOKENS = 8192
+# the FP8 products' speed over bf16's, their casts included: fitted to the measured step of Llama-3.1-8B b32 on
+# the whole card (tests/test_plan.py); the FP8 GEMMs alone run about 1.8x
+FP8_SPEEDUP = 1.33
 MLP_CHUNK_TOKENS = (4096, 1024, 256)  # tried in turn where one sequence's layer backward does not fit
 LOSS_CHUNK_TOKENS = (8192, 4096, 2048, 1024)  # the loss head's chunk: the largest that fits is taken
 HEAD_SLICE_ROWS = 8192  # vocabulary rows per fp32 sum of the lm_head gradient, where the whole one does not fit
@@ -813,6 +816,10 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
     cpu_rate = rates.optimizer_params_per_s * rates.state_speedup[state]
     # a token's logits and their two gradients, not recomputed; the sliced head computes the logits twice
     head_flops = (8 if p.head_slice else 6) * shape.vocab * shape.hidden
+    # fp8: the linears' forward, recompute (token-chunked MLPs': none) and input-gradient products, a token
+    linears = shape.kept_params + shape.down_params
+    fp8_flops = (4 * shape.layers * linears + (0 if chunked else 2 * (shape.layers - saved_layers(shape, p))
+                                              * shape.kept_params)) if p.fp8 else 0
     out = {
         # the layers' forward, recompute and backward (2 + 2 + 4 FLOPs a parameter and token), less the
         # recompute of the down projection (2 x hidden x ffn a token and layer; model/recompute.py);
@@ -821,7 +828,8 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
         # head's three products are not recomputed (6 x vocab x hidden); the embedding is a lookup.
         "gpu_compute_s": (8 * shape.layers * shape.flop_params + head_flops
                           + shape.layers * (6 * shape.hidden * shape.ffn if chunked else -2 * shape.down_params)
-                          - 2 * saved_layers(shape, p) * shape.kept_params)
+                          - 2 * saved_layers(shape, p) * shape.kept_params
+                          - fp8_flops * (1 - 1 / FP8_SPEEDUP))
                          * tokens / rates.gpu_flops,
         "gpu_adamw_s": (shape.params - everyone) / rates.gpu_adamw_params_per_s / rates.gpu_state_speedup[state],
         # data parallel: a streamed unit's weights broadcast from its owner at its two loads and its gradient
