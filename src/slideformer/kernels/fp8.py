@@ -4,7 +4,7 @@ multiplies the quantized rows, given the inverse scales.
 
 Why our own: torchao's casts are PyTorch ops that only torch.compile fuses, and the engine runs its layers
 eagerly (the recompute's wrapped linears). Unfused, the casts (abs, amax, an fp32 product, the cast, for
-each activation, gradient and weight) cost more than the FP8 GEMMs save (bench/NOTES.md, session 19).
+each activation, gradient and weight) cost more than the FP8 GEMMs save (`bench/layer_speed.py --fp8`).
 Here a row is read twice (its amax, then the cast) and written once as one byte a value.
 
 Each value is rounded to e4m3's grid in fp32 (to nearest, ties to even; subnormals on their fixed step)
