@@ -191,16 +191,17 @@ def test_optimizer_benchmark_updates_under_copies():
 
 
 def test_convergence_run_compares_the_state_formats():
-    """The fine-tuning run end to end on a sliver of its corpora: every format's arm starts from the same
-    pretrained weights, improves on the held-out documentation, and stays close to fp32's after a few steps."""
+    """The fine-tuning run end to end on a sliver of its corpora: every format's arm, and FP8's, starts from
+    the same pretrained weights, improves on the held-out documentation, and stays close to fp32's after a
+    few steps (FP8's not equal to it)."""
     from slideformer.bench import convergence
 
     s = convergence.main(["--pretrain-steps", "6", "--steps", "4", "--eval-every", "2", "--seeds", "0",
-                          "--limit-chars", "60000", "--seq", "64", "--batch", "4"])
-    for state in ("fp32", "compact", "8bit"):
+                          "--limit-chars", "60000", "--seq", "64", "--batch", "4", "--states", "fp32,compact,8bit,fp8"])
+    for state in ("fp32", "compact", "8bit", "fp8"):
         (final,) = s[f"final_eval_{state}"]
         assert final < s["pretrained_eval_loss"], state
-    assert s["max_abs_diff_compact"] < 0.01 and s["max_abs_diff_8bit"] < 0.01
+    assert s["max_abs_diff_compact"] < 0.01 and s["max_abs_diff_8bit"] < 0.01 and 0 < s["max_abs_diff_fp8"] < 0.01
 
 
 def test_profile_names_the_shapes_of_each_matrix_product():

@@ -1,4 +1,5 @@
-"""The optimizer state formats (fp32, compact, 8-bit) against each other on a fine-tuning run, on the CPU.
+"""The optimizer state formats (fp32, compact, 8-bit) and FP8 matmuls against fp32 state in bf16 on a
+fine-tuning run, on the CPU or the GPU.
 
 From the same weights, with each format, the same batches, at a fine-tuning learning rate, fine-tuned on
 CPython's English documentation topics (pydoc_data, shipped with every Python). The weights: a real
@@ -9,6 +10,9 @@ over data orders (seeds) is the noise the other formats' differences are read ag
 
     python -m slideformer.bench.convergence            # one JSON line per arm and evaluation, then a summary
     python -m slideformer.bench.convergence --pretrained /tmp/smollm2 --steps 60 --lr 2e-5
+    python -m slideformer.bench.convergence --pretrained DIR --steps 200 --states fp32,fp8 --seeds 0,1,2 --device cuda
+
+The ``fp8`` arm is fp32 state with the layers' linears in FP8 (``EngineConfig.fp8``).
 """
 from __future__ import annotations
 
@@ -81,7 +85,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--pretrained", default=None, help="a Hugging Face folder to fine-tune (else the tiny model, "
                                                         "pretrained here)")
     ap.add_argument("--eval-windows", type=int, default=None, help="held-out windows (default: a tenth)")
-    ap.add_argument("--states", default="fp32,compact,8bit")
+    ap.add_argument("--states", default="fp32,compact,8bit", help="arms: optimizer state formats, and fp8")
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
     states = args.states.split(",")
     code, docs = corpora(args.limit_chars)
@@ -89,7 +94,7 @@ def main(argv=None) -> dict:
     ft = windows(docs, args.seq, tokenizer)
     held = args.eval_windows or max(1, len(ft) // 10)
     ft_train, ft_eval = ft[:-held], ft[-held:]
-    common = dict(device="cpu", compute_dtype=torch.bfloat16, max_grad_norm=1.0, weight_decay=0.01)
+    common = dict(device=args.device, compute_dtype=torch.bfloat16, max_grad_norm=1.0, weight_decay=0.01)
     with tempfile.TemporaryDirectory() as tmp:
         if args.pretrained:
             tmp = args.pretrained
@@ -106,7 +111,8 @@ def main(argv=None) -> dict:
         curves = {}
         for seed in (int(s) for s in args.seeds.split(",")):
             for state in states:
-                with SlideEngine.from_pretrained(tmp, EngineConfig(lr=args.lr, optimizer_state=state, **common)) as e:
+                arm = dict(fp8=True) if state == "fp8" else dict(optimizer_state=state)
+                with SlideEngine.from_pretrained(tmp, EngineConfig(lr=args.lr, **arm, **common)) as e:
                     train = []
                     for k, b in enumerate(batches(ft_train, args.batch, args.steps, seed), start=1):
                         train.append(e.train_step(b))
