@@ -66,6 +66,8 @@ def model_dirs(tmp_path):
     ("max_grad_norm=.nan", 2, ["max_grad_norm must be a finite number"]),
     ("learning_rate=.inf", 2, ["learning_rate must be a finite number"]),
     ("seed=99999999999999999999999", 2, ["seed must lie in [0, 2**63)"]),
+    ("fp8=true", 2, ["fp8: true", "on device cpu", "set fp8: false"]),
+    ("fp8=maybe", 2, ["fp8 must be true or false"]),
 ])
 def test_bad_settings(tmp_path, capsys, override, code, needles):
     t = model_dirs(tmp_path)

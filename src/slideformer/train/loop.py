@@ -216,6 +216,9 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device: cuda, but this torch ({torch.__version__}) sees no CUDA GPU; set device: cpu, "
                           "or leave device unset to use a GPU where there is one")
+    if cfg.fp8 and device != "cuda":
+        raise ConfigError(f"fp8: true multiplies on a GPU's FP8 tensor cores (Hopper or newer); on device {device} it "
+                          "would only emulate them, slower than without: set fp8: false")
     bf16 = cfg.bf16 if cfg.bf16 is not None else device == "cuda"
     if device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: one GPU a process
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
