@@ -149,8 +149,8 @@ def displace_inputs(cfg, shape: ModelShape, batch: int, seq: int, limit: int, pl
     if q.saved_layers <= placement.saved_layers or seconds(q) >= seconds(placement):
         return cfg, placement
     used = (shape.layers - q.gpu_activation_layers) * batch * seq * shape.hidden * cfg.compute_dtype.itemsize
-    cfg = cfg.placed(host_input_bytes=used)
-    return cfg, fit(shape, batch, seq, limit, Layout.of(cfg))
+    # (fit under an allowance of just these bytes places the same: the most saved layers, the fewest inputs)
+    return cfg.placed(host_input_bytes=used), replace(q, host_input_bytes=used)
 
 
 def tier_bytes(cfg, shape: ModelShape, batch: int, seq: int, placement: Layout) -> int:
