@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from slideformer import EngineConfig, SlideEngine
 from slideformer.config import ConfigError
 from slideformer.model import fp8 as fp8_mod
-from slideformer.model.fp8 import Fp8Weights, fp8_input_grad, fp8_linear
+from slideformer.model.fp8 import Fp8Weights, fp8_input_grad, fp8_linear, fp8_weight_grad
 
 from tiny import batch, build
 
@@ -20,13 +20,15 @@ def rel(a, b) -> float:
 
 
 def test_fp8_products_are_within_fp8s_error_and_cast_each_weight_once(monkeypatch):
-    """``x @ w.T`` and ``g @ w`` from e4m3 rows: off the exact product by about e4m3's rounding (3
-    mantissa bits: a few percent of its norm), not bf16's; the weight's two casts are made once while it
-    is kept, and made again once the owner clears them (a new visit). A weight whose dimensions
-    ``_scaled_mm`` cannot take multiplies in the compute dtype."""
+    """``x @ w.T``, ``g @ w`` and ``g.T @ x`` from e4m3 operands: off the exact product by about e4m3's
+    rounding (3 mantissa bits: a few percent of its norm), not bf16's; the weight's two casts are made once
+    while it is kept, and made again once the owner clears them (a new visit); an activation that
+    consecutive linears take is cast once, and again once it changes or another tensor comes. Shapes
+    ``_scaled_mm`` cannot take multiply in the compute dtype."""
     casts = []
-    real = fp8_mod.cast_rows
-    monkeypatch.setattr(fp8_mod, "cast_rows", lambda t: casts.append(t.shape) or real(t))
+    for name in ("cast_rows", "cast_columns"):
+        real = getattr(fp8_mod, name)
+        monkeypatch.setattr(fp8_mod, name, lambda t, real=real, name=name: casts.append((name, *t.shape)) or real(t))
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 33, 64, generator=g).to(DEV)
     w = (torch.randn(96, 64, generator=g) / 8).to(DEV)
@@ -38,15 +40,31 @@ def test_fp8_products_are_within_fp8s_error_and_cast_each_weight_once(monkeypatc
     gy = torch.randn(132, 96, generator=g).to(DEV)
     gx = fp8_input_grad(gy, w, cache)
     assert gx.shape == (132, 64) and 1e-3 < rel(gx, gy.double() @ w.double()) < 0.05
+    assert fp8_weight_grad(gy, x.view(132, 64), cache) is None  # (132 tokens: not a multiple of 16)
+    g16, x16 = gy[:128], x.view(132, 64)[:128]
+    gw = fp8_weight_grad(g16, x16, cache)
+    assert gw.shape == (96, 64) and 1e-3 < rel(gw, g16.double().t() @ x16.double()) < 0.05
+    assert gw.dtype == gy.dtype
     fp8_linear(x, w, None, cache)
     fp8_input_grad(gy, w, cache)
-    # x's rows twice, gy's twice, the weight's rows and columns once
-    assert sorted(casts) == sorted([(132, 64)] * 2 + [(132, 96)] * 2 + [(96, 64), (64, 96)])
+    fp8_weight_grad(g16, x16, cache)
+    w2 = (torch.randn(32, 64, generator=g) / 8).to(DEV)
+    fp8_linear(x, w2, None, cache)  # (another linear of the same input: as q, k and v)
+    # x's rows once, gy's rows twice, g16's and x16's columns once each call and once; each weight's rows
+    # and columns once
+    assert sorted(casts) == sorted([("cast_rows", 132, 64), ("cast_rows", 132, 96), ("cast_rows", 132, 96),
+                                    ("cast_columns", 128, 96), ("cast_columns", 128, 96), ("cast_columns", 128, 64),
+                                    ("cast_rows", 96, 64), ("cast_rows", 64, 96), ("cast_rows", 32, 64)])
+    casts.clear()
+    x.mul_(1)  # (its version moves: cast again)
+    fp8_linear(x, w2, None, cache)
+    fp8_linear(x.clone(), w2, None, cache)  # (the same values elsewhere: cast again)
+    assert casts == [("cast_rows", 132, 64)] * 2
     w.mul_(2)
     casts.clear()
     cache.clear()
     assert rel(fp8_linear(x, w, None, cache), F.linear(x.double(), w.double())) < 0.05
-    assert (96, 64) in casts
+    assert ("cast_rows", 96, 64) in casts and ("cast_rows", 132, 64) in casts
     odd = torch.randn(40, 24, generator=g).to(DEV)  # (24 in, 40 out: not multiples of 16)
     xo = torch.randn(7, 24, generator=g).to(DEV)
     assert torch.equal(fp8_linear(xo, odd, None, cache), F.linear(xo, odd))
@@ -62,21 +80,23 @@ def train(family, steps, **kw):
 @pytest.mark.parametrize("family", ["llama", "qwen3-tied"])
 def test_the_engine_trains_in_fp8_as_in_full_precision_within_fp8s_error(family, monkeypatch):
     """With fp8 every decoder linear's forward, recompute (but the down projection's, whose output it
-    does not need) and input gradient go through ``_scaled_mm``, for each layer and micro-batch; the loss
-    falls as full precision's does, within FP8's error of it, never equal to it (the weight gradient is
-    the compute dtype's: the runs differ through the FP8 products and input gradients only)."""
+    does not need), input gradient and weight gradient go through ``_scaled_mm``, for each layer and
+    micro-batch, the weight gradient only where the micro-batch's tokens are a multiple of 16; the loss
+    falls as full precision's does, within FP8's error of it, never equal to it."""
     calls = []
     real = torch._scaled_mm
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
-    steps = [[batch(97, seed=0), batch(97, seed=10)]] * 8  # (one batch learnt: the loss falls)
+    steps = [[batch(97, s=16, seed=0), batch(97, seed=10)]] * 8  # (32 and 24 tokens; one batch learnt: the
+    # loss falls)
     ref_losses, ref = train(family, steps, lr=3e-3)
     assert not calls
     losses, got = train(family, steps, lr=3e-3, fp8=True)
     model = build(family)
     layer = model.model.layers[0]
     linears = [m for m in layer.modules() if type(m) is torch.nn.Linear]
-    # a step: 2 micro-batches x layers x (forward + recompute without the down projection + input gradient)
-    per_step = 2 * model.config.num_hidden_layers * (3 * len(linears) - 1)
+    # a step: layers x (forward + recompute without the down projection + input gradient, for both
+    # micro-batches; the weight gradient for the first)
+    per_step = model.config.num_hidden_layers * (2 * (3 * len(linears) - 1) + len(linears))
     assert len(calls) == len(steps) * per_step
     assert losses[-1] < losses[0] - 0.9 and ref_losses[-1] < ref_losses[0] - 0.9
     # (full precision with its micro-batches reordered moves the losses by under 1e-6; FP8 by about 1e-3)

@@ -298,3 +298,35 @@ def test_fp8_row_cast_rounds_each_row_to_nearest_on_its_own_scale(dtype):
     qb, _ = cast_rows(bad)
     if DEV == "cuda":  # (Triton's CPU interpreter converts NaN to e4m3 as 384)
         assert qb[0, 2999].float().isnan() and qb[1, 7].float().isnan()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_column_cast_is_the_row_cast_of_the_transpose(dtype):
+    """The weight gradient's operands: each column of x on its own scale, written as the rows of x.T, the
+    same values and scales as ``cast_rows(x.t())`` gives (which copies the transpose first), over several
+    tiles each way and ragged edges; a zero column stays zero; strided rows and no rows work; a NaN makes
+    its column's values NaN."""
+    from slideformer.kernels.fp8 import E4M3, cast_columns, cast_rows
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(37, 40, generator=g) * torch.logspace(-6, 2, 40)[torch.randperm(40, generator=g)]
+    x[:, 6] = 0
+    x[30, 9] = 5e2  # (the column's largest in its last tile)
+    x = x.to(dtype).to(DEV)
+    q, inv = cast_columns(x)
+    assert q.dtype == E4M3 and q.shape == (40, 37) and q.is_contiguous() and inv.shape == (40, 1)
+    qr, ir = cast_rows(x.t())
+    assert torch.equal(q.float(), qr.float()) and torch.equal(inv, ir)
+    assert q[9, 30].float() == 448 and torch.all(q[6].float() == 0)
+    wide = torch.randn(21, 64, generator=g).to(dtype).to(DEV)[:, 8:56]  # (rows strided)
+    qs, is_ = cast_columns(wide)
+    q2, i2 = cast_rows(wide.t().contiguous())
+    assert torch.equal(qs.float(), q2.float()) and torch.equal(is_, i2)
+    empty, inv0 = cast_columns(torch.zeros(0, 32, dtype=dtype, device=DEV))
+    assert empty.shape == (32, 0) and inv0.shape == (32, 1)
+    bad = torch.ones(20, 3, dtype=dtype, device=DEV)
+    bad[4, 1] = float("nan")
+    qb, ib = cast_columns(bad)
+    assert torch.isnan(ib[1]).all() and torch.equal(qb[0].float(), torch.full((20,), 448.0, device=DEV))
+    if DEV == "cuda":  # (the interpreter converts NaN to e4m3 as 384)
+        assert qb[1].float().isnan().all()

@@ -10,6 +10,11 @@ Here a row is read twice (its amax, then the cast) and written once as one byte 
 Each value is rounded to e4m3's grid in fp32 (to nearest, ties to even; subnormals on their fixed step)
 before the conversion, which is then exact: Triton's CPU interpreter, which the tests use, rounds some
 values just under a power of two down a whole binade.
+
+``cast_columns`` is the weight gradient's cast: ``g.T @ x`` sums over tokens, so each of its operands is
+scaled by feature (a column of ``[tokens, features]``, over every token) and written transposed, the
+row-major ``[features, tokens]`` operand ``_scaled_mm`` takes. Its largest magnitudes come from one
+reduction (``vector_norm`` of order infinity: no temporary), then one kernel reads each value once.
 """
 from __future__ import annotations
 
@@ -22,6 +27,20 @@ E4M3_MAX = 448.0
 
 if triton is not None:
     import triton.language as tl
+
+    @triton.jit
+    def _to_e4m3_grid(v):
+        """``v`` (fp32, already scaled into e4m3's range) rounded to e4m3's values, to nearest even."""
+        # normals: 3 mantissa bits, to nearest even, on the bit pattern
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
+        normal = bits.to(tl.float32, bitcast=True)
+        # subnormals (under 2^-6): multiples of 2^-9, rounded by the fp32 add of 1.5 x 2^23
+        sub = v * 512.0 + 12582912.0
+        sub = (sub - 12582912.0) / 512.0
+        v = tl.where(tl.abs(v) >= 0.015625, normal, sub)
+        # (NaN stays NaN: the GPU's min and max drop it, and a NaN or infinite input must reach the loss)
+        return tl.where(v == v, tl.minimum(tl.maximum(v, -448.0), 448.0), v)
 
     @triton.jit
     def _cast_rows(x_ptr, q_ptr, inv_ptr, n_rows, stride, N: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -40,19 +59,25 @@ if triton is not None:
             cols = c0 + tl.arange(0, BLOCK_N)
             mask = rmask[:, None] & (cols < N)[None, :]
             x = tl.load(x_ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            v = x * scale[:, None]
-            # normals: 3 mantissa bits, to nearest even, on the bit pattern
-            bits = v.to(tl.int32, bitcast=True)
-            bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576
-            normal = bits.to(tl.float32, bitcast=True)
-            # subnormals (under 2^-6): multiples of 2^-9, rounded by the fp32 add of 1.5 x 2^23
-            sub = v * 512.0 + 12582912.0
-            sub = (sub - 12582912.0) / 512.0
-            v = tl.where(tl.abs(v) >= 0.015625, normal, sub)
-            v = tl.where(v == v, tl.minimum(tl.maximum(v, -448.0), 448.0), v)  # (NaN stays NaN: the GPU's min
-            # and max drop it, and a NaN or infinite input must reach the loss)
+            v = _to_e4m3_grid(x * scale[:, None])
             tl.store(q_ptr + rows[:, None] * N + cols[None, :], v.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(inv_ptr + rows, amax / 448.0, mask=rmask)
+
+    @triton.jit
+    def _cast_columns_t(x_ptr, amax_ptr, q_ptr, inv_ptr, n_rows, n_cols, stride, BT: tl.constexpr,
+                        BC: tl.constexpr):
+        # a tile of BT rows and BC columns of x, scaled by its columns' amax, stored transposed in q
+        rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+        cols = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC)
+        cmask = cols < n_cols
+        amax = tl.maximum(tl.load(amax_ptr + cols, mask=cmask, other=1.0).to(tl.float32), 1e-12)
+        mask = (rows < n_rows)[:, None] & cmask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        v = _to_e4m3_grid(x * (448.0 / amax)[None, :])
+        tl.store(q_ptr + cols[:, None] * n_rows + rows[None, :], tl.trans(v).to(q_ptr.dtype.element_ty),
+                 mask=tl.trans(mask))
+        if tl.program_id(0) == 0:
+            tl.store(inv_ptr + cols, amax / 448.0, mask=cmask)
 
 
 def cast_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,4 +98,28 @@ def cast_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if n_rows:
         _cast_rows[(triton.cdiv(n_rows, rows),)](x, q, inv, n_rows, x.stride(0), N=n, BLOCK_N=block_n, ROWS=rows,
                                                  num_warps=1 if not x.is_cuda else 8)
+    return q, inv
+
+
+def cast_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, inv)`` for a 2-D ``x`` [rows, n]: ``q`` e4m3 [n, rows], contiguous (x's columns as rows), and
+    ``inv`` fp32 [n, 1], each column on the scale of its largest magnitude: ``cast_rows(x.t())``'s values
+    without its transposed copy. A NaN or an infinity in a column makes that column's products non-finite."""
+    n_rows, n = x.shape
+    if not n_rows:  # (an infinity norm over no values has no identity)
+        return (torch.empty(n, 0, dtype=E4M3, device=x.device),
+                torch.full((n, 1), 1e-12 / E4M3_MAX, dtype=torch.float32, device=x.device))
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=0).float()
+    if not triton_usable(x):
+        amax = amax.clamp(min=1e-12)[:, None]
+        q = (x.t().float() * (E4M3_MAX / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).contiguous()
+        return q, amax / E4M3_MAX
+    q = torch.empty(n, n_rows, dtype=E4M3, device=x.device)
+    inv = torch.empty(n, 1, dtype=torch.float32, device=x.device)
+    bt, bc = (64, 64) if x.is_cuda else (16, 16)
+    if n:
+        _cast_columns_t[(triton.cdiv(n_rows, bt), triton.cdiv(n, bc))](
+            x, amax, q, inv, n_rows, n, x.stride(0), BT=bt, BC=bc, num_warps=4 if x.is_cuda else 1)
     return q, inv

@@ -1,22 +1,30 @@
-"""The decoder layers' linears in FP8 (opt-in: ``EngineConfig.fp8``), as torchao's rowwise float8 recipe
-with the weight gradient in high precision: forward's product and backward's input gradient multiply e4m3
-rows, each with its own scale (kernels/fp8.py), on Hopper's FP8 tensor cores through ``torch._scaled_mm``;
-the weight gradient stays a bf16 GEMM that adds into the slot's gradient (model/recompute.py), since
-it sums over every token of the step and carries FP8's error straight into the update.
+"""The decoder layers' linears in FP8 (opt-in: ``EngineConfig.fp8``), as torchao's rowwise float8 recipe:
+each of a linear's three products multiplies e4m3 operands on Hopper's FP8 tensor cores through
+``torch._scaled_mm``, each operand scaled along the dimension its product keeps (kernels/fp8.py):
+
+- forward (and the recompute): ``x @ w.T`` from x's rows and w's rows;
+- the input gradient: ``g @ w`` from g's rows and w's columns;
+- the weight gradient: ``g.T @ x`` from g's columns and x's columns, each over every token of the
+  micro-batch, added into the slot's gradient in the compute dtype.
 
 A weight is cast once a visit of its unit, not once per micro-batch: the casts (its rows for forward, its
 columns for backward) are kept until the engine starts the next visit (``LayerRecompute.new_visit``),
 whatever the weights' version counters say: broadcasts and Triton kernels write weights without moving
 them. That is two bytes per parameter of one layer, which the planner counts.
 
-A linear whose dimensions ``_scaled_mm`` cannot take (not multiples of 16) runs in the compute dtype.
+An activation that several linears take (the normed hidden state, for q, k and v; for gate and up) is
+cast once for all of them: the last one cast, rows and columns apart, is kept with a reference to it (so
+that its memory cannot hold another tensor meanwhile) and matched by its memory, shape and version.
+
+A linear whose dimensions ``_scaled_mm`` cannot take (not multiples of 16) runs in the compute dtype, and so
+does a weight gradient whose token count is not a multiple of 16.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from ..kernels.fp8 import cast_rows
+from ..kernels.fp8 import cast_columns, cast_rows
 
 
 def fp8_shapes_ok(weight: torch.Tensor) -> bool:
@@ -24,22 +32,37 @@ def fp8_shapes_ok(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
 
 
+def _key(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device
+
+
 class Fp8Weights:
     """The current visit's e4m3 casts of each weight: its rows (forward: ``x @ w.T``) and its columns
-    (backward: ``g @ w``), each as (values, inverse scales). The owner clears them when the weights
-    may change."""
+    (backward: ``g @ w``), each as (values, inverse scales); and the last activation cast by rows and by
+    columns. The owner clears them when the weights may change."""
 
     def __init__(self):
         self._casts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._last: dict[bool, tuple] = {}  # columns? -> (key, version, the tensor, its cast)
 
     def get(self, w: torch.Tensor, columns: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device, columns)
+        key = (*_key(w), columns)
         if key not in self._casts:
             self._casts[key] = cast_rows(w.detach().t() if columns else w.detach())
         return self._casts[key]
 
+    def activation(self, x: torch.Tensor, columns: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cast_columns(x)`` or ``cast_rows(x)``, made once for consecutive linears that take the same x."""
+        last = self._last.get(columns)
+        if last is not None and last[0] == _key(x) and last[1] == x._version:
+            return last[3]
+        cast = cast_columns(x) if columns else cast_rows(x)
+        self._last[columns] = (_key(x), x._version, x, cast)
+        return cast
+
     def clear(self) -> None:
         self._casts.clear()
+        self._last.clear()
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, casts: Fp8Weights) -> torch.Tensor:
@@ -47,7 +70,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     if not fp8_shapes_ok(weight):
         return F.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
-    qx, sx = cast_rows(x2)
+    qx, sx = casts.activation(x2)
     qw, sw = casts.get(weight)
     y = torch._scaled_mm(qx, qw.t(), sx, sw.t(), bias=None, out_dtype=x.dtype)
     if bias is not None:
@@ -62,3 +85,13 @@ def fp8_input_grad(g2: torch.Tensor, weight: torch.Tensor, casts: Fp8Weights) ->
     qg, sg = cast_rows(g2)
     qwt, swt = casts.get(weight, columns=True)
     return torch._scaled_mm(qg, qwt.t(), sg, swt.t(), out_dtype=g2.dtype)
+
+
+def fp8_weight_grad(g2: torch.Tensor, x2: torch.Tensor, casts: Fp8Weights) -> torch.Tensor | None:
+    """``g2.T @ x2`` (the weight's gradient, [out, in], in g's dtype) with g's and x's columns in e4m3, or
+    None where ``_scaled_mm`` cannot take the shapes (the caller multiplies in the compute dtype)."""
+    if g2.shape[0] % 16 or g2.shape[1] % 16 or x2.shape[1] % 16:
+        return None
+    qg, sg = cast_columns(g2)
+    qx, sx = casts.activation(x2, columns=True)
+    return torch._scaled_mm(qg, qx.t(), sg, sx.t(), out_dtype=g2.dtype)

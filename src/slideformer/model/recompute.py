@@ -21,7 +21,8 @@ Backward recomputes each layer from its saved input to rebuild the autograd grap
   it, and from then on forward keeps a copy of that linear's output.
 - **The weight gradient's second pass** (every layer). The recompute's linears add their weight's
   gradient into the ``.grad`` the engine binds to the slot with the GEMM itself (beta 1), where autograd
-  would write each micro-batch's gradient to a temporary and add it in a separate kernel.
+  would write each micro-batch's gradient to a temporary and add it in a separate kernel. (In FP8,
+  ``_scaled_mm`` has no beta: its product is added after.)
 
 In most families the down projection's output is used only by the residual add. A family that normalises
 the MLP output (OLMo 2's and Gemma's post-feedforward norm) needs it: there the down projection is a kept
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fp8 import Fp8Weights, fp8_input_grad, fp8_linear
+from .fp8 import Fp8Weights, fp8_input_grad, fp8_linear, fp8_weight_grad
 
 
 class _RecomputedLinear(torch.autograd.Function):
@@ -70,10 +71,15 @@ class _RecomputedLinear(torch.autograd.Function):
         gw = None
         if ctx.needs_input_grad[1]:
             into = w.grad  # (the parameter ctx saved is the one the layer holds: its .grad is the slot's view)
-            if into is not None and into.dtype == g2.dtype and into.is_contiguous():
+            fused = into is not None and into.dtype == g2.dtype and into.is_contiguous()
+            gw = None if ctx.casts is None else fp8_weight_grad(g2, x2, ctx.casts)
+            if gw is None and fused:
                 into.addmm_(g2.t(), x2)
-            else:
+            elif gw is None:
                 gw = g2.t().mm(x2)  # (as autograd: contiguous, [out, in])
+            if gw is not None and fused:
+                into.add_(gw)
+                gw = None
         gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb, None, None, None
 
@@ -98,7 +104,8 @@ class LayerRecompute:
     gradients) they keep their outputs; inside ``active()`` (the engine's recompute, with gradients on)
     an output-free down projection records its graph only, with the kept products the others return
     theirs, and each adds its weight's gradient into the weight's ``.grad``. With ``fp8`` their products
-    without gradients and in the recompute, and their input gradients, multiply in FP8 (model/fp8.py);
+    without gradients and in the recompute, and their input and weight gradients, multiply in FP8
+    (model/fp8.py);
     token-chunked MLPs' layers recompute in the compute dtype (their checkpoints run plain linears)."""
 
     def __init__(self, layers: list[nn.Module], fp8: bool = False):

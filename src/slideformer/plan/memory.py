@@ -816,10 +816,11 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
     cpu_rate = rates.optimizer_params_per_s * rates.state_speedup[state]
     # a token's logits and their two gradients, not recomputed; the sliced head computes the logits twice
     head_flops = (8 if p.head_slice else 6) * shape.vocab * shape.hidden
-    # fp8: the linears' forward, recompute (token-chunked MLPs': none) and input-gradient products, a token
+    # fp8: the linears' forward products, and (but for token-chunked MLPs, whose backward runs plain
+    # linears) their recompute, input-gradient and weight-gradient products, a token
     linears = shape.kept_params + shape.down_params
-    fp8_flops = (4 * shape.layers * linears + (0 if chunked else 2 * (shape.layers - saved_layers(shape, p))
-                                              * shape.kept_params)) if p.fp8 else 0
+    fp8_flops = (2 * shape.layers * linears + (0 if chunked else 4 * shape.layers * linears + 2 * (
+        shape.layers - saved_layers(shape, p)) * shape.kept_params)) if p.fp8 else 0
     out = {
         # the layers' forward, recompute and backward (2 + 2 + 4 FLOPs a parameter and token), less the
         # recompute of the down projection (2 x hidden x ffn a token and layer; model/recompute.py);
