@@ -577,7 +577,8 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
     would otherwise keep, no more than the step needs: once the CPU optimizer's predicted time is under
     half the GPU's (with every other layer streamed and saving what fits), another resident layer saves no
     time and pushes inputs to pinned host memory and PCIe, or costs a layer's recompute. The half leaves
-    room for the time model's error (its GPU rate underestimates 8B's).
+    room for the time model's error (its GPU rate underestimates 8B's); the layers of that margin are not
+    taken where they cost smaller micro-batches and the update hides under the GPU work without them.
     With ``clipping`` the update follows backward and only the next forward (a quarter of the GPU work)
     can hide it: a quarter, with no margin (that model already counts no overlap with backward).
     ``score(k)``: a step's predicted seconds with k resident layers, where the rule above does not see all
@@ -609,6 +610,14 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
     needed = 0
     while needed < best and per_param * on_cpu(needed) > (0.25 if clipping else 0.5) * t["gpu_compute_s"]:
         needed += 1
+    # The margin's layers give back the micro-batch they shrink, where the update still hides under the
+    # GPU work without them: micro-batches cost more the fewer tokens they hold, which the time model does
+    # not count (FP8's shorter GPU work asks more layers of the margin).
+    cover = t["gpu_compute_s"] * (0.25 if clipping else 1.0)
+    widest = min(fit(shape, batch, seq, limit, replace(base, resident_layers=0)).micro_batch, batch)
+    while needed and per_param * on_cpu(needed - 1) <= cover and \
+            min(fit(shape, batch, seq, limit, replace(base, resident_layers=needed)).micro_batch, batch) < widest:
+        needed -= 1
     return needed
 
 
