@@ -50,9 +50,9 @@ HEAD_GRAD_BYTES = {"torch": 6,  # per lm_head element: the fp32 accumulator and 
                    "fused": 4}  # the fp32 accumulator only (cuBLAS adds into it)
 SAFETY = 1.05  # allocator rounding and what the model leaves out
 EFFICIENT_TOKENS = 8192
-# the FP8 products' speed over bf16's, their casts included: fitted to the measured step of Llama-3.1-8B b32 on
-# the whole card (tests/test_plan.py); the FP8 GEMMs alone run about 1.8x
-FP8_SPEEDUP = 1.33
+# the FP8 products' speed over bf16's (forward, input and weight gradients), their casts included: fitted to the
+# measured step of Llama-3.1-8B b32 on the whole card (tests/test_plan.py); the FP8 GEMMs alone run about 1.8x
+FP8_SPEEDUP = 1.26
 MLP_CHUNK_TOKENS = (4096, 1024, 256)  # tried in turn where one sequence's layer backward does not fit
 LOSS_CHUNK_TOKENS = (8192, 4096, 2048, 1024)  # the loss head's chunk: the largest that fits is taken
 HEAD_SLICE_ROWS = 8192  # vocabulary rows per fp32 sum of the lm_head gradient, where the whole one does not fit
@@ -212,6 +212,9 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: i
                                                                * shape.ffn + 2 * shape.top_k * H)
                            + t * LAYER_TOKEN_HIDDEN * H) * dtype_bytes
                           + (shape.largest_param or H * shape.ffn) * dtype_bytes  # + one weight's gradient in flight
+                          # fp8: the widest linear's operands in e4m3 while its gradients are made, a byte a value:
+                          # g's rows and columns, x's columns (token-chunked MLPs' backward runs plain linears)
+                          + (t * (2 * shape.ffn + H) if p.fp8 and not p.mlp_chunk_tokens else 0)
                           # eager attention's scores and their softmax, kept for backward (about 16 bytes an entry)
                           + min(batch, p.micro_batch) * shape.eager_heads * seq * seq * 16,
     }
