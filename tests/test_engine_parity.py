@@ -19,13 +19,22 @@ def reference_train(model, batches, *, lr, weight_decay=0.0, max_grad_norm=None,
         if lrs is not None:
             for g in opt.param_groups:
                 g["lr"] = lrs[k]
-        out = model(**b)
-        out.loss.backward()
+        if isinstance(b, list):  # micro-batches, each one's mean weighted by its share of the step's targets
+            targets = [int((m["labels"][:, 1:] != -100).sum()) for m in b]
+            loss = 0.0
+            for m, n in zip(b, targets):
+                part = model(**m).loss * (n / sum(targets))
+                part.backward()
+                loss += part.item()
+        else:
+            out = model(**b)
+            out.loss.backward()
+            loss = out.loss.item()
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(out.loss.item())
+        losses.append(loss)
     return model, losses
 
 
@@ -45,17 +54,23 @@ def engine_train(model, steps, *, lrs=None, **cfg):
     return state, losses
 
 
-def assert_same(state, ref_model, losses, ref_losses):
+def assert_same(state, ref_model, losses, ref_losses, noise_model=None):
     """Each tensor within 1e-5 relative (||a - b|| / ||b||); no element off by more than 1e-4.
 
     Micro-batch accumulation sums in another order than one large batch, and Adam divides by
-    sqrt(v), so an element whose gradient is near zero may differ by more than its own 1e-5."""
+    sqrt(v), so an element whose gradient is near zero may differ by more than its own 1e-5.
+    ``noise_model``: the reference trained again on the same batches with their rows reordered; each
+    tensor's bounds are then also three times its own distance from the reference (fp32's noise, which on
+    some CPUs' kernels passes 1e-5 for a tensor or two where a run sums many small chunks)."""
     ref = ref_model.state_dict()
+    noise = noise_model.state_dict() if noise_model is not None else {}
     for key, v in state.items():
         r = ref[key]
         rel = float((v - r).norm() / r.norm())
-        assert rel <= 1e-5, f"{key}: relative error {rel:.2e}"
-        torch.testing.assert_close(v, r, rtol=0, atol=1e-4, msg=lambda m: f"{key}: {m}")
+        rel_bound = max(1e-5, 3 * float((noise[key] - r).norm() / r.norm())) if key in noise else 1e-5
+        abs_bound = max(1e-4, 3 * float((noise[key] - r).abs().max())) if key in noise else 1e-4
+        assert rel <= rel_bound, f"{key}: relative error {rel:.2e} (bound {rel_bound:.2e})"
+        torch.testing.assert_close(v, r, rtol=0, atol=abs_bound, msg=lambda m: f"{key}: {m}")
     assert losses == pytest.approx(ref_losses, rel=1e-5)
 
 
@@ -304,7 +319,10 @@ def test_resident_layers_train_like_pytorch(family, resident, clip):
     state, losses = engine_train(model, batches, lr=1e-3, resident_layers=resident,
                                  max_grad_norm=clip, weight_decay=0.1)
     ref, ref_losses = reference_train(model, big, lr=1e-3, max_grad_norm=clip, weight_decay=0.1)
-    assert_same(state, ref, losses, ref_losses)
+    # the reference's own noise where its sums run in other orders: each step's rows as micro-batches, last first
+    rows_apart = [[{k: v[i: i + 1] for k, v in b.items()} for i in reversed(range(len(b["input_ids"])))] for b in big]
+    noise, _ = reference_train(model, rows_apart, lr=1e-3, max_grad_norm=clip, weight_decay=0.1)
+    assert_same(state, ref, losses, ref_losses, noise)
 
 
 @pytest.mark.parametrize("family", ["qwen3-tied", "llama"])
@@ -317,7 +335,10 @@ def test_resident_edges_train_like_pytorch(family, layers, clip):
     state, losses = engine_train(model, batches, lr=1e-3, resident_layers=layers, resident_edges=True,
                                  max_grad_norm=clip, weight_decay=0.1)
     ref, ref_losses = reference_train(model, big, lr=1e-3, max_grad_norm=clip, weight_decay=0.1)
-    assert_same(state, ref, losses, ref_losses)
+    # the reference's own noise where its sums run in other orders: each step's rows as micro-batches, last first
+    rows_apart = [[{k: v[i: i + 1] for k, v in b.items()} for i in reversed(range(len(b["input_ids"])))] for b in big]
+    noise, _ = reference_train(model, rows_apart, lr=1e-3, max_grad_norm=clip, weight_decay=0.1)
+    assert_same(state, ref, losses, ref_losses, noise)
 
 
 def test_resident_layers_and_the_nvme_tier_take_opposite_ends(tmp_path):
@@ -355,7 +376,10 @@ def test_token_chunked_mlps_train_like_pytorch(family, clip):
     # of the layer, then of each chunk under its checkpoint)
     assert rows[:4] == [7, 7, 7, 3] and max(rows) == 7 and len(rows) == 3 * 2 * 3 * 4
     ref, ref_losses = reference_train(model, big, lr=1e-3, max_grad_norm=clip, weight_decay=0.1)
-    assert_same(state, ref, losses, ref_losses)
+    # the reference's own noise where its sums run in other orders: each step's rows as micro-batches, last first
+    rows_apart = [[{k: v[i: i + 1] for k, v in b.items()} for i in reversed(range(len(b["input_ids"])))] for b in big]
+    noise, _ = reference_train(model, rows_apart, lr=1e-3, max_grad_norm=clip, weight_decay=0.1)
+    assert_same(state, ref, losses, ref_losses, noise)
 
 
 def test_resident_update_in_pieces_is_the_same_update(monkeypatch):
@@ -616,7 +640,10 @@ def test_speculative_updates_under_clipping_train_like_pytorch(clip, spares, bac
             assert counts == ({"kept": 3 * spares, "redone": 0, "late": 0, "dropped": 0} if clip == 100.0 else
                               {"kept": 0, "redone": 3 * spares, "late": 0, "dropped": 0})
     ref, ref_losses = reference_train(model, big, lr=1e-3, max_grad_norm=clip, weight_decay=0.1)
-    assert_same(state, ref, losses, ref_losses)
+    # the reference's own noise where its sums run in other orders: each step's rows as micro-batches, last first
+    rows_apart = [[{k: v[i: i + 1] for k, v in b.items()} for i in reversed(range(len(b["input_ids"])))] for b in big]
+    noise, _ = reference_train(model, rows_apart, lr=1e-3, max_grad_norm=clip, weight_decay=0.1)
+    assert_same(state, ref, losses, ref_losses, noise)
 
 
 @pytest.mark.parametrize("state", ["compact", "8bit"])

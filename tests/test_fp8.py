@@ -113,11 +113,11 @@ def test_the_engine_trains_in_fp8_as_in_full_precision_within_fp8s_error(family,
     (dict(resident_layers=1, window_slots=2, prefetch_depth=1), "compact"),  # a Triton update, in place
 ])
 def test_the_casts_a_visit_reuses_are_those_of_its_weights(placement, state, monkeypatch):
-    """A weight's casts serve every micro-batch of a visit and never another visit: training with them
-    kept is training with each weight cast afresh at each use, bit for bit, where slots take other layers'
-    weights and where a resident layer's update writes its weights without moving their version counter
-    (compact state's kernel)."""
-    steps = [[batch(97, seed=s), batch(97, seed=10 + s)] for s in range(3)]
+    """A weight's casts serve every micro-batch of a visit and never another visit, and an activation's
+    serve the linears that take it: training with them kept is training with each weight and activation
+    cast afresh at each use, bit for bit, where slots take other layers' weights and where a resident
+    layer's update writes its weights without moving their version counter (compact state's kernel)."""
+    steps = [[batch(97, s=16, seed=s), batch(97, seed=10 + s)] for s in range(3)]  # (FP8 and bf16 weight gradients)
 
     def run():
         model = build("llama")
@@ -129,6 +129,8 @@ def test_the_casts_a_visit_reuses_are_those_of_its_weights(placement, state, mon
     kept_losses, kept = run()
     monkeypatch.setattr(Fp8Weights, "get", lambda self, w, columns=False:
                         fp8_mod.cast_rows(w.detach().t() if columns else w.detach()))
+    monkeypatch.setattr(Fp8Weights, "activation", lambda self, x, columns=False:
+                        fp8_mod.cast_columns(x) if columns else fp8_mod.cast_rows(x))
     fresh_losses, fresh = run()
     assert kept_losses == fresh_losses
     assert all(torch.equal(kept[k], fresh[k]) for k in fresh)
