@@ -38,6 +38,24 @@ def reference_train(model, batches, *, lr, weight_decay=0.0, max_grad_norm=None,
     return model, losses
 
 
+def rows_apart(batches: list[dict]) -> list[list[dict]]:
+    """Each batch's rows as micro-batches, the last first: the reference's sums in other orders, for its own
+    noise (``assert_same``'s ``noise_model``)."""
+    return [[{k: v[i: i + 1] for k, v in b.items()} for i in reversed(range(len(b["input_ids"])))] for b in batches]
+
+
+def reference_noise(model, batches, **kw):
+    """PyTorch's training again in another exact order of its sums, for its own noise (``assert_same``'s
+    ``noise_model``): a Mixture-of-Experts model through transformers' eager experts (a loop over experts,
+    not its grouped products; the router's loss is the whole batch's, so the rows stay together), any other
+    with each batch's rows as micro-batches, the last first."""
+    if getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
+        model = copy.deepcopy(model)
+        model.config._experts_implementation = "eager"
+        return reference_train(model, batches, **kw)[0]
+    return reference_train(model, rows_apart(batches), **kw)[0]
+
+
 def engine_train(model, steps, *, lrs=None, **cfg):
     # The autograd loss head runs the reference's own ops, so parity holds to rounding; the fused
     # head (the default) is held to it in test_fused_loss_head_matches_pytorch.
@@ -80,7 +98,7 @@ def test_families_match_pytorch(family):
     batches = [batch(model.config.vocab_size, seed=s) for s in range(3)]
     state, losses = engine_train(model, batches, lr=1e-2)
     ref, ref_losses = reference_train(model, batches, lr=1e-2)
-    assert_same(state, ref, losses, ref_losses)
+    assert_same(state, ref, losses, ref_losses, reference_noise(model, batches, lr=1e-2))
     # training moved every parameter (a test that could not fail is a defect)
     init = model.state_dict()
     assert all(not torch.equal(state[k], init[k]) for k in state)
@@ -319,10 +337,8 @@ def test_resident_layers_train_like_pytorch(family, resident, clip):
     state, losses = engine_train(model, batches, lr=1e-3, resident_layers=resident,
                                  max_grad_norm=clip, weight_decay=0.1)
     ref, ref_losses = reference_train(model, big, lr=1e-3, max_grad_norm=clip, weight_decay=0.1)
-    # the reference's own noise where its sums run in other orders: each step's rows as micro-batches, last first
-    rows_apart = [[{k: v[i: i + 1] for k, v in b.items()} for i in reversed(range(len(b["input_ids"])))] for b in big]
-    noise, _ = reference_train(model, rows_apart, lr=1e-3, max_grad_norm=clip, weight_decay=0.1)
-    assert_same(state, ref, losses, ref_losses, noise)
+    assert_same(state, ref, losses, ref_losses,
+                reference_noise(model, big, lr=1e-3, max_grad_norm=clip, weight_decay=0.1))
 
 
 @pytest.mark.parametrize("family", ["qwen3-tied", "llama"])
@@ -335,10 +351,8 @@ def test_resident_edges_train_like_pytorch(family, layers, clip):
     state, losses = engine_train(model, batches, lr=1e-3, resident_layers=layers, resident_edges=True,
                                  max_grad_norm=clip, weight_decay=0.1)
     ref, ref_losses = reference_train(model, big, lr=1e-3, max_grad_norm=clip, weight_decay=0.1)
-    # the reference's own noise where its sums run in other orders: each step's rows as micro-batches, last first
-    rows_apart = [[{k: v[i: i + 1] for k, v in b.items()} for i in reversed(range(len(b["input_ids"])))] for b in big]
-    noise, _ = reference_train(model, rows_apart, lr=1e-3, max_grad_norm=clip, weight_decay=0.1)
-    assert_same(state, ref, losses, ref_losses, noise)
+    assert_same(state, ref, losses, ref_losses,
+                reference_noise(model, big, lr=1e-3, max_grad_norm=clip, weight_decay=0.1))
 
 
 def test_resident_layers_and_the_nvme_tier_take_opposite_ends(tmp_path):
@@ -376,10 +390,8 @@ def test_token_chunked_mlps_train_like_pytorch(family, clip):
     # of the layer, then of each chunk under its checkpoint)
     assert rows[:4] == [7, 7, 7, 3] and max(rows) == 7 and len(rows) == 3 * 2 * 3 * 4
     ref, ref_losses = reference_train(model, big, lr=1e-3, max_grad_norm=clip, weight_decay=0.1)
-    # the reference's own noise where its sums run in other orders: each step's rows as micro-batches, last first
-    rows_apart = [[{k: v[i: i + 1] for k, v in b.items()} for i in reversed(range(len(b["input_ids"])))] for b in big]
-    noise, _ = reference_train(model, rows_apart, lr=1e-3, max_grad_norm=clip, weight_decay=0.1)
-    assert_same(state, ref, losses, ref_losses, noise)
+    assert_same(state, ref, losses, ref_losses,
+                reference_noise(model, big, lr=1e-3, max_grad_norm=clip, weight_decay=0.1))
 
 
 def test_resident_update_in_pieces_is_the_same_update(monkeypatch):
@@ -426,7 +438,7 @@ def test_padding_row_and_repeated_tokens_match_pytorch(family):
         b["labels"] = b["input_ids"].clone()
     state, losses = engine_train(model, steps, lr=1e-2)
     ref, ref_losses = reference_train(model, steps, lr=1e-2)
-    assert_same(state, ref, losses, ref_losses)
+    assert_same(state, ref, losses, ref_losses, reference_noise(model, steps, lr=1e-2))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3-tied", "olmo2", "phi3", "granite", "cohere", "gemma3", "gemma2",
@@ -640,10 +652,8 @@ def test_speculative_updates_under_clipping_train_like_pytorch(clip, spares, bac
             assert counts == ({"kept": 3 * spares, "redone": 0, "late": 0, "dropped": 0} if clip == 100.0 else
                               {"kept": 0, "redone": 3 * spares, "late": 0, "dropped": 0})
     ref, ref_losses = reference_train(model, big, lr=1e-3, max_grad_norm=clip, weight_decay=0.1)
-    # the reference's own noise where its sums run in other orders: each step's rows as micro-batches, last first
-    rows_apart = [[{k: v[i: i + 1] for k, v in b.items()} for i in reversed(range(len(b["input_ids"])))] for b in big]
-    noise, _ = reference_train(model, rows_apart, lr=1e-3, max_grad_norm=clip, weight_decay=0.1)
-    assert_same(state, ref, losses, ref_losses, noise)
+    assert_same(state, ref, losses, ref_losses,
+                reference_noise(model, big, lr=1e-3, max_grad_norm=clip, weight_decay=0.1))
 
 
 @pytest.mark.parametrize("state", ["compact", "8bit"])

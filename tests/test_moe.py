@@ -6,7 +6,7 @@ import torch
 
 from slideformer import SlideEngine
 
-from test_engine_parity import assert_same, engine_train, reference_train
+from test_engine_parity import assert_same, engine_train, reference_noise, reference_train
 from tiny import batch, build, engine_config
 
 
@@ -29,7 +29,7 @@ def test_router_loss_counts_unpadded_tokens_and_accumulates_like_one_batch():
     whole = [{k: torch.cat([h[k] for h in step]) for k in step[0]} for step in halves]
     state, losses = engine_train(model, halves, lr=1e-2)
     ref, ref_losses = reference_train(model, whole, lr=1e-2)
-    assert_same(state, ref, losses, ref_losses)
+    assert_same(state, ref, losses, ref_losses, reference_noise(model, whole, lr=1e-2))
     plain = copy.deepcopy(model)
     plain.config.output_router_logits = False
     _, plain_losses = engine_train(plain, halves, lr=1e-2)
