@@ -77,9 +77,9 @@ def assert_same(state, ref_model, losses, ref_losses, noise_model=None):
 
     Micro-batch accumulation sums in another order than one large batch, and Adam divides by
     sqrt(v), so an element whose gradient is near zero may differ by more than its own 1e-5.
-    ``noise_model``: the reference trained again on the same batches with their rows reordered; each
-    tensor's bounds are then also three times its own distance from the reference (fp32's noise, which on
-    some CPUs' kernels passes 1e-5 for a tensor or two where a run sums many small chunks)."""
+    ``noise_model``: the reference trained again on the same batches in another exact order of its sums
+    (``reference_noise``); each tensor's bounds are then also three times its own distance from the
+    reference (fp32's noise, which on some CPUs' kernels passes 1e-5 for a tensor or two)."""
     ref = ref_model.state_dict()
     noise = noise_model.state_dict() if noise_model is not None else {}
     for key, v in state.items():
