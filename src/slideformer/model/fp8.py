@@ -43,7 +43,7 @@ class Fp8Weights:
 
     def __init__(self):
         self._casts: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._last: dict[bool, tuple] = {}  # columns? -> (key, version, the tensor, its cast)
+        self._last: dict[bool, tuple] = {}  # columns? -> (the tensor, its version, its cast)
 
     def get(self, w: torch.Tensor, columns: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         key = (*_key(w), columns)
@@ -54,10 +54,10 @@ class Fp8Weights:
     def activation(self, x: torch.Tensor, columns: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``cast_columns(x)`` or ``cast_rows(x)``, made once for consecutive linears that take the same x."""
         last = self._last.get(columns)
-        if last is not None and last[0] == _key(x) and last[1] == x._version:
-            return last[3]
+        if last is not None and _key(last[0]) == _key(x) and last[1] == x._version:
+            return last[2]
         cast = cast_columns(x) if columns else cast_rows(x)
-        self._last[columns] = (_key(x), x._version, x, cast)
+        self._last[columns] = (x, x._version, cast)
         return cast
 
     def clear(self) -> None:

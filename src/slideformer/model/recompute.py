@@ -71,15 +71,12 @@ class _RecomputedLinear(torch.autograd.Function):
         gw = None
         if ctx.needs_input_grad[1]:
             into = w.grad  # (the parameter ctx saved is the one the layer holds: its .grad is the slot's view)
-            fused = into is not None and into.dtype == g2.dtype and into.is_contiguous()
             gw = None if ctx.casts is None else fp8_weight_grad(g2, x2, ctx.casts)
-            if gw is None and fused:
-                into.addmm_(g2.t(), x2)
+            if into is not None and into.dtype == g2.dtype and into.is_contiguous():
+                into.addmm_(g2.t(), x2) if gw is None else into.add_(gw)
+                gw = None
             elif gw is None:
                 gw = g2.t().mm(x2)  # (as autograd: contiguous, [out, in])
-            if gw is not None and fused:
-                into.add_(gw)
-                gw = None
         gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb, None, None, None
 

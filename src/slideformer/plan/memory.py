@@ -589,7 +589,7 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
     to RAM may push state onto it): then the k of the shortest step, the fewest among equals."""
     rates = rates or MachineRates()
     want = min(batch * seq, EFFICIENT_TOKENS)
-    best, placed = 0, None
+    best, placed, micro = 0, None, {}  # (micro: each k's micro-batch, as fit places it)
     for k in range(shape.layers + 1):
         try:
             p = fit(shape, batch, seq, limit, replace(base, resident_layers=k))
@@ -599,7 +599,7 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
             break
         if min(p.micro_batch, batch) * seq < want:
             break
-        best, placed = k, p
+        best, placed, micro[k] = k, p, min(p.micro_batch, batch)
     if placed is None or (placed.gpu_activation_layers >= shape.layers
                           and (saved_layers(shape, placed) >= shape.layers or placed.mlp_chunk_tokens)):
         return best  # nothing competes for the memory
@@ -617,9 +617,7 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
     # GPU work without them: micro-batches cost more the fewer tokens they hold, which the time model does
     # not count (FP8's shorter GPU work asks more layers of the margin).
     cover = t["gpu_compute_s"] * (0.25 if clipping else 1.0)
-    widest = min(fit(shape, batch, seq, limit, replace(base, resident_layers=0)).micro_batch, batch)
-    while needed and per_param * on_cpu(needed - 1) <= cover and \
-            min(fit(shape, batch, seq, limit, replace(base, resident_layers=needed)).micro_batch, batch) < widest:
+    while needed and per_param * on_cpu(needed - 1) <= cover and micro[needed] < micro[0]:
         needed -= 1
     return needed
 
