@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from slideformer import EngineConfig, SlideEngine
 from slideformer.config import ConfigError
 from slideformer.model import fp8 as fp8_mod
-from slideformer.model.fp8 import Fp8Weights, fp8_input_grad, fp8_linear, fp8_weight_grad
+from slideformer.model.fp8 import Fp8Weights, fp8_gradients, fp8_linear
 
 from tiny import batch, build
 
@@ -23,10 +23,11 @@ def test_fp8_products_are_within_fp8s_error_and_cast_each_weight_once(monkeypatc
     """``x @ w.T``, ``g @ w`` and ``g.T @ x`` from e4m3 operands: off the exact product by about e4m3's
     rounding (3 mantissa bits: a few percent of its norm), not bf16's; the weight's two casts are made once
     while it is kept, and made again once the owner clears them (a new visit); an activation that
-    consecutive linears take is cast once, and again once it changes or another tensor comes. Shapes
-    ``_scaled_mm`` cannot take multiply in the compute dtype."""
+    consecutive linears take is cast once, and again once it changes or another tensor comes; a gradient's
+    rows and columns come from one kernel where both products are asked, with the products each gives
+    alone. Shapes ``_scaled_mm`` cannot take multiply in the compute dtype."""
     casts = []
-    for name in ("cast_rows", "cast_columns"):
+    for name in ("cast_rows", "cast_columns", "cast_rows_and_columns"):
         real = getattr(fp8_mod, name)
         monkeypatch.setattr(fp8_mod, name, lambda t, real=real, name=name: casts.append((name, *t.shape)) or real(t))
     g = torch.Generator().manual_seed(0)
@@ -38,23 +39,24 @@ def test_fp8_products_are_within_fp8s_error_and_cast_each_weight_once(monkeypatc
     exact = F.linear(x.double(), w.double(), b.double())
     assert y.shape == (4, 33, 96) and 1e-3 < rel(y - b, exact - b.double()) < 0.05
     gy = torch.randn(132, 96, generator=g).to(DEV)
-    gx = fp8_input_grad(gy, w, cache)
+    gx, none = fp8_gradients(gy, x.view(132, 64), w, cache, True, True)
+    assert none is None  # (132 tokens: not a multiple of 16, the caller's product)
     assert gx.shape == (132, 64) and 1e-3 < rel(gx, gy.double() @ w.double()) < 0.05
-    assert fp8_weight_grad(gy, x.view(132, 64), cache) is None  # (132 tokens: not a multiple of 16)
     g16, x16 = gy[:128], x.view(132, 64)[:128]
-    gw = fp8_weight_grad(g16, x16, cache)
+    gx16, gw = fp8_gradients(g16, x16, w, cache, True, True)
     assert gw.shape == (96, 64) and 1e-3 < rel(gw, g16.double().t() @ x16.double()) < 0.05
-    assert gw.dtype == gy.dtype
+    assert gw.dtype == gy.dtype and 1e-3 < rel(gx16, g16.double() @ w.double()) < 0.05
     fp8_linear(x, w, None, cache)
-    fp8_input_grad(gy, w, cache)
-    fp8_weight_grad(g16, x16, cache)
+    assert torch.equal(fp8_gradients(g16, x16, w, cache, True, False)[0], gx16)
+    none, gw_alone = fp8_gradients(g16, x16, w, cache, False, True)
+    assert none is None and torch.equal(gw_alone, gw)
     w2 = (torch.randn(32, 64, generator=g) / 8).to(DEV)
     fp8_linear(x, w2, None, cache)  # (another linear of the same input: as q, k and v)
-    # x's rows once, gy's rows twice, g16's and x16's columns once each call and once; each weight's rows
-    # and columns once
-    assert sorted(casts) == sorted([("cast_rows", 132, 64), ("cast_rows", 132, 96), ("cast_rows", 132, 96),
-                                    ("cast_columns", 128, 96), ("cast_columns", 128, 96), ("cast_columns", 128, 64),
-                                    ("cast_rows", 96, 64), ("cast_rows", 64, 96), ("cast_rows", 32, 64)])
+    # x's rows once; gy's rows; g16's rows and columns together, then each alone; x16's columns once; each
+    # weight's rows and columns once
+    assert sorted(casts) == sorted([("cast_rows", 132, 64), ("cast_rows", 132, 96), ("cast_rows_and_columns", 128, 96),
+                                    ("cast_rows", 128, 96), ("cast_columns", 128, 96), ("cast_columns", 128, 64),
+                                    ("cast_rows", 96, 64), ("cast_columns", 96, 64), ("cast_rows", 32, 64)])
     casts.clear()
     x.mul_(1)  # (its version moves: cast again)
     fp8_linear(x, w2, None, cache)

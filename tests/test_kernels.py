@@ -330,3 +330,30 @@ def test_fp8_column_cast_is_the_row_cast_of_the_transpose(dtype):
     assert torch.isnan(ib[1]).all() and torch.equal(qb[0].float(), torch.full((20,), 448.0, device=DEV))
     if DEV == "cuda":  # (the interpreter converts NaN to e4m3 as 384)
         assert qb[1].float().isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fp8_rows_and_columns_in_one_kernel_are_the_two_casts(dtype):
+    """A gradient's two casts from one pass of tile maxima and one of casts: bit for bit ``cast_rows`` and
+    ``cast_columns`` of it, over several tiles each way with ragged edges, a row's and a column's largest in
+    different tiles, zero rows and columns, strided rows, no rows; a NaN's values stay NaN."""
+    from slideformer.kernels.fp8 import cast_columns, cast_rows, cast_rows_and_columns
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(70, 41, generator=g) * torch.logspace(-6, 2, 41)[torch.randperm(41, generator=g)]
+    x[:, 5], x[9] = 0, 0
+    x[66, 3], x[2, 39] = 3e2, -7e2  # (largests in the last row tile and the last column tile)
+    wide = torch.randn(33, 96, generator=g)[:, 8:80]  # (rows strided)
+    for t in (x, wide, torch.zeros(0, 32)):
+        t = t.to(dtype).to(DEV)
+        (qr, ir), (qc, ic) = cast_rows_and_columns(t)
+        (er, eir), (ec, eic) = cast_rows(t), cast_columns(t)
+        assert qr.shape == er.shape and qc.shape == ec.shape and qr.is_contiguous() and qc.is_contiguous()
+        assert torch.equal(qr.float(), er.float()) and torch.equal(ir, eir)
+        assert torch.equal(qc.float(), ec.float()) and torch.equal(ic, eic)
+    bad = torch.ones(20, 3, dtype=dtype, device=DEV)
+    bad[4, 1] = float("nan")
+    (qr, _), (qc, _) = cast_rows_and_columns(bad)
+    assert torch.equal(qr[0].float(), torch.full((3,), 448.0, device=DEV))
+    if DEV == "cuda":  # (the interpreter converts NaN to e4m3 as 384)
+        assert qr[4, 1].float().isnan() and qc[1, 4].float().isnan()

@@ -15,6 +15,10 @@ values just under a power of two down a whole binade.
 scaled by feature (a column of ``[tokens, features]``, over every token) and written transposed, the
 row-major ``[features, tokens]`` operand ``_scaled_mm`` takes. Its largest magnitudes come from one
 reduction (``vector_norm`` of order infinity: no temporary), then one kernel reads each value once.
+
+``cast_rows_and_columns`` is a gradient's two casts (the input gradient takes its rows, the weight gradient
+its columns) from two reads of it, where the two casts apart read it three times: one pass takes each tile's
+largest magnitudes by row and by column, the next writes both casts.
 """
 from __future__ import annotations
 
@@ -64,20 +68,40 @@ if triton is not None:
         tl.store(inv_ptr + rows, amax / 448.0, mask=rmask)
 
     @triton.jit
-    def _cast_columns_t(x_ptr, amax_ptr, q_ptr, inv_ptr, n_rows, n_cols, stride, BT: tl.constexpr,
-                        BC: tl.constexpr):
-        # a tile of BT rows and BC columns of x, scaled by its columns' amax, stored transposed in q
+    def _cast_columns_t(x_ptr, amax_ptr, q_ptr, inv_ptr, ramax_ptr, qr_ptr, rinv_ptr, n_rows, n_cols, stride,
+                        BT: tl.constexpr, BC: tl.constexpr, ROWS_TOO: tl.constexpr):
+        # a tile of BT rows and BC columns of x, scaled by its columns' amax, stored transposed in q; with
+        # ROWS_TOO also scaled by its rows' amax, stored as it is in qr
         rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
         cols = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC)
-        cmask = cols < n_cols
+        rmask, cmask = rows < n_rows, cols < n_cols
         amax = tl.maximum(tl.load(amax_ptr + cols, mask=cmask, other=1.0).to(tl.float32), 1e-12)
-        mask = (rows < n_rows)[:, None] & cmask[None, :]
+        mask = rmask[:, None] & cmask[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         v = _to_e4m3_grid(x * (448.0 / amax)[None, :])
         tl.store(q_ptr + cols[:, None] * n_rows + rows[None, :], tl.trans(v).to(q_ptr.dtype.element_ty),
                  mask=tl.trans(mask))
         if tl.program_id(0) == 0:
             tl.store(inv_ptr + cols, amax / 448.0, mask=cmask)
+        if ROWS_TOO:
+            ramax = tl.maximum(tl.load(ramax_ptr + rows, mask=rmask, other=1.0), 1e-12)
+            vr = _to_e4m3_grid(x * (448.0 / ramax)[:, None])
+            tl.store(qr_ptr + rows[:, None] * n_cols + cols[None, :], vr.to(qr_ptr.dtype.element_ty), mask=mask)
+            if tl.program_id(1) == 0:
+                tl.store(rinv_ptr + rows, ramax / 448.0, mask=rmask)
+
+    @triton.jit
+    def _tile_amax(x_ptr, rmax_ptr, cmax_ptr, n_rows, n_cols, stride, BT: tl.constexpr, BC: tl.constexpr):
+        # each tile's largest magnitude by row (rmax [n_rows, column tiles]) and by column (cmax [row tiles,
+        # n_cols])
+        rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+        cols = tl.program_id(1).to(tl.int64) * BC + tl.arange(0, BC)
+        rmask, cmask = rows < n_rows, cols < n_cols
+        x = tl.load(x_ptr + rows[:, None] * stride + cols[None, :], mask=rmask[:, None] & cmask[None, :],
+                    other=0.0).to(tl.float32)
+        a = tl.abs(x)
+        tl.store(rmax_ptr + rows * tl.num_programs(1) + tl.program_id(1), tl.max(a, 1), mask=rmask)
+        tl.store(cmax_ptr + tl.program_id(0) * n_cols + cols, tl.max(a, 0), mask=cmask)
 
 
 def cast_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,10 +140,39 @@ def cast_columns(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         amax = amax.clamp(min=1e-12)[:, None]
         q = (x.t().float() * (E4M3_MAX / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3).contiguous()
         return q, amax / E4M3_MAX
+    return _columns_kernel(x, amax)
+
+
+def _tiles(x: torch.Tensor) -> tuple[int, int, int]:
+    """The column casts' tile (rows, columns) and warps."""
+    return (64, 64, 4) if x.is_cuda else (16, 16, 1)
+
+
+def _columns_kernel(x: torch.Tensor, amax: torch.Tensor, row_amax: torch.Tensor | None = None):
+    """``_cast_columns_t`` over x (unit column stride) given its columns' amax (and its rows', for both casts)."""
+    n_rows, n = x.shape
+    bt, bc, warps = _tiles(x)
     q = torch.empty(n, n_rows, dtype=E4M3, device=x.device)
     inv = torch.empty(n, 1, dtype=torch.float32, device=x.device)
-    bt, bc = (64, 64) if x.is_cuda else (16, 16)
+    qr = torch.empty(n_rows, n, dtype=E4M3, device=x.device) if row_amax is not None else q
+    rinv = torch.empty(n_rows, 1, dtype=torch.float32, device=x.device) if row_amax is not None else inv
     if n:
         _cast_columns_t[(triton.cdiv(n_rows, bt), triton.cdiv(n, bc))](
-            x, amax, q, inv, n_rows, n, x.stride(0), BT=bt, BC=bc, num_warps=4 if x.is_cuda else 1)
-    return q, inv
+            x, amax, q, inv, amax if row_amax is None else row_amax, qr, rinv, n_rows, n, x.stride(0),
+            BT=bt, BC=bc, ROWS_TOO=row_amax is not None, num_warps=warps)
+    return (q, inv) if row_amax is None else ((qr, rinv), (q, inv))
+
+
+def cast_rows_and_columns(x: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """``(cast_rows(x), cast_columns(x))``, the same values and scales, from two reads of x."""
+    n_rows, n = x.shape
+    if not triton_usable(x) or not n_rows or not n:
+        return cast_rows(x), cast_columns(x)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    bt, bc, warps = _tiles(x)
+    grid = (triton.cdiv(n_rows, bt), triton.cdiv(n, bc))
+    rmax = torch.empty(n_rows, grid[1], dtype=torch.float32, device=x.device)
+    cmax = torch.empty(grid[0], n, dtype=torch.float32, device=x.device)
+    _tile_amax[grid](x, rmax, cmax, n_rows, n, x.stride(0), BT=bt, BC=bc, num_warps=warps)
+    return _columns_kernel(x, cmax.amax(0), rmax.amax(1))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.fp8 import cast_columns, cast_rows
+from ..kernels.fp8 import cast_columns, cast_rows, cast_rows_and_columns
 
 
 def fp8_shapes_ok(weight: torch.Tensor) -> bool:
@@ -48,7 +48,7 @@ class Fp8Weights:
     def get(self, w: torch.Tensor, columns: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         key = (*_key(w), columns)
         if key not in self._casts:
-            self._casts[key] = cast_rows(w.detach().t() if columns else w.detach())
+            self._casts[key] = cast_columns(w.detach()) if columns else cast_rows(w.detach())
         return self._casts[key]
 
     def activation(self, x: torch.Tensor, columns: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,20 +78,29 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
-def fp8_input_grad(g2: torch.Tensor, weight: torch.Tensor, casts: Fp8Weights) -> torch.Tensor:
-    """``g2 @ weight`` (the input's gradient, [tokens, in]) with g's rows and the weight's columns in e4m3."""
-    if not fp8_shapes_ok(weight):
-        return g2.mm(weight)
-    qg, sg = cast_rows(g2)
-    qwt, swt = casts.get(weight, columns=True)
-    return torch._scaled_mm(qg, qwt.t(), sg, swt.t(), out_dtype=g2.dtype)
-
-
-def fp8_weight_grad(g2: torch.Tensor, x2: torch.Tensor, casts: Fp8Weights) -> torch.Tensor | None:
-    """``g2.T @ x2`` (the weight's gradient, [out, in], in g's dtype) with g's and x's columns in e4m3, or
-    None where ``_scaled_mm`` cannot take the shapes (the caller multiplies in the compute dtype)."""
-    if g2.shape[0] % 16 or g2.shape[1] % 16 or x2.shape[1] % 16:
-        return None
-    qg, sg = cast_columns(g2)
-    qx, sx = casts.activation(x2, columns=True)
-    return torch._scaled_mm(qg, qx.t(), sg, sx.t(), out_dtype=g2.dtype)
+def fp8_gradients(g2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, casts: Fp8Weights, input_grad: bool,
+                  weight_grad: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The input's gradient ``g2 @ weight`` ([tokens, in]; g's rows and the weight's columns in e4m3) where
+    ``input_grad``, and the weight's ``g2.T @ x2`` ([out, in], in g's dtype; g's and x's columns) where
+    ``weight_grad``, each None where not asked. The weight's is None too where ``_scaled_mm`` cannot take the
+    shapes (tokens not a multiple of 16): the caller multiplies in the compute dtype. g's two casts come
+    from one kernel where both products are FP8."""
+    shapes_ok = fp8_shapes_ok(weight)
+    rows_ok = input_grad and shapes_ok
+    columns_ok = weight_grad and shapes_ok and g2.shape[0] % 16 == 0
+    if rows_ok and columns_ok:
+        g_rows, g_columns = cast_rows_and_columns(g2)
+    else:
+        g_rows = cast_rows(g2) if rows_ok else None
+        g_columns = cast_columns(g2) if columns_ok else None
+    gx = gw = None
+    if rows_ok:
+        qwt, swt = casts.get(weight, columns=True)
+        gx = torch._scaled_mm(g_rows[0], qwt.t(), g_rows[1], swt.t(), out_dtype=g2.dtype)
+        del g_rows  # (its memory serves the weight gradient's product)
+    elif input_grad:
+        gx = g2.mm(weight)
+    if columns_ok:
+        qx, sx = casts.activation(x2, columns=True)
+        gw = torch._scaled_mm(g_columns[0], qx.t(), g_columns[1], sx.t(), out_dtype=g2.dtype)
+    return gx, gw

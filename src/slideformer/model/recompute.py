@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fp8 import Fp8Weights, fp8_input_grad, fp8_linear, fp8_weight_grad
+from .fp8 import Fp8Weights, fp8_gradients, fp8_linear
 
 
 class _RecomputedLinear(torch.autograd.Function):
@@ -65,13 +65,14 @@ class _RecomputedLinear(torch.autograd.Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-        gx = None
-        if ctx.needs_input_grad[0]:
-            gx = (g2.mm(w) if ctx.casts is None else fp8_input_grad(g2, w, ctx.casts)).view_as(x)
-        gw = None
-        if ctx.needs_input_grad[1]:
+        need_x, need_w = ctx.needs_input_grad[:2]
+        if ctx.casts is None:
+            gx, gw = g2.mm(w) if need_x else None, None
+        else:
+            gx, gw = fp8_gradients(g2, x2, w, ctx.casts, need_x, need_w)
+        gx = None if gx is None else gx.view_as(x)
+        if need_w:
             into = w.grad  # (the parameter ctx saved is the one the layer holds: its .grad is the slot's view)
-            gw = None if ctx.casts is None else fp8_weight_grad(g2, x2, ctx.casts)
             if into is not None and into.dtype == g2.dtype and into.is_contiguous():
                 into.addmm_(g2.t(), x2) if gw is None else into.add_(gw)
                 gw = None
