@@ -27,6 +27,16 @@ import torch.nn.functional as F
 from ..kernels.fp8 import cast_columns, cast_rows, cast_rows_and_columns
 
 
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` of e4m3 operands, a's rows and b's columns each on its own (inverse) scale: Hopper's FP8
+    tensor cores through ``_scaled_mm``; on the CPU the same product of the values dequantized in fp32
+    (the CPU's ``_scaled_mm`` takes only one scale a tensor in some torch versions: 2.11 asserts)."""
+    if a.is_cuda:
+        return torch._scaled_mm(a, b, scale_a, scale_b, out_dtype=out_dtype)
+    return ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype)
+
+
 def fp8_shapes_ok(weight: torch.Tensor) -> bool:
     """``_scaled_mm`` takes inner and outer dimensions in multiples of 16."""
     return weight.dim() == 2 and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
@@ -72,7 +82,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     x2 = x.reshape(-1, x.shape[-1])
     qx, sx = casts.activation(x2)
     qw, sw = casts.get(weight)
-    y = torch._scaled_mm(qx, qw.t(), sx, sw.t(), bias=None, out_dtype=x.dtype)
+    y = scaled_mm(qx, qw.t(), sx, sw.t(), x.dtype)
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], weight.shape[0])
@@ -96,11 +106,11 @@ def fp8_gradients(g2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, cast
     gx = gw = None
     if rows_ok:
         qwt, swt = casts.get(weight, columns=True)
-        gx = torch._scaled_mm(g_rows[0], qwt.t(), g_rows[1], swt.t(), out_dtype=g2.dtype)
+        gx = scaled_mm(g_rows[0], qwt.t(), g_rows[1], swt.t(), g2.dtype)
         del g_rows  # (its memory serves the weight gradient's product)
     elif input_grad:
         gx = g2.mm(weight)
     if columns_ok:
         qx, sx = casts.activation(x2, columns=True)
-        gw = torch._scaled_mm(g_columns[0], qx.t(), g_columns[1], sx.t(), out_dtype=g2.dtype)
+        gw = scaled_mm(g_columns[0], qx.t(), g_columns[1], sx.t(), g2.dtype)
     return gx, gw
