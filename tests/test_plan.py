@@ -954,3 +954,48 @@ def test_machine_detects_torchruns_processes(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE")
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert Machine.detect("cpu").world == 1
+
+
+def test_micro_batches_grow_to_large_tokens_unless_that_stages_the_embedding_or_overflows_the_host():
+    """Under a cap, fit() takes micro-batches of LARGE_TOKENS before it keeps more layer inputs on the GPU:
+    Qwen3-4B b32 under 9.5 / 58 GiB ran 3.5% faster with 16 sequences and 17 kept inputs than with 8 and 24
+    (bench/results/2026-12-03-microbatch16-capped-5b70d64.jsonl), b64 under 15.5 / 67 GiB 3.8%. At
+    Llama-3.1-8B b32 under 11.5 / 103 GiB the larger ones would push the embedding's host copy out (all
+    weights staged), 0.9% slower there: the resolver keeps EFFICIENT_TOKENS, and says so in the config the
+    engine fits again from. Where the larger ones' offloaded inputs overflow the host budget, likewise."""
+    from slideformer.machine import Machine
+    from slideformer.plan import Auto, resolve
+    from slideformer.plan.memory import EFFICIENT_TOKENS, LARGE_TOKENS
+
+    qwen = shape("qwen3-4b")
+    large = fit(qwen, 32, 1024, int(9.5 * GiB))
+    small = fit(qwen, 32, 1024, int(9.5 * GiB), Layout(prefer_tokens=EFFICIENT_TOKENS))
+    assert large.micro_batch * 1024 == LARGE_TOKENS and small.micro_batch * 1024 == EFFICIENT_TOKENS
+    assert large.gpu_activation_layers < small.gpu_activation_layers
+    # (8192 is the order before the larger micro-batches: the most kept inputs among the efficient ones)
+    assert small == replace(fit(qwen, 32, 1024, int(9.5 * GiB), Layout(prefer_tokens=1)), prefer_tokens=EFFICIENT_TOKENS)
+    machine = Machine(ram=int(125.8 * GiB), gpu=int(139.8 * GiB))
+
+    def planned(sh, batch, gpu, host):
+        cfg = EngineConfig(device="cuda", gpu_memory_limit=int(gpu * GiB), host_memory_limit=int(host * GiB))
+        plan = resolve(cfg, Auto(), sh, batch, 1024, machine)
+        assert plan.fits, plan.problem
+        again = fit(sh, batch, 1024, plan.gpu_limit, Layout.of(plan.config))  # (as the engine places it)
+        assert (again.micro_batch, again.gpu_activation_layers) == (plan.placement.micro_batch,
+                                                                    plan.placement.gpu_activation_layers)
+        return plan
+
+    for batch, gpu, host in ((32, 9.5, 58), (64, 15.5, 67)):
+        plan = planned(qwen, batch, gpu, host)
+        assert plan.config.placement.micro_batch_tokens is None and plan.placement.micro_batch == 16
+    llama = shape("llama3-8b")
+    plan = planned(llama, 32, 11.5, 103)
+    assert plan.config.placement.micro_batch_tokens == EFFICIENT_TOKENS and plan.placement.micro_batch == 8
+    assert plan.config.placement.host_weights != "staged" and plan.config.placement.resident_layers == 1
+    unguarded = resolve(EngineConfig(device="cuda", gpu_memory_limit=int(11.5 * GiB), host_memory_limit=103 * GiB)
+                        .placed(micro_batch_tokens=LARGE_TOKENS), Auto(), llama, 32, 1024, machine)
+    assert unguarded.placement.micro_batch == 16 and unguarded.config.placement.host_weights == "staged"
+    plan = planned(qwen, 64, 15.5, 50)  # (16-sequence micro-batches' inputs would not fit the 50 GiB)
+    assert plan.config.placement.micro_batch_tokens == EFFICIENT_TOKENS
+    assert not resolve(EngineConfig(device="cuda", gpu_memory_limit=int(15.5 * GiB), host_memory_limit=50 * GiB)
+                       .placed(micro_batch_tokens=LARGE_TOKENS), Auto(), qwen, 64, 1024, machine).fits

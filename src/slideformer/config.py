@@ -52,6 +52,10 @@ class Placement:
     # Pinned host bytes the planner may give the first layers' inputs (offloaded then) so that their GPU
     # memory keeps more saved layers' products: where RAM has room and the time model says it is faster.
     host_input_bytes: int = 0
+    # Tokens up to which fit() grows micro-batches before it keeps more layer inputs or saved layers on
+    # the GPU (None: plan/memory.py's LARGE_TOKENS); the resolver's call, smaller where the larger ones'
+    # offloaded inputs would stage the embedding's host copy or not fit the host budget.
+    micro_batch_tokens: int | None = None
     # Host buffers decoder-layer gradients land in, reused as the optimizer frees them (None: one per
     # layer; clipping always holds one per layer until the global norm is known).
     host_grad_buffers: int | None = 4
@@ -186,6 +190,8 @@ class EngineConfig:
             raise ConfigError(f"gpu_activation_layers must be >= 0, got {p.gpu_activation_layers}")
         if p.saved_layers < 0:
             raise ConfigError(f"saved_layers must be >= 0, got {p.saved_layers}")
+        if p.micro_batch_tokens is not None and p.micro_batch_tokens < 1:
+            raise ConfigError(f"micro_batch_tokens must be >= 1 or None, got {p.micro_batch_tokens}")
         if p.host_input_bytes < 0:
             raise ConfigError(f"host_input_bytes must be >= 0, got {p.host_input_bytes}")
         if p.resident_layers < 0:

@@ -23,7 +23,8 @@ micro-batches under EFFICIENT_TOKENS, the fused head sums that gradient by vocab
 Micro-batches are free in this engine (weights cross PCIe once per step however many there are), so
 the planner bounds a layer's backward by splitting the batch, and keeps as many layer inputs on the
 GPU as the budget allows, offloading the rest: it prefers micro-batches of at least EFFICIENT_TOKENS
-tokens (matmuls at full speed), then the most layer inputs on the GPU (less pinned host memory and PCIe
+tokens (matmuls at full speed), then of up to LARGE_TOKENS (``prefer_tokens``: each micro-batch still
+costs GPU time beyond its FLOPs), then the most layer inputs on the GPU (less pinned host memory and PCIe
 traffic), then the largest micro-batch; what the GPU still has left keeps saved layers' products (no
 matmul in their recompute), and where the resolver allows pinned RAM for it (``host_input_bytes``), the
 first layers' inputs go there to keep more of them. Where even one sequence does not fit, the MLPs run in token
@@ -50,6 +51,10 @@ HEAD_GRAD_BYTES = {"torch": 6,  # per lm_head element: the fp32 accumulator and 
                    "fused": 4}  # the fp32 accumulator only (cuBLAS adds into it)
 SAFETY = 1.05  # allocator rounding and what the model leaves out
 EFFICIENT_TOKENS = 8192
+# Past EFFICIENT_TOKENS a micro-batch still saves GPU time: each one costs about 8e-12 s per layer parameter
+# beyond its FLOPs (the kernels a layer launches per micro-batch, its weights read again), so fit() takes
+# micro-batches up to this many tokens before it keeps more layer inputs or saved layers on the GPU
+LARGE_TOKENS = 16384
 # the FP8 products' speed over bf16's (forward, input and weight gradients), their casts included: fitted to the
 # measured step of Llama-3.1-8B b32 on the whole card (tests/test_plan.py); the FP8 GEMMs alone run about 1.8x
 FP8_SPEEDUP = 1.26
@@ -170,6 +175,8 @@ class Layout:
     # pinned host bytes fit() may give layer inputs whose GPU memory then keeps more saved layers' products
     # (the resolver's call, from the RAM left and the time model: ``displace_inputs``)
     host_input_bytes: int = 0
+    # micro-batches grow up to this many tokens before more layer inputs or saved layers stay on the GPU
+    prefer_tokens: int | None = None  # None: LARGE_TOKENS
     fp8: bool = False  # the layers' linears in FP8: the visited layer's weights keep two e4m3 casts (model/fp8.py)
 
     @classmethod
@@ -182,7 +189,8 @@ class Layout:
                    resident_edges=cfg.placement.resident_edges, mlp_chunk_tokens=cfg.tuning.mlp_chunk_tokens,
                    resident_state_bytes=resident_state_bytes(cfg.optimizer_state),
                    saved_layers=cfg.placement.saved_layers, compute_bytes=cfg.compute_dtype.itemsize,
-                   host_input_bytes=cfg.placement.host_input_bytes, fp8=cfg.fp8, **kw)
+                   host_input_bytes=cfg.placement.host_input_bytes, prefer_tokens=cfg.placement.micro_batch_tokens,
+                   fp8=cfg.fp8, **kw)
 
     def edges_resident(self, shape: "ModelShape") -> bool:
         return self.resident_edges or self.resident_layers >= shape.layers
@@ -716,7 +724,9 @@ def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout = Layo
             options.append(with_saved_layers(shape, batch, seq, limit, replace(least, gpu_activation_layers=kept)))
     if options:  # (the sliced head only where it buys efficient micro-batches, or nothing fits without it)
         best = max(options, key=lambda p: (min(p.micro_batch * seq, EFFICIENT_TOKENS), p.head_slice is None,
-                                           p.gpu_activation_layers, p.saved_layers, p.micro_batch))
+                                           min(p.micro_batch * seq, base.prefer_tokens or LARGE_TOKENS),
+                                           p.gpu_activation_layers,
+                                           p.saved_layers, p.micro_batch))
         if base.loss_chunk_tokens is None:  # then the largest loss chunk that fits beside that choice
             best = next((q for q in (replace(best, loss_chunk_tokens=c) for c in LOSS_CHUNK_TOKENS)
                          if gpu_bytes(shape, batch, seq, q)["peak"] <= limit),
