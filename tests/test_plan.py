@@ -991,7 +991,11 @@ def test_micro_batches_grow_to_large_tokens_unless_that_stages_the_embedding_or_
     llama = shape("llama3-8b")
     plan = planned(llama, 32, 11.5, 103)
     assert plan.config.placement.micro_batch_tokens == EFFICIENT_TOKENS and plan.placement.micro_batch == 8
-    assert plan.config.placement.host_weights != "staged" and plan.config.placement.resident_layers == 1
+    assert plan.config.placement.host_weights != "staged" and plan.placement.head_slice is None
+    # (a resident layer, the margin's, would cost the sliced head's second product for no shorter step)
+    eight = Layout(prefer_tokens=EFFICIENT_TOKENS)
+    assert fit(llama, 32, 1024, int(11.5 * GiB), replace(eight, resident_layers=1)).head_slice is not None
+    assert choose_resident_layers(llama, 32, 1024, int(11.5 * GiB), eight) == plan.config.placement.resident_layers == 0
     unguarded = resolve(EngineConfig(device="cuda", gpu_memory_limit=int(11.5 * GiB), host_memory_limit=103 * GiB)
                         .placed(micro_batch_tokens=LARGE_TOKENS), Auto(), llama, 32, 1024, machine)
     assert unguarded.placement.micro_batch == 16 and unguarded.config.placement.host_weights == "staged"

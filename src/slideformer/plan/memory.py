@@ -589,7 +589,8 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
     half the GPU's (with every other layer streamed and saving what fits), another resident layer saves no
     time and pushes inputs to pinned host memory and PCIe, or costs a layer's recompute. The half leaves
     room for the time model's error (its GPU rate underestimates 8B's); the layers of that margin are not
-    taken where they cost smaller micro-batches and the update hides under the GPU work without them.
+    taken where they cost smaller micro-batches, or GPU work that makes the step longer, and the update
+    hides under the GPU work without them.
     With ``clipping`` the update follows backward and only the next forward (a quarter of the GPU work)
     can hide it: a quarter, with no margin (that model already counts no overlap with backward).
     ``score(k)``: a step's predicted seconds with k resident layers, where the rule above does not see all
@@ -597,7 +598,7 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
     to RAM may push state onto it): then the k of the shortest step, the fewest among equals."""
     rates = rates or MachineRates()
     want = min(batch * seq, EFFICIENT_TOKENS)
-    best, placed, micro = 0, None, {}  # (micro: each k's micro-batch, as fit places it)
+    best, placed, micro, t_k = 0, None, {}, {}  # (each k's micro-batch and predicted times, as fit places it)
     for k in range(shape.layers + 1):
         try:
             p = fit(shape, batch, seq, limit, replace(base, resident_layers=k))
@@ -608,6 +609,7 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
         if min(p.micro_batch, batch) * seq < want:
             break
         best, placed, micro[k] = k, p, min(p.micro_batch, batch)
+        t_k[k] = step_time(shape, batch, seq, p, rates, clipping=clipping)
     if placed is None or (placed.gpu_activation_layers >= shape.layers
                           and (saved_layers(shape, placed) >= shape.layers or placed.mlp_chunk_tokens)):
         return best  # nothing competes for the memory
@@ -621,11 +623,14 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
     needed = 0
     while needed < best and per_param * on_cpu(needed) > (0.25 if clipping else 0.5) * t["gpu_compute_s"]:
         needed += 1
-    # The margin's layers give back the micro-batch they shrink, where the update still hides under the
-    # GPU work without them: micro-batches cost more the fewer tokens they hold, which the time model does
-    # not count (FP8's shorter GPU work asks more layers of the margin).
+    # The margin's layers give back the micro-batch they shrink, or the GPU work they add where the step
+    # is then shorter without them (the sliced head's second product, saved layers' matmuls), where the
+    # update still hides under the GPU work without them: micro-batches cost more the fewer tokens they
+    # hold, which the time model does not count (FP8's shorter GPU work asks more layers of the margin).
     cover = t["gpu_compute_s"] * (0.25 if clipping else 1.0)
-    while needed and per_param * on_cpu(needed - 1) <= cover and micro[needed] < micro[0]:
+    more_work = lambda k: t_k[k]["gpu_compute_s"] > t_k[0]["gpu_compute_s"] and \
+        t_k[k - 1]["step_s"] < t_k[k]["step_s"]  # noqa: E731
+    while needed and per_param * on_cpu(needed - 1) <= cover and (micro[needed] < micro[0] or more_work(needed)):
         needed -= 1
     return needed
 
