@@ -291,3 +291,21 @@ def test_the_competitors_baselines_load_from_the_repository():
     assert harness.BASELINES.is_file()
     assert callable(harness.runner("deepspeed")) and callable(harness.runner("torchao"))
     assert not hasattr(harness, "run_deepspeed") and not hasattr(harness, "run_torchao")
+
+
+def test_plan_on_prints_the_plan_the_benchmark_would_train_with_and_runs_nothing(capsys):
+    """--plan-on resolves a case as the benchmark does, for a machine's GPU and RAM given on a machine
+    without them (bench/compare_plans.sh): Qwen3-4B b32 under the reference's 9.5 / 58 GiB footprint takes
+    micro-batches of 16 sequences; Llama-3.1-8B b32 under 11.5 / 103 GiB keeps 8, whose plan leaves the
+    embedding its bf16 host copy."""
+    import json
+
+    rec = harness.main(["--system", "slideformer", "--model", "qwen3-4b", "--batch", "32", "--gpu-memory-limit-gib",
+                        "9.5", "--host-memory-limit-gib", "58", "--plan-on", "139.8,125.8"])
+    assert json.loads(capsys.readouterr().out) == rec
+    assert rec["micro_batch"] == 16 and rec["problem"] is None and rec["micro_batch_tokens"] is None
+    rec = harness.main(["--system", "slideformer", "--model", "llama3-8b", "--batch", "32", "--gpu-memory-limit-gib",
+                        "11.5", "--host-memory-limit-gib", "103", "--plan-on", "139.8,125.8"])
+    assert rec["micro_batch"] == 8 and rec["micro_batch_tokens"] == 8192 and rec["host_weights"] != "staged"
+    with pytest.raises(SystemExit, match="slideformer's cases only"):
+        harness.main(["--system", "plain", "--model", "qwen3-4b", "--plan-on", "139.8,125.8"])

@@ -61,7 +61,9 @@ def sync(args):
         torch.cuda.synchronize()
 
 
-def run_slideformer(args, config):
+def slideformer_plan(args, config, machine):
+    """What `slideformer train` decides for this case's "auto" settings on ``machine`` (plan.resolve): the
+    EngineConfig, and the Plan."""
     asked = {"window_slots": args.slots if args.slots == "auto" else int(args.slots),
              "nvme_fraction": args.nvme_fraction if args.nvme_fraction == "auto" else float(args.nvme_fraction),
              "host_weights": args.host_weights, "host_grad_buffers": args.host_grad_buffers,
@@ -81,9 +83,28 @@ def run_slideformer(args, config):
                        host_memory_limit=int(args.host_memory_limit_gib * 2**30) if args.host_memory_limit_gib else None,
                        placement=placement, tuning=tuning)
     shape = ModelShape.from_adapter(ModelAdapter(config, args.dtype))
+    plan = resolve(cfg, auto, shape, args.batch, args.seq, machine)
+    return plan.config, plan
+
+
+def plan_record(args, config) -> dict:
+    """--plan-on: the placement this case would train with on a machine of the given GPU and RAM, without
+    building it (to compare the planner's choices before and after a change, case by case)."""
+    gpu, ram = (float(x) * 2**30 for x in args.plan_on.split(","))
+    cfg, plan = slideformer_plan(args, config, Machine(ram=int(ram), gpu=int(gpu)))
+    p, c = plan.placement, cfg.placement
+    return {"micro_batch": min(p.micro_batch, args.batch), "gpu_activation_layers": p.gpu_activation_layers,
+            "saved_layers": p.saved_layers, "head_slice": p.head_slice, "loss_chunk_tokens": p.loss_chunk_tokens,
+            "resident_layers": c.resident_layers, "resident_edges": c.resident_edges, "window_slots": c.window_slots,
+            "host_weights": c.host_weights, "host_grad_buffers": c.host_grad_buffers,
+            "host_input_bytes": c.host_input_bytes, "micro_batch_tokens": getattr(c, "micro_batch_tokens", None),  # (older srcs: compare_plans.sh)
+            "nvme_fraction": c.nvme_fraction if cfg.offload_dir else None, "problem": plan.problem}
+
+
+def run_slideformer(args, config):
     # what `slideformer train` decides for what is "auto" (plan.resolve), not refused here where it does not fit:
     # the engine's own check, or the GPU, says so (a case that does not fit is a result too)
-    cfg = resolve(cfg, auto, shape, args.batch, args.seq, Machine.detect(args.device)).config
+    cfg, _ = slideformer_plan(args, config, Machine.detect(args.device))
     engine = SlideEngine.from_config(config, cfg)
     args.fused_ops = engine.fused_ops  # recorded as resolved ("auto" depends on what is installed)
     params = engine.adapter.num_params
@@ -301,6 +322,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--failed", metavar="WHY",
                     help="record this case as failed with WHY, without running it: a process the host killed "
                          "(out of RAM) or a timeout leaves no line of its own (bench/run_device.sh)")
+    ap.add_argument("--plan-on", metavar="GPU_GIB,RAM_GIB",
+                    help="slideformer: print the plan this case gets on a machine of that GPU and RAM (the H200's: "
+                         "139.8,125.8) as one JSON line, and run nothing")
     ap.add_argument("--out", default=None)
     return ap
 
@@ -314,6 +338,12 @@ def main(argv=None):
     args.dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     cuda = args.device == "cuda"
 
+    if args.plan_on:
+        if args.system != "slideformer":
+            raise SystemExit("--plan-on plans slideformer's cases only")
+        rec = {"model": args.model, "batch": args.batch, "command": args.command, **plan_record(args, preset_config(args.model))}
+        print(json.dumps(rec))
+        return rec
     if args.gpu_memory_limit_gib and cuda:  # the same hard cap for every system; slideformer also plans for it
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_limit_gib * 2**30 / total))
