@@ -74,8 +74,7 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
     Micro-batches past EFFICIENT_TOKENS (``micro_batch_tokens`` None: up to LARGE_TOKENS) keep fewer layer
     inputs on the GPU, and the offloaded ones take pinned RAM. Where that would not fit the host budget, or
     would take the embedding's bf16 host copy (staged, the first weights of a step cross as fp32 after the
-    last update: the GPU waited 0.19 s a step for them at Llama-3.1-8B b32 under 11.5 / 103 GiB, where the
-    larger micro-batches saved it less), the plan is the one with micro-batches of EFFICIENT_TOKENS."""
+    last update, and the GPU waits for them), the plan is the one with micro-batches of EFFICIENT_TOKENS."""
     plan = _resolve(cfg, auto, shape, batch, seq, machine, micro_batch, prefix)
     if cfg.placement.micro_batch_tokens is not None or plan.config.gpu_memory_limit is None:
         return plan
