@@ -56,6 +56,9 @@ class Placement:
     # the GPU (None: plan/memory.py's LARGE_TOKENS); the resolver's call, smaller where the larger ones'
     # offloaded inputs would stage the embedding's host copy or not fit the host budget.
     micro_batch_tokens: int | None = None
+    # Layer inputs fit() keeps on the GPU at the least (the resolver's call, where the host budget cannot
+    # hold the others): it then takes the sliced head or smaller micro-batches, slower but within both.
+    min_gpu_inputs: int = 0
     # Host buffers decoder-layer gradients land in, reused as the optimizer frees them (None: one per
     # layer; clipping always holds one per layer until the global norm is known).
     host_grad_buffers: int | None = 4
@@ -190,6 +193,8 @@ class EngineConfig:
             raise ConfigError(f"gpu_activation_layers must be >= 0, got {p.gpu_activation_layers}")
         if p.saved_layers < 0:
             raise ConfigError(f"saved_layers must be >= 0, got {p.saved_layers}")
+        if isinstance(p.min_gpu_inputs, bool) or not isinstance(p.min_gpu_inputs, int) or p.min_gpu_inputs < 0:
+            raise ConfigError(f"min_gpu_inputs must be an int >= 0, got {p.min_gpu_inputs!r}")
         if p.micro_batch_tokens is not None and p.micro_batch_tokens < 1:
             raise ConfigError(f"micro_batch_tokens must be >= 1 or None, got {p.micro_batch_tokens}")
         if p.host_input_bytes < 0:

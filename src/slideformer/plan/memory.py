@@ -178,6 +178,7 @@ class Layout:
     # micro-batches grow up to this many tokens before more layer inputs or saved layers stay on the GPU
     prefer_tokens: int | None = None  # None: LARGE_TOKENS
     fp8: bool = False  # the layers' linears in FP8: the visited layer's weights keep two e4m3 casts (model/fp8.py)
+    min_gpu_inputs: int = 0  # fit() keeps at least this many layer inputs on the GPU where any placement does
 
     @classmethod
     def of(cls, cfg, **kw) -> "Layout":
@@ -190,7 +191,7 @@ class Layout:
                    resident_state_bytes=resident_state_bytes(cfg.optimizer_state),
                    saved_layers=cfg.placement.saved_layers, compute_bytes=cfg.compute_dtype.itemsize,
                    host_input_bytes=cfg.placement.host_input_bytes, prefer_tokens=cfg.placement.micro_batch_tokens,
-                   fp8=cfg.fp8, **kw)
+                   fp8=cfg.fp8, min_gpu_inputs=cfg.placement.min_gpu_inputs, **kw)
 
     def edges_resident(self, shape: "ModelShape") -> bool:
         return self.resident_edges or self.resident_layers >= shape.layers
@@ -727,6 +728,8 @@ def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout = Layo
             per_layer = batch * seq * shape.hidden * 2
             kept = min(shape.layers, int((limit - base_peak) / SAFETY) // per_layer)
             options.append(with_saved_layers(shape, batch, seq, limit, replace(least, gpu_activation_layers=kept)))
+    # (the host's budget may hold only so many offloaded inputs: the placements that keep the rest, if any)
+    options = [p for p in options if p.gpu_activation_layers >= min(base.min_gpu_inputs, shape.layers)] or options
     if options:  # (the sliced head only where it buys efficient micro-batches, or nothing fits without it)
         best = max(options, key=lambda p: (min(p.micro_batch * seq, EFFICIENT_TOKENS), p.head_slice is None,
                                            min(p.micro_batch * seq, base.prefer_tokens or LARGE_TOKENS),

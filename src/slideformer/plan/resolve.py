@@ -9,6 +9,7 @@ the GPU budget), then the placement (micro-batches, offloaded layer inputs), the
 check, then the disk's where the machine says what is free."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from ..machine import Machine, MachineRates
@@ -77,9 +78,9 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
     last update, and the GPU waits for them), the plan is the one with micro-batches of EFFICIENT_TOKENS."""
     plan = _resolve(cfg, auto, shape, batch, seq, machine, micro_batch, prefix)
     if cfg.placement.micro_batch_tokens is not None or plan.config.gpu_memory_limit is None:
-        return plan
+        return _inputs_within_host(plan, cfg, auto, batch, seq, machine, micro_batch, prefix)
     if min(plan.placement.micro_batch, batch) * seq <= EFFICIENT_TOKENS:
-        return plan
+        return _inputs_within_host(plan, cfg, auto, batch, seq, machine, micro_batch, prefix)
     c = plan.config
     stages_edges = c.placement.host_weights == "staged" and not plan.placement.edges_resident(plan.shape)
     if not (plan.problem or stages_edges):
@@ -87,8 +88,28 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
     small = _resolve(cfg.placed(micro_batch_tokens=EFFICIENT_TOKENS), auto, shape, batch, seq, machine,
                      micro_batch, prefix)
     if plan.problem or (small.problem is None and small.config.placement.host_weights != "staged"):
-        return small  # (where neither fits, the one that asks less)
+        # (where neither fits, the one that asks less)
+        return _inputs_within_host(small, cfg.placed(micro_batch_tokens=EFFICIENT_TOKENS), auto, batch, seq,
+                                   machine, micro_batch, prefix)
     return plan
+
+
+def _inputs_within_host(plan: Plan, cfg, auto: "Auto", batch: int, seq: int, machine: Machine,
+                        micro_batch: int | None, prefix: str) -> Plan:
+    """Where the offloaded layer inputs put the host over its budget, the plan that keeps enough of them on
+    the GPU (``min_gpu_inputs``: fit() then takes the sliced head or smaller micro-batches), if one fits
+    both budgets: a slower step rather than a refusal."""
+    if plan.binds != "host" or plan.config.gpu_memory_limit is None or cfg.placement.min_gpu_inputs:
+        return plan
+    over = sum(plan.host.values()) - host_budget(plan.config, machine.rank_ram)[1]
+    per_input = batch * seq * plan.shape.hidden * plan.config.compute_dtype.itemsize
+    if over <= 0 or not per_input or over > plan.host.get("activations", 0):
+        return plan
+    keep = plan.placement.gpu_activation_layers + math.ceil(over / per_input)
+    if keep > plan.shape.layers:
+        return plan
+    again = _resolve(cfg.placed(min_gpu_inputs=keep), auto, plan.shape, batch, seq, machine, micro_batch, prefix)
+    return again if again.problem is None else plan
 
 
 def _resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: Machine,
