@@ -75,7 +75,8 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
     Micro-batches past EFFICIENT_TOKENS (``micro_batch_tokens`` None: up to LARGE_TOKENS) keep fewer layer
     inputs on the GPU, and the offloaded ones take pinned RAM. Where that would not fit the host budget, or
     would take the embedding's bf16 host copy (staged, the first weights of a step cross as fp32 after the
-    last update, and the GPU waits for them), the plan is the one with micro-batches of EFFICIENT_TOKENS."""
+    last update, and the GPU waits for them), the plan is the one with micro-batches of EFFICIENT_TOKENS.
+    Where offloaded layer inputs still put the host over its budget, it keeps more of them on the GPU."""
     plan = _resolve(cfg, auto, shape, batch, seq, machine, micro_batch, prefix)
     if cfg.placement.micro_batch_tokens is not None or plan.config.gpu_memory_limit is None:
         return _inputs_within_host(plan, cfg, auto, batch, seq, machine, micro_batch, prefix)
@@ -98,7 +99,7 @@ def _inputs_within_host(plan: Plan, cfg, auto: "Auto", batch: int, seq: int, mac
                         micro_batch: int | None, prefix: str) -> Plan:
     """Where the offloaded layer inputs put the host over its budget, the plan that keeps enough of them on
     the GPU (``min_gpu_inputs``: fit() then takes the sliced head or smaller micro-batches), if one fits
-    both budgets: a slower step rather than a refusal."""
+    both budgets: a step the host holds rather than a refusal."""
     if plan.binds != "host" or plan.config.gpu_memory_limit is None or cfg.placement.min_gpu_inputs:
         return plan
     over = sum(plan.host.values()) - host_budget(plan.config, machine.rank_ram)[1]
