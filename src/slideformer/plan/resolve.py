@@ -76,7 +76,8 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
     inputs on the GPU, and the offloaded ones take pinned RAM. Where that would not fit the host budget, or
     would take the embedding's bf16 host copy (staged, the first weights of a step cross as fp32 after the
     last update, and the GPU waits for them), the plan is the one with micro-batches of EFFICIENT_TOKENS.
-    Where offloaded layer inputs still put the host over its budget, it keeps more of them on the GPU."""
+    Where offloaded layer inputs still put the host over its budget, it plans again with more of them kept
+    on the GPU, or with the embedding and head trained there where residency finds that faster."""
     plan = _resolve(cfg, auto, shape, batch, seq, machine, micro_batch, prefix)
     if cfg.placement.micro_batch_tokens is not None or plan.config.gpu_memory_limit is None:
         return _inputs_within_host(plan, cfg, auto, batch, seq, machine, micro_batch, prefix)
@@ -97,9 +98,12 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
 
 def _inputs_within_host(plan: Plan, cfg, auto: "Auto", batch: int, seq: int, machine: Machine,
                         micro_batch: int | None, prefix: str) -> Plan:
-    """Where the offloaded layer inputs put the host over its budget, the plan that keeps enough of them on
-    the GPU (``min_gpu_inputs``: fit() then takes the sliced head or smaller micro-batches), if one fits
-    both budgets: a step the host holds rather than a refusal."""
+    """Where the offloaded layer inputs put the host over its budget, the plan made again with a floor on
+    the inputs kept on the GPU (``min_gpu_inputs``), if it fits both budgets: a step the host holds rather
+    than a refusal. The placements that meet the floor cost GPU work (the sliced head, smaller
+    micro-batches), so residency, which weighs them, may take the embedding and head onto the GPU instead
+    (their host state then goes); the floor stays in the config only where the placement meets it (where
+    it does not, fit() places as it would without one, so the engine's placement is the same)."""
     if plan.binds != "host" or plan.config.gpu_memory_limit is None or cfg.placement.min_gpu_inputs:
         return plan
     over = sum(plan.host.values()) - host_budget(plan.config, machine.rank_ram)[1]
@@ -107,10 +111,13 @@ def _inputs_within_host(plan: Plan, cfg, auto: "Auto", batch: int, seq: int, mac
     if over <= 0 or not per_input or over > plan.host.get("activations", 0):
         return plan
     keep = plan.placement.gpu_activation_layers + math.ceil(over / per_input)
-    if keep > plan.shape.layers:
-        return plan
     again = _resolve(cfg.placed(min_gpu_inputs=keep), auto, plan.shape, batch, seq, machine, micro_batch, prefix)
-    return again if again.problem is None else plan
+    if again.problem is not None:
+        return plan
+    if again.placement.gpu_activation_layers < keep:
+        again = replace(again, config=again.config.placed(min_gpu_inputs=0),
+                        placement=replace(again.placement, min_gpu_inputs=0))
+    return again
 
 
 def _resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: Machine,
@@ -194,6 +201,8 @@ def displace_inputs(cfg, shape: ModelShape, batch: int, seq: int, limit: int, pl
     if q.saved_layers <= placement.saved_layers or seconds(q) >= seconds(placement):
         return cfg, placement
     used = (shape.layers - q.gpu_activation_layers) * batch * seq * shape.hidden * cfg.compute_dtype.itemsize
+    if not used:  # (its saved layers came from the allowance's exact peak check, not from inputs it moved:
+        return cfg, placement  # fit() without an allowance, as the engine fits, would not place them)
     # (fit under an allowance of just these bytes places the same: the most saved layers, the fewest inputs)
     return cfg.placed(host_input_bytes=used), replace(q, host_input_bytes=used)
 
