@@ -1,5 +1,5 @@
 """Host-to-device rates of a layer's fp32 master, plain and staged (cast on the GPU), with and without GEMMs
-running beside the copies: where the staged copy loses PCIe's rate (bench/NOTES.md, session 24). Prints one JSON line.
+running beside the copies: where the staged copy loses PCIe's rate (bench/NOTES.md). Prints one JSON line.
 Run on the GPU machine from the repo root: PYTHONPATH=src python3 bench/h2d_staging.py"""
 import ctypes, json, torch
 from slideformer.host.nvme import aligned_empty

@@ -62,8 +62,7 @@ def sync(args):
 
 
 def slideformer_plan(args, config, machine):
-    """What `slideformer train` decides for this case's "auto" settings on ``machine`` (plan.resolve): the
-    EngineConfig, and the Plan."""
+    """What `slideformer train` decides for this case's "auto" settings on ``machine`` (plan.resolve)."""
     asked = {"window_slots": args.slots if args.slots == "auto" else int(args.slots),
              "nvme_fraction": args.nvme_fraction if args.nvme_fraction == "auto" else float(args.nvme_fraction),
              "host_weights": args.host_weights, "host_grad_buffers": args.host_grad_buffers,
@@ -83,15 +82,15 @@ def slideformer_plan(args, config, machine):
                        host_memory_limit=int(args.host_memory_limit_gib * 2**30) if args.host_memory_limit_gib else None,
                        placement=placement, tuning=tuning)
     shape = ModelShape.from_adapter(ModelAdapter(config, args.dtype))
-    plan = resolve(cfg, auto, shape, args.batch, args.seq, machine)
-    return plan.config, plan
+    return resolve(cfg, auto, shape, args.batch, args.seq, machine)
 
 
 def plan_record(args, config) -> dict:
     """--plan-on: the placement this case would train with on a machine of the given GPU and RAM, without
     building it (to compare the planner's choices before and after a change, case by case)."""
     gpu, ram = (float(x) * 2**30 for x in args.plan_on.split(","))
-    cfg, plan = slideformer_plan(args, config, Machine(ram=int(ram), gpu=int(gpu)))
+    plan = slideformer_plan(args, config, Machine(ram=int(ram), gpu=int(gpu)))
+    cfg = plan.config
     p, c = plan.placement, cfg.placement
     return {"micro_batch": min(p.micro_batch, args.batch), "gpu_activation_layers": p.gpu_activation_layers,
             "saved_layers": p.saved_layers, "head_slice": p.head_slice, "loss_chunk_tokens": p.loss_chunk_tokens,
@@ -105,7 +104,7 @@ def plan_record(args, config) -> dict:
 def run_slideformer(args, config):
     # what `slideformer train` decides for what is "auto" (plan.resolve), not refused here where it does not fit:
     # the engine's own check, or the GPU, says so (a case that does not fit is a result too)
-    cfg, _ = slideformer_plan(args, config, Machine.detect(args.device))
+    cfg = slideformer_plan(args, config, Machine.detect(args.device)).config
     engine = SlideEngine.from_config(config, cfg)
     args.fused_ops = engine.fused_ops  # recorded as resolved ("auto" depends on what is installed)
     params = engine.adapter.num_params

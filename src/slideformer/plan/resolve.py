@@ -78,22 +78,27 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
     last update, and the GPU waits for them), the plan is the one with micro-batches of EFFICIENT_TOKENS.
     Where offloaded layer inputs still put the host over its budget, it plans again with more of them kept
     on the GPU, or with the embedding and head trained there where residency finds that faster."""
+    plan, asked = _micro_batch_guard(cfg, auto, shape, batch, seq, machine, micro_batch, prefix)
+    return _inputs_within_host(plan, asked, auto, batch, seq, machine, micro_batch, prefix)
+
+
+def _micro_batch_guard(cfg, auto: "Auto", shape: ModelShape, batch: int, seq: int, machine: Machine,
+                       micro_batch: int | None, prefix: str) -> tuple[Plan, object]:
+    """The plan with micro-batches up to LARGE_TOKENS, or the one with EFFICIENT_TOKENS where the larger
+    ones do not fit or stage the embedding (``resolve``); with the config it was resolved from."""
     plan = _resolve(cfg, auto, shape, batch, seq, machine, micro_batch, prefix)
-    if cfg.placement.micro_batch_tokens is not None or plan.config.gpu_memory_limit is None:
-        return _inputs_within_host(plan, cfg, auto, batch, seq, machine, micro_batch, prefix)
-    if min(plan.placement.micro_batch, batch) * seq <= EFFICIENT_TOKENS:
-        return _inputs_within_host(plan, cfg, auto, batch, seq, machine, micro_batch, prefix)
+    if cfg.placement.micro_batch_tokens is not None or plan.config.gpu_memory_limit is None \
+            or min(plan.placement.micro_batch, batch) * seq <= EFFICIENT_TOKENS:
+        return plan, cfg
     c = plan.config
     stages_edges = c.placement.host_weights == "staged" and not plan.placement.edges_resident(plan.shape)
     if not (plan.problem or stages_edges):
-        return plan
-    small = _resolve(cfg.placed(micro_batch_tokens=EFFICIENT_TOKENS), auto, shape, batch, seq, machine,
-                     micro_batch, prefix)
+        return plan, cfg
+    efficient = cfg.placed(micro_batch_tokens=EFFICIENT_TOKENS)
+    small = _resolve(efficient, auto, shape, batch, seq, machine, micro_batch, prefix)
     if plan.problem or (small.problem is None and small.config.placement.host_weights != "staged"):
-        # (where neither fits, the one that asks less)
-        return _inputs_within_host(small, cfg.placed(micro_batch_tokens=EFFICIENT_TOKENS), auto, batch, seq,
-                                   machine, micro_batch, prefix)
-    return plan
+        return small, efficient  # (where neither fits, the one that asks less)
+    return plan, cfg
 
 
 def _inputs_within_host(plan: Plan, cfg, auto: "Auto", batch: int, seq: int, machine: Machine,
