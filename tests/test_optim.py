@@ -173,24 +173,65 @@ def _state_and_update(fmt: str, n: int, g: torch.Tensor, **over):
     if fmt == "fp32":
         state = [torch.randn(n), torch.randn(n) * 0.1, torch.rand(n) * 0.01, torch.empty(n, dtype=torch.bfloat16)]
 
-        def update(s, landing=None, src=None):
-            return adamw_update_(s[0], g, s[1], s[2], out=s[3], scratch=torch.empty(n), landing=landing,
-                                 src=None if src is None else src[:3], **kw)
+        def update(s, landing=None, src=None, grad=None, rows=None):
+            return adamw_update_(s[0], g if grad is None else grad, s[1], s[2], out=s[3], scratch=torch.empty(n),
+                                 landing=landing, src=None if src is None else src[:3], rows=rows, **kw)
         return state, update
     hi, lo = torch.randn(n).bfloat16(), (torch.randn(n) * 1e-3).bfloat16()
     if fmt == "compact":
         state = [hi, lo, (torch.randn(n) * 0.1).bfloat16(), (torch.rand(n) * 0.01).bfloat16()]
 
-        def update(s, landing=None, src=None):
-            return adamw_compact_(*s[:2], g, *s[2:], seed=5, landing=landing, src=src, **kw)
+        def update(s, landing=None, src=None, grad=None, rows=None):
+            return adamw_compact_(*s[:2], g if grad is None else grad, *s[2:], seed=5, landing=landing, src=src,
+                                  rows=rows, **kw)
         return state, update
     state = [hi, lo] + [torch.randint(0, 256, (moment_numel("8bit", n),), dtype=torch.uint8) for _ in range(2)]
     for m in state[2:]:
         m[n:].view(torch.float32).copy_(torch.rand(n // 128) * 0.1)  # (scales: finite and positive)
 
-    def update(s, landing=None, src=None):
-        return adamw_8bit_(*s[:2], g, *s[2:], landing=landing, src=src, **kw)
+    def update(s, landing=None, src=None, grad=None, rows=None):
+        return adamw_8bit_(*s[:2], g if grad is None else grad, *s[2:], landing=landing, src=src, rows=rows, **kw)
     return state, update
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt", ["fp32", "compact", "8bit"])
+def test_a_row_wise_update_in_two_parts_is_the_dense_update(fmt, grad_dtype):
+    """An embedding's update in two parts (engine/embedding.py): the rows a step touched, from their packed
+    gradient and chunk by chunk as it lands, and the rest with a zero gradient, in either order, give the
+    bits of one dense update whose gradient is zero outside those rows. Rows of 256 in a unit with a padded
+    tail; touched rows in runs (merged into segments) and alone, the first and the last among them."""
+    from slideformer.optim.adamw import Landing, Rows
+
+    length, nrows, tail = 256, 300, 128
+    n = length * nrows + tail
+    ids = torch.tensor([0, 1, 2, 7, 8, 100, 101, 102, 103, 104, 250, nrows - 1])
+    torch.manual_seed(0)
+    packed = torch.randn(len(ids), length).to(grad_dtype)
+    dense = torch.zeros(n, dtype=grad_dtype)
+    dense[: nrows * length].view(nrows, length)[ids] = packed
+    state, update = _state_and_update(fmt, n, dense)
+    ref = [t.clone() for t in state]
+    update(ref)
+    touched, rest = Rows(ids, length, True), Rows(ids, length, False)
+    chunk = 384  # (chunks that split rows: the segments follow the landing)
+    flags, abort = torch.full((-(-packed.numel() // chunk),), 3, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
+    for order in ([touched, rest], [rest, touched]):
+        got = [t.clone() for t in state]
+        for part in order:
+            update(got, landing=Landing(flags, 3, chunk, abort) if part.touched else None,
+                   grad=packed.flatten() if part.touched else packed[:0].flatten(), rows=part)
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b)
+    one = [t.clone() for t in state]
+    update(one, grad=packed.flatten(), rows=touched)
+    assert torch.equal(one[0][length * 3: length * 7], state[0][length * 3: length * 7])  # untouched rows left
+    assert not torch.equal(one[0][:length], state[0][:length])
+    with pytest.raises(RuntimeError, match="sorted, unique"):
+        update([t.clone() for t in state], grad=packed.flatten(), rows=Rows(ids.flip(0), length, True))
+    torch_update = _state_and_update(fmt, n, dense, backend="torch")[1]
+    with pytest.raises(ValueError, match="native"):
+        torch_update([t.clone() for t in state], grad=packed.flatten(), rows=touched)
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "compact", "8bit"])

@@ -48,24 +48,46 @@ class Landing:
         return dict(flags=self.flags, ticket=self.ticket, chunk=self.chunk, abort=self.abort)
 
 
+@dataclass(frozen=True)
+class Rows:
+    """One part of a row-wise update (the native kernels only): the unit as rows of ``length`` elements,
+    ``ids`` sorted unique row indices (int64, CPU). ``touched``: those rows, their gradient packed in
+    ``ids``' order (len(ids) x length elements); else every other element of the unit, with a zero
+    gradient (no gradient is read). The two parts, in either order, are one update of the whole unit
+    whose gradient is zero outside ``ids``, to the bit (the engine's embedding: engine/embedding.py)."""
+
+    ids: torch.Tensor
+    length: int
+    touched: bool
+
+    def kwargs(self) -> dict:
+        return dict(rows=self.ids, row_len=self.length, touched=self.touched)
+
+
+def _check_rows(rows: "Rows | None", backend: str) -> None:
+    if rows is not None and backend != "native":
+        raise ValueError("a row-wise update needs the native backend")
+
+
 def adamw_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                   *, step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                   grad_coef: float = 1.0, out: torch.Tensor | None = None, scratch: torch.Tensor | None = None,
                   backend: str = "torch", threads: int | None = None, landing: Landing | None = None,
-                  src: tuple[torch.Tensor, ...] | None = None) -> float:
+                  src: tuple[torch.Tensor, ...] | None = None, rows: Rows | None = None) -> float:
     """Decoupled-weight-decay Adam, exactly torch.optim.AdamW's update for the ``step``-th step.
 
     ``out``, when given, receives the updated weights in its dtype (the compute copy sent to the GPU).
     ``landing``, when given, says when each chunk of ``grad`` is there to be read. ``src``, when given
     (master, exp_avg, exp_avg_sq), is the state the update starts from, left as it was: the update is
-    written out of place. Returns the seconds spent waiting for chunks (the rest of the call is the
-    update's own time).
+    written out of place. ``rows``: one part of a row-wise update (``Rows``). Returns the seconds spent
+    waiting for chunks (the rest of the call is the update's own time).
     """
+    _check_rows(rows, backend)
     if backend == "native":
         mod = native.load(strict=True)
         return mod.adamw_step(master, grad, exp_avg, exp_avg_sq, out, step, lr, betas[0], betas[1], eps, weight_decay,
                               grad_coef, threads or native.default_threads(), **(landing.kwargs() if landing else {}),
-                              src=None if src is None else list(src))
+                              src=None if src is None else list(src), **(rows.kwargs() if rows else {}))
     if backend != "torch":
         raise ValueError(f"unknown optimizer backend {backend!r}; use 'native' or 'torch'")
     waited = landing.wait(grad.numel()) if landing is not None else 0.0
@@ -121,7 +143,7 @@ def adamw_compact_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, exp_a
                    exp_avg_sq: torch.Tensor, *, step: int, lr: float, betas: tuple[float, float], eps: float,
                    weight_decay: float, grad_coef: float = 1.0, seed: int = 0, offset: int = 0,
                    backend: str = "native", threads: int | None = None, landing: Landing | None = None,
-                   src: tuple[torch.Tensor, ...] | None = None) -> float:
+                   src: tuple[torch.Tensor, ...] | None = None, rows: Rows | None = None) -> float:
     """AdamW on compact state: master = hi + lo (bf16 each), bf16 moments rounded stochastically.
 
     ``offset``: where these tensors start in their unit (the rounding bits hash the position in the unit,
@@ -131,9 +153,10 @@ def adamw_compact_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, exp_a
     Same arithmetic in both backends, equal to rounding (this kernel fuses multiply-adds); the PyTorch one
     is the reference and the fallback. Returns the seconds spent waiting for gradient chunks.
     """
+    _check_rows(rows, backend)
     if backend == "native":
         return _native("adamw_step_compact", hi, lo, grad, exp_avg, exp_avg_sq, step, lr, betas[0], betas[1], eps,
-                       weight_decay, grad_coef, seed, offset, threads=threads, landing=landing, src=src)
+                       weight_decay, grad_coef, seed, offset, threads=threads, landing=landing, src=src, rows=rows)
     waited = _torch_start(grad.numel(), (hi, lo, exp_avg, exp_avg_sq), landing, src)
     b1, b2 = betas
     w1 = torch.tensor(1.0 - b1, dtype=torch.float32)
@@ -155,7 +178,8 @@ def adamw_compact_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, exp_a
 def adamw_8bit_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
                 exp_avg_sq: torch.Tensor, *, step: int, lr: float, betas: tuple[float, float], eps: float,
                 weight_decay: float, grad_coef: float = 1.0, backend: str = "native", threads: int | None = None,
-                landing: Landing | None = None, src: tuple[torch.Tensor, ...] | None = None) -> float:
+                landing: Landing | None = None, src: tuple[torch.Tensor, ...] | None = None,
+                rows: Rows | None = None) -> float:
     """AdamW on 8-bit state (optim/formats.py): master = hi + lo (bf16 each), each moment 8-bit codes of the
     dynamic map with an fp32 absolute-maximum scale per block. A block's new moments are computed in fp32,
     used for this step's update unrounded, then stored to the nearest code (as torchao's AdamW8bit does;
@@ -165,10 +189,11 @@ def adamw_8bit_(hi: torch.Tensor, lo: torch.Tensor, grad: torch.Tensor, exp_avg:
     The PyTorch code below is the reference and the fallback (and runs on any device, in pieces); the C++
     kernel is its arithmetic (no contracted multiply-adds, which would move a value across a code's
     midpoint now and then), equal but for a rare last bit of a lo half."""
+    _check_rows(rows, backend)
     if backend == "native":
         return _native("adamw_step_8bit", hi, lo, grad, exp_avg, exp_avg_sq, qmap(True), qmap(False),
                        *code_tables(True), *code_tables(False), step, lr, betas[0], betas[1], eps, weight_decay,
-                       grad_coef, threads=threads, landing=landing, src=src)
+                       grad_coef, threads=threads, landing=landing, src=src, rows=rows)
     waited = _torch_start(grad.numel(), (hi, lo, exp_avg, exp_avg_sq), landing, src)
     n = hi.numel()
     (mc, ms), (vc, vs) = split_moment(exp_avg, n), split_moment(exp_avg_sq, n)
@@ -219,11 +244,12 @@ def _quantize_(codes: torch.Tensor, scales: torch.Tensor, x: torch.Tensor, q: to
     scales.copy_(scale)
 
 
-def _native(kernel: str, *args, threads: int | None, landing: Landing | None, src) -> float:
+def _native(kernel: str, *args, threads: int | None, landing: Landing | None, src, rows: Rows | None = None) -> float:
     """A C++ update (optim/csrc/adamw.cpp) on its threads, chunk by chunk as the gradient lands."""
     return getattr(native.load(strict=True), kernel)(*args, threads or native.default_threads(),
                                                        **(landing.kwargs() if landing else {}),
-                                                       src=None if src is None else list(src))
+                                                       src=None if src is None else list(src),
+                                                       **(rows.kwargs() if rows else {}))
 
 
 def _torch_start(numel: int, dst: tuple[torch.Tensor, ...], landing: Landing | None, src) -> float:

@@ -184,6 +184,113 @@ double for_each_landed(int64_t n, const Landing& l, F&& body) {
   return waited;
 }
 
+// ---- rows: an embedding's update in two parts (engine: the rows a step's tokens touched, and the rest) ----
+// A unit seen as rows of ``len`` elements; ``ids``: sorted, unique row indices. Touched: those rows, their
+// gradient packed in ``ids``' order (count x len elements, landing chunk by chunk like a unit's). Untouched:
+// every other element of the unit (the rows not in ``ids`` and any padding after the last row), with a zero
+// gradient. The two parts cover the unit once, and each element gets the dense kernel's arithmetic, so
+// the parts together equal one update of the whole unit with the zero rows filled in.
+struct Rows {
+  const int64_t* ids = nullptr;
+  int64_t count = 0, len = 0;
+  bool touched = false;
+};
+
+// Unit elements [begin, end), whose gradient starts at element ``grad`` of the packed rows (-1: zeros).
+struct Segment {
+  int64_t begin, end, grad;
+};
+
+alignas(64) const float kZeros[kBlock] = {};  // the untouched part's gradient (0 in fp32, bf16 and fp16 alike)
+
+Rows rows_of(const c10::optional<torch::Tensor>& ids, int64_t len, bool touched, int64_t n) {
+  Rows r;
+  if (!ids.has_value()) return r;
+  TORCH_CHECK(ids->is_cpu() && ids->is_contiguous() && ids->scalar_type() == at::kLong, "rows: a contiguous int64 CPU tensor");
+  TORCH_CHECK(len > 0, "row_len must be positive");
+  r.ids = ids->data_ptr<int64_t>();
+  r.count = ids->numel();
+  r.len = len;
+  r.touched = touched;
+  for (int64_t k = 0; k < r.count; ++k)
+    TORCH_CHECK(r.ids[k] >= 0 && (r.ids[k] + 1) * len <= n && (k == 0 || r.ids[k] > r.ids[k - 1]),
+                "rows: sorted, unique row indices inside the unit");
+  return r;
+}
+
+// The touched rows' segments for packed elements [a, b) (one landed chunk), adjacent rows merged up to kBlock.
+std::vector<Segment> touched_segments(const Rows& r, int64_t a, int64_t b) {
+  std::vector<Segment> out;
+  for (int64_t k = a / r.len; k * r.len < b; ++k) {
+    const int64_t s = std::max(a, k * r.len), e = std::min(b, (k + 1) * r.len);
+    const int64_t begin = r.ids[k] * r.len + (s - k * r.len);
+    if (!out.empty() && out.back().end == begin && out.back().grad + (out.back().end - out.back().begin) == s &&
+        out.back().end - out.back().begin + (e - s) <= kBlock) {
+      out.back().end += e - s;
+    } else {
+      out.push_back({begin, begin + (e - s), s});
+    }
+  }
+  return out;
+}
+
+// The untouched part's segments over a unit of n elements, each at most kBlock (the zeros' length).
+std::vector<Segment> untouched_segments(const Rows& r, int64_t n) {
+  std::vector<Segment> out;
+  auto gap = [&](int64_t begin, int64_t end) {
+    for (int64_t s = begin; s < end; s += kBlock) out.push_back({s, std::min(end, s + kBlock), -1});
+  };
+  int64_t next = 0;
+  for (int64_t k = 0; k < r.count; ++k) {
+    gap(next, r.ids[k] * r.len);
+    next = (r.ids[k] + 1) * r.len;
+  }
+  gap(next, n);
+  return out;
+}
+
+template <typename F>
+void run_segments(const std::vector<Segment>& segs, int64_t threads, F&& fn) {
+  const int64_t n = static_cast<int64_t>(segs.size()), t = std::max<int64_t>(1, std::min<int64_t>(threads, n));
+  if (t == 1) {
+    for (const auto& s : segs) fn(s);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  const std::function<void(int64_t)> task = [&](int64_t k) {
+    if (k >= t) return;
+    for (int64_t j; (j = next.fetch_add(1, std::memory_order_relaxed)) < n;) fn(segs[j]);
+  };
+  pool_of(threads).run(task);
+}
+
+// Runs fn(segment) over the part ``r`` names, touched rows chunk by chunk as they land; returns the
+// seconds spent waiting for chunks.
+template <typename F>
+double for_each_row_segment(int64_t n, const Rows& r, const Landing& l, int64_t threads, F&& fn) {
+  if (!r.touched) {
+    run_segments(untouched_segments(r, n), threads, fn);
+    return 0.0;
+  }
+  return for_each_landed(r.count * r.len, l, [&](int64_t a, int64_t b) {
+    run_segments(touched_segments(r, a, b), threads, fn);
+  });
+}
+
+template <typename T>
+const T* grad_of(const T* g, const Segment& s) {
+  return s.grad >= 0 ? g + s.grad : reinterpret_cast<const T*>(kZeros);
+}
+
+// The gradient's size for an update of n elements: the packed touched rows, nothing for the untouched
+// part (its gradient is zero), else n.
+void check_grad_size(const torch::Tensor& grad, const Rows& r, int64_t n) {
+  if (r.ids != nullptr && !r.touched) return;
+  const int64_t want = r.ids != nullptr ? r.count * r.len : n;
+  TORCH_CHECK(grad.is_cpu() && grad.is_contiguous() && grad.numel() == want,
+              "grad: a contiguous CPU tensor of ", want, " elements (", r.ids != nullptr ? "the touched rows" : "the unit", ")");
+}
+
 inline float bf16_to_f32(uint16_t h) {
   uint32_t bits = static_cast<uint32_t>(h) << 16;
   float f;
@@ -323,6 +430,33 @@ void run(const State<float> st, const typename G::T* g, typename O::T* out, int6
   });
 }
 
+// One row segment: the dense kernel on pointers moved to the segment's start.
+template <typename G, typename O>
+void run_segment(const State<float> st, const typename G::T* g, typename O::T* out, const Segment& s, Hyper h) {
+  const int64_t b = s.begin, len = s.end - s.begin;
+  const State<float> at{st.p0 + b, st.m0 + b, st.v0 + b, st.p + b, st.m + b, st.v + b};
+  const auto* gs = grad_of(g, s);
+  auto* os = out == nullptr ? out : out + b;
+  int64_t i = 0;
+#ifdef SF_AVX512
+  if constexpr (std::is_same_v<G, BF16> && std::is_same_v<O, BF16>) {
+    i = h.w1 < 0.5f ? run_range_avx512<true>(at, gs, os, 0, len, h) : run_range_avx512<false>(at, gs, os, 0, len, h);
+    _mm_sfence();
+  }
+#endif
+  if (h.w1 < 0.5f) run_range<G, O, true>(at, gs, os, i, len, h);
+  else run_range<G, O, false>(at, gs, os, i, len, h);
+}
+
+template <typename G>
+void segment_out(const State<float> st, const torch::Tensor& g, const c10::optional<torch::Tensor>& out,
+                 const Segment& s, Hyper h) {
+  auto* gp = reinterpret_cast<const typename G::T*>(g.data_ptr());
+  if (!out.has_value()) run_segment<G, None>(st, gp, nullptr, s, h);
+  else if (out->scalar_type() == at::kBFloat16) run_segment<G, BF16>(st, gp, reinterpret_cast<uint16_t*>(out->data_ptr()), s, h);
+  else run_segment<G, F16>(st, gp, reinterpret_cast<at::Half*>(out->data_ptr()), s, h);
+}
+
 template <typename G>
 void dispatch_out(const State<float> st, const torch::Tensor& g, const c10::optional<torch::Tensor>& out,
                   int64_t begin, int64_t end, Hyper h, int64_t threads) {
@@ -357,12 +491,15 @@ double adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg
                   c10::optional<torch::Tensor> out, int64_t step, double lr, double beta1, double beta2, double eps,
                   double weight_decay, double grad_coef, int64_t threads, c10::optional<torch::Tensor> flags,
                   int64_t ticket, int64_t chunk, c10::optional<torch::Tensor> abort,
-                  c10::optional<std::vector<torch::Tensor>> src) {
+                  c10::optional<std::vector<torch::Tensor>> src, c10::optional<torch::Tensor> rows,
+                  int64_t row_len, bool touched) {
   for (const auto* t : {&param, &exp_avg, &exp_avg_sq})
     TORCH_CHECK(t->is_cpu() && t->is_contiguous() && t->scalar_type() == at::kFloat, "master and moments: contiguous fp32 CPU");
   const int64_t n = param.numel();
-  TORCH_CHECK(exp_avg.numel() == n && exp_avg_sq.numel() == n && grad.numel() == n, "sizes differ");
-  TORCH_CHECK(grad.is_cpu() && grad.is_contiguous(), "grad: contiguous CPU tensor");
+  TORCH_CHECK(exp_avg.numel() == n && exp_avg_sq.numel() == n, "sizes differ");
+  const Rows r = rows_of(rows, row_len, touched, n);
+  TORCH_CHECK(r.ids == nullptr || !src.has_value(), "a row update is in place");
+  check_grad_size(grad, r, n);
   if (out.has_value()) {
     TORCH_CHECK(out->is_cpu() && out->is_contiguous() && out->numel() == n, "out: contiguous CPU tensor of the same size");
     TORCH_CHECK(out->scalar_type() == at::kBFloat16 || out->scalar_type() == at::kHalf, "out: bf16 or fp16");
@@ -370,9 +507,19 @@ double adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg
   TORCH_CHECK(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16 || grad.scalar_type() == at::kHalf,
               "grad must be fp32, bf16 or fp16");
   const Hyper h = make_hyper(step, lr, beta1, beta2, eps, weight_decay, grad_coef);
-  const Landing landing = landing_of(flags, ticket, chunk, abort, n);
+  const Landing landing = landing_of(flags, ticket, chunk, abort, r.ids != nullptr ? r.count * r.len : n);
   const State<float> st = state_of<float>({param, exp_avg, exp_avg_sq}, src, at::kFloat);
   pybind11::gil_scoped_release no_gil;
+  if (r.ids != nullptr) {
+    // (the untouched part reads zeros in the gradient's type: the same code path as the dense update's)
+    return for_each_row_segment(n, r, landing, threads, [&](const Segment& seg) {
+      switch (grad.scalar_type()) {
+        case at::kFloat: segment_out<F32>(st, grad, out, seg, h); break;
+        case at::kBFloat16: segment_out<BF16>(st, grad, out, seg, h); break;
+        default: segment_out<F16>(st, grad, out, seg, h); break;
+      }
+    });
+  }
   return for_each_landed(n, landing, [&](int64_t b, int64_t e) {
     switch (grad.scalar_type()) {
       case at::kFloat: dispatch_out<F32>(st, grad, out, b, e, h, threads); break;
@@ -504,12 +651,15 @@ double adamw_step_compact(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad
                           torch::Tensor exp_avg_sq, int64_t step, double lr, double beta1, double beta2, double eps,
                           double weight_decay, double grad_coef, int64_t seed, int64_t offset, int64_t threads,
                           c10::optional<torch::Tensor> flags, int64_t ticket, int64_t chunk,
-                          c10::optional<torch::Tensor> abort, c10::optional<std::vector<torch::Tensor>> src) {
+                          c10::optional<torch::Tensor> abort, c10::optional<std::vector<torch::Tensor>> src,
+                          c10::optional<torch::Tensor> rows, int64_t row_len, bool touched) {
   const int64_t n = hi.numel();
   for (const auto* t : {&hi, &lo, &exp_avg, &exp_avg_sq})
     TORCH_CHECK(t->is_cpu() && t->is_contiguous() && t->scalar_type() == at::kBFloat16 && t->numel() == n,
                 "compact state: contiguous bf16 CPU tensors of one size");
-  TORCH_CHECK(grad.is_cpu() && grad.is_contiguous() && grad.numel() == n, "grad: contiguous CPU tensor of the same size");
+  const Rows r = rows_of(rows, row_len, touched, n);
+  TORCH_CHECK(r.ids == nullptr || !src.has_value(), "a row update is in place");
+  check_grad_size(grad, r, n);
   const Hyper h = make_hyper(step, lr, beta1, beta2, eps, weight_decay, grad_coef);
   const uint32_t base = mix32(static_cast<uint32_t>(seed) ^ mix32(static_cast<uint32_t>(step)));
   const uint32_t seed_m = mix32(base ^ 0x6d6d6d6du), seed_v = mix32(base ^ 0x76767676u);
@@ -525,8 +675,26 @@ double adamw_step_compact(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad
   const CompactState st{ptr(in[0]), ptr(in[1]), ptr(in[2]), ptr(in[3]), ptr(hi), ptr(lo), ptr(exp_avg), ptr(exp_avg_sq)};
   const bool bf16_grad = grad.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16_grad || grad.scalar_type() == at::kFloat, "grad must be bf16 or fp32");
-  const Landing landing = landing_of(flags, ticket, chunk, abort, n);
+  const Landing landing = landing_of(flags, ticket, chunk, abort, r.ids != nullptr ? r.count * r.len : n);
   pybind11::gil_scoped_release no_gil;
+  if (r.ids != nullptr) {  // each segment on pointers moved to its start, its rounding bits hashed from there
+    return for_each_row_segment(n, r, landing, threads, [&](const Segment& seg) {
+      const int64_t b = seg.begin, len = seg.end - seg.begin;
+      const CompactState at{st.hi0 + b, st.lo0 + b, st.m0 + b, st.v0 + b, st.hi + b, st.lo + b, st.m + b, st.v + b};
+      if (bf16_grad) {
+        const auto* g = grad_of(reinterpret_cast<const uint16_t*>(grad.data_ptr()), seg);
+        int64_t i = 0;
+#if defined(SF_AVX512) && SF_COMPACT_AVX512
+        i = h.w1 < 0.5f ? compact_range_avx512<true>(at, g, 0, len, h, seed_m, seed_v, offset + b)
+                        : compact_range_avx512<false>(at, g, 0, len, h, seed_m, seed_v, offset + b);
+#endif
+        compact_range<BF16>(at, g, i, len, h, seed_m, seed_v, offset + b);
+      } else {
+        compact_range<F32>(at, grad_of(reinterpret_cast<const float*>(grad.data_ptr()), seg), 0, len, h, seed_m,
+                           seed_v, offset + b);
+      }
+    });
+  }
   return for_each_landed(n, landing, [&](int64_t begin, int64_t end) {
     parallel_ranges(begin, end, threads, [&](int64_t b, int64_t e) {
       if (bf16_grad) {
@@ -638,7 +806,8 @@ double adamw_step_8bit(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad, t
                        torch::Tensor threshold_unsigned, int64_t step,
                        double lr, double beta1, double beta2, double eps, double weight_decay, double grad_coef,
                        int64_t threads, c10::optional<torch::Tensor> flags, int64_t ticket, int64_t chunk,
-                       c10::optional<torch::Tensor> abort, c10::optional<std::vector<torch::Tensor>> src) {
+                       c10::optional<torch::Tensor> abort, c10::optional<std::vector<torch::Tensor>> src,
+                       c10::optional<torch::Tensor> rows, int64_t row_len, bool touched) {
   const int64_t n = hi.numel(), bytes = n + 4 * (n / kBlock8);
   TORCH_CHECK(n % kBlock8 == 0, "8-bit state: units padded to ", kBlock8, " elements");
   auto check = [&](const torch::Tensor& h, const torch::Tensor& l, const torch::Tensor& a, const torch::Tensor& b) {
@@ -663,7 +832,10 @@ double adamw_step_8bit(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad, t
                 "code table threshold: 65536 fp32");
   const CodeTable ts{base_signed.data_ptr<int32_t>(), threshold_signed.data_ptr<float>()};
   const CodeTable tu{base_unsigned.data_ptr<int32_t>(), threshold_unsigned.data_ptr<float>()};
-  TORCH_CHECK(grad.is_cpu() && grad.is_contiguous() && grad.numel() == n, "grad: contiguous CPU tensor of the same size");
+  const Rows r = rows_of(rows, row_len, touched, n);
+  TORCH_CHECK(r.ids == nullptr || (!src.has_value() && row_len % kBlock8 == 0),
+              "a row update is in place, on rows of whole 8-bit blocks");
+  check_grad_size(grad, r, n);
   if (src.has_value()) {
     TORCH_CHECK(src->size() == 4, "src: hi, lo, exp_avg, exp_avg_sq");
     check((*src)[0], (*src)[1], (*src)[2], (*src)[3]);
@@ -682,9 +854,22 @@ double adamw_step_8bit(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad, t
   const float *qs = qmap_signed.data_ptr<float>(), *qu = qmap_unsigned.data_ptr<float>();
   const bool bf16_grad = grad.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16_grad || grad.scalar_type() == at::kFloat, "grad must be bf16 or fp32");
-  const Landing landing = landing_of(flags, ticket, chunk, abort, n);
+  const Landing landing = landing_of(flags, ticket, chunk, abort, r.ids != nullptr ? r.count * r.len : n);
   TORCH_CHECK(landing.flags == nullptr || chunk % kBlock8 == 0, "gradient chunks of whole 8-bit blocks");
   pybind11::gil_scoped_release no_gil;
+  if (r.ids != nullptr) {  // segments of whole blocks (rows, chunks and kBlock are): pointers moved to the start
+    return for_each_row_segment(n, r, landing, threads, [&](const Segment& seg) {
+      const int64_t b = seg.begin, len = seg.end - seg.begin, j = b / kBlock8;
+      const Moments8 ms{m.codes0 + b, m.scales0 + j, m.codes + b, m.scales + j};
+      const Moments8 vs{v.codes0 + b, v.scales0 + j, v.codes + b, v.scales + j};
+      if (bf16_grad)
+        range_8bit<BF16>(hi0 + b, lo0 + b, u16(hi) + b, u16(lo) + b, ms, vs,
+                         grad_of(reinterpret_cast<const uint16_t*>(grad.data_ptr()), seg), 0, len, h, qs, qu, ts, tu);
+      else
+        range_8bit<F32>(hi0 + b, lo0 + b, u16(hi) + b, u16(lo) + b, ms, vs,
+                        grad_of(reinterpret_cast<const float*>(grad.data_ptr()), seg), 0, len, h, qs, qu, ts, tu);
+    });
+  }
   return for_each_landed(n, landing, [&](int64_t begin, int64_t end) {
     parallel_ranges(begin, end, threads, [&](int64_t b, int64_t e) {  // (blocks of kBlock, whole 8-bit blocks)
       if (bf16_grad)
@@ -703,14 +888,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw_step", &adamw_step, "one-pass AdamW (fp32 master and moments, optional bf16/fp16 copy out); returns the seconds it waited for gradient chunks",
         "param"_a, "grad"_a, "exp_avg"_a, "exp_avg_sq"_a, "out"_a, "step"_a, "lr"_a, "beta1"_a, "beta2"_a, "eps"_a,
         "weight_decay"_a, "grad_coef"_a, "threads"_a, "flags"_a = pybind11::none(), "ticket"_a = 0, "chunk"_a = 0,
-        "abort"_a = pybind11::none(), "src"_a = pybind11::none());
+        "abort"_a = pybind11::none(), "src"_a = pybind11::none(),
+        "rows"_a = pybind11::none(), "row_len"_a = 0, "touched"_a = true);
   m.def("adamw_step_compact", &adamw_step_compact, "one-pass AdamW on compact state (bf16 hi/lo master, bf16 moments); returns the seconds it waited for gradient chunks",
         "hi"_a, "lo"_a, "grad"_a, "exp_avg"_a, "exp_avg_sq"_a, "step"_a, "lr"_a, "beta1"_a, "beta2"_a, "eps"_a,
         "weight_decay"_a, "grad_coef"_a, "seed"_a, "offset"_a, "threads"_a, "flags"_a = pybind11::none(),
-        "ticket"_a = 0, "chunk"_a = 0, "abort"_a = pybind11::none(), "src"_a = pybind11::none());
+        "ticket"_a = 0, "chunk"_a = 0, "abort"_a = pybind11::none(), "src"_a = pybind11::none(),
+        "rows"_a = pybind11::none(), "row_len"_a = 0, "touched"_a = true);
   m.def("adamw_step_8bit", &adamw_step_8bit, "one-pass AdamW on 8-bit state (bf16 hi/lo master, 8-bit block-quantized moments); returns the seconds it waited for gradient chunks",
         "hi"_a, "lo"_a, "grad"_a, "exp_avg"_a, "exp_avg_sq"_a, "qmap_signed"_a, "qmap_unsigned"_a,
         "base_signed"_a, "threshold_signed"_a, "base_unsigned"_a, "threshold_unsigned"_a, "step"_a, "lr"_a,
         "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "grad_coef"_a, "threads"_a, "flags"_a = pybind11::none(),
-        "ticket"_a = 0, "chunk"_a = 0, "abort"_a = pybind11::none(), "src"_a = pybind11::none());
+        "ticket"_a = 0, "chunk"_a = 0, "abort"_a = pybind11::none(), "src"_a = pybind11::none(),
+        "rows"_a = pybind11::none(), "row_len"_a = 0, "touched"_a = true);
 }
