@@ -743,3 +743,39 @@ def test_evaluation_is_pytorchs_loss_and_leaves_training_as_it_was(family):
         state = {k: v.clone() for k, v in eng.state_dict().items()}
     plain, _ = engine_train(model, steps, lr=1e-2)
     assert all(torch.equal(state[k], plain[k]) for k in plain)
+
+
+@pytest.mark.parametrize("clip", [None, 0.05])
+@pytest.mark.parametrize("state", ["fp32", "compact", "8bit"])
+def test_embedding_update_by_rows_is_the_whole_update(clip, state, monkeypatch):
+    """engine/embedding.py: the rows a step did not touch updated during its forward, the touched ones from a
+    packed gradient after backward, are the whole embedding's update to the bit, and plain PyTorch's
+    training (fp32). Each step touches a few of the 97 rows, in two micro-batches, and rows touched before
+    keep moving (momentum, weight decay), so an untouched part left out or run against the wrong step
+    changes them; with clipping (active here) both parts wait for the verdict."""
+    import slideformer.engine.engine as engine_module
+    from tiny import COMMON
+    from transformers import LlamaConfig
+
+    if state == "8bit":  # (rows of whole 8-bit blocks: 128 values)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**{**COMMON, "hidden_size": 128},
+                                                             tie_word_embeddings=False)).float()
+    else:
+        model = build("llama")
+    dtype = torch.float32 if state == "fp32" else torch.bfloat16
+    g = torch.Generator().manual_seed(2)
+    steps = [[{"input_ids": ids, "labels": ids.clone()}
+              for ids in (torch.randint(8 * s, 8 * s + 12, (1, 12), generator=g) for _ in range(2))] for s in range(4)]
+    kw = dict(lr=1e-2, weight_decay=0.1, max_grad_norm=clip)
+    with SlideEngine(model, engine_config(device="cpu", compute_dtype=dtype, optimizer_state=state)) as eng:
+        assert eng._by_rows
+    by_rows, losses = engine_train(model, steps, optimizer_state=state, compute_dtype=dtype, **kw)
+    monkeypatch.setattr(engine_module, "embedding_by_rows", lambda *a, **k: False)
+    whole, whole_losses = engine_train(model, steps, optimizer_state=state, compute_dtype=dtype, **kw)
+    assert losses == whole_losses
+    for k in whole:
+        assert torch.equal(by_rows[k], whole[k]), k
+    if state == "fp32":
+        ref, ref_losses = reference_train(model, steps, **kw)
+        assert_same(by_rows, ref, losses, ref_losses, reference_noise(model, [b[0] for b in steps], **kw))

@@ -532,3 +532,26 @@ def test_fp8_on_cuda_trains_near_bf16_and_casts_each_visits_weights(placement, s
                         fp8_mod.cast_rows(w.detach().t() if columns else w.detach()))
     fresh, fresh_losses = cuda_engine_train(model, batches, fp8=True, **kw)
     assert fresh_losses == fp8 and all(torch.equal(kept[k], fresh[k]) for k in fresh)
+
+
+@pytest.mark.parametrize("state,clip", [("fp32", None), ("compact", None), ("compact", 0.05)])
+def test_embedding_update_by_rows_on_cuda_is_the_whole_update(state, clip, monkeypatch):
+    """engine/embedding.py on the GPU: the untouched rows updated while the step's forward streams, the
+    packed gradient of the touched ones sent in chunks; the same bits as the whole embedding's update."""
+    import slideformer.engine.engine as engine_module
+
+    model = build("llama")
+    g = torch.Generator().manual_seed(2)
+    steps = [[{"input_ids": ids, "labels": ids.clone()}
+              for ids in (torch.randint(8 * s, 8 * s + 12, (1, 12), generator=g) for _ in range(2))] for s in range(4)]
+    dtype = torch.float32 if state == "fp32" else torch.bfloat16
+    kw = dict(lr=1e-2, weight_decay=0.1, max_grad_norm=clip, optimizer_state=state, compute_dtype=dtype,
+              grad_chunk_elems=256)
+    with SlideEngine(model, engine_config(device="cuda", **kw)) as eng:
+        assert eng._by_rows
+    by_rows, losses = cuda_engine_train(model, steps, **kw)
+    monkeypatch.setattr(engine_module, "embedding_by_rows", lambda *a, **k: False)
+    whole, whole_losses = cuda_engine_train(model, steps, **kw)
+    assert losses == whole_losses
+    for k in whole:
+        assert torch.equal(by_rows[k], whole[k]), k

@@ -35,16 +35,18 @@ from ..data.batches import BatchError, check_step  # noqa: F401  (BatchError: th
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter, bind_parameters
 from ..optim import native
+from ..optim.adamw import Rows
 from ..model.chunked_mlp import MlpChunking
 from ..model.moe import RouterLoss
 from ..model.recompute import LayerRecompute
 from ..model.fused_ops import apply_liger
 from ..model.fused_ops import resolve as resolve_fused_ops
 from ..machine import host_memory
-from ..plan.memory import (LOSS_CHUNK_TOKENS, ModelShape, Layout, check_host_fits, config_host_bytes, fit,
+from ..plan.memory import (LOSS_CHUNK_TOKENS, ModelShape, Layout, check_host_fits, config_host_bytes, embedding_by_rows, fit,
                            nvme_layer_count, parse_bytes, saved_layers, speculative_spares)
 from ..window.schedule import plan_step
 from .activations import ActivationStore
+from .embedding import step_rows
 from .loss import chunked_head_loss, fused_head_loss, head_loss_value, sliced_head_loss
 from .runtime import Runtime
 from .updates import UpdateJob
@@ -62,6 +64,7 @@ class _Step:
     norms: list = field(default_factory=list)  # per-unit gradient norms (fp32, on the device)
     finished: list = field(default_factory=list)  # (unit, SentGrads) awaiting the clip coefficient
     embed_grad_written: bool = False
+    rows: torch.Tensor | None = None  # the embedding rows the step's tokens touch (sorted, on the host)
     kept: dict = field(default_factory=dict)  # saved layer -> its products per micro-batch, forward to backward
 
 
@@ -90,7 +93,9 @@ class MicroBatch:
     packed: bool = False  # position_ids restart: the mask functions must look at them (a device read)
     masks: dict | None = None  # per attention type, built after the embedding
     rope: dict | None = None  # attention type -> (cos, sin)
-    rows: tuple | None = None  # (unique token ids, each position's index into them): the embedding's backward
+    # (unique token ids, each position's index into them, their rows in the embedding's gradient: the ids
+    # themselves, or by rows their places among the step's rows): the embedding's backward
+    rows: tuple | None = None
 
 
 class SlideEngine:
@@ -203,6 +208,12 @@ class SlideEngine:
         done = [v.unit for v in self.plan if v.last and v.unit not in self.resident and self.store.owns(v.unit)]
         self._update_order = sorted(done) if self.cfg.max_grad_norm is not None else done
         self.rotary = self.adapter.rotary(self.device)
+        # The embedding's update in two parts by rows (engine/embedding.py), where the planner's rule allows
+        # and the native kernel is there
+        emb = self.adapter.embed_unit
+        self._by_rows = embedding_by_rows(self.shape, Layout.of(self.cfg), self.cfg.optimizer_state) and \
+            emb.index not in self.resident and self.ranks is None and self.runtime.updates.backend == "native" \
+            and len(emb.params) == 1 and emb.params[0].offset == 0
         self.lr = self.cfg.lr
         self._grad_norm = None
         # With clipping the update waits for the global norm anyway: a step whose norm or loss is not finite
@@ -231,9 +242,9 @@ class SlideEngine:
         (``last_step_dropped``)."""
         if self._limit is not None:
             batch = self._place(batch)
-        mbs, denom = self._prepare(batch)
+        mbs, denom, rows = self._prepare(batch)
         self.last_step_targets = denom  # (the loss is the mean over these, every rank's)
-        st = _Step(mbs=mbs, denom=denom, index=self.store.step + 1)
+        st = _Step(mbs=mbs, denom=denom, index=self.store.step + 1, rows=rows)
         rt = self.runtime
         if self.router_loss is not None:
             self.router_loss.begin_step(self.device)
@@ -272,6 +283,8 @@ class SlideEngine:
             coef = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6)) if finite else None
             rt.updates.resolve(coef)  # the updates already run stand if coef is 1, else run again
             for unit, sent in sorted(st.finished, key=lambda f: f[0]):  # forward order: the next step needs unit 0 first
+                if sent is not None and sent.rows is not None and finite:  # the embedding's untouched rows first
+                    rt.updates.submit(UpdateJob(unit, None, st.index, self.lr, coef, rest=self._untouched(st)))
                 if unit not in self.resident:
                     rt.updates.submit(UpdateJob(unit, sent, st.index, self.lr, coef))
                 elif finite:
@@ -289,7 +302,7 @@ class SlideEngine:
         load-balancing loss where its config asks for it), their number, and that load-balancing part."""
         if self._limit is not None:
             batch = self._place(batch)
-        mbs, denom = self._prepare(batch)
+        mbs, denom, _ = self._prepare(batch)
         st = _Step(mbs=mbs, denom=denom, index=self.store.step)
         rt = self.runtime
         if self.router_loss is not None:
@@ -302,7 +315,7 @@ class SlideEngine:
             rt.begin_compute(slot)
             self.recompute.new_visit()
             if v.phase == "embed_fwd":
-                self._embed_fwd(st, unit, slot)
+                self._embed_fwd(st, unit, slot, training=False)
             elif v.phase == "fwd":
                 self._fwd(st, unit, slot, training=False)
             else:
@@ -317,8 +330,12 @@ class SlideEngine:
         return Evaluation(float(loss), denom, router)
 
     # -- the phases of a step, one per visit kind (see window/schedule.py) --------------------------
-    def _embed_fwd(self, st: "_Step", unit, slot) -> None:
+    def _embed_fwd(self, st: "_Step", unit, slot, training: bool = True) -> None:
         w = slot.views(unit)[0]["weight"]
+        if training and self._by_rows and self.cfg.max_grad_norm is None:  # (with clipping: after the verdict)
+            # The rows this step does not touch. Their copy in the slot may still be landing as the CPU
+            # writes them: nothing reads them before the head's weights replace them.
+            self.runtime.updates.submit(UpdateJob(unit.index, None, st.index, self.lr, 1.0, rest=self._untouched(st)))
         with torch.no_grad():
             for mb in st.mbs:
                 h = self.adapter.embed_scaled(F.embedding(mb.input_ids, w, self.adapter.padding_idx))  # [B, S, H]
@@ -442,23 +459,29 @@ class SlideEngine:
         # Only the batch's rows have a gradient: each is summed in fp32 over its occurrences (sorted,
         # deterministic) into a [unique ids, H] block, then added into the slot. No [vocab, H] temporary,
         # and no weights needed (with an untied head the slot holds the head's by now).
+        # By rows (engine/embedding.py) the sum is a packed block of the step's rows instead.
         grad = slot.views(unit)[1][0]
         self.runtime.begin_grads(slot)
-        if not st.embed_grad_written:  # (tied: the head's part of this matrix's gradient is already there)
+        if self._by_rows:
+            grad = slot.grads[: st.rows.numel() * grad.shape[1]].view(-1, grad.shape[1])
+            grad.zero_()
+        elif not st.embed_grad_written:  # (tied: the head's part of this matrix's gradient is already there)
             slot.grads[: unit.numel].zero_()  # the alignment padding too: the head's gradient was here
         pad = self.adapter.padding_idx
         for mb, gh in zip(st.mbs, st.grad_hidden):
-            rows, where = mb.rows
+            rows, where, index = mb.rows
             gh = self.adapter.embed_scaled(gh)  # (the scale's backward)
             g = torch.ops.aten.embedding_dense_backward(gh.flatten(0, 1), where, rows.numel(), -1, False)
             if pad is not None:
                 g.masked_fill_((rows == pad)[:, None], 0)
-            grad.index_add_(0, rows, g)
+            grad.index_add_(0, index, g)
         st.grad_hidden = []
 
     def _gradient_done(self, st: "_Step", unit: int, slot) -> None:
         """The unit's gradient is complete on the GPU: send it to the host, queue its update."""
-        n = self.adapter.units[unit].numel
+        rows = Rows(st.rows, self.adapter.config.hidden_size, True) \
+            if self._by_rows and unit == self.adapter.embed_unit.index else None
+        n = self.adapter.units[unit].numel if rows is None else rows.ids.numel() * rows.length
         owned = True
         if self.ranks is not None:  # the sum over the ranks: on every rank for a GPU unit, else on its owner
             owner = self._owner[unit]
@@ -477,13 +500,16 @@ class SlideEngine:
             return
         if not owned:  # another rank's unit: its owner sends the gradient and updates it
             return
-        sent = self.runtime.send_grads(unit, slot)
+        sent = self.runtime.send_grads(unit, slot, rows)
         if self.cfg.max_grad_norm is None:
             self.runtime.updates.submit(UpdateJob(unit, sent, st.index, self.lr, 1.0))
         elif (spare := self.runtime.updates.reserve_spare(unit)) is not None:  # before the norm: speculative
             self.runtime.updates.submit(UpdateJob(unit, sent, st.index, self.lr, 1.0, spare=spare))
         else:
             st.finished.append((unit, sent))
+
+    def _untouched(self, st: "_Step") -> Rows:
+        return Rows(st.rows, self.adapter.config.hidden_size, False)
 
     def _place(self, batch) -> list[dict]:
         """Split the step into the planner's micro-batches and set which layer inputs are offloaded."""
@@ -535,9 +561,10 @@ class SlideEngine:
                     position_embeddings=mb.rope[kind])
         return out[0] if isinstance(out, tuple) else out
 
-    def _prepare(self, batch) -> tuple[list[MicroBatch], int]:
+    def _prepare(self, batch) -> tuple[list[MicroBatch], int, torch.Tensor]:
         """The step's micro-batches, checked on the host (data/batches.py), then on their way to the device;
-        and the step's target tokens (the loss's denominator), over every rank's part of it."""
+        the step's target tokens (the loss's denominator), over every rank's part of it; and the embedding
+        rows its tokens touch."""
         cfgm = self.adapter.config
         check = partial(check_step, batch, cfgm.vocab_size, getattr(cfgm, "max_position_embeddings", None))
         if self.ranks is None:
@@ -556,11 +583,12 @@ class SlideEngine:
                 raise BatchError("every label in the step is ignored (-100): there is nothing to train on")
             denom = int(total)
         dev, mbs = self.device, []
-        for h in host:
+        touched, per = step_rows([h.input_ids for h in host])  # (on the host: no GPU sync)
+        for h, (rows, where, place) in zip(host, per):
             S = h.input_ids.shape[1]
-            rows, where = torch.unique(h.input_ids.long().flatten(), return_inverse=True)  # on the host: no GPU sync
+            rows = rows.to(dev, non_blocking=True)
             mbs.append(MicroBatch(
-                rows=(rows.to(dev, non_blocking=True), where.to(dev, non_blocking=True)),
+                rows=(rows, where.to(dev, non_blocking=True), place.to(dev, non_blocking=True) if self._by_rows else rows),
                 input_ids=h.input_ids.to(dev, torch.long, non_blocking=True),
                 labels=h.labels.reshape(-1).to(dev, torch.long, non_blocking=True),
                 targets=(h.labels != -100).reshape(-1).cpu(),
@@ -569,7 +597,7 @@ class SlideEngine:
                 else h.position_ids.to(dev, non_blocking=True),
                 packed=h.position_ids is not None,
             ))
-        return mbs, denom
+        return mbs, denom, touched
 
     def synchronize(self) -> None:
         """Wait for every pending update."""

@@ -66,7 +66,7 @@ from .. import parallel
 from ..config import EngineConfig
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter
-from ..optim.adamw import Landing
+from ..optim.adamw import Landing, Rows
 from ..window.schedule import Visit
 from ..window.slots import Slot
 from .copier import copier_for, on_device
@@ -245,18 +245,19 @@ class Runtime:
         self.copier.wait(slot.grads_sent)
 
     # -- gradients out, updates on the CPU ---------------------------------------------------------
-    def send_grads(self, unit: int, slot: Slot) -> SentGrads:
-        """Copy ``slot``'s finished gradients to a host buffer; the optimizer waits for the returned event."""
+    def send_grads(self, unit: int, slot: Slot, rows: Rows | None = None) -> SentGrads:
+        """Copy ``slot``'s finished gradients to a host buffer; the optimizer waits for the returned event.
+        ``rows``: the slot holds only those rows' gradient, packed (an embedding's, engine/embedding.py)."""
         self.updates.updated[unit].clear()  # the unit's next load must wait for this step's update
         buf = self.updates.take_grad_buffer(unit)
-        n = self.adapter.units[unit].numel
+        n = self.adapter.units[unit].numel if rows is None else rows.ids.numel() * rows.length
         dst = self.store.grad_buffers[buf][:n]
         step = self.cfg.tuning.grad_chunk_elems
         self._tickets += 1
         flags = self._landing_flags[buf]
         landing = Landing(flags, self._tickets, step, self._abort)
         slot.grads_sent = self.copier.send(dst, slot.grads[:n], flags, self._tickets, step)
-        return SentGrads(buf, landing)
+        return SentGrads(buf, landing, rows)
 
     def synchronize(self) -> None:
         """Wait until every queued update has been applied and written (before reading or saving state)."""

@@ -17,7 +17,7 @@ import torch
 from ..config import EngineConfig
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter
-from ..optim.adamw import Landing, adamw_8bit_, adamw_compact_, adamw_update_, compact_seed, resolve_backend
+from ..optim.adamw import Landing, Rows, adamw_8bit_, adamw_compact_, adamw_update_, compact_seed, resolve_backend
 from ..window.schedule import next_update
 from .copier import on_device
 from .disk import DiskIO, Failure
@@ -27,11 +27,17 @@ from .profile import NullProfiler, StepProfiler
 @dataclass
 class UpdateJob:
     unit: int
-    grads: "SentGrads"
+    grads: "SentGrads | None"  # None: the rows ``rest`` names, with a zero gradient
     step: int
     lr: float
     grad_coef: float | None  # None: the step is dropped; the unit's state stays as it is
     spare: int | None = None  # speculative (clipping): written into this spare state, kept until the verdict
+    rest: Rows | None = None  # an embedding's rows its step did not touch (engine/embedding.py)
+
+    @property
+    def background(self) -> bool:
+        """Due only by the next step: run when nothing else is ready."""
+        return self.grads is None
 
 
 @dataclass
@@ -45,6 +51,7 @@ class _Verdict:
 class SentGrads:
     buffer: int  # index into HostStore.grad_buffers, returned to the pool after the update
     landing: Landing  # when each chunk is on the host
+    rows: Rows | None = None  # an embedding's touched rows, packed (engine/embedding.py); None: the whole unit
 
     def landed(self) -> bool:
         """The first chunk is on the host: the update can start."""
@@ -168,8 +175,12 @@ class Updates:
                         return
             except queue.Empty:
                 pass
-            ready = [j.grads.landed() and self._moments_ready(j.unit) for j in pending]
-            job = pending.pop(next_update([j.unit for j in pending], ready))
+            units = [j.unit for j in pending]
+            # (a unit's jobs in the order they came: an embedding's rows of one step, then the next step's)
+            ready = [(j.grads is None or j.grads.landed()) and self._moments_ready(j.unit) and j.unit not in units[:i]
+                     for i, j in enumerate(pending)]
+            background = [j.background and j.unit not in units[i + 1:] for i, j in enumerate(pending)]
+            job = pending.pop(next_update(units, ready, background))
             self._run_update(job)
 
     def _moments_ready(self, unit: int) -> bool:
@@ -187,8 +198,10 @@ class Updates:
                         return
                     st.update(s.tier.views(job.unit, tier_buf))
                 master, exp_avg, exp_avg_sq = st["master"], st["exp_avg"], st["exp_avg_sq"]
-                n = self.adapter.units[job.unit].numel
-                grad = s.grad_buffers[job.grads.buffer][:n]
+                rows = job.rest if job.grads is None else job.grads.rows
+                n = self.adapter.units[job.unit].numel if rows is None else rows.touched * rows.ids.numel() * rows.length
+                grad = s.grad_buffers[0 if job.grads is None else job.grads.buffer][:n]  # (the rest: none read)
+                landing = None if job.grads is None else job.grads.landing
                 out = s.weights[job.unit] if s.weights is not s.master else None  # (None: staged)
                 src = None
                 if job.spare is not None:  # out of place, into the spare; the unit's state is read only
@@ -206,7 +219,7 @@ class Updates:
                     lo = st["master_lo"] if job.spare is None else s.spares[job.spare]["master_lo"]
                     common = dict(step=job.step, lr=job.lr, betas=c.betas, eps=c.eps, weight_decay=c.weight_decay,
                                   grad_coef=job.grad_coef, backend=self.backend,
-                                  threads=c.tuning.optimizer_threads, landing=job.grads.landing, src=src)
+                                  threads=c.tuning.optimizer_threads, landing=landing, src=src, rows=rows)
                     if s.state_format == "8bit":
                         waited = adamw_8bit_(master, lo, grad, exp_avg, exp_avg_sq, **common)
                     else:
@@ -218,7 +231,7 @@ class Updates:
                                   betas=c.betas, eps=c.eps, weight_decay=c.weight_decay, grad_coef=job.grad_coef,
                                   out=out if cast_out else None, scratch=self._scratch,
                                   backend=self.backend, threads=c.tuning.optimizer_threads,
-                                  landing=job.grads.landing, src=src)
+                                  landing=landing, src=src, rows=rows)
                     if out is not None and not cast_out:  # an fp32 copy of a master on the tier
                         out.copy_(master)
                 # (the span includes waits for chunks still in flight, also counted on their own)
@@ -234,8 +247,9 @@ class Updates:
             if not kept:
                 if job.spare is not None:
                     self._free_spare(job.spare)
-                self._return_grad_buffer(job.grads.buffer)
-                self.updated[job.unit].set()
+                if job.grads is not None:  # (the rest of an embedding's rows: its touched rows' job sets the flag)
+                    self._return_grad_buffer(job.grads.buffer)
+                    self.updated[job.unit].set()
 
     def wait_updated(self, unit: int) -> None:
         self.updated[unit].wait()

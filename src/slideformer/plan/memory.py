@@ -37,7 +37,7 @@ import re
 from dataclasses import dataclass, replace
 
 from ..machine import MachineRates
-from ..optim.formats import compact_master, moment_bytes, state_bytes
+from ..optim.formats import BLOCK8, compact_master, moment_bytes, state_bytes
 
 LAYER_TOKEN_FFN = 10  # bf16 values per token per ffn unit at the peak of a layer's backward
 LAYER_TOKEN_HIDDEN = 6
@@ -195,6 +195,14 @@ class Layout:
 
     def edges_resident(self, shape: "ModelShape") -> bool:
         return self.resident_edges or self.resident_layers >= shape.layers
+
+
+def embedding_by_rows(shape: ModelShape, p: Layout, state: str = "fp32") -> bool:
+    """Whether the embedding's CPU update runs by rows, the rows a step did not touch before its backward
+    (engine/embedding.py): where it streams, untied (a tied matrix's head gradient is dense), on one rank
+    (each rank's batch touches other rows), and with 8-bit state on rows of whole blocks."""
+    return not p.edges_resident(shape) and not shape.tied and shape.ranks == 1 and \
+        (state != "8bit" or shape.hidden % BLOCK8 == 0)
 
 
 def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: int = 2) -> dict[str, int]:
@@ -881,9 +889,11 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
                                * shape.layer_params if nvme_master else 0),
     }
     # Streamed, the embedding is the last gradient of a step and the first weights of the next: the GPU
-    # waits for its CPU update at every step boundary, whatever else overlaps.
+    # waits for its CPU update at every step boundary, whatever else overlaps. By rows, only for the rows
+    # the step's tokens touched (at most one a token); without clipping the others are updated before.
+    touched = min(1.0, tokens / shape.vocab) if embedding_by_rows(shape, p, state) and not clipping else 1.0
     stall = 0.0 if p.edges_resident(shape) else \
-        shape.embed_params / cpu_rate
+        touched * shape.embed_params / cpu_rate
     # What does not overlap. GPU-bound, little: prefetching two visits ahead hides nearly all copies (the
     # 2% below). CPU-bound, the head and the last streamed layer: between the last update the forward
     # needs and the first gradient of backward the CPU has nothing to do. Bound by the tier's disk, the

@@ -95,12 +95,17 @@ def plan_step(num_layers: int, layer_slots: int, prefetch_depth: int,
     return plan
 
 
-def next_update(units: list[int], ready: list[bool]) -> int:
-    """Which pending optimizer job to run next (an index into ``units``).
+def next_update(units: list[int], ready: list[bool], background: list[bool] | None = None) -> int:
+    """Which pending optimizer job to run next (an index into ``units``, oldest first).
 
     The lowest unit whose gradient has landed: the next forward consumes units in increasing order,
-    so this lets it start as early as possible. If none has landed, the oldest job (index 0), whose
-    gradient copy was enqueued first and so finishes first.
+    so this lets it start as early as possible. ``background`` jobs (the embedding's rows a step did
+    not touch, due only by the next step) run when no other is ready. If none is ready, the oldest job
+    (index 0), whose gradient copy was enqueued first and so finishes first. The caller marks a job not
+    ready while an older one of its unit is pending: a unit's jobs run in the order they came.
     """
-    landed = [i for i, r in enumerate(ready) if r]
-    return min(landed, key=lambda i: units[i]) if landed else 0
+    background = background or [False] * len(units)
+    landed = [i for i, r in enumerate(ready) if r and not background[i]]
+    if landed:
+        return min(landed, key=lambda i: units[i])
+    return next((i for i, r in enumerate(ready) if r), 0)

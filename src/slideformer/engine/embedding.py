@@ -1,0 +1,29 @@
+"""The embedding's CPU update by rows.
+
+Streamed through the window, an untied embedding is the last gradient of a step and the first weights
+of the next, so its whole CPU update stands between one step's backward and the next one's forward.
+Yet a step's tokens touch few of its rows (a 32k-token step at most a quarter of a 128k vocabulary,
+text far fewer), and every other row's gradient is exactly zero. So the update runs in two parts
+(optim/adamw.py ``Rows``; together one AdamW step, to the bit):
+- the rows the step did not touch, with a zero gradient, early: queued at the step's embedding visit
+  and run by the CPU optimizer while nothing else is ready (the GPU is busy with the forward then).
+  Their update needs no gradient, and nothing reads those rows before the next step (the slot's copy of
+  them, which may still be landing as they change, is replaced by the head's weights unread);
+- the touched rows, after backward: their gradient is summed on the GPU into a packed [rows, hidden]
+  block, sent to the host (not [vocab, hidden]), and updated as it lands.
+With clipping both wait for the verdict (a dropped step must leave every row as it was), the untouched
+rows first, and the gain is only the packed gradient. ``plan.memory.embedding_by_rows`` decides where
+this applies; the torch backend has no row kernel, and keeps the whole update.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def step_rows(ids: list[torch.Tensor]) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """The step's touched rows (sorted, unique) and, for each micro-batch's token ids, (its unique rows,
+    each position's index into them, their places among the step's rows): host tensors, no GPU sync."""
+    per = [torch.unique(t.long().flatten(), return_inverse=True) for t in ids]
+    rows = torch.unique(torch.cat([r for r, _ in per])) if per else torch.empty(0, dtype=torch.long)
+    return rows, [(r, where, torch.searchsorted(rows, r)) for r, where in per]
+
