@@ -779,3 +779,19 @@ def test_embedding_update_by_rows_is_the_whole_update(clip, state, monkeypatch):
     if state == "fp32":
         ref, ref_losses = reference_train(model, steps, **kw)
         assert_same(by_rows, ref, losses, ref_losses, reference_noise(model, [b[0] for b in steps], **kw))
+
+
+def test_the_loader_takes_updated_units_before_one_still_updating():
+    """engine/runtime.py's loader: a load whose unit's update is still running does not hold up one asked
+    after it whose unit is updated (at a step's start: the first layer behind the embedding); it goes
+    when its update ends."""
+    with SlideEngine(build("llama"), EngineConfig(device="cpu", compute_dtype=torch.float32)) as eng:
+        rt = eng.runtime
+        first, second = rt.slots["layer"][0], rt.slots["layer"][1]
+        rt.updates.updated[1].clear()  # layer 0 "still updating"
+        rt.load(1, first)
+        rt.load(2, second)
+        assert second.issued.wait(5) and not first.issued.is_set()
+        rt.updates.updated[1].set()
+        assert first.issued.wait(5)
+        assert torch.equal(first.params[: eng.adapter.units[1].numel], eng.store.weights[1])

@@ -111,10 +111,10 @@ def test_copy_delays_do_not_change_results(monkeypatch, chunk):
             torch.cuda._sleep(2_000_000)
         return load(self, unit, slot)
 
-    def slow_send(self, unit, slot):
+    def slow_send(self, unit, slot, rows=None):
         with torch.cuda.stream(self.copier.d2h):
             torch.cuda._sleep(2_000_000)
-        return send(self, unit, slot)
+        return send(self, unit, slot, rows)
 
     monkeypatch.setattr(rt_mod.Runtime, "load", slow_load)
     monkeypatch.setattr(rt_mod.Runtime, "send_grads", slow_send)
@@ -380,10 +380,10 @@ def test_sending_gradients_never_synchronizes(monkeypatch):
 
     send = rt_mod.Runtime.send_grads
 
-    def strict(self, unit, slot):
+    def strict(self, unit, slot, rows=None):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return send(self, unit, slot)
+            return send(self, unit, slot, rows)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 

@@ -94,7 +94,8 @@ class MicroBatch:
     masks: dict | None = None  # per attention type, built after the embedding
     rope: dict | None = None  # attention type -> (cos, sin)
     # (unique token ids, each position's index into them, their rows in the embedding's gradient: the ids
-    # themselves, or by rows their places among the step's rows): the embedding's backward
+    # themselves, or by rows their places among the step's rows; by rows, each token's place among them
+    # as well, [B, S]): the embedding's forward and backward
     rows: tuple | None = None
 
 
@@ -251,8 +252,10 @@ class SlideEngine:
         self.activations.begin_step(sum(mb.input_ids.numel() for mb in mbs), self.adapter.config.hidden_size,
                                     self.cfg.compute_dtype)
         rt.begin_step(self._update_order)
+        # (by rows, the embedding's load is the step's rows: engine/embedding.py)
+        rows = {self.adapter.embed_unit.index: st.rows} if self._by_rows else {}
         for v in self._loads_after.get(-1, ()):
-            rt.load(v.unit, rt.slots[v.group][v.slot])
+            rt.load(v.unit, rt.slots[v.group][v.slot], rows.get(v.unit))
         try:
             for t, v in enumerate(self.plan):
                 slot = rt.slots[v.group][v.slot]
@@ -264,7 +267,7 @@ class SlideEngine:
                 if v.last:
                     self._gradient_done(st, v.unit, slot)
                 for nxt in self._loads_after.get(t, ()):
-                    rt.load(nxt.unit, rt.slots[nxt.group][nxt.slot])
+                    rt.load(nxt.unit, rt.slots[nxt.group][nxt.slot], rows.get(nxt.unit))
         except BaseException:
             st.kept.clear()  # (saved layers' products: GPU memory a held traceback would otherwise keep)
             raise
@@ -332,13 +335,16 @@ class SlideEngine:
     # -- the phases of a step, one per visit kind (see window/schedule.py) --------------------------
     def _embed_fwd(self, st: "_Step", unit, slot, training: bool = True) -> None:
         w = slot.views(unit)[0]["weight"]
-        if training and self._by_rows and self.cfg.max_grad_norm is None:  # (with clipping: after the verdict)
-            # The rows this step does not touch. Their copy in the slot may still be landing as the CPU
-            # writes them: nothing reads them before the head's weights replace them.
-            self.runtime.updates.submit(UpdateJob(unit.index, None, st.index, self.lr, 1.0, rest=self._untouched(st)))
+        by_rows = training and self._by_rows  # the slot holds the step's rows, packed (engine/embedding.py)
+        if by_rows:
+            w = slot.params[: st.rows.numel() * w.shape[1]].view(-1, w.shape[1])
+            if self.cfg.max_grad_norm is None:  # the rows the step does not touch (with clipping: after the verdict)
+                self.runtime.updates.submit(UpdateJob(unit.index, None, st.index, self.lr, 1.0,
+                                                      rest=self._untouched(st)))
         with torch.no_grad():
             for mb in st.mbs:
-                h = self.adapter.embed_scaled(F.embedding(mb.input_ids, w, self.adapter.padding_idx))  # [B, S, H]
+                ids = mb.rows[3] if by_rows else mb.input_ids  # (by rows: each token's place among the step's rows)
+                h = self.adapter.embed_scaled(F.embedding(ids, w, self.adapter.padding_idx))  # [B, S, H]
                 # (unpacked rows: no position ids, or transformers reads them on the device to look for packing)
                 mb.masks = self.adapter.attention_masks(h, mb.attention_mask, mb.position_ids if mb.packed else None)
                 mb.rope = self.adapter.positions(self.rotary, h, mb.position_ids)
@@ -469,7 +475,7 @@ class SlideEngine:
             slot.grads[: unit.numel].zero_()  # the alignment padding too: the head's gradient was here
         pad = self.adapter.padding_idx
         for mb, gh in zip(st.mbs, st.grad_hidden):
-            rows, where, index = mb.rows
+            rows, where, index, _ = mb.rows
             gh = self.adapter.embed_scaled(gh)  # (the scale's backward)
             g = torch.ops.aten.embedding_dense_backward(gh.flatten(0, 1), where, rows.numel(), -1, False)
             if pad is not None:
@@ -587,8 +593,10 @@ class SlideEngine:
         for h, (rows, where, place) in zip(host, per):
             S = h.input_ids.shape[1]
             rows = rows.to(dev, non_blocking=True)
+            by_rows = (place.to(dev, non_blocking=True), place[where].view_as(h.input_ids).to(dev, non_blocking=True)) \
+                if self._by_rows else (rows, None)
             mbs.append(MicroBatch(
-                rows=(rows, where.to(dev, non_blocking=True), place.to(dev, non_blocking=True) if self._by_rows else rows),
+                rows=(rows, where.to(dev, non_blocking=True), *by_rows),
                 input_ids=h.input_ids.to(dev, torch.long, non_blocking=True),
                 labels=h.labels.reshape(-1).to(dev, torch.long, non_blocking=True),
                 targets=(h.labels != -100).reshape(-1).cpu(),

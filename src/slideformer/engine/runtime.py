@@ -168,10 +168,11 @@ class Runtime:
         self.disk.begin_step(update_order)
 
     # -- weights into the window ------------------------------------------------------------------
-    def load(self, unit: int, slot: Slot) -> None:
-        """Ask the loader thread to bring ``unit``'s weights into ``slot``; returns at once. Under data
-        parallel the owner's copy is broadcast to every rank at the visit (``begin_compute``), and another
-        rank's unit is not loaded here."""
+    def load(self, unit: int, slot: Slot, rows: torch.Tensor | None = None) -> None:
+        """Ask the loader thread to bring ``unit``'s weights into ``slot``; returns at once. ``rows``: only
+        those rows of an embedding, packed (``_load_rows``). Under data parallel the owner's copy is
+        broadcast to every rank at the visit (``begin_compute``), and another rank's unit is not loaded
+        here."""
         slot.unit = unit
         slot.shared_by = None if self.owner is None else self.owner[unit]
         if not self.store.owns(unit):
@@ -180,26 +181,54 @@ class Runtime:
         slot.issued = threading.Event()
         # The slot's last reader is enqueued before this request (window.schedule guarantees it), so the
         # event captured now is the one the copy must wait for.
-        self._loads.put((unit, slot, slot.used, slot.issued))
+        self._loads.put((unit, slot, slot.used, slot.issued, rows))
 
     def _load_work(self) -> None:
         """Loader thread: waits for each unit's update and enqueues its h2d copy (staged mode: and cast),
-        so the Python thread that drives the GPU never blocks on either."""
-        while (job := self._loads.get()) is not None:
-            unit, slot, used, issued = job
+        so the Python thread that drives the GPU never blocks on either. Of the loads asked, the first
+        whose unit is updated goes first (not one from the NVMe tier, whose reads keep their order): at a
+        step's start the first layer's weights cross while the embedding's update ends. Loads of one unit
+        or one slot never wait together: the next is asked only after the visit that took the last."""
+        pending: list[tuple] = []
+        closing = False
+        while pending or not closing:
+            try:  # whatever has been asked; block for more only when nothing is pending
+                while not closing:
+                    job = self._loads.get(block=not pending)
+                    if job is None:
+                        closing = True
+                    else:
+                        pending.append(job)
+            except queue.Empty:
+                pass
+            if not pending:  # (closing)
+                continue
+            i = next((i for i, job in enumerate(pending) if self.updates.updated[job[0]].is_set()
+                      and not self.store.weights_on_tier(job[0])), None)
+            if i is None:
+                head = pending[0][0]
+                if self._error is None and not self.store.weights_on_tier(head):
+                    with self.profiler.timed("loader_wait_optimizer"):  # (then look again for new loads)
+                        self.updates.updated[head].wait(1e-3)
+                    continue
+                i = 0
+            unit, slot, used, issued, rows = pending.pop(i)
             try:
                 if self._error is None:
-                    self._load_now(unit, slot, used)
+                    self._load_now(unit, slot, used, rows)
             except BaseException as e:
                 self._fail(e)
             finally:
                 issued.set()
 
-    def _load_now(self, unit: int, slot: Slot, used) -> None:
+    def _load_now(self, unit: int, slot: Slot, used, rows: torch.Tensor | None = None) -> None:
         if not self.updates.updated[unit].is_set():
             with self.profiler.timed("loader_wait_optimizer"):
                 self.wait_flag(self.updates.updated[unit])
         if not self.wait_flag(self.updates.updated[unit]) or self._error is not None:
+            return
+        if rows is not None:
+            slot.loaded = self._load_rows(unit, slot, rows, used)
             return
         n = self.adapter.units[unit].numel
         if self.store.weights_on_tier(unit):
@@ -208,6 +237,28 @@ class Runtime:
         w = self.store.weights[unit]  # (None: staged, cast from the master)
         slot.loaded = self.copier.load(slot.params[:n], w if w is not None else self.store.master[unit],
                                        staged=w is None, used=used)
+
+    def _load_rows(self, unit: int, slot: Slot, rows: torch.Tensor, used):
+        """An embedding's rows a step touches, packed into the slot (engine/embedding.py): gathered on the
+        host into one of the unit's pinned gradient buffers (free from its update to its next gradient),
+        copied like weights; the buffer goes back once the copy has landed."""
+        V, H = self.adapter.units[unit].params[0].shape
+        w = self.store.weights[unit]  # (None: staged, the master's rows cast here)
+        src = (w if w is not None else self.store.master[unit])[: V * H].view(V, H)
+        n = rows.numel() * H
+        buf = self.updates.take_grad_buffer(unit)
+        try:
+            dst = self.store.grad_buffers[buf][:n].view(-1, H)
+            if dst.dtype == src.dtype:
+                torch.index_select(src, 0, rows, out=dst)
+            else:
+                dst.copy_(src.index_select(0, rows))
+            loaded = self.copier.load(slot.params[:n], dst.view(-1), staged=False, used=used)
+            if loaded is not None:
+                loaded.synchronize()
+        finally:
+            self.updates.return_grad_buffer(buf)
+        return loaded
 
     def _load_from_tier(self, unit: int, dst: torch.Tensor, used):
         """Weights on the NVMe tier (compact state's master, or fp32 state's for a staged unit): read into the

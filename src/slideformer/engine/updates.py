@@ -111,7 +111,7 @@ class Updates:
                 with self.profiler.timed("wait_grad_buffer"):
                     self._grad_cv.wait()
 
-    def _return_grad_buffer(self, buf: int) -> None:
+    def return_grad_buffer(self, buf: int) -> None:
         with self._grad_cv:
             self._grad_free[buf] = True
             self._grad_cv.notify_all()
@@ -143,7 +143,7 @@ class Updates:
             if keep and self._error is None:
                 self.store.adopt(job.unit, job.spare)  # the unit's old state becomes the spare
                 self._free_spare(job.spare)
-                self._return_grad_buffer(job.grads.buffer)
+                self.return_grad_buffer(job.grads.buffer)
                 self.updated[job.unit].set()
                 self.speculation["kept"] += 1
             else:  # again, in place, with the real coefficient (dropped, or after a failure: only released)
@@ -248,7 +248,7 @@ class Updates:
                 if job.spare is not None:
                     self._free_spare(job.spare)
                 if job.grads is not None:  # (the rest of an embedding's rows: its touched rows' job sets the flag)
-                    self._return_grad_buffer(job.grads.buffer)
+                    self.return_grad_buffer(job.grads.buffer)
                     self.updated[job.unit].set()
 
     def wait_updated(self, unit: int) -> None:
