@@ -889,11 +889,10 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
                                * shape.layer_params if nvme_master else 0),
     }
     # Streamed, the embedding is the last gradient of a step and the first weights of the next: the GPU
-    # waits for its CPU update at every step boundary, whatever else overlaps. By rows, only for the rows
-    # the step's tokens touched (at most one a token); without clipping the others are updated before.
-    touched = min(1.0, tokens / shape.vocab) if embedding_by_rows(shape, p, state) and not clipping else 1.0
+    # waits for its CPU update at every step boundary, whatever else overlaps. Counted whole: an upper
+    # bound where the update runs by rows (embedding_by_rows), whose boundary holds the touched rows only.
     stall = 0.0 if p.edges_resident(shape) else \
-        touched * shape.embed_params / cpu_rate
+        shape.embed_params / cpu_rate
     # What does not overlap. GPU-bound, little: prefetching two visits ahead hides nearly all copies (the
     # 2% below). CPU-bound, the head and the last streamed layer: between the last update the forward
     # needs and the first gradient of backward the CPU has nothing to do. Bound by the tier's disk, the
