@@ -195,9 +195,10 @@ def test_padding_mask_and_ignored_labels():
 
 
 @pytest.mark.parametrize("staged", ["staged", 1])
-def test_staged_host_weights_match_persistent(staged):
+def test_staged_host_weights_match_persistent(staged, monkeypatch):
     """bf16 compute: a copy cast at load time (all units, or the last layer only) is the same bits as the
-    one the optimizer refreshes."""
+    one the optimizer refreshes; the embedding's rows (engine/embedding.py) gathered and cast in pieces."""
+    monkeypatch.setattr("slideformer.engine.runtime.ROWS_PIECE", 5)
     model = build("llama")
     batches = [batch(97, seed=s) for s in range(2)]
     a, la = engine_train(model, batches, lr=1e-2, compute_dtype=torch.bfloat16, host_weights="persistent")

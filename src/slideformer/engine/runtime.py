@@ -75,6 +75,7 @@ from .profile import NullProfiler, StepProfiler
 from .updates import SentGrads, Updates
 from .resident import ResidentState
 
+ROWS_PIECE = 2048  # staged embedding rows gathered and cast this many at a time (32 MiB of fp32 at hidden 4096)
 STAGING_ELEMS = 16 * 2**20  # "staged" host weights: the master crosses in 16M-element (64 MiB) pieces, cast on the GPU
 # How long one thread may hold the GIL while another waits for it (Python's default is 5 ms). The worker
 # and loader threads need it back after each kernel call and copy; at the default the GPU-driving thread
@@ -251,8 +252,9 @@ class Runtime:
             dst = self.store.grad_buffers[buf][:n].view(-1, H)
             if dst.dtype == src.dtype:
                 torch.index_select(src, 0, rows, out=dst)
-            else:
-                dst.copy_(src.index_select(0, rows))
+            else:  # (in pieces: a bounded fp32 temporary)
+                for a in range(0, rows.numel(), ROWS_PIECE):
+                    dst[a: a + ROWS_PIECE].copy_(src.index_select(0, rows[a: a + ROWS_PIECE]))
             loaded = self.copier.load(slot.params[:n], dst.view(-1), staged=False, used=used)
             if loaded is not None:
                 loaded.synchronize()
