@@ -796,3 +796,56 @@ def test_the_loader_takes_updated_units_before_one_still_updating():
         rt.updates.updated[1].set()
         assert first.issued.wait(5)
         assert torch.equal(first.params[: eng.adapter.units[1].numel], eng.store.weights[1])
+
+
+def test_the_embedding_by_rows_takes_a_padding_id_beyond_the_steps_rows(monkeypatch):
+    """By rows the forward looks up the step's rows packed, where the padding id (50, of 97) is no row
+    index: a padded untied model trains as PyTorch does, and as the whole update does, the padding row's
+    gradient zero (nn.Embedding(padding_idx))."""
+    import slideformer.engine.engine as engine_module
+
+    cfg = FAMILIES["llama"]()
+    cfg.pad_token_id = 50
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    g = torch.Generator().manual_seed(1)
+    steps = []
+    for _ in range(3):
+        ids = torch.randint(0, 6, (2, 12), generator=g)
+        ids[:, -3:] = 50  # padding, inside the step's rows
+        steps.append({"input_ids": ids, "labels": ids.clone()})
+    kw = dict(lr=1e-2, weight_decay=0.1)
+    state, losses = engine_train(model, steps, **kw)
+    ref, ref_losses = reference_train(model, steps, **kw)
+    assert_same(state, ref, losses, ref_losses, reference_noise(model, steps, **kw))
+    monkeypatch.setattr(engine_module, "embedding_by_rows", lambda *a, **k: False)
+    whole, _ = engine_train(model, steps, **kw)
+    assert all(torch.equal(state[k], whole[k]) for k in whole)
+
+
+def test_synchronize_waits_for_the_untouched_rows_of_a_failed_step(monkeypatch):
+    """The rows a step does not touch are queued at its embedding visit; a step that fails after it must not
+    let synchronize (a checkpoint, the weights read back) return while that part still runs."""
+    import time
+
+    import slideformer.engine.updates as updates
+
+    real, done = updates.adamw_update_, []
+
+    def slow(*a, rows=None, **k):
+        if rows is not None and not rows.touched:
+            time.sleep(0.3)
+            done.append(rows.ids.numel())
+        return real(*a, rows=rows, **k)
+
+    def fails(*a, **k):
+        raise RuntimeError("a layer failed")
+
+    monkeypatch.setattr(updates, "adamw_update_", slow)
+    with SlideEngine(build("llama"), EngineConfig(device="cpu", compute_dtype=torch.float32)) as eng:
+        assert eng._by_rows
+        monkeypatch.setattr(eng, "_fwd", fails)
+        with pytest.raises(RuntimeError, match="a layer failed"):
+            eng.train_step(batch(97))
+        eng.synchronize()
+        assert len(done) == 1

@@ -106,10 +106,10 @@ def test_copy_delays_do_not_change_results(monkeypatch, chunk):
 
     load, send = rt_mod.Runtime.load, rt_mod.Runtime.send_grads
 
-    def slow_load(self, unit, slot):
+    def slow_load(self, unit, slot, rows=None):
         with torch.cuda.stream(self.copier.h2d):
             torch.cuda._sleep(2_000_000)
-        return load(self, unit, slot)
+        return load(self, unit, slot, rows)
 
     def slow_send(self, unit, slot, rows=None):
         with torch.cuda.stream(self.copier.d2h):

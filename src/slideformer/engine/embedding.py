@@ -7,8 +7,8 @@ text far fewer), and every other row's gradient is exactly zero. So the update r
 (optim/adamw.py ``Rows``; together one AdamW step, to the bit):
 - the rows the step did not touch, with a zero gradient, early: queued at the step's embedding visit
   and run by the CPU optimizer while nothing else is ready (the GPU is busy with the forward then).
-  Their update needs no gradient, and nothing reads those rows before the next step (the slot's copy of
-  them, which may still be landing as they change, is replaced by the head's weights unread);
+  Their update needs no gradient, and nothing reads those rows before the next step: the step's load
+  was of its own rows only, gathered on the host before this part is queued;
 - the touched rows, after backward: their gradient is summed on the GPU into a packed [rows, hidden]
   block, sent to the host (not [vocab, hidden]), and updated as it lands.
 With clipping both wait for the verdict (a dropped step must leave every row as it was), the untouched

@@ -214,7 +214,8 @@ class SlideEngine:
         emb = self.adapter.embed_unit
         self._by_rows = embedding_by_rows(self.shape, Layout.of(self.cfg), self.cfg.optimizer_state) and \
             emb.index not in self.resident and self.ranks is None and self.runtime.updates.backend == "native" \
-            and len(emb.params) == 1 and emb.params[0].offset == 0
+            and len(emb.params) == 1 and emb.params[0].offset == 0 and not self.store.on_tier(emb.index)
+        self._row_length = emb.params[0].shape[-1]
         self.lr = self.cfg.lr
         self._grad_norm = None
         # With clipping the update waits for the global norm anyway: a step whose norm or loss is not finite
@@ -343,8 +344,10 @@ class SlideEngine:
                                                       rest=self._untouched(st)))
         with torch.no_grad():
             for mb in st.mbs:
-                ids = mb.rows[3] if by_rows else mb.input_ids  # (by rows: each token's place among the step's rows)
-                h = self.adapter.embed_scaled(F.embedding(ids, w, self.adapter.padding_idx))  # [B, S, H]
+                # (by rows: each token's place among the step's rows, which know no padding id; the padding
+                # row's gradient is zeroed by id in the backward either way)
+                h = self.adapter.embed_scaled(F.embedding(mb.rows[3], w) if by_rows else
+                                              F.embedding(mb.input_ids, w, self.adapter.padding_idx))  # [B, S, H]
                 # (unpacked rows: no position ids, or transformers reads them on the device to look for packing)
                 mb.masks = self.adapter.attention_masks(h, mb.attention_mask, mb.position_ids if mb.packed else None)
                 mb.rope = self.adapter.positions(self.rotary, h, mb.position_ids)
@@ -485,7 +488,7 @@ class SlideEngine:
 
     def _gradient_done(self, st: "_Step", unit: int, slot) -> None:
         """The unit's gradient is complete on the GPU: send it to the host, queue its update."""
-        rows = Rows(st.rows, self.adapter.config.hidden_size, True) \
+        rows = Rows(st.rows, self._row_length, True) \
             if self._by_rows and unit == self.adapter.embed_unit.index else None
         n = self.adapter.units[unit].numel if rows is None else rows.ids.numel() * rows.length
         owned = True
@@ -515,7 +518,7 @@ class SlideEngine:
             st.finished.append((unit, sent))
 
     def _untouched(self, st: "_Step") -> Rows:
-        return Rows(st.rows, self.adapter.config.hidden_size, False)
+        return Rows(st.rows, self._row_length, False)
 
     def _place(self, batch) -> list[dict]:
         """Split the step into the planner's micro-batches and set which layer inputs are offloaded."""

@@ -65,7 +65,11 @@ class Updates:
         self.adapter, self.store, self.cfg, self.disk, self.failure = adapter, store, cfg, disk, failure
         self.profiler = profiler
         self.updated = [threading.Event() for _ in adapter.units]
-        for e in self.updated:
+        # and of the rows an embedding's step did not touch (engine/embedding.py): cleared when that part is
+        # queued, set once it has run. Loads need not wait for it (the next load follows the touched rows'
+        # update, queued after it), but whoever reads the whole state does.
+        self.rest_done = [threading.Event() for _ in adapter.units]
+        for e in self.updated + self.rest_done:
             e.set()
         self.backend = resolve_backend(cfg.tuning.optimizer_backend)
         needs_scratch = cfg.compute_dtype != torch.float32 and self.backend == "torch"
@@ -118,6 +122,8 @@ class Updates:
 
     def submit(self, job: UpdateJob) -> None:
         self._raise_worker_error()
+        if job.grads is None:
+            self.rest_done[job.unit].clear()
         self._jobs.put(job)
 
     def reserve_spare(self, unit: int) -> int | None:
@@ -250,9 +256,13 @@ class Updates:
                 if job.grads is not None:  # (the rest of an embedding's rows: its touched rows' job sets the flag)
                     self.return_grad_buffer(job.grads.buffer)
                     self.updated[job.unit].set()
+                else:
+                    self.rest_done[job.unit].set()
 
     def wait_updated(self, unit: int) -> None:
+        """Until every queued part of the unit's update has run."""
         self.updated[unit].wait()
+        self.rest_done[unit].wait()
         self._raise_worker_error()
 
     def close(self) -> None:
