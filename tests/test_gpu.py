@@ -537,7 +537,9 @@ def test_fp8_on_cuda_trains_near_bf16_and_casts_each_visits_weights(placement, s
 @pytest.mark.parametrize("state,clip", [("fp32", None), ("compact", None), ("compact", 0.05)])
 def test_embedding_update_by_rows_on_cuda_is_the_whole_update(state, clip, monkeypatch):
     """engine/embedding.py on the GPU: the untouched rows updated while the step's forward streams, the
-    packed gradient of the touched ones sent in chunks; the same bits as the whole embedding's update."""
+    packed gradient of the touched ones sent in chunks; the same bits as the whole embedding's update.
+    (With clipping the global norm sums the packed gradient's squares, not the whole one's zeros too: in
+    another order on the GPU, so there the same to rounding of the coefficient.)"""
     import slideformer.engine.engine as engine_module
 
     model = build("llama")
@@ -552,6 +554,11 @@ def test_embedding_update_by_rows_on_cuda_is_the_whole_update(state, clip, monke
     by_rows, losses = cuda_engine_train(model, steps, **kw)
     monkeypatch.setattr(engine_module, "embedding_by_rows", lambda *a, **k: False)
     whole, whole_losses = cuda_engine_train(model, steps, **kw)
-    assert losses == whole_losses
-    for k in whole:
-        assert torch.equal(by_rows[k], whole[k]), k
+    if clip is None:
+        assert losses == whole_losses
+        for k in whole:
+            assert torch.equal(by_rows[k], whole[k]), k
+    else:
+        assert losses == pytest.approx(whole_losses, rel=1e-5)
+        for k in whole:
+            assert float((by_rows[k] - whole[k]).norm() / whole[k].norm()) < 1e-4, k
