@@ -183,8 +183,8 @@ class Updates:
                 pass
             units = [j.unit for j in pending]
             # (a unit's jobs in the order they came: an embedding's rows of one step, then the next step's)
-            ready = [(j.grads is None or j.grads.landed()) and self._moments_ready(j.unit) and j.unit not in units[:i]
-                     for i, j in enumerate(pending)]
+            ready = [(j.grads is None or j.grads.landed()) and self._moments_ready(j.unit)
+                     and j.unit not in units[:i] for i, j in enumerate(pending)]
             background = [j.background and j.unit not in units[i + 1:] for i, j in enumerate(pending)]
             job = pending.pop(next_update(units, ready, background))
             self._run_update(job)
