@@ -13,6 +13,10 @@ Hand-offs, and what makes each safe:
   update is written (engine/disk.py ``read_weights``), into the next of two pinned buffers, which it reuses
   only after the copy that last read it has finished; or copies them from the buffer the disk reader
   filled for the unit's update, which nothing writes before that update, after this step's gradient.
+- an embedding's rows -> slot (by rows, engine/embedding.py): the loader takes one of the embedding's
+  host gradient buffers from the pool, gathers the step's rows into it and waits for their copy before
+  giving it back. It asks only after the unit's ``updated`` flag, which its update sets after returning
+  that buffer, and the next gradient into it is sent at the end of backward.
 - slot -> compute: the main thread waits for ``issued`` (the copy is enqueued), then the compute
   stream waits for ``loaded``. Under data parallel (parallel.py) only the unit's owner loads it; at the
   visit every rank then takes the owner's copy by a broadcast issued behind that wait, in stream order.
