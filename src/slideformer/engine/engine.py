@@ -210,11 +210,11 @@ class SlideEngine:
         self._update_order = sorted(done) if self.cfg.max_grad_norm is not None else done
         self.rotary = self.adapter.rotary(self.device)
         # The embedding's update in two parts by rows (engine/embedding.py), where the planner's rule allows
-        # and the native kernel is there
+        # (streamed, untied, one rank) and the native kernel is there
         emb = self.adapter.embed_unit
         self._by_rows = embedding_by_rows(self.shape, Layout.of(self.cfg), self.cfg.optimizer_state) and \
-            emb.index not in self.resident and self.ranks is None and self.runtime.updates.backend == "native" \
-            and len(emb.params) == 1 and emb.params[0].offset == 0 and not self.store.on_tier(emb.index)
+            self.runtime.updates.backend == "native" and len(emb.params) == 1 and emb.params[0].offset == 0 \
+            and not self.store.on_tier(emb.index)
         self._row_length = emb.params[0].shape[-1]
         self.lr = self.cfg.lr
         self._grad_norm = None
@@ -338,7 +338,7 @@ class SlideEngine:
         w = slot.views(unit)[0]["weight"]
         by_rows = training and self._by_rows  # the slot holds the step's rows, packed (engine/embedding.py)
         if by_rows:
-            w = slot.params[: st.rows.numel() * w.shape[1]].view(-1, w.shape[1])
+            w = slot.params[: st.rows.numel() * self._row_length].view(-1, self._row_length)
             if self.cfg.max_grad_norm is None:  # the rows the step does not touch (with clipping: after the verdict)
                 self.runtime.updates.submit(UpdateJob(unit.index, None, st.index, self.lr, 1.0,
                                                       rest=self._untouched(st)))
@@ -472,7 +472,7 @@ class SlideEngine:
         grad = slot.views(unit)[1][0]
         self.runtime.begin_grads(slot)
         if self._by_rows:
-            grad = slot.grads[: st.rows.numel() * grad.shape[1]].view(-1, grad.shape[1])
+            grad = slot.grads[: st.rows.numel() * self._row_length].view(-1, self._row_length)
             grad.zero_()
         elif not st.embed_grad_written:  # (tied: the head's part of this matrix's gradient is already there)
             slot.grads[: unit.numel].zero_()  # the alignment padding too: the head's gradient was here
