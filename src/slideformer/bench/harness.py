@@ -370,10 +370,12 @@ def main(argv=None):
             window[0]()  # slideformer's profile counts from here...
         if cuda:
             torch.cuda.reset_peak_memory_stats()
+        retries = _alloc_retries(cuda)
         t0 = time.perf_counter()
         for _ in range(args.steps):
             loss = step()
         dt = (time.perf_counter() - t0) / args.steps
+        retries = _alloc_retries(cuda) - retries
         if window:
             window[1]()  # ...to here: not the drain below, which the next step would overlap
         finish()
@@ -392,7 +394,7 @@ def main(argv=None):
     rec.update({
         "step_s": dt, "tokens_per_s": tokens / dt, **({"active_params": active} if shape.experts else {}),
         "model_tflops": 6 * active * tokens / dt / 1e12, "loss": float(loss.detach() if torch.is_tensor(loss) else loss),
-        "build_s": build_s, **_common(args, cuda)})
+        "build_s": build_s, **_common(args, cuda), "gpu_alloc_retries_timed": retries})
     ex = extra()  # before the profiled step below, which is not one of the timed ones
     if args.profile_ops and cuda:
         prof = profile_ops(step, finish, args.profile_ops)
@@ -424,8 +426,9 @@ def _common(args, cuda: bool) -> dict:
     return {
         "gpu_peak_alloc_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
         "gpu_peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30 if cuda else 0.0,
-        # (the caching allocator freed its cache and tried again: each a device-wide sync)
-        "gpu_alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0,
+        # (the caching allocator freed its cache and tried again: each a wait for the device; the
+        # warm-up's too, where the timed steps' are gpu_alloc_retries_timed)
+        "gpu_alloc_retries": _alloc_retries(cuda),
         "host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "gpu": torch.cuda.get_device_name() if cuda else "none", "torch": torch.__version__,
@@ -439,6 +442,10 @@ def _common(args, cuda: bool) -> dict:
                                                    "nvme_fraction", "nvme_master", "activations_to_nvme",
                                                    "offload_activations", "fp8")},
     }
+
+
+def _alloc_retries(cuda: bool) -> int:
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
 
 
 def _write(rec: dict, out: str | None) -> None:
