@@ -383,31 +383,59 @@ def test_packed_rows_of_an_epochs_tail_train_as_one_process(tmp_path):
     assert losses == pytest.approx([h["loss"] for h in one["history"]], rel=1e-5)
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux's /proc)."""
+    try:
+        return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except OSError:
+        return []
+
+
 def test_two_nodes_meeting_through_torchruns_rendezvous_train_as_one_process(tmp_path):
     """torchrun itself, as two nodes of one process each that meet through its c10d rendezvous on loopback:
     each process is its host's only one (LOCAL_WORLD_SIZE 1 of WORLD_SIZE 2), so its host share, threads
     and device are a node's, while the batch, the collectives and the checkpoint are the job's. The same
     losses as one process with the global batch, logged once, and one checkpoint."""
     import json
+    import signal
     import socket
     import subprocess
     import sys
+    import time
 
     from slideformer.train.config import load_config
     from slideformer.train.loop import train
 
+    t0 = time.monotonic()
     common = ["progress=false", "device=cpu", "logging_steps=1", "max_steps=3", "save_steps=3",
               "gradient_accumulation_steps=2", "max_grad_norm=1.0"]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    # (PYTHONFAULTHANDLER: a worker that hangs prints every thread's stack on the SIGABRT below)
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    logs = [str(tmp_path / f"node{i}.log") for i in range(2)]
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
          "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-nodes",
          "-m", "slideformer", "train", *common, "micro_batch_size=2", f"output_dir={tmp_path / 'two'}"],
-        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
-    logs = [n.communicate(timeout=300)[0] for n in nodes]
+        env=env, cwd=tmp_path, stdout=open(log, "w"), stderr=subprocess.STDOUT) for log in logs]
+    # An agent whose workers are done waits up to 300 s (torchrun's exit barrier, not settable) for the other
+    # agent: what a worker that does not exit looks like, and what a lost barrier message looks like too
+    # (pytorch/pytorch#69520). So a node may take longer than that; one that takes longer still has a
+    # worker that hangs: its stacks, and both logs, are the failure's message.
+    try:
+        for n in nodes:
+            n.wait(timeout=max(1.0, 420 - (time.monotonic() - t0)))
+    except subprocess.TimeoutExpired:
+        for n in nodes:
+            for child in _children(n.pid):
+                os.kill(child, signal.SIGABRT)
+        time.sleep(5)
+        for n in nodes:
+            n.kill()
+            n.wait()
+    logs = [open(log).read() for log in logs]
     assert [n.returncode for n in nodes] == [0, 0], logs
     one = train(load_config(None, common + ["micro_batch_size=4", f"output_dir={tmp_path / 'one'}"]))
     logged = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
