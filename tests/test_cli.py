@@ -303,3 +303,19 @@ def test_plan_for_several_processes_on_one_machine(capsys):
     assert main(base[:-1] + ["--nproc-per-node", "2"]) == 0
     text = capsys.readouterr().out
     assert "per GPU, 2 processes" in text and "host of the machine" in text and "in all" in text
+
+
+def test_a_rank_ends_without_the_interpreters_finalization(monkeypatch):
+    """Under torchrun a rank leaves through os._exit with its code: in the interpreter's finalization a gloo
+    thread still releasing a finished collective takes the GIL, which aborted the rank (SIGABRT after its error
+    line, about one run in six with two ranks) or could wait forever."""
+    from slideformer import cli
+
+    exits = []
+    monkeypatch.setattr(cli, "main", lambda: 2)
+    monkeypatch.setattr(cli.os, "_exit", exits.append)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    cli.entry()
+    assert exits == [2]
+    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: the interpreter ends as usual
+    assert cli.entry() == 2 and exits == [2]

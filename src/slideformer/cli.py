@@ -31,6 +31,11 @@ def cmd_train(args) -> int:
         config, overrides = None, [config] + overrides  # only overrides were given
     cfg = load_config(config, overrides)
     args.log_dir = cfg.output_dir
+    from .train.launch import launch, processes
+
+    n = processes(cfg.nproc_per_node, cfg.device)
+    if n > 1:  # (this command again, as n ranks: train/launch.py)
+        return launch(n, ["train", *([config] if config is not None else []), *overrides])
     result = train(cfg)
     code = 128 + result["signal"] if result["status"] == "interrupted" else EXIT_OK
     if not result.get("lead", True):  # (another rank of a torchrun job: rank 0 says it)
@@ -427,7 +432,15 @@ def _positive(v: str) -> int:
 def entry() -> int:
     """The `slideformer` command: signals are handled before anything heavy is imported (signals.py)."""
     with Signals(hard=True):
-        return main()
+        code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # A rank of a torchrun job ends here, without the interpreter's finalization: a gloo thread may still
+        # be releasing a finished collective, which takes the GIL, and during finalization that aborts the
+        # process (SIGABRT) or waits forever. What the run wrote is closed by now (train's finally).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _number(v: str, low: float, high: float, what: str) -> float:
