@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from slideformer.parallel import assign_units
 
 from test_engine_parity import assert_same, reference_train, rows_apart
-from tiny import batch, build, engine_config
+from tiny import batch, build, children, engine_config
 
 
 def test_units_are_assigned_largest_first_to_the_least_loaded_rank():
@@ -383,14 +383,6 @@ def test_packed_rows_of_an_epochs_tail_train_as_one_process(tmp_path):
     assert losses == pytest.approx([h["loss"] for h in one["history"]], rel=1e-5)
 
 
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (Linux's /proc)."""
-    try:
-        return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
-    except OSError:
-        return []
-
-
 def test_two_nodes_meeting_through_torchruns_rendezvous_train_as_one_process(tmp_path):
     """torchrun itself, as two nodes of one process each that meet through its c10d rendezvous on loopback:
     each process is its host's only one (LOCAL_WORLD_SIZE 1 of WORLD_SIZE 2), so its host share, threads
@@ -429,7 +421,7 @@ def test_two_nodes_meeting_through_torchruns_rendezvous_train_as_one_process(tmp
             n.wait(timeout=max(1.0, 420 - (time.monotonic() - t0)))
     except subprocess.TimeoutExpired:
         for n in nodes:
-            for child in _children(n.pid):
+            for child in children(n.pid):
                 os.kill(child, signal.SIGABRT)
         time.sleep(5)
         for n in nodes:

@@ -120,3 +120,11 @@ def kill_during_second_save(ck, cfg: dict, first_steps: int) -> None:
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux's /proc): a launcher's ranks."""
+    try:
+        return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+    except OSError:
+        return []

@@ -1,7 +1,9 @@
 """SIGINT and SIGTERM, handled from the process's first line: until training starts each ends the run
 at once, since nothing is there to save; once training, the first asks the loop to stop after its step
 and save, and a second ends the run at once (the last checkpoint kept). A run ends with 128 + the
-signal's number.
+signal's number. A repeat within ``SAME_REQUEST_S`` of the first is the same request, not a second one:
+a terminal's Ctrl-C reaches every process of its group, and a launcher among them (torchrun's agent,
+``nproc_per_node``'s) passes the signal it got on to its workers, so each worker gets it twice at once.
 
 The handler is one per process (``Signals`` entered again while active shares the first). The CLI's
 entry point enters it with ``hard=True`` before anything heavy is imported: a signal during start-up
@@ -14,6 +16,9 @@ import os
 import signal
 import sys
 import threading
+import time
+
+SAME_REQUEST_S = 1.0  # a launcher passes its signal on within milliseconds; a person's second Ctrl-C comes later
 
 
 class Interrupted(KeyboardInterrupt):
@@ -36,6 +41,7 @@ class Signals:
     def __init__(self, hard: bool = False):
         self.hard = hard
         self.requested: int | None = None
+        self._first_at = 0.0  # (time.monotonic() of the first signal)
         self._training = False
         self._old: dict = {}
         self._depth = 0
@@ -56,6 +62,10 @@ class Signals:
 
     def _on_signal(self, signum, frame) -> None:
         first = self.requested is None
+        if first:
+            self._first_at = time.monotonic()
+        elif self._training and time.monotonic() - self._first_at < SAME_REQUEST_S:
+            return  # the first signal again, passed on by a launcher: still stop after the step
         self.requested = signum
         if self._training and first:
             return  # the loop stops after its step and saves

@@ -127,6 +127,9 @@ class TrainConfig:
     # command resumes after a preemption; a path: that checkpoint; null: a new run (refused over a run's checkpoints)
     resume_from_checkpoint: str | None = "auto"
     device: str | None = None  # default: cuda if available
+    # processes on this machine, one per GPU, each a rank of the data parallel (train/launch.py): a number, or
+    # "auto" (one per GPU); under torchrun, its --nproc-per-node decides
+    nproc_per_node: int | str = 1
     bf16: bool | None = None  # default: bf16 on CUDA, fp32 on CPU
     # sdpa, eager, flash_attention_2 or flash_attention_3; default: sdpa, or eager where a model needs it
     attn_implementation: str | None = None
@@ -183,6 +186,9 @@ class TrainConfig:
                 raise ConfigError(f"{k} must lie in [0, 1), got {getattr(self, k)}")
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"seed must lie in [0, 2**63), got {self.seed}")
+        n = self.nproc_per_node
+        if not (n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= 1)):
+            raise ConfigError(f"nproc_per_node must be a number of processes >= 1 (one per GPU), or auto, got {n!r}")
         if self.device not in (None, "cpu", "cuda"):
             raise ConfigError(f"device {self.device!r} is not supported; use cuda or cpu, or leave it unset")
         if self.skip_nonfinite_steps and self.max_grad_norm is None:

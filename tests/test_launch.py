@@ -1,0 +1,128 @@
+"""train/launch.py: `slideformer train nproc_per_node=N` runs N ranks itself, as torchrun would, with each
+rank's documented exit code, and a Ctrl-C that the ranks save on (gloo on the CPU)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from slideformer.config import ConfigError
+from slideformer.train.config import load_config
+from slideformer.train.launch import processes
+
+from tiny import children
+
+COMMON = ["progress=false", "device=cpu", "logging_steps=1", "gradient_accumulation_steps=2", "max_grad_norm=1.0"]
+
+
+def _slideformer(tmp_path, *args: str, new_session: bool = False) -> subprocess.Popen:
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
+    env.pop("OMP_NUM_THREADS", None)  # (the launcher's share of the cores)
+    return subprocess.Popen([sys.executable, "-m", "slideformer", "train", *args], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=new_session)
+
+
+def test_two_processes_train_the_global_batch_as_one_process(tmp_path):
+    from slideformer.train.loop import train
+
+    p = _slideformer(tmp_path, *COMMON, "max_steps=3", "micro_batch_size=2", "nproc_per_node=2",
+                     f"output_dir={tmp_path / 'two'}")
+    out = p.communicate(timeout=300)[0]
+    assert p.returncode == 0, out
+    assert "(rank 0 of 2)" in out and "Traceback" not in out
+    one = train(load_config(None, COMMON + ["max_steps=3", "micro_batch_size=4", f"output_dir={tmp_path / 'one'}"]))
+    logged = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in logged] == pytest.approx([h["loss"] for h in one["history"]], rel=1e-5)
+    assert [c.name for c in (tmp_path / "two").glob("checkpoint-*")] == ["checkpoint-3"]
+
+
+def test_a_ranks_error_is_one_line_and_its_exit_code(tmp_path):
+    """torchrun would exit 1 with its failure table and a traceback; here each rank's own line and code (2: bad
+    data), and no process left."""
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    p = _slideformer(tmp_path, *COMMON, "max_steps=3", "nproc_per_node=2", f"dataset={tmp_path / 'bad.jsonl'}",
+                     f"output_dir={tmp_path / 'o'}", new_session=True)
+    out = p.communicate(timeout=300)[0]
+    assert p.returncode == 2, out
+    assert "bad.jsonl:1: not valid JSON" in out
+    assert "Traceback" not in out and "ChildFailedError" not in out and "torch.distributed" not in out, out
+    time.sleep(0.5)
+    with pytest.raises(ProcessLookupError):  # nothing the launcher started is left
+        os.killpg(p.pid, 0)
+
+
+@pytest.mark.parametrize("sig,code,ranks_too", [("SIGINT", 130, False), ("SIGTERM", 143, True)])
+def test_a_signal_saves_the_step_on_every_rank_and_exits_with_its_code(tmp_path, sig, code, ranks_too):
+    """A signal to the launcher reaches each rank (in a session of its own) through it; a job scheduler's to
+    every process (or `pkill -f`) reaches each rank twice at once, which is still one request to stop after
+    the step (signals.py)."""
+    p = _slideformer(tmp_path, *COMMON, "max_steps=100000", "micro_batch_size=2", "nproc_per_node=2",
+                     f"output_dir={tmp_path / 'o'}", new_session=True)
+    seen = []
+    for line in p.stdout:
+        seen.append(line)
+        if line.startswith("step 2/"):
+            ranks = children(p.pid) if ranks_too else []
+            assert len(ranks) == (2 if ranks_too else 0), ranks
+            for pid in [p.pid, *ranks]:
+                os.kill(pid, getattr(signal, sig))
+            break
+    out = "".join(seen) + p.communicate(timeout=120)[0]
+    assert p.returncode == code, out
+    assert f"{sig}: stopped after step" in out and "again" not in out and "Traceback" not in out, out
+    saved = list((tmp_path / "o").glob("checkpoint-*"))
+    assert len(saved) == 1 and (saved[0] / "state" / "trainer.json").is_file(), out
+
+
+def test_how_many_processes(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert processes(1, None) == 1
+    assert processes(3, "cpu") == 3  # (ranks on the CPU: gloo)
+    assert processes("auto", "cpu") == 1
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr("torch.cuda.device_count", lambda: 4)
+    assert processes("auto", None) == 4 and processes(2, "cuda") == 2
+    with pytest.raises(ConfigError, match="has 4 GPU"):
+        processes(8, None)
+    monkeypatch.setenv("WORLD_SIZE", "2")  # under a launcher: its count decides
+    assert processes(2, None) == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert processes("auto", None) == processes(2, None) == processes(1, None) == 1
+    with pytest.raises(ConfigError, match="torchrun started 2 processes"):
+        processes(4, None)
+    for bad in (0, -1, "two", True, 1.5):
+        with pytest.raises(ConfigError, match="nproc_per_node"):
+            load_config(None, [f"nproc_per_node={bad}"])
+
+
+def test_the_exit_code_is_the_first_failures():
+    """The ranks the launcher ended after the first failure do not hide its code."""
+    from types import SimpleNamespace as F
+
+    from slideformer.train.launch import _first_exit_code
+
+    assert _first_exit_code({0: F(exitcode=143, timestamp=10), 1: F(exitcode=2, timestamp=10)}) == 2
+    assert _first_exit_code({0: F(exitcode=-6, timestamp=10), 1: F(exitcode=7, timestamp=10)}) == 7
+    assert _first_exit_code({0: F(exitcode=7, timestamp=11), 1: F(exitcode=-9, timestamp=10)}) == 137
+    assert _first_exit_code({0: F(exitcode=3, timestamp=10), 1: F(exitcode=2, timestamp=10)}) == 3
+
+
+def test_the_same_signal_again_at_once_is_the_same_request(monkeypatch):
+    """Within SAME_REQUEST_S of the first a repeat changes nothing; later it ends the run at once."""
+    from slideformer import signals as mod
+
+    now = [100.0]
+    monkeypatch.setattr(mod.time, "monotonic", lambda: now[0])
+    s = mod.Signals()
+    s._training = True
+    s._on_signal(signal.SIGINT, None)
+    assert s.requested == signal.SIGINT
+    now[0] += mod.SAME_REQUEST_S / 2
+    s._on_signal(signal.SIGINT, None)  # the launcher's copy: no exception
+    now[0] += mod.SAME_REQUEST_S
+    with pytest.raises(mod.Interrupted) as e:
+        s._on_signal(signal.SIGINT, None)
+    assert e.value.training and "again" in e.value.line()
