@@ -45,6 +45,20 @@ def _rank(rank: int, world: int, init: str, family: str, cfg: dict, micro: int, 
         torch.save(res, out)
     finally:
         dist.destroy_process_group()
+    _end_rank()
+
+
+def _end_rank() -> None:
+    """A rank's process ends as cli.entry ends one: without the interpreter's finalization, during which a
+    gloo thread still releasing a finished collective can abort the process or hang it."""
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except ValueError:  # (a rank that wrote them to a file it has closed)
+            pass
+    os._exit(0)
 
 
 def train_steps(family: str, cfg: dict, steps: list[int], rank: int = 0, world: int = 1, micro: int = 1,
@@ -236,6 +250,7 @@ def _trainer_rank(rank: int, world: int, port: int, overrides: list[str], out: s
     r = train(load_config(config, overrides))
     torch.save({"losses": [h["loss"] for h in r["history"]], "checkpoint": r["checkpoint"], "evals": r["evals"]},
                out)
+    _end_rank()
 
 
 def torchrun_job(target, args_of, timeout: float = 300) -> list:
@@ -325,6 +340,7 @@ def _faulty_rank(rank: int, port: int, overrides: list[str], out: str, fault: st
         sys.stderr = sys.stdout = f
         code = main(["train"] + overrides)
         f.write(f"\nexit {code}\n")
+    _end_rank()
 
 
 def faulty_job(tmp_path, fault: str, overrides: list[str], timeout: float = 300) -> list:

@@ -5,8 +5,8 @@
 This process then does what torchrun's would (it starts, watches and stops the ranks), with three
 differences a user sees:
 
-- the exit code is a rank's own (rank 0's where it failed, else the lowest failed rank's), as documented,
-  where torchrun exits 1 with a table and a traceback; each rank prints its own one-line error;
+- the exit code is the documented one of the rank that failed first, where torchrun exits 1 with a table
+  and a traceback; each rank prints its own one-line error;
 - a signal to this process reaches the ranks, which finish their step and save; they get as long as a
   checkpoint may take (``SAVE_LIMIT_S``), not torchrun's 30 seconds before it kills them;
 - each rank's CPU threads are its share of the cores (torchrun sets one), where OMP_NUM_THREADS is unset.
