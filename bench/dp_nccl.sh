@@ -25,7 +25,7 @@ smi=$!
 step 60 python3 -m pytest -q -m gpu tests/test_gpu.py -k second_gpu 2>&1 | tee "$OUT/0_threads.log" | tail -3
 step 150 python3 -m pytest -x -q -s -m gpu tests/test_parallel.py -k nccl_train_the_global_batch 2>&1 \
   | tee "$OUT/1_parity.log" | tail -15
-step 170 python3 -m pytest -x -q -s -m gpu tests/test_parallel.py -k trainer_on_two_gpus 2>&1 \
+step 170 python3 -m pytest -x -q -s -m gpu tests/test_parallel.py tests/test_launch.py -k "trainer_on_two_gpus or two_processes" 2>&1 \
   | tee "$OUT/2_trainer.log" | tail -15
 kill $smi
 step 150 python3 -m pytest -q -s -m gpu tests/test_parallel.py -k dies_on_two_gpus 2>&1 | tee "$OUT/3_die.log" | tail -15
