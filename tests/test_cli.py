@@ -305,17 +305,24 @@ def test_plan_for_several_processes_on_one_machine(capsys):
     assert "per GPU, 2 processes" in text and "host of the machine" in text and "in all" in text
 
 
-def test_a_rank_ends_without_the_interpreters_finalization(monkeypatch):
-    """Under torchrun a rank leaves through os._exit with its code: in the interpreter's finalization a gloo
-    thread still releasing a finished collective takes the GIL, which aborted the rank (SIGABRT after its error
-    line, about one run in six with two ranks) or could wait forever."""
-    from slideformer import cli
+def test_a_rank_ends_without_the_interpreters_finalization(monkeypatch, tmp_path):
+    """Under a launcher a rank runs its exit handlers (an NVMe tier's files removed), leaves its code for our
+    launcher, and ends through os._exit: in the interpreter's finalization a gloo thread still releasing a
+    finished collective takes the GIL, which aborted the rank (SIGABRT after its error line, about one run in
+    six with two ranks) or could wait forever."""
+    import atexit
 
-    exits = []
+    from slideformer import cli
+    from slideformer.train.launch import EXIT_DIR
+
+    ends = []
     monkeypatch.setattr(cli, "main", lambda: 2)
-    monkeypatch.setattr(cli.os, "_exit", exits.append)
+    monkeypatch.setattr(atexit, "_run_exitfuncs", lambda: ends.append("atexit"))
+    monkeypatch.setattr(cli.os, "_exit", ends.append)
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv(EXIT_DIR, str(tmp_path))
     cli.entry()
-    assert exits == [2]
+    assert ends == ["atexit", 2] and (tmp_path / "1").read_text() == "2"
     monkeypatch.setenv("WORLD_SIZE", "1")  # one process: the interpreter ends as usual
-    assert cli.entry() == 2 and exits == [2]
+    assert cli.entry() == 2 and ends == ["atexit", 2]

@@ -49,16 +49,11 @@ def _rank(rank: int, world: int, init: str, family: str, cfg: dict, micro: int, 
 
 
 def _end_rank() -> None:
-    """A rank's process ends as cli.entry ends one: without the interpreter's finalization, during which a
-    gloo thread still releasing a finished collective can abort the process or hang it."""
-    import sys
+    """A rank's process ends as the CLI ends one (train/launch.py ``end_rank``): past the interpreter's
+    finalization, during which a gloo thread still releasing a finished collective can abort or hang it."""
+    from slideformer.train.launch import end_rank
 
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except ValueError:  # (a rank that wrote them to a file it has closed)
-            pass
-    os._exit(0)
+    end_rank(0)
 
 
 def train_steps(family: str, cfg: dict, steps: list[int], rank: int = 0, world: int = 1, micro: int = 1,

@@ -433,13 +433,10 @@ def entry() -> int:
     """The `slideformer` command: signals are handled before anything heavy is imported (signals.py)."""
     with Signals(hard=True):
         code = main()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # A rank of a torchrun job ends here, without the interpreter's finalization: a gloo thread may still
-        # be releasing a finished collective, which takes the GIL, and during finalization that aborts the
-        # process (SIGABRT) or waits forever. What the run wrote is closed by now (train's finally).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a rank of a job: train/launch.py says how it ends
+        from .train.launch import end_rank
+
+        end_rank(code)
     return code
 
 

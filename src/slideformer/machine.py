@@ -7,6 +7,16 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 
+def cores() -> int:
+    """The cores this process may run on: its affinity (a cgroup's or a job scheduler's limit), not the host's."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # (no affinity on this platform)
+        return os.cpu_count() or 1
+
+
 def host_memory() -> int:
     """This machine's RAM (MemTotal), in bytes."""
     try:
@@ -154,5 +164,5 @@ def describe() -> dict:
     except OSError:
         pass
     gpu = gpu_memory()
-    return {"cpu": cpu, "cores": os.cpu_count(), "ram_gib": round(host_memory() / 2**30, 1),
+    return {"cpu": cpu, "cores": cores(), "ram_gib": round(host_memory() / 2**30, 1),
             "gpu_gib": None if gpu is None else round(gpu / 2**30, 1)}

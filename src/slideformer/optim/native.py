@@ -94,7 +94,9 @@ def build(tag: str = "", flags: tuple[str, ...] = ()):
 def default_threads() -> int:
     """Leave one core for the Python thread that drives the GPU and issues the copies; under torchrun, of
     this process's share of the host's cores (LOCAL_WORLD_SIZE processes share them)."""
-    share = (os.cpu_count() or 2) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    from ..machine import cores
+
+    share = cores() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     return max(1, share - 1)
 
 

@@ -5,13 +5,17 @@
 This process then does what torchrun's would (it starts, watches and stops the ranks), with three
 differences a user sees:
 
-- the exit code is the documented one of the rank that failed first, where torchrun exits 1 with a table
-  and a traceback; each rank prints its own one-line error;
+- the exit code is a rank's documented one (``exit_code`` says which rank's), where torchrun exits 1 with a
+  table and a traceback; each rank prints its own one-line error;
 - a signal to this process reaches the ranks, which finish their step and save; they get as long as a
-  checkpoint may take (``SAVE_LIMIT_S``), not torchrun's 30 seconds before it kills them;
+  checkpoint may take (``SAVE_LIMIT_S``), not torchrun's 30 seconds before it kills them, and the exit
+  code is theirs (a save that failed says so);
 - each rank's CPU threads are its share of the cores (torchrun sets one), where OMP_NUM_THREADS is unset.
 
 Under torchrun itself the key only has to agree with it: torchrun's --nproc-per-node decides.
+
+Every rank of a job (ours or torchrun's) ends through ``end_rank``: it leaves its exit code where the launcher
+reads it (``EXIT_DIR``, ours only), and ends without the interpreter's finalization.
 """
 from __future__ import annotations
 
@@ -21,16 +25,20 @@ import sys
 from ..config import ConfigError
 from ..watchdog import SAVE_LIMIT_S
 
+EXIT_DIR = "SLIDEFORMER_EXIT_DIR"  # (environment: the folder our launcher reads its ranks' exit codes from)
+
 
 def processes(asked, device: str | None) -> int:
     """How many processes `train` runs on this machine: ``asked`` (a number, or "auto": one per GPU), 1 in a
     process that a launcher started (its count decides)."""
-    if "WORLD_SIZE" in os.environ or "LOCAL_WORLD_SIZE" in os.environ:
-        local = os.environ.get("LOCAL_WORLD_SIZE")
-        if local is not None and asked != "auto" and asked != 1 and asked != int(local):
-            raise ConfigError(f"nproc_per_node: {asked}, but torchrun started {local} processes on this machine: "
-                              "leave nproc_per_node out under torchrun (its --nproc-per-node decides), or run "
-                              "`slideformer train` without torchrun")
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 or local is not None:
+        if asked != "auto" and asked != 1 and (local is None or asked != int(local)):
+            started = f"started {local} processes on this machine" if local is not None else \
+                "set WORLD_SIZE without LOCAL_WORLD_SIZE"
+            raise ConfigError(f"nproc_per_node: {asked}, but a launcher (torchrun) {started}: leave nproc_per_node "
+                              "out under a launcher (its process count decides), or run `slideformer train` "
+                              "without one")
         return 1
     import torch
 
@@ -47,11 +55,14 @@ def launch(n: int, argv: list[str]) -> int:
     """Run ``python -m slideformer *argv`` as ``n`` ranks on this machine; their exit code."""
     import dataclasses
     import logging
+    import tempfile
     import uuid
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from ..machine import cores
 
     # (the launcher's log lines: each rank prints its own, and a failure's exit code is returned below; each
     # of its loggers has a level of its own)
@@ -59,26 +70,62 @@ def launch(n: int, argv: list[str]) -> int:
         if name.startswith("torch.distributed.elastic") or name.startswith("torch.distributed.launcher"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     if "OMP_NUM_THREADS" not in os.environ:
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // n))
+        os.environ["OMP_NUM_THREADS"] = str(max(1, cores() // n))
     kw = dict(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()), rdzv_backend="c10d",
               rdzv_endpoint="localhost:0", max_restarts=0)
     if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:  # (not in every torch)
         kw["shutdown_timeout"] = int(SAVE_LIMIT_S)
-    try:
-        elastic_launch(LaunchConfig(**kw), sys.executable)("-m", "slideformer", *argv)
-    except ChildFailedError as e:
-        return _first_exit_code(e.failures)
-    except SignalException as e:
-        return 128 + int(e.sigval)
+    with tempfile.TemporaryDirectory(prefix="slideformer-exit-") as codes:
+        os.environ[EXIT_DIR] = codes  # (the ranks inherit it)
+        try:
+            elastic_launch(LaunchConfig(**kw), sys.executable)("-m", "slideformer", *argv)
+        except ChildFailedError as e:  # (in the order the launcher saw them end: the ones it ended last)
+            return exit_code([f.exitcode if f.exitcode >= 0 else 128 - f.exitcode for f in e.failures.values()])
+        except SignalException:
+            # the ranks have finished their step and saved, or failed to, or were killed when the wait ran out
+            # (no code left: 128 + SIGKILL)
+            return exit_code([_left(codes, r) for r in range(n)])
+        finally:
+            del os.environ[EXIT_DIR]
     return 0
 
 
-def _first_exit_code(failures: dict) -> int:
-    """The exit code of the rank that failed first. Once one has, the launcher ends the others with SIGTERM, and
-    records how they ended too, all within the same second (its timestamps' unit): in a tie, a rank's own code
-    (1 to 127) comes before one a signal gave (128 + N, or -N for a death by signal N), then the lowest rank."""
-    def code(f) -> int:
-        return f.exitcode if f.exitcode >= 0 else 128 - f.exitcode
+def exit_code(codes: list[int]) -> int:
+    """The job's exit code from its ranks' (in the order they ended, where known): a rank's own error (1 to 127
+    but 7) before 7 (it lost another rank: a consequence) before an end by a signal (128 + N: the launcher's
+    SIGTERM to the others once one had failed, or the user's), the first of each; 0 if every rank's is."""
+    failed = [c for c in codes if c != 0]
+    if not failed:
+        return 0
+    return min(failed, key=lambda c: (0 if 0 < c < 128 and c != 7 else 1 if c == 7 else 2, failed.index(c)))
 
-    first = min(failures.items(), key=lambda kv: (kv[1].timestamp, not 0 < code(kv[1]) < 128, kv[0]))[1]
-    return code(first)
+
+def _left(folder: str, rank: int) -> int:
+    try:
+        with open(os.path.join(folder, str(rank))) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return 128 + 9
+
+
+def end_rank(code: int):
+    """A rank's end: its code left for our launcher, the process's exit handlers run (an NVMe tier's files
+    removed), then ``os._exit``, not the interpreter's finalization: a gloo thread may still be releasing a
+    finished collective, which takes the GIL, and during finalization that aborts the process (SIGABRT) or
+    waits forever. What the run wrote is closed by now (train's finally)."""
+    import atexit
+
+    folder = os.environ.get(EXIT_DIR)
+    if folder:
+        try:
+            with open(os.path.join(folder, os.environ.get("RANK", "0")), "w") as f:
+                f.write(str(code))
+        except OSError:
+            pass
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # (a closed pipe: nothing more can be said there)
+            pass
+    os._exit(code)
