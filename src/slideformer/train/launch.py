@@ -79,7 +79,7 @@ def launch(n: int, argv: list[str]) -> int:
         os.environ[EXIT_DIR] = codes  # (the ranks inherit it)
         try:
             elastic_launch(LaunchConfig(**kw), sys.executable)("-m", "slideformer", *argv)
-        except ChildFailedError as e:  # (in the order the launcher saw them end: the ones it ended last)
+        except ChildFailedError as e:  # (in the order the launcher saw them end; those it ended itself last)
             return exit_code([f.exitcode if f.exitcode >= 0 else 128 - f.exitcode for f in e.failures.values()])
         except SignalException:
             # the ranks have finished their step and saved, or failed to, or were killed when the wait ran out
