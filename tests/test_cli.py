@@ -308,8 +308,8 @@ def test_plan_for_several_processes_on_one_machine(capsys):
 def test_a_rank_ends_without_the_interpreters_finalization(monkeypatch, tmp_path):
     """Under a launcher a rank runs its exit handlers (an NVMe tier's files removed), leaves its code for our
     launcher, and ends through os._exit: in the interpreter's finalization a gloo thread still releasing a
-    finished collective takes the GIL, which aborted the rank (SIGABRT after its error line, about one run in
-    six with two ranks) or could wait forever."""
+    finished collective takes the GIL, which aborted the rank (SIGABRT after its error line) or could wait
+    forever."""
     import atexit
 
     from slideformer import cli

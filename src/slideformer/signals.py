@@ -2,8 +2,8 @@
 at once, since nothing is there to save; once training, the first asks the loop to stop after its step
 and save, and a second ends the run at once (the last checkpoint kept). A run ends with 128 + the
 signal's number. A repeat within ``SAME_REQUEST_S`` of the first is the same request, not a second one:
-a terminal's Ctrl-C reaches every process of its group, and a launcher among them (torchrun's agent,
-``nproc_per_node``'s) passes the signal it got on to its workers, so each worker gets it twice at once.
+a job scheduler's signal to every process of a job (or `pkill -f`) reaches a rank directly and again
+through its launcher (torchrun's agent, ``nproc_per_node``'s), which passes on the signal it got.
 
 The handler is one per process (``Signals`` entered again while active shares the first). The CLI's
 entry point enters it with ``hard=True`` before anything heavy is imported: a signal during start-up
