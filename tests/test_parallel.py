@@ -433,7 +433,10 @@ def test_two_nodes_meeting_through_torchruns_rendezvous_train_as_one_process(tmp
     except subprocess.TimeoutExpired:
         for n in nodes:
             for child in children(n.pid):
-                os.kill(child, signal.SIGABRT)
+                try:
+                    os.kill(child, signal.SIGABRT)
+                except ProcessLookupError:  # (it ended meanwhile)
+                    pass
         time.sleep(5)
         for n in nodes:
             n.kill()
