@@ -277,6 +277,33 @@ def test_activation_offload_on_gpu_is_bit_identical(tmp_path, to_nvme):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_restored_activations_come_from_the_compute_pool_and_wait_for_its_readers():
+    """``to_device``'s tensors are the compute stream's: a free block of another stream's pool cannot serve
+    the compute stream, so under a GPU cap the allocator would empty its cache to move memory between the
+    two. Such a block may still be read by enqueued compute work: the copy into it waits for that work
+    (a sleep in front of the reader makes an early copy overwrite what it reads)."""
+    from slideformer.engine.copier import CudaCopier
+    from slideformer.engine.profile import NullProfiler
+
+    cp = CudaCopier(torch.device("cuda"), NullProfiler())
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()  # (no other free block of the size below: the next one is ``a``'s)
+    n = (1 << 20) + 4096
+    with torch.cuda.stream(cp.compute):
+        a = torch.full((n,), 1.0, device="cuda")
+        torch.cuda._sleep(100_000_000)
+        b = a * 2  # reads ``a`` after the sleep
+        ptr = a.data_ptr()
+        del a  # free in the compute stream's order, its reader still enqueued
+    host = torch.full((n,), 7.0).pin_memory()
+    out, ready = cp.to_device([host], None)
+    assert out[0].data_ptr() == ptr  # ``a``'s block: the compute stream's pool
+    cp.consume(out, ready)
+    torch.cuda.synchronize()
+    assert bool((b == 2.0).all())
+    assert bool((out[0] == 7.0).all())
+
+
 def test_fused_loss_fp32_accumulation_on_gpu():
     """The lm_head gradient accumulates into fp32 through cuBLAS's fp32 output (no temporaries)."""
     from slideformer.kernels.fused_linear_ce import addmm_fp32_, linear_cross_entropy_grads

@@ -13,9 +13,11 @@ buffer one layer ahead, and the h2d copy follows when the layer is taken. RAM ho
 buffers only, at the disk's speed (about 1 GB/s written and read again per step).
 
 Hand-offs: the d2h copy waits for an event recorded after the producing compute; the GPU tensor is
-marked used by the d2h stream (record_stream) so the allocator cannot reuse it early. The h2d copy
-waits for the d2h copy's event (it reads the same host bytes); compute waits for the h2d event, and
-the restored tensor is marked used by the compute stream. On NVMe, a staging buffer is reused only
+marked used by the d2h stream (record_stream) so the allocator cannot reuse it early. The restored
+tensor is allocated from the compute stream's pool (engine/copier.py ``to_device`` says why); the h2d
+copy waits for the compute stream's work so far (which may still read that block) and for the d2h
+copy's event (it reads the same host bytes), and is recorded on the h2d stream; compute waits for the
+h2d event. On NVMe, a staging buffer is reused only
 after the disk write that reads it, or the h2d copy that reads it, has finished.
 """
 from __future__ import annotations

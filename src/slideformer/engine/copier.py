@@ -138,21 +138,31 @@ class CudaCopier:
             return self.d2h.record_event()
 
     def to_device(self, views: list[torch.Tensor], after):
-        """New GPU tensors filled from ``views`` on the h2d stream, behind ``after``; and their event."""
+        """New GPU tensors filled from ``views`` on the h2d stream, behind ``after``; and their event.
+
+        The tensors come from the compute stream's pool, where the rest of a step's tensors are: the
+        caching allocator reuses a free block only for its own stream, so under a GPU cap a pool of the
+        h2d stream's would hold memory that the compute stream could take back only by emptying the
+        cache (an allocation retry, which waits for the device). A block of the compute stream's pool
+        may still be read by compute work already enqueued, so the copies wait for that work; and they
+        are recorded on the h2d stream, so that the block goes back to the pool only after them."""
+        with torch.cuda.stream(self.compute):
+            out = [torch.empty(v.shape, dtype=v.dtype, device=self.device) for v in views]
+        free = self.compute.record_event()
         with torch.cuda.stream(self.h2d):
+            self.h2d.wait_event(free)
             if after is not None:
                 self.h2d.wait_event(after)
-            out = [torch.empty(v.shape, dtype=v.dtype, device=self.device) for v in views]
             for o, v in zip(out, views):
                 o.copy_(v, non_blocking=True)
+                o.record_stream(self.h2d)
             return out, self.h2d.record_event()
 
     def consume(self, tensors: list[torch.Tensor], ready) -> None:
-        """The compute stream waits for ``ready`` and then owns ``tensors`` (made on the h2d stream)."""
+        """The compute stream waits for ``ready`` before it reads ``tensors`` (from ``to_device``: its own
+        pool's, so nothing more to record)."""
         if ready is not None:
             self.compute.wait_event(ready)
-            for t in tensors:
-                t.record_stream(self.compute)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
