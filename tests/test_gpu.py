@@ -157,6 +157,29 @@ def test_profile_counts_resident_adamw_as_gpu_work_not_idle():
         assert b["gpu_adamw_busy_s"] > 0 and b["gpu_idle_s"] >= 0, state
 
 
+def test_timeline_says_at_which_visit_the_gpu_memory_peaks():
+    """Each GPU visit of the timeline carries the allocator's peak so far: never falling within a window,
+    its last value the step's peak, and the visit where it last rises the one that holds the peak (with
+    every layer streamed and its input offloaded, a layer's backward or the loss head, not the forward)."""
+    model = build("llama")
+    cfg = EngineConfig(device="cuda", compute_dtype=torch.bfloat16, lr=1e-3,
+                       placement=Placement(offload_activations=True, gpu_activation_layers=0),
+                       tuning=Tuning(profile=True))
+    with SlideEngine(model, cfg) as eng:
+        eng.train_step(batch(97, b=4, s=32))
+        eng.profile()
+        torch.cuda.reset_peak_memory_stats()
+        eng.train_step(batch(97, b=4, s=32, seed=1))
+        gpu = eng.profile(timeline=True)["timeline"]["gpu"]
+        peak = torch.cuda.max_memory_allocated() / 2**30
+    peaks = [row[4] for row in gpu]
+    assert all(len(row) == 5 for row in gpu) and peaks == sorted(peaks)
+    assert abs(peaks[-1] - peak) < 2e-3
+    layers = model.config.num_hidden_layers
+    at = next(i for i, p in enumerate(peaks) if p == peaks[-1])
+    assert at >= layers + 1, (at, gpu)  # after the forward's visits (embedding, then each layer)
+
+
 @pytest.mark.parametrize("state", ["compact", "8bit"])
 def test_compact_state_on_the_device_matches_the_cpu_update(state):
     """Compact state for resident units is updated on the GPU by kernels/compact_adamw.py (8-bit state by

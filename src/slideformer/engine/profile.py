@@ -9,7 +9,9 @@ around each copy. Host-side waits are wall-clock times measured in the thread th
 ``timeline()`` gives the same records one by one (the order in which the CPU optimizer took its
 units and when, each GPU visit's wait and compute): what the per-category sums cannot show, such as
 whether the optimizer idles while the next forward runs. GPU times are relative to the first visit,
-host times to the first host record; the two clocks are not aligned.
+host times to the first host record; the two clocks are not aligned. Each GPU visit also carries the
+allocator's peak so far (its count is kept as kernels are enqueued, so no sync): the visit where it
+last rises is where a step's GPU memory peaks, which is what the planner's memory model is checked on.
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ class StepProfiler:
     def reset(self) -> None:
         """Count from now; safe while work is in flight (what started before counts from now on)."""
         with self._lock:
-            self._visits: list[tuple] = []  # (unit, start, ready, end) events
+            self._visits: list[tuple] = []  # (unit, start, ready, end) events, and the peak allocated bytes
             self._copies: dict[str, list[tuple]] = defaultdict(list)
             self.host: dict[str, float] = defaultdict(float)
             self._spans: list[tuple] = []  # (key, unit, start, end) wall-clock seconds
@@ -76,7 +78,7 @@ class StepProfiler:
     def visit(self, unit: int, start, ready, end) -> None:
         with self._lock:
             if self.cuda and self._until is None:
-                self._visits.append((unit, start, ready, end))
+                self._visits.append((unit, start, ready, end, torch.cuda.max_memory_allocated()))
 
     def copy(self, kind: str, start, end) -> None:
         with self._lock:
@@ -123,8 +125,8 @@ class StepProfiler:
             adamw = self._copies.get("gpu_adamw", [])
             out["gpu_span_s"] = max([ms(self._visits[0][1], self._visits[-1][3])]
                                     + [ms(self._visits[0][1], e) for _, e in adamw[-1:]])
-            out["gpu_wait_weights_s"] = sum(ms(s, r) for _, s, r, _ in self._visits)
-            out["gpu_compute_s"] = sum(ms(r, e) for _, _, r, e in self._visits)
+            out["gpu_wait_weights_s"] = sum(ms(s, r) for _, s, r, _, _ in self._visits)
+            out["gpu_compute_s"] = sum(ms(r, e) for _, _, r, e, _ in self._visits)
             for kind, pairs in self._copies.items():
                 out[f"{kind}_busy_s"] = sum(ms(s, e) for s, e in pairs)
             # resident units' AdamW runs on the compute stream between visits: busy, not idle
@@ -134,12 +136,13 @@ class StepProfiler:
 
     def timeline(self) -> dict[str, list]:
         """Each record between the last reset and close, in milliseconds (call after a synchronize): GPU
-        visits as [unit, start, weights ready, end] from the first visit, host spans as [what, unit, start,
-        end] from the first span."""
+        visits as [unit, start, weights ready, end, the allocator's peak so far in GiB] from the first
+        visit, host spans as [what, unit, start, end] from the first span."""
         out: dict[str, list] = {"gpu": [], "host": []}
         if self.cuda and self._visits:
             t0 = self._visits[0][1]
-            out["gpu"] = [[u] + [round(t0.elapsed_time(e), 3) for e in (s, r, e_)] for u, s, r, e_ in self._visits]
+            out["gpu"] = [[u] + [round(t0.elapsed_time(e), 3) for e in (s, r, e_)] + [round(peak / 2**30, 3)]
+                          for u, s, r, e_, peak in self._visits]
         if self._spans:
             h0 = min(s for _, _, s, _ in self._spans)
             out["host"] = [[k, u, round(1e3 * (s - h0), 3), round(1e3 * (e - h0), 3)] for k, u, s, e in self._spans]
