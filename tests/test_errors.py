@@ -3,7 +3,7 @@ import pytest
 import torch
 from transformers import GPT2Config
 
-from slideformer import BatchError, ConfigError, EngineConfig, SlideEngine, UnsupportedModelError
+from slideformer import BatchError, ConfigError, EngineConfig, Placement, SlideEngine, Tuning, UnsupportedModelError
 
 from tiny import batch, build, engine_config
 
@@ -107,3 +107,43 @@ def test_engine_refuses_a_host_state_over_the_ram_before_allocating(monkeypatch)
     monkeypatch.setattr(store.HostStore, "__init__", lambda *a, **k: pytest.fail("allocated before refusing"))
     with pytest.raises(DoesNotFit, match=r"host state needs about .* GiB of host RAM \(master .*moments .*offload_dir"):
         SlideEngine(build("llama"), EngineConfig(device="cpu", compute_dtype=torch.float32))
+
+
+def test_a_step_that_raises_midway_stops_the_engine(tmp_path):
+    """A step that raises in its backward has updated the units whose backward had ended and not the
+    others, and it leaves offloaded inputs fetched for a backward that never took them. Stepping on, or
+    saving, that state would be silent damage (the next step trained on those inputs: its weights came
+    out unlike an intact engine's): the engine refuses to step, save or load, naming the way back. A
+    new engine from the last checkpoint trains as one that never failed."""
+    from slideformer import StepFailed
+
+    model = build("llama")
+    cfg = EngineConfig(**CPU, lr=1e-2, placement=Placement(offload_activations=True, gpu_activation_layers=0),
+                       tuning=Tuning(loss_kernel="torch"))
+    with SlideEngine(model, cfg) as a:
+        a.train_step(batch(97, seed=0))
+        ck = a.save_checkpoint(tmp_path / "ck")
+        real, armed = a._run_layer, {"on": True}
+
+        def run(layer, i, x, mb):  # the second layer's backward (the first's inputs are fetched by then)
+            if torch.is_grad_enabled() and i == 1 and armed.pop("on", False):
+                raise RuntimeError("injected")
+            return real(layer, i, x, mb)
+
+        a._run_layer = run
+        with pytest.raises(RuntimeError, match="injected"):
+            a.train_step(batch(97, seed=1))
+        with pytest.raises(StepFailed, match="cannot train: step 2 raised RuntimeError midway.*build a new engine"):
+            a.train_step(batch(97, seed=1))
+        with pytest.raises(StepFailed, match="cannot save"):
+            a.save_checkpoint(tmp_path / "bad")
+        with pytest.raises(StepFailed, match="cannot load a checkpoint"):
+            a.load_checkpoint(ck)
+        assert not (tmp_path / "bad").exists()
+    with SlideEngine(model, cfg) as b, SlideEngine(model, cfg) as c:
+        b.load_checkpoint(ck)
+        c.train_step(batch(97, seed=0))
+        for seed in (1, 2):
+            assert b.train_step(batch(97, seed=seed)) == c.train_step(batch(97, seed=seed))
+        mb, mc = b.state_dict(), c.state_dict()
+        assert all(torch.equal(mb[k], mc[k]) for k in mb)

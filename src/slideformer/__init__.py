@@ -6,7 +6,7 @@ import importlib
 
 _EXPORTS = {"SlideEngine": ".engine", "EngineConfig": ".config", "Placement": ".config", "Tuning": ".config", "ConfigError": ".config",
             "BatchError": ".data.batches", "CheckpointError": ".checkpoint", "UnsupportedModelError": ".model",
-            "DoesNotFit": ".plan", "lr_at": ".optim"}
+            "DoesNotFit": ".plan", "StepFailed": ".engine", "lr_at": ".optim"}
 
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
 """The training engine: a sliding window of layers with the CPU optimizer overlapped with backward."""
-from .engine import SlideEngine
+from .engine import SlideEngine, StepFailed
 
-__all__ = ["SlideEngine"]
+__all__ = ["SlideEngine", "StepFailed"]

@@ -99,6 +99,11 @@ class MicroBatch:
     rows: tuple | None = None
 
 
+class StepFailed(RuntimeError):
+    """A step raised after it began (some units updated, others not; the window's loads and the offloaded
+    inputs half used): the engine's state is then no training's, and it refuses to step, save or load."""
+
+
 class SlideEngine:
     def __init__(self, model, cfg: EngineConfig | None = None):
         """Train an in-memory Hugging Face causal LM; its weights are copied to host storage."""
@@ -150,6 +155,7 @@ class SlideEngine:
         self.ranks = parallel.current()
         self.shape = replace(ModelShape.from_adapter(self.adapter), ranks=self.ranks.world if self.ranks else 1)
         self._limit = None if self.cfg.gpu_memory_limit is None else parse_bytes(self.cfg.gpu_memory_limit)
+        self._failed: str | None = None  # a step that raised midway (StepFailed)
         if self._limit is not None:  # refuse before allocating anything if not even one sequence fits
             fit(self.shape, 1, 1, self._limit, Layout.of(self.cfg))
         # and if the host state alone (no layer inputs yet: they depend on the batch) is over the RAM
@@ -242,6 +248,7 @@ class SlideEngine:
         reads the loss only now and then loses no time at step boundaries). Clipping still waits, for
         the global norm; with it, a step whose norm or loss is not finite is dropped before it is applied
         (``last_step_dropped``)."""
+        self._usable("train")
         if self._limit is not None:
             batch = self._place(batch)
         mbs, denom, rows = self._prepare(batch)
@@ -269,34 +276,41 @@ class SlideEngine:
                     self._gradient_done(st, v.unit, slot)
                 for nxt in self._loads_after.get(t, ()):
                     rt.load(nxt.unit, rt.slots[nxt.group][nxt.slot], rows.get(nxt.unit))
-        except BaseException:
+            total = torch.linalg.vector_norm(torch.stack(st.norms)) if st.norms else torch.zeros((), device=self.device)
+            loss = st.loss if torch.is_tensor(st.loss) else torch.tensor(st.loss)
+            if self.ranks is not None:  # each unit's norm was counted by its owner; the loss is each rank's part
+                total, loss = parallel.sum_all(torch.stack([total.float() ** 2, loss.to(self.device, torch.float32)]))
+                total = total.sqrt()
+            self._grad_norm = total
+            self.last_step_dropped = False
+            if self.cfg.max_grad_norm is not None:
+                norm, value = torch.stack([total, loss.to(total)]).tolist()  # (one wait for both)
+                finite = math.isfinite(norm) and math.isfinite(value)
+                # A non-finite norm or loss drops the step: no unit's state changes, the step count stays.
+                coef = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6)) if finite else None
+                rt.updates.resolve(coef)  # the updates already run stand if coef is 1, else run again
+                # (in forward order: the next step needs unit 0 first)
+                for unit, sent in sorted(st.finished, key=lambda f: f[0]):
+                    if sent is not None and sent.rows is not None and finite:  # the embedding's untouched rows first
+                        rt.updates.submit(UpdateJob(unit, None, st.index, self.lr, coef, rest=self._untouched(st)))
+                    if unit not in self.resident:
+                        rt.updates.submit(UpdateJob(unit, sent, st.index, self.lr, coef))
+                    elif finite:
+                        rt.resident.update(unit, st.index, self.lr, coef)
+                self.last_step_dropped = not finite
+            if not self.last_step_dropped:
+                self.store.step = st.index
+        except BaseException as e:
             st.kept.clear()  # (saved layers' products: GPU memory a held traceback would otherwise keep)
+            self._failed = f"step {st.index} raised {type(e).__name__}"
             raise
-
-        total = torch.linalg.vector_norm(torch.stack(st.norms)) if st.norms else torch.zeros((), device=self.device)
-        loss = st.loss if torch.is_tensor(st.loss) else torch.tensor(st.loss)
-        if self.ranks is not None:  # each unit's norm was counted by its owner; the loss is each rank's part
-            total, loss = parallel.sum_all(torch.stack([total.float() ** 2, loss.to(self.device, torch.float32)]))
-            total = total.sqrt()
-        self._grad_norm = total
-        self.last_step_dropped = False
-        if self.cfg.max_grad_norm is not None:
-            norm, value = torch.stack([total, loss.to(total)]).tolist()  # (one wait for both)
-            finite = math.isfinite(norm) and math.isfinite(value)
-            # A non-finite norm or loss drops the step: no unit's state changes, the step count stays.
-            coef = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6)) if finite else None
-            rt.updates.resolve(coef)  # the updates already run stand if coef is 1, else run again
-            for unit, sent in sorted(st.finished, key=lambda f: f[0]):  # forward order: the next step needs unit 0 first
-                if sent is not None and sent.rows is not None and finite:  # the embedding's untouched rows first
-                    rt.updates.submit(UpdateJob(unit, None, st.index, self.lr, coef, rest=self._untouched(st)))
-                if unit not in self.resident:
-                    rt.updates.submit(UpdateJob(unit, sent, st.index, self.lr, coef))
-                elif finite:
-                    rt.resident.update(unit, st.index, self.lr, coef)
-            self.last_step_dropped = not finite
-        if not self.last_step_dropped:
-            self.store.step = st.index
         return float(loss) if blocking else loss.detach()
+
+    def _usable(self, what: str) -> None:
+        if self._failed is not None:
+            raise StepFailed(f"cannot {what}: {self._failed} midway, after some units had been updated and before "
+                             "others were, and the window, the loads and the offloaded inputs of that step are "
+                             "left as they were; build a new engine (and load_checkpoint the last checkpoint)")
 
     @torch.no_grad()
     def evaluate(self, batch) -> "Evaluation":
@@ -626,6 +640,7 @@ class SlideEngine:
     def save_pretrained(self, out: str | os.PathLike, dtype: torch.dtype | None = None):
         """Write a Hugging Face checkpoint (config + safetensors) that from_pretrained loads. Under several
         ranks every rank calls it, and each writes the files of the units it owns."""
+        self._usable("save")
         self.synchronize()
         if self.ranks is None:
             return export.save_pretrained(out, self.adapter, self.store, dtype or self.cfg.compute_dtype)
@@ -658,6 +673,7 @@ class SlideEngine:
         """Hugging Face weights plus the full training state, written atomically (checkpoint/state.py);
         ``extra(folder)`` adds files (a tokenizer) before the checkpoint is sealed. Under several ranks every
         rank calls it (with the same arguments): one checkpoint, each rank writing its units."""
+        self._usable("save")
         self.synchronize()
         state = {"lr": self.lr, **(trainer_state or {})}
         return ckpt_state.save_checkpoint(path, self.adapter, self.store, dtype or self.cfg.compute_dtype, state,
@@ -666,6 +682,7 @@ class SlideEngine:
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Restore a checkpoint written by save_checkpoint (by any number of ranks); returns the trainer state
         saved with it. Under several ranks every rank calls it and reads the units it keeps."""
+        self._usable("load a checkpoint")
         self.synchronize()
         state = ckpt_state.load_checkpoint(path, self.adapter, self.store, self.ranks)
         self.lr = float(state.get("lr", self.lr))
