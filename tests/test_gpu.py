@@ -171,10 +171,10 @@ def test_timeline_says_at_which_visit_the_gpu_memory_peaks():
         torch.cuda.reset_peak_memory_stats()
         eng.train_step(batch(97, b=4, s=32, seed=1))
         gpu = eng.profile(timeline=True)["timeline"]["gpu"]
-        peak = torch.cuda.max_memory_allocated() / 2**30
-    peaks = [row[4] for row in gpu]
-    assert all(len(row) == 5 for row in gpu) and peaks == sorted(peaks)
-    assert abs(peaks[-1] - peak) < 2e-3
+        peak = torch.cuda.max_memory_allocated()
+    peaks = [row[4] for row in gpu]  # (bytes: the tiny model's steps move the peak by kilobytes)
+    assert all(len(row) == 5 for row in gpu) and peaks == sorted(peaks) and peaks[0] < peaks[-1]
+    assert peaks[-1] <= peak and peak - peaks[-1] < 2**20
     layers = model.config.num_hidden_layers
     at = next(i for i, p in enumerate(peaks) if p == peaks[-1])
     assert at >= layers + 1, (at, gpu)  # after the forward's visits (embedding, then each layer)

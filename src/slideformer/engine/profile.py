@@ -10,8 +10,9 @@ around each copy. Host-side waits are wall-clock times measured in the thread th
 units and when, each GPU visit's wait and compute): what the per-category sums cannot show, such as
 whether the optimizer idles while the next forward runs. GPU times are relative to the first visit,
 host times to the first host record; the two clocks are not aligned. Each GPU visit also carries the
-allocator's peak so far (its count is kept as kernels are enqueued, so no sync): the visit where it
-last rises is where a step's GPU memory peaks, which is what the planner's memory model is checked on.
+allocator's peak so far (its count is kept as kernels are enqueued, so no sync; since the last
+``torch.cuda.reset_peak_memory_stats``): the visit where it last rises holds a step's GPU memory peak,
+which is what the planner's memory model is checked on (work after the last visit is not attributed).
 """
 from __future__ import annotations
 
@@ -47,8 +48,8 @@ class NullProfiler:
 class StepProfiler:
     enabled = True
 
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
+    def __init__(self, cuda: bool, device=None):
+        self.cuda, self.device = cuda, device
         self._lock = threading.Lock()  # the main, loader and optimizer threads record; reset() swaps it all
         self.reset()
 
@@ -76,9 +77,10 @@ class StepProfiler:
         return e
 
     def visit(self, unit: int, start, ready, end) -> None:
+        peak = torch.cuda.max_memory_allocated(self.device) if self.cuda else 0
         with self._lock:
             if self.cuda and self._until is None:
-                self._visits.append((unit, start, ready, end, torch.cuda.max_memory_allocated()))
+                self._visits.append((unit, start, ready, end, peak))
 
     def copy(self, kind: str, start, end) -> None:
         with self._lock:
@@ -136,12 +138,12 @@ class StepProfiler:
 
     def timeline(self) -> dict[str, list]:
         """Each record between the last reset and close, in milliseconds (call after a synchronize): GPU
-        visits as [unit, start, weights ready, end, the allocator's peak so far in GiB] from the first
+        visits as [unit, start, weights ready, end, the allocator's peak so far in bytes] from the first
         visit, host spans as [what, unit, start, end] from the first span."""
         out: dict[str, list] = {"gpu": [], "host": []}
         if self.cuda and self._visits:
             t0 = self._visits[0][1]
-            out["gpu"] = [[u] + [round(t0.elapsed_time(e), 3) for e in (s, r, e_)] + [round(peak / 2**30, 3)]
+            out["gpu"] = [[u] + [round(t0.elapsed_time(e), 3) for e in (s, r, e_)] + [peak]
                           for u, s, r, e_, peak in self._visits]
         if self._spans:
             h0 = min(s for _, _, s, _ in self._spans)

@@ -130,7 +130,8 @@ class Runtime:
                 sizes[v.group] = (max(k, v.slot + 1), max(numel, adapter.units[v.unit].numel))
         self.slots = {g: [Slot(numel, dt, self.device) for _ in range(k)] for g, (k, numel) in sizes.items()}
         self.slots["resident"] = {u: Slot(adapter.units[u].numel, dt, self.device) for u in resident}
-        self.profiler: StepProfiler | NullProfiler = StepProfiler(cuda) if cfg.tuning.profile else NullProfiler()
+        self.profiler: StepProfiler | NullProfiler = StepProfiler(cuda, self.device) if cfg.tuning.profile \
+            else NullProfiler()
         staged = [adapter.units[u].numel for u in store.staged]
         self.copier = copier_for(self.device, self.profiler, min(STAGING_ELEMS, max(staged, default=0)))
         # Resident units train on the GPU; their state is there only (engine/resident.py).
