@@ -14,11 +14,12 @@ buffers only, at the disk's speed (about 1 GB/s written and read again per step)
 
 Hand-offs: the d2h copy waits for an event recorded after the producing compute; the GPU tensor is
 marked used by the d2h stream (record_stream) so the allocator cannot reuse it early. The restored
-tensor is allocated from the compute stream's pool (engine/copier.py ``to_device`` says why); the h2d
-copy waits for the compute stream's work so far (which may still read that block) and for the d2h
-copy's event (it reads the same host bytes), and is recorded on the h2d stream; compute waits for the
-h2d event. On NVMe, a staging buffer is reused only
-after the disk write that reads it, or the h2d copy that reads it, has finished.
+tensor is allocated one layer ahead from the compute stream's pool (engine/copier.py ``device_empty``
+says why); the h2d copy waits for the compute stream's work enqueued by then (which may still read that
+block) and for the d2h copy's event (it reads the same host bytes), and is recorded on the h2d stream;
+compute waits for the h2d event. On NVMe the tensor is allocated when the read is asked (one layer
+ahead), the copy follows the read, and a staging buffer is reused only after the disk write that reads
+it, or the h2d copy that reads it, has finished.
 """
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ class ActivationStore:
         self._free_cv = threading.Condition()
         self._record: dict[int, int] = {}
         self._disk: dict[int, tuple[list, threading.Event]] = {}  # layer -> (shapes, written)
-        self._reading: dict[int, tuple[list, threading.Event, dict]] = {}  # layer -> (shapes, ready, {"buf"})
+        # layer -> (shapes, ready, {"buf"}, the GPU tensors and their event: copier.device_empty)
+        self._reading: dict[int, tuple[list, threading.Event, dict, tuple]] = {}
 
     @property
     def host_bytes(self) -> int:
@@ -146,7 +148,9 @@ class ActivationStore:
                     finally:
                         ready.set()
 
-                self._reading[layer] = (shapes, ready, holder)
+                # (the GPU tensors now, one layer ahead: their copy then waits only for compute enqueued so far)
+                into = self.rt.copier.device_empty([(shape, self._staging[0].dtype) for shape in shapes])
+                self._reading[layer] = (shapes, ready, holder, into)
                 self.rt.submit_read(read)
             return
         if layer < 0 or layer not in self._host or layer in self._fetched:
@@ -159,7 +163,7 @@ class ActivationStore:
             return self._gpu.pop(layer)
         self.prefetch(layer)  # not prefetched ahead (first offloaded layer, or depth 0): fetch now
         if self.scratch is not None:
-            shapes, ready, holder = self._reading.pop(layer)
+            shapes, ready, holder, into = self._reading.pop(layer)
             self.rt.wait_flag(ready)
             if "buf" in holder and self.rt._error is not None:
                 self._release(holder["buf"])
@@ -168,7 +172,7 @@ class ActivationStore:
             for s in shapes:
                 views.append(buf[start: start + math.prod(s)].view(s))
                 start += math.prod(s)
-            out, ready_ev = self.rt.copier.to_device(views, None)
+            out, ready_ev = self.rt.copier.to_device(views, None, into)
             self._release(buf, ready_ev)
         else:
             out, ready_ev = self._fetched.pop(layer)

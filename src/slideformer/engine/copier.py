@@ -43,8 +43,15 @@ class CpuCopier:
             v.copy_(t)
         return None
 
-    def to_device(self, views: list[torch.Tensor], after):
-        return [v.clone() for v in views], None
+    def device_empty(self, like: list[tuple[torch.Size, torch.dtype]]):
+        return [torch.empty(shape, dtype=dtype) for shape, dtype in like], None
+
+    def to_device(self, views: list[torch.Tensor], after, into=None):
+        if into is None:
+            return [v.clone() for v in views], None
+        for o, v in zip(into[0], views):
+            o.copy_(v)
+        return into[0], None
 
     def consume(self, tensors: list[torch.Tensor], ready) -> None:
         pass
@@ -137,18 +144,24 @@ class CudaCopier:
                 t.record_stream(self.d2h)
             return self.d2h.record_event()
 
-    def to_device(self, views: list[torch.Tensor], after):
-        """New GPU tensors filled from ``views`` on the h2d stream, behind ``after``; and their event.
+    def device_empty(self, like: list[tuple[torch.Size, torch.dtype]]):
+        """GPU tensors of these shapes and dtypes for ``to_device`` to fill, and the event it waits for first.
 
-        The tensors come from the compute stream's pool, where the rest of a step's tensors are: the
-        caching allocator reuses a free block only for its own stream, so under a GPU cap a pool of the
-        h2d stream's would hold memory that the compute stream could take back only by emptying the
-        cache (an allocation retry, which waits for the device). A block of the compute stream's pool
-        may still be read by compute work already enqueued, so the copies wait for that work; and they
-        are recorded on the h2d stream, so that the block goes back to the pool only after them."""
+        They come from the compute stream's pool, where the rest of a step's tensors are: the caching
+        allocator reuses a free block only for its own stream, so under a GPU cap a pool of the h2d
+        stream's would hold memory that the compute stream could take back only by emptying the cache (an
+        allocation retry, which waits for the device). A block of the compute stream's pool may still be
+        read by compute work already enqueued: the event is recorded after that work. (Taken ahead of the
+        copy, as the NVMe path's reads do, the copy then waits for less.)"""
         with torch.cuda.stream(self.compute):
-            out = [torch.empty(v.shape, dtype=v.dtype, device=self.device) for v in views]
-        free = self.compute.record_event()
+            out = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in like]
+        return out, self.compute.record_event()
+
+    def to_device(self, views: list[torch.Tensor], after, into=None):
+        """GPU tensors filled from ``views`` on the h2d stream, behind ``after``; and their event. ``into``:
+        ``device_empty``'s tensors and event, else new ones. The copies are recorded on the h2d stream, so
+        that a block goes back to the compute stream's pool only after them."""
+        out, free = into or self.device_empty([(v.shape, v.dtype) for v in views])
         with torch.cuda.stream(self.h2d):
             self.h2d.wait_event(free)
             if after is not None:
