@@ -312,13 +312,13 @@ def test_restored_activations_come_from_the_compute_pool_and_wait_for_its_reader
     torch.cuda.synchronize()
     torch.cuda.empty_cache()  # (no other free block of the size below: the next one is ``a``'s)
     n = (1 << 20) + 4096
+    host = torch.full((n,), 7.0).pin_memory()  # (before the sleep: pinning may wait for the device)
     with torch.cuda.stream(cp.compute):
         a = torch.full((n,), 1.0, device="cuda")
         torch.cuda._sleep(100_000_000)
         b = a * 2  # reads ``a`` after the sleep
         ptr = a.data_ptr()
         del a  # free in the compute stream's order, its reader still enqueued
-    host = torch.full((n,), 7.0).pin_memory()
     out, ready = cp.to_device([host], None)
     assert out[0].data_ptr() == ptr  # ``a``'s block: the compute stream's pool
     cp.consume(out, ready)
