@@ -309,3 +309,26 @@ def test_plan_on_prints_the_plan_the_benchmark_would_train_with_and_runs_nothing
     assert rec["micro_batch"] == 8 and rec["micro_batch_tokens"] == 8192 and rec["host_weights"] != "staged"
     with pytest.raises(SystemExit, match="slideformer's cases only"):
         harness.main(["--system", "plain", "--model", "qwen3-4b", "--plan-on", "139.8,125.8"])
+
+
+def test_memory_peaks_names_the_visit_where_the_peak_last_rose_and_the_plan_beside_it():
+    """bench/memory_peaks.py reads a --timeline record: the peak's visit by unit and pass (a unit's visits
+    alternate forward and backward; the head is one), and the planner's categories for the same case."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("memory_peaks", Path(__file__).parents[1] / "bench" / "memory_peaks.py")
+    mp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mp)
+    # a tiny model's step: embedding, 4 layers, head, 4 layers back, embedding; the peak rises last at layer 2's backward
+    units = [0, 1, 2, 3, 4, 5, 4, 3, 2, 1, 0]
+    peaks = [10, 20, 30, 40, 50, 70, 80, 80, 90, 90, 90]
+    rows = [[u, 0.0, 0.0, 0.0, p] for u, p in zip(units, peaks)]
+    assert mp.peak_visit(rows, 4) == (8, "layer 1, backward")
+    rows[5][4], rows[6][4] = 90, 90
+    assert mp.peak_visit(rows[:6], 4) == (5, "the loss head")
+    rec = {"command": "slideformer bench --system slideformer --model tiny --batch 4 --gpu-memory-limit-gib 1 "
+                      "--timeline --out x.jsonl", "machine": {"ram_gib": 64.0, "gpu_gib": 80.0}}
+    plan = mp.planned(rec)
+    assert {"window", "loss_head", "layer_backward", "peak before SAFETY"} <= set(plan)
+    assert 0 < plan["peak before SAFETY"] < 1
