@@ -60,7 +60,7 @@ def report(path: str) -> list[str]:
         case = rec["command"].split(" --out")[0].removeprefix("slideformer bench ")
         rows = rec.get("timeline", {}).get("gpu", [])
         if not rows or len(rows[0]) < 5:
-            lines.append(f"{case}: no GPU memory timeline (run with --timeline, at 7e289ef or later)")
+            lines.append(f"{case}: no GPU memory timeline (run with --timeline, by a tree whose timeline records the peaks)")
             continue
         at, where = peak_visit(rows, preset_config(rec["model"]).num_hidden_layers)
         model = ", ".join(f"{k} {v:.2f}" for k, v in planned(rec).items())

@@ -47,11 +47,10 @@ class CpuCopier:
         return [torch.empty(shape, dtype=dtype) for shape, dtype in like], None
 
     def to_device(self, views: list[torch.Tensor], after, into=None):
-        if into is None:
-            return [v.clone() for v in views], None
-        for o, v in zip(into[0], views):
+        out = (into or self.device_empty([(v.shape, v.dtype) for v in views]))[0]
+        for o, v in zip(out, views):
             o.copy_(v)
-        return into[0], None
+        return out, None
 
     def consume(self, tensors: list[torch.Tensor], ready) -> None:
         pass

@@ -276,35 +276,42 @@ class SlideEngine:
                     self._gradient_done(st, v.unit, slot)
                 for nxt in self._loads_after.get(t, ()):
                     rt.load(nxt.unit, rt.slots[nxt.group][nxt.slot], rows.get(nxt.unit))
-            total = torch.linalg.vector_norm(torch.stack(st.norms)) if st.norms else torch.zeros((), device=self.device)
-            loss = st.loss if torch.is_tensor(st.loss) else torch.tensor(st.loss)
-            if self.ranks is not None:  # each unit's norm was counted by its owner; the loss is each rank's part
-                total, loss = parallel.sum_all(torch.stack([total.float() ** 2, loss.to(self.device, torch.float32)]))
-                total = total.sqrt()
-            self._grad_norm = total
-            self.last_step_dropped = False
-            if self.cfg.max_grad_norm is not None:
-                norm, value = torch.stack([total, loss.to(total)]).tolist()  # (one wait for both)
-                finite = math.isfinite(norm) and math.isfinite(value)
-                # A non-finite norm or loss drops the step: no unit's state changes, the step count stays.
-                coef = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6)) if finite else None
-                rt.updates.resolve(coef)  # the updates already run stand if coef is 1, else run again
-                # (in forward order: the next step needs unit 0 first)
-                for unit, sent in sorted(st.finished, key=lambda f: f[0]):
-                    if sent is not None and sent.rows is not None and finite:  # the embedding's untouched rows first
-                        rt.updates.submit(UpdateJob(unit, None, st.index, self.lr, coef, rest=self._untouched(st)))
-                    if unit not in self.resident:
-                        rt.updates.submit(UpdateJob(unit, sent, st.index, self.lr, coef))
-                    elif finite:
-                        rt.resident.update(unit, st.index, self.lr, coef)
-                self.last_step_dropped = not finite
-            if not self.last_step_dropped:
-                self.store.step = st.index
+            loss = self._end_step(st)
         except BaseException as e:
             st.kept.clear()  # (saved layers' products: GPU memory a held traceback would otherwise keep)
             self._failed = f"step {st.index} raised {type(e).__name__}"
             raise
         return float(loss) if blocking else loss.detach()
+
+    def _end_step(self, st: "_Step"):
+        """After the step's last visit: the global norm and, with clipping, the coefficient that the
+        updates waiting for it take (or the step dropped); the step's loss."""
+        rt = self.runtime
+        total = torch.linalg.vector_norm(torch.stack(st.norms)) if st.norms else torch.zeros((), device=self.device)
+        loss = st.loss if torch.is_tensor(st.loss) else torch.tensor(st.loss)
+        if self.ranks is not None:  # each unit's norm was counted by its owner; the loss is each rank's part
+            total, loss = parallel.sum_all(torch.stack([total.float() ** 2, loss.to(self.device, torch.float32)]))
+            total = total.sqrt()
+        self._grad_norm = total
+        self.last_step_dropped = False
+        if self.cfg.max_grad_norm is not None:
+            norm, value = torch.stack([total, loss.to(total)]).tolist()  # (one wait for both)
+            finite = math.isfinite(norm) and math.isfinite(value)
+            # A non-finite norm or loss drops the step: no unit's state changes, the step count stays.
+            coef = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6)) if finite else None
+            rt.updates.resolve(coef)  # the updates already run stand if coef is 1, else run again
+            # (in forward order: the next step needs unit 0 first)
+            for unit, sent in sorted(st.finished, key=lambda f: f[0]):
+                if sent is not None and sent.rows is not None and finite:  # the embedding's untouched rows first
+                    rt.updates.submit(UpdateJob(unit, None, st.index, self.lr, coef, rest=self._untouched(st)))
+                if unit not in self.resident:
+                    rt.updates.submit(UpdateJob(unit, sent, st.index, self.lr, coef))
+                elif finite:
+                    rt.resident.update(unit, st.index, self.lr, coef)
+            self.last_step_dropped = not finite
+        if not self.last_step_dropped:
+            self.store.step = st.index
+        return loss
 
     def _usable(self, what: str) -> None:
         if self._failed is not None:
