@@ -746,14 +746,15 @@ def test_evaluation_is_pytorchs_loss_and_leaves_training_as_it_was(family):
     assert all(torch.equal(state[k], plain[k]) for k in plain)
 
 
-@pytest.mark.parametrize("clip", [None, 0.05])
+@pytest.mark.parametrize("tied,clip", [(False, None), (False, 0.05), (True, None)])
 @pytest.mark.parametrize("state", ["fp32", "compact", "8bit"])
-def test_embedding_update_by_rows_is_the_whole_update(clip, state, monkeypatch):
-    """engine/embedding.py: the rows a step did not touch updated during its forward, the touched ones from a
-    packed gradient after backward, are the whole embedding's update to the bit, and plain PyTorch's
-    training (fp32). Each step touches a few of the 97 rows, in two micro-batches, and rows touched before
-    keep moving (momentum, weight decay), so an untouched part left out or run against the wrong step
-    changes them; with clipping (active here) both parts wait for the verdict."""
+def test_embedding_update_by_rows_is_the_whole_update(tied, clip, state, monkeypatch):
+    """engine/embedding.py: the rows a step did not touch updated apart (untied: during its forward, with a
+    zero gradient; tied: during backward, from the head's gradient), the touched ones from a packed gradient
+    after backward, are the whole embedding's update to the bit, and plain PyTorch's training (fp32). Each
+    step touches a few of the 97 rows, in two micro-batches, and rows touched before keep moving (momentum,
+    weight decay), so an untouched part left out or run against the wrong step changes them; untied with
+    clipping (active here) both parts wait for the verdict, and tied with clipping the update is whole."""
     import slideformer.engine.engine as engine_module
     from tiny import COMMON
     from transformers import LlamaConfig
@@ -761,9 +762,9 @@ def test_embedding_update_by_rows_is_the_whole_update(clip, state, monkeypatch):
     if state == "8bit":  # (rows of whole 8-bit blocks: 128 values)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(LlamaConfig(**{**COMMON, "hidden_size": 128},
-                                                             tie_word_embeddings=False)).float()
+                                                             tie_word_embeddings=tied)).float()
     else:
-        model = build("llama")
+        model = build("qwen3-tied" if tied else "llama")
     dtype = torch.float32 if state == "fp32" else torch.bfloat16
     g = torch.Generator().manual_seed(2)
     steps = [[{"input_ids": ids, "labels": ids.clone()}
@@ -771,6 +772,9 @@ def test_embedding_update_by_rows_is_the_whole_update(clip, state, monkeypatch):
     kw = dict(lr=1e-2, weight_decay=0.1, max_grad_norm=clip)
     with SlideEngine(model, engine_config(device="cpu", compute_dtype=dtype, optimizer_state=state)) as eng:
         assert eng._by_rows
+    with SlideEngine(model, engine_config(device="cpu", compute_dtype=dtype, optimizer_state=state,
+                                          max_grad_norm=0.05)) as eng:
+        assert eng._by_rows != tied
     by_rows, losses = engine_train(model, steps, optimizer_state=state, compute_dtype=dtype, **kw)
     monkeypatch.setattr(engine_module, "embedding_by_rows", lambda *a, **k: False)
     whole, whole_losses = engine_train(model, steps, optimizer_state=state, compute_dtype=dtype, **kw)
@@ -780,6 +784,27 @@ def test_embedding_update_by_rows_is_the_whole_update(clip, state, monkeypatch):
     if state == "fp32":
         ref, ref_losses = reference_train(model, steps, **kw)
         assert_same(by_rows, ref, losses, ref_losses, reference_noise(model, [b[0] for b in steps], **kw))
+
+
+def test_a_tied_embedding_by_rows_counts_every_row_in_the_norm(monkeypatch):
+    """Tied, by rows, the untouched rows' part of the global norm is counted at the head and the touched
+    rows' after backward: together the whole gradient's norm (which clipping and the logs read)."""
+    import slideformer.engine.engine as engine_module
+
+    model, b = build("qwen3-tied"), batch(97, b=2, s=12)
+    norms = []
+    for rows in (True, False):
+        if not rows:
+            monkeypatch.setattr(engine_module, "embedding_by_rows", lambda *a, **k: False)
+        with SlideEngine(model, engine_config(device="cpu", compute_dtype=torch.float32, lr=1e-2)) as eng:
+            assert eng._by_rows == rows
+            eng.train_step(b)
+            norms.append(eng.last_grad_norm)
+    assert norms[0] == pytest.approx(norms[1], rel=1e-6)
+    model(**b).loss.backward()  # plain PyTorch's, whose embedding holds a fair share of it
+    whole = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+    assert norms[0] == pytest.approx(float(whole), rel=1e-5)
+    assert float(model.get_input_embeddings().weight.grad.norm()) > 0.3 * norms[0]
 
 
 def test_the_loader_takes_updated_units_before_one_still_updating():

@@ -584,15 +584,18 @@ def test_fp8_on_cuda_trains_near_bf16_and_casts_each_visits_weights(placement, s
     assert fresh_losses == fp8 and all(torch.equal(kept[k], fresh[k]) for k in fresh)
 
 
-@pytest.mark.parametrize("state,clip", [("fp32", None), ("compact", None), ("compact", 0.05)])
-def test_embedding_update_by_rows_on_cuda_is_the_whole_update(state, clip, monkeypatch):
-    """engine/embedding.py on the GPU: the untouched rows updated while the step's forward streams, the
-    packed gradient of the touched ones sent in chunks; the same bits as the whole embedding's update.
-    (With clipping the global norm sums the packed gradient's squares, not the whole one's zeros too: in
-    another order on the GPU, so there the same to rounding of the coefficient.)"""
+@pytest.mark.parametrize("family,state,clip", [("llama", "fp32", None), ("llama", "compact", None),
+                                               ("llama", "compact", 0.05), ("qwen3-tied", "fp32", None),
+                                               ("qwen3-tied", "compact", None)])
+def test_embedding_update_by_rows_on_cuda_is_the_whole_update(family, state, clip, monkeypatch):
+    """engine/embedding.py on the GPU: the untouched rows updated while the step's forward streams (tied:
+    from the head's gradient, sent at the head, while backward runs), the packed gradient of the touched
+    ones sent in chunks; the same bits as the whole embedding's update. (With clipping the global norm sums
+    the packed gradient's squares, not the whole one's zeros too: in another order on the GPU, so there the
+    same to rounding of the coefficient.)"""
     import slideformer.engine.engine as engine_module
 
-    model = build("llama")
+    model = build(family)
     g = torch.Generator().manual_seed(2)
     steps = [[{"input_ids": ids, "labels": ids.clone()}
               for ids in (torch.randint(8 * s, 8 * s + 12, (1, 12), generator=g) for _ in range(2))] for s in range(4)]

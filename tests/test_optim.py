@@ -234,6 +234,52 @@ def test_a_row_wise_update_in_two_parts_is_the_dense_update(fmt, grad_dtype, len
     torch_update = _state_and_update(fmt, n, dense, backend="torch")[1]
     with pytest.raises(ValueError, match="native"):
         torch_update([t.clone() for t in state], grad=packed.flatten(), rows=touched)
+    with pytest.raises(RuntimeError, match="none for a zero gradient"):
+        update([t.clone() for t in state], grad=packed.flatten(), rows=rest)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt,length", [("fp32", 256), ("fp32", 37), ("compact", 256), ("8bit", 256)])
+def test_the_untouched_rows_read_a_whole_gradient_as_it_lands(fmt, grad_dtype, length):
+    """A tied embedding's update by rows (engine/embedding.py): the untouched rows read the head's whole
+    gradient at their own places, chunk by chunk as it lands (chunks that split rows and gaps), the touched
+    rows their packed gradient (head and embedding summed). Together, in either order, the bits of one dense update; the rows of the other part and a
+    chunk not yet landed are left alone."""
+    from slideformer.optim.adamw import Landing, Rows
+
+    nrows, tail = 600, 128
+    n = length * nrows + tail
+    ids = torch.tensor([0, 1, 2, 7, 8, 100, 101, 102, 103, 104, 450, nrows - 1])
+    torch.manual_seed(1)
+    head = torch.randn(n).to(grad_dtype)
+    head[nrows * length:] = 0  # (the padding's gradient, as the slot's)
+    packed = torch.randn(len(ids), length).to(grad_dtype)
+    dense = head.clone()
+    dense[: nrows * length].view(nrows, length)[ids] = packed
+    state, update = _state_and_update(fmt, n, dense)
+    ref = [t.clone() for t in state]
+    update(ref)
+    touched, rest = Rows(ids, length, True), Rows(ids, length, False)
+    chunk, abort = 128 * (n // 384 + 1), torch.zeros(1, dtype=torch.int64)  # (3 chunks, whole 8-bit blocks)
+    landed = lambda k: Landing(torch.full((-(-n // chunk),), k, dtype=torch.int64), 3, chunk, abort)  # noqa: E731
+    for order in ([touched, rest], [rest, touched]):
+        got = [t.clone() for t in state]
+        for part in order:
+            update(got, landing=landed(3), grad=(packed if part.touched else head).flatten(), rows=part)
+        for a, b in zip(got, ref):
+            assert torch.equal(a, b)
+    one = [t.clone() for t in state]
+    update(one, landing=landed(3), grad=head, rows=rest)
+    assert torch.equal(one[0][length * 100: length * 105], state[0][length * 100: length * 105])  # touched: left
+    assert torch.equal(one[0][length * 3: length * 7], ref[0][length * 3: length * 7])
+    abort.fill_(1)  # a chunk that never lands: the update stops there, its rows and those after left alone
+    flags = torch.full((-(-n // chunk),), 3, dtype=torch.int64)
+    flags[1] = 0
+    part = [t.clone() for t in state]
+    with pytest.raises(RuntimeError, match="aborted"):
+        update(part, landing=Landing(flags, 3, chunk, abort), grad=head, rows=rest)
+    assert torch.equal(part[0][chunk:], state[0][chunk:])
+    assert torch.equal(part[0][length * 3: length * 7], ref[0][length * 3: length * 7])
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "compact", "8bit"])

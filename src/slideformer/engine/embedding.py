@@ -12,8 +12,19 @@ text far fewer), and every other row's gradient is exactly zero. So the update r
 - the touched rows, after backward: their gradient is summed on the GPU into a packed [rows, hidden]
   block, sent to the host (not [vocab, hidden]), and updated as it lands.
 With clipping both wait for the verdict (a dropped step must leave every row as it was), the untouched
-rows first, and the gain is only the packed gradient. ``plan.memory.embedding_by_rows`` decides where
-this applies; the torch backend has no row kernel, and keeps the whole update.
+rows first, and the gain is only the packed gradient.
+
+Tied to the lm_head, the matrix's gradient is dense, but an untouched row's is the head's alone, and
+the head's gradient is complete when backward begins. So there:
+- the head's whole gradient goes to the host at the loss head, and the untouched rows update from it at
+  their own places while backward runs (their part of the global norm counted then);
+- at the embedding's backward the touched rows' head gradient is gathered into a packed block, their
+  embedding part added, and that block is sent and updated as above.
+The window still loads the whole matrix (the head reads every row). Under clipping the tied update stays
+whole: its rows would wait for the verdict anyway, and the head's gradient would hold the unit's one
+host buffer until then, which the touched rows' gradient needs.
+``plan.memory.embedding_by_rows`` decides where this applies; the torch backend has no row kernel, and
+keeps the whole update.
 """
 from __future__ import annotations
 

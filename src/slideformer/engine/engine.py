@@ -65,6 +65,7 @@ class _Step:
     finished: list = field(default_factory=list)  # (unit, SentGrads) awaiting the clip coefficient
     embed_grad_written: bool = False
     rows: torch.Tensor | None = None  # the embedding rows the step's tokens touch (sorted, on the host)
+    rows_device: torch.Tensor | None = None  # (and on the device: a tied embedding's by rows, from the head on)
     kept: dict = field(default_factory=dict)  # saved layer -> its products per micro-batch, forward to backward
 
 
@@ -216,9 +217,10 @@ class SlideEngine:
         self._update_order = sorted(done) if self.cfg.max_grad_norm is not None else done
         self.rotary = self.adapter.rotary(self.device)
         # The embedding's update in two parts by rows (engine/embedding.py), where the planner's rule allows
-        # (streamed, untied, one rank) and the native kernel is there
+        # (streamed, one rank; tied, without clipping) and the native kernel is there
         emb = self.adapter.embed_unit
-        self._by_rows = embedding_by_rows(self.shape, Layout.of(self.cfg), self.cfg.optimizer_state) and \
+        self._by_rows = embedding_by_rows(self.shape, Layout.of(self.cfg), self.cfg.optimizer_state,
+                                          self.cfg.max_grad_norm is not None) and \
             self.runtime.updates.backend == "native" and len(emb.params) == 1 and emb.params[0].offset == 0 \
             and not self.store.on_tier(emb.index)
         self._row_length = emb.params[0].shape[-1]
@@ -260,8 +262,8 @@ class SlideEngine:
         self.activations.begin_step(sum(mb.input_ids.numel() for mb in mbs), self.adapter.config.hidden_size,
                                     self.cfg.compute_dtype)
         rt.begin_step(self._update_order)
-        # (by rows, the embedding's load is the step's rows: engine/embedding.py)
-        rows = {self.adapter.embed_unit.index: st.rows} if self._by_rows else {}
+        # (untied by rows, the embedding's load is the step's rows: engine/embedding.py)
+        rows = {self.adapter.embed_unit.index: st.rows} if self._by_rows and not self.adapter.tied else {}
         for v in self._loads_after.get(-1, ()):
             rt.load(v.unit, rt.slots[v.group][v.slot], rows.get(v.unit))
         try:
@@ -357,7 +359,8 @@ class SlideEngine:
     # -- the phases of a step, one per visit kind (see window/schedule.py) --------------------------
     def _embed_fwd(self, st: "_Step", unit, slot, training: bool = True) -> None:
         w = slot.views(unit)[0]["weight"]
-        by_rows = training and self._by_rows  # the slot holds the step's rows, packed (engine/embedding.py)
+        # untied by rows, the slot holds the step's rows, packed (engine/embedding.py)
+        by_rows = training and self._by_rows and not self.adapter.tied
         if by_rows:
             w = slot.params[: st.rows.numel() * self._row_length].view(-1, self._row_length)
             if self.cfg.max_grad_norm is None:  # the rows the step does not touch (with clipping: after the verdict)
@@ -436,8 +439,22 @@ class SlideEngine:
             gnorm.copy_(acc_n)
         if acc_w is not gw:
             gw.copy_(acc_w)
+        if ad.tied and self._by_rows:
+            self._send_head_gradient(st, eslot, gw)
         st.hidden = []
         self.activations.prefetch(ad.num_layers - 1)
+
+    def _send_head_gradient(self, st: "_Step", slot, grad: torch.Tensor) -> None:
+        """A tied embedding by rows (engine/embedding.py): the rows the step's tokens do not touch have the
+        head's gradient as their whole gradient, complete now. It goes to the host at once, and their update
+        runs while backward does; their part of the global norm is counted here, the touched rows' with
+        their packed gradient after the embedding's backward."""
+        unit = self.adapter.embed_unit.index
+        st.rows_device = st.rows.to(self.device, non_blocking=True)
+        per_row = torch.linalg.vector_norm(grad, dim=1, dtype=torch.float32)
+        st.norms.append(torch.linalg.vector_norm(per_row.index_fill_(0, st.rows_device, 0)))
+        sent = self.runtime.send_grads(unit, slot)
+        self.runtime.updates.submit(UpdateJob(unit, sent, st.index, self.lr, 1.0, rest=self._untouched(st)))
 
     def _head_value(self, st: "_Step", unit, slot) -> None:
         """The loss head's forward alone (evaluation): the loss, no gradient."""
@@ -489,14 +506,27 @@ class SlideEngine:
         # Only the batch's rows have a gradient: each is summed in fp32 over its occurrences (sorted,
         # deterministic) into a [unique ids, H] block, then added into the slot. No [vocab, H] temporary,
         # and no weights needed (with an untied head the slot holds the head's by now).
-        # By rows (engine/embedding.py) the sum is a packed block of the step's rows instead.
+        # By rows (engine/embedding.py) the sum is a packed block of the step's rows instead; tied, it starts
+        # from their head gradient, and takes the slot once the head's whole gradient has left it.
         grad = slot.views(unit)[1][0]
+        packed = slot.grads[: st.rows.numel() * self._row_length].view(-1, self._row_length)
+        if self._by_rows and self.adapter.tied:
+            rows = grad.index_select(0, st.rows_device)
+            self._add_embedding_gradient(st, rows)
+            self.runtime.begin_grads(slot)
+            packed.copy_(rows)
+            return
         self.runtime.begin_grads(slot)
         if self._by_rows:
-            grad = slot.grads[: st.rows.numel() * self._row_length].view(-1, self._row_length)
+            grad = packed
             grad.zero_()
         elif not st.embed_grad_written:  # (tied: the head's part of this matrix's gradient is already there)
             slot.grads[: unit.numel].zero_()  # the alignment padding too: the head's gradient was here
+        self._add_embedding_gradient(st, grad)
+
+    def _add_embedding_gradient(self, st: "_Step", grad: torch.Tensor) -> None:
+        """Each micro-batch's rows' gradient into ``grad``: the embedding's [vocab, H], or by rows the step's
+        rows packed."""
         pad = self.adapter.padding_idx
         for mb, gh in zip(st.mbs, st.grad_hidden):
             rows, where, index, _ = mb.rows

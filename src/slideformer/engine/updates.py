@@ -27,12 +27,19 @@ from .profile import NullProfiler, StepProfiler
 @dataclass
 class UpdateJob:
     unit: int
-    grads: "SentGrads | None"  # None: the rows ``rest`` names, with a zero gradient
+    grads: "SentGrads | None"  # None: the rows ``rest`` names, with a zero gradient (else that part of these)
     step: int
     lr: float
     grad_coef: float | None  # None: the step is dropped; the unit's state stays as it is
     spare: int | None = None  # speculative (clipping): written into this spare state, kept until the verdict
     rest: Rows | None = None  # an embedding's rows its step did not touch (engine/embedding.py)
+
+    def numel(self, unit_numel: int) -> int:
+        """The elements of its gradient: none (zeros), the touched rows packed, or the whole unit."""
+        if self.grads is None:
+            return 0
+        rows = self.grads.rows
+        return unit_numel if rows is None else rows.ids.numel() * rows.length
 
     @property
     def background(self) -> bool:
@@ -122,7 +129,7 @@ class Updates:
 
     def submit(self, job: UpdateJob) -> None:
         self._raise_worker_error()
-        if job.grads is None:
+        if job.rest is not None:
             self.rest_done[job.unit].clear()
         self._jobs.put(job)
 
@@ -204,9 +211,9 @@ class Updates:
                         return
                     st.update(s.tier.views(job.unit, tier_buf))
                 master, exp_avg, exp_avg_sq = st["master"], st["exp_avg"], st["exp_avg_sq"]
-                rows = job.rest if job.grads is None else job.grads.rows
-                n = self.adapter.units[job.unit].numel if rows is None else rows.touched * rows.ids.numel() * rows.length
-                grad = s.grad_buffers[0 if job.grads is None else job.grads.buffer][:n]  # (the rest: none read)
+                rows = job.rest or job.grads.rows
+                n = job.numel(self.adapter.units[job.unit].numel)
+                grad = s.grad_buffers[0 if job.grads is None else job.grads.buffer][:n]  # (a zero gradient: none)
                 landing = None if job.grads is None else job.grads.landing
                 out = s.weights[job.unit] if s.weights is not s.master else None  # (None: staged)
                 src = None
@@ -218,7 +225,9 @@ class Updates:
                     # which rewrites it if the update does not stand)
                 t0 = time.perf_counter()
                 if job.grad_coef is None:  # a dropped step: the state (tier buffer too) goes back unchanged,
-                    waited = 0.0  # and the compute copy, which a speculative update wrote in place, is put back
+                    # and the compute copy, which a speculative update wrote in place, is put back; the buffer
+                    # only once the whole gradient has landed (its next user may read it before the copy's end)
+                    waited = 0.0 if landing is None else landing.wait(n)
                     if out is not None:
                         out.copy_(master)
                 elif s.compact:
@@ -253,11 +262,12 @@ class Updates:
             if not kept:
                 if job.spare is not None:
                     self._free_spare(job.spare)
-                if job.grads is not None:  # (the rest of an embedding's rows: its touched rows' job sets the flag)
+                if job.grads is not None:
                     self.return_grad_buffer(job.grads.buffer)
-                    self.updated[job.unit].set()
-                else:
+                if job.rest is not None:  # (the rest of an embedding's rows: its touched rows' job sets the flag)
                     self.rest_done[job.unit].set()
+                else:
+                    self.updated[job.unit].set()
 
     def wait_updated(self, unit: int) -> None:
         """Until every queued part of the unit's update has run."""

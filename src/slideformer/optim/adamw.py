@@ -53,8 +53,9 @@ class Rows:
     """One part of a row-wise update (the native kernels only): the unit as rows of ``length`` elements,
     ``ids`` sorted unique row indices (int64, CPU). ``touched``: those rows, their gradient packed in
     ``ids``' order (len(ids) x length elements); else every other element of the unit, with a zero
-    gradient (no gradient is read). The two parts, in either order, are one update of the whole unit
-    whose gradient is zero outside ``ids``, to the bit (the engine's embedding: engine/embedding.py)."""
+    gradient (an empty one: none is read), or with the unit's whole gradient read at their places (a tied
+    embedding's head gradient). The two parts, in either order, are one update of the whole unit to the
+    bit (the engine's embedding: engine/embedding.py)."""
 
     ids: torch.Tensor
     length: int

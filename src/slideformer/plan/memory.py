@@ -197,12 +197,13 @@ class Layout:
         return self.resident_edges or self.resident_layers >= shape.layers
 
 
-def embedding_by_rows(shape: ModelShape, p: Layout, state: str = "fp32") -> bool:
-    """Whether the embedding's CPU update runs by rows, the rows a step did not touch before its backward
-    (engine/embedding.py): where it streams, untied (a tied matrix's head gradient is dense), on one rank
-    (each rank's batch touches other rows), and with 8-bit state on rows of whole blocks."""
-    return not p.edges_resident(shape) and not shape.tied and shape.ranks == 1 and \
-        (state != "8bit" or shape.hidden % BLOCK8 == 0)
+def embedding_by_rows(shape: ModelShape, p: Layout, state: str = "fp32", clipping: bool = False) -> bool:
+    """Whether the embedding's CPU update runs by rows, the rows a step did not touch apart from the others
+    (engine/embedding.py): where it streams, on one rank (each rank's batch touches other rows), with 8-bit
+    state on rows of whole blocks; tied, only without clipping (there the rows wait for the verdict either
+    way, and the head's gradient would hold the unit's one host buffer until then)."""
+    return not p.edges_resident(shape) and shape.ranks == 1 and (state != "8bit" or shape.hidden % BLOCK8 == 0) \
+        and not (shape.tied and clipping)
 
 
 def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: int = 2) -> dict[str, int]:

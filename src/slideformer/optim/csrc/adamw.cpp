@@ -188,12 +188,13 @@ double for_each_landed(int64_t n, const Landing& l, F&& body) {
 // A unit seen as rows of ``len`` elements; ``ids``: sorted, unique row indices. Touched: those rows, their
 // gradient packed in ``ids``' order (count x len elements, landing chunk by chunk like a unit's). Untouched:
 // every other element of the unit (the rows not in ``ids`` and any padding after the last row), with a zero
-// gradient. The two parts cover the unit once, and each element gets the dense kernel's arithmetic, so
-// the parts together equal one update of the whole unit with the zero rows filled in.
+// gradient (none given), or ``dense``: read at their own places in a whole unit's gradient (a tied
+// embedding's head gradient), landing chunk by chunk. The two parts cover the unit once, and each element
+// gets the dense kernel's arithmetic, so the parts together equal one update of the whole unit.
 struct Rows {
   const int64_t* ids = nullptr;
   int64_t count = 0, len = 0;
-  bool touched = false;
+  bool touched = false, dense = false;
 };
 
 // Unit elements [begin, end), whose gradient starts at element ``grad`` of the packed rows (-1: zeros).
@@ -203,9 +204,15 @@ struct Segment {
 
 alignas(64) const float kZeros[kBlock] = {};  // the untouched part's gradient (0 in fp32, bf16 and fp16 alike)
 
-Rows rows_of(const c10::optional<torch::Tensor>& ids, int64_t len, bool touched, int64_t n) {
+// The part ``ids`` names (none: the whole unit), its gradient's size checked: the packed touched rows,
+// nothing or the whole unit for the untouched part, else the whole unit.
+Rows rows_of(const c10::optional<torch::Tensor>& ids, int64_t len, bool touched, int64_t n, const torch::Tensor& grad) {
   Rows r;
-  if (!ids.has_value()) return r;
+  if (!ids.has_value()) {
+    TORCH_CHECK(grad.is_cpu() && grad.is_contiguous() && grad.numel() == n,
+                "grad: a contiguous CPU tensor of ", n, " elements (the unit)");
+    return r;
+  }
   TORCH_CHECK(ids->is_cpu() && ids->is_contiguous() && ids->scalar_type() == at::kLong, "rows: a contiguous int64 CPU tensor");
   TORCH_CHECK(len > 0, "row_len must be positive");
   r.ids = ids->data_ptr<int64_t>();
@@ -215,8 +222,16 @@ Rows rows_of(const c10::optional<torch::Tensor>& ids, int64_t len, bool touched,
   for (int64_t k = 0; k < r.count; ++k)
     TORCH_CHECK(r.ids[k] >= 0 && (r.ids[k] + 1) * len <= n && (k == 0 || r.ids[k] > r.ids[k - 1]),
                 "rows: sorted, unique row indices inside the unit");
+  r.dense = !touched && grad.numel() == n;
+  TORCH_CHECK(grad.is_cpu() && grad.is_contiguous() &&
+                  (touched ? grad.numel() == r.count * len : grad.numel() == 0 || r.dense),
+              "grad: a contiguous CPU tensor of ", touched ? r.count * len : n, " elements (",
+              touched ? "the touched rows, packed" : "the unit, or none for a zero gradient", ")");
   return r;
 }
+
+// The elements the gradient given has (what its landing flags count): the packed rows, or the unit's.
+int64_t grad_numel(const Rows& r, int64_t n) { return r.ids != nullptr && r.touched ? r.count * r.len : n; }
 
 // The touched rows' segments for packed elements [a, b) (one landed chunk), adjacent rows merged up to kBlock.
 std::vector<Segment> touched_segments(const Rows& r, int64_t a, int64_t b) {
@@ -234,18 +249,21 @@ std::vector<Segment> touched_segments(const Rows& r, int64_t a, int64_t b) {
   return out;
 }
 
-// The untouched part's segments over a unit of n elements, each at most kBlock (the zeros' length).
-std::vector<Segment> untouched_segments(const Rows& r, int64_t n) {
+// The untouched part's segments among unit elements [a, b), each at most kBlock (the zeros' length); a
+// dense gradient is read at the segment's own place.
+std::vector<Segment> untouched_segments(const Rows& r, int64_t a, int64_t b) {
   std::vector<Segment> out;
   auto gap = [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; s += kBlock) out.push_back({s, std::min(end, s + kBlock), -1});
+    begin = std::max(begin, a), end = std::min(end, b);
+    for (int64_t s = begin; s < end; s += kBlock) out.push_back({s, std::min(end, s + kBlock), r.dense ? s : -1});
   };
-  int64_t next = 0;
-  for (int64_t k = 0; k < r.count; ++k) {
-    gap(next, r.ids[k] * r.len);
-    next = (r.ids[k] + 1) * r.len;
+  int64_t next = a;
+  for (const int64_t* k = std::lower_bound(r.ids, r.ids + r.count, a / r.len);  // (the rows ending after a)
+       k < r.ids + r.count && *k * r.len < b; ++k) {
+    gap(next, *k * r.len);
+    next = (*k + 1) * r.len;
   }
-  gap(next, n);
+  gap(next, b);
   return out;
 }
 
@@ -268,8 +286,11 @@ void run_segments(const std::vector<Segment>& segs, int64_t threads, F&& fn) {
 // seconds spent waiting for chunks.
 template <typename F>
 double for_each_row_segment(int64_t n, const Rows& r, const Landing& l, int64_t threads, F&& fn) {
+  if (r.dense) {
+    return for_each_landed(n, l, [&](int64_t a, int64_t b) { run_segments(untouched_segments(r, a, b), threads, fn); });
+  }
   if (!r.touched) {
-    run_segments(untouched_segments(r, n), threads, fn);
+    run_segments(untouched_segments(r, 0, n), threads, fn);
     return 0.0;
   }
   return for_each_landed(r.count * r.len, l, [&](int64_t a, int64_t b) {
@@ -280,15 +301,6 @@ double for_each_row_segment(int64_t n, const Rows& r, const Landing& l, int64_t 
 template <typename T>
 const T* grad_of(const T* g, const Segment& s) {
   return s.grad >= 0 ? g + s.grad : reinterpret_cast<const T*>(kZeros);
-}
-
-// The gradient's size for an update of n elements: the packed touched rows, nothing for the untouched
-// part (its gradient is zero), else n.
-void check_grad_size(const torch::Tensor& grad, const Rows& r, int64_t n) {
-  if (r.ids != nullptr && !r.touched) return;
-  const int64_t want = r.ids != nullptr ? r.count * r.len : n;
-  TORCH_CHECK(grad.is_cpu() && grad.is_contiguous() && grad.numel() == want,
-              "grad: a contiguous CPU tensor of ", want, " elements (", r.ids != nullptr ? "the touched rows" : "the unit", ")");
 }
 
 inline float bf16_to_f32(uint16_t h) {
@@ -497,9 +509,8 @@ double adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg
     TORCH_CHECK(t->is_cpu() && t->is_contiguous() && t->scalar_type() == at::kFloat, "master and moments: contiguous fp32 CPU");
   const int64_t n = param.numel();
   TORCH_CHECK(exp_avg.numel() == n && exp_avg_sq.numel() == n, "sizes differ");
-  const Rows r = rows_of(rows, row_len, touched, n);
+  const Rows r = rows_of(rows, row_len, touched, n, grad);
   TORCH_CHECK(r.ids == nullptr || !src.has_value(), "a row update is in place");
-  check_grad_size(grad, r, n);
   if (out.has_value()) {
     TORCH_CHECK(out->is_cpu() && out->is_contiguous() && out->numel() == n, "out: contiguous CPU tensor of the same size");
     TORCH_CHECK(out->scalar_type() == at::kBFloat16 || out->scalar_type() == at::kHalf, "out: bf16 or fp16");
@@ -507,7 +518,7 @@ double adamw_step(torch::Tensor param, torch::Tensor grad, torch::Tensor exp_avg
   TORCH_CHECK(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16 || grad.scalar_type() == at::kHalf,
               "grad must be fp32, bf16 or fp16");
   const Hyper h = make_hyper(step, lr, beta1, beta2, eps, weight_decay, grad_coef);
-  const Landing landing = landing_of(flags, ticket, chunk, abort, r.ids != nullptr ? r.count * r.len : n);
+  const Landing landing = landing_of(flags, ticket, chunk, abort, grad_numel(r, n));
   const State<float> st = state_of<float>({param, exp_avg, exp_avg_sq}, src, at::kFloat);
   pybind11::gil_scoped_release no_gil;
   if (r.ids != nullptr) {
@@ -657,9 +668,8 @@ double adamw_step_compact(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad
   for (const auto* t : {&hi, &lo, &exp_avg, &exp_avg_sq})
     TORCH_CHECK(t->is_cpu() && t->is_contiguous() && t->scalar_type() == at::kBFloat16 && t->numel() == n,
                 "compact state: contiguous bf16 CPU tensors of one size");
-  const Rows r = rows_of(rows, row_len, touched, n);
+  const Rows r = rows_of(rows, row_len, touched, n, grad);
   TORCH_CHECK(r.ids == nullptr || !src.has_value(), "a row update is in place");
-  check_grad_size(grad, r, n);
   const Hyper h = make_hyper(step, lr, beta1, beta2, eps, weight_decay, grad_coef);
   const uint32_t base = mix32(static_cast<uint32_t>(seed) ^ mix32(static_cast<uint32_t>(step)));
   const uint32_t seed_m = mix32(base ^ 0x6d6d6d6du), seed_v = mix32(base ^ 0x76767676u);
@@ -675,7 +685,7 @@ double adamw_step_compact(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad
   const CompactState st{ptr(in[0]), ptr(in[1]), ptr(in[2]), ptr(in[3]), ptr(hi), ptr(lo), ptr(exp_avg), ptr(exp_avg_sq)};
   const bool bf16_grad = grad.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16_grad || grad.scalar_type() == at::kFloat, "grad must be bf16 or fp32");
-  const Landing landing = landing_of(flags, ticket, chunk, abort, r.ids != nullptr ? r.count * r.len : n);
+  const Landing landing = landing_of(flags, ticket, chunk, abort, grad_numel(r, n));
   pybind11::gil_scoped_release no_gil;
   if (r.ids != nullptr) {  // each segment on pointers moved to its start, its rounding bits hashed from there
     return for_each_row_segment(n, r, landing, threads, [&](const Segment& seg) {
@@ -832,10 +842,9 @@ double adamw_step_8bit(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad, t
                 "code table threshold: 65536 fp32");
   const CodeTable ts{base_signed.data_ptr<int32_t>(), threshold_signed.data_ptr<float>()};
   const CodeTable tu{base_unsigned.data_ptr<int32_t>(), threshold_unsigned.data_ptr<float>()};
-  const Rows r = rows_of(rows, row_len, touched, n);
+  const Rows r = rows_of(rows, row_len, touched, n, grad);
   TORCH_CHECK(r.ids == nullptr || (!src.has_value() && row_len % kBlock8 == 0),
               "a row update is in place, on rows of whole 8-bit blocks");
-  check_grad_size(grad, r, n);
   if (src.has_value()) {
     TORCH_CHECK(src->size() == 4, "src: hi, lo, exp_avg, exp_avg_sq");
     check((*src)[0], (*src)[1], (*src)[2], (*src)[3]);
@@ -854,7 +863,7 @@ double adamw_step_8bit(torch::Tensor hi, torch::Tensor lo, torch::Tensor grad, t
   const float *qs = qmap_signed.data_ptr<float>(), *qu = qmap_unsigned.data_ptr<float>();
   const bool bf16_grad = grad.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16_grad || grad.scalar_type() == at::kFloat, "grad must be bf16 or fp32");
-  const Landing landing = landing_of(flags, ticket, chunk, abort, r.ids != nullptr ? r.count * r.len : n);
+  const Landing landing = landing_of(flags, ticket, chunk, abort, grad_numel(r, n));
   TORCH_CHECK(landing.flags == nullptr || chunk % kBlock8 == 0, "gradient chunks of whole 8-bit blocks");
   pybind11::gil_scoped_release no_gil;
   if (r.ids != nullptr) {  // segments of whole blocks (rows, chunks and kBlock are): pointers moved to the start
