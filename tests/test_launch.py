@@ -46,14 +46,14 @@ def test_two_processes_train_the_global_batch_as_one_process(tmp_path, device):
 
 
 def test_a_ranks_error_is_one_line_and_its_exit_code(tmp_path):
-    """torchrun would exit 1 with its failure table and a traceback; here each rank's own line and code (2: bad
-    data), and no process left."""
+    """torchrun would exit 1 with its failure table and a traceback; here the ranks' line and code (2: bad
+    data), the line once though every rank read the same file, and no process left."""
     (tmp_path / "bad.jsonl").write_text("not json\n")
     p = _slideformer(tmp_path, *COMMON, "device=cpu", "max_steps=3", "nproc_per_node=2",
                      f"dataset={tmp_path / 'bad.jsonl'}", f"output_dir={tmp_path / 'o'}", new_session=True)
     out = p.communicate(timeout=300)[0]
     assert p.returncode == 2, out
-    assert "bad.jsonl:1: not valid JSON" in out
+    assert out.count("bad.jsonl:1: not valid JSON") == 1, out
     assert "Traceback" not in out and "ChildFailedError" not in out and "torch.distributed" not in out, out
     time.sleep(0.5)
     assert _left_running(tmp_path) == []  # nothing the launcher started is left
@@ -151,3 +151,22 @@ def test_the_same_signal_again_at_once_is_the_same_request(monkeypatch):
     with pytest.raises(mod.Interrupted) as e:
         s._on_signal(signal.SIGINT, None)
     assert e.value.training and "again" in e.value.line()
+
+
+def test_the_launcher_says_each_distinct_line_of_its_ranks_once(tmp_path, monkeypatch, capsys):
+    """What ranks say alike (every rank reads the same bad file) comes out once; a rank's own cause and the
+    other ranks' consequence both come out; outside a job of ours a rank prints its line itself."""
+    from slideformer.train import launch
+
+    monkeypatch.setenv(launch.EXIT_DIR, str(tmp_path))
+    echo = launch._Echo(str(tmp_path))
+    for rank, line in enumerate(["error: data.jsonl:1: not valid JSON", "error: data.jsonl:1: not valid JSON",
+                                 "error: rank 3's GPU ran out of memory", "error: another rank failed"]):
+        monkeypatch.setenv("RANK", str(rank))
+        assert launch.say(line)
+    echo.stop()
+    said = capsys.readouterr().err.splitlines()
+    assert sorted(said) == ["error: another rank failed", "error: data.jsonl:1: not valid JSON",
+                            "error: rank 3's GPU ran out of memory"]
+    monkeypatch.delenv(launch.EXIT_DIR)
+    assert not launch.say("error: anything")

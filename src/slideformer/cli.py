@@ -368,6 +368,20 @@ def _exit_code(e: BaseException) -> int | None:
     return None
 
 
+def _say(line: str) -> None:
+    """A run's error line, on stderr; a rank of our own launcher's job leaves it for the launcher, which says
+    each distinct line of its ranks once (train/launch.py)."""
+    if "WORLD_SIZE" in os.environ:
+        try:
+            from .train.launch import say
+        except ImportError:  # (a broken install: the line itself says what failed)
+            pass
+        else:
+            if say(line):
+                return
+    print(line, file=sys.stderr)
+
+
 def _one_line(e: BaseException) -> str:
     if isinstance(e, KeyboardInterrupt):
         return (e if isinstance(e, Interrupted) else Interrupted(2)).line()
@@ -592,10 +606,9 @@ def _main(argv: list[str], signals: Signals) -> int:
         if code is None:
             log = _log_bug(getattr(args, "log_dir", None))
             first = (str(e).strip().splitlines() or [""])[0][:300]
-            print(f"error: unexpected {type(e).__name__}: {first} (the full traceback is in {log}; please report it)",
-                  file=sys.stderr)
+            _say(f"error: unexpected {type(e).__name__}: {first} (the full traceback is in {log}; please report it)")
             return EXIT_BUG
-        print(_one_line(e), file=sys.stderr)
+        _say(_one_line(e))
         return code
     finally:
         threading.excepthook = hook

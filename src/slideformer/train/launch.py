@@ -6,7 +6,8 @@ This process then does what torchrun's would (it starts, watches and stops the r
 differences a user sees:
 
 - the exit code is a rank's documented one (``exit_code`` says which rank's), where torchrun exits 1 with a
-  table and a traceback; each rank prints its own one-line error;
+  table and a traceback; each rank's one-line error is said once, as it comes, and a line that several
+  ranks say alike (bad data, a bad config: every rank reads them) once in all (``say``, ``_Echo``);
 - a signal to this process reaches the ranks, which finish their step and save; they get as long as a
   checkpoint may take (``SAVE_LIMIT_S``), not torchrun's 30 seconds before it kills them, and the exit
   code is theirs (a save that failed says so);
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 from ..config import ConfigError
 from ..watchdog import SAVE_LIMIT_S
@@ -77,6 +79,7 @@ def launch(n: int, argv: list[str]) -> int:
         kw["shutdown_timeout"] = int(SAVE_LIMIT_S)
     with tempfile.TemporaryDirectory(prefix="slideformer-exit-") as codes:
         os.environ[EXIT_DIR] = codes  # (the ranks inherit it)
+        echo = _Echo(codes)
         try:
             elastic_launch(LaunchConfig(**kw), sys.executable)("-m", "slideformer", *argv)
         except ChildFailedError as e:  # (in the order the launcher saw them end; those it ended itself last)
@@ -86,8 +89,57 @@ def launch(n: int, argv: list[str]) -> int:
             # (no code left: 128 + SIGKILL)
             return exit_code([_left(codes, r) for r in range(n)])
         finally:
+            echo.stop()
             del os.environ[EXIT_DIR]
     return 0
+
+
+def say(line: str) -> bool:
+    """A rank's error line, left for our launcher to say (``_Echo``); False outside its jobs (the caller prints
+    it), or where it cannot be left."""
+    folder = os.environ.get(EXIT_DIR)
+    if not folder:
+        return False
+    path = os.path.join(folder, f"line-{os.environ.get('RANK', '0')}")
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.write(line)
+        os.replace(path + ".tmp", path)  # (whole, or not there: the launcher never reads half a line)
+    except OSError:
+        return False
+    return True
+
+
+class _Echo:
+    """The launcher's thread that says its ranks' error lines (``say``) on its stderr as they come, each
+    distinct line once; ``stop`` says those left and ends it."""
+
+    def __init__(self, folder: str):
+        self.folder, self.said = folder, set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="slideformer-echo", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            self._sweep()
+
+    def _sweep(self) -> None:
+        for name in sorted(os.listdir(self.folder)):
+            if name.startswith("line-") and not name.endswith(".tmp"):
+                try:
+                    with open(os.path.join(self.folder, name)) as f:
+                        line = f.read()
+                except OSError:
+                    continue
+                if line not in self.said:
+                    self.said.add(line)
+                    print(line, file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sweep()
 
 
 def exit_code(codes: list[int]) -> int:
