@@ -109,16 +109,23 @@ def test_engine_refuses_a_host_state_over_the_ram_before_allocating(monkeypatch)
         SlideEngine(build("llama"), EngineConfig(device="cpu", compute_dtype=torch.float32))
 
 
-def test_a_step_that_raises_midway_stops_the_engine(tmp_path):
+@pytest.mark.parametrize("family,clip", [("llama", None), ("qwen3-tied", None), ("llama", 1e-3),
+                                         ("qwen3-tied", 1e-3)])
+def test_a_step_that_raises_midway_stops_the_engine(tmp_path, family, clip):
     """A step that raises in its backward has updated the units whose backward had ended and not the
     others, and it leaves offloaded inputs fetched for a backward that never took them. Stepping on, or
     saving, that state would be silent damage (the next step trained on those inputs: its weights came
-    out unlike an intact engine's): the engine refuses to step, save or load, naming the way back. A
-    new engine from the last checkpoint trains as one that never failed."""
+    out unlike an intact engine's): the engine refuses to step, evaluate, save, load or hand out its
+    weights, naming the way back. What the step left waiting (clipping's updates, a tied embedding's
+    update by rows, sent at the head) is released: synchronize returns. A new engine from the last
+    checkpoint trains as one that never failed."""
+    import threading
+
     from slideformer import StepFailed
 
-    model = build("llama")
-    cfg = EngineConfig(**CPU, lr=1e-2, placement=Placement(offload_activations=True, gpu_activation_layers=0),
+    model = build(family)
+    cfg = EngineConfig(**CPU, lr=1e-2, max_grad_norm=clip,
+                       placement=Placement(offload_activations=True, gpu_activation_layers=0, speculative_layers=2),
                        tuning=Tuning(loss_kernel="torch"))
     with SlideEngine(model, cfg) as a:
         a.train_step(batch(97, seed=0))
@@ -133,8 +140,16 @@ def test_a_step_that_raises_midway_stops_the_engine(tmp_path):
         a._run_layer = run
         with pytest.raises(RuntimeError, match="injected"):
             a.train_step(batch(97, seed=1))
+        done = threading.Thread(target=a.synchronize, daemon=True)
+        done.start()
+        done.join(30)
+        assert not done.is_alive(), "synchronize still waits for what the failed step left"
         with pytest.raises(StepFailed, match="cannot train: step 2 raised RuntimeError midway.*build a new engine"):
             a.train_step(batch(97, seed=1))
+        with pytest.raises(StepFailed, match="cannot evaluate"):
+            a.evaluate(batch(97, seed=1))
+        with pytest.raises(StepFailed, match="cannot read the weights"):
+            a.state_dict()
         with pytest.raises(StepFailed, match="cannot save"):
             a.save_checkpoint(tmp_path / "bad")
         with pytest.raises(StepFailed, match="cannot load a checkpoint"):

@@ -27,7 +27,9 @@ from .profile import NullProfiler, StepProfiler
 @dataclass
 class UpdateJob:
     unit: int
-    grads: "SentGrads | None"  # None: the rows ``rest`` names, with a zero gradient (else that part of these)
+    # None: the rows ``rest`` names, with a zero gradient (else that part of these); with neither, a dropped
+    # step's release of the unit's flag (engine.py ``_release``)
+    grads: "SentGrads | None"
     step: int
     lr: float
     grad_coef: float | None  # None: the step is dropped; the unit's state stays as it is
@@ -211,7 +213,7 @@ class Updates:
                         return
                     st.update(s.tier.views(job.unit, tier_buf))
                 master, exp_avg, exp_avg_sq = st["master"], st["exp_avg"], st["exp_avg_sq"]
-                rows = job.rest or job.grads.rows
+                rows = job.rest or (job.grads and job.grads.rows)
                 n = job.numel(self.adapter.units[job.unit].numel)
                 grad = s.grad_buffers[0 if job.grads is None else job.grads.buffer][:n]  # (a zero gradient: none)
                 landing = None if job.grads is None else job.grads.landing
@@ -270,9 +272,9 @@ class Updates:
                     self.updated[job.unit].set()
 
     def wait_updated(self, unit: int) -> None:
-        """Until every queued part of the unit's update has run."""
-        self.updated[unit].wait()
-        self.rest_done[unit].wait()
+        """Until every queued part of the unit's update has run (or a failure means it may never)."""
+        for done in (self.updated[unit], self.rest_done[unit]):
+            self.failure.wait(done)
         self._raise_worker_error()
 
     def close(self) -> None:

@@ -236,6 +236,8 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: i
                           # eager attention's scores and their softmax, kept for backward (about 16 bytes an entry)
                           + min(batch, p.micro_batch) * shape.eager_heads * seq * seq * 16,
     }
+    # (the embedding's backward, last, holds the hidden gradient, a micro-batch's rows and, by rows, a packed
+    # block of at most T rows: under the loss head's share, which holds at least T x H values beside those)
     out["peak"] = int(SAFETY * (out["window"] + out["activations"] + out["saved_products"] + out["hidden_flow"]
                                 + max(out["loss_head"], out["layer_backward"])))
     return out
