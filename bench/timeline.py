@@ -1,12 +1,15 @@
-"""Where a benchmark step's GPU memory peaks, against the planner's memory model.
+"""What a benchmark's ``--timeline`` steps show: where the GPU memory peaks, and where the GPU waits.
 
-For each record of a results file measured with ``--timeline``: the visit at which the allocator's peak
-(counted from the timed steps' start) last rose, by unit and pass; the measured peak; and, for the same
-case on the same machine, the planner's GPU categories (plan/memory.py ``gpu_bytes``) with its peak
-before SAFETY. The peak's phase says which term of the model (the loss head's, or one layer's backward)
-to check against it.
+For each record of a results file measured with ``--timeline``:
+- memory: the visit at which the allocator's peak (counted from the timed steps' start) last rose, by
+  unit and pass; the measured peak; and, for the same case on the same machine, the planner's GPU
+  categories (plan/memory.py ``gpu_bytes``) with its peak before SAFETY. The peak's phase says which
+  term of the model (the loss head's, or one layer's backward) to check against it;
+- waits: the GPU's idle time before each visit (nothing enqueued: the driving thread was waiting on the
+  host) and its wait for the visit's weights to land, summed by where in the step they fall (at a step's
+  start, in the forward, at the head, in the backward), with the largest named.
 
-    .venv/bin/python bench/memory_peaks.py bench/results/FILE.jsonl
+    .venv/bin/python bench/timeline.py bench/results/FILE.jsonl
 """
 from __future__ import annotations
 
@@ -28,6 +31,38 @@ def peak_visit(rows: list[list], layers: int) -> tuple[int, str]:
         return at, "the loss head"
     what = "the embedding" if unit == 0 else f"layer {unit - 1}"
     return at, f"{what}, {'forward' if seen % 2 else 'backward'}"
+
+
+def visit_names(rows: list[list], layers: int) -> list[str]:
+    """Each visit's name (unit and pass) and its part of the step: "start" (a step's first visit), "forward",
+    "head" or "backward" (a step is the embedding, the layers, the head, the layers again, the embedding)."""
+    out, seen = [], {}
+    for r in rows:
+        unit = r[0]
+        if unit > layers:
+            out.append(("the loss head", "head"))
+            continue
+        seen[unit] = seen.get(unit, 0) + 1
+        forward = seen[unit] % 2 == 1
+        what = "the embedding" if unit == 0 else f"layer {unit - 1}"
+        part = "start" if unit == 0 and forward else "forward" if forward else "backward"
+        out.append((f"{what}, {'forward' if forward else 'backward'}", part))
+    return out
+
+
+def waits(rows: list[list], layers: int, largest: int = 5) -> tuple[dict[str, float], list[tuple]]:
+    """Milliseconds the GPU stood idle before a visit (from the last visit's end to this one's start) and
+    waited for its weights (start to ready), summed by part of the step, and the ``largest`` single
+    waits as (ms, "idle" or "weights", visit index, name)."""
+    names = visit_names(rows, layers)
+    sums: dict[str, float] = {}
+    each = []
+    for i, (r, (name, part)) in enumerate(zip(rows, names)):
+        for kind, ms in (("idle", r[1] - rows[i - 1][3] if i else 0.0), ("weights", r[2] - r[1])):
+            if ms > 0:
+                sums[f"{kind} {part}"] = sums.get(f"{kind} {part}", 0.0) + ms
+                each.append((ms, kind, i, name))
+    return sums, sorted(each, reverse=True)[:largest]
 
 
 def planned(rec: dict) -> dict[str, float]:
@@ -59,10 +94,20 @@ def report(path: str) -> list[str]:
         rec = json.loads(line)
         case = rec["command"].split(" --out")[0].removeprefix("slideformer bench ")
         rows = rec.get("timeline", {}).get("gpu", [])
-        if not rows or len(rows[0]) < 5:
-            lines.append(f"{case}: no GPU memory timeline (run with --timeline, by a tree whose timeline records the peaks)")
+        if not rows:
+            lines.append(f"{case}: no GPU timeline (run with --timeline)")
             continue
-        at, where = peak_visit(rows, preset_config(rec["model"]).num_hidden_layers)
+        layers = preset_config(rec["model"]).num_hidden_layers
+        steps = sum(1 for _, part in visit_names(rows, layers) if part == "start")
+        sums, top = waits(rows, layers)
+        lines.append(f"{case} ({rec['commit']}): GPU waits over {steps} step(s), ms: "
+                     + (", ".join(f"{k} {v:.1f}" for k, v in sorted(sums.items())) or "none")
+                     + "; largest: " + "; ".join(f"{ms:.1f} {kind} before visit {i} ({name})"
+                                                 for ms, kind, i, name in top))
+        if len(rows[0]) < 5:
+            lines.append(f"{case}: no memory peaks (a tree whose timeline records them)")
+            continue
+        at, where = peak_visit(rows, layers)
         model = ", ".join(f"{k} {v:.2f}" for k, v in planned(rec).items())
         lines.append(f"{case} ({rec['commit']}): peak {rows[-1][4] / GIB:.3f} GiB allocated (reserved "
                      f"{rec['gpu_peak_reserved_gib']:.3f}), reached at visit {at} ({where}); planned GiB: {model}")

@@ -311,13 +311,15 @@ def test_plan_on_prints_the_plan_the_benchmark_would_train_with_and_runs_nothing
         harness.main(["--system", "plain", "--model", "qwen3-4b", "--plan-on", "139.8,125.8"])
 
 
-def test_memory_peaks_names_the_visit_where_the_peak_last_rose_and_the_plan_beside_it():
-    """bench/memory_peaks.py reads a --timeline record: the peak's visit by unit and pass (a unit's visits
-    alternate forward and backward; the head is one), and the planner's categories for the same case."""
+def test_the_timeline_names_where_memory_peaks_and_where_the_gpu_waits(tmp_path):
+    """bench/timeline.py reads a --timeline record: the peak's visit by unit and pass (a unit's visits
+    alternate forward and backward; the head is one), the planner's categories for the same case, and the
+    GPU's idle and weight waits by part of the step (two steps here), the largest named."""
     import importlib.util
+    import json
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("memory_peaks", Path(__file__).parents[1] / "bench" / "memory_peaks.py")
+    spec = importlib.util.spec_from_file_location("timeline", Path(__file__).parents[1] / "bench" / "timeline.py")
     mp = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mp)
     # a tiny model's step: embedding, 4 layers, head, 4 layers back, embedding; the peak rises last at layer 2's backward
@@ -332,3 +334,20 @@ def test_memory_peaks_names_the_visit_where_the_peak_last_rose_and_the_plan_besi
     plan = mp.planned(rec)
     assert {"window", "loss_head", "layer_backward", "peak before SAFETY"} <= set(plan)
     assert 0 < plan["peak before SAFETY"] < 1
+    # [unit, start, ready, end] in ms: step 2 starts 6 ms after step 1's last visit, and waits 2 ms for the
+    # embedding's weights; layer 1's backward in step 1 waits 1 ms for its weights, 0.5 idle before it
+    t, rows = 0.0, []
+    for gap, wait in [(0, 0), (0, 0), (0, 0), (0, 0), (0, 0), (0, 0), (0, 0), (0, 0), (0.5, 1), (0, 0), (0, 0)] + \
+            [(6, 2)] + [(0, 0)] * 10:
+        start = t + gap
+        rows.append([units[len(rows) % 11], start, start + wait, start + wait + 1.0, 0])
+        t = start + wait + 1.0
+    sums, top = mp.waits(rows, 4)
+    assert sums == {"idle start": 6.0, "weights start": 2.0, "idle backward": 0.5, "weights backward": 1.0}
+    assert top[0] == (6.0, "idle", 11, "the embedding, forward") and top[-1][1:] == ("idle", 8, "layer 1, backward")
+    path = tmp_path / "r.jsonl"
+    path.write_text(json.dumps({**rec, "commit": "abc", "model": "tiny", "gpu_peak_reserved_gib": 0.5,
+                                "timeline": {"gpu": rows}}) + "\n")
+    waited, memory = mp.report(str(path))
+    assert "over 2 step(s)" in waited and "idle start 6.0" in waited and "weights backward 1.0" in waited
+    assert "reached at visit 0 (the embedding, forward)" in memory and "planned GiB" in memory

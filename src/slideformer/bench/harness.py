@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from .. import EngineConfig, SlideEngine
+from .. import EngineConfig, SlideEngine, heap
 from ..config import Placement, Tuning
 from ..engine.loss import chunked_head_loss, fused_head_loss
 from ..model import ModelAdapter
@@ -362,6 +362,7 @@ def main(argv=None):
         build_s = time.perf_counter() - t_build
         for _ in range(args.warmup):
             step()
+        heap.settle()  # (as the trainer does after its first step: every system alike)
         # Steady state, as a long run goes: the timed steps follow the warm-up without draining the
         # pipeline, and are timed from the return of the last warm-up step to that of the last timed one
         # (each step waits for the work the previous one left: its updates, its GPU queue). Draining first
@@ -372,8 +373,9 @@ def main(argv=None):
             torch.cuda.reset_peak_memory_stats()
         retries = _alloc_retries(cuda)
         t0 = time.perf_counter()
-        for _ in range(args.steps):
-            loss = step()
+        with heap.Pauses() as pauses:
+            for _ in range(args.steps):
+                loss = step()
         dt = (time.perf_counter() - t0) / args.steps
         retries = _alloc_retries(cuda) - retries
         if window:
@@ -392,7 +394,7 @@ def main(argv=None):
     shape = ModelShape.from_adapter(ModelAdapter(config, args.dtype))  # (a MoE layer: its active parameters)
     active = params - shape.layers * (shape.layer_params - shape.flop_params)
     rec.update({
-        "step_s": dt, "tokens_per_s": tokens / dt, **({"active_params": active} if shape.experts else {}),
+        "step_s": dt, "tokens_per_s": tokens / dt, "gc_s": pauses.seconds / args.steps, "gc_full": pauses.full, **({"active_params": active} if shape.experts else {}),
         "model_tflops": 6 * active * tokens / dt / 1e12, "loss": float(loss.detach() if torch.is_tensor(loss) else loss),
         "build_s": build_s, **_common(args, cuda), "gpu_alloc_retries_timed": retries})
     ex = extra()  # before the profiled step below, which is not one of the timed ones

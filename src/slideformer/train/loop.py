@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import EngineConfig, SlideEngine, lr_at, parallel
+from .. import EngineConfig, SlideEngine, heap, lr_at, parallel
 from ..config import ConfigError, Placement
 from ..data import DataError, detect_format, pack_batch, pad_batch, read_records, render, to_messages
 from ..data.formats import check_chat_template, max_token_chars
@@ -367,6 +367,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     # (several ranks on one host share its budget: the engine's host_memory_limit is this process's share,
     # plan.resolve's; each process guards it)
     guard = MemoryGuard(process_allowance(engine.cfg, host_memory() // parallel.local_world(ranks)))
+    settled = False
     try:
         signals.training()
         while step < total:
@@ -386,6 +387,9 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             lr = lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, warmup, total)
             engine.set_lr(lr)
             loss = engine.train_step([parallel.local_rows(mb, ranks) for mb in mbs] if ranks else mbs)
+            if not settled:  # (the first step has built what the run keeps: heap.py)
+                heap.settle()
+                settled = True
             norm = engine.last_grad_norm
             if not (math.isfinite(loss) and (norm is None or math.isfinite(norm))):
                 what = f"loss {loss}, gradient norm {norm}"
@@ -484,6 +488,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                 status = "interrupted"
                 break
     finally:
+        if settled:  # (what the run held is the collector's again: a caller's next run in this process)
+            heap.release()
         dog.close()
         guard.close()
         progress(None, None)
