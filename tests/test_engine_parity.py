@@ -848,29 +848,37 @@ def test_the_embedding_by_rows_takes_a_padding_id_beyond_the_steps_rows(monkeypa
     assert all(torch.equal(state[k], whole[k]) for k in whole)
 
 
-def test_synchronize_waits_for_the_untouched_rows_of_a_failed_step(monkeypatch):
-    """The rows a step does not touch are queued at its embedding visit; a step that fails after it must not
-    let synchronize (a checkpoint, the weights read back) return while that part still runs."""
+def test_a_failed_step_stops_its_untouched_rows_before_anyone_reads(monkeypatch):
+    """The rows a step does not touch are queued at its embedding visit; after a step that fails later, the
+    engine refuses to read or save (StepFailed) rather than wait, and close returns only once that part, if
+    it had begun, has ended: nothing changes the state after the engine is closed."""
     import time
 
     import slideformer.engine.updates as updates
+    from slideformer import StepFailed
 
-    real, done = updates.adamw_update_, []
+    real, started, done = updates.adamw_update_, [], []
 
     def slow(*a, rows=None, **k):
         if rows is not None and not rows.touched:
+            started.append(1)
             time.sleep(0.3)
-            done.append(rows.ids.numel())
+            done.append(1)
         return real(*a, rows=rows, **k)
 
     def fails(*a, **k):
         raise RuntimeError("a layer failed")
 
     monkeypatch.setattr(updates, "adamw_update_", slow)
-    with SlideEngine(build("llama"), EngineConfig(device="cpu", compute_dtype=torch.float32)) as eng:
+    eng = SlideEngine(build("llama"), EngineConfig(device="cpu", compute_dtype=torch.float32))
+    try:
         assert eng._by_rows
         monkeypatch.setattr(eng, "_fwd", fails)
         with pytest.raises(RuntimeError, match="a layer failed"):
             eng.train_step(batch(97))
-        eng.synchronize()
-        assert len(done) == 1
+        for read in (eng.synchronize, eng.state_dict):
+            with pytest.raises(StepFailed):
+                read()
+    finally:
+        eng.close()
+    assert done == started

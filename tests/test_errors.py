@@ -109,6 +109,14 @@ def test_engine_refuses_a_host_state_over_the_ram_before_allocating(monkeypatch)
         SlideEngine(build("llama"), EngineConfig(device="cpu", compute_dtype=torch.float32))
 
 
+def _raised(fn):
+    try:
+        fn()
+    except BaseException as e:
+        return e
+    return None
+
+
 @pytest.mark.parametrize("family,clip", [("llama", None), ("qwen3-tied", None), ("llama", 1e-3),
                                          ("qwen3-tied", 1e-3)])
 def test_a_step_that_raises_midway_stops_the_engine(tmp_path, family, clip):
@@ -117,8 +125,8 @@ def test_a_step_that_raises_midway_stops_the_engine(tmp_path, family, clip):
     saving, that state would be silent damage (the next step trained on those inputs: its weights came
     out unlike an intact engine's): the engine refuses to step, evaluate, save, load or hand out its
     weights, naming the way back. What the step left waiting (clipping's updates, a tied embedding's
-    update by rows, sent at the head) is released: synchronize returns. A new engine from the last
-    checkpoint trains as one that never failed."""
+    update by rows, sent at the head) is skipped: close returns. A new engine from the last checkpoint
+    trains as one that never failed."""
     import threading
 
     from slideformer import StepFailed
@@ -140,10 +148,16 @@ def test_a_step_that_raises_midway_stops_the_engine(tmp_path, family, clip):
         a._run_layer = run
         with pytest.raises(RuntimeError, match="injected"):
             a.train_step(batch(97, seed=1))
-        done = threading.Thread(target=a.synchronize, daemon=True)
-        done.start()
-        done.join(30)
-        assert not done.is_alive(), "synchronize still waits for what the failed step left"
+        def within(fn):  # what fn raised; it must not wait for what the step left queued (skipped)
+            box = {}
+            t = threading.Thread(target=lambda: box.update(e=_raised(fn)), daemon=True)
+            t.start()
+            t.join(30)
+            assert not t.is_alive(), f"{fn.__name__} still waits for what the failed step left"
+            return box["e"]
+
+        assert "cannot synchronize" in str(within(a.synchronize))
+        assert within(a.close) is None
         with pytest.raises(StepFailed, match="cannot train: step 2 raised RuntimeError midway.*build a new engine"):
             a.train_step(batch(97, seed=1))
         with pytest.raises(StepFailed, match="cannot evaluate"):

@@ -63,10 +63,6 @@ class _Step:
     loss: float | torch.Tensor = 0.0
     norms: list = field(default_factory=list)  # per-unit gradient norms (fp32, on the device)
     finished: list = field(default_factory=list)  # (unit, SentGrads) awaiting the clip coefficient
-    resolved: bool = False  # the coefficient given to the updates (clipping: the speculative ones wait for it)
-    # units whose weights' ``updated`` flag a send has cleared, before the job that sets it again is queued
-    # (a tied embedding by rows, from the head to its touched rows): a step that raises queues it (``_release``)
-    awaiting: set = field(default_factory=set)
     embed_grad_written: bool = False
     rows: torch.Tensor | None = None  # the embedding rows the step's tokens touch (sorted, on the host)
     rows_device: torch.Tensor | None = None  # (and on the device: a tied embedding's by rows, from the head on)
@@ -106,8 +102,9 @@ class MicroBatch:
 
 class StepFailed(RuntimeError):
     """A step raised after it began (some units updated, others not; the window's loads and the offloaded
-    inputs half used): the engine's state is then no training's, and it refuses to step, evaluate, save,
-    load or hand out its weights; ``synchronize`` and ``close`` still return."""
+    inputs half used): the engine's state is then no training's. Its threads skip what the step left
+    queued, and it refuses to step, evaluate, synchronize, save, load or hand out its weights; ``close``
+    releases it."""
 
 
 class SlideEngine:
@@ -287,27 +284,11 @@ class SlideEngine:
         except BaseException as e:
             st.kept.clear()  # (saved layers' products: GPU memory a held traceback would otherwise keep)
             self._failed = f"step {st.index} raised {type(e).__name__}"
-            self._release(st)
+            # (what the step left queued or waiting, for clipping's coefficient or a tied embedding's
+            # touched rows, would change no state worth keeping: the threads skip it and let go)
+            self.runtime.abort(StepFailed(f"{self._failed} midway"))
             raise
         return float(loss) if blocking else loss.detach()
-
-    def _release(self, st: "_Step") -> None:
-        """After a step raised: the updates it left waiting (for clipping's coefficient, or a tied embedding's
-        touched rows) run as a dropped step's, so that their gradient buffers and weight flags come back and
-        ``synchronize``, ``close`` and a new engine's loads do not wait for them forever."""
-        upd = self.runtime.updates
-        try:
-            if self.cfg.max_grad_norm is not None and not st.resolved:
-                st.resolved = True
-                upd.resolve(None)
-            while st.finished:
-                unit, sent = st.finished.pop()
-                if unit not in self.resident:
-                    upd.submit(UpdateJob(unit, sent, st.index, self.lr, None))
-            while st.awaiting:
-                upd.submit(UpdateJob(st.awaiting.pop(), None, st.index, self.lr, None))
-        except BaseException:  # (a failed worker: its error is kept, and the waits for it raise it)
-            pass
 
     def _end_step(self, st: "_Step"):
         """After the step's last visit: the global norm and, with clipping, the coefficient that the
@@ -325,12 +306,9 @@ class SlideEngine:
             finite = math.isfinite(norm) and math.isfinite(value)
             # A non-finite norm or loss drops the step: no unit's state changes, the step count stays.
             coef = min(1.0, self.cfg.max_grad_norm / (norm + 1e-6)) if finite else None
-            st.resolved = True
             rt.updates.resolve(coef)  # the updates already run stand if coef is 1, else run again
-            # (in forward order: the next step needs unit 0 first; each taken off as it is queued)
-            st.finished.sort(key=lambda f: f[0], reverse=True)
-            while st.finished:
-                unit, sent = st.finished.pop()
+            # (in forward order: the next step needs unit 0 first)
+            for unit, sent in sorted(st.finished, key=lambda f: f[0]):
                 if sent is not None and sent.rows is not None and finite:  # the embedding's untouched rows first
                     rt.updates.submit(UpdateJob(unit, None, st.index, self.lr, coef, rest=self._untouched(st)))
                 if unit not in self.resident:
@@ -482,7 +460,6 @@ class SlideEngine:
         per_row = torch.linalg.vector_norm(grad, dim=1, dtype=torch.float32)
         st.norms.append(torch.linalg.vector_norm(per_row.index_fill_(0, st.rows_device, 0)))
         sent = self.runtime.send_grads(unit, slot)
-        st.awaiting.add(unit)
         self.runtime.updates.submit(UpdateJob(unit, sent, st.index, self.lr, 1.0, rest=self._untouched(st)))
 
     def _head_value(self, st: "_Step", unit, slot) -> None:
@@ -592,7 +569,6 @@ class SlideEngine:
         sent = self.runtime.send_grads(unit, slot, rows)
         if self.cfg.max_grad_norm is None:
             self.runtime.updates.submit(UpdateJob(unit, sent, st.index, self.lr, 1.0))
-            st.awaiting.discard(unit)
         elif (spare := self.runtime.updates.reserve_spare(unit)) is not None:  # before the norm: speculative
             self.runtime.updates.submit(UpdateJob(unit, sent, st.index, self.lr, 1.0, spare=spare))
         else:
@@ -693,6 +669,7 @@ class SlideEngine:
 
     def synchronize(self) -> None:
         """Wait for every pending update."""
+        self._usable("synchronize")
         self.runtime.synchronize()
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -334,6 +334,12 @@ class Runtime:
         slots = [s for g, group in self.slots.items() for s in (group.values() if g == "resident" else group)]
         return sum(s.nbytes for s in slots) + self.resident.nbytes() + self.copier.gpu_bytes
 
+    def abort(self, why: BaseException) -> None:
+        """After a failure in the calling thread: every thread skips its remaining work, letting go of what it
+        holds, and every wait ends, for gradient chunks a failed GPU will never deliver too."""
+        self._fail(why)
+        self._abort.fill_(1)
+
     def close(self, abort: bool = False) -> None:
         """Stop the threads after their queued work; ``abort`` (after a failure in the main thread) first
         makes every thread skip its remaining work and ends any wait for gradient chunks that a failed
@@ -341,9 +347,8 @@ class Runtime:
         if self._closed:
             return
         self._closed = True
-        if abort:  # every thread's waits end, and their remaining work is skipped
-            self._fail(RuntimeError("the engine was closed after a failure in the calling thread"))
-            self._abort.fill_(1)
+        if abort:
+            self.abort(RuntimeError("the engine was closed after a failure in the calling thread"))
         _SWITCH_INTERVAL.release()
         # The optimizer first: its last jobs may still need the tier's reads; then the disk threads,
         # which finish their queued writes; the loader last (pending loads wait for those updates).

@@ -27,9 +27,7 @@ from .profile import NullProfiler, StepProfiler
 @dataclass
 class UpdateJob:
     unit: int
-    # None: the rows ``rest`` names, with a zero gradient (else that part of these); with neither, a dropped
-    # step's release of the unit's flag (engine.py ``_release``)
-    grads: "SentGrads | None"
+    grads: "SentGrads | None"  # None: the rows ``rest`` names, with a zero gradient (else that part of these)
     step: int
     lr: float
     grad_coef: float | None  # None: the step is dropped; the unit's state stays as it is
@@ -213,7 +211,7 @@ class Updates:
                         return
                     st.update(s.tier.views(job.unit, tier_buf))
                 master, exp_avg, exp_avg_sq = st["master"], st["exp_avg"], st["exp_avg_sq"]
-                rows = job.rest or (job.grads and job.grads.rows)
+                rows = job.rest or job.grads.rows
                 n = job.numel(self.adapter.units[job.unit].numel)
                 grad = s.grad_buffers[0 if job.grads is None else job.grads.buffer][:n]  # (a zero gradient: none)
                 landing = None if job.grads is None else job.grads.landing
