@@ -15,8 +15,8 @@ import time
 
 
 def settle() -> None:
-    """Collect once, then freeze the survivors (after a run's first step: its kernels are built by then)."""
-    gc.collect()
+    """Freeze what exists (after a run's first step: its kernels are built by then). No collection first: it
+    would walk everything once more, and the cycles already garbage wait for ``release`` with the rest."""
     gc.freeze()
 
 
