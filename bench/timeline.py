@@ -50,15 +50,18 @@ def visit_names(rows: list[list], layers: int) -> list[str]:
     return out
 
 
-def waits(rows: list[list], layers: int, largest: int = 5) -> tuple[dict[str, float], list[tuple]]:
-    """Milliseconds the GPU stood idle before a visit (from the last visit's end to this one's start) and
-    waited for its weights (start to ready), summed by part of the step, and the ``largest`` single
-    waits as (ms, "idle" or "weights", visit index, name)."""
+def waits(rows: list[list], layers: int, largest: int = 5, busy: list[list] = ()) -> tuple[dict[str, float], list[tuple]]:
+    """Milliseconds the GPU stood idle before a visit (from the last visit's end to this one's start, less
+    the ``busy`` spans there: the resident units' AdamW) and waited for its weights (start to ready),
+    summed by part of the step, and the ``largest`` single waits as (ms, "idle" or "weights", visit
+    index, name). (The global norm's few kernels at a step's end count as idle.)"""
     names = visit_names(rows, layers)
     sums: dict[str, float] = {}
     each = []
     for i, (r, (name, part)) in enumerate(zip(rows, names)):
-        for kind, ms in (("idle", r[1] - rows[i - 1][3] if i else 0.0), ("weights", r[2] - r[1])):
+        gap = r[1] - rows[i - 1][3] - sum(max(0.0, min(b, r[1]) - max(a, rows[i - 1][3])) for a, b in busy) \
+            if i else 0.0
+        for kind, ms in (("idle", gap), ("weights", r[2] - r[1])):
             if ms > 0:
                 sums[f"{kind} {part}"] = sums.get(f"{kind} {part}", 0.0) + ms
                 each.append((ms, kind, i, name))
@@ -99,7 +102,7 @@ def report(path: str) -> list[str]:
             continue
         layers = preset_config(rec["model"]).num_hidden_layers
         steps = sum(1 for _, part in visit_names(rows, layers) if part == "start")
-        sums, top = waits(rows, layers)
+        sums, top = waits(rows, layers, busy=rec["timeline"].get("gpu_adamw", []))
         lines.append(f"{case} ({rec['commit']}): GPU waits over {steps} step(s), ms: "
                      + (", ".join(f"{k} {v:.1f}" for k, v in sorted(sums.items())) or "none")
                      + "; largest: " + "; ".join(f"{ms:.1f} {kind} before visit {i} ({name})"

@@ -344,6 +344,8 @@ def test_the_timeline_names_where_memory_peaks_and_where_the_gpu_waits(tmp_path)
         t = start + wait + 1.0
     sums, top = mp.waits(rows, 4)
     assert sums == {"idle start": 6.0, "weights start": 2.0, "idle backward": 0.5, "weights backward": 1.0}
+    start = rows[11][1]  # (the resident units' AdamW on the GPU in 4 of those 6 ms: not idle)
+    assert mp.waits(rows, 4, busy=[[start - 5, start - 1]])[0]["idle start"] == 2.0
     assert top[0] == (6.0, "idle", 11, "the embedding, forward") and top[-1][1:] == ("idle", 8, "layer 1, backward")
     path = tmp_path / "r.jsonl"
     path.write_text(json.dumps({**rec, "commit": "abc", "model": "tiny", "gpu_peak_reserved_gib": 0.5,

@@ -164,9 +164,12 @@ def test_the_launcher_says_each_distinct_line_of_its_ranks_once(tmp_path, monkey
                                  "error: rank 3's GPU ran out of memory", "error: another rank failed"]):
         monkeypatch.setenv("RANK", str(rank))
         assert launch.say(line)
+    monkeypatch.setenv("RANK", "4")  # (a file name's undecodable bytes, as Python holds them: escaped)
+    assert launch.say("error: /data/\udcff.jsonl: not valid JSON")
     echo.stop()
     said = capsys.readouterr().err.splitlines()
-    assert sorted(said) == ["error: another rank failed", "error: data.jsonl:1: not valid JSON",
-                            "error: rank 3's GPU ran out of memory"]
+    assert sorted(said) == ["error: /data/\\udcff.jsonl: not valid JSON", "error: another rank failed",
+                            "error: data.jsonl:1: not valid JSON", "error: rank 3's GPU ran out of memory"]
+    assert said.index("error: rank 3's GPU ran out of memory") < said.index("error: another rank failed")
     monkeypatch.delenv(launch.EXIT_DIR)
     assert not launch.say("error: anything")

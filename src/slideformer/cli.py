@@ -370,16 +370,10 @@ def _exit_code(e: BaseException) -> int | None:
 
 def _say(line: str) -> None:
     """A run's error line, on stderr; a rank of our own launcher's job leaves it for the launcher, which says
-    each distinct line of its ranks once (train/launch.py)."""
-    if "WORLD_SIZE" in os.environ:
-        try:
-            from .train.launch import say
-        except ImportError:  # (a broken install: the line itself says what failed)
-            pass
-        else:
-            if say(line):
-                return
-    print(line, file=sys.stderr)
+    each distinct line of its ranks once (train/launch.py, imported by then: `train` starts there)."""
+    launch = sys.modules.get(f"{__package__}.train.launch")
+    if launch is None or not launch.say(line):
+        print(line, file=sys.stderr)
 
 
 def _one_line(e: BaseException) -> str:
@@ -486,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return _main(sys.argv[1:] if argv is None else argv, signals)
         except Interrupted as e:
-            print(_one_line(e), file=sys.stderr)
+            _say(_one_line(e))
             return 128 + e.signum
 
 
@@ -596,7 +590,7 @@ def _main(argv: list[str], signals: Signals) -> int:
             # a signal that surfaced as another error (an import it interrupted): the signal is what happened
             e = Interrupted(signals.requested)
         if isinstance(e, KeyboardInterrupt):  # (before anything is imported: torch may be half-imported)
-            print(_one_line(e), file=sys.stderr)
+            _say(_one_line(e))
             return e.signum + 128 if isinstance(e, Interrupted) else 130
         code, cause = _exit_code(e), e
         while code is None and cause.__cause__ is not None:  # (a worker thread's error, re-raised in the main one)

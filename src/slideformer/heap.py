@@ -14,10 +14,15 @@ import gc
 import time
 
 
-def settle() -> None:
-    """Freeze what exists (after a run's first step: its kernels are built by then). No collection first: it
-    would walk everything once more, and the cycles already garbage wait for ``release`` with the rest."""
+def settle() -> bool:
+    """Freeze what exists (after a run's first step: its kernels are built by then); whether it did. Not
+    where the caller froze objects itself (a server before it forks, say): ``release`` would let go of
+    theirs too. No collection first: it would walk everything once more, and the cycles already garbage
+    wait for ``release`` with the rest."""
+    if gc.get_freeze_count():
+        return False
     gc.freeze()
+    return True
 
 
 def release() -> None:

@@ -356,13 +356,14 @@ def main(argv=None):
         _write(rec, args.out)
         return rec
     t_build = time.perf_counter()
+    settled = False
     try:
         params, step, finish, extra, window = runner(args.system)(args, config)
         rec["params"] = params
         build_s = time.perf_counter() - t_build
         for _ in range(args.warmup):
             step()
-        heap.settle()  # (as the trainer does after its first step: every system alike)
+        settled = heap.settle()  # (as the trainer does after its first step: every system alike)
         # Steady state, as a long run goes: the timed steps follow the warm-up without draining the
         # pipeline, and are timed from the return of the last warm-up step to that of the last timed one
         # (each step waits for the work the previous one left: its updates, its GPU queue). Draining first
@@ -390,6 +391,9 @@ def main(argv=None):
             rec.update(error=what, detail=(str(e).splitlines() or [""])[0][:300], **_common(args, cuda))
             _write(rec, args.out)
         raise
+    finally:
+        if settled:
+            heap.release()
     tokens = args.batch * args.seq
     shape = ModelShape.from_adapter(ModelAdapter(config, args.dtype))  # (a MoE layer: its active parameters)
     active = params - shape.layers * (shape.layer_params - shape.flop_params)

@@ -255,20 +255,20 @@ class SlideEngine:
         self._usable("train")
         if self._limit is not None:
             batch = self._place(batch)
-        mbs, denom, rows = self._prepare(batch)
+        mbs, denom, rows = self._prepare(batch)  # (a refused batch leaves the engine as it was)
         self.last_step_targets = denom  # (the loss is the mean over these, every rank's)
         st = _Step(mbs=mbs, denom=denom, index=self.store.step + 1, rows=rows)
         rt = self.runtime
-        if self.router_loss is not None:
-            self.router_loss.begin_step(self.device)
-        self.activations.begin_step(sum(mb.input_ids.numel() for mb in mbs), self.adapter.config.hidden_size,
-                                    self.cfg.compute_dtype)
-        rt.begin_step(self._update_order)
-        # (untied by rows, the embedding's load is the step's rows: engine/embedding.py)
-        rows = {self.adapter.embed_unit.index: st.rows} if self._by_rows and not self.adapter.tied else {}
-        for v in self._loads_after.get(-1, ()):
-            rt.load(v.unit, rt.slots[v.group][v.slot], rows.get(v.unit))
         try:
+            if self.router_loss is not None:
+                self.router_loss.begin_step(self.device)
+            self.activations.begin_step(sum(mb.input_ids.numel() for mb in mbs), self.adapter.config.hidden_size,
+                                        self.cfg.compute_dtype)
+            rt.begin_step(self._update_order)
+            # (untied by rows, the embedding's load is the step's rows: engine/embedding.py)
+            rows = {self.adapter.embed_unit.index: st.rows} if self._by_rows and not self.adapter.tied else {}
+            for v in self._loads_after.get(-1, ()):
+                rt.load(v.unit, rt.slots[v.group][v.slot], rows.get(v.unit))
             for t, v in enumerate(self.plan):
                 slot = rt.slots[v.group][v.slot]
                 unit = self.adapter.units[v.unit]

@@ -139,12 +139,15 @@ class StepProfiler:
     def timeline(self) -> dict[str, list]:
         """Each record between the last reset and close, in milliseconds (call after a synchronize): GPU
         visits as [unit, start, weights ready, end, the allocator's peak so far in bytes] from the first
-        visit, host spans as [what, unit, start, end] from the first span."""
-        out: dict[str, list] = {"gpu": [], "host": []}
+        visit, the resident units' AdamW on the GPU (between visits) as [start, end] on that clock, host spans
+        as [what, unit, start, end] from the first span."""
+        out: dict[str, list] = {"gpu": [], "gpu_adamw": [], "host": []}
         if self.cuda and self._visits:
             t0 = self._visits[0][1]
             out["gpu"] = [[u] + [round(t0.elapsed_time(e), 3) for e in (s, r, e_)] + [peak]
                           for u, s, r, e_, peak in self._visits]
+            out["gpu_adamw"] = [[round(t0.elapsed_time(a), 3), round(t0.elapsed_time(b), 3)]
+                                for a, b in self._copies.get("gpu_adamw", [])]
         if self._spans:
             h0 = min(s for _, _, s, _ in self._spans)
             out["host"] = [[k, u, round(1e3 * (s - h0), 3), round(1e3 * (e - h0), 3)] for k, u, s, e in self._spans]

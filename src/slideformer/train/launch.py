@@ -77,7 +77,8 @@ def launch(n: int, argv: list[str]) -> int:
               rdzv_endpoint="localhost:0", max_restarts=0)
     if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:  # (not in every torch)
         kw["shutdown_timeout"] = int(SAVE_LIMIT_S)
-    with tempfile.TemporaryDirectory(prefix="slideformer-exit-") as codes:
+    # (a second signal ends torch's wait before the ranks have: what they still leave there is not waited for)
+    with tempfile.TemporaryDirectory(prefix="slideformer-exit-", ignore_cleanup_errors=True) as codes:
         os.environ[EXIT_DIR] = codes  # (the ranks inherit it)
         echo = _Echo(codes)
         try:
@@ -101,11 +102,11 @@ def say(line: str) -> bool:
     if not folder:
         return False
     path = os.path.join(folder, f"line-{os.environ.get('RANK', '0')}")
-    try:
-        with open(path + ".tmp", "w") as f:
+    try:  # (a name's undecodable bytes written as stderr would: escaped)
+        with open(path + ".tmp", "w", encoding="utf-8", errors="backslashreplace") as f:
             f.write(line)
         os.replace(path + ".tmp", path)  # (whole, or not there: the launcher never reads half a line)
-    except OSError:
+    except (OSError, ValueError):
         return False
     return True
 
@@ -125,16 +126,20 @@ class _Echo:
             self._sweep()
 
     def _sweep(self) -> None:
-        for name in sorted(os.listdir(self.folder)):
-            if name.startswith("line-") and not name.endswith(".tmp"):
-                try:
-                    with open(os.path.join(self.folder, name)) as f:
-                        line = f.read()
-                except OSError:
-                    continue
-                if line not in self.said:
-                    self.said.add(line)
-                    print(line, file=sys.stderr, flush=True)
+        try:  # (in the order they were left: a cause before the other ranks' line that they lost it)
+            found = sorted((e.stat().st_mtime_ns, e.path) for e in os.scandir(self.folder)
+                           if e.name.startswith("line-") and not e.name.endswith(".tmp"))
+        except OSError:
+            return
+        for _, path in found:
+            try:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    line = f.read()
+            except OSError:
+                continue
+            if line not in self.said:
+                self.said.add(line)
+                print(line, file=sys.stderr, flush=True)
 
     def stop(self) -> None:
         self._stop.set()

@@ -367,7 +367,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     # (several ranks on one host share its budget: the engine's host_memory_limit is this process's share,
     # plan.resolve's; each process guards it)
     guard = MemoryGuard(process_allowance(engine.cfg, host_memory() // parallel.local_world(ranks)))
-    settled = False
+    settled = None  # (whether this run froze the collector's objects, once its first step is done)
     try:
         signals.training()
         while step < total:
@@ -387,9 +387,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             lr = lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, warmup, total)
             engine.set_lr(lr)
             loss = engine.train_step([parallel.local_rows(mb, ranks) for mb in mbs] if ranks else mbs)
-            if not settled:  # (the first step has built what the run keeps: heap.py)
-                heap.settle()
-                settled = True
+            if settled is None:  # (the first step has built what the run keeps: heap.py)
+                settled = heap.settle()
             norm = engine.last_grad_norm
             if not (math.isfinite(loss) and (norm is None or math.isfinite(norm))):
                 what = f"loss {loss}, gradient norm {norm}"
