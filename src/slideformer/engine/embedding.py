@@ -20,7 +20,8 @@ the head's gradient is complete when backward begins. So there:
   their own places while backward runs (their part of the global norm counted then);
 - at the embedding's backward the touched rows' head gradient is gathered into a packed block, their
   embedding part added, and that block is sent and updated as above.
-The window still loads the whole matrix (the head reads every row). Under clipping the tied update stays
+The step's load is its rows, as untied; the whole matrix, which the head reads, is loaded over them after
+the embedding's forward, while the first layers compute. Under clipping the tied update stays
 whole: its rows would wait for the verdict anyway, and the head's gradient would hold the unit's one
 host buffer until then, which the touched rows' gradient needs.
 ``plan.memory.embedding_by_rows`` decides where this applies; the torch backend has no row kernel, and

@@ -265,8 +265,8 @@ class SlideEngine:
             self.activations.begin_step(sum(mb.input_ids.numel() for mb in mbs), self.adapter.config.hidden_size,
                                         self.cfg.compute_dtype)
             rt.begin_step(self._update_order)
-            # (untied by rows, the embedding's load is the step's rows: engine/embedding.py)
-            rows = {self.adapter.embed_unit.index: st.rows} if self._by_rows and not self.adapter.tied else {}
+            # (by rows, the embedding's load is the step's rows: engine/embedding.py)
+            rows = {self.adapter.embed_unit.index: st.rows} if self._by_rows else {}
             for v in self._loads_after.get(-1, ()):
                 rt.load(v.unit, rt.slots[v.group][v.slot], rows.get(v.unit))
             for t, v in enumerate(self.plan):
@@ -276,6 +276,8 @@ class SlideEngine:
                 self.recompute.new_visit()
                 getattr(self, f"_{v.phase}")(st, unit, slot)
                 rt.end_compute(slot, v.unit)
+                if v.phase == "embed_fwd" and self._by_rows and self.adapter.tied:
+                    rt.load(v.unit, slot)  # the whole matrix over the rows, for the head (engine/embedding.py)
                 if v.last:
                     self._gradient_done(st, v.unit, slot)
                 for nxt in self._loads_after.get(t, ()):
@@ -365,11 +367,11 @@ class SlideEngine:
     # -- the phases of a step, one per visit kind (see window/schedule.py) --------------------------
     def _embed_fwd(self, st: "_Step", unit, slot, training: bool = True) -> None:
         w = slot.views(unit)[0]["weight"]
-        # untied by rows, the slot holds the step's rows, packed (engine/embedding.py)
-        by_rows = training and self._by_rows and not self.adapter.tied
+        by_rows = training and self._by_rows  # the slot holds the step's rows, packed (engine/embedding.py)
         if by_rows:
             w = slot.params[: st.rows.numel() * self._row_length].view(-1, self._row_length)
-            if self.cfg.max_grad_norm is None:  # the rows the step does not touch (with clipping: after the verdict)
+            # the rows the step does not touch (with clipping: after the verdict; tied: from the head's gradient)
+            if self.cfg.max_grad_norm is None and not self.adapter.tied:
                 self.runtime.updates.submit(UpdateJob(unit.index, None, st.index, self.lr, 1.0,
                                                       rest=self._untouched(st)))
         with torch.no_grad():
@@ -410,6 +412,8 @@ class SlideEngine:
         rt.begin_grads(slot)
         if ad.tied:  # the matrix lives in the embedding's slot; its gradient starts there
             eslot = rt.slots[self._embed_slot[0]][self._embed_slot[1]]
+            if self._by_rows:  # (the whole matrix, loaded over the rows the forward took)
+                rt.wait_loaded(eslot)
             rt.begin_grads(eslot)
             (eparams, egrads) = eslot.views(ad.embed_unit)
             w, gw = eparams["weight"], egrads[0]

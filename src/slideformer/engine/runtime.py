@@ -16,7 +16,10 @@ Hand-offs, and what makes each safe:
 - an embedding's rows -> slot (by rows, engine/embedding.py): the loader takes one of the embedding's
   host gradient buffers from the pool, gathers the step's rows into it and waits for their copy before
   giving it back. It asks only after the unit's ``updated`` flag, which its update sets after returning
-  that buffer, and the next gradient into it is sent at the end of backward.
+  that buffer, and the next gradient into it is sent at the loss head (tied) or the end of backward. A
+  tied matrix is then loaded whole over those rows, behind the embedding's forward (the slot's ``used``),
+  and the head's compute waits for it (``wait_loaded``); the untouched rows' update, which writes the
+  host weights that copy reads, starts only once the head's gradient lands, after the head's compute.
 - slot -> compute: the main thread waits for ``issued`` (the copy is enqueued), then the compute
   stream waits for ``loaded``. Under data parallel (parallel.py) only the unit's owner loads it; at the
   visit every rank then takes the owner's copy by a broadcast issued behind that wait, in stream order.
@@ -285,16 +288,25 @@ class Runtime:
         return loaded
 
     def begin_compute(self, slot: Slot) -> None:
+        self._issued(slot)
+        self.copier.begin_visit(slot.loaded)
+        if slot.shared_by is not None:  # (the owner's load has landed: in stream order, before the broadcast)
+            parallel.share(slot.params[: self.adapter.units[slot.unit].numel], slot.shared_by)
+            slot.shared_by = None
+
+    def wait_loaded(self, slot: Slot) -> None:
+        """A visit that reads a second slot (a tied head, the embedding's whole matrix loaded during the
+        forward; one rank): the compute stream waits for that slot's pending load too."""
+        self._issued(slot)
+        self.copier.wait(slot.loaded)
+
+    def _issued(self, slot: Slot) -> None:
         if slot.issued is not None:  # the loader has enqueued (CPU: done) the copy, and recorded ``loaded``
             if not slot.issued.is_set():
                 with self.profiler.timed("wait_load"):
                     slot.issued.wait()
             slot.issued = None
             self._raise_worker_error()
-        self.copier.begin_visit(slot.loaded)
-        if slot.shared_by is not None:  # (the owner's load has landed: in stream order, before the broadcast)
-            parallel.share(slot.params[: self.adapter.units[slot.unit].numel], slot.shared_by)
-            slot.shared_by = None
 
     def end_compute(self, slot: Slot, unit: int) -> None:
         slot.used = self.copier.end_visit(unit)
