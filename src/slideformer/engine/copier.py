@@ -30,6 +30,9 @@ class CpuCopier:
     def end_visit(self, unit: int):
         return None
 
+    def read_done(self):
+        return None
+
     def wait(self, event) -> None:
         pass
 
@@ -111,6 +114,11 @@ class CudaCopier:
         used = self.compute.record_event()
         self.profiler.visit(unit, *self._visit, self.profiler.mark(self.compute))
         return used
+
+    def read_done(self):
+        """An event after the compute stream's work so far: a slot another visit read (a tied head, the
+        embedding's matrix) is ``used`` until then."""
+        return self.compute.record_event()
 
     def wait(self, event) -> None:
         """The compute stream waits for ``event`` (a slot's gradients sent before it writes them again)."""

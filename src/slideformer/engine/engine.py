@@ -471,8 +471,9 @@ class SlideEngine:
         ad, rt = self.adapter, self.runtime
         params = slot.views(unit)[0]
         bind_parameters(ad.skeleton.model, {"norm.weight": params["norm.weight"]})
+        eslot = rt.slots[self._embed_slot[0]][self._embed_slot[1]]
         if ad.tied:  # the matrix lives in the embedding's slot
-            w = rt.slots[self._embed_slot[0]][self._embed_slot[1]].views(ad.embed_unit)[0]["weight"]
+            w = eslot.views(ad.embed_unit)[0]["weight"]
         else:
             w = params["lm_head.weight"]
         if self.router_loss is not None:  # (every layer's routing counted by now)
@@ -481,6 +482,8 @@ class SlideEngine:
             st.loss += head_loss_value(h.flatten(0, 1), mb.labels, ad.norm, w, st.denom, self._loss_chunk,
                                        targets=mb.targets, logit_scale=ad.logit_scale,
                                        logit_divisor=ad.logit_divisor, softcap=ad.logit_softcap)
+        if ad.tied:  # (no embedding visit follows in evaluation: the slot's next load waits for this read)
+            rt.end_read(eslot)
         st.hidden = []
 
     def _bwd(self, st: "_Step", unit, slot) -> None:

@@ -19,7 +19,9 @@ Hand-offs, and what makes each safe:
   that buffer, and the next gradient into it is sent at the loss head (tied) or the end of backward. A
   tied matrix is then loaded whole over those rows, behind the embedding's forward (the slot's ``used``),
   and the head's compute waits for it (``wait_loaded``); the untouched rows' update, which writes the
-  host weights that copy reads, starts only once the head's gradient lands, after the head's compute.
+  host weights that copy reads, writes only once the head's gradient lands, after the head's compute.
+  A head that reads that slot (tied) marks it ``used`` behind it (``end_read``): in evaluation no visit
+  of the embedding follows the head, and the next step's load writes the slot's first rows.
 - slot -> compute: the main thread waits for ``issued`` (the copy is enqueued), then the compute
   stream waits for ``loaded``. Under data parallel (parallel.py) only the unit's owner loads it; at the
   visit every rank then takes the owner's copy by a broadcast issued behind that wait, in stream order.
@@ -299,6 +301,10 @@ class Runtime:
         forward; one rank): the compute stream waits for that slot's pending load too."""
         self._issued(slot)
         self.copier.wait(slot.loaded)
+
+    def end_read(self, slot: Slot) -> None:
+        """A visit read that second slot too: the slot's next load waits for what the visit enqueued."""
+        slot.used = self.copier.read_done()
 
     def _issued(self, slot: Slot) -> None:
         if slot.issued is not None:  # the loader has enqueued (CPU: done) the copy, and recorded ``loaded``
