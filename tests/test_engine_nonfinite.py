@@ -53,8 +53,10 @@ def test_a_nonfinite_step_is_dropped_under_clipping(monkeypatch, spares, what, r
         assert not a.last_step_dropped and a.store.step == b.store.step == 2
         ma, mb = masters(a), masters(b)
         assert all(torch.equal(ma[k], mb[k]) for k in ma)
-        if spares:
-            assert a.runtime.updates.speculation["dropped"] > 0
+        if spares:  # (undone after the verdict, or, where the worker had not begun them by then, never run:
+            # which of the two depends on the threads' timing, so either counts)
+            spec = a.runtime.updates.speculation
+            assert spec["dropped"] + spec["late"] > 0, spec
 
 
 def test_a_nonfinite_state_is_never_saved(tmp_path, monkeypatch):
