@@ -25,15 +25,10 @@ def peak_visit(rows: list[list], layers: int) -> tuple[int, str]:
     (units 1..layers) or the head, with its pass (a unit's visits alternate forward and backward)."""
     peaks = [r[4] for r in rows]
     at = peaks.index(peaks[-1])
-    unit = rows[at][0]
-    seen = sum(1 for r in rows[: at + 1] if r[0] == unit)
-    if unit > layers:
-        return at, "the loss head"
-    what = "the embedding" if unit == 0 else f"layer {unit - 1}"
-    return at, f"{what}, {'forward' if seen % 2 else 'backward'}"
+    return at, visit_names(rows[: at + 1], layers)[at][0]
 
 
-def visit_names(rows: list[list], layers: int) -> list[str]:
+def visit_names(rows: list[list], layers: int) -> list[tuple[str, str]]:
     """Each visit's name (unit and pass) and its part of the step: "start" (a step's first visit), "forward",
     "head" or "backward" (a step is the embedding, the layers, the head, the layers again, the embedding)."""
     out, seen = [], {}

@@ -398,7 +398,8 @@ def main(argv=None):
     shape = ModelShape.from_adapter(ModelAdapter(config, args.dtype))  # (a MoE layer: its active parameters)
     active = params - shape.layers * (shape.layer_params - shape.flop_params)
     rec.update({
-        "step_s": dt, "tokens_per_s": tokens / dt, "gc_s": pauses.seconds / args.steps, "gc_full": pauses.full, **({"active_params": active} if shape.experts else {}),
+        "step_s": dt, "tokens_per_s": tokens / dt, **({"active_params": active} if shape.experts else {}),
+        "gc_s": pauses.seconds / args.steps, "gc_full": pauses.full,
         "model_tflops": 6 * active * tokens / dt / 1e12, "loss": float(loss.detach() if torch.is_tensor(loss) else loss),
         "build_s": build_s, **_common(args, cuda), "gpu_alloc_retries_timed": retries})
     ex = extra()  # before the profiled step below, which is not one of the timed ones
