@@ -173,3 +173,71 @@ def test_the_launcher_says_each_distinct_line_of_its_ranks_once(tmp_path, monkey
     assert said.index("error: rank 3's GPU ran out of memory") < said.index("error: another rank failed")
     monkeypatch.delenv(launch.EXIT_DIR)
     assert not launch.say("error: anything")
+
+
+_RANK = """
+import signal, sys, time
+from slideformer.train import launch
+launch.enter_rank()
+if sys.argv[1] == "deaf":  # (a rank that cannot take a signal: stuck in a collective's C code)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+else:
+    def stop(signum, frame):
+        launch.say("error: SIGTERM again: stopped at once, mid-step; the last checkpoint saved is kept")
+        launch.end_rank(128 + signum)
+    signal.signal(signal.SIGTERM, stop)
+print("ready", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_a_second_signal_reaches_the_ranks_and_their_lines_are_said(monkeypatch, capsys):
+    """torch's agent waits for its ranks after the first signal; a second one ends that wait (SignalException
+    again). The ranks still running then get it too, their lines and codes are waited for, and one that
+    cannot take it is killed, none left running."""
+    import torch.distributed.launcher.api as api
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from slideformer.train import launch
+
+    ranks = []
+
+    def fake_launch(config, entrypoint):
+        def run(*args):
+            for rank, kind in enumerate(["polite", "deaf"]):
+                env = dict(os.environ, RANK=str(rank))
+                ranks.append(subprocess.Popen([sys.executable, "-c", _RANK, kind], env=env, text=True,
+                                              stdout=subprocess.PIPE))
+            for r in ranks:
+                assert r.stdout.readline() == "ready\n"
+            raise SignalException("the second signal", sigval=signal.SIGTERM)
+        return run
+
+    monkeypatch.setattr(api, "elastic_launch", fake_launch)
+    monkeypatch.setattr(launch, "STOP_S", 2.0)
+    try:
+        assert launch.launch(2, ["train"]) == 143  # (the rank's own code; the killed one's 137 comes after it)
+        assert capsys.readouterr().err.count("SIGTERM again: stopped at once") == 1
+        assert [r.wait(timeout=10) for r in ranks] == [143, -signal.SIGKILL]
+    finally:
+        for r in ranks:
+            r.kill()
+
+
+def test_a_rank_pid_that_is_no_longer_its_child_is_left_alone(tmp_path, monkeypatch):
+    """A rank that ended without a code (torch's agent killed it) leaves its pid behind, which another
+    process may hold by now: only this process's own running children are signalled."""
+    from slideformer.train import launch
+
+    sh = subprocess.run(["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True)
+    stranger = int(sh.stdout)  # (the shell's child, now init's: not ours)
+    try:
+        (tmp_path / "pid-0").write_text(str(stranger))
+        monkeypatch.setattr(launch, "STOP_S", 30.0)
+        started = time.monotonic()
+        launch._stop(str(tmp_path), 1, signal.SIGTERM)
+        assert time.monotonic() - started < 5  # (nothing of ours to wait for)
+        os.kill(stranger, 0)  # still there: raises if it was signalled to death
+    finally:
+        os.kill(stranger, signal.SIGKILL)
