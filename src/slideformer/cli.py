@@ -439,14 +439,9 @@ def _positive(v: str) -> int:
 
 def entry() -> int:
     """The `slideformer` command: signals are handled before anything heavy is imported (signals.py)."""
-    rank = int(os.environ.get("WORLD_SIZE", "1")) > 1  # a rank of a job: train/launch.py says how it starts and ends
     with Signals(hard=True):
-        if rank:
-            from .train.launch import enter_rank
-
-            enter_rank()
         code = main()
-    if rank:
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a rank of a job: train/launch.py says how it ends
         from .train.launch import end_rank
 
         end_rank(code)

@@ -10,9 +10,7 @@ differences a user sees:
   ranks say alike (bad data, a bad config: every rank reads them) once in all (``say``, ``_Echo``);
 - a signal to this process reaches the ranks, which finish their step and save; they get as long as a
   checkpoint may take (``SAVE_LIMIT_S``), not torchrun's 30 seconds before it kills them, and the exit
-  code is theirs (a save that failed says so). A second signal ends torch's wait; it reaches the ranks
-  too, which stop at once, and their lines and codes are waited for (``STOP_S``), where torchrun would
-  leave them running, unheard;
+  code is theirs (a save that failed says so);
 - each rank's CPU threads are its share of the cores (torchrun sets one), where OMP_NUM_THREADS is unset.
 
 Under torchrun itself the key only has to agree with it: torchrun's --nproc-per-node decides.
@@ -23,7 +21,6 @@ reads it (``EXIT_DIR``, ours only), and ends without the interpreter's finalizat
 from __future__ import annotations
 
 import os
-import signal
 import sys
 import threading
 
@@ -31,7 +28,6 @@ from ..config import ConfigError
 from ..watchdog import SAVE_LIMIT_S
 
 EXIT_DIR = "SLIDEFORMER_EXIT_DIR"  # (environment: the folder our launcher reads its ranks' exit codes from)
-STOP_S = 10.0  # how long ranks told to stop at once (a second signal) have before they are killed
 
 
 def processes(asked, device: str | None) -> int:
@@ -81,6 +77,7 @@ def launch(n: int, argv: list[str]) -> int:
               rdzv_endpoint="localhost:0", max_restarts=0)
     if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:  # (not in every torch)
         kw["shutdown_timeout"] = int(SAVE_LIMIT_S)
+    # (a second signal ends torch's wait before the ranks have: what they still leave there is not waited for)
     with tempfile.TemporaryDirectory(prefix="slideformer-exit-", ignore_cleanup_errors=True) as codes:
         os.environ[EXIT_DIR] = codes  # (the ranks inherit it)
         echo = _Echo(codes)
@@ -88,10 +85,9 @@ def launch(n: int, argv: list[str]) -> int:
             elastic_launch(LaunchConfig(**kw), sys.executable)("-m", "slideformer", *argv)
         except ChildFailedError as e:  # (in the order the launcher saw them end; those it ended itself last)
             return exit_code([f.exitcode if f.exitcode >= 0 else 128 - f.exitcode for f in e.failures.values()])
-        except SignalException as e:
+        except SignalException:
             # the ranks have finished their step and saved, or failed to, or were killed when the wait ran out
-            # (no code left: 128 + SIGKILL); or a second signal ended that wait, and they are told to stop now
-            _stop(codes, n, e.sigval)
+            # (no code left: 128 + SIGKILL)
             return exit_code([_left(codes, r) for r in range(n)])
         finally:
             echo.stop()
@@ -159,57 +155,6 @@ def exit_code(codes: list[int]) -> int:
     if not failed:
         return 0
     return min(failed, key=lambda c: (0 if 0 < c < 128 and c != 7 else 1 if c == 7 else 2, failed.index(c)))
-
-
-def _stop(folder: str, n: int, sig: int) -> None:
-    """The ranks that have left no exit code yet get ``sig`` (a second one stops a rank at once), then
-    ``STOP_S`` to leave it; those still running after that are killed."""
-    import time
-
-    def ours(pid: int) -> bool:  # (a child of this process, still running; not a pid reused by now)
-        try:
-            return os.waitpid(pid, os.WNOHANG) == (0, 0)
-        except ChildProcessError:
-            return False
-
-    def running() -> list[int]:
-        pids = []
-        for rank in range(n):
-            if not os.path.exists(os.path.join(folder, str(rank))):
-                try:
-                    with open(os.path.join(folder, f"pid-{rank}")) as f:
-                        pid = int(f.read())
-                except (OSError, ValueError):
-                    continue  # (not started yet, or ended before it could leave its pid: torch's agent saw to it)
-                if ours(pid):
-                    pids.append(pid)
-        return pids
-
-    def send(pids: list[int], s: int) -> None:
-        for pid in pids:
-            try:
-                os.kill(pid, s)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-    send(running(), sig)
-    end = time.monotonic() + STOP_S
-    while running() and time.monotonic() < end:
-        time.sleep(0.05)
-    send(running(), signal.SIGKILL)
-
-
-def enter_rank() -> None:
-    """A rank's start under our launcher: its pid left where the launcher finds it (``_stop``)."""
-    folder = os.environ.get(EXIT_DIR)
-    if folder:
-        path = os.path.join(folder, f"pid-{os.environ.get('RANK', '0')}")
-        try:
-            with open(path + ".tmp", "w") as f:
-                f.write(str(os.getpid()))
-            os.replace(path + ".tmp", path)
-        except OSError:
-            pass
 
 
 def _left(folder: str, rank: int) -> int:
