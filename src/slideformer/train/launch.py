@@ -77,7 +77,8 @@ def launch(n: int, argv: list[str]) -> int:
               rdzv_endpoint="localhost:0", max_restarts=0)
     if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:  # (not in every torch)
         kw["shutdown_timeout"] = int(SAVE_LIMIT_S)
-    # (a second signal ends torch's wait before the ranks have: what they still leave there is not waited for)
+    # (a second signal: torch's agent sends the ranks SIGTERM, which stops them at once, and waits for them again;
+    # only a third ends that wait early, and what the ranks still leave here is then not waited for)
     with tempfile.TemporaryDirectory(prefix="slideformer-exit-", ignore_cleanup_errors=True) as codes:
         os.environ[EXIT_DIR] = codes  # (the ranks inherit it)
         echo = _Echo(codes)
