@@ -1,5 +1,6 @@
 """The streamed engine trains exactly like plain PyTorch (fp32, CPU): the project's core test."""
 import copy
+import weakref
 
 import pytest
 import torch
@@ -48,12 +49,32 @@ def reference_noise(model, batches, **kw):
     """PyTorch's training again in another exact order of its sums, for its own noise (``assert_same``'s
     ``noise_model``): a Mixture-of-Experts model through transformers' eager experts (a loop over experts,
     not its grouped products; the router's loss is the whole batch's, so the rows stay together), any other
-    with each batch's rows as micro-batches, the last first."""
+    with each batch's rows as micro-batches, the last first; and in both, each input that several linears
+    read in turn summed over those linears before its other uses (as the engine's recompute sums them:
+    model/recompute.py)."""
+    model = linears_read_one_alias(copy.deepcopy(model))
     if getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
-        model = copy.deepcopy(model)
         model.config._experts_implementation = "eager"
         return reference_train(model, batches, **kw)[0]
     return reference_train(model, rows_apart(batches), **kw)[0]
+
+
+def linears_read_one_alias(model):
+    """``model`` with each input that linears read in turn passed to them as one alias (a view): backward
+    sums their input gradients at the alias, then adds that to the input's other uses' gradients."""
+    last = {}
+
+    def alias(module, args):
+        x = args[0]
+        seen = last.get("input")
+        if seen is None or seen[0]() is not x:
+            seen = last["input"] = (weakref.ref(x), x.view_as(x))
+        return (seen[1],) + args[1:]
+
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_pre_hook(alias)
+    return model
 
 
 def engine_train(model, steps, *, lrs=None, **cfg):

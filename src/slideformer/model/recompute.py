@@ -19,6 +19,11 @@ Backward recomputes each layer from its saved input to rebuild the autograd grap
   An output that forward changed in place after its linear returned it (Liger's RoPE rotates q and k in
   their projections' memory for Llama-style attention) cannot be returned: backward multiplies again for
   it, and from then on forward keeps a copy of that linear's output.
+- **The input gradient's sums** (every layer). Linears that read one input (q, k and v; gate and up) run
+  in the recompute as one autograd node: backward adds the others' input gradients into the last one's
+  within their GEMMs (beta 1), where autograd would write each to a temporary and sum them in separate
+  kernels. Which linears share an input is learnt from the forwards (the same tensor passed to each in
+  turn), so no family's module names are listed. (Not in FP8, whose products have no beta.)
 - **The weight gradient's second pass** (every layer). The recompute's linears add their weight's
   gradient into the ``.grad`` the engine binds to the slot with the GEMM itself (beta 1), where autograd
   would write each micro-batch's gradient to a temporary and add it in a separate kernel. (In FP8,
@@ -31,6 +36,7 @@ linear like the others, computed again where its layer's products are not kept.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import deque
 
 import torch
@@ -38,6 +44,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from .fp8 import Fp8Weights, fp8_gradients, fp8_linear
+
+
+def _weight_gradient(w: torch.Tensor, g2: torch.Tensor, x2: torch.Tensor, gw: torch.Tensor | None):
+    """The weight's gradient added into the ``.grad`` the engine bound (the parameter saved is the one the
+    layer holds: its .grad is the slot's view) within the GEMM, and None returned; else returned
+    (contiguous, [out, in], as autograd's). ``gw``: the product where FP8 computed it already."""
+    into = w.grad
+    if into is not None and into.dtype == g2.dtype and into.is_contiguous():
+        into.addmm_(g2.t(), x2) if gw is None else into.add_(gw)
+        return None
+    return g2.t().mm(x2) if gw is None else gw
 
 
 class _RecomputedLinear(torch.autograd.Function):
@@ -72,14 +89,45 @@ class _RecomputedLinear(torch.autograd.Function):
             gx, gw = fp8_gradients(g2, x2, w, ctx.casts, need_x, need_w)
         gx = None if gx is None else gx.view_as(x)
         if need_w:
-            into = w.grad  # (the parameter ctx saved is the one the layer holds: its .grad is the slot's view)
-            if into is not None and into.dtype == g2.dtype and into.is_contiguous():
-                into.addmm_(g2.t(), x2) if gw is None else into.add_(gw)
-                gw = None
-            elif gw is None:
-                gw = g2.t().mm(x2)  # (as autograd: contiguous, [out, in])
+            gw = _weight_gradient(w, g2, x2, gw)
         gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb, None, None, None
+
+
+class _SharedInputLinears(torch.autograd.Function):
+    """Several linears of one input ``x`` in backward's recompute, as one node: outputs the products (or
+    the kept ones, where given), and in backward one input gradient, each linear's added into the last's
+    within its GEMM (beta 1) instead of summed by autograd in separate kernels; weight gradients as
+    ``_RecomputedLinear``'s. ``params``: each linear's weight and bias (None where it has none)."""
+
+    @staticmethod
+    def forward(ctx, x, kept, *params):
+        ctx.set_materialize_grads(False)  # (an output nobody used has no gradient: no zeros multiplied)
+        weights, biases = params[0::2], params[1::2]
+        ctx.save_for_backward(x, *weights)
+        ctx.has_bias = [b is not None for b in biases]
+        return tuple(k if k is not None else F.linear(x, w, b) for k, w, b in zip(kept, weights, biases))
+
+    @staticmethod
+    def backward(ctx, *gs):
+        x, *weights = ctx.saved_tensors
+        x2 = x.reshape(-1, x.shape[-1])
+        need = ctx.needs_input_grad
+        gx, out = None, [None] * (2 * len(weights))
+        # (the last linear first, as autograd runs their nodes: autograd's order of the sums, where the input
+        # has no other use)
+        for i in reversed(range(len(weights))):
+            w, g = weights[i], gs[i]
+            if g is None:
+                continue
+            g2 = g.reshape(-1, g.shape[-1])
+            if need[0]:
+                gx = g2.mm(w) if gx is None else gx.addmm_(g2, w)
+            if need[2 + 2 * i]:
+                out[2 * i] = _weight_gradient(w, g2, x2, None)
+            if ctx.has_bias[i] and need[3 + 2 * i]:
+                out[2 * i + 1] = g2.sum(0)
+        return (None if gx is None else gx.view_as(x), None, *out)
 
 
 def output_free_down(layer: nn.Module) -> nn.Linear | None:
@@ -111,19 +159,66 @@ class LayerRecompute:
         self._active = False
         self._kept: dict | None = None
         self._copied: set[nn.Module] = set()  # linears whose output forward modifies in place: kept as copies
+        # Linears that read one input, in call order, learnt from forwards without gradients: each member maps
+        # to its group. The run being learnt: its linears, their input (weakly), their layer.
+        self._groups: dict[nn.Linear, tuple[nn.Linear, ...]] = {}
+        self._run: tuple[list, weakref.ref | None, nn.Module | None] = ([], None, None)
+        self._pending: dict[nn.Linear, tuple[torch.Tensor, torch.Tensor]] = {}  # a group's later outputs, by input
         for layer in layers:
             down = output_free_down(layer)
             for m in layer.modules():
                 if type(m) is nn.Linear:
-                    m.forward = self._wrap(m, last=m is down)
+                    m.forward = self._wrap(m, layer, last=m is down)
 
-    def _wrap(self, proj: nn.Linear, last: bool):
+    def _learn(self, proj: nn.Linear, layer: nn.Module, x: torch.Tensor, last: bool) -> None:
+        members, ref, owner = self._run
+        if last:  # (never in a group: the down projection records its graph only)
+            self._run = ([], None, None)
+        elif members and owner is layer and ref is not None and ref() is x and proj not in members:
+            members.append(proj)
+            for m in members:
+                self._groups[m] = tuple(members)
+        else:
+            self._run = ([proj], weakref.ref(x), layer)
+
+    def _group_forward(self, proj: nn.Linear, x: torch.Tensor, kept: dict | None) -> torch.Tensor | None:
+        """In the recompute, at a group's first linear: one node for the group, whose later linears' outputs
+        wait in ``_pending`` for their calls; None for a linear in no group."""
+        group = self._groups.get(proj)
+        if group is None or proj is not group[0]:
+            return None
+        outs = []
+        for m in group:
+            y = None
+            if kept is not None:
+                y, version = kept[m].popleft()
+                if y._version != version:
+                    self._copied.add(m)  # changed in place after forward returned it: multiply again
+                    y = None
+            outs.append(y)
+        params = [t for m in group for t in (m.weight, m.bias)]
+        ys = _SharedInputLinears.apply(x, outs, *params)
+        for m, y in zip(group[1:], ys[1:]):
+            self._pending[m] = (x, y)
+        return ys[0]
+
+    def _wrap(self, proj: nn.Linear, layer: nn.Module, last: bool):
         def forward(x: torch.Tensor) -> torch.Tensor:
             kept, casts = self._kept, self.casts
             grad = torch.is_grad_enabled()
             if grad and self._active:
                 if last:
                     return _RecomputedLinear.apply(x, proj.weight, proj.bias, None, True, casts)
+                if casts is None:
+                    pending = self._pending.pop(proj, None)
+                    if pending is not None:  # a group's later linear: its output came with the first's
+                        if pending[0] is x:
+                            return pending[1]
+                        # (another input than the group's: its product, its kept one having been taken)
+                        return _RecomputedLinear.apply(x, proj.weight, proj.bias, None, False, None)
+                    y = self._group_forward(proj, x, kept)
+                    if y is not None:
+                        return y
                 if kept is not None:
                     y, version = kept[proj].popleft()
                     if y._version == version:
@@ -131,6 +226,8 @@ class LayerRecompute:
                     self._copied.add(proj)  # changed in place after forward returned it: multiply again
                 return _RecomputedLinear.apply(x, proj.weight, proj.bias, None, False, casts)
             # (with gradients outside the recompute, as token-chunked MLPs' checkpoints: autograd's linear)
+            if not grad:
+                self._learn(proj, layer, x, last)
             y = F.linear(x, proj.weight, proj.bias) if grad or casts is None else \
                 fp8_linear(x, proj.weight, proj.bias, casts)
             if kept is not None and not last:
@@ -166,3 +263,4 @@ class LayerRecompute:
             yield
         finally:
             self._active, self._kept = False, None
+            self._pending.clear()
