@@ -260,6 +260,54 @@ def test_rms_norm_is_transformers_norm(dtype, shape, rows, monkeypatch):
         assert rel(a, e) <= factor * rel(b, e) + 1e-7, (name, rel(a, e), rel(b, e))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(37, 40), (5, 7, 48), (0, 24)])
+@pytest.mark.parametrize("sum_used", [True, False])
+def test_the_norm_of_a_residual_sum_is_the_sum_then_transformers_norm(dtype, shape, sum_used):
+    """AddRMSNormFunction against ``s = x + r`` then transformers' Llama RMSNorm under autograd, both against
+    the same in fp64: the sum is the dtype's own add bit for bit (on the GPU), and the norm, the gradients of x and r
+    (the sum's own gradient added in the norm's backward pass) and the weight's are no farther from fp64
+    than transformers' (twice, as the norm's own test; three times under the CPU interpreter's bf16
+    truncation). ``sum_used`` False: the sum's output has no gradient."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from slideformer.kernels.rms_norm import AddRMSNormFunction
+
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype).to(DEV)
+    r = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    w = (1 + torch.randn(shape[-1], generator=g) / 4).to(dtype).to(DEV)
+    dy, ds = (torch.randn(*shape, generator=g).to(dtype).to(DEV) for _ in range(2))
+
+    def run(fn, *inputs):
+        inputs = [t.detach().clone().requires_grad_() for t in inputs]
+        y, s = fn(*inputs)
+        outs, grads = ([y, s], [dy.to(y.dtype), ds.to(y.dtype)]) if sum_used else ([y], [dy.to(y.dtype)])
+        return (y, s, *torch.autograd.grad(outs, inputs, grads))
+
+    def hf(x, r, w):
+        m = LlamaRMSNorm(shape[-1], eps=1e-6)
+        del m.weight
+        m.weight = w
+        s = x + r
+        return m(s), s
+
+    ours = run(lambda x, r, w: AddRMSNormFunction.apply(x, r, w, 1e-6), x, r, w)
+    theirs = run(hf, x, r, w)
+    exact = run(hf, x.double(), r.double(), w.double())
+    if DEV == "cuda" or dtype == torch.float32:
+        assert torch.equal(ours[1], theirs[1])
+    else:  # (the interpreter's cast to bf16 truncates: within one ulp)
+        torch.testing.assert_close(ours[1], theirs[1], rtol=2 ** -7, atol=0)
+    if not x.numel():
+        assert all(t.shape == e.shape for t, e in zip(ours, exact))
+        return
+    assert torch.equal(ours[2], ours[3])  # (x and r: one sum, one gradient)
+    factor = 3 if dtype == torch.bfloat16 and DEV == "cpu" else 2
+    for name, a, b, e in zip(("y", "s", "dx", "dr", "dw"), ours, theirs, exact):
+        assert rel(a, e) <= factor * rel(b, e) + 1e-7, (name, rel(a, e), rel(b, e))
+
+
 def e4m3_half_step(v: torch.Tensor) -> torch.Tensor:
     """Half the spacing of e4m3 values around ``v``: 3 mantissa bits from 2^-6 up, 2^-9 below."""
     a = v.abs().clamp(min=2.0 ** -6)

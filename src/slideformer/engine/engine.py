@@ -38,6 +38,7 @@ from ..optim import native
 from ..optim.adamw import Rows
 from ..model.chunked_mlp import MlpChunking
 from ..model.moe import RouterLoss
+from ..model.decoder import install as install_decoder
 from ..model.recompute import LayerRecompute
 from ..model.fused_ops import apply_liger
 from ..model.fused_ops import resolve as resolve_fused_ops
@@ -145,6 +146,8 @@ class SlideEngine:
                               "each (torch._scaled_mm's rowwise scaling: compute capability 9.0 or newer, Hopper "
                               "on); leave fp8 off")
         self.recompute = LayerRecompute(self.adapter.layers, fp8=self.cfg.fp8)
+        # Llama-style layers: the residual sum in the MLP norm's kernel, the recompute's output sum skipped
+        install_decoder(self.adapter.layers, self.recompute, fused=self.fused_ops == "liger")
         # Mixture-of-Experts: experts as one grouped GEMM on CUDA (transformers' loop on the CPU), and the
         # router's load-balancing loss where the config asks for it (model/moe.py)
         if self.adapter.experts:

@@ -242,6 +242,11 @@ class LayerRecompute:
         if self.casts is not None:
             self.casts.clear()
 
+    @property
+    def recomputing(self) -> bool:
+        """Inside ``active()`` (on): backward's recompute, whose layer outputs' values nobody reads."""
+        return self._active
+
     @contextlib.contextmanager
     def recording(self):
         """A forward without gradients that keeps its linears' outputs: yields what backward's
