@@ -24,18 +24,19 @@ class _Recompute:
 @pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.interpret)])
 def test_the_forward_is_transformers(fused, monkeypatch):
     """Output and gradients as transformers' own forward of the layer (fp32; fused: the residual sum and
-    the norm in the Triton kernel, under the CPU interpreter in CI)."""
+    the norm in the Triton kernel: on the GPU where there is one, else under the CPU interpreter)."""
     from slideformer.kernels.rms_norm import AddRMSNormFunction
 
     kernels, real = [], AddRMSNormFunction.apply
     monkeypatch.setattr(AddRMSNormFunction, "apply", lambda *a: kernels.append(1) or real(*a))
-    model = build("qwen3-tied")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build("qwen3-tied").to(dev)
     ref_layer = model.model.layers[1]
     layer = copy.deepcopy(ref_layer)
     assert decoder.install([layer], _Recompute(), fused) == 1
     torch.manual_seed(0)
-    x, g = torch.randn(2, 7, 32), torch.randn(2, 7, 32)
-    pos = torch.arange(7)[None].expand(2, 7)
+    x, g = torch.randn(2, 7, 32, device=dev), torch.randn(2, 7, 32, device=dev)
+    pos = torch.arange(7, device=dev)[None].expand(2, 7)
     rope = model.model.rotary_emb(x, pos)
 
     def run(m):
