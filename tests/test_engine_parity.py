@@ -551,7 +551,7 @@ def test_liger_ops_change_only_the_engines_own_modules():
     """fused_ops='liger' rebinds the forwards of the engine's skeleton (every RMSNorm, every SwiGLU MLP),
     never transformers' classes: another model of the family in the process keeps its own code."""
     from slideformer.model.adapter import ModelAdapter
-    from slideformer.model.fused_ops import apply_liger
+    from slideformer.model.fused_ops import _unchanged, apply_liger
 
     model = build("qwen3-tied")
     ad = ModelAdapter(model.config)
@@ -559,7 +559,12 @@ def test_liger_ops_change_only_the_engines_own_modules():
     per_layer = 4 + 1 + 1  # input, post-attention, q and k norms; the MLP; the attention's RoPE
     assert n == per_layer * ad.num_layers + 1
     assert all(lay.mlp.forward.__func__.__name__ == "_swiglu_forward" for lay in ad.layers)
-    assert ad.layers[0].self_attn.forward.__func__.__globals__["apply_rotary_pos_emb"].__name__ == "_liger_rope"
+    attn = ad.layers[0].self_attn  # (Qwen 3: its q and k norms run in the rotation's kernel)
+    assert attn.forward.__func__.__globals__["apply_rotary_pos_emb"].__qualname__.startswith("_norm_rope_of")
+    assert attn.q_norm.forward is attn.k_norm.forward is _unchanged
+    llama = ModelAdapter(build("llama").config)
+    apply_liger(llama.layers, model.config.hidden_act)
+    assert llama.layers[0].self_attn.forward.__func__.__globals__["apply_rotary_pos_emb"].__name__ == "_liger_rope"
     for m in (model.model.layers[0].mlp, model.model.norm, model.model.layers[0].self_attn):
         assert "forward" not in vars(m)  # the user's model: untouched
     assert apply_liger(ad.layers, "gelu") == 5 * ad.num_layers  # a non-SiLU MLP keeps its forward
@@ -588,13 +593,14 @@ def test_attention_forward_with_another_rope_is_the_same_code():
 
 
 @pytest.mark.interpret
-def test_liger_rope_in_the_attention_matches_transformers():
-    """Liger's RoPE kernel (Triton, interpreted on the CPU) inside the rebound attention: the same output
-    and gradients as transformers' RoPE."""
+@pytest.mark.parametrize("family", ["llama", "qwen3-tied"])
+def test_liger_rope_in_the_attention_matches_transformers(family):
+    """Liger's RoPE kernel (Triton, interpreted on the CPU) inside the rebound attention, and for Qwen 3 our
+    kernel of its q and k norms with the rotation: the same output and gradients as transformers'."""
     pytest.importorskip("liger_kernel")
     from slideformer.model.fused_ops import apply_liger
 
-    model = build("llama")
+    model = build(family)
     attn = model.model.layers[0].self_attn
     x = torch.randn(2, 5, model.config.hidden_size, requires_grad=True)
     pos = model.model.rotary_emb(x, torch.arange(5)[None].expand(2, 5))

@@ -406,3 +406,48 @@ def test_fp8_rows_and_columns_in_one_kernel_are_the_two_casts(dtype):
     assert torch.equal(qr[0].float(), torch.full((3,), 448.0, device=DEV))
     if DEV == "cuda":  # (the interpreter converts NaN to e4m3 as 384)
         assert qr[4, 1].float().isnan() and qc[1, 4].float().isnan()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 5, 3, 16), (1, 7, 4, 12), (3, 0, 2, 8)])
+@pytest.mark.parametrize("angle_batch", [1, None])
+def test_norm_rope_is_transformers_norm_then_rotation(dtype, shape, angle_batch):
+    """kernels/norm_rope.py against Qwen 3's q norm then transformers' apply_rotary_pos_emb under autograd,
+    both against the same in fp64: output, input and weight gradients no farther from fp64 than
+    transformers' own (twice; three times under the interpreter's bf16 truncation). Heads of a length
+    whose half is not a power of two, angles shared by the batch (1) or per row (None: the batch's),
+    and no tokens at all."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    from slideformer.kernels.norm_rope import norm_rope
+
+    b, s, h, d = shape
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(*shape, generator=g) * 2).to(dtype).to(DEV)
+    w = (1 + torch.randn(d, generator=g) / 4).to(dtype).to(DEV)
+    ang = torch.randn(angle_batch or b, s, d // 2, generator=g).repeat(1, 1, 2)
+    cos, sin = ang.cos().to(dtype).to(DEV), ang.sin().to(dtype).to(DEV)
+    dy = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+
+    def run(fn, x, w, cos, sin):
+        x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        y = fn(x, w, cos, sin)
+        return (y, *torch.autograd.grad(y, [x, w], dy.to(y.dtype)))
+
+    def hf(x, w, cos, sin):
+        m = Qwen3RMSNorm(d, eps=1e-6)
+        del m.weight
+        m.weight = w
+        q = m(x).transpose(1, 2)  # (as Qwen3Attention: [batch, heads, seq, head_dim])
+        return apply_rotary_pos_emb(q, q, cos, sin)[0].transpose(1, 2)
+
+    ours = run(lambda x, w, c, s_: norm_rope(x, w, c, s_, 1e-6), x, w, cos, sin)
+    assert ours[0].grad_fn.name() == "NormRopeFunctionBackward"
+    theirs = run(hf, x, w, cos, sin)
+    exact = run(hf, x.double(), w.double(), cos.double(), sin.double())
+    if not x.numel():
+        assert all(t.shape == e.shape for t, e in zip(ours, exact)) and float(ours[2].abs().sum()) == 0
+        return
+    factor = 3 if dtype == torch.bfloat16 and DEV == "cpu" else 2
+    for name, a, b_, e in zip(("y", "dx", "dw"), ours, theirs, exact):
+        assert rel(a, e) <= factor * rel(b_, e) + 1e-7, (name, rel(a, e), rel(b_, e))

@@ -1,6 +1,7 @@
 """Fused RMSNorm, SwiGLU and RoPE on the engine's own layer modules: Liger-Kernel's SwiGLU and RoPE, and
 our RMSNorm (kernels/rms_norm.py: Liger's backward moves its bytes at a third of the memory's rate at
-a layer's shapes).
+a layer's shapes). Qwen 3's per-head q and k norms run in the rotation's kernel (kernels/norm_rope.py:
+one pass over q and k each way instead of two).
 
 Liger's ``apply_liger_kernel_to_*`` functions replace transformers' module-level classes and functions,
 which changes every model of that family in the process (a user's reference model too). Here only the
@@ -74,6 +75,41 @@ def _liger_rope(q, k, *args, **kwargs):
     return liger_rotary_pos_emb(q, k, *args, **kwargs)
 
 
+def _same_code(fn, other) -> bool:
+    a, b = inspect.unwrap(fn).__code__, inspect.unwrap(other).__code__
+    return a.co_code == b.co_code and a.co_names == b.co_names
+
+
+def _qwen3_attention(forward) -> bool:
+    """Whether an attention ``forward`` is Qwen 3's: q and k normalised by head, then rotated."""
+    try:
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
+    except ImportError:
+        return False
+    return _same_code(forward, Qwen3Attention.forward)
+
+
+def _norm_rope_of(attn: nn.Module):
+    """Qwen 3's rotation for ``attn`` with its q and k norms in the same kernel (kernels/norm_rope.py): the
+    norms' own forwards then pass their input on. The norms' weights are read at each call (the engine
+    binds each visit's)."""
+    from ..kernels.norm_rope import norm_rope
+
+    q_norm, k_norm = attn.q_norm, attn.k_norm
+    q_norm.forward = k_norm.forward = _unchanged
+
+    def rope(q, k, cos, sin, *args, **kwargs):
+        # q and k: [batch, heads, seq, head_dim] views of the projections' [batch, seq, heads, head_dim]
+        q = norm_rope(q.transpose(1, 2), q_norm.weight, cos, sin, q_norm.variance_epsilon).transpose(1, 2)
+        k = norm_rope(k.transpose(1, 2), k_norm.weight, cos, sin, k_norm.variance_epsilon).transpose(1, 2)
+        return q, k
+    return rope
+
+
+def _unchanged(x):
+    return x
+
+
 def forward_with(fn, **globals_):
     """A copy of function ``fn`` in which the global names given resolve to other objects."""
     scope = dict(fn.__globals__)
@@ -93,10 +129,12 @@ def apply_liger(modules: list[nn.Module], hidden_act: str, rope=_liger_rope) -> 
             fwd = type(m).forward
             if name.endswith("Attention") and inspect.unwrap(fwd) is fwd and \
                     "apply_rotary_pos_emb" in fwd.__code__.co_names:  # (a decorated forward keeps its RoPE)
-                m.forward = types.MethodType(forward_with(fwd, apply_rotary_pos_emb=rope), m)
+                own = _norm_rope_of(m) if _qwen3_attention(fwd) else rope
+                m.forward = types.MethodType(forward_with(fwd, apply_rotary_pos_emb=own), m)
                 count += 1
             elif name.endswith("RMSNorm") and hasattr(m, "variance_epsilon"):
-                m.forward = types.MethodType(_rms_norm_forward, m)
+                if vars(m).get("forward") is not _unchanged:  # (Qwen 3's q and k norms: in the rotation)
+                    m.forward = types.MethodType(_rms_norm_forward, m)
                 count += 1
             elif name.endswith("MLP") and hidden_act in ("silu", "swish") and \
                     all(hasattr(m, p) for p in ("gate_proj", "up_proj", "down_proj")):
