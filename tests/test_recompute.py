@@ -314,3 +314,34 @@ def test_summing_linears_input_gradients_first_is_the_only_change():
     state, _ = engine_train(model, batches, lr=1e-2)
     ref = reference_train(linears_read_one_alias(copy.deepcopy(model)), batches, lr=1e-2)[0].state_dict()
     assert max(float((state[k] - ref[k]).norm() / ref[k].norm()) for k in state) < 1e-6
+
+
+@pytest.mark.parametrize("saved", [False, True])
+def test_a_group_called_otherwise_in_the_recompute_falls_back_to_single_linears(saved):
+    """A group learnt from forward (a, b on x) whose recompute calls a again with another input, and b
+    with another input than a's: each such call is its own linear, with autograd's gradients, and
+    kept products are taken in call order."""
+    layer = nn.Module()
+    layer.a, layer.b = nn.Linear(6, 6), nn.Linear(6, 6)
+    layer.mlp = nn.Module()
+    layer.mlp.down_proj = nn.Linear(6, 6)
+    rc = LayerRecompute([layer])
+
+    def run(x, other):
+        y = layer.a(x) * layer.b(other if other is not None else x)
+        return layer.mlp.down_proj(y + layer.a(torch.tanh(y))) + x
+
+    torch.manual_seed(0)
+    x, g = torch.randn(3, 6), torch.randn(3, 6)
+    params = list(layer.parameters())
+    with torch.no_grad():
+        run(x, None)
+    assert rc._groups[layer.a] == (layer.a, layer.b)
+    for other in (None, x + 1):
+        ref = torch.autograd.grad(run(x.requires_grad_(True), other), [x] + params, g)
+        with torch.no_grad(), (rc.recording() if saved else contextlib.nullcontext({})) as kept:
+            run(x, other)
+        with torch.enable_grad(), rc.active(kept=kept if saved else None):
+            got = torch.autograd.grad(run(x, other), [x] + params, g)
+        for a, r in zip(got, ref):
+            torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6)

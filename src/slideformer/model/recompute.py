@@ -185,8 +185,9 @@ class LayerRecompute:
         """In the recompute, at a group's first linear: one node for the group, whose later linears' outputs
         wait in ``_pending`` for their calls; None for a linear in no group."""
         group = self._groups.get(proj)
-        if group is None or proj is not group[0]:
-            return None
+        if group is None or proj is not group[0] or any(m in self._pending for m in group) or \
+                (kept is not None and not all(kept.get(m) for m in group)):
+            return None  # (no group, or a call order the forward did not show: each linear on its own)
         outs = []
         for m in group:
             y = None
