@@ -213,6 +213,24 @@ def test_compact_adamw_kernel_is_the_reference_update(grad_dtype):
     assert float(m.float().abs().sum()) > 0  # they moved
 
 
+def norm_of(cls, w: torch.Tensor):
+    """transformers' norm class ``cls`` whose weight is the tensor ``w`` itself (so that its gradient is asked
+    of the module's graph)."""
+    m = cls(w.shape[0], eps=1e-6)
+    del m.weight
+    m.weight = w
+    return m
+
+
+def assert_no_farther_from_exact(names, ours, theirs, exact, dtype):
+    """Each of ours no farther from fp64 than transformers' own in that dtype: twice, plus fp32's ulp (bf16's
+    output rounding differs element by element); three times under Triton's CPU interpreter, which casts to
+    bf16 by truncation (measured 2.4-2.8x), against rounding to nearest on the GPU."""
+    factor = 3 if dtype == torch.bfloat16 and DEV == "cpu" else 2
+    for name, a, b, e in zip(names, ours, theirs, exact):
+        assert rel(a, e) <= factor * rel(b, e) + 1e-7, (name, rel(a, e), rel(b, e))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(37, 40), (5, 7, 3, 16), (0, 24)])
 @pytest.mark.parametrize("rows", [None, 4])
@@ -244,10 +262,7 @@ def test_rms_norm_is_transformers_norm(dtype, shape, rows, monkeypatch):
         return (y, *torch.autograd.grad(y, [x, w], dy.to(x.dtype)))
 
     def hf(x, w):
-        m = LlamaRMSNorm(shape[-1], eps=1e-6)
-        del m.weight
-        m.weight = w  # (the tensor itself, so that its gradient is asked of the module's graph)
-        return m(x)
+        return norm_of(LlamaRMSNorm, w)(x)
 
     ours = run(lambda x, w: RMSNormFunction.apply(x, w, 1e-6), x, w)
     theirs = run(hf, x, w)
@@ -255,9 +270,7 @@ def test_rms_norm_is_transformers_norm(dtype, shape, rows, monkeypatch):
     if not x.numel():
         assert all(t.shape == e.shape for t, e in zip(ours, exact)) and float(ours[2].abs().sum()) == 0
         return
-    factor = 3 if dtype == torch.bfloat16 and DEV == "cpu" else 2
-    for name, a, b, e in zip(("y", "dx", "dw"), ours, theirs, exact):
-        assert rel(a, e) <= factor * rel(b, e) + 1e-7, (name, rel(a, e), rel(b, e))
+    assert_no_farther_from_exact(("y", "dx", "dw"), ours, theirs, exact, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -286,11 +299,8 @@ def test_the_norm_of_a_residual_sum_is_the_sum_then_transformers_norm(dtype, sha
         return (y, s, *torch.autograd.grad(outs, inputs, grads))
 
     def hf(x, r, w):
-        m = LlamaRMSNorm(shape[-1], eps=1e-6)
-        del m.weight
-        m.weight = w
         s = x + r
-        return m(s), s
+        return norm_of(LlamaRMSNorm, w)(s), s
 
     ours = run(lambda x, r, w: AddRMSNormFunction.apply(x, r, w, 1e-6), x, r, w)
     theirs = run(hf, x, r, w)
@@ -303,9 +313,7 @@ def test_the_norm_of_a_residual_sum_is_the_sum_then_transformers_norm(dtype, sha
         assert all(t.shape == e.shape for t, e in zip(ours, exact))
         return
     assert torch.equal(ours[2], ours[3])  # (x and r: one sum, one gradient)
-    factor = 3 if dtype == torch.bfloat16 and DEV == "cpu" else 2
-    for name, a, b, e in zip(("y", "s", "dx", "dr", "dw"), ours, theirs, exact):
-        assert rel(a, e) <= factor * rel(b, e) + 1e-7, (name, rel(a, e), rel(b, e))
+    assert_no_farther_from_exact(("y", "s", "dx", "dr", "dw"), ours, theirs, exact, dtype)
 
 
 def e4m3_half_step(v: torch.Tensor) -> torch.Tensor:
@@ -435,10 +443,7 @@ def test_norm_rope_is_transformers_norm_then_rotation(dtype, shape, angle_batch)
         return (y, *torch.autograd.grad(y, [x, w], dy.to(y.dtype)))
 
     def hf(x, w, cos, sin):
-        m = Qwen3RMSNorm(d, eps=1e-6)
-        del m.weight
-        m.weight = w
-        q = m(x).transpose(1, 2)  # (as Qwen3Attention: [batch, heads, seq, head_dim])
+        q = norm_of(Qwen3RMSNorm, w)(x).transpose(1, 2)  # (as Qwen3Attention: [batch, heads, seq, head_dim])
         return apply_rotary_pos_emb(q, q, cos, sin)[0].transpose(1, 2)
 
     ours = run(lambda x, w, c, s_: norm_rope(x, w, c, s_, 1e-6), x, w, cos, sin)
@@ -448,6 +453,4 @@ def test_norm_rope_is_transformers_norm_then_rotation(dtype, shape, angle_batch)
     if not x.numel():
         assert all(t.shape == e.shape for t, e in zip(ours, exact)) and float(ours[2].abs().sum()) == 0
         return
-    factor = 3 if dtype == torch.bfloat16 and DEV == "cpu" else 2
-    for name, a, b_, e in zip(("y", "dx", "dw"), ours, theirs, exact):
-        assert rel(a, e) <= factor * rel(b_, e) + 1e-7, (name, rel(a, e), rel(b_, e))
+    assert_no_farther_from_exact(("y", "dx", "dw"), ours, theirs, exact, dtype)

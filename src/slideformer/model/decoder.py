@@ -15,21 +15,18 @@ module or function rebinding reaches.
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 
 from ..kernels.rms_norm import add_rms_norm
+from .fused_ops import same_code
 
 
 def llama_style(layer: nn.Module) -> bool:
-    """Whether the layer's class runs transformers' Llama decoder layer's forward code (compared as code
-    and names: families generated from Llama's modules share it)."""
+    """Whether the layer's class runs transformers' Llama decoder layer's forward code."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    ours, llama = (inspect.unwrap(c.forward).__code__ for c in (type(layer), LlamaDecoderLayer))
-    return ours.co_code == llama.co_code and ours.co_names == llama.co_names
+    return same_code(type(layer).forward, LlamaDecoderLayer.forward)
 
 
 class _UnreadSum(torch.autograd.Function):

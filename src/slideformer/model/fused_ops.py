@@ -75,7 +75,9 @@ def _liger_rope(q, k, *args, **kwargs):
     return liger_rotary_pos_emb(q, k, *args, **kwargs)
 
 
-def _same_code(fn, other) -> bool:
+def same_code(fn, other) -> bool:
+    """Whether two functions run the same code (compared as bytecode and names: transformers' families
+    generated from one another's modules share it)."""
     a, b = inspect.unwrap(fn).__code__, inspect.unwrap(other).__code__
     return a.co_code == b.co_code and a.co_names == b.co_names
 
@@ -86,7 +88,7 @@ def _qwen3_attention(forward) -> bool:
         from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention
     except ImportError:
         return False
-    return _same_code(forward, Qwen3Attention.forward)
+    return same_code(forward, Qwen3Attention.forward)
 
 
 def _norm_rope_of(attn: nn.Module):

@@ -181,6 +181,15 @@ class LayerRecompute:
         else:
             self._run = ([proj], weakref.ref(x), layer)
 
+    def _take_kept(self, kept: dict, proj: nn.Linear) -> torch.Tensor | None:
+        """The product forward kept for ``proj``'s next call, or None where forward changed it in place after
+        returning it (then multiplied again, and kept as a copy from then on)."""
+        y, version = kept[proj].popleft()
+        if y._version == version:
+            return y
+        self._copied.add(proj)
+        return None
+
     def _group_forward(self, proj: nn.Linear, x: torch.Tensor, kept: dict | None) -> torch.Tensor | None:
         """In the recompute, at a group's first linear: one node for the group, whose later linears' outputs
         wait in ``_pending`` for their calls; None for a linear in no group."""
@@ -188,15 +197,7 @@ class LayerRecompute:
         if group is None or proj is not group[0] or any(m in self._pending for m in group) or \
                 (kept is not None and not all(kept.get(m) for m in group)):
             return None  # (no group, or a call order the forward did not show: each linear on its own)
-        outs = []
-        for m in group:
-            y = None
-            if kept is not None:
-                y, version = kept[m].popleft()
-                if y._version != version:
-                    self._copied.add(m)  # changed in place after forward returned it: multiply again
-                    y = None
-            outs.append(y)
+        outs = [None if kept is None else self._take_kept(kept, m) for m in group]
         params = [t for m in group for t in (m.weight, m.bias)]
         ys = _SharedInputLinears.apply(x, outs, *params)
         for m, y in zip(group[1:], ys[1:]):
@@ -220,12 +221,8 @@ class LayerRecompute:
                     y = self._group_forward(proj, x, kept)
                     if y is not None:
                         return y
-                if kept is not None:
-                    y, version = kept[proj].popleft()
-                    if y._version == version:
-                        return _RecomputedLinear.apply(x, proj.weight, proj.bias, [y], False, casts)
-                    self._copied.add(proj)  # changed in place after forward returned it: multiply again
-                return _RecomputedLinear.apply(x, proj.weight, proj.bias, None, False, casts)
+                y = None if kept is None else self._take_kept(kept, proj)
+                return _RecomputedLinear.apply(x, proj.weight, proj.bias, None if y is None else [y], False, casts)
             # (with gradients outside the recompute, as token-chunked MLPs' checkpoints: autograd's linear)
             if not grad:
                 self._learn(proj, layer, x, last)
