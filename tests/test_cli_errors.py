@@ -318,7 +318,7 @@ def _handled(pid: int, signum: int, timeout: float = 30) -> None:
     pytest.fail(f"process {pid} never caught signal {signum}")
 
 
-@pytest.mark.parametrize("sig,code", [("SIGINT", 130), ("SIGTERM", 143)])
+@pytest.mark.parametrize("sig,code", [("SIGINT", 130), ("SIGTERM", 143), ("SIGHUP", 129)])
 def test_a_signal_during_start_up_ends_the_run_at_once(tmp_path, sig, code):
     import signal
 
@@ -331,7 +331,9 @@ def test_a_signal_during_start_up_ends_the_run_at_once(tmp_path, sig, code):
     assert "Traceback" not in out and f"{sig}: stopped before a training step" in out
 
 
-def test_sigterm_while_training_saves_the_step_and_exits_143(tmp_path):
+@pytest.mark.parametrize("sig,code", [("SIGTERM", 143), ("SIGHUP", 129)])
+def test_a_signal_while_training_saves_the_step_and_exits_128_plus_it(tmp_path, sig, code):
+    """(SIGHUP with the output a pipe, or a terminal still there: as SIGTERM.)"""
     import signal
 
     p = _cli(tmp_path, "progress=false", "device=cpu", "max_steps=100000", "logging_steps=1", "micro_batch_size=2",
@@ -340,13 +342,63 @@ def test_sigterm_while_training_saves_the_step_and_exits_143(tmp_path):
     for line in p.stdout:
         seen.append(line)
         if line.startswith("step 2/"):
-            p.send_signal(signal.SIGTERM)
+            p.send_signal(getattr(signal, sig))
             break
     out = "".join(seen) + p.communicate(timeout=120)[0]
-    assert p.returncode == 143, out
+    assert p.returncode == code, out
     saved = [d for d in (tmp_path / "o").glob("checkpoint-*")]
     assert len(saved) == 1 and (saved[0] / "state" / "trainer.json").is_file(), out
-    assert "SIGTERM: stopped after step" in out and "Traceback" not in out
+    assert f"{sig}: stopped after step" in out and "Traceback" not in out
+
+
+def test_a_terminal_that_hangs_up_mid_training_still_gets_the_step_saved(tmp_path):
+    """An ssh session that drops: the terminal hangs up (its writes fail with EIO from then on), then SIGHUP
+    comes. The run must not die on its next progress line before the save; it saves and exits 129."""
+    import signal
+
+    try:
+        master, slave = os.openpty()
+    except OSError:
+        pytest.skip("no pseudo-terminal here")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "slideformer.cli", "train", "progress=false", "device=cpu",
+                          "max_steps=100000", "logging_steps=1", "micro_batch_size=2", f"output_dir={tmp_path}/o"],
+                         stdin=slave, stdout=slave, stderr=slave, env=env, cwd=tmp_path)
+    os.close(slave)
+    seen, deadline = b"", time.monotonic() + 120
+    try:
+        while b"step 2/" not in seen and time.monotonic() < deadline and p.poll() is None:
+            try:
+                seen += os.read(master, 4096)
+            except OSError:
+                break
+    finally:
+        os.close(master)  # the hangup: the child's terminal is gone
+    assert b"step 2/" in seen, seen.decode(errors="replace")
+    time.sleep(0.3)  # (a progress line or two into the dead terminal before the signal, as with a shell's SIGHUP)
+    p.send_signal(signal.SIGHUP)
+    assert p.wait(timeout=120) == 129
+    saved = list((tmp_path / "o").glob("checkpoint-*"))
+    assert len(saved) == 1 and (saved[0] / "state" / "trainer.json").is_file()
+    assert not (tmp_path / "o" / "slideformer-error.log").exists()
+
+
+def test_a_run_started_under_nohup_keeps_ignoring_sighup():
+    import signal
+
+    from slideformer.signals import Signals
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        with Signals():
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
+        before_default = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        with Signals() as s:
+            assert signal.getsignal(signal.SIGHUP) == s._on_signal
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL and before_default is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
 
 
 def test_a_swallowed_interrupt_during_start_up_still_stops_the_run(tmp_path, monkeypatch, capsys):

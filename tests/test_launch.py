@@ -74,7 +74,8 @@ def _left_running(tmp_path) -> list[int]:
     return left
 
 
-@pytest.mark.parametrize("sig,code,ranks_too", [("SIGINT", 130, False), ("SIGTERM", 143, True)])
+@pytest.mark.parametrize("sig,code,ranks_too", [("SIGINT", 130, False), ("SIGTERM", 143, True),
+                                                  ("SIGHUP", 129, True)])
 def test_a_signal_saves_the_step_on_every_rank_and_exits_with_its_code(tmp_path, sig, code, ranks_too):
     """A signal to the launcher reaches each rank (in a session of its own) through it; a job scheduler's to
     every process (or `pkill -f`) reaches each rank twice at once, which is still one request to stop after

@@ -1,7 +1,7 @@
-"""SIGINT and SIGTERM, handled from the process's first line: until training starts each ends the run
-at once, since nothing is there to save; once training, the first asks the loop to stop after its step
-and save, and a second ends the run at once (the last checkpoint kept). A run ends with 128 + the
-signal's number. A repeat within ``SAME_REQUEST_S`` of the first is the same request, not a second one:
+"""SIGINT, SIGTERM and SIGHUP, handled from the process's first line: until training starts each ends
+the run at once, since nothing is there to save; once training, the first asks the loop to stop after
+its step and save, and a second ends the run at once (the last checkpoint kept). A run ends with 128 +
+the signal's number. A repeat within ``SAME_REQUEST_S`` of the first is the same request, not a second one:
 a job scheduler's signal to every process of a job (or `pkill -f`) reaches a rank directly and again
 through its launcher (torchrun's agent, ``nproc_per_node``'s), which passes on the signal it got.
 
@@ -9,7 +9,12 @@ The handler is one per process (``Signals`` entered again while active shares th
 entry point enters it with ``hard=True`` before anything heavy is imported: a signal during start-up
 then prints its line and leaves with ``os._exit``, since raising inside torch's import (a C extension
 half-initialised) can crash the interpreter. Elsewhere (a library caller, the tests) start-up signals
-raise ``Interrupted``. No torch here: this module is imported before it."""
+raise ``Interrupted``. No torch here: this module is imported before it.
+
+SIGHUP is a closed terminal (an ssh session that dropped). Its writes then fail (EIO), and a run whose
+progress line failed would not reach its save, so the hung-up terminal's descriptors are pointed at
+/dev/null first; a live terminal (a `kill -HUP`) keeps printing. A process that started with SIGHUP
+ignored (`nohup`) keeps ignoring it: it was asked to outlive its terminal."""
 from __future__ import annotations
 
 import os
@@ -19,10 +24,11 @@ import threading
 import time
 
 SAME_REQUEST_S = 1.0  # a launcher passes its signal on within milliseconds; a person's second Ctrl-C comes later
+HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGINT or SIGTERM ended the run before a step could finish (start-up, or a second signal)."""
+    """SIGINT, SIGTERM or SIGHUP ended the run before a step could finish (start-up, or a second signal)."""
 
     def __init__(self, signum: int, training: bool = False):
         super().__init__(signal.Signals(signum).name)
@@ -46,6 +52,7 @@ class Signals:
         self._old: dict = {}
         self._depth = 0
         self._shared: "Signals | None" = None
+        self._terminal: list[int] = []  # (stdout's and stderr's descriptors that were a terminal at entry)
 
     def __enter__(self) -> "Signals":
         active = Signals._active
@@ -54,13 +61,18 @@ class Signals:
             active._depth += 1
             return active
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in HANDLED:
+                if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
+                    continue
                 self._old[sig] = signal.signal(sig, self._on_signal)
+            self._terminal = [fd for fd in (1, 2) if os.isatty(fd)]
             Signals._active = self
         self._depth = 1
         return self
 
     def _on_signal(self, signum, frame) -> None:
+        if signum == signal.SIGHUP:
+            self._leave_terminal()
         first = self.requested is None
         if first:
             self._first_at = time.monotonic()
@@ -70,9 +82,21 @@ class Signals:
         if self._training and first:
             return  # the loop stops after its step and saves
         if self.hard and not self._training:
-            print(Interrupted(signum).line(), file=sys.stderr, flush=True)
+            try:
+                print(Interrupted(signum).line(), file=sys.stderr, flush=True)
+            except (OSError, ValueError):  # (stderr gone: a closed pipe, or sys.stderr closed)
+                pass
             os._exit(128 + signum)
         raise Interrupted(signum, self._training)
+
+    def _leave_terminal(self) -> bool:
+        gone = [fd for fd in self._terminal if not os.isatty(fd)]
+        for fd in gone:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, fd)
+            os.close(null)
+        self._terminal = [fd for fd in self._terminal if fd not in gone]
+        return bool(gone)
 
     @property
     def started(self) -> bool:
@@ -98,3 +122,10 @@ class Signals:
             signal.signal(sig, old)
         if Signals._active is self:
             Signals._active = None
+
+
+def leave_terminal() -> bool:
+    """Point the process's descriptors of a terminal that hung up (no longer a terminal: its ioctls fail) at
+    /dev/null, so that what the run says from here on cannot fail; whether one had. For a write that failed
+    in the moment between a hangup and its SIGHUP, or where a launcher took SIGHUP from us (torch's agent)."""
+    return Signals._active._leave_terminal() if Signals._active is not None else False

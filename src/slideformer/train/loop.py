@@ -28,7 +28,7 @@ from ..config import ConfigError, Placement
 from ..data import DataError, detect_format, pack_batch, pad_batch, read_records, render, to_messages
 from ..data.formats import check_chat_template, max_token_chars
 from ..data.lazy import LazyExamples, Subset
-from ..signals import Signals
+from ..signals import Signals, leave_terminal
 from ..checkpoint.state import CheckpointWriteError, CorruptCheckpointError, read_meta
 from .config import OffloadConfig, TrainConfig, _assets
 from .outdir import CKPT_PREFIX, METRICS, OutputDir, OutputDirError
@@ -621,12 +621,22 @@ def _save(engine, tok, out: OutputDir, step: int, state: dict, limit: int | None
 
 def _progress(enabled: bool, total: int, start: int):
     """A rich progress bar on a terminal (plain lines when disabled or when stdout is a file or a pipe, where a
-    redrawn bar would be cut): step/total, loss, lr, grad-norm, tok/s, memory, ETA."""
+    redrawn bar would be cut): step/total, loss, lr, grad-norm, tok/s, memory, ETA. A terminal that hung up
+    before its SIGHUP came is left (signals.py), not the run."""
+    def surviving(show):
+        def said(done, rec):
+            try:
+                show(done, rec)
+            except OSError:
+                if not leave_terminal():
+                    raise
+        return said
+
     if not enabled or not sys.stdout.isatty():
         def plain(done, rec):
             if rec:
                 print(_line(done, total, rec), flush=True)
-        return plain
+        return surviving(plain)
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     bar = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"),
@@ -639,7 +649,7 @@ def _progress(enabled: bool, total: int, start: int):
             bar.stop()
             return
         bar.update(task, completed=done, info=_line(None, total, rec))
-    return update
+    return surviving(update)
 
 
 def _line(done, total, r) -> str:
