@@ -19,7 +19,8 @@ EXIT_CODES_HELP = ("Exit codes: 0 done, 1 unexpected failure (traceback in slide
                    "data, model or checkpoint, 3 does not fit, 4 non-finite loss or gradient, 5 a file could not be "
                    "written or read (full or read-only disk, permissions), 6 no progress within the watchdog's limit "
                    "(every thread's stack printed), 7 another rank of a torchrun job failed or was lost, 129 SIGHUP, "
-                   "130 SIGINT, 143 SIGTERM (a checkpoint was saved if a step had finished); 3 also where the process neared its host memory budget (a checkpoint was saved).")
+                   "130 SIGINT, 143 SIGTERM (a checkpoint was saved if a step had finished); 3 also where the "
+                   "process neared its host memory budget (a checkpoint was saved).")
 
 
 def cmd_train(args) -> int:
