@@ -68,6 +68,10 @@ def model_dirs(tmp_path):
     ("seed=99999999999999999999999", 2, ["seed must lie in [0, 2**63)"]),
     ("fp8=true", 2, ["fp8: true", "on device cpu", "set fp8: false"]),
     ("fp8=maybe", 2, ["fp8 must be true or false"]),
+    # (in the trainer's keys: its compute dtype is bf16, not the engine's compute_dtype)
+    ("offload.optimizer_state=compact", 2, ["offload.optimizer_state='compact'", "set bf16: true"]),
+    ("attn_implementation=flash_attention_2", 2, ["runs on CUDA only"]),  # (before transformers' ImportError)
+    ("dataset={t}/data/missing.jsonl", 2, ["dataset file", "data/missing.jsonl does not exist"]),  # not a Hub name
 ])
 def test_bad_settings(tmp_path, capsys, override, code, needles):
     t = model_dirs(tmp_path)
@@ -97,12 +101,40 @@ def test_a_number_for_a_folder_name_is_a_folder_name(tmp_path, monkeypatch):
     ("broken.jsonl", b'{"text": "ok"}\n{"text": \n', ["broken.jsonl:2: not valid JSON", "skip_bad_records"]),
     ("empty.jsonl", b"\n", ["empty.jsonl holds no records"]),
     ("surrogate.jsonl", b'{"text": "\\ud800 bad"}\n', ["surrogate.jsonl:1: text holds invalid Unicode"]),
+    ("notes.txt", b"plain prose, one paragraph\n", ["notes.txt:1: not valid JSON", "a .txt file is read as JSONL",
+                                                   '{"text": ...}']),
 ])
 def test_bad_data_files_are_named(tmp_path, capsys, name, content, needles):
     p = data(tmp_path, name, content)
     assert main(FAST + [f"output_dir={tmp_path}/out", f"dataset=[{p}]"]) == 2
     one_line(capsys, *needles)
     assert not (tmp_path / "out").exists()  # refused before the run took its folder
+
+
+def test_a_byte_order_mark_before_the_first_record_is_not_part_of_it(tmp_path, capsys):
+    """(Editors on Windows write one; JSON and JSONL alike.)"""
+    from slideformer.data import read_records
+    from slideformer.data.lazy import JsonlLines
+
+    recs = [{"text": f"sample number {i}"} for i in range(8)]
+    p = data(tmp_path, "bom.jsonl", b"\xef\xbb\xbf" + "\n".join(json.dumps(r) for r in recs).encode() + b"\n")
+    q = data(tmp_path, "bom.json", b"\xef\xbb\xbf" + json.dumps(recs).encode())
+    assert [r for _, r in read_records(p)] == [r for _, r in read_records(q)] == recs
+    assert JsonlLines(p, skip_bad=False)[0][1] == recs[0]
+    assert main(FAST + [f"output_dir={tmp_path}/out", f"dataset=[{p}]"]) == 0
+
+
+def test_dataset_paths_on_the_command_line_are_from_the_current_folder(tmp_path, monkeypatch):
+    """A config file's dataset paths are relative to the file; the command line's to where it runs."""
+    from slideformer.train.config import load_config
+
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "run.yaml").write_text("dataset: in_cfg.jsonl\neval_dataset: [held.jsonl]\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("cfg/run.yaml")
+    assert cfg.dataset[0].path == "cfg/in_cfg.jsonl" and cfg.eval_dataset[0].path == "cfg/held.jsonl"
+    cfg = load_config("cfg/run.yaml", ["dataset=mine.jsonl"])
+    assert cfg.dataset[0].path == "mine.jsonl" and cfg.eval_dataset[0].path == "cfg/held.jsonl"
 
 
 def test_skip_bad_records_also_skips_lines_that_are_not_json(tmp_path, capsys):

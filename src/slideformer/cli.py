@@ -43,8 +43,9 @@ def cmd_train(args) -> int:
         return code
     h = result["history"]
     if h:
-        print(f"loss {h[0]['loss']:.3f} -> {h[-1]['loss']:.3f} over {result['steps']} steps; "
-              f"checkpoint: {result['checkpoint']} (loads with transformers' from_pretrained)")
+        span = (f"loss {h[0]['loss']:.3f} at step {h[0]['step']}" if len(h) == 1 else  # (this run's logged steps)
+                f"loss {h[0]['loss']:.3f} at step {h[0]['step']} -> {h[-1]['loss']:.3f} at step {h[-1]['step']}")
+        print(f"{span}; checkpoint: {result['checkpoint']} (loads with transformers' from_pretrained)")
     elif result["status"] == "finished":
         print(f"nothing to train: the run is already at step {result['steps']} (checkpoint: {result['checkpoint']}); "
               "raise max_steps or num_train_epochs to train on")
@@ -59,8 +60,9 @@ def cmd_train(args) -> int:
         import signal
 
         name = signal.Signals(result["signal"]).name
-        print(f"{name}: stopped after step {result['steps']}; saved {result['checkpoint']}; the same command "
-              "continues the run", file=sys.stderr)
+        how = ("the same command continues the run" if cfg.resume_from_checkpoint == "auto" else
+               "the same command with resume_from_checkpoint=auto continues the run")  # (else: it starts over)
+        print(f"{name}: stopped after step {result['steps']}; saved {result['checkpoint']}; {how}", file=sys.stderr)
     return code
 
 

@@ -163,7 +163,7 @@ class EngineConfig:
             raise ConfigError(f"compute_dtype must be bfloat16, float16 or float32, got {self.compute_dtype}")
         if self.fp8 and (self.compute_dtype != torch.bfloat16 and str(self.device).startswith("cuda")):
             raise ConfigError("fp8 multiplies the layers' linears in FP8 with bf16 outputs: set compute_dtype="
-                              "torch.bfloat16 (bf16: true), or leave fp8 off")
+                              "torch.bfloat16, or leave fp8 off")
         dev = torch.device(self.device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device='cuda' but CUDA is not available; pass device='cpu' to run on the CPU")
@@ -223,7 +223,7 @@ class EngineConfig:
                                       "sdpa on the CPU")
                 if self.compute_dtype == torch.float32:
                     raise ConfigError(f"attn_implementation={self.attn_implementation!r} runs in bf16 or fp16, not "
-                                      "fp32: set compute_dtype=torch.bfloat16 (the trainer: bf16: true), or use sdpa")
+                                      "fp32: set compute_dtype=torch.bfloat16, or use sdpa")
                 if not getattr(tu, f"is_flash_attn_{version}_available")():
                     raise ConfigError(f"attn_implementation={self.attn_implementation!r} needs FlashAttention "
                                       f"{version} installed (pip install flash-attn"

@@ -23,6 +23,9 @@ class DataError(ValueError):
 
 
 LOADERS = {".csv": "csv", ".tsv": "csv", ".arrow": "arrow"}  # file types read through datasets.load_dataset
+JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")
+# a name with one of these is a local file, never a Hub dataset's name (a missing one is said to be missing)
+FILE_SUFFIXES = (".json", ".parquet", ".txt", ".gz", ".bz2", ".zst", *JSONL_SUFFIXES, *LOADERS)
 
 
 def read_records(path: str | os.PathLike, skip_bad: bool = False, split: str | None = None,
@@ -39,7 +42,7 @@ def read_records(path: str | os.PathLike, skip_bad: bool = False, split: str | N
         return [(f"{p}[record {i}]", dict(r)) for i, r in enumerate(open_parquet(p))]
     if p.suffix == ".json":
         try:
-            data = json.loads(p.read_text(encoding="utf-8"))
+            data = json.loads(p.read_text(encoding="utf-8-sig"))
         except UnicodeDecodeError as e:
             raise DataError(f"{p}: not UTF-8 text (byte {e.start}); save it as UTF-8") from e
         except json.JSONDecodeError as e:
@@ -52,23 +55,33 @@ def read_records(path: str | os.PathLike, skip_bad: bool = False, split: str | N
     out = []
     with open(p, "rb") as f:
         for lineno, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{p}:{lineno}: not UTF-8 text (byte {e.start} of the line); save the file as "
-                                "UTF-8") from e
-            if not raw.strip():  # (ASCII whitespace only, as data/lazy.py's index has it)
-                continue
-            try:
-                out.append((f"{p}:{lineno}", json.loads(line)))
-            except (json.JSONDecodeError, RecursionError) as e:
-                if skip_bad:
-                    out.append((f"{p}:{lineno}", None))
-                    continue
-                why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deeply"
-                raise DataError(f"{p}:{lineno}: not valid JSON ({why}); fix the line, or set "
-                                "skip_bad_records: true to skip such lines") from None
+            if raw.strip():  # (ASCII whitespace only, as data/lazy.py's index has it)
+                out.append((f"{p}:{lineno}", jsonl_record(raw, p, lineno, skip_bad)))
     return out
+
+
+def jsonl_record(raw: bytes, p: Path, lineno: int, skip_bad: bool) -> dict | None:
+    """Line ``lineno`` of JSONL file ``p`` as its record; None for one that is not JSON under ``skip_bad``.
+    A byte-order mark before the first line is not part of it (editors on Windows write one)."""
+    where = f"{p}:{lineno}"
+    if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not UTF-8 text (byte {e.start} of the line); save the file as UTF-8") from e
+    try:
+        return json.loads(line)
+    except (json.JSONDecodeError, RecursionError) as e:
+        if skip_bad:
+            return None
+        why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+        if p.suffix.lower() not in JSONL_SUFFIXES:  # (not a malformed line of a JSONL file: another kind of file)
+            raise DataError(f"{where}: not valid JSON ({why}); a {p.suffix or 'suffix-less'} file is read as JSONL "
+                            "(a JSON record a line): give JSONL, JSON, Parquet, CSV or Arrow, plain text as "
+                            '{"text": ...} records') from None
+        raise DataError(f"{where}: not valid JSON ({why}); fix the line, or set skip_bad_records: true to skip such "
+                        "lines") from None
 
 
 def check_readable(p: Path) -> None:
@@ -237,9 +250,10 @@ def render(rec_messages, tokenizer, where: str, cutoff_len: int | None = None,
 
 
 def _hub_name(name: str) -> bool:
-    """Whether ``name`` reads as a Hub dataset ("org/name", no such local path)."""
+    """Whether ``name`` reads as a Hub dataset ("org/name", no such local path, not a file's name)."""
     parts = name.split("/")
-    return len(parts) == 2 and all(parts) and not name.startswith((".", "~")) and "." not in parts[0]
+    return (len(parts) == 2 and all(parts) and not name.startswith((".", "~")) and "." not in parts[0]
+            and Path(name).suffix.lower() not in FILE_SUFFIXES)
 
 
 def _through_datasets(name: str, p: Path, split: str | None, subset: str | None) -> list[tuple[str, dict]]:

@@ -11,13 +11,13 @@ passed over and counted once.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import numpy as np
 
-from .formats import LOADERS, DataError, _hub_name, check_readable, open_parquet, open_through_datasets, read_records
+from .formats import (LOADERS, DataError, _hub_name, check_readable, jsonl_record, open_parquet, open_through_datasets,
+                      read_records)
 
 CHUNK = 4 << 20  # bytes scanned for line ends at a time
 _SPACE = np.zeros(256, np.bool_)
@@ -66,7 +66,8 @@ class JsonlLines:
 
     def __getitem__(self, i: int) -> tuple[str, dict | None]:
         i = int(i)
-        where = f"{self.path}:{i + 1 + int(np.searchsorted(self._blank_at, i, side='right'))}"
+        lineno = i + 1 + int(np.searchsorted(self._blank_at, i, side='right'))
+        where = f"{self.path}:{lineno}"
         start = int(self.starts[i])
         end = int(self.starts[i + 1]) if i + 1 < len(self.starts) else self.size
         try:
@@ -75,19 +76,10 @@ class JsonlLines:
                 raw = os.pread(fd, end - start, start)
             finally:
                 os.close(fd)
-            line = raw.split(b"\n", 1)[0].decode("utf-8")  # (the record's own line: blank ones may follow)
-        except UnicodeDecodeError as e:
-            raise DataError(f"{where}: not UTF-8 text (byte {e.start} of the line); save the file as UTF-8") from e
         except OSError as e:
             raise DataError(f"dataset file {self.path}: cannot read it ({e.strerror})") from e
-        try:
-            return where, json.loads(line)
-        except (json.JSONDecodeError, RecursionError) as e:
-            if self.skip_bad:
-                return where, None
-            why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deeply"
-            raise DataError(f"{where}: not valid JSON ({why}); fix the line, or set skip_bad_records: true to "
-                            "skip such lines") from None
+        # (the record's own line: blank ones may follow)
+        return where, jsonl_record(raw.split(b"\n", 1)[0], Path(self.path), lineno, self.skip_bad)
 
 
 class ArrowRows:

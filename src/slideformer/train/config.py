@@ -341,11 +341,11 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
     if "offload" in raw:
         raw["offload"] = OffloadConfig(**_checked(raw["offload"], OffloadConfig, "offload"))
     cfg = TrainConfig(**raw)
-    if path is not None:  # dataset paths are relative to the config file
+    if path is not None:  # a config file's dataset paths are relative to it; the command line's to where it runs
         base = Path(path).parent
         for key in ("dataset", "eval_dataset"):
             ds = getattr(cfg, key)
-            if ds is None:
+            if ds is None or key in given:
                 continue
             setattr(cfg, key, [{**d, "path": str(base / d["path"])}
                                if isinstance(d, dict) and isinstance(d.get("path"), str) and not os.path.isabs(d["path"])

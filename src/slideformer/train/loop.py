@@ -167,7 +167,11 @@ def load_model_config(cfg: TrainConfig):
             hf_config = AutoConfig.from_pretrained(str(path))
         except (OSError, ValueError, KeyError) as e:
             raise ConfigError(f"{path / 'config.json'}: transformers cannot read it ({str(e).splitlines()[0][:200]})") from e
-    ModelAdapter(hf_config, attn_implementation=cfg.attn_implementation)  # (what the engine cannot run: refused now)
+    try:  # (what the engine cannot run: refused now)
+        ModelAdapter(hf_config, attn_implementation=cfg.attn_implementation)
+    except ImportError as e:  # (transformers' check of the attention's package)
+        raise ConfigError(f"attn_implementation={cfg.attn_implementation!r}: {str(e).splitlines()[0][:200]}; install "
+                          "it, or leave attn_implementation unset (sdpa)") from None
     positions = getattr(hf_config, "max_position_embeddings", None)
     if cfg.cutoff_len is None:
         cfg.cutoff_len = min(DEFAULT_CUTOFF_LEN, positions or DEFAULT_CUTOFF_LEN)
@@ -182,6 +186,7 @@ def _in_user_keys(message: str) -> str:
     from .config import OffloadConfig
 
     names = sorted((f.name for f in dataclasses.fields(OffloadConfig)), key=len, reverse=True)
+    message = message.replace("compute_dtype=torch.bfloat16", "bf16: true")
     message = re.sub(r"(?<![\w.])(" + "|".join(names) + r")\b", r"offload.\1", message)
     return re.sub(r"(?<![\w.])lr\b", "learning_rate", message)
 
@@ -224,7 +229,6 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     ranks = parallel.init_from_env(device)  # (under torchrun: data parallel, parallel.py)
     world = ranks.world if ranks else 1
-    hf_config = load_model_config(cfg)
     o = cfg.offload
     ecfg = EngineConfig(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
                         max_grad_norm=cfg.max_grad_norm, device=device, seed=cfg.seed,
@@ -236,6 +240,7 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
         ecfg.validate()  # (before any work; its messages in the config's key names)
     except ConfigError as e:
         raise ConfigError(_in_user_keys(str(e))) from None
+    hf_config = load_model_config(cfg)
     resume = cfg.resume_from_checkpoint
     if resume not in (None, "auto"):
         read_meta(resume)  # (a folder that is not a checkpoint is refused before any work)
