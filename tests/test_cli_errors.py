@@ -57,6 +57,12 @@ def model_dirs(tmp_path):
     ("save_total_limit=-1", 2, ["save_total_limit must be >= 1"]),
     ("offload.gpu_memory_limit=lots", 2, ["offload.gpu_memory_limit", "24GiB"]),
     ("offload.host_memory_limit=0GiB", 2, ["offload.host_memory_limit", "must be > 0"]),
+    ("offload.host_memory_limit=24", 2, ["offload.host_memory_limit", "'24' has no unit", "'24GiB'"]),
+    ("offload.gpu_memory_limit=100KB", 2, ["offload.gpu_memory_limit", "'100KB' is under 1 MiB"]),
+    ("offload.gpu_memory_limit=1MiB", 3, ["this model needs at least", "over the 1.0 MiB budget",
+                                          "raise offload.gpu_memory_limit to"]),  # (the model's floor: no batch)
+    ("offload.host_memory_limit=1GiB", 3, ["host_memory_limit is 1.0 GiB", "process itself",
+                                          "use offload.host_memory_limit above 2.0 GiB"]),
     ("offload.window_slots=1", 2, ["offload.window_slots must be auto or a number of slots >= 2"]),
     ("offload.window_slots=three", 2, ["offload.window_slots must be auto or a number of slots >= 2, got 'three'"]),
     ("output_dir=/etc/passwd/run", 5, ["/etc/passwd/run"]),
@@ -244,8 +250,10 @@ def test_plan_refuses_nonsense(capsys):
     one_line(capsys, "not a preset")
     assert main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1", "--gpu-memory", "lots"]) == 2
     one_line(capsys, "--gpu-memory", "24GiB")
-    assert main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1", "--gpu-memory", "0"]) == 2
+    assert main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1", "--gpu-memory", "0GiB"]) == 2
     one_line(capsys, "--gpu-memory", "must be > 0")
+    assert main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1", "--gpu-memory", "24"]) == 2
+    one_line(capsys, "--gpu-memory", "'24' has no unit; write e.g. '24GiB'")
     for flag, value in (("--nvme-fraction", "7"), ("--nvme-fraction", "-3"), ("--max-grad-norm", "nan")):
         with pytest.raises(SystemExit):
             main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1", flag, value])

@@ -105,7 +105,7 @@ def test_engine_refuses_a_host_state_over_the_ram_before_allocating(monkeypatch)
 
     monkeypatch.setattr(engine_mod, "host_memory", lambda: 2**14)  # a 16 KiB machine
     monkeypatch.setattr(store.HostStore, "__init__", lambda *a, **k: pytest.fail("allocated before refusing"))
-    with pytest.raises(DoesNotFit, match=r"host state needs about .* GiB of host RAM \(master .*moments .*offload_dir"):
+    with pytest.raises(DoesNotFit, match=r"host state needs about .* MiB of host RAM \(master .*moments .*offload_dir"):
         SlideEngine(build("llama"), EngineConfig(device="cpu", compute_dtype=torch.float32))
 
 

@@ -26,9 +26,17 @@ def test_parse_bytes():
     assert parse_bytes("24GiB") == 24 * GiB
     assert parse_bytes("80GB") == 80 * 10**9
     assert parse_bytes("512 MiB") == 512 * 2**20
-    assert parse_bytes(1000) == 1000
-    with pytest.raises(ValueError, match="24GiB"):
-        parse_bytes("lots")
+    assert parse_bytes(1000) == parse_bytes("1000B") == parse_bytes("1KB") == 1000  # (the library's: bytes)
+    assert parse_bytes("1.5GiB") == 3 * GiB // 2
+    for bad, said in (("lots", "24GiB"), ("24", "'24' has no unit; write e.g. '24GiB'"), ("1.2.3GB", "24GiB"),
+                      ("0GiB", "must be > 0"), (True, "24GiB")):
+        with pytest.raises(ValueError, match=re.escape(said)):
+            parse_bytes(bad)
+    from slideformer.plan.memory import user_bytes
+
+    assert user_bytes("24GiB") == 24 * GiB
+    with pytest.raises(ValueError, match=re.escape("24 is 24 bytes, under 1 MiB: write its unit, e.g. '24GiB'")):
+        user_bytes(24)  # (a YAML number: the unit forgotten)
 
 
 @pytest.mark.parametrize("name,batch,slots,kernel,measured_gib", [
@@ -178,7 +186,7 @@ def test_the_whole_card_streams_layers_whose_memory_would_rather_keep_products()
     from slideformer.plan import auto_residency
 
     sh = shape("qwen3-4b")
-    cfg = EngineConfig(gpu_memory_limit=f"{int(0.9 * 139.8 * GiB)}")
+    cfg = EngineConfig(gpu_memory_limit=f"{int(0.9 * 139.8 * GiB)}B")
     r = auto_residency(cfg, sh, 32, 1024)
     assert r["resident_layers"] < sh.layers
     assert fit(sh, 32, 1024, int(0.9 * 139.8 * GiB), Layout(**r)).saved_layers == sh.layers
@@ -266,7 +274,9 @@ def test_host_memory_limit_bounds_the_plan_and_says_what_it_gave_up():
     short = resolve(replace(cfg, host_memory_limit="44GiB"), Auto(), sh, 8, 1024, machine, prefix="offload.")
     assert short.binds == "host" and "offload.host_memory_limit is 44.0 GiB" in short.problem
     assert "a larger offload.host_memory_limit" in short.problem and "offload.optimizer_state" in short.problem
-    with pytest.raises(DoesNotFit, match="host_memory_limit is 0.1 GiB"):
+    # (under what the process itself takes, only a larger limit helps: the line says so, and how large)
+    with pytest.raises(DoesNotFit, match=r"host_memory_limit is 100.0 MiB .*process itself.*; use "
+                                         r"host_memory_limit above 2.0 GiB$"):
         SlideEngine(build("llama"), EngineConfig(device="cpu", compute_dtype=torch.float32, host_memory_limit="100MiB"))
 
 

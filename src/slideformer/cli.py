@@ -87,7 +87,7 @@ def cmd_plan(args) -> int:
     from .machine import Machine, MachineRates, disk_free, gpu_memory, host_memory
     from .plan import Auto, ModelShape, nvme_layer_count, parse_bytes, predicted_step, resolve
     from .plan.resolve import tier_bytes
-    from .plan.memory import PROCESS_BYTES, config_rank_host_bytes, host_budget, saved_layers
+    from .plan.memory import PROCESS_BYTES, config_rank_host_bytes, fmt_bytes, host_budget, saved_layers, user_bytes
     from .presets import PRESETS, preset_config
 
     from .config import ConfigError
@@ -104,8 +104,8 @@ def cmd_plan(args) -> int:
     for flag in ("gpu_memory", "cpu_memory", "host_memory_limit", "disk_space"):
         value = getattr(args, flag)
         try:
-            if value is not None and parse_bytes(value) <= 0:
-                raise ValueError(f"a memory size must be > 0, got {value!r}; write e.g. '24GiB'")
+            if value is not None:
+                user_bytes(value)
         except ValueError as e:
             raise ConfigError(f"--{flag.replace('_', '-')}: {e}") from None
     shape = ModelShape.from_adapter(ModelAdapter(config))
@@ -211,7 +211,7 @@ def cmd_plan(args) -> int:
     if args.json:
         print(json.dumps(out))
     else:
-        gib = lambda x: f"{x / 2**30:.1f} GiB"  # noqa: E731
+        gib = fmt_bytes
         n = args.nproc_per_node
         print(f"{args.model}: {shape.params / 1e9:.2f} B params, batch {args.batch_size} x seq {args.seq_len}"
               + (f" per GPU, {n} processes (data parallel): each GPU's and one process's figures, the one "

@@ -44,7 +44,7 @@ from ..model.fused_ops import apply_liger
 from ..model.fused_ops import resolve as resolve_fused_ops
 from ..machine import host_memory
 from ..plan.memory import (LOSS_CHUNK_TOKENS, ModelShape, Layout, check_host_fits, config_host_bytes, embedding_by_rows,
-                           fit, nvme_layer_count, parse_bytes, saved_layers, speculative_spares)
+                           fit, fmt_bytes, nvme_layer_count, parse_bytes, saved_layers, speculative_spares)
 from ..window.schedule import plan_step
 from .activations import ActivationStore
 from .embedding import step_rows
@@ -779,7 +779,7 @@ class SlideEngine:
                          + (f", {'their' if read == len(tier) else f'{read} of them their'} weights read from disk"
                             if read else ""))
         if self._limit:
-            parts.append(f"GPU budget {self._limit / 2**30:.1f} GiB")
+            parts.append(f"GPU budget {fmt_bytes(self._limit)}")
         return "; ".join(parts)
 
     def memory_report(self) -> dict[str, int]:

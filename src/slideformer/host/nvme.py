@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from ..plan.memory import fmt_bytes
+
 ALIGN = 4096
 IO_CHUNK = 64 << 20
 
@@ -73,12 +75,8 @@ def _disk_usage(path: Path) -> int:
     return sum(size(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
 def _report(freed: int, what: Path) -> None:
-    print(f"slideformer: removed {_gib(freed)} of NVMe tier files left by a process that ended ({what})",
+    print(f"slideformer: removed {fmt_bytes(freed)} of NVMe tier files left by a process that ended ({what})",
           file=sys.stderr, flush=True)
 
 
@@ -309,7 +307,7 @@ class NvmeTier:
                 try:
                     os.posix_fallocate(fd, 0, size)
                 except OSError as e:
-                    raise TierError(e.errno, f"offload_dir {self.offload_dir}: cannot reserve {_gib(need)} "
+                    raise TierError(e.errno, f"offload_dir {self.offload_dir}: cannot reserve {fmt_bytes(need)} "
                                     f"for the optimizer state on the NVMe tier ({e.strerror}); free space there, lower "
                                     "the fraction of units on the tier, or point offload_dir elsewhere") from e
                 for name, (_, k, dtype) in self.layout[u].items():

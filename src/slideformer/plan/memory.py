@@ -67,20 +67,45 @@ class DoesNotFit(ValueError):
     """No placement fits the budget; the message gives the largest batch that would."""
 
 
+MIN_SIZE = 2**20  # a size a person writes under this is a number without its unit (``user_bytes``)
+
+
 def parse_bytes(x) -> int:
-    """'24GiB', '24 GB', '512MiB' or an int of bytes."""
+    """'24GiB', '24 GB', '512MiB', '1000000B' or an int of bytes, > 0. A string needs its unit: "24" could
+    be meant as GB, GiB or bytes."""
     if isinstance(x, bool):
         raise ValueError(f"cannot read a memory size from {x!r}; write e.g. '24GiB' or '80GB'")
     if isinstance(x, (int, float)):
         if not math.isfinite(x):
             raise ValueError(f"a memory size must be finite, got {x!r}")
-        return int(x)
-    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?)B?\s*", str(x), re.IGNORECASE)
-    if not m:
-        raise ValueError(f"cannot read a memory size from {x!r}; write e.g. '24GiB' or '80GB'")
-    num, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
-    scale = (1024 if binary or not unit else 1000) ** " KMGT".index(unit or " ")
-    return int(num * scale)
+        n = int(x)
+    else:
+        m = re.fullmatch(r"\s*(\d+\.?\d*|\.\d+)\s*([KMGT]?)(i?)(B?)\s*", str(x), re.IGNORECASE)
+        if not m:
+            raise ValueError(f"cannot read a memory size from {x!r}; write e.g. '24GiB' or '80GB'")
+        num, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
+        if not unit and not m.group(4):
+            raise ValueError(f"{x!r} has no unit; write e.g. '{m.group(1)}GiB' (or '{m.group(1)}B' for bytes)")
+        n = int(num * (1024 if binary else 1000) ** " KMGT".index(unit or " "))
+    if n <= 0:
+        raise ValueError(f"a memory size must be > 0, got {x!r}")
+    return n
+
+
+def user_bytes(x) -> int:
+    """A budget a person wrote (the trainer's config, the CLI): ``parse_bytes``, and at least MIN_SIZE, since
+    a YAML ``gpu_memory_limit: 24`` is 24 bytes, never what was meant."""
+    n = parse_bytes(x)
+    if n < MIN_SIZE:
+        raise ValueError(f"{x!r} is {n} bytes, under 1 MiB: write its unit, e.g. '{x}GiB'"
+                         if isinstance(x, (int, float)) else f"{x!r} is under 1 MiB, too little for any model: "
+                         "a budget is a few GiB")
+    return n
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes for a person: GiB from 1 GiB up, else MiB (a small model's figures are not all "0.0 GiB")."""
+    return f"{n / 2**30:.1f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 @dataclass(frozen=True)
@@ -445,16 +470,21 @@ def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training",
     if cfg.host_memory_limit and host_budget(cfg, have)[1] < unlimited:  # (the limit binds, not the RAM)
         hints.append(f"a larger {k}host_memory_limit")
         whose = "each one's" if ranks > 1 else "the"
-        has = (f"{k}host_memory_limit is {ranks * parse_bytes(cfg.host_memory_limit) / 2**30:.1f} GiB "
+        has = (f"{k}host_memory_limit is {fmt_bytes(ranks * parse_bytes(cfg.host_memory_limit))} "
                + (f"shared by {ranks} processes " if ranks > 1 else "")
-               + f"({host_budget(cfg, have)[1] / 2**30:.1f} for {whose} training state)")
+               + f"({fmt_bytes(host_budget(cfg, have)[1])} for {whose} training state, after about {fmt_bytes(PROCESS_BYTES)} "
+               f"for {'each' if ranks > 1 else 'the'} process itself: Python, torch, the data)")
+        if parse_bytes(cfg.host_memory_limit) <= PROCESS_BYTES:  # (no setting but the limit can help)
+            hints = [f"{k}host_memory_limit above {fmt_bytes(ranks * PROCESS_BYTES)}"]
+        else:
+            hints.append("a smaller model")
     else:
-        has = f"this machine has {ranks * have / 2**30:.1f} GiB" + (f" for {ranks} processes" if ranks > 1 else "")
+        hints.append("a smaller model")
+        has = f"this machine has {fmt_bytes(ranks * have)}" + (f" for {ranks} processes" if ranks > 1 else "")
     if ranks > 1:
         what = f"{what} in each of the {ranks} processes on this machine"
-    raise DoesNotFit(f"{what} needs about {total / 2**30:.1f} GiB of host RAM "
-                     f"({', '.join(f'{k} {v / 2**30:.1f}' for k, v in ram.items())}), {has}; "
-                     f"use {', '.join(hints + ['a smaller model'])}")
+    raise DoesNotFit(f"{what} needs about {fmt_bytes(total)} of host RAM "
+                     f"({', '.join(f'{k} {fmt_bytes(v)}' for k, v in ram.items())}), {has}; use {', '.join(hints)}")
 
 
 MIN_GRAD_BUFFERS = 4  # the gradient ring where RAM is short: backward then runs at most 4 layers ahead
@@ -762,11 +792,15 @@ def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout = Layo
     best = max((b for b in range(1, batch) if gpu_bytes(shape, b, seq, least_layout(shape, b, seq, base))["peak"]
                 <= limit), default=0)
     need = gpu_bytes(shape, batch, seq, least_layout(shape, batch, seq, base))["peak"]
+    if batch == seq == 1:  # (the engine's first check, before any batch is known: the model's own floor)
+        raise DoesNotFit(f"this model needs at least {fmt_bytes(need)} of GPU memory (its window of layers, every "
+                         f"activation offloaded), over the {fmt_bytes(limit)} budget: raise gpu_memory_limit to "
+                         f"{fmt_bytes(need)} or more")
     raise DoesNotFit(
-        f"batch {batch} x seq {seq} needs at least {need / 2**30:.1f} GiB of GPU memory with every activation "
+        f"batch {batch} x seq {seq} needs at least {fmt_bytes(need)} of GPU memory with every activation "
         f"offloaded, one sequence per micro-batch"
         + (f" and MLPs in {base.mlp_chunk_tokens}-token chunks" if base.mlp_chunk_tokens else "")
-        + f", over the {limit / 2**30:.1f} GiB budget; "
+        + f", over the {fmt_bytes(limit)} budget; "
         + (f"the largest batch that fits at seq {seq} is {best}" if best else
            f"not even batch 1 fits at seq {seq}: shorten the sequences or raise gpu_memory_limit"))
 

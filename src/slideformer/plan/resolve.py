@@ -17,7 +17,7 @@ from ..optim.formats import compact_master
 from .memory import (EFFICIENT_TOKENS, DoesNotFit, ModelShape, Layout, auto_host, auto_residency, auto_tier,
                      check_host_fits, choose_window_slots, config_host_bytes, fit, gpu_budget, gpu_bytes, held, host_budget,
                      least_layout,
-                     nvme_bytes, nvme_layer_count, parse_bytes, spares_that_fit, step_time)
+                     fmt_bytes, nvme_bytes, nvme_layer_count, parse_bytes, spares_that_fit, step_time)
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ def _resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: 
             gpu = gpu_bytes(shape, batch, seq, placement, cfg.compute_dtype.itemsize)
             if limit is not None and gpu["peak"] > limit:
                 problem = (f"a step of {batch} x {seq} tokens in micro-batches of {min(placement.micro_batch, batch)} "
-                           f"needs about {gpu['peak'] / 2**30:.1f} GiB of GPU memory, over the {limit / 2**30:.1f} GiB "
+                           f"needs about {fmt_bytes(gpu['peak'])} of GPU memory, over the {fmt_bytes(limit)} "
                            f"available; set {prefix}gpu_memory_limit to let slideformer split the batch and offload, "
                            "or use smaller micro-batches (see `slideformer plan`)")
         except DoesNotFit as e:  # (the bytes of the least it could do: a sequence at a time, every input offloaded)
@@ -180,8 +180,8 @@ def _resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: 
     disk = tier_bytes(cfg, shape, batch, seq, placement)
     if problem is None and free is not None and disk > free:
         each = f" ({machine.ranks} processes' tiers)" if machine.ranks > 1 else ""
-        problem, binds = (f"the NVMe tier needs about {disk * machine.ranks / 2**30:.1f} GiB under {prefix}offload_dir "
-                          f"{cfg.offload_dir}{each}, {machine.disk / 2**30:.1f} GiB free there; free space, point it "
+        problem, binds = (f"the NVMe tier needs about {fmt_bytes(disk * machine.ranks)} under {prefix}offload_dir "
+                          f"{cfg.offload_dir}{each}, {fmt_bytes(machine.disk)} free there; free space, point it "
                           f"at a larger disk, or use "
                           + ("" if cfg.optimizer_state == "8bit"
                              else f"denser optimizer state ({prefix}optimizer_state: 8bit) or ")

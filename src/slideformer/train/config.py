@@ -223,11 +223,10 @@ class TrainConfig:
             raise ConfigError(f"offload.resident_layers must be a number of layers >= 0, or auto; got {rl!r}")
         for key in ("gpu_memory_limit", "host_memory_limit"):
             if getattr(self.offload, key) is not None:
-                from ..plan import parse_bytes
+                from ..plan.memory import user_bytes
 
                 try:
-                    if parse_bytes(getattr(self.offload, key)) <= 0:
-                        raise ValueError(f"a memory size must be > 0, got {getattr(self.offload, key)!r}")
+                    user_bytes(getattr(self.offload, key))
                 except ValueError as e:
                     raise ConfigError(f"offload.{key}: {e}") from None
         if self.offload.resident_edges not in (True, False, "auto"):

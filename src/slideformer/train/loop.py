@@ -33,6 +33,7 @@ from ..checkpoint.state import CheckpointWriteError, CorruptCheckpointError, rea
 from .config import OffloadConfig, TrainConfig, _assets
 from .outdir import CKPT_PREFIX, METRICS, OutputDir, OutputDirError
 from ..watchdog import GUARD_FRACTION, SAVE_LIMIT_S, MemoryGuard, Watchdog
+from ..plan import DoesNotFit
 from .trackers import Trackers, run_meta
 
 # A run whose every step for this long comes out non-finite has diverged: skipping more cannot help.
@@ -129,7 +130,7 @@ def resolve_engine(cfg: TrainConfig, hf_config, ecfg: EngineConfig, examples, ma
     """``ecfg`` with the config's "auto" settings decided by the planner (plan.resolve) for this step's
     shape on ``machine``; refused before anything is allocated where it does not fit."""
     from ..model import ModelAdapter
-    from ..plan import Auto, DoesNotFit, ModelShape, resolve
+    from ..plan import Auto, ModelShape, resolve
 
     shape = ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype))
     # packed rows are full; samples read as the steps reach them may be as long as cutoff_len
@@ -307,10 +308,13 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
                         "resume_from_checkpoint to a checkpoint's path")
                 return str(found) if found else None
             resume = latest() if ranks is None else parallel.from_leader(latest)
-        if cfg.model_name_or_path == "tiny":
-            engine = SlideEngine.from_config(hf_config, ecfg)
-        else:
-            engine = SlideEngine.from_pretrained(cfg.model_name_or_path, ecfg)
+        try:  # (the engine's own refusals, before it allocates, in the config's key names)
+            if cfg.model_name_or_path == "tiny":
+                engine = SlideEngine.from_config(hf_config, ecfg)
+            else:
+                engine = SlideEngine.from_pretrained(cfg.model_name_or_path, ecfg)
+        except DoesNotFit as e:
+            raise DoesNotFit(_in_user_keys(str(e))) from None
         with engine:
             result = _loop(cfg, signals, engine, out, resume, tok, examples, skipped, dropped, total, warmup, device,
                            held)
