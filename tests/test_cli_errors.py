@@ -143,6 +143,33 @@ def test_dataset_paths_on_the_command_line_are_from_the_current_folder(tmp_path,
     assert cfg.dataset[0].path == "mine.jsonl" and cfg.eval_dataset[0].path == "cfg/held.jsonl"
 
 
+def test_resuming_with_other_data_says_so(tmp_path, capsys):
+    """A changed seed or batch size continues at the saved position of another order: allowed (a user may
+    mean it), said once."""
+    out = f"output_dir={tmp_path}/o"
+    assert main(FAST + [out, "max_steps=2"]) == 0
+    capsys.readouterr()
+    assert main(FAST + [out, "max_steps=3", "seed=5", "micro_batch_size=2"]) == 0
+    err = capsys.readouterr().err
+    assert "resumed with seed 5 (it was 0), batch 2 (it was 4): the data from step 3 on" in err, err
+    assert main(FAST + [out, "max_steps=4", "seed=5", "micro_batch_size=2"]) == 0
+    assert "resumed with" not in capsys.readouterr().err  # (the same as the checkpoint's: nothing to say)
+
+
+def test_resuming_an_earlier_checkpoint_into_its_run_is_refused(tmp_path, capsys):
+    """Two histories in one folder (the next auto-resume would jump back to the later one): refused, nothing
+    touched; the newest one, or another folder, is how."""
+    out = tmp_path / "o"
+    assert main(FAST + [f"output_dir={out}", "max_steps=3", "save_steps=1", "save_total_limit=null"]) == 0
+    before = sorted(p.name for p in out.iterdir())
+    capsys.readouterr()
+    assert main(FAST + [f"output_dir={out}", "max_steps=5", f"resume_from_checkpoint={out}/checkpoint-1"]) == 2
+    one_line(capsys, "holds this run's checkpoint-3, past", "checkpoint-1", "resume_from_checkpoint: auto")
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert main(FAST + [f"output_dir={tmp_path}/branch", "max_steps=2",
+                        f"resume_from_checkpoint={out}/checkpoint-1"]) == 0  # (a branch of its own)
+
+
 def test_skip_bad_records_also_skips_lines_that_are_not_json(tmp_path, capsys):
     lines = [json.dumps({"text": f"sample number {i}"}) for i in range(8)] + ['{"text": ', "not json at all"]
     p = data(tmp_path, "d.jsonl", "\n".join(lines).encode() + b"\n")

@@ -337,10 +337,28 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     say = print if lead else (lambda *a, **k: None)
     say(f"slideformer: {engine.describe()}" + (f" (rank 0 of {world})" if ranks else ""), flush=True)
     start, epoch, offset = 0, 0, 0
+    # what decides the data each step draws: the same on resume, or the data from there is another run's
+    data = {"seed": cfg.seed, "batch": cfg.micro_batch_size * cfg.gradient_accumulation_steps * world,
+            "samples": len(examples), "dataset": [d.path for d in cfg.dataset], "packing": cfg.packing,
+            "cutoff_len": cfg.cutoff_len}
     if resume:
+        if cfg.resume_from_checkpoint not in (None, "auto"):  # (auto: the newest intact one, by definition)
+            meta = read_meta(resume)
+            later = [c for c in out.checkpoints() if int(c.name[len(CKPT_PREFIX):]) > meta["trainer"]["step"]]
+            if later:
+                raise OutputDirError(
+                    f"output_dir {out.path} holds this run's {later[-1].name}, past {resume}: training on from there "
+                    "would leave two histories in one folder; resume the newest (resume_from_checkpoint: auto), "
+                    "move the later checkpoints away, or train into another output_dir")
         state = engine.load_checkpoint(resume)
         start, epoch, offset = state["step"], state["epoch"], state["offset"]
         say(f"slideformer: resumed from {resume} at step {start}", flush=True)
+        was = state.get("data") or {}
+        changed = [f"{k} {data[k]} (it was {was[k]})" for k in data if k in was and was[k] != data[k]]
+        if changed:
+            say(f"slideformer: resumed with {', '.join(changed)}: the data from step {start + 1} on is not what the "
+                f"interrupted run would have drawn (its position, {offset} samples into epoch {epoch}, is kept)",
+                file=sys.stderr, flush=True)
     if not cfg.overwrite_output_dir and (foreign := out.foreign_ahead(start, total)):
         raise OutputDirError(f"output_dir {out.path} holds {foreign[0].name}, which this run did not write and would "
                              f"replace when it saves that step; move it away, choose another output_dir, or set "
@@ -420,7 +438,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                 signum, _ = why_stop(signals.requested, False)
                 if signum:  # the state is the last finished step's, the data past the dropped batch
                     state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
-                             "run_id": out.run_id}
+                             "run_id": out.run_id, "data": data}
                     last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
                                        cfg.model_name_or_path)
                     status = "interrupted"
@@ -457,7 +475,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             signum, memory_somewhere = why_stop(signals.requested, memory)
             stop = bool(signum) or memory_somewhere
             state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
-                     "run_id": out.run_id}
+                     "run_id": out.run_id, "data": data}
             if (cfg.save_steps and step % cfg.save_steps == 0) or step == total or stop:
                 with dog.allowing(SAVE_LIMIT_S):
                     last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
