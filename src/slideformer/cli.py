@@ -159,8 +159,8 @@ def cmd_plan(args) -> int:
     host_total = sum(h.values())
     state_limit = host_budget(plan.config, machine.rank_ram)[1]  # (one process's, under several)
     fits = fits_at(args.batch_size, plan)
-    max_batch = 0
-    for b in range(1, 4097):
+    max_batch, most = 0, 4096  # (searched up to ``most``: a batch that large is said as "or more")
+    for b in range(1, most + 1):
         if not fits_at(b):
             break
         max_batch = b
@@ -278,7 +278,7 @@ def cmd_plan(args) -> int:
                           "--optimizer-state 8bit (6.06 bytes a parameter)" if compact else
                           "--optimizer-state compact or 8bit (8 or 6.06 instead of 14 bytes a parameter)")
                        + " would lower it")
-        print(f"{verdict}; largest batch that fits: {max_batch}")
+        print(f"{verdict}; largest batch that fits: {max_batch}{' or more' if max_batch == most else ''}")
     return EXIT_OK if fits else EXIT_DOES_NOT_FIT
 
 
