@@ -62,7 +62,7 @@ def model_dirs(tmp_path):
     ("offload.gpu_memory_limit=1MiB", 3, ["this model needs at least", "over the 1.0 MiB budget",
                                           "raise offload.gpu_memory_limit to"]),  # (the model's floor: no batch)
     ("offload.host_memory_limit=1GiB", 3, ["host_memory_limit is 1.0 GiB", "process itself",
-                                          "use offload.host_memory_limit above 2.0 GiB"]),
+                                          "use offload.host_memory_limit of at least 2.1 GiB, "]),
     ("offload.window_slots=1", 2, ["offload.window_slots must be auto or a number of slots >= 2"]),
     ("offload.window_slots=three", 2, ["offload.window_slots must be auto or a number of slots >= 2, got 'three'"]),
     ("output_dir=/etc/passwd/run", 5, ["/etc/passwd/run"]),
@@ -78,6 +78,7 @@ def model_dirs(tmp_path):
     ("offload.optimizer_state=compact", 2, ["offload.optimizer_state='compact'", "set bf16: true"]),
     ("attn_implementation=flash_attention_2", 2, ["runs on CUDA only"]),  # (before transformers' ImportError)
     ("dataset={t}/data/missing.jsonl", 2, ["dataset file", "data/missing.jsonl does not exist"]),  # not a Hub name
+    ("dataset={t}/data/missing.csv", 2, ["dataset file", "data/missing.csv does not exist"]),
 ])
 def test_bad_settings(tmp_path, capsys, override, code, needles):
     t = model_dirs(tmp_path)
@@ -107,6 +108,7 @@ def test_a_number_for_a_folder_name_is_a_folder_name(tmp_path, monkeypatch):
     ("broken.jsonl", b'{"text": "ok"}\n{"text": \n', ["broken.jsonl:2: not valid JSON", "skip_bad_records"]),
     ("empty.jsonl", b"\n", ["empty.jsonl holds no records"]),
     ("surrogate.jsonl", b'{"text": "\\ud800 bad"}\n', ["surrogate.jsonl:1: text holds invalid Unicode"]),
+    ("records", b'{"text": "a"}\n{"text": "b"}\nnot json\n', ["records:3: not valid JSON", "skip_bad_records"]),
     ("notes.txt", b"plain prose, one paragraph\n", ["notes.txt:1: not valid JSON", "a .txt file is read as JSONL",
                                                    '{"text": ...}']),
 ])
@@ -154,6 +156,24 @@ def test_resuming_with_other_data_says_so(tmp_path, capsys):
     assert "resumed with seed 5 (it was 0), batch 2 (it was 4): the data from step 3 on" in err, err
     assert main(FAST + [out, "max_steps=4", "seed=5", "micro_batch_size=2"]) == 0
     assert "resumed with" not in capsys.readouterr().err  # (the same as the checkpoint's: nothing to say)
+
+
+def test_a_library_run_with_path_datasets_saves_and_resumes_quietly(tmp_path, monkeypatch, capsys):
+    """DatasetSpec paths as pathlib.Path (a library caller's), and the same file named from another folder on
+    resume: the checkpoint's record of the data is the file's, not its spelling."""
+    from slideformer.train.config import DatasetSpec, TrainConfig, _assets
+    from slideformer.train.loop import train
+
+    sample = _assets() / "sample" / "alpaca.jsonl"
+    (tmp_path / "here").mkdir()
+    (tmp_path / "here" / "d.jsonl").write_bytes(sample.read_bytes())
+    kw = dict(device="cpu", progress=False, micro_batch_size=4, max_grad_norm=None, output_dir=str(tmp_path / "o"))
+    assert train(TrainConfig(dataset=[DatasetSpec(tmp_path / "here" / "d.jsonl")], max_steps=2, **kw).validate())[
+        "status"] == "finished"
+    monkeypatch.chdir(tmp_path / "here")
+    capsys.readouterr()
+    assert train(TrainConfig(dataset=["./d.jsonl"], max_steps=3, **kw).validate())["steps"] == 3
+    assert "resumed with" not in capsys.readouterr().err
 
 
 def test_resuming_an_earlier_checkpoint_into_its_run_is_refused(tmp_path, capsys):
@@ -457,20 +477,28 @@ def test_a_terminal_that_hangs_up_mid_training_still_gets_the_step_saved(tmp_pat
     assert not (out / "slideformer-error.log").exists()
 
 
-def test_a_run_started_under_nohup_keeps_ignoring_sighup():
+def test_sighup_is_taken_only_from_its_default():
+    """Ignored (nohup: asked to outlive the terminal) or a library caller's own handler (a service's reload):
+    left as it is. SIGTERM is taken either way."""
     import signal
 
     from slideformer.signals import Signals
 
-    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    def reload(*a):
+        pass
+
+    before = signal.getsignal(signal.SIGHUP)
     try:
-        with Signals():
-            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
-            assert signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN
-        before_default = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        for theirs in (signal.SIG_IGN, reload):
+            signal.signal(signal.SIGHUP, theirs)
+            with Signals() as s:
+                assert signal.getsignal(signal.SIGHUP) is theirs
+                assert signal.getsignal(signal.SIGTERM) == s._on_signal
+            assert signal.getsignal(signal.SIGHUP) is theirs
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
         with Signals() as s:
             assert signal.getsignal(signal.SIGHUP) == s._on_signal
-        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL and before_default is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGHUP, before)
 

@@ -98,6 +98,34 @@ def test_a_signal_saves_the_step_on_every_rank_and_exits_with_its_code(tmp_path,
     assert len(saved) == 1 and (saved[0] / "state" / "trainer.json").is_file(), out
 
 
+def test_under_nohup_the_launcher_leaves_sighup_ignored(monkeypatch):
+    """torch's agent would take SIGHUP (ignored or not) and pass it on to the ranks, which would save and stop."""
+    import signal
+
+    from torch.distributed import launcher
+
+    from slideformer.train import launch as mod
+
+    seen = []
+
+    def fake(config, entrypoint):
+        seen.append(config)
+        return lambda *a: None
+
+    monkeypatch.setattr(launcher.api, "elastic_launch", fake)
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        assert mod.launch(2, ["train"]) == 0
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        assert mod.launch(2, ["train"]) == 0
+    finally:
+        signal.signal(signal.SIGHUP, before)
+    if not hasattr(seen[0], "signals_to_handle"):
+        pytest.skip("this torch's launcher has no signals_to_handle")
+    assert "SIGHUP" not in seen[0].signals_to_handle and "SIGTERM" in seen[0].signals_to_handle
+    assert "SIGHUP" in seen[1].signals_to_handle
+
+
 def test_how_many_processes(monkeypatch):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert processes(1, None) == 1

@@ -28,15 +28,17 @@ def test_parse_bytes():
     assert parse_bytes("512 MiB") == 512 * 2**20
     assert parse_bytes(1000) == parse_bytes("1000B") == parse_bytes("1KB") == 1000  # (the library's: bytes)
     assert parse_bytes("1.5GiB") == 3 * GiB // 2
+    assert parse_bytes("25769803776") == 24 * GiB  # (bytes as text, as a YAML number reaches the trainer)
     for bad, said in (("lots", "24GiB"), ("24", "'24' has no unit; write e.g. '24GiB'"), ("1.2.3GB", "24GiB"),
-                      ("0GiB", "must be > 0"), (True, "24GiB")):
+                      ("0GiB", "must be > 0"), ("0", "must be > 0"), (True, "24GiB")):
         with pytest.raises(ValueError, match=re.escape(said)):
             parse_bytes(bad)
     from slideformer.plan.memory import user_bytes
 
     assert user_bytes("24GiB") == 24 * GiB
-    with pytest.raises(ValueError, match=re.escape("24 is 24 bytes, under 1 MiB: write its unit, e.g. '24GiB'")):
-        user_bytes(24)  # (a YAML number: the unit forgotten)
+    for small in (24, "100KB"):
+        with pytest.raises(ValueError, match="under 1 MiB, too little for any model"):
+            user_bytes(small)
 
 
 @pytest.mark.parametrize("name,batch,slots,kernel,measured_gib", [
@@ -273,10 +275,10 @@ def test_host_memory_limit_bounds_the_plan_and_says_what_it_gave_up():
     assert tight.config.placement.host_weights == "staged" and tight.config.placement.host_grad_buffers < sh.layers
     short = resolve(replace(cfg, host_memory_limit="44GiB"), Auto(), sh, 8, 1024, machine, prefix="offload.")
     assert short.binds == "host" and "offload.host_memory_limit is 44.0 GiB" in short.problem
-    assert "a larger offload.host_memory_limit" in short.problem and "offload.optimizer_state" in short.problem
+    assert "offload.host_memory_limit of at least 49.7 GiB" in short.problem and "offload.optimizer_state" in short.problem
     # (under what the process itself takes, only a larger limit helps: the line says so, and how large)
     with pytest.raises(DoesNotFit, match=r"host_memory_limit is 100.0 MiB .*process itself.*; use "
-                                         r"host_memory_limit above 2.0 GiB$"):
+                                         r"host_memory_limit of at least 2.1 GiB, the NVMe tier"):
         SlideEngine(build("llama"), EngineConfig(device="cpu", compute_dtype=torch.float32, host_memory_limit="100MiB"))
 
 

@@ -13,8 +13,9 @@ raise ``Interrupted``. No torch here: this module is imported before it.
 
 SIGHUP is a closed terminal (an ssh session that dropped). Its writes then fail (EIO), and a run whose
 progress line failed would not reach its save, so the hung-up terminal's descriptors are pointed at
-/dev/null first; a live terminal (a `kill -HUP`) keeps printing. A process that started with SIGHUP
-ignored (`nohup`) keeps ignoring it: it was asked to outlive its terminal."""
+/dev/null first; a live terminal (a `kill -HUP`) keeps printing. SIGHUP is taken only from its default
+(ending the process): one that started with it ignored (`nohup`) was asked to outlive its terminal, and a
+library caller's own handler stays its own."""
 from __future__ import annotations
 
 import os
@@ -62,8 +63,8 @@ class Signals:
             return active
         if threading.current_thread() is threading.main_thread():
             for sig in HANDLED:
-                if sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN:
-                    continue
+                if sig == signal.SIGHUP and signal.getsignal(sig) is not signal.SIG_DFL:
+                    continue  # (ignored: nohup; or a library caller's own, as a service's reload)
                 self._old[sig] = signal.signal(sig, self._on_signal)
             self._terminal = [fd for fd in (1, 2) if os.isatty(fd)]
             Signals._active = self

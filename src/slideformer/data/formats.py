@@ -35,12 +35,12 @@ def read_records(path: str | os.PathLike, skip_bad: bool = False, split: str | N
     JSONL, JSON and Parquet are read here; CSV and Arrow files, folders (``save_to_disk``'s, or of data
     files) and Hub dataset names through ``datasets`` (``split``, default train; ``subset``)."""
     p = Path(path)
-    if p.is_dir() or p.suffix in LOADERS or (not p.exists() and _hub_name(str(path))):
+    if read_by_datasets(path):
         return _through_datasets(str(path), p, split, subset)
     check_readable(p)
-    if p.suffix == ".parquet":
+    if p.suffix.lower() == ".parquet":
         return [(f"{p}[record {i}]", dict(r)) for i, r in enumerate(open_parquet(p))]
-    if p.suffix == ".json":
+    if p.suffix.lower() == ".json":
         try:
             data = json.loads(p.read_text(encoding="utf-8-sig"))
         except UnicodeDecodeError as e:
@@ -76,12 +76,19 @@ def jsonl_record(raw: bytes, p: Path, lineno: int, skip_bad: bool) -> dict | Non
         if skip_bad:
             return None
         why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deeply"
-        if p.suffix.lower() not in JSONL_SUFFIXES:  # (not a malformed line of a JSONL file: another kind of file)
+        if lineno == 1 and p.suffix.lower() not in JSONL_SUFFIXES:  # (likely another kind of file, not a bad line)
             raise DataError(f"{where}: not valid JSON ({why}); a {p.suffix or 'suffix-less'} file is read as JSONL "
                             "(a JSON record a line): give JSONL, JSON, Parquet, CSV or Arrow, plain text as "
                             '{"text": ...} records') from None
         raise DataError(f"{where}: not valid JSON ({why}); fix the line, or set skip_bad_records: true to skip such "
                         "lines") from None
+
+
+def read_by_datasets(path: str | os.PathLike) -> bool:
+    """Whether ``datasets`` reads ``path``: a folder, an existing CSV or Arrow file, or a Hub name
+    (``org/name``, no such local path). A missing local file is left to ``check_readable``, which says so."""
+    p = Path(path)
+    return p.is_dir() or (p.suffix.lower() in LOADERS and p.is_file()) or (not p.exists() and _hub_name(str(path)))
 
 
 def check_readable(p: Path) -> None:
@@ -95,7 +102,7 @@ def check_readable(p: Path) -> None:
         raise DataError(f"dataset file {p}: cannot read it ({e.strerror})") from e
     if head[:2] == b"\x1f\x8b" or head[:3] == b"BZh" or head[:4] == b"\x28\xb5\x2f\xfd":
         raise DataError(f"dataset file {p} is compressed (gzip, bzip2 or zstd); decompress it first, e.g. gunzip")
-    if p.suffix == ".parquet":
+    if p.suffix.lower() == ".parquet":
         with open(p, "rb") as f:
             f.seek(-min(4, p.stat().st_size), os.SEEK_END)
             tail = f.read(4)
@@ -274,8 +281,8 @@ def open_through_datasets(name: str, p: Path, split: str | None, subset: str | N
         if p.is_dir() and ((p / "dataset_dict.json").is_file() or (p / "state.json").is_file()):
             data = datasets.load_from_disk(str(p))
         elif p.is_file():
-            data = datasets.load_dataset(LOADERS[p.suffix], data_files=str(p),
-                                         **({"delimiter": "\t"} if p.suffix == ".tsv" else {}))
+            data = datasets.load_dataset(LOADERS[p.suffix.lower()], data_files=str(p),
+                                         **({"delimiter": "\t"} if p.suffix.lower() == ".tsv" else {}))
         else:
             data = datasets.load_dataset(name, subset)
     except (FileNotFoundError, ConnectionError, OSError, ValueError) as e:

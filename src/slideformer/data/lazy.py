@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .formats import (LOADERS, DataError, _hub_name, check_readable, jsonl_record, open_parquet, open_through_datasets,
+from .formats import (DataError, check_readable, jsonl_record, open_parquet, open_through_datasets, read_by_datasets,
                       read_records)
 
 CHUNK = 4 << 20  # bytes scanned for line ends at a time
@@ -99,13 +99,13 @@ def open_records(path, skip_bad: bool = False, split: str | None = None, subset:
     """``read_records``' records, read when indexed: JSONL by line, Parquet and what ``datasets`` reads by
     row; a JSON list (which only parses whole) as read_records reads it."""
     p = Path(path)
-    if p.is_dir() or p.suffix in LOADERS or (not p.exists() and _hub_name(str(path))):
+    if read_by_datasets(path):
         data, tag = open_through_datasets(str(path), p, split, subset)
         return ArrowRows(data, str(path), tag)
     check_readable(p)
-    if p.suffix == ".parquet":
+    if p.suffix.lower() == ".parquet":
         return ArrowRows(open_parquet(p), str(p), "record")
-    if p.suffix == ".json":
+    if p.suffix.lower() == ".json":
         return read_records(p, skip_bad)
     return JsonlLines(p, skip_bad)
 

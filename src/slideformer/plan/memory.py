@@ -67,12 +67,12 @@ class DoesNotFit(ValueError):
     """No placement fits the budget; the message gives the largest batch that would."""
 
 
-MIN_SIZE = 2**20  # a size a person writes under this is a number without its unit (``user_bytes``)
+MIN_SIZE = 2**20  # a size without its unit under this was not meant as bytes; a person's budget is never under it
 
 
 def parse_bytes(x) -> int:
-    """'24GiB', '24 GB', '512MiB', '1000000B' or an int of bytes, > 0. A string needs its unit: "24" could
-    be meant as GB, GiB or bytes."""
+    """'24GiB', '24 GB', '512MiB', '1000000B' or a number of bytes, > 0. A number without a unit is bytes only
+    from MIN_SIZE up as text (a YAML ``gpu_memory_limit: 24`` meant GB or GiB); an int is the library's bytes."""
     if isinstance(x, bool):
         raise ValueError(f"cannot read a memory size from {x!r}; write e.g. '24GiB' or '80GB'")
     if isinstance(x, (int, float)):
@@ -84,22 +84,19 @@ def parse_bytes(x) -> int:
         if not m:
             raise ValueError(f"cannot read a memory size from {x!r}; write e.g. '24GiB' or '80GB'")
         num, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
-        if not unit and not m.group(4):
-            raise ValueError(f"{x!r} has no unit; write e.g. '{m.group(1)}GiB' (or '{m.group(1)}B' for bytes)")
         n = int(num * (1024 if binary else 1000) ** " KMGT".index(unit or " "))
+        if not unit and not m.group(4) and 0 < n < MIN_SIZE:
+            raise ValueError(f"{x!r} has no unit; write e.g. '{m.group(1)}GiB' (or '{m.group(1)}B' for bytes)")
     if n <= 0:
         raise ValueError(f"a memory size must be > 0, got {x!r}")
     return n
 
 
 def user_bytes(x) -> int:
-    """A budget a person wrote (the trainer's config, the CLI): ``parse_bytes``, and at least MIN_SIZE, since
-    a YAML ``gpu_memory_limit: 24`` is 24 bytes, never what was meant."""
+    """A budget a person wrote (the trainer's config, the CLI's flags): ``parse_bytes``, at least MIN_SIZE."""
     n = parse_bytes(x)
     if n < MIN_SIZE:
-        raise ValueError(f"{x!r} is {n} bytes, under 1 MiB: write its unit, e.g. '{x}GiB'"
-                         if isinstance(x, (int, float)) else f"{x!r} is under 1 MiB, too little for any model: "
-                         "a budget is a few GiB")
+        raise ValueError(f"{x!r} is under 1 MiB, too little for any model: a budget is a few GiB")
     return n
 
 
@@ -468,23 +465,25 @@ def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training",
         hints.append(f"8-bit optimizer state ({k}optimizer_state)")
     unlimited = host_budget(replace(cfg, host_memory_limit=None), have)[1]
     if cfg.host_memory_limit and host_budget(cfg, have)[1] < unlimited:  # (the limit binds, not the RAM)
-        hints.append(f"a larger {k}host_memory_limit")
+        # (the limit that would hold this state, where the RAM does; up to the 0.1 GiB the line shows)
+        need = math.ceil(ranks * (total + PROCESS_BYTES) / 2**30 * 10) * 2**30 / 10
+        larger = (f"{k}host_memory_limit of at least {fmt_bytes(need)}" if total <= unlimited
+                  else f"a larger {k}host_memory_limit")
+        # (under what the process itself takes, the limit is the first thing to change)
+        hints = [larger] + hints if parse_bytes(cfg.host_memory_limit) <= PROCESS_BYTES else hints + [larger]
         whose = "each one's" if ranks > 1 else "the"
         has = (f"{k}host_memory_limit is {fmt_bytes(ranks * parse_bytes(cfg.host_memory_limit))} "
                + (f"shared by {ranks} processes " if ranks > 1 else "")
-               + f"({fmt_bytes(host_budget(cfg, have)[1])} for {whose} training state, after about {fmt_bytes(PROCESS_BYTES)} "
-               f"for {'each' if ranks > 1 else 'the'} process itself: Python, torch, the data)")
-        if parse_bytes(cfg.host_memory_limit) <= PROCESS_BYTES:  # (no setting but the limit can help)
-            hints = [f"{k}host_memory_limit above {fmt_bytes(ranks * PROCESS_BYTES)}"]
-        else:
-            hints.append("a smaller model")
+               + f"({fmt_bytes(host_budget(cfg, have)[1])} for {whose} training state, after about "
+               f"{fmt_bytes(PROCESS_BYTES)} for {'each' if ranks > 1 else 'the'} process itself: Python, torch, the "
+               "data)")
     else:
-        hints.append("a smaller model")
         has = f"this machine has {fmt_bytes(ranks * have)}" + (f" for {ranks} processes" if ranks > 1 else "")
     if ranks > 1:
         what = f"{what} in each of the {ranks} processes on this machine"
     raise DoesNotFit(f"{what} needs about {fmt_bytes(total)} of host RAM "
-                     f"({', '.join(f'{k} {fmt_bytes(v)}' for k, v in ram.items())}), {has}; use {', '.join(hints)}")
+                     f"({', '.join(f'{k} {fmt_bytes(v)}' for k, v in ram.items())}), {has}; use "
+                     f"{', '.join(hints + ['a smaller model'])}")
 
 
 MIN_GRAD_BUFFERS = 4  # the gradient ring where RAM is short: backward then runs at most 4 layers ahead

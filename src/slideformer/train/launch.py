@@ -21,6 +21,7 @@ reads it (``EXIT_DIR``, ours only), and ends without the interpreter's finalizat
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 
@@ -76,8 +77,11 @@ def launch(n: int, argv: list[str]) -> int:
         os.environ["OMP_NUM_THREADS"] = str(max(1, cores() // n))
     kw = dict(min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=str(uuid.uuid4()), rdzv_backend="c10d",
               rdzv_endpoint="localhost:0", max_restarts=0)
-    if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)}:  # (not in every torch)
+    fields = {f.name for f in dataclasses.fields(LaunchConfig)}
+    if "shutdown_timeout" in fields:  # (not in every torch)
         kw["shutdown_timeout"] = int(SAVE_LIMIT_S)
+    if "signals_to_handle" in fields and signal.getsignal(signal.SIGHUP) is signal.SIG_IGN:
+        kw["signals_to_handle"] = "SIGTERM,SIGINT,SIGQUIT"  # (nohup: the agent would take SIGHUP and pass it on)
     # (a second signal: torch's agent sends the ranks SIGTERM, which stops them at once, and waits for them again;
     # only a third ends that wait early, and what the ranks still leave here is then not waited for)
     with tempfile.TemporaryDirectory(prefix="slideformer-exit-", ignore_cleanup_errors=True) as codes:

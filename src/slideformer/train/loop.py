@@ -243,9 +243,15 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
         raise ConfigError(_in_user_keys(str(e))) from None
     hf_config = load_model_config(cfg)
     resume = cfg.resume_from_checkpoint
-    if resume not in (None, "auto"):
-        read_meta(resume)  # (a folder that is not a checkpoint is refused before any work)
+    # (a folder that is not a checkpoint is refused before any work)
+    meta = read_meta(resume) if resume not in (None, "auto") else None
     out = OutputDir.check(cfg.output_dir, resume=resume, overwrite=cfg.overwrite_output_dir)
+    # (a path only: auto takes the newest intact one)
+    if meta is not None and (later := out.checkpoints_after(meta["trainer"]["step"])):
+        raise OutputDirError(f"output_dir {out.path} holds this run's {later[-1].name}, past {resume}: training on from "
+                             "there would leave two histories in one folder (and resume_from_checkpoint: auto would "
+                             "go back to the later one); resume the newest, move the later checkpoints away, or train "
+                             "into another output_dir")
     if o.offload_dir:
         _check_writable(o.offload_dir, "offload.offload_dir")
     tok = load_tokenizer(cfg)
@@ -339,17 +345,9 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     start, epoch, offset = 0, 0, 0
     # what decides the data each step draws: the same on resume, or the data from there is another run's
     data = {"seed": cfg.seed, "batch": cfg.micro_batch_size * cfg.gradient_accumulation_steps * world,
-            "samples": len(examples), "dataset": [d.path for d in cfg.dataset], "packing": cfg.packing,
+            "samples": len(examples), "dataset": [_where(d.path) for d in cfg.dataset], "packing": cfg.packing,
             "cutoff_len": cfg.cutoff_len}
     if resume:
-        if cfg.resume_from_checkpoint not in (None, "auto"):  # (auto: the newest intact one, by definition)
-            meta = read_meta(resume)
-            later = [c for c in out.checkpoints() if int(c.name[len(CKPT_PREFIX):]) > meta["trainer"]["step"]]
-            if later:
-                raise OutputDirError(
-                    f"output_dir {out.path} holds this run's {later[-1].name}, past {resume}: training on from there "
-                    "would leave two histories in one folder; resume the newest (resume_from_checkpoint: auto), "
-                    "move the later checkpoints away, or train into another output_dir")
         state = engine.load_checkpoint(resume)
         start, epoch, offset = state["step"], state["epoch"], state["offset"]
         say(f"slideformer: resumed from {resume} at step {start}", flush=True)
@@ -615,6 +613,11 @@ def _counts(examples, skipped: int, dropped: int) -> str:
     dropped += getattr(examples, "dropped", 0)
     return f"{skipped} record(s) skipped as malformed, {dropped} with no target token within cutoff_len" \
         + ("" if isinstance(examples, list) else " so far")
+
+
+def _where(path) -> str:
+    """A dataset's file or folder wherever the run was started from (a Hub name as it is)."""
+    return os.path.realpath(path) if os.path.exists(path) else os.fspath(path)
 
 
 def _permutation(n: int, seed: int, epoch: int):

@@ -152,6 +152,10 @@ class OutputDir:
         return sorted((p for p in self.path.iterdir() if (n := _step_of(p)) is not None and start < n <= end
                        and p.name not in own), key=_step_of) if self.path.is_dir() else []
 
+    def checkpoints_after(self, step: int) -> list[Path]:
+        """This run's checkpoints of steps past ``step``, oldest first."""
+        return [p for p in self.checkpoints() if _step_of(p) > step]
+
     def checkpoints(self) -> list[Path]:
         """This run's checkpoints, oldest first (a checkpoint whose metadata cannot be read is not counted
         as ours: it is never deleted)."""
