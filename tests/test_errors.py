@@ -39,6 +39,7 @@ def test_batch_longer_than_positions():
     ({"input_ids": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[1, 2]])}, "labels shape"),
     ({"input_ids": torch.tensor([[1, 2, 3]]), "labels": torch.full((1, 3), -100)}, "every label"),
     ({"tokens": [1, 2]}, "expected a dict with 'input_ids'"),
+    ({"input_ids": torch.tensor([[1, 2, 3]]), "attention_mask": torch.ones(1, 2)}, "attention_mask shape"),
 ])
 def test_bad_batches(bad, match):
     with SlideEngine(build("llama"), engine_config(**CPU)) as eng:
@@ -58,6 +59,10 @@ def test_bad_batches(bad, match):
     (dict(host_memory_limit=float("inf")), "host_memory_limit: a memory size must be finite"),
     (dict(host_memory_limit=True), "host_memory_limit: cannot read a memory size"),
     (dict(optimizer_state="4bit"), "optimizer_state must be one of 'fp32', 'compact', '8bit', got '4bit'"),
+    (dict(lr="1e-5"), "lr must be a number, got '1e-5'"),
+    (dict(lr=float("nan")), "lr must be a finite number >= 0"),
+    (dict(betas=(0.9, 0.99, 0.9)), r"betas must be two numbers \(beta1, beta2\)"),
+    (dict(compute_dtype="int8"), "compute_dtype must be bfloat16, float16 or float32, got 'int8'"),
     (dict(optimizer_state="8bit", compute_dtype=torch.float32), "optimizer_state='8bit' keeps the weights the GPU "
                                                                 "reads in bf16: set compute_dtype=torch.bfloat16"),
     (dict(optimizer_state="8bit", compute_dtype=torch.bfloat16, grad_chunk_elems=1000),
@@ -176,3 +181,58 @@ def test_a_step_that_raises_midway_stops_the_engine(tmp_path, family, clip):
             assert b.train_step(batch(97, seed=seed)) == c.train_step(batch(97, seed=seed))
         mb, mc = b.state_dict(), c.state_dict()
         assert all(torch.equal(mb[k], mc[k]) for k in mb)
+
+
+def test_a_library_callers_mistakes_are_named(tmp_path):
+    """The engine's own API: a config that is not an EngineConfig, a model folder that is not one, a learning
+    rate that is not one, a trainer state that cannot be saved, and an engine used after close (which hung
+    waiting on its stopped threads); a dtype by name is read as the dtype."""
+    from slideformer.checkpoint import CheckpointError
+
+    cfg = engine_config(**{**CPU, "compute_dtype": "float32"}).validate()
+    assert cfg.compute_dtype is torch.float32
+    with pytest.raises(ConfigError, match="cfg must be a slideformer.EngineConfig, got dict"):
+        SlideEngine(build("llama"), {"lr": 1e-5})
+    (tmp_path / "empty").mkdir()
+    for folder, said in ((tmp_path / "missing", "no such folder"), (tmp_path / "empty", "no config.json")):
+        with pytest.raises(CheckpointError, match=said):
+            SlideEngine.from_pretrained(folder, engine_config(**CPU))
+    eng = SlideEngine(build("llama"), engine_config(**CPU))
+    for lr in (-1, "1e-5", float("inf")):
+        with pytest.raises(ConfigError, match="learning rate must be a finite number >= 0"):
+            eng.set_lr(lr)
+    with pytest.raises(ConfigError, match="trainer_state must be JSON"):
+        eng.save_checkpoint(tmp_path / "ck", {"t": torch.ones(2)})
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "ck.tmp").exists()
+    eng.close()
+    eng.close()  # (again: nothing)
+    for call in (lambda: eng.train_step(batch(97)), lambda: eng.evaluate(batch(97)),
+                 lambda: eng.save_checkpoint(tmp_path / "ck")):
+        with pytest.raises(RuntimeError, match="the engine is closed"):
+            call()
+
+
+def test_a_save_replaces_only_a_checkpoint(tmp_path):
+    """save_checkpoint replaces a checkpoint of the same name, never a user's file or folder there (it moved
+    a file aside and removed a folder whole); save_pretrained never writes into a checkpoint, whose checksums
+    its files would break."""
+    from slideformer.checkpoint import CheckpointError
+    from slideformer.checkpoint.state import verify_checkpoint
+
+    (tmp_path / "notes.py").write_text("mine")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "notes.txt").write_text("mine")
+    with SlideEngine(build("llama"), engine_config(**CPU)) as eng:
+        eng.train_step(batch(97))
+        for taken in ("notes.py", "folder"):
+            with pytest.raises(CheckpointError, match=f"{taken} exists and is not a slideformer checkpoint"):
+                eng.save_checkpoint(tmp_path / taken)
+        assert (tmp_path / "notes.py").read_text() == (tmp_path / "folder" / "notes.txt").read_text() == "mine"
+        assert not (tmp_path / "notes.py.old").exists()
+        eng.save_checkpoint(tmp_path / "ck")
+        eng.train_step(batch(97))
+        eng.save_checkpoint(tmp_path / "ck")  # (its own: replaced)
+        verify_checkpoint(tmp_path / "ck")
+        with pytest.raises(CheckpointError, match="is a slideformer checkpoint"):
+            eng.save_pretrained(tmp_path / "ck")
+        verify_checkpoint(tmp_path / "ck")

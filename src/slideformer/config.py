@@ -4,6 +4,7 @@ Errors name the fix, so a user who mistypes a setting learns what to write inste
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
@@ -136,8 +137,22 @@ class EngineConfig:
         if not isinstance(self.placement, Placement) or not isinstance(self.tuning, Tuning):
             raise ConfigError("placement and tuning must be a Placement and a Tuning (slideformer.config)")
         p, t = self.placement, self.tuning
-        if not self.lr >= 0:
-            raise ConfigError(f"lr must be >= 0, got {self.lr}")
+        for key in ("lr", "eps", "weight_decay", "max_grad_norm"):
+            v = getattr(self, key)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) or (v is None and key == "max_grad_norm")):
+                raise ConfigError(f"{key} must be a number, got {v!r}")
+        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2
+                and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in self.betas)):
+            raise ConfigError(f"betas must be two numbers (beta1, beta2), got {self.betas!r}")
+        if isinstance(self.compute_dtype, str):  # (a dtype's name: "bfloat16", "bf16", "float32"...)
+            named = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+                     "fp16": torch.float16, "half": torch.float16, "float32": torch.float32, "fp32": torch.float32,
+                     "float": torch.float32}.get(self.compute_dtype.removeprefix("torch."))
+            if named is None:
+                raise ConfigError(f"compute_dtype must be bfloat16, float16 or float32, got {self.compute_dtype!r}")
+            self.compute_dtype = named
+        if not self.lr >= 0 or not math.isfinite(self.lr):
+            raise ConfigError(f"lr must be a finite number >= 0, got {self.lr}")
         b1, b2 = self.betas
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ConfigError(f"betas must each lie in [0, 1), got {self.betas}")

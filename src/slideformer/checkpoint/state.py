@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter
 from . import export
+from .loader import CheckpointError
 
 STATE_DIR = "state"
 TRAINER = "trainer.json"
@@ -44,6 +45,11 @@ class CheckpointWriteError(OSError):
 
 class NonFiniteStateError(FloatingPointError):
     """The training state holds NaN or infinity: it is not written."""
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """A folder a save wrote, whole or interrupted: its state folder and nothing but a checkpoint's files."""
+    return path.is_dir() and not path.is_symlink() and (path / STATE_DIR).is_dir()
 
 
 def _meta_crc(meta: dict) -> str:
@@ -132,6 +138,10 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
 
     def start():
         if lead:
+            for p in (final, tmp):  # (replaced or removed below: only ever a checkpoint, whole or half written)
+                if p.exists() and not is_checkpoint_dir(p):
+                    raise CheckpointError(f"{p} exists and is not a slideformer checkpoint: a save replaces only "
+                                          "its own; choose another path, or move it away")
             if tmp.exists():
                 shutil.rmtree(tmp)  # a save that was interrupted earlier
             (tmp / STATE_DIR).mkdir(parents=True)

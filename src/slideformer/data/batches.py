@@ -51,7 +51,10 @@ def check_step(batch, vocab: int, max_positions: int | None, some_targets: bool 
         if tuple(labels.shape) != (B, S):
             raise BatchError(f"{where}: labels shape {tuple(labels.shape)} differs from input_ids {(B, S)}")
         if am is not None:
-            am = torch.as_tensor(am).view(B, S)
+            am = torch.as_tensor(am)
+            if am.numel() != B * S:
+                raise BatchError(f"{where}: attention_mask shape {tuple(am.shape)} differs from input_ids {(B, S)}")
+            am = am.view(B, S)
             if "labels" not in item:
                 labels = labels.masked_fill(am == 0, -100)
             if bool(am.all()):  # no padding: no mask, and no device read of it in the mask functions

@@ -18,17 +18,19 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import math
 import os
 from dataclasses import dataclass, field, replace
 from functools import partial
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from .. import parallel
-from ..checkpoint import export, loader
+from ..checkpoint import CheckpointError, export, loader
 from ..checkpoint import state as ckpt_state
 from ..config import ConfigError, EngineConfig
 from ..data.batches import BatchError, check_step  # noqa: F401  (BatchError: the engine's to raise, re-exported)
@@ -118,6 +120,12 @@ class SlideEngine:
     def from_pretrained(cls, path: str | os.PathLike, cfg: EngineConfig | None = None) -> "SlideEngine":
         from transformers import AutoConfig
 
+        folder = Path(path)
+        if not (folder / "config.json").is_file():
+            raise CheckpointError(f"{folder}: " + ("no such folder" if not folder.exists() else "not a folder" if
+                                                  not folder.is_dir() else "no config.json (not a Hugging Face model "
+                                                  "folder)") + "; slideformer loads local folders (fetch one with "
+                                  "`hf download ORG/NAME --local-dir DIR`)")
         self = cls.__new__(cls)
         self._setup(AutoConfig.from_pretrained(path), cfg)
         loader.load_safetensors(path, self.adapter, self.store)
@@ -132,6 +140,9 @@ class SlideEngine:
         return self
 
     def _setup(self, hf_config, cfg: EngineConfig | None) -> None:
+        if cfg is not None and not isinstance(cfg, EngineConfig):
+            raise ConfigError(f"cfg must be a slideformer.EngineConfig, got {type(cfg).__name__} (e.g. "
+                              "EngineConfig(lr=1e-5, gpu_memory_limit='24GiB'))")
         self.cfg = (cfg or EngineConfig()).validate()
         p, t = self.cfg.placement, self.cfg.tuning
         self.device = torch.device(self.cfg.device)
@@ -162,6 +173,7 @@ class SlideEngine:
         self.shape = replace(ModelShape.from_adapter(self.adapter), ranks=self.ranks.world if self.ranks else 1)
         self._limit = None if self.cfg.gpu_memory_limit is None else parse_bytes(self.cfg.gpu_memory_limit)
         self._failed: str | None = None  # a step that raised midway (StepFailed)
+        self._closed = False
         if self._limit is not None:  # refuse before allocating anything if not even one sequence fits
             fit(self.shape, 1, 1, self._limit, Layout.of(self.cfg))
         # and if the host state alone (no layer inputs yet: they depend on the batch) is over the RAM
@@ -240,6 +252,8 @@ class SlideEngine:
     # -- public API -----------------------------------------------------------------------------
     def set_lr(self, lr: float) -> None:
         """Learning rate for the next ``train_step`` on."""
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr >= 0):
+            raise ConfigError(f"set_lr: the learning rate must be a finite number >= 0, got {lr!r}")
         self.lr = float(lr)
 
     @property
@@ -326,10 +340,13 @@ class SlideEngine:
         return loss
 
     def _usable(self, what: str) -> None:
-        if self._failed is not None:
+        if self._failed is not None:  # (first: the failure is what the caller has to know of)
             raise StepFailed(f"cannot {what}: {self._failed} midway, after some units had been updated and before "
                              "others were, and the window, the loads and the offloaded inputs of that step are "
                              "left as they were; build a new engine (and load_checkpoint the last checkpoint)")
+        if self._closed:
+            raise RuntimeError(f"cannot {what}: the engine is closed (its threads and memory are released); build "
+                               "a new one")
 
     @torch.no_grad()
     def evaluate(self, batch) -> "Evaluation":
@@ -696,6 +713,9 @@ class SlideEngine:
         """Write a Hugging Face checkpoint (config + safetensors) that from_pretrained loads. Under several
         ranks every rank calls it, and each writes the files of the units it owns."""
         self._usable("save")
+        if ckpt_state.is_checkpoint_dir(Path(out)):
+            raise CheckpointError(f"{out} is a slideformer checkpoint: Hugging Face files written into it would no "
+                                  "longer match its checksums; choose another folder")
         self.synchronize()
         if self.ranks is None:
             return export.save_pretrained(out, self.adapter, self.store, dtype or self.cfg.compute_dtype)
@@ -729,8 +749,13 @@ class SlideEngine:
         ``extra(folder)`` adds files (a tokenizer) before the checkpoint is sealed. Under several ranks every
         rank calls it (with the same arguments): one checkpoint, each rank writing its units."""
         self._usable("save")
-        self.synchronize()
         state = {"lr": self.lr, **(trainer_state or {})}
+        try:  # (it goes into trainer.json: refused before anything is written)
+            json.dumps(state, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"save_checkpoint: trainer_state must be JSON (numbers, text, lists, dicts; finite): "
+                              f"{e}") from None
+        self.synchronize()
         return ckpt_state.save_checkpoint(path, self.adapter, self.store, dtype or self.cfg.compute_dtype, state,
                                           extra, ranks=self.ranks, owner=self._owner if self.ranks else None)
 
@@ -791,7 +816,11 @@ class SlideEngine:
         return rep
 
     def close(self, abort: bool = False) -> None:
-        """Release threads, pinned memory and tier files; ``abort`` after a failure (see Runtime.close)."""
+        """Release threads, pinned memory and tier files; ``abort`` after a failure (see Runtime.close). Once
+        closed, the engine refuses work; closing again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.runtime.close(abort)
         finally:  # files and pinned memory go back even if the runtime's last wait failed
