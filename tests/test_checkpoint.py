@@ -111,3 +111,20 @@ def test_each_familys_export_gives_the_engines_logits(tmp_path, family):
     assert type(loaded) is type(model) and not torch.equal(state["model.embed_tokens.weight"],
                                                            build(family).model.embed_tokens.weight)
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_a_checkpoint_of_a_model_with_more_layers_is_refused(tmp_path):
+    """A model with fewer layers found its own units' files and took them, training on silently."""
+    from slideformer.checkpoint.state import CorruptCheckpointError
+
+    with SlideEngine(build("llama"), engine_config(device="cpu", compute_dtype=torch.float32)) as big:
+        big.train_step(batch(97))
+        big.save_checkpoint(tmp_path / "ck")
+        layers = big.adapter.num_layers
+    small = build("llama")
+    small.model.layers = small.model.layers[:1]
+    small.config.num_hidden_layers = 1
+    with SlideEngine(small, engine_config(device="cpu", compute_dtype=torch.float32)) as eng:
+        assert layers > 1
+        with pytest.raises(CorruptCheckpointError, match=r"holds the state of layer1.*this model \(1 layers\)"):
+            eng.load_checkpoint(tmp_path / "ck")

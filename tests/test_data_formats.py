@@ -32,6 +32,30 @@ def test_formats_mask_everything_but_the_targets(tok, rec, expect):
     assert trained_text(tok, rec) == expect
 
 
+def test_a_sharegpt_records_top_level_system_prompt_is_its_first_turn(tok):
+    conv = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
+    with_system = to_messages({"conversations": conv, "system": "be brief"}, "sharegpt", "t")
+    assert with_system[0] == {"role": "system", "content": "be brief"} and len(with_system) == 3
+    assert "be brief" in tok.decode(render(with_system, tok, "t")[0])
+    own = [{"from": "system", "value": "mine"}] + conv  # (a system turn of its own: that one stands)
+    assert [m["content"] for m in to_messages({"conversations": own, "system": "other"}, "sharegpt", "t")] == \
+        ["mine", "q", "a"]
+
+
+def test_a_conversation_the_template_cannot_render_is_a_bad_record(tok):
+    """An assistant turn first (no template renders the empty conversation before it), or a template's own
+    refusal: a DataError naming the record, which skip_bad_records skips, not an unexpected error."""
+    with pytest.raises(DataError, match="f.jsonl:3: the conversation opens with an assistant turn"):
+        render([{"role": "assistant", "content": "hi"}, {"role": "user", "content": "u"}], tok, "f.jsonl:3")
+
+    class Strict:
+        def apply_chat_template(self, *a, **k):
+            raise ValueError("Conversation roles must alternate user/assistant")
+
+    with pytest.raises(DataError, match="f.jsonl:4: the chat template cannot render.*must alternate"):
+        render([{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}], Strict(), "f.jsonl:4")
+
+
 def test_prompt_tokens_are_present_but_not_trained(tok):
     ids, labels = render(to_messages({"instruction": "What is 2 plus 2?", "output": "4"}, "alpaca", "t"), tok, "t")
     assert "What is 2 plus 2?" in tok.decode(ids)

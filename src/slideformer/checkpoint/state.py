@@ -262,6 +262,13 @@ def _verified(root: Path, adapter: ModelAdapter, store: HostStore, units: list[i
     files = {u: root / STATE_DIR / f"{_unit_key(adapter, u)}.safetensors" for u in units}
     everything = len(units) == len(adapter.units)
     meta = verify_checkpoint(root, None if everything else {str(f.relative_to(root)) for f in files.values()})
+    ours = {f"{STATE_DIR}/{_unit_key(adapter, u)}.safetensors" for u in range(len(adapter.units))}
+    extra = sorted(Path(k).stem for k in meta["checksums"]
+                   if k.startswith(f"{STATE_DIR}/") and k.endswith(".safetensors") and k not in ours)
+    if extra:  # (a model with fewer layers would take the first ones and train on, silently)
+        named = ", ".join(extra[:4]) + (" ..." if len(extra) > 4 else "")
+        raise CorruptCheckpointError(f"{root} holds the state of {named}, which this model ({adapter.num_layers} "
+                                     "layers) has not: a checkpoint of another model")
     for u, f in files.items():
         if not f.is_file():
             raise CorruptCheckpointError(f"{f} is missing: a checkpoint of another model?")

@@ -3,7 +3,7 @@
 Every format becomes a list of chat messages, rendered with the tokenizer's chat template; the loss is
 on the assistant turns only (labels -100 elsewhere). Plain text is trained on whole. Supported:
 - alpaca:   {"instruction", "input"?, "output", "system"?}
-- sharegpt: {"conversations": [{"from": "human"|"gpt"|"system", "value"}]}
+- sharegpt: {"conversations": [{"from": "human"|"gpt"|"system", "value"}], "system"?}
 - messages: {"messages": [{"role": "user"|"assistant"|"system", "content"}]}  (OpenAI style)
 - text:     {"text"}
 Files: JSONL, JSON (a list of records) and Parquet (through ``datasets``).
@@ -180,6 +180,10 @@ def _to_messages(rec: dict, fmt: str, where: str) -> list[dict] | str:
             need(isinstance(turn, dict) and turn.get("from") in SHAREGPT_ROLES and isinstance(turn.get("value"), str),
                  f"turn {i} needs 'from' in {sorted(SHAREGPT_ROLES)} and a string 'value'")
             msgs.append({"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]})
+        system = rec.get("system")  # (a top-level system prompt, as LLaMA-Factory's sharegpt records carry)
+        need(system is None or isinstance(system, str), "needs 'system' as a string")
+        if system and not any(m["role"] == "system" for m in msgs):
+            msgs.insert(0, {"role": "system", "content": system})
         return msgs
     if fmt == "messages":
         msgs = rec.get("messages")
@@ -229,7 +233,14 @@ def render(rec_messages, tokenizer, where: str, cutoff_len: int | None = None,
     if not any(m["role"] == "assistant" for m in msgs):
         raise DataError(f"{where}: the conversation has no assistant turn to train on")
     def tok(prefix, gen):
-        out = tokenizer.apply_chat_template(prefix, tokenize=True, add_generation_prompt=gen)
+        if not prefix:  # (an assistant turn first: no template renders an empty conversation)
+            raise DataError(f"{where}: the conversation opens with an assistant turn; the chat template needs a "
+                            "user (or system) turn before it")
+        try:
+            out = tokenizer.apply_chat_template(prefix, tokenize=True, add_generation_prompt=gen)
+        except Exception as e:  # (the template's own refusal: jinja's raise_exception, a role order it rejects)
+            raise DataError(f"{where}: the chat template cannot render this conversation "
+                            f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})") from None
         out = list(out["input_ids"] if hasattr(out, "keys") else out)  # a BatchEncoding in transformers 5
         if out[: len(ids)] != ids:
             raise DataError(f"{where}: the chat template renders a conversation prefix differently from the "
