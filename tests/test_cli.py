@@ -179,6 +179,16 @@ def test_plan_names_what_binds(capsys):
     if not torch.cuda.is_available():
         main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1"])
         assert "no GPU here and no --gpu-memory" in capsys.readouterr().out
+    # the tier already given is not suggested again; clipping's gradient per layer, where it is what binds, is
+    import json
+
+    big = ["plan", "--model", "llama3.1-70b", "--seq-len", "1024", "--batch-size", "8", "--gpu-memory", "24GiB",
+           "--cpu-memory", "128GiB", "--offload-dir", "/nvme", "--optimizer-state", "8bit"]
+    assert main(big) == 3
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "--offload-dir" not in last and "no clipping (--max-grad-norm 0" in last, last
+    assert main(big + ["--json"]) == 3  # (the JSON says why too)
+    assert json.loads(capsys.readouterr().out)["verdict"] == last.rsplit("; largest batch", 1)[0]
 
 
 def test_plan_on_paper_for_another_machine(capsys):

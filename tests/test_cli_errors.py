@@ -301,6 +301,11 @@ def test_plan_refuses_nonsense(capsys):
     one_line(capsys, "--gpu-memory", "must be > 0")
     assert main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1", "--gpu-memory", "24"]) == 2
     one_line(capsys, "--gpu-memory", "'24' has no unit; write e.g. '24GiB'")
+    assert main(["plan", "--model", "tiny", "--seq-len", "1024", "--batch-size", "1"]) == 2  # (as train: cutoff_len)
+    one_line(capsys, "--seq-len 1024 exceeds the model's max_position_embeddings 256")
+    assert main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1", "--nvme-master",
+                 "--disk-space", "1TB"]) == 2
+    one_line(capsys, "--nvme-master, --disk-space describe the NVMe tier: give its folder too (--offload-dir)")
     for flag, value in (("--nvme-fraction", "7"), ("--nvme-fraction", "-3"), ("--max-grad-norm", "nan")):
         with pytest.raises(SystemExit):
             main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1", flag, value])

@@ -108,6 +108,15 @@ def cmd_plan(args) -> int:
                 user_bytes(value)
         except ValueError as e:
             raise ConfigError(f"--{flag.replace('_', '-')}: {e}") from None
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is not None and args.seq_len > positions:  # (as train refuses a cutoff_len past them)
+        raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings {positions}")
+    tier_only = [f for f, given in (("--nvme-fraction", args.nvme_fraction != "auto"), ("--nvme-master", args.nvme_master),
+                                    ("--activations-to-nvme", args.activations_to_nvme),
+                                    ("--disk-space", args.disk_space is not None)) if given]
+    if tier_only and not args.offload_dir:
+        raise ConfigError(f"{', '.join(tier_only)} {'describe' if len(tier_only) > 1 else 'describes'} the NVMe tier: "
+                          "give its folder too (--offload-dir)")
     shape = ModelShape.from_adapter(ModelAdapter(config))
     rates = MachineRates(gpu_flops=args.gpu_tflops * 1e12, pcie_bytes_per_s=args.pcie_gbps * 1e9,
                          disk_read_bytes_per_s=args.disk_read_gbps * 1e9,
@@ -205,13 +214,36 @@ def cmd_plan(args) -> int:
             if tc["fits"] and tc["step_s"] < 0.95 * t["step_s"]:  # (a plan that does not fit is no hint)
                 out["predicted_step_s_compact"] = tc["step_s"]
                 out["host_bytes_compact"] = tc["host_bytes"]
+    gib = fmt_bytes
+    if fits:
+        verdict = "fits"
+    elif not fits_gpu:
+        verdict = f"does NOT fit the GPU: {reason}"
+    elif (disk := next((q for q in (plan, trained(args.batch_size)) if q and q.binds == "disk"), None)):
+        verdict = f"does NOT fit the disk: {disk.problem}"
+    else:  # the GPU holds it; host RAM binds
+        need = out.get("host_bytes_resident", host_total)
+        share = f", shared by {args.nproc_per_node} processes" if args.nproc_per_node > 1 else ""
+        against = (f"{gib(state_limit)} (--host-memory-limit{share}, less the process itself)"
+                   if args.host_memory_limit else f"{gib(state_limit)} (95% of "
+                   f"{gib(cpu_limit)}, {'--cpu-memory' if args.cpu_memory else 'this machine'}{share})")
+        levers = [] if args.offload_dir else ["the NVMe tier (--offload-dir)"]
+        if args.offload_dir and args.nvme_fraction != "auto" and args.nvme_fraction < 1:
+            levers.append("more of the NVMe tier (--nvme-fraction)")
+        if clip and h.get("grads", 0) > need / 4:  # (clipping holds every layer's gradient until the norm)
+            levers.append(f"no clipping (--max-grad-norm 0: a few gradient buffers, not one per layer: "
+                          f"{gib(h['grads'])} now)")
+        levers.append("a larger --gpu-memory" if args.optimizer_state == "8bit" else
+                      "--optimizer-state 8bit (6.06 bytes a parameter)" if compact else
+                      "--optimizer-state compact or 8bit (8 or 6.06 instead of 14 bytes a parameter)")
+        verdict = f"does NOT fit host RAM: about {gib(need)} of state against {against}; {' or '.join(levers)} would lower it"
+    out["verdict"] = verdict
     out["predicted_step_s"] = timing["step_s"]
     out["predicted_tokens_per_s"] = args.batch_size * args.seq_len / timing["step_s"]
     out["timing"] = timing
     if args.json:
         print(json.dumps(out))
     else:
-        gib = fmt_bytes
         n = args.nproc_per_node
         print(f"{args.model}: {shape.params / 1e9:.2f} B params, batch {args.batch_size} x seq {args.seq_len}"
               + (f" per GPU, {n} processes (data parallel): each GPU's and one process's figures, the one "
@@ -261,23 +293,6 @@ def cmd_plan(args) -> int:
             print(f"bound by {bound}: with optimizer_state=compact (bf16 master halves and moments; it matched "
                   f"fp32 state in bench/NOTES.md's fine-tuning run) predicted step {out['predicted_step_s_compact']:.2f} s, "
                   f"host {gib(out['host_bytes_compact'])}")
-        if fits:
-            verdict = "fits"
-        elif not fits_gpu:
-            verdict = f"does NOT fit the GPU: {reason}"
-        elif (disk := next((q for q in (plan, trained(args.batch_size)) if q and q.binds == "disk"), None)):
-            verdict = f"does NOT fit the disk: {disk.problem}"
-        else:  # the GPU holds it; host RAM binds
-            need = out.get("host_bytes_resident", host_total)
-            share = f", shared by {args.nproc_per_node} processes" if args.nproc_per_node > 1 else ""
-            against = (f"{gib(state_limit)} (--host-memory-limit{share}, less the process itself)"
-                       if args.host_memory_limit else f"{gib(state_limit)} (95% of "
-                       f"{gib(cpu_limit)}, {'--cpu-memory' if args.cpu_memory else 'this machine'}{share})")
-            verdict = (f"does NOT fit host RAM: about {gib(need)} of state against {against}; the NVMe tier (--offload-dir) or "
-                       + ("a larger --gpu-memory" if args.optimizer_state == "8bit" else
-                          "--optimizer-state 8bit (6.06 bytes a parameter)" if compact else
-                          "--optimizer-state compact or 8bit (8 or 6.06 instead of 14 bytes a parameter)")
-                       + " would lower it")
         print(f"{verdict}; largest batch that fits: {max_batch}{' or more' if max_batch == most else ''}")
     return EXIT_OK if fits else EXIT_DOES_NOT_FIT
 
@@ -527,7 +542,7 @@ def _main(argv: list[str], signals: Signals) -> int:
     pl.add_argument("--gpu-memory", help="GPU budget, e.g. 24GiB (default: this machine's GPU)")
     pl.add_argument("--cpu-memory", help="the machine's RAM (default: this machine's)")
     pl.add_argument("--host-memory-limit", help="offload.host_memory_limit: the process's RAM budget, e.g. 48GiB "
-                    "(default: the machine's RAM less 15%%)")
+                    "(default: none; the planner then aims at 85%% of the RAM and takes up to 95%%)")
     pl.add_argument("--offload-dir", help="NVMe tier directory: the moments of --nvme-fraction of the layers go there")
     pl.add_argument("--nvme-fraction", type=lambda v: v if v == "auto" else _fraction(v), default="auto",
                     help="the last fraction of the layers on the tier, or auto (as `slideformer train`): as few "
