@@ -306,6 +306,9 @@ def test_plan_refuses_nonsense(capsys):
     assert main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1", "--nvme-master",
                  "--disk-space", "1TB"]) == 2
     one_line(capsys, "--nvme-master, --disk-space describe the NVMe tier: give its folder too (--offload-dir)")
+    assert main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1", "--cpu-memory", "64GiB",
+                 "--host-memory-limit", "100GiB"]) == 2
+    one_line(capsys, "--host-memory-limit 100GiB is more than the machine's 64.0 GiB of RAM (--cpu-memory)")
     for flag, value in (("--nvme-fraction", "7"), ("--nvme-fraction", "-3"), ("--max-grad-norm", "nan")):
         with pytest.raises(SystemExit):
             main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1", flag, value])

@@ -129,6 +129,10 @@ def cmd_plan(args) -> int:
                       gpu=parse_bytes(args.gpu_memory) if args.gpu_memory is not None else gpu_memory(), rates=rates,
                       disk=disk, ranks=args.nproc_per_node)
     cpu_limit, gpu_limit = machine.ram, machine.gpu
+    if args.host_memory_limit and parse_bytes(args.host_memory_limit) > cpu_limit:  # (it would be capped unsaid)
+        raise ConfigError(f"--host-memory-limit {args.host_memory_limit} is more than the machine's "
+                          f"{fmt_bytes(cpu_limit)} of RAM ({'--cpu-memory' if args.cpu_memory else 'this machine'}): "
+                          "give at most that")
     # the engine settings `slideformer train` would use (clipping by default: a gradient buffer per layer)
     placement = Placement(nvme_master=args.nvme_master and bool(args.offload_dir),
                           **({} if args.nvme_fraction == "auto" else {"nvme_fraction": args.nvme_fraction}),
