@@ -111,7 +111,8 @@ def cmd_plan(args) -> int:
     positions = getattr(config, "max_position_embeddings", None)
     if positions is not None and args.seq_len > positions:  # (as train refuses a cutoff_len past them)
         raise ConfigError(f"--seq-len {args.seq_len} exceeds the model's max_position_embeddings {positions}")
-    tier_only = [f for f, given in (("--nvme-fraction", args.nvme_fraction != "auto"), ("--nvme-master", args.nvme_master),
+    tier_only = [f for f, given in (("--nvme-fraction", args.nvme_fraction != "auto"),
+                                    ("--nvme-master", args.nvme_master),
                                     ("--activations-to-nvme", args.activations_to_nvme),
                                     ("--disk-space", args.disk_space is not None)) if given]
     if tier_only and not args.offload_dir:
@@ -240,7 +241,8 @@ def cmd_plan(args) -> int:
         levers.append("a larger --gpu-memory" if args.optimizer_state == "8bit" else
                       "--optimizer-state 8bit (6.06 bytes a parameter)" if compact else
                       "--optimizer-state compact or 8bit (8 or 6.06 instead of 14 bytes a parameter)")
-        verdict = f"does NOT fit host RAM: about {gib(need)} of state against {against}; {' or '.join(levers)} would lower it"
+        verdict = (f"does NOT fit host RAM: about {gib(need)} of state against {against}; {' or '.join(levers)} "
+                   "would lower it")
     out["verdict"] = verdict
     out["predicted_step_s"] = timing["step_s"]
     out["predicted_tokens_per_s"] = args.batch_size * args.seq_len / timing["step_s"]

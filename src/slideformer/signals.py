@@ -18,6 +18,7 @@ progress line failed would not reach its save, so the hung-up terminal's descrip
 library caller's own handler stays its own."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -125,8 +126,13 @@ class Signals:
             Signals._active = None
 
 
-def leave_terminal() -> bool:
-    """Point the process's descriptors of a terminal that hung up (no longer a terminal: its ioctls fail) at
-    /dev/null, so that what the run says from here on cannot fail; whether one had. For a write that failed
-    in the moment between a hangup and its SIGHUP, or where a launcher took SIGHUP from us (torch's agent)."""
-    return Signals._active._leave_terminal() if Signals._active is not None else False
+@contextlib.contextmanager
+def past_hangup():
+    """Around a write to the terminal: where it fails because the terminal hung up (in the moment before its
+    SIGHUP, or where a launcher took SIGHUP from us: torch's agent), the terminal's descriptors are pointed at
+    /dev/null and the run goes on; any other failure is raised."""
+    try:
+        yield
+    except OSError:
+        if Signals._active is None or not Signals._active._leave_terminal():
+            raise

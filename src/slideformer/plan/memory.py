@@ -465,14 +465,15 @@ def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training",
         hints.append(f"8-bit optimizer state ({k}optimizer_state)")
     unlimited = host_budget(replace(cfg, host_memory_limit=None), have)[1]
     if cfg.host_memory_limit and host_budget(cfg, have)[1] < unlimited:  # (the limit binds, not the RAM)
+        limit = parse_bytes(cfg.host_memory_limit)
         # (the limit that would hold this state, where the RAM does; up to the 0.1 GiB the line shows)
         need = math.ceil(ranks * (total + PROCESS_BYTES) / 2**30 * 10) * 2**30 / 10
         larger = (f"{k}host_memory_limit of at least {fmt_bytes(need)}" if total <= unlimited
                   else f"a larger {k}host_memory_limit")
         # (under what the process itself takes, the limit is the first thing to change)
-        hints = [larger] + hints if parse_bytes(cfg.host_memory_limit) <= PROCESS_BYTES else hints + [larger]
+        hints = [larger] + hints if limit <= PROCESS_BYTES else hints + [larger]
         whose = "each one's" if ranks > 1 else "the"
-        has = (f"{k}host_memory_limit is {fmt_bytes(ranks * parse_bytes(cfg.host_memory_limit))} "
+        has = (f"{k}host_memory_limit is {fmt_bytes(ranks * limit)} "
                + (f"shared by {ranks} processes " if ranks > 1 else "")
                + f"({fmt_bytes(host_budget(cfg, have)[1])} for {whose} training state, after about "
                f"{fmt_bytes(PROCESS_BYTES)} for {'each' if ranks > 1 else 'the'} process itself: Python, torch, the "

@@ -26,7 +26,7 @@ import sys
 import threading
 
 from ..config import ConfigError
-from ..signals import leave_terminal
+from ..signals import past_hangup
 from ..watchdog import SAVE_LIMIT_S
 
 EXIT_DIR = "SLIDEFORMER_EXIT_DIR"  # (environment: the folder our launcher reads its ranks' exit codes from)
@@ -145,11 +145,8 @@ class _Echo:
                 continue
             if line not in self.said:
                 self.said.add(line)
-                try:
+                with past_hangup():
                     print(line, file=sys.stderr, flush=True)
-                except OSError:  # (a terminal that hung up, whose SIGHUP torch's agent took)
-                    if not leave_terminal():
-                        raise
 
     def stop(self) -> None:
         self._stop.set()

@@ -28,7 +28,7 @@ from ..config import ConfigError, Placement
 from ..data import DataError, detect_format, pack_batch, pad_batch, read_records, render, to_messages
 from ..data.formats import check_chat_template, max_token_chars
 from ..data.lazy import LazyExamples, Subset
-from ..signals import Signals, leave_terminal
+from ..signals import Signals, past_hangup
 from ..checkpoint.state import CheckpointWriteError, CorruptCheckpointError, read_meta
 from .config import OffloadConfig, TrainConfig, _assets
 from .outdir import CKPT_PREFIX, METRICS, OutputDir, OutputDirError
@@ -248,10 +248,10 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     out = OutputDir.check(cfg.output_dir, resume=resume, overwrite=cfg.overwrite_output_dir)
     # (a path only: auto takes the newest intact one)
     if meta is not None and (later := out.checkpoints_after(meta["trainer"]["step"])):
-        raise OutputDirError(f"output_dir {out.path} holds this run's {later[-1].name}, past {resume}: training on from "
-                             "there would leave two histories in one folder (and resume_from_checkpoint: auto would "
-                             "go back to the later one); resume the newest, move the later checkpoints away, or train "
-                             "into another output_dir")
+        raise OutputDirError(f"output_dir {out.path} holds this run's {later[-1].name}, past {resume}: training on "
+                             "from there would leave two histories in one folder (and resume_from_checkpoint: auto "
+                             "would go back to the later one); resume the newest, move the later checkpoints away, or "
+                             "train into another output_dir")
     if o.offload_dir:
         _check_writable(o.offload_dir, "offload.offload_dir")
     tok = load_tokenizer(cfg)
@@ -655,11 +655,8 @@ def _progress(enabled: bool, total: int, start: int):
     before its SIGHUP came is left (signals.py), not the run."""
     def surviving(show):
         def said(done, rec):
-            try:
+            with past_hangup():
                 show(done, rec)
-            except OSError:
-                if not leave_terminal():
-                    raise
         return said
 
     if not enabled or not sys.stdout.isatty():
