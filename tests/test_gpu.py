@@ -8,7 +8,7 @@ import torch
 from slideformer.config import Placement, Tuning
 from slideformer import EngineConfig, SlideEngine
 
-from test_engine_parity import reference_train
+from test_engine_parity import reference_noise, reference_train
 from tiny import batch, build, engine_config
 
 pytestmark = pytest.mark.gpu
@@ -20,6 +20,24 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def gpu_noise(model, batches, **kw):
+    """The reference's own noise on this GPU: plain PyTorch trained on CUDA in another exact order of its sums
+    (``reference_noise``), which differs from the CPU reference by both the order and the device's kernels."""
+    on_gpu = [{k: v.cuda() for k, v in b.items()} for b in batches]
+    return {k: v.cpu() for k, v in reference_noise(copy.deepcopy(model).cuda(), on_gpu, **kw).state_dict().items()}
+
+
+def assert_near_reference(state, ref_model, losses, ref_losses, noise):
+    """Each tensor within three times the reference's own distance on the GPU (``gpu_noise``) from the CPU
+    reference, and never held under 1e-5 relative; the losses within 1e-4."""
+    ref = ref_model.state_dict()
+    for k, v in state.items():
+        rel = float((v - ref[k]).norm() / ref[k].norm())
+        bound = max(1e-5, 3 * float((noise[k] - ref[k]).norm() / ref[k].norm()))
+        assert rel <= bound, f"{k}: relative error {rel:.2e} (bound {bound:.2e})"
+    assert losses == pytest.approx(ref_losses, rel=1e-4)
 
 
 def cuda_engine_train(model, steps, **cfg):
@@ -47,11 +65,7 @@ def test_fp32_cuda_matches_pytorch(family, slots, depth, clip, fused):
     state, losses = cuda_engine_train(model, batches, compute_dtype=torch.float32, lr=1e-2, window_slots=slots,
                                       prefetch_depth=depth, max_grad_norm=clip, fused_ops=fused)
     ref, ref_losses = reference_train(model, batches, lr=1e-2, max_grad_norm=clip)
-    # the GPU sums in another order than the CPU: a looser bound than the CPU parity tests
-    ref_sd = ref.state_dict()
-    for k, v in state.items():
-        assert float((v - ref_sd[k]).norm() / ref_sd[k].norm()) < 1e-4, k
-    assert losses == pytest.approx(ref_losses, rel=1e-4)
+    assert_near_reference(state, ref, losses, ref_losses, gpu_noise(model, batches, lr=1e-2, max_grad_norm=clip))
 
 
 def bf16_reference_train(model, batches, *, lr):
@@ -480,10 +494,7 @@ def test_resident_edges_on_cuda_match_pytorch(family):
     state, losses = cuda_engine_train(model, batches, compute_dtype=torch.float32, lr=1e-2, resident_edges=True,
                                       resident_layers=1, max_grad_norm=0.05)
     ref, ref_losses = reference_train(model, batches, lr=1e-2, max_grad_norm=0.05)
-    ref_sd = ref.state_dict()
-    for k, v in state.items():
-        assert float((v - ref_sd[k]).norm() / ref_sd[k].norm()) < 1e-4, k
-    assert losses == pytest.approx(ref_losses, rel=1e-4)
+    assert_near_reference(state, ref, losses, ref_losses, gpu_noise(model, batches, lr=1e-2, max_grad_norm=0.05))
 
 
 @pytest.mark.parametrize("state", ["fp32", "compact"])

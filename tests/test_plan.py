@@ -837,6 +837,35 @@ def test_the_loss_chunk_is_the_largest_that_fits_beside_the_rest():
         assert eng._loss_chunk == 5
 
 
+def test_a_gpu_bound_step_trades_kept_inputs_for_a_larger_loss_chunk():
+    """fit() takes the largest chunk beside the most kept inputs; the resolver times larger chunks, whose
+    products run faster (SMALL_HEAD_CHUNK_COST), against the inputs they send to the host. Measured at
+    Qwen3-4B b64 under 15.5 / 67 GiB: 4096-token chunks with two inputs fewer ran 0.7% faster than the
+    2048 fit() leaves (8192 would be faster still by the model, but its inputs are over the 67 GiB). A
+    CPU-bound step (Llama-8B b8 under 24 GiB) keeps fit()'s chunk, and so does a chunk the config fixes.
+    The chunk goes into the config, so the engine's own fit() places the same."""
+    from slideformer.machine import Machine
+    from slideformer.plan import Auto, resolve
+
+    machine = Machine(ram=int(125.8 * GiB), gpu=int(139.8 * GiB))
+    sh = shape("qwen3-4b")
+    cfg = EngineConfig(device="cuda", gpu_memory_limit="15.5GiB", host_memory_limit="67GiB")
+    plan = resolve(cfg, Auto(resident_edges=True), sh, 64, 1024, machine)
+    fitted = fit(sh, 64, 1024, plan.gpu_limit, Layout.of(replace(plan.config, tuning=Tuning())))
+    assert (fitted.loss_chunk_tokens, plan.placement.loss_chunk_tokens) == (2048, 4096)
+    assert plan.config.tuning.loss_chunk_tokens == 4096 and plan.fits
+    assert plan.placement.gpu_activation_layers < fitted.gpu_activation_layers
+    assert plan.placement.micro_batch == fitted.micro_batch
+    assert fit(sh, 64, 1024, plan.gpu_limit, Layout.of(plan.config)) == plan.placement
+    assert plan.gpu["peak"] <= plan.gpu_limit
+    fixed = resolve(replace(cfg, tuning=Tuning(loss_chunk_tokens=2048)), Auto(resident_edges=True), sh, 64, 1024,
+                    machine)
+    assert fixed.placement.loss_chunk_tokens == 2048
+    cpu_bound = resolve(EngineConfig(device="cuda", gpu_memory_limit="24GiB"), Auto(resident_edges=True),
+                        shape("llama3-8b"), 8, 1024, machine)
+    assert cpu_bound.config.tuning.loss_chunk_tokens is None
+
+
 def test_resident_layers_take_state_off_the_disk_where_it_binds():
     """GPU-bound (14B b64 under 80 GiB), the CPU update alone asks for no resident layer. Where RAM holds
     only part of the state, the GPU's memory is a tier too: the planner weighs each number of resident layers

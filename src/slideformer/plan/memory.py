@@ -58,6 +58,9 @@ LARGE_TOKENS = 16384
 # the FP8 products' speed over bf16's (forward, input and weight gradients), their casts included: fitted to the
 # measured step of Llama-3.1-8B b32 on the whole card (tests/test_plan.py); the FP8 GEMMs alone run about 1.8x
 FP8_SPEEDUP = 1.26
+# the loss head's products in chunks under 4096 tokens over those in larger ones (the GEMMs of a chunk of fewer
+# rows run slower): measured at Qwen3-4B b64 under 15.5 GiB, 2048- against 4096-token chunks
+SMALL_HEAD_CHUNK_COST = 1.12
 MLP_CHUNK_TOKENS = (4096, 1024, 256)  # tried in turn where one sequence's layer backward does not fit
 LOSS_CHUNK_TOKENS = (8192, 4096, 2048, 1024)  # the loss head's chunk: the largest that fits is taken
 HEAD_SLICE_ROWS = 8192  # vocabulary rows per fp32 sum of the lm_head gradient, where the whole one does not fit
@@ -859,7 +862,7 @@ def heads(base: Layout) -> list:
 def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: MachineRates = MachineRates(),
               state: str = "fp32", nvme_layers: int = 0, nvme_master: bool = False,
               activations_to_nvme: bool = False, clipping: bool = False,
-              speculative_layers: int = 0, staged_params: int = 0) -> dict[str, float]:
+              speculative_layers: int = 0, staged_params: int = 0, small_head_chunk_cost: float = 1.0) -> dict[str, float]:
     """Predicted seconds per step: the largest of the GPU's work (the layers' and the head's products,
     recompute included, and the resident units' AdamW; +2%), the CPU optimizer plus the GPU work it cannot
     overlap, and the weight copies and the NVMe tier's moment traffic (read and written once per step;
@@ -887,8 +890,12 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
     offloaded = shape.layers - min(shape.layers, p.gpu_activation_layers)
     chunked = p.mlp_chunk_tokens and p.mlp_chunk_tokens < min(batch, p.micro_batch) * seq
     cpu_rate = rates.optimizer_params_per_s * rates.state_speedup[state]
-    # a token's logits and their two gradients, not recomputed; the sliced head computes the logits twice
+    # a token's logits and their two gradients, not recomputed; the sliced head computes the logits twice;
+    # in chunks under 4096 tokens, ``small_head_chunk_cost`` times as long (SMALL_HEAD_CHUNK_COST, weighed
+    # where the chunk is decided: plan/resolve.py)
     head_flops = (8 if p.head_slice else 6) * shape.vocab * shape.hidden
+    if min(p.loss_chunk_tokens or LOSS_CHUNK_TOKENS[-1], min(batch, p.micro_batch) * seq) < 4096:
+        head_flops *= small_head_chunk_cost
     # fp8: the linears' forward products, and (but for token-chunked MLPs, whose backward runs plain
     # linears) their recompute, input-gradient and weight-gradient products, a token
     linears = shape.kept_params + shape.down_params

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from ..machine import Machine, MachineRates
 from ..optim.formats import compact_master
-from .memory import (EFFICIENT_TOKENS, DoesNotFit, ModelShape, Layout, auto_host, auto_residency, auto_tier,
+from .memory import (EFFICIENT_TOKENS, LOSS_CHUNK_TOKENS, SMALL_HEAD_CHUNK_COST, DoesNotFit, ModelShape, Layout, auto_host, auto_residency, auto_tier,
                      check_host_fits, choose_window_slots, config_host_bytes, fit, gpu_budget, gpu_bytes, held, host_budget,
                      least_layout,
                      fmt_bytes, nvme_bytes, nvme_layer_count, parse_bytes, spares_that_fit, step_time)
@@ -169,7 +169,7 @@ def _resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: 
         cfg = auto_tier(cfg, shape, batch, seq, placement, ram, buffers=auto.host_grad_buffers,
                         spares=auto.speculative_layers, weights=auto.host_weights, master=auto.nvme_master)
     if problem is None and on_gpu and cfg.gpu_memory_limit:
-        cfg, placement = displace_inputs(cfg, shape, batch, seq, limit, placement, ram, rates)
+        cfg, placement = head_chunk_and_inputs(cfg, shape, batch, seq, limit, placement, ram, rates)
         gpu = gpu_bytes(shape, batch, seq, placement, cfg.compute_dtype.itemsize)
     host = config_host_bytes(cfg, shape, batch, seq, placement)
     if problem is None:
@@ -189,6 +189,47 @@ def _resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: 
     return Plan(cfg, placement, gpu, limit, host, problem, binds, shape)
 
 
+def _seconds(cfg, shape: ModelShape, batch: int, seq: int, p: Layout, rates: MachineRates, **kw) -> float:
+    return step_time(shape, batch, seq, p, rates, state=cfg.optimizer_state,
+                     clipping=cfg.max_grad_norm is not None, **kw)["step_s"]
+
+
+CHUNK_MARGIN = 0.995  # a larger chunk's predicted gain must pass the time model's noise: half a percent
+
+
+def head_chunk_and_inputs(cfg, shape: ModelShape, batch: int, seq: int, limit: int, placement: Layout, ram: int,
+                          rates: MachineRates) -> tuple[object, Layout]:
+    """The loss head's chunk and the host's room for layer inputs (``displace_inputs``), decided together:
+    fit() takes the largest chunk that fits beside the most kept inputs, but the head's products run faster
+    in larger chunks (SMALL_HEAD_CHUNK_COST, counted here only), and the inputs a larger chunk sends to the
+    host cost nothing where the GPU's work bounds the step. So each larger chunk's placement
+    is timed beside fit()'s, with the same micro-batches (the time model does not weigh their size) and
+    within the host's budget, and the fastest is taken where it gains at least CHUNK_MARGIN; its chunk then goes into the config, so the
+    engine's fit() places the same."""
+    def seconds(c, p: Layout) -> float:
+        return _seconds(c, shape, batch, seq, p, rates, small_head_chunk_cost=SMALL_HEAD_CHUNK_COST)
+
+    best = displace_inputs(cfg, shape, batch, seq, limit, placement, ram, rates)
+    if cfg.tuning.loss_chunk_tokens is not None or cfg.placement.activations_to_nvme:
+        return best
+    best_s = seconds(*best)
+    for chunk in (c for c in LOSS_CHUNK_TOKENS if c > (placement.loss_chunk_tokens or 0)):
+        wider = replace(cfg, tuning=replace(cfg.tuning, loss_chunk_tokens=chunk))
+        try:
+            q = fit(shape, batch, seq, limit, Layout.of(wider))
+        except DoesNotFit:
+            continue
+        if (q.micro_batch, q.head_slice, q.mlp_chunk_tokens) != \
+                (placement.micro_batch, placement.head_slice, placement.mlp_chunk_tokens):
+            continue
+        c, p = displace_inputs(wider, shape, batch, seq, limit, q, ram, rates)
+        if sum(config_host_bytes(c, shape, batch, seq, p).values()) > host_budget(c, ram)[0]:
+            continue
+        if (s := seconds(c, p)) < CHUNK_MARGIN * best_s:
+            best, best_s = (c, p), s
+    return best
+
+
 def displace_inputs(cfg, shape: ModelShape, batch: int, seq: int, limit: int, placement: Layout, ram: int,
                     rates: MachineRates) -> tuple[object, Layout]:
     """The config and placement with ``host_input_bytes`` decided, last of the host's claims: the RAM that
@@ -200,8 +241,7 @@ def displace_inputs(cfg, shape: ModelShape, batch: int, seq: int, limit: int, pl
     q = fit(shape, batch, seq, limit, Layout.of(cfg.placed(host_input_bytes=room)))
 
     def seconds(p: Layout) -> float:
-        return step_time(shape, batch, seq, p, rates, state=cfg.optimizer_state,
-                         clipping=cfg.max_grad_norm is not None)["step_s"]
+        return _seconds(cfg, shape, batch, seq, p, rates)
 
     if q.saved_layers <= placement.saved_layers or seconds(q) >= seconds(placement):
         return cfg, placement
