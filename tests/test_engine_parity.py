@@ -179,6 +179,20 @@ def test_clipping_is_active_and_reported():
     assert norm > 1e-3  # the threshold was really crossed
 
 
+def test_a_long_units_norm_does_not_drift_on_the_cpu():
+    """A streamed unit's gradient is one flat vector; torch's CPU norm of a long fp32 vector drifts (about
+    1e-3 relative at 30M elements, 1e-7 is fp32's rounding), so the engine's per-unit norm, which the
+    clipping coefficient and the logged grad_norm take, must not be that norm."""
+    from slideformer.engine.engine import grad_norm
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(30_000_123, generator=g) * torch.rand(30_000_123, generator=g) ** 4
+    exact = float(x.double().norm())
+    assert float(grad_norm(x)) == pytest.approx(exact, rel=5e-5)
+    assert float(grad_norm(x[:100])) == pytest.approx(float(x[:100].double().norm()), rel=1e-6)
+    assert float(grad_norm(x.bfloat16())) == pytest.approx(float(x.bfloat16().double().norm()), rel=5e-5)
+
+
 @pytest.mark.parametrize("loss_kernel", ["torch", "fused"])
 def test_loss_chunks_without_labels_are_skipped_exactly(loss_kernel):
     """A whole loss chunk without a label (a row that is all prompt) is skipped by the micro-batch's host
