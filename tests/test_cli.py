@@ -289,6 +289,11 @@ def test_data_shows_what_training_sees(capsys, tmp_path):
     assert main(["data", "cutoff_len=16", "--samples", "0"]) == 0
     out = capsys.readouterr().out
     assert "--- sample" not in out and int(out.split("truncated ")[1].split()[0]) > 0
+    assert main(["data", "--samples", "0", "cutoff_len=16"]) == 0  # (overrides after an option too)
+    assert capsys.readouterr().out == out
+    with pytest.raises(SystemExit) as e:
+        main(["data", "--samples", "0", "--bogus"])
+    assert e.value.code == 2 and "--bogus" in capsys.readouterr().err
     assert main(["data", f"dataset={tmp_path / 'missing.jsonl'}"]) == 2
     err = capsys.readouterr().err
     assert "missing.jsonl" in err and "Traceback" not in err

@@ -600,7 +600,14 @@ def _main(argv: list[str], signals: Signals) -> int:
     ex.set_defaults(func=cmd_export)
     sub.add_parser("bench", help="benchmark one case (see `slideformer bench --help`), or `bench report FILE...`",
                    add_help=False)
-    args = p.parse_args(argv)
+    # key=value overrides after an option (`data cfg.yaml --samples 3 lr=1e-5`): argparse leaves them over,
+    # and cannot parse subcommands intermixed; they join the command's own (anything else is refused)
+    args, rest = p.parse_known_args(argv)
+    if rest:
+        if hasattr(args, "overrides") and all("=" in r and not r.startswith("-") for r in rest):
+            args.overrides = list(args.overrides) + rest
+        else:
+            p.parse_args(argv)  # (argparse's own message and exit 2)
     import threading
 
     hook = threading.excepthook

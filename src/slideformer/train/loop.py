@@ -296,7 +296,7 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world  # (micro_batch_size: a rank's)
     steps_per_epoch = max(1, samples // per_step)
     total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
-    warmup = int(cfg.warmup_ratio * total)
+    warmup = math.ceil(cfg.warmup_ratio * total)  # (as transformers' TrainingArguments.get_warmup_steps)
     ecfg = resolve_engine(cfg, hf_config, ecfg, examples, Machine.detect(device))
     if ranks is None:
         out.open()  # (from here the folder is the run's: locked, marked)
