@@ -32,6 +32,23 @@ def test_formats_mask_everything_but_the_targets(tok, rec, expect):
     assert trained_text(tok, rec) == expect
 
 
+def test_text_gets_the_tokenizers_own_special_tokens_and_one_eos():
+    """Text is tokenized as transformers' run_clm and TRL do, with the tokenizer's special tokens (Llama 3's
+    and Gemma's BOS: without it their pretrained models start from a state they never saw), then the EOS."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    plain = AutoTokenizer.from_pretrained(str(_assets() / "tiny"))
+    bos = copy.deepcopy(plain)
+    bos._tokenizer.post_processor = TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", bos.bos_token_id)])
+    ids, labels = render("all of it", bos, "t")
+    assert ids[0] == bos.bos_token_id and ids[1:] == render("all of it", plain, "t")[0] and labels == ids
+    both = copy.deepcopy(plain)  # (a tokenizer that ends text with its EOS itself: not a second one)
+    both._tokenizer.post_processor = TemplateProcessing(single="$A <|eos|>", special_tokens=[("<|eos|>", both.eos_token_id)])
+    assert render("all of it", both, "t")[0] == render("all of it", plain, "t")[0]
+
+
 def test_a_sharegpt_records_top_level_system_prompt_is_its_first_turn(tok):
     conv = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
     with_system = to_messages({"conversations": conv, "system": "be brief"}, "sharegpt", "t")

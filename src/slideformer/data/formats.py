@@ -227,7 +227,11 @@ def render(rec_messages, tokenizer, where: str, cutoff_len: int | None = None,
     if cutoff_len is not None:
         limit = 4 * (cutoff_len + 8) * (token_chars or max_token_chars(tokenizer))
     if isinstance(rec_messages, str):
-        ids = tokenizer(_clip(rec_messages, limit), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        # the tokenizer's own special tokens (Llama 3's and Gemma's BOS), as transformers' run_clm and TRL
+        # tokenize text; then the end of the document, where they add none
+        ids = list(tokenizer(_clip(rec_messages, limit))["input_ids"])
+        if not ids or ids[-1] != tokenizer.eos_token_id:
+            ids.append(tokenizer.eos_token_id)
         return ids, list(ids)
     msgs = [{**m, "content": _clip(m["content"], limit)} for m in rec_messages]
     if not any(m["role"] == "assistant" for m in msgs):
