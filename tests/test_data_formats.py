@@ -73,6 +73,31 @@ def test_a_conversation_the_template_cannot_render_is_a_bad_record(tok):
         render([{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}], Strict(), "f.jsonl:4")
 
 
+def test_a_template_whose_prefixes_differ_from_the_whole_trains_each_turn_as_rendered_whole():
+    """Qwen 3's template drops the reasoning of turns before the last user turn and gives the last assistant
+    turn a (possibly empty) reasoning block, so a prefix renders differently inside the whole (this copy
+    keeps its logic, on the tiny tokenizer's tokens). The conversation is then rendered once, whole: its
+    ids are the template's, and each assistant turn trains from its header's end through its end of turn."""
+    from pathlib import Path
+
+    qwen3 = AutoTokenizer.from_pretrained(str(_assets() / "tiny"))
+    qwen3.chat_template = (Path(__file__).parent / "data" / "qwen3_like.jinja").read_text()
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>r1</think>\n\nans one"},
+            {"role": "user", "content": "more"}, {"role": "assistant", "content": "<think>r2</think>ans two"}]
+    for last, trained in [(conv[3], "ans one<|eos|>\n<think>\nr2\n</think>\n\nans two<|eos|>\n"),
+                          ({"role": "assistant", "content": "ans two"},
+                           "ans one<|eos|>\n<think>\n\n</think>\n\nans two<|eos|>\n")]:
+        ids, labels = render(conv[:3] + [last], qwen3, "t")
+        whole = qwen3.apply_chat_template(conv[:3] + [last], tokenize=True)
+        assert ids == list(whole["input_ids"] if hasattr(whole, "keys") else whole)
+        assert qwen3.decode([i for i, l in zip(ids, labels) if l != -100]) == trained
+        assert "r1" not in qwen3.decode(ids)  # (the template's own choice: an earlier turn's reasoning dropped)
+    # a template that loses a turn's content cannot be split into turns: the record is named
+    qwen3.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{% if loop.last %}{{ m['content'] }}{% endif %}{% endfor %}"
+    with pytest.raises(DataError, match="f.jsonl:2: the chat template renders a conversation prefix differently"):
+        render(conv, qwen3, "f.jsonl:2")
+
+
 def test_prompt_tokens_are_present_but_not_trained(tok):
     ids, labels = render(to_messages({"instruction": "What is 2 plus 2?", "output": "4"}, "alpaca", "t"), tok, "t")
     assert "What is 2 plus 2?" in tok.decode(ids)

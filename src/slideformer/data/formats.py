@@ -247,8 +247,7 @@ def render(rec_messages, tokenizer, where: str, cutoff_len: int | None = None,
                             f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})") from None
         out = list(out["input_ids"] if hasattr(out, "keys") else out)  # a BatchEncoding in transformers 5
         if out[: len(ids)] != ids:
-            raise DataError(f"{where}: the chat template renders a conversation prefix differently from the "
-                            "whole; slideformer needs prefix-stable templates")
+            raise _PrefixUnstable
         return out
 
     ids: list[int] = []
@@ -256,18 +255,82 @@ def render(rec_messages, tokenizer, where: str, cutoff_len: int | None = None,
     # Render growing prefixes and attribute the new tokens to the newest message: this follows whatever
     # the tokenizer's template does around turns, without parsing it. An assistant turn's header (what
     # add_generation_prompt adds) is prompt, not target.
-    for k in range(1, len(msgs) + 1):
-        if cutoff_len is not None and len(ids) >= cutoff_len:
-            break  # nothing later reaches the model
-        if msgs[k - 1]["role"] == "assistant":
-            header = tok(msgs[: k - 1], True)
-            full = tok(msgs[:k], False)
-            start = len(header) if full[: len(header)] == header else len(ids)
-            labels += [-100] * (start - len(ids)) + full[start:]
-        else:
-            full = tok(msgs[:k], False)
-            labels += [-100] * (len(full) - len(ids))
-        ids = full
+    try:
+        for k in range(1, len(msgs) + 1):
+            if cutoff_len is not None and len(ids) >= cutoff_len:
+                break  # nothing later reaches the model
+            if msgs[k - 1]["role"] == "assistant":
+                header = tok(msgs[: k - 1], True)
+                full = tok(msgs[:k], False)
+                start = len(header) if full[: len(header)] == header else len(ids)
+                labels += [-100] * (start - len(ids)) + full[start:]
+            else:
+                full = tok(msgs[:k], False)
+                labels += [-100] * (len(full) - len(ids))
+            ids = full
+    except _PrefixUnstable:
+        return _render_whole(msgs, tokenizer, where)
+    return ids, labels
+
+
+class _PrefixUnstable(Exception):
+    """A conversation's prefix renders differently inside the whole (Qwen 3's template drops the reasoning of
+    turns before the last user turn, and gives the last assistant turn an empty one)."""
+
+
+def _render_whole(msgs: list[dict], tokenizer, where: str) -> tuple[list[int], list[int]]:
+    """Token ids and labels of a conversation rendered once, whole, for templates whose prefixes are not
+    prefixes of the whole. Each assistant turn is found by rendering the conversation with a marker for its
+    content: the text between the markers is the template's own, and the real rendering is that text
+    around each turn's content. A turn trains from where its header (what add_generation_prompt adds)
+    ends, as rendered whole, through its content and the end-of-turn text the template puts after it."""
+    def text(conv: list[dict], gen: bool = False) -> str:
+        try:
+            return tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen)
+        except Exception as e:
+            raise DataError(f"{where}: the chat template cannot render this conversation "
+                            f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})") from None
+
+    def unsupported(why: str) -> DataError:
+        return DataError(f"{where}: the chat template renders a conversation prefix differently from the whole, "
+                         f"and {why}; give a template that renders each turn the same in any prefix (chat_template)")
+
+    turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    marks = {i: f"<<slideformer-turn-{i}>>" for i in turns}
+    # (a reasoning block before the answer, "<think>...</think>", stays: templates that take it apart do so
+    # alike with the marker after it)
+    marked = [{**m, "content": m["content"][: m["content"].rfind("</think>") + 8] * ("</think>" in m["content"])
+               + marks[i]} if i in marks else m for i, m in enumerate(msgs)]
+    whole_marked, whole = text(marked), text(msgs)
+    if any(whole_marked.count(marks[i]) != 1 for i in turns):
+        raise unsupported("it does not render each assistant turn's content once")
+    pieces = [whole_marked]  # the template's text between the markers, in order
+    for i in turns:
+        pieces[-1:] = pieces[-1].split(marks[i])
+    spans, at = [], len(pieces[0])
+    if not whole.startswith(pieces[0]) or not whole.endswith(pieces[-1]):
+        raise unsupported("its text around the turns changes with their content")
+    for n, i in enumerate(turns):
+        after = pieces[n + 1]
+        end = len(whole) - len(after) if n + 1 == len(turns) else whole.find(after, at)
+        if end < at:
+            raise unsupported("its text around the turns changes with their content")
+        alone = text(marked[: i + 1])  # the turn last: what closes it
+        close = alone[alone.rindex(marks[i]) + len(marks[i]):]
+        if not after.startswith(close):
+            raise unsupported("it closes a turn differently when it is the last")
+        prompt = text(marked[:i], True)
+        header = prompt[len(text(marked[:i])):] if i else prompt
+        before = whole[:at]
+        start = before.rfind(header) + len(header) if header and before.rfind(header) >= at - len(pieces[n]) else at
+        spans.append((start, end + len(close)))
+        at = end + len(after) if n + 1 < len(turns) else len(whole)
+    try:
+        enc = tokenizer(whole, add_special_tokens=False, return_offsets_mapping=True)
+    except (NotImplementedError, TypeError, ValueError):  # (a slow tokenizer has no offsets)
+        raise unsupported("its tokenizer gives no character offsets (a fast tokenizer does)") from None
+    ids = list(enc["input_ids"])
+    labels = [t if any(s <= a < e for s, e in spans) else -100 for t, (a, _) in zip(ids, enc["offset_mapping"])]
     return ids, labels
 
 
