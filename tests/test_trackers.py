@@ -31,6 +31,29 @@ def test_every_tracker_gets_the_scalars_and_the_runs_metadata(tmp_path, monkeypa
     assert r.data.params["versions.slideformer"] and "model.params" in r.data.params
 
 
+def test_wandb_without_a_login_is_one_line_and_a_resume_continues_its_run(tmp_path, monkeypatch):
+    """No W&B login: a config error naming the fixes, not an unexpected one. A resumed run logs to the same
+    W&B run (the output folder's run id)."""
+    import wandb
+
+    wandb.teardown()  # (its settings are read once a process, at its first run)
+    for k in ("WANDB_API_KEY", "WANDB_MODE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("NETRC", str(tmp_path / "home" / "netrc"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "home" / "wandb"))
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match="report_to: wandb could not start its run .*WANDB_MODE=offline"):
+        train(load_config(None, FAST + [f"output_dir={out}", "report_to=wandb"]))
+    wandb.teardown()
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    train(load_config(None, FAST + [f"output_dir={out}", "report_to=wandb", "overwrite_output_dir=true"]))
+    train(load_config(None, FAST + [f"output_dir={out}", "report_to=wandb", "max_steps=4"]))
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and len({r.name.rsplit("-", 1)[1] for r in runs}) == 1
+    wandb.teardown()
+
+
 def test_none_and_unknown_trackers(tmp_path):
     out = tmp_path / "run"
     train(load_config(None, FAST + [f"output_dir={out}", "report_to=none"]))

@@ -363,7 +363,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                              "overwrite_output_dir: true")
     if lead:
         out.trim_metrics(start)
-    tracking = Trackers(cfg.report_to if lead else "none", out.path, start, run_meta(cfg, engine, device))
+    tracking = Trackers(cfg.report_to if lead else "none", out.path, start, run_meta(cfg, engine, device), out.run_id)
     order = _permutation(len(examples), cfg.seed, epoch)
     params = engine.adapter.num_params
     history, t_last, tokens_since = [], time.perf_counter(), 0
