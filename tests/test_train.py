@@ -102,6 +102,32 @@ def test_ctrl_c_saves_and_exits_130(tmp_path, monkeypatch):
     assert (tmp_path / "checkpoint-2" / "state" / "trainer.json").is_file()
 
 
+def test_an_evaluation_a_signal_put_off_runs_first_on_resume_and_the_plot_has_every_step(tmp_path, monkeypatch):
+    """SIGINT at an evaluation's step: the checkpoint is saved and the evaluation put off (stopping comes
+    first); the resumed run evaluates that step before its next one. The loss plot's curves are the run's
+    metrics from step 1, not only the resumed run's steps."""
+    from slideformer.engine.engine import SlideEngine
+    from slideformer.train.loop import loss_curves
+
+    real = SlideEngine.train_step
+    calls = {"n": 0}
+
+    def step_then_interrupt(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(self, batch)
+
+    monkeypatch.setattr(SlideEngine, "train_step", step_then_interrupt)
+    run = FAST + [f"output_dir={tmp_path}", "max_steps=4", "val_size=0.1", "eval_steps=2"]
+    assert main(["train"] + run) == 130
+    assert loss_curves(tmp_path / "metrics.jsonl")[1] == []
+    monkeypatch.setattr(SlideEngine, "train_step", real)
+    assert main(["train"] + run) == 0
+    history, evals = loss_curves(tmp_path / "metrics.jsonl")
+    assert [h["step"] for h in history] == [1, 2, 3, 4] and [e["step"] for e in evals] == [2, 4]
+
+
 def _finite_checkpoints(out):
     for ck in out.glob("checkpoint-*"):
         for f in (ck / "state").glob("*.safetensors"):

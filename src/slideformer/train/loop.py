@@ -342,7 +342,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     world, lead = (ranks.world, ranks.leader) if ranks else (1, True)
     say = print if lead else (lambda *a, **k: None)
     say(f"slideformer: {engine.describe()}" + (f" (rank 0 of {world})" if ranks else ""), flush=True)
-    start, epoch, offset = 0, 0, 0
+    start, epoch, offset, eval_pending = 0, 0, 0, False
     # what decides the data each step draws: the same on resume, or the data from there is another run's
     data = {"seed": cfg.seed, "batch": cfg.micro_batch_size * cfg.gradient_accumulation_steps * world,
             "samples": len(examples), "dataset": [_where(d.path) for d in cfg.dataset], "packing": cfg.packing,
@@ -350,6 +350,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     if resume:
         state = engine.load_checkpoint(resume)
         start, epoch, offset = state["step"], state["epoch"], state["offset"]
+        eval_pending = bool(state.get("eval_pending"))  # (the run stopped at an evaluation's step, before it)
         say(f"slideformer: resumed from {resume} at step {start}", flush=True)
         was = state.get("data") or {}
         changed = [f"{k} {data[k]} (it was {was[k]})" for k in data if k in was and was[k] != data[k]]
@@ -393,8 +394,30 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     # plan.resolve's; each process guards it)
     guard = MemoryGuard(process_allowance(engine.cfg, host_memory() // parallel.local_world(ranks)))
     settled = None  # (whether this run froze the collector's objects, once its first step is done)
+    def evaluate(step: int) -> None:
+        nonlocal held
+        ev = _evaluate(engine, held, cfg.micro_batch_size, tok.pad_token_id, step,
+                       lambda: dog.progress(stepped=False))
+        if ev is None:  # (records read as the steps reach them are first checked here)
+            say(f"slideformer: step {step}: no held-out record is a sample (each malformed, or without a "
+                f"target token within cutoff_len {cfg.cutoff_len}): no evaluation; check "
+                + ("eval_dataset" if cfg.eval_dataset else "the dataset (val_size holds out its records)"),
+                file=sys.stderr, flush=True)
+            held = ()
+        else:
+            evals.append(ev)
+            if lead:
+                with open(out.path / METRICS, "a") as f:
+                    f.write(json.dumps(_finite(ev), allow_nan=False) + "\n")
+            tracking.scalars({"loss": ev["eval_loss"], "perplexity": ev["eval_ppl"]}, step, "eval")
+            say(f"slideformer: step {step}: eval loss {ev['eval_loss']:.4f}, perplexity "
+                f"{ev['eval_ppl']:.3f} ({ev['eval_tokens']} tokens)", flush=True)
+        dog.progress(stepped=False)
+
     try:
         signals.training()
+        if eval_pending and held:
+            evaluate(step)
         while step < total:
             mbs = []
             for _ in range(cfg.gradient_accumulation_steps):
@@ -472,32 +495,18 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             memory = guard.tripped()
             signum, memory_somewhere = why_stop(signals.requested, memory)
             stop = bool(signum) or memory_somewhere
+            due = bool(held) and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total)
             state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
-                     "run_id": out.run_id, "data": data}
+                     "run_id": out.run_id, "data": data, "eval_pending": due and stop}
             if (cfg.save_steps and step % cfg.save_steps == 0) or step == total or stop:
                 with dog.allowing(SAVE_LIMIT_S):
                     last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
                                        cfg.model_name_or_path)
                 newest[0] = last_saved
-            # (after the save, which a failing evaluation must not cost; not when the run is to stop now)
-            if held and not stop and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total):
-                ev = _evaluate(engine, held, cfg.micro_batch_size, tok.pad_token_id, step,
-                               lambda: dog.progress(stepped=False))
-                if ev is None:  # (records read as the steps reach them are first checked here)
-                    say(f"slideformer: step {step}: no held-out record is a sample (each malformed, or without a "
-                        f"target token within cutoff_len {cfg.cutoff_len}): no evaluation; check "
-                        + ("eval_dataset" if cfg.eval_dataset else "the dataset (val_size holds out its records)"),
-                        file=sys.stderr, flush=True)
-                    held = ()
-                else:
-                    evals.append(ev)
-                    if lead:
-                        with open(out.path / METRICS, "a") as f:
-                            f.write(json.dumps(_finite(ev), allow_nan=False) + "\n")
-                    tracking.scalars({"loss": ev["eval_loss"], "perplexity": ev["eval_ppl"]}, step, "eval")
-                    say(f"slideformer: step {step}: eval loss {ev['eval_loss']:.4f}, perplexity "
-                        f"{ev['eval_ppl']:.3f} ({ev['eval_tokens']} tokens)", flush=True)
-                dog.progress(stepped=False)
+            # (after the save, which a failing evaluation must not cost; not when the run is to stop now: the
+            # checkpoint then says it is pending, and the resumed run runs it first)
+            if due and not stop:
+                evaluate(step)
                 t_last = time.perf_counter()  # (the evaluation's time is not the next interval's training)
             if memory_somewhere and not memory:
                 raise HostMemoryExceeded(f"host memory: another rank neared its share of the host budget at step {step}; "
@@ -519,7 +528,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
         progress(None, None)
         tracking.close()
         if history and lead:
-            _plot_loss(history, out.path / "loss.png", evals)
+            _plot_loss(out.path / METRICS, out.path / "loss.png")
     return {"status": status, "signal": signum, "steps": step, "history": history, "evals": evals,
             "lead": lead,
             "checkpoint": str(last_saved) if last_saved else None,
@@ -687,7 +696,27 @@ def _line(done, total, r) -> str:
             f"{r['tflops']:.3g} TFLOPS{gpu}  host {r['host_rss_gib']:.1f} GiB")
 
 
-def _plot_loss(history: list[dict], path: Path, evals: list[dict] = ()) -> None:
+def loss_curves(metrics: Path) -> tuple[list[dict], list[dict]]:
+    """The run's logged training and held-out records, from its metrics file: a resumed run's from its first
+    step (the file is trimmed to the checkpoint's step when a run resumes)."""
+    history, evals = [], []
+    for line in metrics.read_bytes().decode("utf-8", errors="replace").splitlines() if metrics.is_file() else ():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+            if isinstance(rec.get("eval_loss"), (int, float)):
+                evals.append(rec)
+            elif isinstance(rec.get("loss"), (int, float)):
+                history.append(rec)
+    return history, evals
+
+
+def _plot_loss(metrics: Path, path: Path) -> None:
+    history, evals = loss_curves(metrics)
+    if not history:
+        return
     try:
         import matplotlib
 
