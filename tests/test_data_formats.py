@@ -92,6 +92,9 @@ def test_a_template_whose_prefixes_differ_from_the_whole_trains_each_turn_as_ren
         assert ids == list(whole["input_ids"] if hasattr(whole, "keys") else whole)
         assert qwen3.decode([i for i, l in zip(ids, labels) if l != -100]) == trained
         assert "r1" not in qwen3.decode(ids)  # (the template's own choice: an earlier turn's reasoning dropped)
+        # a cutoff inside the first turn: still the whole's rendering, cut (not the prefix's reasoning)
+        cut, cut_labels = render(conv[:3] + [last], qwen3, "t", cutoff_len=12)
+        assert cut[:30] == ids[:30] and cut_labels[:30] == labels[:30]
     # a template that loses a turn's content cannot be split into turns: the record is named
     qwen3.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{% if loop.last %}{{ m['content'] }}{% endif %}{% endfor %}"
     with pytest.raises(DataError, match="f.jsonl:2: the chat template renders a conversation prefix differently"):

@@ -857,6 +857,9 @@ def test_a_gpu_bound_step_trades_kept_inputs_for_a_larger_loss_chunk():
     assert plan.placement.gpu_activation_layers < fitted.gpu_activation_layers
     assert plan.placement.micro_batch == fitted.micro_batch
     assert fit(sh, 64, 1024, plan.gpu_limit, Layout.of(plan.config)) == plan.placement
+    # a larger shape than the one planned (a longer held-out sample) takes a smaller chunk, as unpinned
+    longer = fit(sh, 64, 6656, plan.gpu_limit, Layout.of(plan.config))
+    assert longer.loss_chunk_tokens < 4096 and gpu_bytes(sh, 64, 6656, longer)["peak"] <= plan.gpu_limit
     assert plan.gpu["peak"] <= plan.gpu_limit
     fixed = resolve(replace(cfg, tuning=Tuning(loss_chunk_tokens=2048)), Auto(resident_edges=True), sh, 64, 1024,
                     machine)

@@ -258,7 +258,8 @@ def render(rec_messages, tokenizer, where: str, cutoff_len: int | None = None,
     try:
         for k in range(1, len(msgs) + 1):
             if cutoff_len is not None and len(ids) >= cutoff_len:
-                break  # nothing later reaches the model
+                tok(msgs, False)  # (nothing later reaches the model, but the whole must render these first)
+                break
             if msgs[k - 1]["role"] == "assistant":
                 header = tok(msgs[: k - 1], True)
                 full = tok(msgs[:k], False)

@@ -760,8 +760,21 @@ def nvme_bytes(shape: ModelShape, nvme_layers: int, state: str = "fp32", master:
 def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout = Layout()) -> Layout:
     """The placement to train ``batch`` x ``seq`` under ``limit`` GPU bytes (see the module docstring):
     ``base`` fixes the window, loss and resident layers; micro-batch and kept activations are chosen, then
-    the loss head's chunk (unless ``base`` fixes it), and token-chunked MLPs where nothing fits without them.
+    the loss head's chunk (unless ``base`` fixes it: then at most that, where a larger shape than the one
+    it was chosen for needs less), and token-chunked MLPs where nothing fits without them.
     Raises DoesNotFit with the largest batch that would fit."""
+    try:
+        return _fit(shape, batch, seq, limit, base)
+    except DoesNotFit:
+        for chunk in (c for c in LOSS_CHUNK_TOKENS if c < (base.loss_chunk_tokens or 0)):
+            try:
+                return _fit(shape, batch, seq, limit, replace(base, loss_chunk_tokens=chunk))
+            except DoesNotFit:
+                pass
+        raise
+
+
+def _fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout) -> Layout:
     options = []
     for head in heads(base):
         for mb in (d for d in range(1, batch + 1) if batch % d == 0):

@@ -364,7 +364,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                              "overwrite_output_dir: true")
     if lead:
         out.trim_metrics(start)
-    tracking = Trackers(cfg.report_to if lead else "none", out.path, start, run_meta(cfg, engine, device), out.run_id)
+    tracking = Trackers(cfg.report_to if lead else "none", out.path, start, run_meta(cfg, engine, device))
     order = _permutation(len(examples), cfg.seed, epoch)
     params = engine.adapter.num_params
     history, t_last, tokens_since = [], time.perf_counter(), 0
@@ -418,6 +418,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
         signals.training()
         if eval_pending and held:
             evaluate(step)
+            t_last = time.perf_counter()  # (the next logged interval's throughput is of steps alone)
         while step < total:
             mbs = []
             for _ in range(cfg.gradient_accumulation_steps):
@@ -527,7 +528,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
         guard.close()
         progress(None, None)
         tracking.close()
-        if history and lead:
+        if (history or evals) and lead:
             _plot_loss(out.path / METRICS, out.path / "loss.png")
     return {"status": status, "signal": signum, "steps": step, "history": history, "evals": evals,
             "lead": lead,

@@ -31,9 +31,9 @@ def parse(report_to) -> list[str]:
 
 
 class Trackers:
-    def __init__(self, names: list[str], out: Path, start: int, meta: dict, run_id: str | None = None):
-        """Open each tracker and log ``meta`` (config, model, versions, machine) once. ``run_id`` (the output
-        folder's, kept across resumes) names the W&B run, so a resumed run continues it."""
+    def __init__(self, names: list[str], out: Path, start: int, meta: dict):
+        """Open each tracker and log ``meta`` (config, model, versions, machine) once. A resumed run is a W&B
+        run of its own: W&B ignores steps below one it has logged, which a resumed run logs again."""
         from ..config import ConfigError
         from .outdir import TENSORBOARD
 
@@ -52,7 +52,7 @@ class Trackers:
                 raise ConfigError("report_to: wandb needs its client (pip install wandb)")
             try:
                 self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "slideformer"), name=out.name,
-                                         dir=str(out), config=meta, id=run_id, resume="allow")
+                                         dir=str(out), config=meta)
             except Exception as e:  # (no login, no network: wandb's own errors, before any step)
                 raise ConfigError(f"report_to: wandb could not start its run ({type(e).__name__}: "
                                   f"{(str(e).splitlines() or [''])[0][:200]}); log in (wandb login, or "
