@@ -84,7 +84,9 @@ def test_checkpoint_settings_are_validated(tmp_path, bad, match):
         cfg(tmp_path, bad)
 
 
-def test_ctrl_c_saves_and_exits_130(tmp_path, monkeypatch):
+def interrupt_at_step(monkeypatch, n: int):
+    """The engine's ``n``-th train_step sends SIGINT to this process (handled: that step finishes, the run
+    saves and stops); returns the real train_step."""
     from slideformer.engine.engine import SlideEngine
 
     real = SlideEngine.train_step
@@ -92,11 +94,16 @@ def test_ctrl_c_saves_and_exits_130(tmp_path, monkeypatch):
 
     def step_then_interrupt(self, batch):
         calls["n"] += 1
-        if calls["n"] == 2:
-            os.kill(os.getpid(), signal.SIGINT)  # handled: finish this step, save, stop
+        if calls["n"] == n:
+            os.kill(os.getpid(), signal.SIGINT)
         return real(self, batch)
 
     monkeypatch.setattr(SlideEngine, "train_step", step_then_interrupt)
+    return real
+
+
+def test_ctrl_c_saves_and_exits_130(tmp_path, monkeypatch):
+    interrupt_at_step(monkeypatch, 2)
     code = main(["train"] + FAST + [f"output_dir={tmp_path}", "max_steps=50"])
     assert code == 130
     assert (tmp_path / "checkpoint-2" / "state" / "trainer.json").is_file()
@@ -109,16 +116,7 @@ def test_an_evaluation_a_signal_put_off_runs_first_on_resume_and_the_plot_has_ev
     from slideformer.engine.engine import SlideEngine
     from slideformer.train.loop import loss_curves
 
-    real = SlideEngine.train_step
-    calls = {"n": 0}
-
-    def step_then_interrupt(self, batch):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            os.kill(os.getpid(), signal.SIGINT)
-        return real(self, batch)
-
-    monkeypatch.setattr(SlideEngine, "train_step", step_then_interrupt)
+    real = interrupt_at_step(monkeypatch, 2)
     run = FAST + [f"output_dir={tmp_path}", "max_steps=4", "val_size=0.1", "eval_steps=2"]
     assert main(["train"] + run) == 130
     assert loss_curves(tmp_path / "metrics.jsonl")[1] == []

@@ -14,8 +14,8 @@ from dataclasses import dataclass, replace
 
 from ..machine import Machine, MachineRates
 from ..optim.formats import compact_master
-from .memory import (EFFICIENT_TOKENS, LOSS_CHUNK_TOKENS, SMALL_HEAD_CHUNK_COST, DoesNotFit, ModelShape, Layout, auto_host, auto_residency, auto_tier,
-                     check_host_fits, choose_window_slots, config_host_bytes, fit, gpu_budget, gpu_bytes, held, host_budget,
+from .memory import (EFFICIENT_TOKENS, LOSS_CHUNK_TOKENS, SMALL_HEAD_CHUNK_COST, DoesNotFit, ModelShape, Layout,
+                     auto_host, auto_residency, auto_tier, check_host_fits, choose_window_slots, config_host_bytes, fit, gpu_budget, gpu_bytes, held, host_budget,
                      least_layout,
                      fmt_bytes, nvme_bytes, nvme_layer_count, parse_bytes, spares_that_fit, step_time)
 
@@ -202,10 +202,10 @@ def head_chunk_and_inputs(cfg, shape: ModelShape, batch: int, seq: int, limit: i
     """The loss head's chunk and the host's room for layer inputs (``displace_inputs``), decided together:
     fit() takes the largest chunk that fits beside the most kept inputs, but the head's products run faster
     in larger chunks (SMALL_HEAD_CHUNK_COST, counted here only), and the inputs a larger chunk sends to the
-    host cost nothing where the GPU's work bounds the step. So each larger chunk's placement
-    is timed beside fit()'s, with the same micro-batches (the time model does not weigh their size) and
-    within the host's budget, and the fastest is taken where it gains at least CHUNK_MARGIN; its chunk then goes into the config, so the
-    engine's fit() places the same."""
+    host cost nothing where the GPU's work bounds the step. So each larger chunk's placement is timed beside
+    fit()'s, with the same micro-batches (the time model does not weigh their size) and within the host's
+    budget, and the fastest is taken where it gains at least CHUNK_MARGIN; its chunk then goes into the
+    config, so the engine's fit() places the same."""
     def seconds(c, p: Layout) -> float:
         return _seconds(c, shape, batch, seq, p, rates, small_head_chunk_cost=SMALL_HEAD_CHUNK_COST)
 
