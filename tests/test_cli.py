@@ -5,6 +5,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from slideformer.config import Placement
 from slideformer.cli import main
+from slideformer.train.config import _assets
 
 
 def test_train_demo_exports_a_transformers_model(tmp_path):
@@ -291,6 +292,12 @@ def test_data_shows_what_training_sees(capsys, tmp_path):
     assert "--- sample" not in out and int(out.split("truncated ")[1].split()[0]) > 0
     assert main(["data", "--samples", "0", "cutoff_len=16"]) == 0  # (overrides after an option too)
     assert capsys.readouterr().out == out
+    assert main(["data", "--samples", "0", "val_size=0.1"]) == 0  # (training's part and evaluation's, as train splits)
+    out = capsys.readouterr().out
+    assert "samples 101 " in out and "eval: samples 11 " in out
+    assert main(["data", "--samples", "0", f"eval_dataset={_assets() / 'sample' / 'text.jsonl'}"]) == 0
+    out = capsys.readouterr().out
+    assert "samples 112 " in out and "eval: samples 8 " in out
     with pytest.raises(SystemExit) as e:
         main(["data", "--samples", "0", "--bogus"])
     assert e.value.code == 2 and "--bogus" in capsys.readouterr().err

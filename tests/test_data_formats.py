@@ -27,6 +27,9 @@ def trained_text(tok, rec, fmt="auto"):
     ({"messages": [{"role": "system", "content": "be kind"}, {"role": "user", "content": "q"},
                    {"role": "assistant", "content": "answer"}]}, "answer<|eos|>"),
     ({"text": "all of it counts"}, "all of it counts<|eos|>"),
+    ({"prompt": "Add 2 and 3", "completion": "five"}, "five<|eos|>"),  # (TRL's prompt-completion, and conversational)
+    ({"prompt": [{"role": "system", "content": "terse"}, {"role": "user", "content": "2+3?"}],
+      "completion": [{"role": "assistant", "content": "five"}]}, "five<|eos|>"),
 ])
 def test_formats_mask_everything_but_the_targets(tok, rec, expect):
     assert trained_text(tok, rec) == expect
@@ -117,7 +120,10 @@ def test_malformed_line_names_file_and_line(tmp_path):
 @pytest.mark.parametrize("rec,match", [
     ({"instruction": "x"}, "cannot tell the format"),
     ({"conversations": [{"from": "alien", "value": "x"}]}, "turn 0 needs 'from'"),
-    ({"messages": [{"role": "user", "content": 3}]}, "message 0 needs"),
+    ({"messages": [{"role": "user", "content": 3}]}, r"messages\[0\] needs"),
+    ({"prompt": "q", "completion": [{"role": "assistant", "content": "a"}]}, "both strings or both lists"),
+    ({"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "user", "content": "a"}]},
+     "a 'completion' of assistant messages"),
 ])
 def test_bad_records(rec, match):
     with pytest.raises(DataError, match=match):
@@ -165,3 +171,40 @@ def test_datasets_sources_csv_save_to_disk_folders_and_hub_names(tmp_path, monke
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(DataError, match="Hub dataset someorg/somedata.*hf download --repo-type dataset"):
         read_records("someorg/somedata")
+
+
+def test_columns_map_a_records_own_keys_to_a_formats(tok, tmp_path):
+    """A dataset's columns rename its records' keys (ours -> theirs) before the format is told; an optional key
+    may be absent, a required one is named with its mapping; a key no format reads is refused in the config."""
+    from slideformer.config import ConfigError
+    from slideformer.data.formats import renamed
+    from slideformer.train.config import load_config
+
+    cols = {"instruction": "question", "input": "context", "output": "answer"}
+    rec = renamed({"question": "Add", "answer": "five", "id": 3}, cols, "t")
+    assert rec == {"instruction": "Add", "output": "five", "id": 3} and trained_text(tok, rec) == "five<|eos|>"
+    with pytest.raises(DataError, match=r"t: no key 'answer' \(the dataset's columns map output to it\)"):
+        renamed({"question": "Add"}, cols, "t")
+    assert trained_text(tok, renamed({"body": "all of it"}, {"text": "body"}, "t")) == "all of it<|eos|>"
+    with pytest.raises(ConfigError, match="columns names 'answer', which no format reads"):
+        load_config(None, [f"dataset=[{{path: {tmp_path}/d.jsonl, columns: {{answer: a}}}}]"])
+    with pytest.raises(ConfigError, match="columns must map"):
+        load_config(None, [f"dataset=[{{path: {tmp_path}/d.jsonl, columns: [a]}}]"])
+
+
+def test_a_chat_template_may_be_a_file(tmp_path):
+    """chat_template: the template inline, or a .jinja file's path (as transformers saves chat_template.jinja);
+    a path that is no file, or a file without Jinja, is one line naming it."""
+    from slideformer.train.config import load_config
+    from slideformer.train.loop import load_tokenizer
+
+    template = (_assets() / "tiny" / "chat_template.jinja").read_text()
+    (tmp_path / "t.jinja").write_text(template)
+    assert load_tokenizer(load_config(None, [f"chat_template={tmp_path}/t.jinja"])).chat_template == template
+    for value, needle in ((f"{tmp_path}/missing.jinja", "is neither a Jinja template"),
+                          (str(tmp_path), "is neither a Jinja template")):
+        with pytest.raises(DataError, match=needle):
+            load_tokenizer(load_config(None, [f"chat_template={value}"]))
+    (tmp_path / "plain.txt").write_text("no template here")
+    with pytest.raises(DataError, match="plain.txt: holds no Jinja"):
+        load_tokenizer(load_config(None, [f"chat_template={tmp_path}/plain.txt"]))

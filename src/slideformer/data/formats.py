@@ -5,7 +5,9 @@ on the assistant turns only (labels -100 elsewhere). Plain text is trained on wh
 - alpaca:   {"instruction", "input"?, "output", "system"?}
 - sharegpt: {"conversations": [{"from": "human"|"gpt"|"system", "value"}], "system"?}
 - messages: {"messages": [{"role": "user"|"assistant"|"system", "content"}]}  (OpenAI style)
+- prompt_completion: {"prompt", "completion"}, strings or lists of messages (TRL's)
 - text:     {"text"}
+A dataset's ``columns`` maps these keys to a record's own (e.g. {instruction: question, output: answer}).
 Files: JSONL, JSON (a list of records) and Parquet (through ``datasets``).
 """
 from __future__ import annotations
@@ -14,7 +16,8 @@ import json
 import os
 from pathlib import Path
 
-FORMATS = ("alpaca", "sharegpt", "messages", "text")
+FORMATS = ("alpaca", "sharegpt", "messages", "prompt_completion", "text")
+KEYS = ("messages", "conversations", "instruction", "input", "output", "system", "prompt", "completion", "text")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
@@ -133,10 +136,26 @@ def detect_format(rec: dict, where: str) -> str:
         return "sharegpt"
     if "instruction" in rec and "output" in rec:
         return "alpaca"
+    if "prompt" in rec and "completion" in rec:
+        return "prompt_completion"
     if "text" in rec:
         return "text"
     raise DataError(f"{where}: cannot tell the format from keys {sorted(rec)}; expected one of "
-                    "messages / conversations / instruction+output / text, or set the dataset's format")
+                    "messages / conversations / instruction+output / prompt+completion / text, or map the record's "
+                    "keys to those with the dataset's columns (e.g. {instruction: question, output: answer})")
+
+
+def renamed(rec, columns: dict | None, where: str):
+    """The record with its keys under the names the formats read (a dataset's ``columns``: ours -> theirs)."""
+    if not columns or not isinstance(rec, dict):
+        return rec
+    missing = [theirs for ours, theirs in columns.items() if theirs not in rec and ours not in ("input", "system")]
+    if missing:
+        raise DataError(f"{where}: no key {missing[0]!r} (the dataset's columns map "
+                        f"{next(o for o, t in columns.items() if t == missing[0])} to it); the record has {sorted(rec)}")
+    out = {k: v for k, v in rec.items() if k not in columns.values()}
+    out.update((ours, rec[theirs]) for ours, theirs in columns.items() if theirs in rec)
+    return out
 
 
 def _text(v: str, where: str) -> str:
@@ -186,13 +205,45 @@ def _to_messages(rec: dict, fmt: str, where: str) -> list[dict] | str:
             msgs.insert(0, {"role": "system", "content": system})
         return msgs
     if fmt == "messages":
-        msgs = rec.get("messages")
-        need(isinstance(msgs, list) and msgs, "needs a non-empty list 'messages'")
-        for i, m in enumerate(msgs):
-            need(isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and isinstance(m.get("content"), str),
-                 f"message {i} needs 'role' in system/user/assistant and a string 'content'")
-        return [{"role": m["role"], "content": m["content"]} for m in msgs]
+        return _messages(rec.get("messages"), need, "messages")
+    if fmt == "prompt_completion":
+        prompt, completion = rec.get("prompt"), rec.get("completion")
+        if isinstance(prompt, str) and isinstance(completion, str):
+            return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+        need(isinstance(prompt, list) and isinstance(completion, list),
+             "needs 'prompt' and 'completion' both strings or both lists of messages")
+        completion = _messages(completion, need, "completion")
+        need(all(m["role"] == "assistant" for m in completion), "needs a 'completion' of assistant messages")
+        return _messages(prompt, need, "prompt") + completion
     raise DataError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)} or auto")
+
+
+def _messages(msgs, need, key: str) -> list[dict]:
+    need(isinstance(msgs, list) and msgs, f"needs a non-empty list {key!r}")
+    for i, m in enumerate(msgs):
+        need(isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and isinstance(m.get("content"), str),
+             f"{key}[{i}] needs 'role' in system/user/assistant and a string 'content'")
+    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+
+
+def chat_template_text(value: str) -> str:
+    """The chat_template key's template: given inline (Jinja), or the path of a file that holds one."""
+    if "{{" in value or "{%" in value:
+        return value
+    p = Path(value).expanduser()
+    if not p.is_file():
+        raise DataError(f"chat_template {value!r} is neither a Jinja template (no {{{{ or {{%) nor a file; give the "
+                        "template itself or the path of a .jinja file")
+    try:
+        with open(p, encoding="utf-8") as f:
+            text = f.read(MAX_TEMPLATE_CHARS + 1)  # (check_chat_template refuses a longer one)
+    except OSError as e:
+        raise DataError(f"chat_template {p}: cannot read it ({e.strerror})") from e
+    except UnicodeDecodeError:
+        raise DataError(f"chat_template {p}: not UTF-8 text; give a Jinja template file") from None
+    if "{{" not in text and "{%" not in text:
+        raise DataError(f"chat_template {p}: holds no Jinja ({{{{ or {{%); give a chat template file")
+    return text
 
 
 MAX_TEMPLATE_CHARS = 256 * 1024  # far above any real chat template; above it, likely a file's contents by mistake

@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from ..config import ATTENTION, ConfigError
-from ..data.formats import FORMATS
+from ..data.formats import FORMATS, KEYS
 from ..optim.schedule import SCHEDULES
 
 
@@ -23,6 +23,8 @@ class DatasetSpec:
     format: str = "auto"
     split: str | None = None  # of a folder or Hub dataset with several (default: train)
     subset: str | None = None  # a Hub dataset's configuration
+    # the records' keys under the formats' names, e.g. {instruction: question, output: answer} or {text: body}
+    columns: dict | None = None
 
 
 @dataclass
@@ -80,6 +82,14 @@ def _specs(value, key: str) -> list[DatasetSpec]:
         if spec.format != "auto" and spec.format not in FORMATS:
             raise ConfigError(f"{key} {spec.path}: format {spec.format!r} is unknown; use auto or one of "
                               f"{', '.join(FORMATS)}")
+        columns = spec.columns or {}
+        if not isinstance(columns, dict) or not all(isinstance(t, str) for t in columns.values()):
+            raise ConfigError(f"{key} {spec.path}: columns must map the formats' keys to the records' own, e.g. "
+                              f"{{instruction: question, output: answer}}; got {spec.columns!r}")
+        unknown = sorted(set(columns) - set(KEYS))
+        if unknown:
+            raise ConfigError(f"{key} {spec.path}: columns names {unknown[0]!r}, which no format reads; map some of "
+                              f"{', '.join(KEYS)}")
         specs.append(spec)
     return specs
 
@@ -291,10 +301,10 @@ def _typed(v, annotation: str, key: str):
                 except ValueError:
                     continue
                 return _typed(number, annotation, key)  # (a string "nan" is checked as the number)
-    elif isinstance(v, (list, dict)) and kinds & {"list", "OffloadConfig"}:
+    elif isinstance(v, (list, dict)) and kinds & {"list", "dict", "OffloadConfig"}:
         return v
     want = " or ".join(sorted({"int": "a whole number", "float": "a number", "str": "text", "bool": "true or false",
-                               "None": "null", "list": "a list", "OffloadConfig": "a mapping"}.get(k, k) for k in kinds))
+                               "None": "null", "list": "a list", "dict": "a mapping", "OffloadConfig": "a mapping"}.get(k, k) for k in kinds))
     raise ConfigError(f"{key} must be {want}, got {v!r}")
 
 

@@ -26,7 +26,7 @@ import torch
 from .. import EngineConfig, SlideEngine, heap, lr_at, parallel
 from ..config import ConfigError, Placement
 from ..data import DataError, detect_format, pack_batch, pad_batch, read_records, render, to_messages
-from ..data.formats import check_chat_template, max_token_chars
+from ..data.formats import chat_template_text, check_chat_template, max_token_chars, renamed
 from ..data.lazy import LazyExamples, Subset
 from ..signals import Signals, past_hangup
 from ..checkpoint.state import CheckpointWriteError, CorruptCheckpointError, read_meta
@@ -61,8 +61,8 @@ def load_tokenizer(cfg: TrainConfig):
         raise ConfigError(f"model_name_or_path {path}: cannot load its tokenizer ({str(e).splitlines()[0][:200]}); "
                           "the folder needs tokenizer.json or the tokenizer files transformers saves") from e
     if cfg.chat_template:
-        check_chat_template(cfg.chat_template)
-        tok.chat_template = cfg.chat_template
+        tok.chat_template = chat_template_text(cfg.chat_template)
+        check_chat_template(tok.chat_template)
     elif isinstance(tok.chat_template, str):
         check_chat_template(tok.chat_template, f"the chat template of {path}")
     if tok.pad_token_id is None:
@@ -73,6 +73,7 @@ def load_tokenizer(cfg: TrainConfig):
 def make_sample(cfg: TrainConfig, tok, token_chars: int, spec, where: str, rec: dict):
     """One record's sample: (ids, labels) truncated to cutoff_len and whether it was, or None where no token
     within cutoff_len is a target; DataError where the record is malformed."""
+    rec = renamed(rec, spec.columns, where)
     fmt = detect_format(rec, where) if spec.format == "auto" else spec.format
     if fmt != "text" and tok.chat_template is None:
         raise ConfigError(f"{where}: {fmt} data needs a chat template, and the tokenizer has none; "
@@ -124,6 +125,24 @@ def build_examples(cfg: TrainConfig, tok, specs=None, lazy: bool = False):
         raise DataError(f"no trainable examples: {skipped} record(s) skipped as malformed, {dropped} with no target "
                         f"token within cutoff_len {cfg.cutoff_len}")
     return examples, skipped, dropped
+
+
+def held_out(cfg: TrainConfig, tok, examples, in_ram=lambda specs: False):
+    """Training's samples and evaluation's: eval_dataset's (read up front where ``in_ram(specs)``), or
+    val_size of the dataset's records, the same ones whatever the seed (runs that differ in seed are
+    evaluated on the same samples); with eval_dataset's records skipped and dropped."""
+    if cfg.eval_dataset:
+        held, h_skipped, h_dropped = build_examples(cfg, tok, cfg.eval_dataset, lazy=not in_ram(cfg.eval_dataset))
+        return examples, held, (h_skipped, h_dropped)
+    if not cfg.val_size:
+        return examples, [], (0, 0)
+    k = max(1, round(cfg.val_size * len(examples)))
+    if k >= len(examples):
+        raise DataError(f"val_size {cfg.val_size} of {len(examples)} samples leaves none to train on")
+    pick = torch.randperm(len(examples), generator=torch.Generator().manual_seed(VAL_SPLIT_SEED)).numpy()
+    part = (lambda ix: [examples[i] for i in ix]) if isinstance(examples, list) else \
+        (lambda ix: Subset(examples, ix))  # (read as reached: a view)
+    return part(np.sort(pick[k:])), part(np.sort(pick[:k])), (0, 0)
 
 
 def resolve_engine(cfg: TrainConfig, hf_config, ecfg: EngineConfig, examples, machine) -> EngineConfig:
@@ -272,22 +291,10 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     if dropped:
         print(f"slideformer: {dropped} sample(s) have no target token within cutoff_len {cfg.cutoff_len} and are "
               "left out", file=sys.stderr)
-    held = []  # evaluation's samples: eval_dataset's, or val_size of the dataset's
-    if cfg.eval_dataset:
-        held, h_skipped, h_dropped = build_examples(cfg, tok, cfg.eval_dataset, lazy=not in_ram(cfg.eval_dataset))
-        if h_skipped or h_dropped:
-            print(f"slideformer: eval_dataset: {_counts(held, h_skipped, h_dropped)}; left out of evaluation",
-                  file=sys.stderr)
-    elif cfg.val_size:
-        k = max(1, round(cfg.val_size * len(examples)))
-        if k >= len(examples):
-            raise DataError(f"val_size {cfg.val_size} of {len(examples)} samples leaves none to train on")
-        # (one choice whatever the seed: runs that differ in seed are evaluated on the same samples)
-        pick = torch.randperm(len(examples), generator=torch.Generator().manual_seed(VAL_SPLIT_SEED)).numpy()
-        part = (lambda ix: [examples[i] for i in ix]) if isinstance(examples, list) else \
-            (lambda ix: Subset(examples, ix))  # (read as reached: a view)
-        held, examples = part(np.sort(pick[:k])), part(np.sort(pick[k:]))
-        del pick
+    examples, held, (h_skipped, h_dropped) = held_out(cfg, tok, examples, in_ram)
+    if h_skipped or h_dropped:
+        print(f"slideformer: eval_dataset: {_counts(held, h_skipped, h_dropped)}; left out of evaluation",
+              file=sys.stderr)
     # an epoch's samples: those tokenized up front; read as reached, the records (those that are no sample
     # then make an epoch's last steps wrap into the next)
     samples = sum(e is not None for e in examples) if isinstance(examples, list) else len(examples)
@@ -739,28 +746,21 @@ def _plot_loss(metrics: Path, path: Path) -> None:
 
 
 def describe_data(cfg: TrainConfig, samples: int = 2, out=None) -> dict:
-    """What training would see (`slideformer data`): counts, and the first ``samples`` samples rendered with
-    the trained tokens marked [[like this]]."""
+    """What training would see (`slideformer data`): counts for training's part and evaluation's (eval_dataset,
+    or val_size's records held out), and the first ``samples`` training samples rendered with the trained
+    tokens marked [[like this]]."""
     out = out or sys.stdout
     load_model_config(cfg)  # (cutoff_len's default comes from the model)
     tok = load_tokenizer(cfg)
     lazy, _, _ = build_examples(cfg, tok, lazy=True)  # (one record at a time: any size in bounded RAM)
-    stats = {"samples": 0, "tokens": 0, "trained_tokens": 0}
+    train_part, held, _ = held_out(cfg, tok, lazy)
     shown = []
-    for i in range(len(lazy)):
-        if (e := lazy[i]) is None:
-            continue
-        ids, labels = e
-        stats["samples"] += 1
-        stats["tokens"] += len(ids)
-        stats["trained_tokens"] += sum(1 for l in labels[1:] if l != -100)
-        if len(shown) < samples:
-            shown.append(e)
+    stats = _tally(train_part, cfg.cutoff_len, lambda e: len(shown) < samples and shown.append(e))
     if not stats["samples"]:
-        raise DataError(f"no trainable examples: {lazy.skipped} record(s) skipped as malformed, {lazy.dropped} with "
-                        f"no target token within cutoff_len {cfg.cutoff_len}")
-    stats.update(truncated=lazy.truncated, skipped_malformed=lazy.skipped, dropped_no_target=lazy.dropped,
-                 cutoff_len=cfg.cutoff_len)
+        raise DataError(f"no trainable examples: {stats['skipped_malformed']} record(s) skipped as malformed, "
+                        f"{stats['dropped_no_target']} with no target token within cutoff_len {cfg.cutoff_len}")
+    if held:
+        stats["eval"] = _tally(held, cfg.cutoff_len)
     for i, (ids, labels) in enumerate(shown):
         parts, run, trained = [], [], labels[0] != -100
         for t, l in zip(ids, labels):
@@ -775,5 +775,25 @@ def describe_data(cfg: TrainConfig, samples: int = 2, out=None) -> dict:
             parts.append(f"[[{text}]]" if trained else text)
         print(f"--- sample {i + 1} ({len(ids)} tokens; [[trained]])", file=out)
         print("".join(parts), file=out)
-    print(" ".join(f"{k} {v}" for k, v in stats.items()), file=out)
+    print(" ".join(f"{k} {v}" for k, v in stats.items() if k != "eval"), file=out)
+    if held:
+        print("eval: " + " ".join(f"{k} {v}" for k, v in stats["eval"].items()), file=out)
     return stats
+
+
+def _tally(examples, cutoff_len: int, each=lambda e: None) -> dict:
+    """Counts over lazily made samples (a LazyExamples or a view of one): its records' counters grow as each
+    is met once, so a part's own counts are their growth while it is read."""
+    base = getattr(examples, "base", examples)
+    before = (base.truncated, base.skipped, base.dropped)
+    stats = {"samples": 0, "tokens": 0, "trained_tokens": 0}
+    for i in range(len(examples)):
+        if (e := examples[i]) is None:
+            continue
+        ids, labels = e
+        stats["samples"] += 1
+        stats["tokens"] += len(ids)
+        stats["trained_tokens"] += sum(1 for l in labels[1:] if l != -100)
+        each(e)
+    truncated, skipped, dropped = (now - was for now, was in zip((base.truncated, base.skipped, base.dropped), before))
+    return stats | dict(truncated=truncated, skipped_malformed=skipped, dropped_no_target=dropped, cutoff_len=cutoff_len)
