@@ -363,6 +363,16 @@ def test_export_does_not_follow_links_out_of_the_checkpoint(checkpoint, tmp_path
     assert not (tmp_path / "hf" / "extra.txt").exists()
 
 
+def test_export_of_a_run_folder_or_a_missing_one_names_what_to_give(checkpoint, tmp_path, capsys):
+    assert main(["export", str(checkpoint.parent), str(tmp_path / "hf")]) == 2
+    one_line(capsys, f"{checkpoint.parent} is a run's folder", f"the newest: {checkpoint}")
+    assert main(["export", str(tmp_path / "nowhere"), str(tmp_path / "hf")]) == 2
+    one_line(capsys, "nowhere does not exist", "checkpoint-N")
+    assert main(["export", str(tmp_path), str(tmp_path / "hf")]) == 2
+    one_line(capsys, "is not a slideformer checkpoint (no config.json)")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_export_refuses_a_checkpoint_without_its_metadata_and_a_file_target(checkpoint, tmp_path, capsys):
     import shutil
 

@@ -257,17 +257,20 @@ def test_host_memory_limit_bounds_the_plan_and_says_what_it_gave_up():
     """host_memory_limit (the process's RAM) is what the planner fits the training state under, less the
     process itself: Qwen3-4B b8 under 50 GiB gives up the bf16 host copy and a gradient buffer per layer
     but fits; under 44 GiB it is refused, in a message naming the limit and what would need less; the
-    engine's own check holds the same line. Without a limit the machine's RAM less 15% is the aim."""
+    engine's own check holds the same line. Without a limit the machine's RAM less 15% is the aim, and the
+    most is what the memory guard allows less the process's own bytes."""
     from slideformer.machine import Machine
     from slideformer.plan import Auto, resolve
-    from slideformer.plan.memory import PROCESS_BYTES, host_budget
+    from slideformer.plan.memory import PROCESS_BYTES, host_budget, process_allowance
 
     sh = shape("qwen3-4b")
     machine = Machine(ram=125 * GiB, gpu=140 * GiB)
     cfg = EngineConfig(device="cuda", gpu_memory_limit="4GiB")
     roomy = resolve(cfg, Auto(), sh, 8, 1024, machine)
     assert roomy.fits and roomy.config.placement.host_weights == "persistent"
-    assert host_budget(cfg, machine.ram) == (int(0.85 * 125 * GiB), int(0.95 * 125 * GiB))
+    # (without one, the most the state takes leaves the process its own bytes under what the guard allows)
+    assert host_budget(cfg, machine.ram) == (int(0.85 * 125 * GiB), int(0.95 * 125 * GiB) - PROCESS_BYTES)
+    assert host_budget(cfg, machine.ram)[1] + PROCESS_BYTES == process_allowance(cfg, machine.ram)
     # a limit at or over the RAM still leaves the OS its 5%
     assert host_budget(replace(cfg, host_memory_limit="200GiB"), machine.ram) == (int(0.95 * 125 * GiB),) * 2
     tight = resolve(replace(cfg, host_memory_limit="50GiB"), Auto(), sh, 8, 1024, machine)

@@ -303,6 +303,21 @@ def cmd_plan(args) -> int:
     return EXIT_OK if fits else EXIT_DOES_NOT_FIT
 
 
+def _not_a_checkpoint(src: Path) -> str:
+    """Why ``src`` cannot be exported, and what can: a run's folder names its newest checkpoint."""
+    from .train.outdir import _step_of
+
+    if not src.exists():
+        return f"{src} does not exist; give a checkpoint folder (a run's output_dir/checkpoint-N)"
+    if not src.is_dir():
+        return f"{src} is a file; give a checkpoint folder (a run's output_dir/checkpoint-N)"
+    steps = sorted((n, p) for p in src.iterdir() if (n := _step_of(p)) is not None and (p / "config.json").is_file())
+    if steps:
+        return (f"{src} is a run's folder, not one checkpoint; export one of its {len(steps)} checkpoint(s), "
+                f"e.g. the newest: {steps[-1][1]}")
+    return f"{src} is not a slideformer checkpoint (no config.json)"
+
+
 def cmd_export(args) -> int:
     """Copy a checkpoint's Hugging Face files (weights, config, tokenizer) without the training state,
     after checking them against the checkpoint's checksums."""
@@ -312,7 +327,7 @@ def cmd_export(args) -> int:
 
     src, dst = Path(args.checkpoint), Path(args.output_dir)
     if not (src / "config.json").is_file():
-        print(f"error: {src} is not a slideformer checkpoint (no config.json)", file=sys.stderr)
+        print(f"error: {_not_a_checkpoint(src)}", file=sys.stderr)
         return EXIT_USAGE
     if (src / STATE_DIR).exists() or (src / STATE_DIR / TRAINER).is_file():
         verify_checkpoint(src)  # (corrupt, altered or missing its metadata: refused, naming the file)

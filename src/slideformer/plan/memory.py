@@ -432,13 +432,15 @@ def process_allowance(cfg, ram: int) -> int:
 
 def host_budget(cfg, ram: int) -> tuple[int, int]:
     """(the host bytes of training state the planner aims at, the most it accepts), for an EngineConfig on a
-    machine with ``ram``: under ``host_memory_limit`` that limit less PROCESS_BYTES, both, and never more
-    than 95% of the RAM (the OS keeps the rest); else RAM_FRACTION and 95% of the RAM."""
+    machine with ``ram``: what ``process_allowance`` holds the whole process to, less PROCESS_BYTES for the
+    process itself; under ``host_memory_limit`` both, never more than 95% of the RAM (the OS keeps the
+    rest); else at most RAM_FRACTION of the RAM aimed at."""
     most = int(HOST_SHARE * ram)
     if cfg.host_memory_limit:
         b = max(0, min(parse_bytes(cfg.host_memory_limit) - PROCESS_BYTES, most))
         return b, b
-    return int(RAM_FRACTION * ram), most
+    most = max(0, most - PROCESS_BYTES)
+    return min(int(RAM_FRACTION * ram), most), most
 
 
 def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training", prefix: str = "",
