@@ -311,6 +311,8 @@ def test_plan_for_several_processes_on_one_machine(capsys):
     the RAM, and the machine's RAM for them all."""
     import json
 
+    from slideformer.plan.memory import PROCESS_BYTES
+
     base = ["plan", "--model", "llama3-8b", "--seq-len", "1024", "--batch-size", "32", "--gpu-memory", "24GiB",
             "--cpu-memory", "125GiB", "--optimizer-state", "compact", "--json"]
     assert main(base) == 0
@@ -319,7 +321,9 @@ def test_plan_for_several_processes_on_one_machine(capsys):
     two = json.loads(capsys.readouterr().out)
     assert two["gpu"] == one["gpu"] and two["nproc_per_node"] == 2
     assert two["host"]["master"] == pytest.approx(one["host"]["master"] / 2, rel=1e-3)  # (the heavier rank)
-    assert two["host_state_limit"] == pytest.approx(one["host_state_limit"] / 2, rel=1e-6)
+    # (each process's share of the RAM, less its own bytes)
+    assert two["host_state_limit"] == pytest.approx((one["host_state_limit"] + PROCESS_BYTES) / 2 - PROCESS_BYTES,
+                                                    rel=1e-6)
     assert two["host_bytes"] < two["host_bytes_machine"] <= 2 * two["host_bytes"] + 2 * 2 * 2**30
     assert two["timing"]["h2d_s"] < one["timing"]["h2d_s"] and two["timing"]["peer_s"] > 0
     assert main(base[:-1] + ["--nproc-per-node", "2"]) == 0

@@ -27,8 +27,10 @@ def trained_text(tok, rec, fmt="auto"):
     ({"messages": [{"role": "system", "content": "be kind"}, {"role": "user", "content": "q"},
                    {"role": "assistant", "content": "answer"}]}, "answer<|eos|>"),
     ({"text": "all of it counts"}, "all of it counts<|eos|>"),
-    ({"prompt": "Add 2 and 3", "completion": "five"}, "five<|eos|>"),  # (TRL's prompt-completion, and conversational)
-    ({"prompt": [{"role": "system", "content": "terse"}, {"role": "user", "content": "2+3?"}],
+    # TRL's prompt-completion: plain text trained past the prompt; conversational, the completion's turns only
+    ({"prompt": "Add 2 and 3 =", "completion": " five"}, " five<|eos|>"),
+    ({"prompt": [{"role": "system", "content": "terse"}, {"role": "user", "content": "2+3?"},
+                 {"role": "assistant", "content": "in the prompt"}, {"role": "user", "content": "so?"}],
       "completion": [{"role": "assistant", "content": "five"}]}, "five<|eos|>"),
 ])
 def test_formats_mask_everything_but_the_targets(tok, rec, expect):
@@ -182,7 +184,10 @@ def test_columns_map_a_records_own_keys_to_a_formats(tok, tmp_path):
 
     cols = {"instruction": "question", "input": "context", "output": "answer"}
     rec = renamed({"question": "Add", "answer": "five", "id": 3}, cols, "t")
-    assert rec == {"instruction": "Add", "output": "five", "id": 3} and trained_text(tok, rec) == "five<|eos|>"
+    assert rec == {"instruction": "Add", "output": "five"} and trained_text(tok, rec) == "five<|eos|>"
+    # (the format is told from the mapped keys alone: another format's keys in the record are not read)
+    also = renamed({"question": "Add", "answer": "five", "messages": [{"role": "user", "content": "x"}]}, cols, "t")
+    assert detect_format(also, "t") == "alpaca"
     with pytest.raises(DataError, match=r"t: no key 'answer' \(the dataset's columns map output to it\)"):
         renamed({"question": "Add"}, cols, "t")
     assert trained_text(tok, renamed({"body": "all of it"}, {"text": "body"}, "t")) == "all of it<|eos|>"
@@ -201,10 +206,22 @@ def test_a_chat_template_may_be_a_file(tmp_path):
     template = (_assets() / "tiny" / "chat_template.jinja").read_text()
     (tmp_path / "t.jinja").write_text(template)
     assert load_tokenizer(load_config(None, [f"chat_template={tmp_path}/t.jinja"])).chat_template == template
-    for value, needle in ((f"{tmp_path}/missing.jinja", "is neither a Jinja template"),
-                          (str(tmp_path), "is neither a Jinja template")):
+    for value, needle in ((f"{tmp_path}/missing.jinja", "is neither a Jinja template"), (str(tmp_path), "is a folder")):
         with pytest.raises(DataError, match=needle):
             load_tokenizer(load_config(None, [f"chat_template={value}"]))
     (tmp_path / "plain.txt").write_text("no template here")
     with pytest.raises(DataError, match="plain.txt: holds no Jinja"):
         load_tokenizer(load_config(None, [f"chat_template={tmp_path}/plain.txt"]))
+    # transformers' chat_template.json (or a tokenizer_config.json): the template under its key
+    (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    assert load_tokenizer(load_config(None, [f"chat_template={tmp_path}/chat_template.json"])).chat_template == template
+    (tmp_path / "other.json").write_text(json.dumps({"model_type": "llama", "note": "{% raw %}"}))
+    with pytest.raises(DataError, match="other.json: a JSON file without a 'chat_template' string"):
+        load_tokenizer(load_config(None, [f"chat_template={tmp_path}/other.json"]))
+    (tmp_path / "huge.jinja").write_text("{{ x }}" + " " * (300 << 10))
+    with pytest.raises(DataError, match="huge.jinja: over 256 KiB"):
+        load_tokenizer(load_config(None, [f"chat_template={tmp_path}/huge.jinja"]))
+    # a config file's template path is relative to the config, as its dataset paths
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "c.yaml").write_text("chat_template: ../t.jinja\n")
+    assert load_tokenizer(load_config(tmp_path / "cfg" / "c.yaml")).chat_template == template

@@ -150,3 +150,14 @@ def test_an_epoch_is_the_samples_and_held_out_data_without_one_is_said(tmp_path,
     r = train(cfg(tmp_path / "e", f"dataset=[{d}]", "cutoff_len=32", "max_steps=2", f"eval_dataset=[{only_bad}]"))
     assert r["steps"] == 2 and r["evals"] == []
     assert "no held-out record is a sample" in capsys.readouterr().err
+
+
+def test_a_bad_record_of_an_eval_dataset_read_as_reached_stops_the_run_before_training(tmp_path, monkeypatch):
+    """Every evaluation reads eval_dataset whole: read as reached, its records are still checked at the start,
+    not first at an evaluation after hours of training."""
+    bad = tmp_path / "val.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": \n')
+    monkeypatch.setattr(memory, "DATA_RAM_SHARE", 0.0)
+    with pytest.raises(DataError, match=r"val.jsonl:2: not valid JSON"):
+        train(cfg(tmp_path / "run", "max_steps=2", f"eval_dataset={bad}"))
+    assert not list((tmp_path / "run").glob("checkpoint-*"))

@@ -5,9 +5,11 @@ on the assistant turns only (labels -100 elsewhere). Plain text is trained on wh
 - alpaca:   {"instruction", "input"?, "output", "system"?}
 - sharegpt: {"conversations": [{"from": "human"|"gpt"|"system", "value"}], "system"?}
 - messages: {"messages": [{"role": "user"|"assistant"|"system", "content"}]}  (OpenAI style)
-- prompt_completion: {"prompt", "completion"}, strings or lists of messages (TRL's)
+- prompt_completion: {"prompt", "completion"} (TRL's): strings, trained on the completion as plain text; or
+            lists of messages, rendered with the chat template and trained on the completion's turns only
 - text:     {"text"}
-A dataset's ``columns`` maps these keys to a record's own (e.g. {instruction: question, output: answer}).
+A dataset's ``columns`` maps these keys to a record's own (e.g. {instruction: question, output: answer}); the
+format is then told from the mapped keys alone.
 Files: JSONL, JSON (a list of records) and Parquet (through ``datasets``).
 """
 from __future__ import annotations
@@ -153,9 +155,7 @@ def renamed(rec, columns: dict | None, where: str):
     if missing:
         raise DataError(f"{where}: no key {missing[0]!r} (the dataset's columns map "
                         f"{next(o for o, t in columns.items() if t == missing[0])} to it); the record has {sorted(rec)}")
-    out = {k: v for k, v in rec.items() if k not in columns.values()}
-    out.update((ours, rec[theirs]) for ours, theirs in columns.items() if theirs in rec)
-    return out
+    return {ours: rec[theirs] for ours, theirs in columns.items() if theirs in rec}
 
 
 def _text(v: str, where: str) -> str:
@@ -166,11 +166,15 @@ def _text(v: str, where: str) -> str:
     return v
 
 
-def to_messages(rec: dict, fmt: str, where: str) -> list[dict] | str:
-    """Chat messages for chat formats; the raw string for "text" (every text checked to be valid Unicode)."""
+def to_messages(rec: dict, fmt: str, where: str) -> list[dict] | str | tuple[str, str]:
+    """Chat messages for chat formats (a message with ``"prompt": True`` is not trained on, whatever its
+    role); the raw string for "text"; (prompt, completion) for plain prompt-completion records. Every text
+    is checked to be valid Unicode."""
     out = _to_messages(rec, fmt, where)
     if isinstance(out, str):
         return _text(out, where)
+    if isinstance(out, tuple):
+        return tuple(_text(t, where) for t in out)
     for m in out:
         _text(m["content"], where)
     return out
@@ -208,13 +212,14 @@ def _to_messages(rec: dict, fmt: str, where: str) -> list[dict] | str:
         return _messages(rec.get("messages"), need, "messages")
     if fmt == "prompt_completion":
         prompt, completion = rec.get("prompt"), rec.get("completion")
+        need(prompt is not None and completion is not None, "needs both 'prompt' and 'completion'")
         if isinstance(prompt, str) and isinstance(completion, str):
-            return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+            return prompt, completion
         need(isinstance(prompt, list) and isinstance(completion, list),
              "needs 'prompt' and 'completion' both strings or both lists of messages")
         completion = _messages(completion, need, "completion")
         need(all(m["role"] == "assistant" for m in completion), "needs a 'completion' of assistant messages")
-        return _messages(prompt, need, "prompt") + completion
+        return [{**m, "prompt": True} for m in _messages(prompt, need, "prompt")] + completion
     raise DataError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)} or auto")
 
 
@@ -232,8 +237,8 @@ def chat_template_text(value: str) -> str:
         return value
     p = Path(value).expanduser()
     if not p.is_file():
-        raise DataError(f"chat_template {value!r} is neither a Jinja template (no {{{{ or {{%) nor a file; give the "
-                        "template itself or the path of a .jinja file")
+        what = "a folder" if p.is_dir() else "neither a Jinja template (no {{ or {%) nor a file"
+        raise DataError(f"chat_template {value!r} is {what}; give the template itself or the path of a .jinja file")
     try:
         with open(p, encoding="utf-8") as f:
             text = f.read(MAX_TEMPLATE_CHARS + 1)  # (check_chat_template refuses a longer one)
@@ -241,8 +246,20 @@ def chat_template_text(value: str) -> str:
         raise DataError(f"chat_template {p}: cannot read it ({e.strerror})") from e
     except UnicodeDecodeError:
         raise DataError(f"chat_template {p}: not UTF-8 text; give a Jinja template file") from None
+    if p.suffix.lower() == ".json":  # (chat_template.json or tokenizer_config.json: the template under a key)
+        try:
+            with open(p, encoding="utf-8") as f:
+                text = json.load(f)["chat_template"]
+        except (ValueError, KeyError, TypeError):
+            raise DataError(f"chat_template {p}: a JSON file without a 'chat_template' string; give a .jinja "
+                            "file, or the JSON file transformers saves (chat_template.json)") from None
+        if not isinstance(text, str):
+            raise DataError(f"chat_template {p}: its 'chat_template' is not one template; give a .jinja file")
     if "{{" not in text and "{%" not in text:
         raise DataError(f"chat_template {p}: holds no Jinja ({{{{ or {{%); give a chat template file")
+    if len(text) > MAX_TEMPLATE_CHARS:
+        raise DataError(f"chat_template {p}: over {MAX_TEMPLATE_CHARS // 1024} KiB, more than any chat template; "
+                        "give the template's own file")
     return text
 
 
@@ -284,8 +301,17 @@ def render(rec_messages, tokenizer, where: str, cutoff_len: int | None = None,
         if not ids or ids[-1] != tokenizer.eos_token_id:
             ids.append(tokenizer.eos_token_id)
         return ids, list(ids)
-    msgs = [{**m, "content": _clip(m["content"], limit)} for m in rec_messages]
-    if not any(m["role"] == "assistant" for m in msgs):
+    if isinstance(rec_messages, tuple):
+        # as TRL: prompt and prompt + completion tokenized alike, the tokens past the prompt's trained, then EOS
+        prompt, completion = (_clip(t, limit) for t in rec_messages)
+        start = len(tokenizer(prompt)["input_ids"])
+        ids = list(tokenizer(prompt + completion)["input_ids"])
+        if not ids or ids[-1] != tokenizer.eos_token_id:
+            ids.append(tokenizer.eos_token_id)
+        return ids, [-100] * min(start, len(ids) - 1) + ids[min(start, len(ids) - 1):]
+    trained = [m["role"] == "assistant" and not m.get("prompt") for m in rec_messages]
+    msgs = [{"role": m["role"], "content": _clip(m["content"], limit)} for m in rec_messages]
+    if not any(trained):
         raise DataError(f"{where}: the conversation has no assistant turn to train on")
     def tok(prefix, gen):
         if not prefix:  # (an assistant turn first: no template renders an empty conversation)
@@ -311,7 +337,7 @@ def render(rec_messages, tokenizer, where: str, cutoff_len: int | None = None,
             if cutoff_len is not None and len(ids) >= cutoff_len:
                 tok(msgs, False)  # (nothing later reaches the model, but the whole must render these first)
                 break
-            if msgs[k - 1]["role"] == "assistant":
+            if trained[k - 1]:
                 header = tok(msgs[: k - 1], True)
                 full = tok(msgs[:k], False)
                 start = len(header) if full[: len(header)] == header else len(ids)
@@ -321,7 +347,7 @@ def render(rec_messages, tokenizer, where: str, cutoff_len: int | None = None,
                 labels += [-100] * (len(full) - len(ids))
             ids = full
     except _PrefixUnstable:
-        return _render_whole(msgs, tokenizer, where)
+        return _render_whole(msgs, trained, tokenizer, where)
     return ids, labels
 
 
@@ -330,11 +356,11 @@ class _PrefixUnstable(Exception):
     turns before the last user turn, and gives the last assistant turn an empty one)."""
 
 
-def _render_whole(msgs: list[dict], tokenizer, where: str) -> tuple[list[int], list[int]]:
+def _render_whole(msgs: list[dict], trained: list[bool], tokenizer, where: str) -> tuple[list[int], list[int]]:
     """Token ids and labels of a conversation rendered once, whole, for templates whose prefixes are not
-    prefixes of the whole. Each assistant turn is found by rendering the conversation with a marker for its
-    content: the text between the markers is the template's own, and the real rendering is that text
-    around each turn's content. A turn trains from where its header (what add_generation_prompt adds)
+    prefixes of the whole. Each ``trained`` assistant turn is found by rendering the conversation with a
+    marker for its content: the text between the markers is the template's own, and the real rendering is
+    that text around each turn's content. A turn trains from where its header (what add_generation_prompt adds)
     ends, as rendered whole, through its content and the end-of-turn text the template puts after it."""
     def text(conv: list[dict], gen: bool = False) -> str:
         try:
@@ -347,7 +373,7 @@ def _render_whole(msgs: list[dict], tokenizer, where: str) -> tuple[list[int], l
         return DataError(f"{where}: the chat template renders a conversation prefix differently from the whole, "
                          f"and {why}; give a template that renders each turn the same in any prefix (chat_template)")
 
-    turns = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+    turns = [i for i, t in enumerate(trained) if t]
     marks = {i: f"<<slideformer-turn-{i}>>" for i in turns}
     # (a reasoning block before the answer, "<think>...</think>", stays: templates that take it apart do so
     # alike with the marker after it)

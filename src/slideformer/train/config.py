@@ -350,7 +350,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
     if "offload" in raw:
         raw["offload"] = OffloadConfig(**_checked(raw["offload"], OffloadConfig, "offload"))
     cfg = TrainConfig(**raw)
-    if path is not None:  # a config file's dataset paths are relative to it; the command line's to where it runs
+    if path is not None:  # a config file's paths are relative to it; the command line's to where it runs
         base = Path(path).parent
         for key in ("dataset", "eval_dataset"):
             ds = getattr(cfg, key)
@@ -360,4 +360,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
                                if isinstance(d, dict) and isinstance(d.get("path"), str) and not os.path.isabs(d["path"])
                                else str(base / d) if isinstance(d, str) and not os.path.isabs(d) else d
                                for d in (ds if isinstance(ds, list) else [ds])])
+        t = cfg.chat_template  # (a template's file too; a template itself has Jinja's markers)
+        if t and "chat_template" not in given and "{{" not in t and "{%" not in t and \
+                not os.path.isabs(os.path.expanduser(t)):
+            cfg.chat_template = str(base / t)
     return cfg.validate()

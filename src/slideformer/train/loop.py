@@ -75,10 +75,11 @@ def make_sample(cfg: TrainConfig, tok, token_chars: int, spec, where: str, rec: 
     within cutoff_len is a target; DataError where the record is malformed."""
     rec = renamed(rec, spec.columns, where)
     fmt = detect_format(rec, where) if spec.format == "auto" else spec.format
-    if fmt != "text" and tok.chat_template is None:
+    msgs = to_messages(rec, fmt, where)
+    if isinstance(msgs, list) and tok.chat_template is None:
         raise ConfigError(f"{where}: {fmt} data needs a chat template, and the tokenizer has none; "
                           "set chat_template in the config")
-    ids, labels = render(to_messages(rec, fmt, where), tok, where, cfg.cutoff_len, token_chars)
+    ids, labels = render(msgs, tok, where, cfg.cutoff_len, token_chars)
     truncated = len(ids) > cfg.cutoff_len
     ids, labels = ids[: cfg.cutoff_len], labels[: cfg.cutoff_len]
     return (ids, labels, truncated) if any(l != -100 for l in labels[1:]) else None
@@ -292,7 +293,11 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
         print(f"slideformer: {dropped} sample(s) have no target token within cutoff_len {cfg.cutoff_len} and are "
               "left out", file=sys.stderr)
     examples, held, (h_skipped, h_dropped) = held_out(cfg, tok, examples, in_ram)
-    if h_skipped or h_dropped:
+    if cfg.eval_dataset and isinstance(held, LazyExamples):
+        # (every evaluation reads it whole: its records are checked once now, not first after training)
+        for i in range(len(held)):
+            held[i]
+    if h_skipped or h_dropped or getattr(held, "skipped", 0) or getattr(held, "dropped", 0):
         print(f"slideformer: eval_dataset: {_counts(held, h_skipped, h_dropped)}; left out of evaluation",
               file=sys.stderr)
     # an epoch's samples: those tokenized up front; read as reached, the records (those that are no sample
