@@ -299,6 +299,9 @@ def test_data_shows_what_training_sees(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "samples 112 " in out and "eval: samples 8 " in out
     with pytest.raises(SystemExit) as e:
+        main(["data", "--samples", "-1"])
+    assert e.value.code == 2 and "--samples: must be a whole number >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
         main(["data", "--samples", "0", "--bogus"])
     assert e.value.code == 2 and "--bogus" in capsys.readouterr().err
     assert main(["data", f"dataset={tmp_path / 'missing.jsonl'}"]) == 2

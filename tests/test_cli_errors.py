@@ -65,6 +65,10 @@ def model_dirs(tmp_path):
                                           "use offload.host_memory_limit of at least 2.1 GiB, "]),
     ("offload.window_slots=1", 2, ["offload.window_slots must be auto or a number of slots >= 2"]),
     ("offload.window_slots=three", 2, ["offload.window_slots must be auto or a number of slots >= 2, got 'three'"]),
+    # (YAML on the command line: a key without the space after its colon, a template that needs quotes)
+    ("dataset={{path:{t}/a.jsonl}}", 2, ["YAML reads 'path:", "as one key; write path: ", "a space after the colon"]),
+    ("chat_template={{% for m in messages %}}{{% endfor %}}", 2, ["not valid YAML (quote a value with {, ["]),
+    ("columns={{text: body}}", 2, ["unknown key columns: it belongs to a dataset's entry", "columns: ...}]"]),
     ("output_dir=/etc/passwd/run", 5, ["/etc/passwd/run"]),
     ("offload.offload_dir=/etc/passwd", 2, ["offload.offload_dir /etc/passwd is a file"]),
     ("num_train_epochs=nan", 2, ["num_train_epochs must be a finite number"]),
@@ -370,6 +374,9 @@ def test_export_of_a_run_folder_or_a_missing_one_names_what_to_give(checkpoint, 
     one_line(capsys, "nowhere does not exist", "checkpoint-N")
     assert main(["export", str(tmp_path), str(tmp_path / "hf")]) == 2
     one_line(capsys, "is not a slideformer checkpoint (no config.json)")
+    (tmp_path / "slideformer-run.json").write_text("{}")
+    assert main(["export", str(tmp_path), str(tmp_path / "hf")]) == 2
+    one_line(capsys, "is a run's folder with no checkpoint yet")
     assert not (tmp_path / "hf").exists()
 
 

@@ -29,6 +29,7 @@ def trained_text(tok, rec, fmt="auto"):
     ({"text": "all of it counts"}, "all of it counts<|eos|>"),
     # TRL's prompt-completion: plain text trained past the prompt; conversational, the completion's turns only
     ({"prompt": "Add 2 and 3 =", "completion": " five"}, " five<|eos|>"),
+    ({"prompt": "Answer: ", "completion": "blue"}, " blue<|eos|>"),  # (the prompt's last token merges into it)
     ({"prompt": [{"role": "system", "content": "terse"}, {"role": "user", "content": "2+3?"},
                  {"role": "assistant", "content": "in the prompt"}, {"role": "user", "content": "so?"}],
       "completion": [{"role": "assistant", "content": "five"}]}, "five<|eos|>"),
@@ -185,16 +186,26 @@ def test_columns_map_a_records_own_keys_to_a_formats(tok, tmp_path):
     cols = {"instruction": "question", "input": "context", "output": "answer"}
     rec = renamed({"question": "Add", "answer": "five", "id": 3}, cols, "t")
     assert rec == {"instruction": "Add", "output": "five"} and trained_text(tok, rec) == "five<|eos|>"
-    # (the format is told from the mapped keys alone: another format's keys in the record are not read)
+    # (the format is told from the mapped keys alone: another format's keys in the record are not read; its
+    # own optional input and system stay)
     also = renamed({"question": "Add", "answer": "five", "messages": [{"role": "user", "content": "x"}]}, cols, "t")
     assert detect_format(also, "t") == "alpaca"
+    assert detect_format({"prompt": "a", "completion": "b", "text": "a b"}, "t") == "text"  # (a pre-rendered text wins)
+    kept = renamed({"question": "Translate", "input": "Bonjour", "answer": "Hello"},
+                   {"instruction": "question", "output": "answer"}, "t")
+    assert kept == {"instruction": "Translate", "input": "Bonjour", "output": "Hello"}
     with pytest.raises(DataError, match=r"t: no key 'answer' \(the dataset's columns map output to it\)"):
         renamed({"question": "Add"}, cols, "t")
     assert trained_text(tok, renamed({"body": "all of it"}, {"text": "body"}, "t")) == "all of it<|eos|>"
+    with pytest.raises(DataError, match=r"t: 'answer' \(the dataset's columns map output to it\) is int '5', not text"):
+        renamed({"question": "2+3", "answer": 5}, cols, "t")  # (a CSV's numbers come as numbers)
     with pytest.raises(ConfigError, match="columns names 'answer', which no format reads"):
         load_config(None, [f"dataset=[{{path: {tmp_path}/d.jsonl, columns: {{answer: a}}}}]"])
-    with pytest.raises(ConfigError, match="columns must map"):
-        load_config(None, [f"dataset=[{{path: {tmp_path}/d.jsonl, columns: [a]}}]"])
+    for bad in ("[a]", "{1: a, text: b}", "{}"):
+        with pytest.raises(ConfigError, match="columns must map"):
+            load_config(None, [f"dataset=[{{path: {tmp_path}/d.jsonl, columns: {bad}}}]"])
+    with pytest.raises(ConfigError, match="columns maps two keys to one"):
+        load_config(None, [f"dataset=[{{path: {tmp_path}/d.jsonl, columns: {{instruction: q, output: q}}}}]"])
 
 
 def test_a_chat_template_may_be_a_file(tmp_path):

@@ -23,7 +23,8 @@ def test_each_example_trains(path, tmp_path):
 
 def test_there_are_examples():
     assert {p.stem for p in EXAMPLES} >= {"qwen3-4b-24gb", "llama3.1-8b-24gb", "qwen2.5-14b-nvme", "data-alpaca",
-                                          "data-sharegpt", "data-messages", "data-text", "llama3.1-8b-2gpus"}
+                                          "data-sharegpt", "data-messages", "data-text", "data-prompt-completion",
+                                          "data-columns", "llama3.1-8b-2gpus"}
 
 
 def test_the_several_gpus_example_trains_as_its_comment_runs_it(tmp_path):

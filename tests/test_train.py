@@ -257,11 +257,15 @@ def test_train_says_once_where_the_model_trains(tmp_path, capsys):
     assert "trained on the device: 0 of 4 layers" in lines[0] and "CPU AdamW" in lines[0] and "on cpu" in lines[0]
 
 
-def test_host_weights_auto_stages_when_the_copy_would_crowd_the_ram():
+def test_host_weights_auto_stages_when_the_copy_would_crowd_the_ram(monkeypatch):
     """The trainer decides offload.host_weights: auto from the machine's RAM: with the whole bf16 copy the
     state needs over 85% of it, so the run stages the fewest layers that bring it under, rather than
-    refusing or swapping."""
+    refusing or swapping. (A machine of a few MiB, the tiny model's scale: the process's own bytes, which
+    would not fit it, are left out.)"""
     from slideformer import plan
+    from slideformer.plan import memory
+
+    monkeypatch.setattr(memory, "PROCESS_BYTES", 0)
     from slideformer.machine import Machine
     from slideformer.presets import preset_config
     from slideformer.train.loop import resolve_engine

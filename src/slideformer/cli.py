@@ -305,7 +305,7 @@ def cmd_plan(args) -> int:
 
 def _not_a_checkpoint(src: Path) -> str:
     """Why ``src`` cannot be exported, and what can: a run's folder names its newest checkpoint."""
-    from .train.outdir import _step_of
+    from .train.outdir import RUN_FILE, _step_of
 
     if not src.exists():
         return f"{src} does not exist; give a checkpoint folder (a run's output_dir/checkpoint-N)"
@@ -315,6 +315,8 @@ def _not_a_checkpoint(src: Path) -> str:
     if steps:
         return (f"{src} is a run's folder, not one checkpoint; export one of its {len(steps)} checkpoint(s), "
                 f"e.g. the newest: {steps[-1][1]}")
+    if (src / RUN_FILE).is_file():
+        return f"{src} is a run's folder with no checkpoint yet; export one once it has saved (checkpoint-N)"
     return f"{src} is not a slideformer checkpoint (no config.json)"
 
 
@@ -466,6 +468,12 @@ def _log_bug(log_dir: str | None) -> Path:
 PLAN_DEFAULTS = {"optimizer_state": "fp32"}
 
 
+def _whole(v: str) -> int:
+    if not v.isdigit():
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 0, got {v!r}")
+    return int(v)
+
+
 def _positive(v: str) -> int:
     try:
         n = int(v)
@@ -554,7 +562,7 @@ def _main(argv: list[str], signals: Signals) -> int:
                        "marked")
     d.add_argument("config", nargs="?", help="YAML config (default: the embedded demo)")
     d.add_argument("overrides", nargs="*", metavar="key=value")
-    d.add_argument("--samples", type=int, default=2, help="samples to print (default 2)")
+    d.add_argument("--samples", type=_whole, default=2, help="samples to print (default 2)")
     d.set_defaults(func=cmd_data)
     pl = sub.add_parser("plan", help="GPU, host and NVMe bytes of a run, whether it fits, the largest batch")
     pl.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or a HF directory")

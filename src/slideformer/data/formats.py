@@ -20,6 +20,7 @@ from pathlib import Path
 
 FORMATS = ("alpaca", "sharegpt", "messages", "prompt_completion", "text")
 KEYS = ("messages", "conversations", "instruction", "input", "output", "system", "prompt", "completion", "text")
+TEXT_KEYS = ("instruction", "input", "output", "system", "text")  # (read as strings only)
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
@@ -138,10 +139,10 @@ def detect_format(rec: dict, where: str) -> str:
         return "sharegpt"
     if "instruction" in rec and "output" in rec:
         return "alpaca"
-    if "prompt" in rec and "completion" in rec:
-        return "prompt_completion"
     if "text" in rec:
         return "text"
+    if "prompt" in rec and "completion" in rec:
+        return "prompt_completion"
     raise DataError(f"{where}: cannot tell the format from keys {sorted(rec)}; expected one of "
                     "messages / conversations / instruction+output / prompt+completion / text, or map the record's "
                     "keys to those with the dataset's columns (e.g. {instruction: question, output: answer})")
@@ -155,7 +156,14 @@ def renamed(rec, columns: dict | None, where: str):
     if missing:
         raise DataError(f"{where}: no key {missing[0]!r} (the dataset's columns map "
                         f"{next(o for o, t in columns.items() if t == missing[0])} to it); the record has {sorted(rec)}")
-    return {ours: rec[theirs] for ours, theirs in columns.items() if theirs in rec}
+    for ours, theirs in columns.items():
+        v = rec.get(theirs)
+        if ours in TEXT_KEYS and v is not None and not isinstance(v, str):
+            raise DataError(f"{where}: {theirs!r} (the dataset's columns map {ours} to it) is "
+                            f"{type(v).__name__} {str(v)[:40]!r}, not text")
+    out = {k: rec[k] for k in ("input", "system") if k in rec and k not in columns.values()}  # (optional: kept)
+    out.update((ours, rec[theirs]) for ours, theirs in columns.items() if theirs in rec)
+    return out
 
 
 def _text(v: str, where: str) -> str:
@@ -303,12 +311,16 @@ def render(rec_messages, tokenizer, where: str, cutoff_len: int | None = None,
         return ids, list(ids)
     if isinstance(rec_messages, tuple):
         # as TRL: prompt and prompt + completion tokenized alike, the tokens past the prompt's trained, then EOS
+        # (the prompt's own tokens end where they first differ: a prompt's last token may merge with the
+        # completion's first, as "Answer: " + "blue")
         prompt, completion = (_clip(t, limit) for t in rec_messages)
-        start = len(tokenizer(prompt)["input_ids"])
+        alone = tokenizer(prompt)["input_ids"]
         ids = list(tokenizer(prompt + completion)["input_ids"])
         if not ids or ids[-1] != tokenizer.eos_token_id:
             ids.append(tokenizer.eos_token_id)
-        return ids, [-100] * min(start, len(ids) - 1) + ids[min(start, len(ids) - 1):]
+        start = next((i for i, (a, b) in enumerate(zip(alone, ids)) if a != b), min(len(alone), len(ids)))
+        start = min(start, len(ids) - 1)
+        return ids, [-100] * start + ids[start:]
     trained = [m["role"] == "assistant" and not m.get("prompt") for m in rec_messages]
     msgs = [{"role": m["role"], "content": _clip(m["content"], limit)} for m in rec_messages]
     if not any(trained):

@@ -82,14 +82,18 @@ def _specs(value, key: str) -> list[DatasetSpec]:
         if spec.format != "auto" and spec.format not in FORMATS:
             raise ConfigError(f"{key} {spec.path}: format {spec.format!r} is unknown; use auto or one of "
                               f"{', '.join(FORMATS)}")
-        columns = spec.columns or {}
-        if not isinstance(columns, dict) or not all(isinstance(t, str) for t in columns.values()):
+        columns = spec.columns if spec.columns is not None else {}
+        if not isinstance(columns, dict) or not all(isinstance(x, str) for kv in columns.items() for x in kv) or \
+                (spec.columns is not None and not columns):
             raise ConfigError(f"{key} {spec.path}: columns must map the formats' keys to the records' own, e.g. "
                               f"{{instruction: question, output: answer}}; got {spec.columns!r}")
+        if len(set(columns.values())) < len(columns):
+            raise ConfigError(f"{key} {spec.path}: columns maps two keys to one of the records' own; map each once")
         unknown = sorted(set(columns) - set(KEYS))
         if unknown:
-            raise ConfigError(f"{key} {spec.path}: columns names {unknown[0]!r}, which no format reads; map some of "
-                              f"{', '.join(KEYS)}")
+            near = difflib.get_close_matches(unknown[0].lower(), KEYS, n=1)
+            raise ConfigError(f"{key} {spec.path}: columns names {unknown[0]!r}, which no format reads"
+                              + (f"; did you mean {near[0]!r}?" if near else f"; map some of {', '.join(KEYS)}"))
         specs.append(spec)
     return specs
 
@@ -261,6 +265,9 @@ def _checked(d: dict, cls, where: str) -> dict:
     types = {f.name: str(f.type) for f in fields(cls)}
     for k in list(d):
         if k not in types:
+            if cls is TrainConfig and k in {f.name for f in fields(DatasetSpec)}:
+                raise ConfigError(f"unknown key {k}: it belongs to a dataset's entry, e.g. "
+                                  f"dataset=[{{path: data/train.jsonl, {k}: ...}}]")
             near = difflib.get_close_matches(k, list(types), n=1)
             raise ConfigError(f"unknown key {where}.{k}" + (f"; did you mean {near[0]!r}?" if near else
                                                               f"; known keys: {', '.join(types)}"))
@@ -310,9 +317,26 @@ def _typed(v, annotation: str, key: str):
 
 def _coerce(item: str, value: str):
     try:
-        return yaml.safe_load(value)  # "1e-5" -> float, "null" -> None, "true" -> True, "[a, b]" -> list
+        out = yaml.safe_load(value)  # "1e-5" -> float, "null" -> None, "true" -> True, "[a, b]" -> list
     except yaml.YAMLError as e:
-        raise ConfigError(f"override {item!r}: the value is not valid YAML ({str(e).splitlines()[0]})") from None
+        quote = " (quote a value with {, [, : or #)" if any(c in value for c in "{[:#") else ""
+        raise ConfigError(f"override {item!r}: the value is not valid YAML{quote} "
+                          f"({str(e).splitlines()[0]})") from None
+    _check_colons(f"override {item!r}", out)
+    return out
+
+
+def _check_colons(where: str, v) -> None:
+    """YAML reads {path:a.jsonl} as one key "path:a.jsonl" without a value: said, with the fix."""
+    if isinstance(v, list):
+        for x in v:
+            _check_colons(where, x)
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            if x is None and isinstance(k, str) and ":" in k and "://" not in k:
+                a, b = k.split(":", 1)
+                raise ConfigError(f"{where}: YAML reads {k!r} as one key; write {a}: {b} (a space after the colon)")
+            _check_colons(where, x)
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> TrainConfig:
@@ -328,6 +352,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
             raise ConfigError(f"cannot read config {path}: {e}") from e
         if not isinstance(raw, dict):
             raise ConfigError(f"config {path} must be a mapping of keys to values")
+        _check_colons(f"config {path}", raw)
     given = {item.partition("=")[0] for item in overrides}
     for item in overrides:
         key, eq, value = item.partition("=")

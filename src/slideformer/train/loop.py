@@ -139,7 +139,7 @@ def held_out(cfg: TrainConfig, tok, examples, in_ram=lambda specs: False):
         return examples, [], (0, 0)
     k = max(1, round(cfg.val_size * len(examples)))
     if k >= len(examples):
-        raise DataError(f"val_size {cfg.val_size} of {len(examples)} samples leaves none to train on")
+        raise DataError(f"val_size {cfg.val_size} of {len(examples)} records leaves none to train on")
     pick = torch.randperm(len(examples), generator=torch.Generator().manual_seed(VAL_SPLIT_SEED)).numpy()
     part = (lambda ix: [examples[i] for i in ix]) if isinstance(examples, list) else \
         (lambda ix: Subset(examples, ix))  # (read as reached: a view)
@@ -293,13 +293,14 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
         print(f"slideformer: {dropped} sample(s) have no target token within cutoff_len {cfg.cutoff_len} and are "
               "left out", file=sys.stderr)
     examples, held, (h_skipped, h_dropped) = held_out(cfg, tok, examples, in_ram)
-    if cfg.eval_dataset and isinstance(held, LazyExamples):
-        # (every evaluation reads it whole: its records are checked once now, not first after training)
-        for i in range(len(held)):
-            held[i]
-    if h_skipped or h_dropped or getattr(held, "skipped", 0) or getattr(held, "dropped", 0):
-        print(f"slideformer: eval_dataset: {_counts(held, h_skipped, h_dropped)}; left out of evaluation",
-              file=sys.stderr)
+    if cfg.eval_dataset:
+        if isinstance(held, LazyExamples):
+            # (every evaluation reads it whole: its records are checked once now, not first after training)
+            for i in range(len(held)):
+                held[i]
+        if h_skipped or h_dropped or getattr(held, "skipped", 0) or getattr(held, "dropped", 0):
+            print(f"slideformer: eval_dataset: {_counts(held, h_skipped, h_dropped, whole=True)}; left out of "
+                  "evaluation", file=sys.stderr)
     # an epoch's samples: those tokenized up front; read as reached, the records (those that are no sample
     # then make an epoch's last steps wrap into the next)
     samples = sum(e is not None for e in examples) if isinstance(examples, list) else len(examples)
@@ -629,12 +630,13 @@ def _draw(examples, order, offset: int, rows: int, packing: bool, length: int, p
     return pad_batch([e for e, _ in picked], pad_id), picked[-1][1]
 
 
-def _counts(examples, skipped: int, dropped: int) -> str:
-    """Records that were no sample: skipped as malformed, dropped without a target (up front, and as met)."""
+def _counts(examples, skipped: int, dropped: int, whole: bool = False) -> str:
+    """Records that were no sample: skipped as malformed, dropped without a target (up front, and as met;
+    ``whole``: every record has been met)."""
     skipped += getattr(examples, "skipped", 0)
     dropped += getattr(examples, "dropped", 0)
     return f"{skipped} record(s) skipped as malformed, {dropped} with no target token within cutoff_len" \
-        + ("" if isinstance(examples, list) else " so far")
+        + ("" if whole or isinstance(examples, list) else " so far")
 
 
 def _where(path) -> str:
