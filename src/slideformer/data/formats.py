@@ -154,8 +154,9 @@ def renamed(rec, columns: dict | None, where: str):
         return rec
     missing = [theirs for ours, theirs in columns.items() if theirs not in rec and ours not in ("input", "system")]
     if missing:
-        raise DataError(f"{where}: no key {missing[0]!r} (the dataset's columns map "
-                        f"{next(o for o, t in columns.items() if t == missing[0])} to it); the record has {sorted(rec)}")
+        ours = next(o for o, t in columns.items() if t == missing[0])
+        raise DataError(f"{where}: no key {missing[0]!r} (the dataset's columns map {ours} to it); the record has "
+                        f"{sorted(rec)}")
     for ours, theirs in columns.items():
         v = rec.get(theirs)
         if ours in TEXT_KEYS and v is not None and not isinstance(v, str):
@@ -232,10 +233,12 @@ def _to_messages(rec: dict, fmt: str, where: str) -> list[dict] | str:
 
 
 def _messages(msgs, need, key: str) -> list[dict]:
+    """A record's list of OpenAI-style messages, checked, as role and content only."""
     need(isinstance(msgs, list) and msgs, f"needs a non-empty list {key!r}")
     for i, m in enumerate(msgs):
-        need(isinstance(m, dict) and m.get("role") in ("system", "user", "assistant") and isinstance(m.get("content"), str),
-             f"{key}[{i}] needs 'role' in system/user/assistant and a string 'content'")
+        need(isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
+             and isinstance(m.get("content"), str), f"{key}[{i}] needs 'role' in system/user/assistant and a string "
+             "'content'")
     return [{"role": m["role"], "content": m["content"]} for m in msgs]
 
 
@@ -249,20 +252,19 @@ def chat_template_text(value: str) -> str:
         raise DataError(f"chat_template {value!r} is {what}; give the template itself or the path of a .jinja file")
     try:
         with open(p, encoding="utf-8") as f:
-            text = f.read(MAX_TEMPLATE_CHARS + 1)  # (check_chat_template refuses a longer one)
+            if p.suffix.lower() != ".json":
+                text = f.read(MAX_TEMPLATE_CHARS + 1)  # (past that, refused below)
+            else:  # chat_template.json, or a tokenizer_config.json: the template under its key
+                text = json.load(f).get("chat_template")
+                if not isinstance(text, str):
+                    raise ValueError
     except OSError as e:
         raise DataError(f"chat_template {p}: cannot read it ({e.strerror})") from e
     except UnicodeDecodeError:
         raise DataError(f"chat_template {p}: not UTF-8 text; give a Jinja template file") from None
-    if p.suffix.lower() == ".json":  # (chat_template.json or tokenizer_config.json: the template under a key)
-        try:
-            with open(p, encoding="utf-8") as f:
-                text = json.load(f)["chat_template"]
-        except (ValueError, KeyError, TypeError):
-            raise DataError(f"chat_template {p}: a JSON file without a 'chat_template' string; give a .jinja "
-                            "file, or the JSON file transformers saves (chat_template.json)") from None
-        if not isinstance(text, str):
-            raise DataError(f"chat_template {p}: its 'chat_template' is not one template; give a .jinja file")
+    except (ValueError, AttributeError):  # (JSON that does not parse, or holds no one template)
+        raise DataError(f"chat_template {p}: a JSON file without a 'chat_template' string; give a .jinja file, "
+                        "or the JSON file transformers saves (chat_template.json)") from None
     if "{{" not in text and "{%" not in text:
         raise DataError(f"chat_template {p}: holds no Jinja ({{{{ or {{%); give a chat template file")
     if len(text) > MAX_TEMPLATE_CHARS:

@@ -310,8 +310,9 @@ def _typed(v, annotation: str, key: str):
                 return _typed(number, annotation, key)  # (a string "nan" is checked as the number)
     elif isinstance(v, (list, dict)) and kinds & {"list", "dict", "OffloadConfig"}:
         return v
-    want = " or ".join(sorted({"int": "a whole number", "float": "a number", "str": "text", "bool": "true or false",
-                               "None": "null", "list": "a list", "dict": "a mapping", "OffloadConfig": "a mapping"}.get(k, k) for k in kinds))
+    names = {"int": "a whole number", "float": "a number", "str": "text", "bool": "true or false", "None": "null",
+             "list": "a list", "dict": "a mapping", "OffloadConfig": "a mapping"}
+    want = " or ".join(sorted(names.get(k, k) for k in kinds))
     raise ConfigError(f"{key} must be {want}, got {v!r}")
 
 
