@@ -4,6 +4,7 @@ fused ops) could gain before it is built into the engine. Prints one JSON line p
 
     python bench/layer_speed.py --model qwen3-4b --tokens 8192       # on the GPU machine
     python bench/layer_speed.py --model olmoe-1b-7b --experts          # a MoE layer's experts implementations
+    python bench/layer_speed.py --model qwen3-4b --tokens 16384 --projections --variants none   # q/k/v, gate/up fused
 """
 from __future__ import annotations
 
@@ -174,6 +175,46 @@ def fp8(args) -> None:
     print(json.dumps(out))
 
 
+def projections(args) -> None:
+    """The linears that read one input (q, k and v; gate and up) as the engine runs them, one GEMM each, against
+    one GEMM over their weights side by side (as a slot holds them): forward, the input gradient (the engine's
+    beta-1 sum against one product over the gradients side by side) and the weight gradients; and what making
+    one column view contiguous costs (a consumer that copies it). Seconds a call, for --tokens tokens."""
+    from slideformer.presets import preset_config
+
+    cfg = preset_config(args.model)
+    h, d = cfg.hidden_size, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    groups = {"qkv": [cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.num_key_value_heads * d],
+              "gate_up": [cfg.intermediate_size, cfg.intermediate_size]}
+    t, bf = args.tokens, torch.bfloat16
+    x = torch.randn(t, h, device="cuda", dtype=bf)
+    for name, outs in groups.items():
+        w = torch.randn(sum(outs), h, device="cuda", dtype=bf) / h ** 0.5
+        ws = list(w.split(outs))
+        g = torch.randn(t, sum(outs), device="cuda", dtype=bf)
+        gs = [gi.contiguous() for gi in g.split(outs, dim=1)]
+        dw = torch.empty_like(w)
+        dws = list(dw.split(outs))
+        flops = 2 * t * h * sum(outs)
+
+        def input_grad_apart():
+            gx = gs[-1].mm(ws[-1])
+            for gi, wi in zip(gs[-2::-1], ws[-2::-1]):
+                gx.addmm_(gi, wi)
+
+        def weight_grad_apart():
+            for gi, dwi in zip(gs, dws):
+                dwi.addmm_(gi.t(), x)
+        rows = {"forward_apart": lambda: [x.mm(wi.t()) for wi in ws], "forward_one": lambda: x.mm(w.t()),
+                "input_grad_apart": input_grad_apart, "input_grad_one": lambda: g.mm(w),
+                "weight_grad_apart": weight_grad_apart, "weight_grad_one": lambda: dw.addmm_(g.t(), x),
+                "first_view_contiguous": lambda: g[:, : outs[0]].contiguous()}
+        for what, fn in rows.items():
+            s = timed(fn, args.reps)
+            print(json.dumps({"model": args.model, "tokens": t, "group": name, "outs": outs, "what": what,
+                              "s": s, "tflops": None if what.endswith("contiguous") else flops / s / 1e12}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="qwen3-4b")
@@ -188,6 +229,8 @@ def main() -> None:
                     "a dynamic scale a tensor), alone and with their casts, against bf16")
     ap.add_argument("--experts", action="store_true", help="a MoE model: its experts run by transformers' loop "
                     "(eager), batched_mm and grouped_mm")
+    ap.add_argument("--projections", action="store_true", help="also time the linears that read one input (q, k "
+                    "and v; gate and up) one GEMM each against one GEMM over their weights side by side")
     ap.add_argument("--variants", default="all", help="the layer's ways to time, comma-separated, or none")
     args = ap.parse_args()
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -207,6 +250,8 @@ def main() -> None:
         norms(args)
     if args.fp8:
         fp8(args)
+    if args.projections:
+        projections(args)
     for name, liger, compiled, backend in variants:
         cfg, layer, rotary = build(args.model, liger, name.split("=")[1] if args.experts else None)
         B, S = args.tokens // args.seq, args.seq
