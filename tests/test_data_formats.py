@@ -232,6 +232,14 @@ def test_a_chat_template_may_be_a_file(tmp_path):
     (tmp_path / "huge.jinja").write_text("{{ x }}" + " " * (300 << 10))
     with pytest.raises(DataError, match="huge.jinja: over 256 KiB"):
         load_tokenizer(load_config(None, [f"chat_template={tmp_path}/huge.jinja"]))
+    # (a template that renders no assistant content leaves no target: the refusal names it as a likely why)
+    from slideformer.train.loop import describe_data
+
+    (tmp_path / "users.jinja").write_text("{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}"
+                                          "{% endfor %}")
+    with pytest.raises(DataError, match="8 with no target token.*a chat_template that does not render the assistant"):
+        describe_data(load_config(None, [f"chat_template={tmp_path}/users.jinja",
+                                         f"dataset={_assets() / 'sample' / 'messages.jsonl'}"]), 0)
     # a config file's template path is relative to the config, as its dataset paths
     (tmp_path / "cfg").mkdir()
     (tmp_path / "cfg" / "c.yaml").write_text("chat_template: ../t.jinja\n")

@@ -123,9 +123,16 @@ def build_examples(cfg: TrainConfig, tok, specs=None, lazy: bool = False):
                     dropped += made is None
             examples.append(None if made is None else made[:2])
     if specs is cfg.dataset and skipped + dropped == len(examples):  # (held-out data: evaluation says so)
-        raise DataError(f"no trainable examples: {skipped} record(s) skipped as malformed, {dropped} with no target "
-                        f"token within cutoff_len {cfg.cutoff_len}")
+        raise _none_trainable(cfg, skipped, dropped)
     return examples, skipped, dropped
+
+
+def _none_trainable(cfg: TrainConfig, skipped: int, dropped: int) -> DataError:
+    """No record is a sample: the counts, and the config's own template where it may be why."""
+    why = "; a chat_template that does not render the assistant turns' content leaves none either" \
+        if dropped and cfg.chat_template else ""
+    return DataError(f"no trainable examples: {skipped} record(s) skipped as malformed, {dropped} with no target "
+                     f"token within cutoff_len {cfg.cutoff_len}{why}")
 
 
 def held_out(cfg: TrainConfig, tok, examples, in_ram=lambda specs: False):
@@ -764,8 +771,7 @@ def describe_data(cfg: TrainConfig, samples: int = 2, out=None) -> dict:
     shown = []
     stats = _tally(train_part, cfg.cutoff_len, lambda e: len(shown) < samples and shown.append(e))
     if not stats["samples"]:
-        raise DataError(f"no trainable examples: {stats['skipped_malformed']} record(s) skipped as malformed, "
-                        f"{stats['dropped_no_target']} with no target token within cutoff_len {cfg.cutoff_len}")
+        raise _none_trainable(cfg, stats["skipped_malformed"], stats["dropped_no_target"])
     if held:
         stats["eval"] = _tally(held, cfg.cutoff_len)
     for i, (ids, labels) in enumerate(shown):
