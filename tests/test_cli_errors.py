@@ -69,6 +69,8 @@ def model_dirs(tmp_path):
     ("dataset={{path:{t}/a.jsonl}}", 2, ["YAML reads 'path:", "as one key; write path: ", "a space after the colon"]),
     ("chat_template={{% for m in messages %}}{{% endfor %}}", 2, ["not valid YAML (quote a value with {, ["]),
     ("columns={{text: body}}", 2, ["unknown key columns: it belongs to a dataset's entry", "columns: ...}]"]),
+    ("dataset=&x [*x]", 2, ["dataset[0] must be a file path or a mapping with a path"]),  # (an alias holding itself)
+    ("dataset={{path:hf://org/x}}", 2, ["write path: hf://org/x (a space after the colon)"]),
     ("output_dir=/etc/passwd/run", 5, ["/etc/passwd/run"]),
     ("offload.offload_dir=/etc/passwd", 2, ["offload.offload_dir /etc/passwd is a file"]),
     ("num_train_epochs=nan", 2, ["num_train_epochs must be a finite number"]),
@@ -147,6 +149,10 @@ def test_dataset_paths_on_the_command_line_are_from_the_current_folder(tmp_path,
     assert cfg.dataset[0].path == "cfg/in_cfg.jsonl" and cfg.eval_dataset[0].path == "cfg/held.jsonl"
     cfg = load_config("cfg/run.yaml", ["dataset=mine.jsonl"])
     assert cfg.dataset[0].path == "mine.jsonl" and cfg.eval_dataset[0].path == "cfg/held.jsonl"
+    # (a Hub dataset's name stays one, and ~ is a home folder, as a shell reads it)
+    (tmp_path / "cfg" / "hub.yaml").write_text("dataset: [org/name, ~/mine.jsonl]\n")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert [d.path for d in load_config("cfg/hub.yaml").dataset] == ["org/name", str(tmp_path / "home" / "mine.jsonl")]
 
 
 def test_resuming_with_other_data_says_so(tmp_path, capsys):

@@ -125,6 +125,7 @@ def test_malformed_line_names_file_and_line(tmp_path):
     ({"conversations": [{"from": "alien", "value": "x"}]}, "turn 0 needs 'from'"),
     ({"messages": [{"role": "user", "content": 3}]}, r"messages\[0\] needs"),
     ({"prompt": "q", "completion": [{"role": "assistant", "content": "a"}]}, "both strings or both lists"),
+    ({"instruction": "x", "output": "y", "system": 5}, "needs 'system' as a string, if any"),
     ({"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "user", "content": "a"}]},
      "a 'completion' of assistant messages"),
 ])
@@ -194,6 +195,9 @@ def test_columns_map_a_records_own_keys_to_a_formats(tok, tmp_path):
     kept = renamed({"question": "Translate", "input": "Bonjour", "answer": "Hello"},
                    {"instruction": "question", "output": "answer"}, "t")
     assert kept == {"instruction": "Translate", "input": "Bonjour", "output": "Hello"}
+    # (but not where columns maps it elsewhere)
+    assert "system" not in renamed({"q": "a", "o": "b", "system": "own"}, {"instruction": "q", "output": "o",
+                                                                            "system": "sp"}, "t")
     with pytest.raises(DataError, match=r"t: no key 'answer' \(the dataset's columns map output to it\)"):
         renamed({"question": "Add"}, cols, "t")
     assert trained_text(tok, renamed({"body": "all of it"}, {"text": "body"}, "t")) == "all of it<|eos|>"

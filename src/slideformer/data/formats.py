@@ -94,7 +94,7 @@ def read_by_datasets(path: str | os.PathLike) -> bool:
     """Whether ``datasets`` reads ``path``: a folder, an existing CSV or Arrow file, or a Hub name
     (``org/name``, no such local path). A missing local file is left to ``check_readable``, which says so."""
     p = Path(path)
-    return p.is_dir() or (p.suffix.lower() in LOADERS and p.is_file()) or (not p.exists() and _hub_name(str(path)))
+    return p.is_dir() or (p.suffix.lower() in LOADERS and p.is_file()) or (not p.exists() and hub_name(str(path)))
 
 
 def check_readable(p: Path) -> None:
@@ -162,7 +162,8 @@ def renamed(rec, columns: dict | None, where: str):
         if ours in TEXT_KEYS and v is not None and not isinstance(v, str):
             raise DataError(f"{where}: {theirs!r} (the dataset's columns map {ours} to it) is "
                             f"{type(v).__name__} {str(v)[:40]!r}, not text")
-    out = {k: rec[k] for k in ("input", "system") if k in rec and k not in columns.values()}  # (optional: kept)
+    out = {k: rec[k] for k in ("input", "system")  # (the record's own optional keys, where not mapped: kept)
+           if k in rec and k not in columns and k not in columns.values()}
     out.update((ours, rec[theirs]) for ours, theirs in columns.items() if theirs in rec)
     return out
 
@@ -201,6 +202,8 @@ def _to_messages(rec: dict, fmt: str, where: str) -> list[dict] | str:
     if fmt == "alpaca":
         for k in ("instruction", "output"):
             need(isinstance(rec.get(k), str), f"needs a string {k!r}")
+        for k in ("input", "system"):
+            need(rec.get(k) is None or isinstance(rec[k], str), f"needs {k!r} as a string, if any")
         user = rec["instruction"] + (f"\n{rec['input']}" if rec.get("input") else "")
         msgs = [{"role": "system", "content": rec["system"]}] if rec.get("system") else []
         return msgs + [{"role": "user", "content": user}, {"role": "assistant", "content": rec["output"]}]
@@ -426,7 +429,7 @@ def _render_whole(msgs: list[dict], trained: list[bool], tokenizer, where: str) 
     return ids, labels
 
 
-def _hub_name(name: str) -> bool:
+def hub_name(name: str) -> bool:
     """Whether ``name`` reads as a Hub dataset ("org/name", no such local path, not a file's name)."""
     parts = name.split("/")
     return (len(parts) == 2 and all(parts) and not name.startswith((".", "~")) and "." not in parts[0]

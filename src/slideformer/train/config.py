@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 
 from ..config import ATTENTION, ConfigError
-from ..data.formats import FORMATS, KEYS
+from ..data.formats import FORMATS, KEYS, hub_name
 from ..optim.schedule import SCHEDULES
 
 
@@ -327,17 +327,19 @@ def _coerce(item: str, value: str):
     return out
 
 
-def _check_colons(where: str, v) -> None:
-    """YAML reads {path:a.jsonl} as one key "path:a.jsonl" without a value: said, with the fix."""
-    if isinstance(v, list):
-        for x in v:
-            _check_colons(where, x)
-    elif isinstance(v, dict):
-        for k, x in v.items():
-            if x is None and isinstance(k, str) and ":" in k and "://" not in k:
-                a, b = k.split(":", 1)
+def _check_colons(where: str, v, seen: set | None = None) -> None:
+    """YAML reads {path:a.jsonl} as one key "path:a.jsonl" without a value: said, with the fix. (Each list
+    and mapping once: a YAML alias may hold itself.)"""
+    seen = set() if seen is None else seen
+    if not isinstance(v, (list, dict)) or id(v) in seen:
+        return
+    seen.add(id(v))
+    for k, x in v.items() if isinstance(v, dict) else enumerate(v):
+        if isinstance(v, dict) and x is None and isinstance(k, str) and ":" in k:
+            a, b = k.split(":", 1)
+            if a and not b.startswith("//"):  # (a URL's scheme is no key)
                 raise ConfigError(f"{where}: YAML reads {k!r} as one key; write {a}: {b} (a space after the colon)")
-            _check_colons(where, x)
+        _check_colons(where, x, seen)
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> TrainConfig:
@@ -382,12 +384,20 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
             ds = getattr(cfg, key)
             if ds is None or key in given:
                 continue
-            setattr(cfg, key, [{**d, "path": str(base / d["path"])}
-                               if isinstance(d, dict) and isinstance(d.get("path"), str) and not os.path.isabs(d["path"])
-                               else str(base / d) if isinstance(d, str) and not os.path.isabs(d) else d
+            setattr(cfg, key, [{**d, "path": _from(base, d["path"], hub=True)}
+                               if isinstance(d, dict) and isinstance(d.get("path"), str)
+                               else _from(base, d, hub=True) if isinstance(d, str) else d
                                for d in (ds if isinstance(ds, list) else [ds])])
         t = cfg.chat_template  # (a template's file too; a template itself has Jinja's markers)
-        if t and "chat_template" not in given and "{{" not in t and "{%" not in t and \
-                not os.path.isabs(os.path.expanduser(t)):
-            cfg.chat_template = str(base / t)
+        if t and "chat_template" not in given and "{{" not in t and "{%" not in t:
+            cfg.chat_template = _from(base, t)
     return cfg.validate()
+
+
+def _from(base: Path, path: str, hub: bool = False) -> str:
+    """A path a config file names, from the file's folder (``~`` a home folder, as a shell would read it);
+    with ``hub``, a Hub dataset's name ("org/name", no such file there) as it is."""
+    path = os.path.expanduser(path)
+    if os.path.isabs(path) or hub and not (base / path).exists() and hub_name(path):
+        return path
+    return str(base / path)
