@@ -21,6 +21,7 @@ from pathlib import Path
 FORMATS = ("alpaca", "sharegpt", "messages", "prompt_completion", "text")
 KEYS = ("messages", "conversations", "instruction", "input", "output", "system", "prompt", "completion", "text")
 TEXT_KEYS = ("instruction", "input", "output", "system", "text")  # (read as strings only)
+OPTIONAL_KEYS = ("input", "system")  # (alpaca's: a record may go without them)
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
@@ -152,7 +153,7 @@ def renamed(rec, columns: dict | None, where: str):
     """The record with its keys under the names the formats read (a dataset's ``columns``: ours -> theirs)."""
     if not columns or not isinstance(rec, dict):
         return rec
-    missing = [theirs for ours, theirs in columns.items() if theirs not in rec and ours not in ("input", "system")]
+    missing = [theirs for ours, theirs in columns.items() if theirs not in rec and ours not in OPTIONAL_KEYS]
     if missing:
         ours = next(o for o, t in columns.items() if t == missing[0])
         raise DataError(f"{where}: no key {missing[0]!r} (the dataset's columns map {ours} to it); the record has "
@@ -162,7 +163,7 @@ def renamed(rec, columns: dict | None, where: str):
         if ours in TEXT_KEYS and v is not None and not isinstance(v, str):
             raise DataError(f"{where}: {theirs!r} (the dataset's columns map {ours} to it) is "
                             f"{type(v).__name__} {str(v)[:40]!r}, not text")
-    out = {k: rec[k] for k in ("input", "system")  # (the record's own optional keys, where not mapped: kept)
+    out = {k: rec[k] for k in OPTIONAL_KEYS  # (the record's own optional keys, where not mapped: kept)
            if k in rec and k not in columns and k not in columns.values()}
     out.update((ours, rec[theirs]) for ours, theirs in columns.items() if theirs in rec)
     return out
@@ -202,7 +203,7 @@ def _to_messages(rec: dict, fmt: str, where: str) -> list[dict] | str:
     if fmt == "alpaca":
         for k in ("instruction", "output"):
             need(isinstance(rec.get(k), str), f"needs a string {k!r}")
-        for k in ("input", "system"):
+        for k in OPTIONAL_KEYS:
             need(rec.get(k) is None or isinstance(rec[k], str), f"needs {k!r} as a string, if any")
         user = rec["instruction"] + (f"\n{rec['input']}" if rec.get("input") else "")
         msgs = [{"role": "system", "content": rec["system"]}] if rec.get("system") else []

@@ -15,9 +15,9 @@ from dataclasses import dataclass, replace
 from ..machine import Machine, MachineRates
 from ..optim.formats import compact_master
 from .memory import (EFFICIENT_TOKENS, LOSS_CHUNK_TOKENS, SMALL_HEAD_CHUNK_COST, DoesNotFit, ModelShape, Layout,
-                     auto_host, auto_residency, auto_tier, check_host_fits, choose_window_slots, config_host_bytes, fit, gpu_budget, gpu_bytes, held, host_budget,
-                     least_layout,
-                     fmt_bytes, nvme_bytes, nvme_layer_count, parse_bytes, spares_that_fit, step_time)
+                     auto_host, auto_residency, auto_tier, check_host_fits, choose_window_slots, config_host_bytes,
+                     fit, fmt_bytes, gpu_budget, gpu_bytes, held, host_budget, least_layout, nvme_bytes,
+                     nvme_layer_count, parse_bytes, spares_that_fit, step_time)
 
 
 @dataclass(frozen=True)
