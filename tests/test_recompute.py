@@ -48,12 +48,12 @@ def test_the_recomputed_linear_has_linears_gradients(bias, mode, into_grad, monk
 
 
 def test_the_engine_skips_the_projection_in_backward_only(monkeypatch):
-    """The recompute in backward records each layer's down projection without its product: 3 fewer
-    linear products a step (3 layers, one micro-batch) than with the projection computed, the same loss
-    (the training itself: tests/test_engine_parity.py)."""
+    """The recompute in backward records each layer's down projection without its product: 3 down
+    projections' output columns fewer computed a step (3 layers, one micro-batch) than with the projection
+    computed, the same loss (the training itself: tests/test_engine_parity.py)."""
     products, graph_only = [], []
     real_linear, real_apply = torch.nn.functional.linear, _RecomputedLinear.apply
-    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: products.append(1) or real_linear(*a))
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: products.append(a[1].shape[0]) or real_linear(*a))
 
     def counted(*a):
         if a[4:5] == (True,):  # (output_free)
@@ -66,13 +66,13 @@ def test_the_engine_skips_the_projection_in_backward_only(monkeypatch):
         products.clear()
         graph_only.clear()
         with SlideEngine(build("llama"), EngineConfig(device="cpu", compute_dtype=torch.float32)) as eng:
-            return eng.train_step(batch(97)), len(products), len(graph_only)
+            return eng.train_step(batch(97)), sum(products), len(graph_only), eng.adapter.layers[0].mlp.down_proj
 
-    loss, n, skipped = step()
+    loss, n, skipped, down = step()
     assert skipped == 3
     monkeypatch.setattr(LayerRecompute, "active", lambda self, on=True, kept=None: contextlib.nullcontext())
-    loss_full, n_full, skipped_full = step()
-    assert (n_full - n, skipped_full, loss_full) == (3, 0, loss)
+    loss_full, n_full, skipped_full, _ = step()
+    assert (n_full - n, skipped_full, loss_full) == (3 * down.out_features, 0, loss)
 
 
 def test_a_normalised_mlp_output_is_kept_like_the_others():
@@ -89,11 +89,12 @@ def test_a_normalised_mlp_output_is_kept_like_the_others():
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_saved_layers_train_bit_identically_without_recomputed_products(family, monkeypatch):
     """Saved layers' backward multiplies nothing again (each of the 2 saved layers' kept products, for each
-    of 2 micro-batches, is gone from the step's recompute), and trains bit for bit as the
-    recompute does: the kept products are the values the recompute would compute."""
+    of 2 micro-batches, is gone from the step's recompute: counted in output columns, as a group of linears
+    multiplies as one GEMM), and trains bit for bit as the recompute does: the kept products are the values
+    the recompute would compute."""
     products = []
     real_linear = torch.nn.functional.linear
-    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: products.append(1) or real_linear(*a))
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: products.append(a[1].shape[0]) or real_linear(*a))
     model = build(family)
     steps = [[batch(97, seed=s), batch(97, seed=10 + s)] for s in range(3)]
 
@@ -104,7 +105,7 @@ def test_saved_layers_train_bit_identically_without_recomputed_products(family, 
             for b in steps:
                 products.clear()
                 losses.append(eng.train_step(b))
-                counts.append(len(products))
+                counts.append(sum(products))
             return losses, eng.state_dict(), counts
 
     losses = []
@@ -114,10 +115,12 @@ def test_saved_layers_train_bit_identically_without_recomputed_products(family, 
     assert got_losses == ref_losses
     assert all(torch.equal(got[k], ref[k]) for k in ref)
     layer = model.model.layers[0]
-    kept = sum(type(m) is nn.Linear and m is not output_free_down(layer) for m in layer.modules())
+    kept = [m for m in layer.modules() if type(m) is nn.Linear and m is not output_free_down(layer)]
     # (OLMo 2 and Gemmas 2-3 normalise the MLP output; MoE layers keep their attention's: the experts are no nn.Linear)
-    assert kept == {"olmo2": 7, "gemma3": 7, "gemma2": 7, "phi3": 3, "qwen3-moe": 4, "mixtral": 4, "olmoe": 4}.get(family, 6)
-    assert [r - c for r, c in zip(ref_counts, counts)] == [2 * 2 * kept] * 3  # 2 layers, 2 micro-batches
+    assert len(kept) == {"olmo2": 7, "gemma3": 7, "gemma2": 7, "phi3": 3, "qwen3-moe": 4, "mixtral": 4,
+                         "olmoe": 4}.get(family, 6)
+    columns = sum(m.out_features for m in kept)
+    assert [r - c for r, c in zip(ref_counts, counts)] == [2 * 2 * columns] * 3  # 2 layers, 2 micro-batches
 
 
 def test_saved_layers_with_offloaded_inputs_train_as_the_recompute():
@@ -304,16 +307,25 @@ def test_summing_linears_input_gradients_first_is_the_only_change():
     input gradients, then adds the residual's, where autograd adds them one by one. Against plain PyTorch
     that reassociation moves a few Adam elements with near-zero gradients (6e-5 of a tensor after 3 steps
     at lr 1e-2); against plain PyTorch with the same association (its linears reading one alias of their
-    input), the engine is within fp32 noise."""
+    input), the engine is within three times that reference's own noise (its rows apart: q, k and v as
+    one GEMM round otherwise than apart), far below the reassociation's distance."""
     import copy
 
     from test_engine_parity import engine_train, linears_read_one_alias, reference_train
+
+    from test_engine_parity import reference_noise
 
     model = build("olmo2")
     batches = [batch(model.config.vocab_size, seed=s) for s in range(3)]
     state, _ = engine_train(model, batches, lr=1e-2)
     ref = reference_train(linears_read_one_alias(copy.deepcopy(model)), batches, lr=1e-2)[0].state_dict()
-    assert max(float((state[k] - ref[k]).norm() / ref[k].norm()) for k in state) < 1e-6
+    plain = reference_train(copy.deepcopy(model), batches, lr=1e-2)[0].state_dict()
+    noise = reference_noise(model, batches, lr=1e-2).state_dict()  # (the same association, rows apart)
+
+    def farthest(a):
+        return max(float((a[k] - ref[k]).norm() / ref[k].norm()) for k in ref)
+    # (measured: the engine 4.7e-6, the reference's own noise 4.2e-6, plain PyTorch's association 5.9e-5)
+    assert farthest(state) <= 3 * farthest(noise) < farthest(plain)
 
 
 @pytest.mark.parametrize("saved", [False, True])
