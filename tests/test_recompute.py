@@ -6,6 +6,7 @@ import contextlib
 import pytest
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM
 
 from slideformer import EngineConfig, SlideEngine
 from slideformer.model.recompute import LayerRecompute, _RecomputedLinear, kept_values_per_token, output_free_down
@@ -357,3 +358,87 @@ def test_a_group_called_otherwise_in_the_recompute_falls_back_to_single_linears(
             got = torch.autograd.grad(run(x, other), [x] + params, g)
         for a, r in zip(got, ref):
             torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("into_grad", [False, True])
+def test_a_group_whose_weights_and_gradients_lie_side_by_side_multiplies_as_one_gemm(into_grad, monkeypatch):
+    """Weights one after another in one buffer (as a slot holds them): forward is one GEMM, its outputs the
+    product's column blocks, each a tensor of its own (modifiable in place, its own version counter); the
+    SwiGLU's backward (kernels/swiglu.py) writes their gradients over those blocks, and backward then
+    multiplies one GEMM for the input gradient and one for the weights' (added into their side-by-side
+    ``.grad``); autograd's gradients either way."""
+    from slideformer.kernels.swiglu import SwiGLUFunction
+    from slideformer.model.recompute import _SharedInputLinears
+
+    torch.manual_seed(0)
+    flat, grads = torch.randn(2 * 5 * 6), torch.randn(2 * 5 * 6)
+    ws = [nn.Parameter(t.view(5, 6)) for t in flat.split(30)]
+    x = torch.randn(2, 7, 6, requires_grad=True)
+    dy = torch.randn(2, 7, 5)
+    ref = torch.autograd.grad(nn.functional.silu(x @ ws[0].t()) * (x @ ws[1].t()), [x, *ws], dy)
+    if into_grad:
+        for w, t in zip(ws, grads.split(30)):
+            w.grad = t.view(w.shape)
+    before = grads.clone()
+    products, real = [], torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: products.append(tuple(a[1].shape)) or real(*a))
+    zs = _SharedInputLinears.apply(x, [None, None], ws[0], None, ws[1], None)
+    assert products == [(10, 6)]
+    assert all(not z._is_view() for z in zs) and zs[1].data_ptr() == zs[0].data_ptr() + 4 * 5
+    version = zs[0]._version
+    zs[1].mul_(1)  # (in place on an output: no view error, and the other's counter unmoved)
+    assert zs[0]._version == version
+    ys = _SharedInputLinears.apply(x, [None, None], ws[0], None, ws[1], None)
+    mms, real_mm = [], torch.Tensor.mm
+    monkeypatch.setattr(torch.Tensor, "mm", lambda t, *a: mms.append(tuple(t.shape)) or real_mm(t, *a))
+    y = SwiGLUFunction.apply(*ys)
+    got = torch.autograd.grad(y, [x, *ws] if not into_grad else [x], dy)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=1e-5)
+    if into_grad:  # added once into the side-by-side gradients, none returned
+        torch.testing.assert_close(grads, before + torch.cat([r.flatten() for r in ref[1:]]), rtol=1e-5, atol=1e-5)
+        assert mms == [(14, 10)]
+    else:
+        for a, r in zip(got[1:], ref[1:]):
+            torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+        assert mms == [(14, 10), (10, 14)]  # (the input's gradient, then the weights' as one)
+
+
+@pytest.mark.interpret
+def test_fused_ops_train_as_pytorch_with_groups_as_one_gemm(monkeypatch):
+    """The engine with the fused ops (their kernels in Triton's CPU interpreter): q, k and v, and gate and
+    up, multiply as one GEMM each, the SwiGLU's gradients come back as one buffer, multiplied as one GEMM
+    in every layer's backward, and training is plain PyTorch's within its own noise
+    (tests/test_engine_parity.py ``assert_same``)."""
+    pytest.importorskip("liger_kernel.transformers.rope")
+    import slideformer.engine.engine as engine_module
+    from slideformer.model import recompute
+
+    from test_engine_parity import assert_same, engine_train, reference_noise, reference_train
+
+    monkeypatch.setattr(engine_module, "resolve_fused_ops", lambda *a: "liger")
+    calls, real = [], recompute._one_gemm_gradients
+    monkeypatch.setattr(recompute, "_one_gemm_gradients", lambda *a: calls.append(1) or real(*a))
+    model = build("llama")
+    batches = [batch(97, seed=s) for s in range(3)]
+    state, losses = engine_train(model, batches, lr=1e-2)
+    assert len(calls) == 3 * model.config.num_hidden_layers  # (3 steps of one micro-batch)
+    ref, ref_losses = reference_train(model, batches, lr=1e-2)
+    assert_same(state, ref, losses, ref_losses, reference_noise(model, batches, lr=1e-2))
+
+
+def test_an_output_of_a_group_changed_in_place_trains_as_pytorch():
+    """OLMoE with ``clip_qkv`` clamps the v projection's output in place: a column block of the group's one
+    product, which autograd allows (it is no view) and which marks only v's product changed."""
+    from tiny import FAMILIES
+
+    from test_engine_parity import assert_same, engine_train, reference_noise, reference_train
+
+    cfg = FAMILIES["olmoe"]()
+    cfg.clip_qkv = 0.5
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float()
+    batches = [batch(97, seed=s) for s in range(3)]
+    state, losses = engine_train(model, batches, lr=1e-2)
+    ref, ref_losses = reference_train(model, batches, lr=1e-2)
+    assert_same(state, ref, losses, ref_losses, reference_noise(model, batches, lr=1e-2))

@@ -50,6 +50,8 @@ if triton is not None:
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` as [rows, last dim] with unit column stride, a view where its strides allow, else a copy."""
+    if not t.numel():
+        return t.reshape(0, t.shape[-1])
     try:
         t2 = t.view(-1, t.shape[-1])
     except RuntimeError:

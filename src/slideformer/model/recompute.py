@@ -17,7 +17,7 @@ Backward recomputes each layer from its saved input to rebuild the autograd grap
   saved outputs depend on the backend SDPA picks, and at the sequence lengths of fine-tuning it is a
   few percent of the layer's products.
   An output that forward changed in place after its linear returned it (Liger's RoPE rotates q and k in
-  their projections' memory for Llama-style attention) cannot be returned: backward multiplies again for
+  their projections' memory where each is a product of its own; OLMoE clamps v) cannot be returned: backward multiplies again for
   it, and from then on forward keeps a copy of that linear's output.
 - **The input gradient's sums** (every layer). Linears that read one input (q, k and v; gate and up) run
   in the recompute as one autograd node: backward adds the others' input gradients into the last one's
@@ -135,10 +135,21 @@ def _columns_side_by_side(ts) -> torch.Tensor | None:
 
 
 def _products(x: torch.Tensor, weights, biases) -> tuple[torch.Tensor, ...] | None:
-    """The linears' outputs as column views of one product, where their weights lie side by side and none
-    has a bias; else None."""
+    """The linears' outputs as the column blocks of one product, where their weights lie side by side and
+    none has a bias; else None. Each block is a tensor of its own over the product's memory, not an
+    autograd view: it has its own version counter (an in-place change to one, as Liger's RoPE makes or
+    OLMoE's clamp of v, marks only that one changed), and autograd lets a custom Function's output be
+    changed in place only where it is no view."""
     w = None if any(b is not None for b in biases) else _side_by_side(weights)
-    return None if w is None else F.linear(x, w).split([t.shape[0] for t in weights], dim=-1)
+    if w is None:
+        return None
+    y = F.linear(x, w)
+    blocks, at = [], 0
+    for t in weights:
+        view = y[..., at: at + t.shape[0]]
+        blocks.append(y.new_empty(0).set_(y.untyped_storage(), view.storage_offset(), view.shape, view.stride()))
+        at += t.shape[0]
+    return tuple(blocks)
 
 
 class _SharedInputLinears(torch.autograd.Function):
@@ -169,8 +180,8 @@ class _SharedInputLinears(torch.autograd.Function):
             whole = _columns_side_by_side(gs)
             w = None if whole is None else _side_by_side(weights)
             if w is not None:
-                return (None, None, *_one_gemm_gradients(whole.view(-1, whole.shape[-1]), x, x2, w, weights,
-                                                         need[0]))
+                gx, *rest = _one_gemm_gradients(whole.view(-1, whole.shape[-1]), x, x2, w, weights, need[0])
+                return (gx, None, *rest)
         gx, out = None, [None] * (2 * len(weights))
         # (the last linear first, as autograd runs their nodes: autograd's order of the sums, where the input
         # has no other use)
