@@ -206,8 +206,11 @@ def test_columns_map_a_records_own_keys_to_a_formats(tok, tmp_path):
     with pytest.raises(ConfigError, match="columns names 'answer', which no format reads"):
         load_config(None, [f"dataset=[{{path: {tmp_path}/d.jsonl, columns: {{answer: a}}}}]"])
     for bad in ("[a]", "{1: a, text: b}", "{}"):
-        with pytest.raises(ConfigError, match="columns must map"):
+        with pytest.raises(ConfigError, match="columns must map") as e:
             load_config(None, [f"dataset=[{{path: {tmp_path}/d.jsonl, columns: {bad}}}]"])
+        assert ("quote them" in str(e.value)) == (bad == "{1: a, text: b}")
+    with pytest.raises(ConfigError, match=r"got \{'output': False\} \(YAML reads yes, no.*quote them"):
+        load_config(None, [f"dataset=[{{path: {tmp_path}/d.jsonl, columns: {{output: no}}}}]"])
     with pytest.raises(ConfigError, match="columns maps two keys to one"):
         load_config(None, [f"dataset=[{{path: {tmp_path}/d.jsonl, columns: {{instruction: q, output: q}}}}]"])
 

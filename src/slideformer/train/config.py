@@ -85,8 +85,12 @@ def _specs(value, key: str) -> list[DatasetSpec]:
         columns = spec.columns if spec.columns is not None else {}
         if not isinstance(columns, dict) or not all(isinstance(x, str) for kv in columns.items() for x in kv) or \
                 (spec.columns is not None and not columns):
+            typed = isinstance(columns, dict) and any(isinstance(x, (bool, int, float)) for kv in columns.items()
+                                                      for x in kv)
+            hint = (" (YAML reads yes, no, on, off and numbers as other types than text: quote them, e.g. "
+                    "{output: \"no\"})") if typed else ""
             raise ConfigError(f"{key} {spec.path}: columns must map the formats' keys to the records' own, e.g. "
-                              f"{{instruction: question, output: answer}}; got {spec.columns!r}")
+                              f"{{instruction: question, output: answer}}; got {spec.columns!r}{hint}")
         if len(set(columns.values())) < len(columns):
             raise ConfigError(f"{key} {spec.path}: columns maps two keys to one of the records' own; map each once")
         unknown = sorted(set(columns) - set(KEYS))
