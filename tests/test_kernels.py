@@ -478,9 +478,10 @@ def test_norm_rope_is_transformers_norm_then_rotation(dtype, shape, angle_batch,
 def test_swiglu_is_transformers_and_writes_gradients_over_its_inputs(dtype, shape, columns):
     """kernels/swiglu.py against transformers' ``silu(gate) * up`` under autograd, both against the same in
     fp64 (``assert_no_farther_from_exact``; a few thousand values: with two roundings an output, a few
-    dozen can land anywhere within the interpreter's truncation). ``columns``: gate and up as column views of one product (the
-    engine's one GEMM over their weights): the kernel reads them in place, and backward's gradients are
-    those columns again, one buffer (model/recompute.py multiplies them as one matrix)."""
+    dozen can land anywhere within the interpreter's truncation). ``columns``: gate and up as column views
+    of one product (the engine's one GEMM over their weights): the kernel reads them in place, and
+    backward's gradients are those columns again, one buffer (model/recompute.py multiplies them as one
+    matrix)."""
     from slideformer.kernels.swiglu import SwiGLUFunction
 
     g = torch.Generator().manual_seed(5)

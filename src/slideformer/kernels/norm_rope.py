@@ -140,8 +140,8 @@ class NormRopeFunction(torch.autograd.Function):
         sb, ss = _angle_strides(cos, b)
         if n_rows:
             _norm_rope_forward[(triton.cdiv(n_rows, rows),)](x, weight, cos, sin, y, rstd, n_rows, h, s, sb, ss,
-                                                             _token_stride(x), float(eps), HALF=d // 2, BLOCK=block, ROWS=rows,
-                                                             num_warps=warps)
+                                                             _token_stride(x), float(eps), HALF=d // 2, BLOCK=block,
+                                                             ROWS=rows, num_warps=warps)
         ctx.save_for_backward(x, weight, rstd, cos, sin)
         return y
 
@@ -159,8 +159,8 @@ class NormRopeFunction(torch.autograd.Function):
         sb, ss = _angle_strides(cos, b)
         if n_rows:
             _norm_rope_backward[(programs,)](dy, x, weight, rstd, cos, sin, dx, dw, n_rows, h, s, sb, ss,
-                                             _token_stride(x), triton.cdiv(row_blocks, programs), HALF=d // 2, BLOCK=block,
-                                             ROWS=rows, num_warps=warps)
+                                             _token_stride(x), triton.cdiv(row_blocks, programs), HALF=d // 2,
+                                             BLOCK=block, ROWS=rows, num_warps=warps)
         return dx, dw.sum(0).to(weight.dtype), None, None, None
 
 

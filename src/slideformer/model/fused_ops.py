@@ -72,7 +72,8 @@ def _liger_rope(q, k, *args, **kwargs):
         # the call (after it, autograd would take the views it returns for modified ones). Only without
         # gradients: that is the forward that keeps products, and autograd then records nothing. (Only those
         # it rotates in place: a column view of the q, k and v projections' one product it copies first.)
-        torch.autograd.graph.increment_version(tuple(t for t in (q, k) if t.dim() != 4 or t.transpose(1, 2).is_contiguous()))
+        in_place = tuple(t for t in (q, k) if t.dim() != 4 or t.transpose(1, 2).is_contiguous())
+        torch.autograd.graph.increment_version(in_place)
     return liger_rotary_pos_emb(q, k, *args, **kwargs)
 
 

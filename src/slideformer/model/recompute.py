@@ -17,8 +17,8 @@ Backward recomputes each layer from its saved input to rebuild the autograd grap
   saved outputs depend on the backend SDPA picks, and at the sequence lengths of fine-tuning it is a
   few percent of the layer's products.
   An output that forward changed in place after its linear returned it (Liger's RoPE rotates q and k in
-  their projections' memory where each is a product of its own; OLMoE clamps v) cannot be returned: backward multiplies again for
-  it, and from then on forward keeps a copy of that linear's output.
+  their projections' memory where each is a product of its own; OLMoE clamps v) cannot be returned:
+  backward multiplies again for it, and from then on forward keeps a copy of that linear's output.
 - **The input gradient's sums** (every layer). Linears that read one input (q, k and v; gate and up) run
   in the recompute as one autograd node: backward adds the others' input gradients into the last one's
   within their GEMMs (beta 1), where autograd would write each to a temporary and sum them in separate
@@ -26,9 +26,9 @@ Backward recomputes each layer from its saved input to rebuild the autograd grap
   turn), so no family's module names are listed. (Not in FP8, whose products have no beta.)
 - **One GEMM a group** (every layer, forward and recompute). A slot holds a layer's weights one after
   another, so a group's bias-free weights (q, k and v; gate and up) are one matrix: one product over it,
-  whose column views are the linears' outputs, runs closer to the GEMM's peak than three narrow ones (k
+  whose column blocks are the linears' outputs, runs closer to the GEMM's peak than three narrow ones (k
   and v are a quarter of q's width). Backward multiplies the group's gradients as one matrix too where
-  they are column views of one buffer: the SwiGLU's backward (kernels/swiglu.py) writes gate's and up's
+  they are column blocks of one buffer: the SwiGLU's backward (kernels/swiglu.py) writes gate's and up's
   gradients over their product's columns. Attention's gradients come apart, so q, k and v's do not.
   The groups are learnt before the first step, from a forward of each layer on the meta device
   (model/adapter.py ``dry_run``): a group multiplied apart rounds otherwise than as one GEMM, and a fresh
@@ -272,7 +272,8 @@ class LayerRecompute:
         self._copied.add(proj)
         return None
 
-    def _group_forward(self, proj: nn.Linear, x: torch.Tensor, kept: dict | None, graph: bool) -> torch.Tensor | None:
+    def _group_forward(self, proj: nn.Linear, x: torch.Tensor, kept: dict | None,
+                       graph: bool) -> torch.Tensor | None:
         """At a group's first linear: in the recompute, one node for the group; in a forward without
         gradients, one GEMM where the group's weights lie side by side. The later linears' outputs wait in
         ``_pending`` for their calls. None for a linear in no group, or a group run one linear at a time."""
@@ -320,7 +321,8 @@ class LayerRecompute:
                 self._learn(proj, layer, x, last)
                 if casts is None and not last:
                     pending = self._pending.pop(proj, None)
-                    y = pending[1] if pending is not None and pending[0] is x else self._group_forward(proj, x, None, False)
+                    y = pending[1] if pending is not None and pending[0] is x else \
+                        self._group_forward(proj, x, None, False)
             if y is None:  # (the meta device's forward, model/adapter.py ``dry_run``: shapes only, no FP8 casts)
                 y = F.linear(x, proj.weight, proj.bias) if grad or casts is None or x.is_meta else \
                     fp8_linear(x, proj.weight, proj.bias, casts)
