@@ -10,7 +10,8 @@ if not torch.cuda.is_available():
 # a test that has unset it (that made the interpreted tests fail whenever a subset of files ran).
 import slideformer.kernels  # noqa: E402,F401
 
-try:  # Liger's RoPE too, which runs in the interpreter (tests/test_recompute.py trains with the fused ops)
+try:  # Liger's kernels too: its RoPE runs in the interpreter (its SwiGLU does not)
+    import liger_kernel.ops.swiglu  # noqa: F401
     import liger_kernel.transformers.rope  # noqa: F401
 except ImportError:
     pass

@@ -145,10 +145,10 @@ def test_a_step_that_raises_midway_stops_the_engine(tmp_path, family, clip):
         ck = a.save_checkpoint(tmp_path / "ck")
         real, armed = a._run_layer, {"on": True}
 
-        def run(i, x, mb):  # the second layer's backward (the first's inputs are fetched by then)
+        def run(layer, i, x, mb):  # the second layer's backward (the first's inputs are fetched by then)
             if torch.is_grad_enabled() and i == 1 and armed.pop("on", False):
                 raise RuntimeError("injected")
-            return real(i, x, mb)
+            return real(layer, i, x, mb)
 
         a._run_layer = run
         with pytest.raises(RuntimeError, match="injected"):

@@ -8,7 +8,7 @@ import torch
 from slideformer.config import Placement, Tuning
 from slideformer import EngineConfig, SlideEngine
 
-from test_engine_parity import outputs_side_by_side, reference_noise, reference_train
+from test_engine_parity import reference_noise, reference_train
 from tiny import batch, build, engine_config
 
 pytestmark = pytest.mark.gpu
@@ -27,15 +27,14 @@ def gpu_noise(model, batches, ref, fused="none", **kw) -> dict[str, float]:
     arithmetic shows on this GPU: the largest of its training in the same order (the device's kernels), in
     another exact order of its sums (``reference_noise``) and, where the engine runs fused ops, with those
     kernels in PyTorch's norms', rotation's and SwiGLU's place (model/fused_ops.py ``apply_liger``: closed
-    forms, exact in real numbers, rounded otherwise; tests/test_kernels.py holds each to PyTorch's), reading
-    the projections' outputs side by side as the engine's one GEMM a group leaves them."""
+    forms, exact in real numbers, rounded otherwise; tests/test_kernels.py holds each to PyTorch's)."""
     from slideformer.model.fused_ops import apply_liger
 
     on_gpu = [{k: v.cuda() for k, v in b.items()} for b in batches]
     runs = [reference_train(copy.deepcopy(model).cuda(), on_gpu, **kw)[0],
             reference_noise(copy.deepcopy(model).cuda(), on_gpu, **kw)]
     if fused == "liger":
-        fused_model = outputs_side_by_side(copy.deepcopy(model).cuda())
+        fused_model = copy.deepcopy(model).cuda()
         assert apply_liger([fused_model.model], model.config.hidden_act)
         runs.append(reference_train(fused_model, on_gpu, **kw)[0])
     states = [{k: v.cpu() for k, v in run.state_dict().items()} for run in runs]

@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from slideformer.parallel import assign_units
 
-from test_engine_parity import assert_same, outputs_side_by_side, reference_train, rows_apart
+from test_engine_parity import assert_same, reference_train, rows_apart
 from tiny import batch, build, children, engine_config
 
 
@@ -91,9 +91,8 @@ def run_ranks(tmp_path, world: int, family: str, cfg: dict, micro: int = 1, step
 
 
 def reference(family: str, cfg: dict, steps=(0, 1, 2), apart: bool = False):
-    """PyTorch's training on the global batches; ``apart``: with their rows as micro-batches and the
-    projections' outputs laid out as the engine's one GEMM a group leaves them (its own noise)."""
-    model = outputs_side_by_side(build(family)) if apart else build(family)
+    """PyTorch's training on the global batches; ``apart``: with their rows as micro-batches (its own noise)."""
+    model = build(family)
     batches = [batch(model.config.vocab_size, b=6, seed=s) for s in steps]
     return reference_train(model, rows_apart(batches) if apart else batches, lr=cfg["lr"],
                            max_grad_norm=cfg.get("max_grad_norm"), weight_decay=cfg.get("weight_decay", 0.0))

@@ -90,7 +90,7 @@ class Tuning:
     loss_chunk_tokens: int | None = None
     mlp_chunk_tokens: int | None = None
     loss_kernel: Literal["torch", "fused"] = "fused"  # "torch": autograd per chunk, the plain-PyTorch reference
-    # "auto": the fused ops (our RMSNorm and SwiGLU, Liger-Kernel's RoPE) on CUDA where Liger is installed
+    # "auto": the fused ops (our RMSNorm, Liger-Kernel's SwiGLU and RoPE) where Liger runs (CUDA) and is installed
     fused_ops: Literal["auto", "none", "liger"] = "auto"
     optimizer_backend: Literal["auto", "native", "torch"] = "auto"  # "auto": our C++ kernel when it builds
     optimizer_threads: int | None = None  # None: all cores but one, which drives the GPU
@@ -261,8 +261,8 @@ class EngineConfig:
             if not liger_available():
                 raise ConfigError("fused_ops='liger' needs Liger-Kernel: pip install liger-kernel")
             if self.device == "cpu":
-                raise ConfigError("fused_ops='liger' runs on CUDA only (on the CPU Triton only interprets its "
-                                  "kernels, far slower than PyTorch's ops); use fused_ops='none' on the CPU")
+                raise ConfigError("fused_ops='liger' runs on CUDA only (its kernels do not run in Triton's CPU "
+                                  "interpreter); use fused_ops='none' on the CPU")
         if t.mlp_chunk_tokens is not None and t.mlp_chunk_tokens < 1:
             raise ConfigError(f"mlp_chunk_tokens must be >= 1 or None, got {t.mlp_chunk_tokens}")
         if t.loss_chunk_tokens is not None and t.loss_chunk_tokens < 1:

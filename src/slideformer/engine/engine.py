@@ -163,10 +163,6 @@ class SlideEngine:
         p, t = self.cfg.placement, self.cfg.tuning
         self.device = torch.device(self.cfg.device)
         self.adapter = ModelAdapter(hf_config, self.cfg.compute_dtype, self.cfg.attn_implementation)
-        # Linears that read one input multiply as one GEMM (model/recompute.py), learnt from a forward on the meta
-        # device before the fused ops (whose kernels need a device) and the first step
-        self.recompute = LayerRecompute(self.adapter.layers, fp8=self.cfg.fp8)
-        self.adapter.dry_run()
         self.fused_ops = resolve_fused_ops(t.fused_ops, str(self.cfg.device), self.adapter.model_type)
         if self.fused_ops == "liger":
             apply_liger(self.adapter.layers + [self.adapter.norm], getattr(hf_config, "hidden_act", ""))
@@ -176,6 +172,7 @@ class SlideEngine:
             raise ConfigError(f"fp8: {torch.cuda.get_device_name(self.device)} cannot multiply FP8 rows with a scale "
                               "each (torch._scaled_mm's rowwise scaling: compute capability 9.0 or newer, Hopper "
                               "on); leave fp8 off")
+        self.recompute = LayerRecompute(self.adapter.layers, fp8=self.cfg.fp8)
         # Llama-style layers: the residual sum in the MLP norm's kernel, the recompute's output sum skipped
         install_decoder(self.adapter.layers, self.recompute, fused=self.fused_ops == "liger")
         # Mixture-of-Experts: experts as one grouped GEMM on CUDA (transformers' loop on the CPU), and the
@@ -434,7 +431,7 @@ class SlideEngine:
                 with (self.recompute.recording() if saved else contextlib.nullcontext()) as products, \
                         (self.router_loss.counting(self._token_mask(mb)) if self.router_loss is not None
                          else contextlib.nullcontext()):  # (the routing counted for the load-balancing loss)
-                    out.append(self._run_layer(unit.layer, h, mb))
+                    out.append(self._run_layer(layer, unit.layer, h, mb))
                 kept.append(products)
         if saved:
             st.kept[unit.layer] = kept
@@ -547,7 +544,7 @@ class SlideEngine:
             with torch.enable_grad(), self.recompute.active(self.mlp_chunking.tokens is None, kept[i]), \
                     (self.router_loss.recording(self._token_mask(mb)) if self.router_loss is not None
                      else contextlib.nullcontext(lambda: None)) as router_term:
-                y = self._run_layer(unit.layer, x, mb)
+                y = self._run_layer(layer, unit.layer, x, mb)
                 term = router_term()
             kept[i] = None  # (what the recompute took is the graph's now, freed with it)
             outs, grads = ([y], [st.grad_hidden[i]]) if term is None else ([y, term], [st.grad_hidden[i], None])
@@ -667,8 +664,11 @@ class SlideEngine:
         self.router_loss.combine(parallel.sum_all)
         return self.router_loss.loss() / self.ranks.world
 
-    def _run_layer(self, index: int, h: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-        return self.adapter.run_layer(index, h, mb.masks, mb.position_ids, mb.rope)
+    def _run_layer(self, layer, index: int, h: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        kind = self.adapter.layer_attention_type(index)
+        out = layer(h, attention_mask=mb.masks[kind], position_ids=mb.position_ids,
+                    position_embeddings=mb.rope[kind])
+        return out[0] if isinstance(out, tuple) else out
 
     def _prepare(self, batch) -> tuple[list[MicroBatch], int, torch.Tensor]:
         """The step's micro-batches, checked on the host (data/batches.py), then on their way to the device;

@@ -6,8 +6,7 @@ and writes them once. The arithmetic is transformers' (``Qwen3RMSNorm`` then ``a
 the inverse RMS in fp32, the normalised head cast to the input's dtype, times the weight and rounded again;
 the rotation ``y * cos + rotate_half(y) * sin`` in fp32, rounded once (as Liger-Kernel's RoPE).
 
-Rows are heads: x is [batch, seq, heads, head_dim], a projection's output viewed by head: its tokens may
-lie further apart than its heads (a column view of one product over q's, k's and v's weights);
+Rows are heads: x is [batch, seq, heads, head_dim], contiguous (a projection's output viewed by head);
 cos and sin are [batch or 1, seq, head_dim]. Every load is upcast to fp32, so the kernels also run under
 TRITON_INTERPRET=1.
 """
@@ -32,21 +31,15 @@ if triton is not None:
         return c1, c2, s1, s2
 
     @triton.jit
-    def _x_at(rows, heads, stride_t, cols, HALF: tl.constexpr):
-        # row r is token r // heads's head r % heads: x's tokens lie stride_t apart, its heads side by side
-        return ((rows // heads) * stride_t + (rows % heads) * (2 * HALF))[:, None] + cols[None, :]
-
-    @triton.jit
     def _norm_rope_forward(x_ptr, w_ptr, cos_ptr, sin_ptr, y_ptr, rstd_ptr, n_rows, heads, seq, stride_b,
-                           stride_s, stride_t, eps, HALF: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+                           stride_s, eps, HALF: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
         rmask, cmask = rows < n_rows, cols < HALF
         mask = rmask[:, None] & cmask[None, :]
         at = rows[:, None] * (2 * HALF) + cols[None, :]
-        xat = _x_at(rows, heads, stride_t, cols, HALF)
-        x1 = tl.load(x_ptr + xat, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptr + xat + HALF, mask=mask, other=0.0).to(tl.float32)
+        x1 = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + at + HALF, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
         dt = y_ptr.dtype.element_ty
         w1 = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -60,7 +53,7 @@ if triton is not None:
 
     @triton.jit
     def _norm_rope_backward(do_ptr, x_ptr, w_ptr, rstd_ptr, cos_ptr, sin_ptr, dx_ptr, dw_ptr, n_rows, heads, seq,
-                            stride_b, stride_s, stride_t, blocks_per_program, HALF: tl.constexpr, BLOCK: tl.constexpr,
+                            stride_b, stride_s, blocks_per_program, HALF: tl.constexpr, BLOCK: tl.constexpr,
                             ROWS: tl.constexpr):
         # As kernels/rms_norm.py's backward: program p takes row blocks p, p + P, ... and writes its fp32
         # share of the weight gradient to row p of dw. The rotation's transpose first: dy = R^T do.
@@ -83,9 +76,8 @@ if triton is not None:
             c1, c2, s1, s2 = _angles(cos_ptr, sin_ptr, rows, heads, seq, stride_b, stride_s, cols, mask, HALF)
             dy1 = do1 * c1 + do2 * s2
             dy2 = do2 * c2 - do1 * s1
-            xat = _x_at(rows, heads, stride_t, cols, HALF)
-            x1 = tl.load(x_ptr + xat, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(x_ptr + xat + HALF, mask=mask, other=0.0).to(tl.float32)
+            x1 = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(x_ptr + at + HALF, mask=mask, other=0.0).to(tl.float32)
             rstd = tl.load(rstd_ptr + rows, mask=rmask, other=0.0)
             xn1, xn2 = x1 * rstd[:, None], x2 * rstd[:, None]
             m1, m2 = dy1 * w1[None, :], dy2 * w2[None, :]
@@ -108,40 +100,24 @@ def _angle_strides(cos: torch.Tensor, batch: int) -> tuple[int, int]:
     return (0 if cos.shape[0] == 1 and batch != 1 else cos.stride(0)), cos.stride(1)
 
 
-def _token_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [batch, seq, heads, head_dim] as the kernels read it: each token's heads side by side, tokens one
-    stride apart (a column view of the q, k and v projections' one product is read in place), else a copy."""
-    b, s, h, d = x.shape
-    t = _token_stride(x)
-    if x.stride(3) == 1 and (h == 1 or x.stride(2) == d) and (b == 1 or s == 1 or x.stride(0) == s * t) and t >= h * d:
-        return x
-    return x.contiguous()
-
-
-def _token_stride(x: torch.Tensor) -> int:
-    """The distance between x's consecutive tokens (a dimension of one has no stride of its own)."""
-    b, s, h, d = x.shape
-    return x.stride(1) if s > 1 else x.stride(0) if b > 1 else h * d
-
-
 class NormRopeFunction(torch.autograd.Function):
     """``rope(weight * rmsnorm(x).to(x.dtype))`` over each head of x [batch, seq, heads, head_dim]."""
 
     @staticmethod
     def forward(ctx, x, weight, cos, sin, eps):
-        x = _token_rows(x)
+        x = x.contiguous()
         b, s, h, d = x.shape
         cos, sin = cos.contiguous(), sin.contiguous()
         weight = weight.contiguous()
         n_rows = b * s * h
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        y = torch.empty_like(x)
         rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
         block, rows, warps = _shape(d, x)
         sb, ss = _angle_strides(cos, b)
         if n_rows:
             _norm_rope_forward[(triton.cdiv(n_rows, rows),)](x, weight, cos, sin, y, rstd, n_rows, h, s, sb, ss,
-                                                             _token_stride(x), float(eps), HALF=d // 2, BLOCK=block,
-                                                             ROWS=rows, num_warps=warps)
+                                                             float(eps), HALF=d // 2, BLOCK=block, ROWS=rows,
+                                                             num_warps=warps)
         ctx.save_for_backward(x, weight, rstd, cos, sin)
         return y
 
@@ -151,7 +127,7 @@ class NormRopeFunction(torch.autograd.Function):
         b, s, h, d = x.shape
         dy = dy.contiguous()
         n_rows = b * s * h
-        dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        dx = torch.empty_like(x)
         block, rows, warps = _shape(d, x)
         row_blocks = triton.cdiv(n_rows, rows)
         programs = min(row_blocks, 8 * _sm_count(x.device)) if n_rows else 1
@@ -159,8 +135,8 @@ class NormRopeFunction(torch.autograd.Function):
         sb, ss = _angle_strides(cos, b)
         if n_rows:
             _norm_rope_backward[(programs,)](dy, x, weight, rstd, cos, sin, dx, dw, n_rows, h, s, sb, ss,
-                                             _token_stride(x), triton.cdiv(row_blocks, programs), HALF=d // 2,
-                                             BLOCK=block, ROWS=rows, num_warps=warps)
+                                             triton.cdiv(row_blocks, programs), HALF=d // 2, BLOCK=block,
+                                             ROWS=rows, num_warps=warps)
         return dx, dw.sum(0).to(weight.dtype), None, None, None
 
 

@@ -80,7 +80,6 @@ class ModelAdapter:
             raise UnsupportedModelError(f"model_type {model_type!r}: {missing}; slideformer trains decoder-only "
                                         f"models such as {', '.join(SUPPORTED_MODEL_TYPES)}")
         self.config = config
-        self.compute_dtype = compute_dtype
         self.model_type = model_type
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         # The skeleton's compute runs through the attention asked for (EngineConfig.attn_implementation), by
@@ -197,29 +196,6 @@ class ModelAdapter:
         if self.model_type == "mistral" and getattr(self.config, "sliding_window", None) is not None:
             return "sliding_attention"
         return "full_attention"
-
-    def run_layer(self, index: int, h: torch.Tensor, masks: dict, position_ids, rope: dict) -> torch.Tensor:
-        """Layer ``index`` of the skeleton on hidden states ``h``, with its attention type's mask and rotation."""
-        kind = self.layer_attention_type(index)
-        out = self.layers[index](h, attention_mask=masks[kind], position_ids=position_ids,
-                                 position_embeddings=rope[kind])
-        return out[0] if isinstance(out, tuple) else out
-
-    def dry_run(self) -> None:
-        """Each layer's forward once on the meta device, without gradients (no memory, no arithmetic), before
-        any weights are bound: what watches the layers' calls (model/recompute.py learns which linears read
-        one input) sees them before the first step. A layer whose forward cannot run there (a Mixture of
-        Experts' grouped products) stops where it fails, and the rest is learnt from its first real forward."""
-        h = torch.empty(1, 2, self.config.hidden_size, device="meta", dtype=self.compute_dtype)
-        position_ids = torch.arange(2, device="meta")[None]
-        masks = self.attention_masks(h, None, None)
-        rope = self.positions(self.rotary(torch.device("meta")), h, position_ids)
-        with torch.no_grad():
-            for i in range(self.num_layers):
-                try:
-                    self.run_layer(i, h, masks, position_ids, rope)
-                except Exception:  # (an op without a meta kernel, a data-dependent one, a backend's own check:
-                    continue     # what ran before it is learnt all the same)
 
     def attention_masks(self, embeds: torch.Tensor, attention_mask, position_ids) -> dict:
         """One mask per attention type present, built by transformers' own mask functions."""

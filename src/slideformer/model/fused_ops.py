@@ -1,15 +1,14 @@
-"""Fused RMSNorm, SwiGLU and RoPE on the engine's own layer modules: Liger-Kernel's RoPE, our RMSNorm
-(kernels/rms_norm.py: Liger's backward moves its bytes at a third of the memory's rate at a layer's
-shapes) and our SwiGLU (kernels/swiglu.py: gate and up as column views of one product). Qwen 3's per-head
-q and k norms run in the rotation's kernel (kernels/norm_rope.py: one pass over q and k each way instead
-of two).
+"""Fused RMSNorm, SwiGLU and RoPE on the engine's own layer modules: Liger-Kernel's SwiGLU and RoPE, and
+our RMSNorm (kernels/rms_norm.py: Liger's backward moves its bytes at a third of the memory's rate at
+a layer's shapes). Qwen 3's per-head q and k norms run in the rotation's kernel (kernels/norm_rope.py:
+one pass over q and k each way instead of two).
 
 Liger's ``apply_liger_kernel_to_*`` functions replace transformers' module-level classes and functions,
 which changes every model of that family in the process (a user's reference model too). Here only the
 engine's skeleton instances change: each RMSNorm's and each MLP's ``forward`` is rebound, and each
 attention module gets its class's own ``forward`` code run with Liger's RoPE in place of the
 ``apply_rotary_pos_emb`` its modeling module defines (a copy of the function with one global swapped).
-CUDA only, as Liger's RoPE.
+CUDA only: Liger's SwiGLU does not run in Triton's CPU interpreter.
 
 Why these: unfused, RMSNorm, RoPE and SwiGLU each run as many small elementwise kernels that together
 take a sizeable share of a step's GPU time.
@@ -25,6 +24,7 @@ from torch import nn
 
 def liger_available() -> bool:
     try:
+        import liger_kernel.ops.swiglu  # noqa: F401
         import liger_kernel.transformers.rope  # noqa: F401
     except Exception:  # not installed, or its Triton does not import: transformers' modules serve
         return False
@@ -57,9 +57,9 @@ def _rms_norm_forward(self, x):
 
 
 def _swiglu_forward(self, x):
-    from ..kernels.swiglu import swiglu
+    from liger_kernel.ops.swiglu import LigerSiLUMulFunction
 
-    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+    return self.down_proj(LigerSiLUMulFunction.apply(self.gate_proj(x), self.up_proj(x)))
 
 
 def _liger_rope(q, k, *args, **kwargs):
@@ -70,10 +70,8 @@ def _liger_rope(q, k, *args, **kwargs):
         # attention) through raw pointers, unseen by torch's version counters. A forward that keeps its
         # linears' outputs for backward (model/recompute.py) must know: the counters are moved here, before
         # the call (after it, autograd would take the views it returns for modified ones). Only without
-        # gradients: that is the forward that keeps products, and autograd then records nothing. (Only those
-        # it rotates in place: a column view of the q, k and v projections' one product it copies first.)
-        in_place = tuple(t for t in (q, k) if t.dim() != 4 or t.transpose(1, 2).is_contiguous())
-        torch.autograd.graph.increment_version(in_place)
+        # gradients: that is the forward that keeps products, and autograd then records nothing.
+        torch.autograd.graph.increment_version((q, k))
     return liger_rotary_pos_emb(q, k, *args, **kwargs)
 
 

@@ -17,22 +17,13 @@ Backward recomputes each layer from its saved input to rebuild the autograd grap
   saved outputs depend on the backend SDPA picks, and at the sequence lengths of fine-tuning it is a
   few percent of the layer's products.
   An output that forward changed in place after its linear returned it (Liger's RoPE rotates q and k in
-  their projections' memory where each is a product of its own; OLMoE clamps v) cannot be returned:
-  backward multiplies again for it, and from then on forward keeps a copy of that linear's output.
+  their projections' memory for Llama-style attention) cannot be returned: backward multiplies again for
+  it, and from then on forward keeps a copy of that linear's output.
 - **The input gradient's sums** (every layer). Linears that read one input (q, k and v; gate and up) run
   in the recompute as one autograd node: backward adds the others' input gradients into the last one's
   within their GEMMs (beta 1), where autograd would write each to a temporary and sum them in separate
   kernels. Which linears share an input is learnt from the forwards (the same tensor passed to each in
   turn), so no family's module names are listed. (Not in FP8, whose products have no beta.)
-- **One GEMM a group** (every layer, forward and recompute). A slot holds a layer's weights one after
-  another, so a group's bias-free weights (q, k and v; gate and up) are one matrix: one product over it,
-  whose column blocks are the linears' outputs, runs closer to the GEMM's peak than three narrow ones (k
-  and v are a quarter of q's width). Backward multiplies the group's gradients as one matrix too where
-  they are column blocks of one buffer: the SwiGLU's backward (kernels/swiglu.py) writes gate's and up's
-  gradients over their product's columns. Attention's gradients come apart, so q, k and v's do not.
-  The groups are learnt before the first step, from a forward of each layer on the meta device
-  (model/adapter.py ``dry_run``): a group multiplied apart rounds otherwise than as one GEMM, and a fresh
-  engine (a resumed run) must multiply as one that has trained all along.
 - **The weight gradient's second pass** (every layer). The recompute's linears add their weight's
   gradient into the ``.grad`` the engine binds to the slot with the GEMM itself (beta 1), where autograd
   would write each micro-batch's gradient to a temporary and add it in a separate kernel. (In FP8,
@@ -103,62 +94,11 @@ class _RecomputedLinear(torch.autograd.Function):
         return gx, gw, gb, None, None, None
 
 
-def _side_by_side(ts) -> torch.Tensor | None:
-    """Contiguous matrices of one width that lie one after another in one allocation (a slot's weights or
-    their gradients, [out, in] each): one [sum of out, in] view over them all, else None."""
-    first = ts[0]
-    if first is None or first.dim() != 2:
-        return None
-    at, storage = first.data_ptr(), first.untyped_storage().data_ptr()
-    for t in ts:
-        if t is None or t.dim() != 2 or not t.is_contiguous() or t.dtype != first.dtype or \
-                t.shape[1] != first.shape[1] or t.data_ptr() != at or t.untyped_storage().data_ptr() != storage:
-            return None
-        at += t.numel() * t.element_size()
-    return first.as_strided((sum(t.shape[0] for t in ts), first.shape[1]), (first.shape[1], 1))
-
-
-def _columns_side_by_side(ts) -> torch.Tensor | None:
-    """Tensors of one leading shape that are adjacent column blocks of one contiguous tensor (gate's and up's
-    gradients as the SwiGLU's backward writes them over their product): that tensor, else None."""
-    first = ts[0]
-    if first is None:
-        return None
-    at, storage = first.data_ptr(), first.untyped_storage().data_ptr()
-    for t in ts:
-        if t is None or t.shape[:-1] != first.shape[:-1] or t.stride() != first.stride() or t.dtype != first.dtype \
-                or t.data_ptr() != at or t.untyped_storage().data_ptr() != storage:
-            return None
-        at += t.shape[-1] * t.element_size()
-    whole = first.as_strided((*first.shape[:-1], sum(t.shape[-1] for t in ts)), first.stride())
-    return whole if whole.is_contiguous() else None
-
-
-def _products(x: torch.Tensor, weights, biases) -> tuple[torch.Tensor, ...] | None:
-    """The linears' outputs as the column blocks of one product, where their weights lie side by side and
-    none has a bias; else None. Each block is a tensor of its own over the product's memory, not an
-    autograd view: it has its own version counter (an in-place change to one, as Liger's RoPE makes or
-    OLMoE's clamp of v, marks only that one changed), and autograd lets a custom Function's output be
-    changed in place only where it is no view."""
-    w = None if any(b is not None for b in biases) else _side_by_side(weights)
-    if w is None:
-        return None
-    y = F.linear(x, w)
-    blocks, at = [], 0
-    for t in weights:
-        view = y[..., at: at + t.shape[0]]
-        blocks.append(y.new_empty(0).set_(y.untyped_storage(), view.storage_offset(), view.shape, view.stride()))
-        at += t.shape[0]
-    return tuple(blocks)
-
-
 class _SharedInputLinears(torch.autograd.Function):
     """Several linears of one input ``x`` in backward's recompute, as one node: outputs the products (or
     the kept ones, where given), and in backward one input gradient, each linear's added into the last's
     within its GEMM (beta 1) instead of summed by autograd in separate kernels; weight gradients as
-    ``_RecomputedLinear``'s. Where the weights lie side by side (``_products``) forward is one GEMM, and
-    backward too where the gradients are column views of one buffer. ``params``: each linear's weight and
-    bias (None where it has none)."""
+    ``_RecomputedLinear``'s. ``params``: each linear's weight and bias (None where it has none)."""
 
     @staticmethod
     def forward(ctx, x, kept, *params):
@@ -166,9 +106,6 @@ class _SharedInputLinears(torch.autograd.Function):
         weights, biases = params[0::2], params[1::2]
         ctx.save_for_backward(x, *weights)
         ctx.has_bias = [b is not None for b in biases]
-        ys = None if any(k is not None for k in kept) else _products(x, weights, biases)
-        if ys is not None:
-            return ys
         return tuple(k if k is not None else F.linear(x, w, b) for k, w, b in zip(kept, weights, biases))
 
     @staticmethod
@@ -176,12 +113,6 @@ class _SharedInputLinears(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         x2 = x.reshape(-1, x.shape[-1])
         need = ctx.needs_input_grad
-        if not any(ctx.has_bias) and all(need[2::2]):
-            whole = _columns_side_by_side(gs)
-            w = None if whole is None else _side_by_side(weights)
-            if w is not None:
-                gx, *rest = _one_gemm_gradients(whole.view(-1, whole.shape[-1]), x, x2, w, weights, need[0])
-                return (gx, None, *rest)
         gx, out = None, [None] * (2 * len(weights))
         # (the last linear first, as autograd runs their nodes: autograd's order of the sums, where the input
         # has no other use)
@@ -197,19 +128,6 @@ class _SharedInputLinears(torch.autograd.Function):
             if ctx.has_bias[i] and need[3 + 2 * i]:
                 out[2 * i + 1] = g2.sum(0)
         return (None if gx is None else gx.view_as(x), None, *out)
-
-
-def _one_gemm_gradients(g2, x, x2, w, weights, need_x: bool) -> tuple:
-    """The input gradient of x, then each weight's and bias's (None: no biases), of the linears whose weights
-    ``w`` stacks and whose output gradients are ``g2``'s columns: one GEMM each; the weight gradients added
-    into their ``.grad`` where those lie side by side in the product's dtype (as ``_weight_gradient``)."""
-    gx = g2.mm(w).view_as(x) if need_x else None
-    into = _side_by_side([t.grad for t in weights])
-    if into is not None and into.dtype == g2.dtype:
-        into.addmm_(g2.t(), x2)
-        return (gx, *[None] * (2 * len(weights)))
-    gws = g2.t().mm(x2).split([t.shape[0] for t in weights])
-    return (gx, *[t for gw in gws for t in (gw, None)])
 
 
 def output_free_down(layer: nn.Module) -> nn.Linear | None:
@@ -272,26 +190,16 @@ class LayerRecompute:
         self._copied.add(proj)
         return None
 
-    def _group_forward(self, proj: nn.Linear, x: torch.Tensor, kept: dict | None,
-                       graph: bool) -> torch.Tensor | None:
-        """At a group's first linear: in the recompute, one node for the group; in a forward without
-        gradients, one GEMM where the group's weights lie side by side. The later linears' outputs wait in
-        ``_pending`` for their calls. None for a linear in no group, or a group run one linear at a time."""
+    def _group_forward(self, proj: nn.Linear, x: torch.Tensor, kept: dict | None) -> torch.Tensor | None:
+        """In the recompute, at a group's first linear: one node for the group, whose later linears' outputs
+        wait in ``_pending`` for their calls; None for a linear in no group."""
         group = self._groups.get(proj)
-        if group is None or proj is not group[0]:
-            return None
-        if not graph:
-            for m in group:  # (no graph without gradients: an output never taken is dropped)
-                self._pending.pop(m, None)
-            ys = _products(x, [m.weight for m in group], [m.bias for m in group])
-            if ys is None:
-                return None
-        else:
-            if any(m in self._pending for m in group) or (kept is not None and not all(kept.get(m) for m in group)):
-                return None  # (a call order the forward did not show: each linear on its own)
-            outs = [None if kept is None else self._take_kept(kept, m) for m in group]
-            params = [t for m in group for t in (m.weight, m.bias)]
-            ys = _SharedInputLinears.apply(x, outs, *params)
+        if group is None or proj is not group[0] or any(m in self._pending for m in group) or \
+                (kept is not None and not all(kept.get(m) for m in group)):
+            return None  # (no group, or a call order the forward did not show: each linear on its own)
+        outs = [None if kept is None else self._take_kept(kept, m) for m in group]
+        params = [t for m in group for t in (m.weight, m.bias)]
+        ys = _SharedInputLinears.apply(x, outs, *params)
         for m, y in zip(group[1:], ys[1:]):
             self._pending[m] = (x, y)
         return ys[0]
@@ -310,22 +218,16 @@ class LayerRecompute:
                             return pending[1]
                         # (another input than the group's: its product, its kept one having been taken)
                         return _RecomputedLinear.apply(x, proj.weight, proj.bias, None, False, None)
-                    y = self._group_forward(proj, x, kept, True)
+                    y = self._group_forward(proj, x, kept)
                     if y is not None:
                         return y
                 y = None if kept is None else self._take_kept(kept, proj)
                 return _RecomputedLinear.apply(x, proj.weight, proj.bias, None if y is None else [y], False, casts)
             # (with gradients outside the recompute, as token-chunked MLPs' checkpoints: autograd's linear)
-            y = None
             if not grad:
                 self._learn(proj, layer, x, last)
-                if casts is None and not last:
-                    pending = self._pending.pop(proj, None)
-                    y = pending[1] if pending is not None and pending[0] is x else \
-                        self._group_forward(proj, x, None, False)
-            if y is None:  # (the meta device's forward, model/adapter.py ``dry_run``: shapes only, no FP8 casts)
-                y = F.linear(x, proj.weight, proj.bias) if grad or casts is None or x.is_meta else \
-                    fp8_linear(x, proj.weight, proj.bias, casts)
+            y = F.linear(x, proj.weight, proj.bias) if grad or casts is None else \
+                fp8_linear(x, proj.weight, proj.bias, casts)
             if kept is not None and not last:
                 k = y.clone() if proj in self._copied else y
                 kept.setdefault(proj, deque()).append((k, k._version))
