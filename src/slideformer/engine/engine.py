@@ -86,8 +86,6 @@ class _Step:
     rows: torch.Tensor | None = None  # the embedding rows the step's tokens touch (sorted, on the host)
     rows_device: torch.Tensor | None = None  # (and on the device: a tied embedding's by rows, from the head on)
     kept: dict = field(default_factory=dict)  # saved layer -> its products per micro-batch, forward to backward
-    visiting: bool = False  # the first streamed layer's update runs on the GPU this step (``VisitingUpdate``)
-    visiting_slot: object = None  # (its slot, for an update that waits for clipping's coefficient)
 
 
 class Evaluation(NamedTuple):
@@ -222,11 +220,6 @@ class SlideEngine:
             raise ConfigError("resident_layers and the NVMe tier (nvme_fraction) overlap: a layer on the GPU keeps "
                               "its moments there; lower one of them")
         self.resident = frozenset(resident)
-        # The first streamed layer, updated on the GPU where the placement says so (engine/resident.py
-        # ``VisitingUpdate``): fp32 state in RAM, one process
-        first = layers[k] if k < n else None
-        self._gpu_first = first if p.gpu_first_update and first is not None and first not in nvme \
-            and self.cfg.optimizer_state == "fp32" and self.ranks is None else None
         units = self.adapter.units
         self._owner = parallel.assign_units([u.numel for u in units], self.ranks.world) if self.ranks else \
             [0] * len(units)
@@ -238,18 +231,11 @@ class SlideEngine:
                                nvme_dir=self.cfg.offload_dir, nvme_units=nvme, nvme_buffers=p.nvme_buffers,
                                state=self.cfg.optimizer_state, nvme_master=p.nvme_master,
                                spare_states=speculative_spares(self.cfg, n), resident_units=self.resident,
-                               foreign_units=foreign,
-                               gpu_updated_units=set() if self._gpu_first is None else {self._gpu_first})
+                               foreign_units=foreign)
         # Untied: the head's weights take the embedding's slot after its forward (window/schedule.py).
         self.plan = plan_step(n, p.window_slots, p.lookahead, self.resident,
                               share_edge=not self.adapter.tied)
-        self.runtime = Runtime(self.adapter, self.store, self.cfg, self.plan, self._owner if self.ranks else None,
-                               gpu_updated=self._gpu_first)
-        self._visits_now = self._gpu_first is not None  # (per step under a budget: the placement's, ``_place``)
-        if self._gpu_first is not None:  # its state crosses while the visit before its backward computes
-            bwd = next(t for t, v in enumerate(self.plan) if v.unit == self._gpu_first and v.phase == "bwd")
-            head = next(t for t, v in enumerate(self.plan) if v.phase == "head")
-            self._fetch_after = max(bwd - 2, head)
+        self.runtime = Runtime(self.adapter, self.store, self.cfg, self.plan, self._owner if self.ranks else None)
         offload = set(range(max(0, n - p.gpu_activation_layers))) if p.offload_activations else set()
         self.activations = ActivationStore(self.runtime, n, offload,
                                            nvme_dir=self.cfg.offload_dir if p.activations_to_nvme else None)
@@ -304,7 +290,7 @@ class SlideEngine:
             batch = self._place(batch)
         mbs, denom, rows = self._prepare(batch)  # (a refused batch leaves the engine as it was)
         self.last_step_targets = denom  # (the loss is the mean over these, every rank's)
-        st = _Step(mbs=mbs, denom=denom, index=self.store.step + 1, rows=rows, visiting=self._visits_now)
+        st = _Step(mbs=mbs, denom=denom, index=self.store.step + 1, rows=rows)
         rt = self.runtime
         try:
             if self.router_loss is not None:
@@ -329,11 +315,7 @@ class SlideEngine:
                     self._gradient_done(st, v.unit, slot)
                 for nxt in self._loads_after.get(t, ()):
                     rt.load(nxt.unit, rt.slots[nxt.group][nxt.slot], rows.get(nxt.unit))
-                if st.visiting and t == self._fetch_after:
-                    rt.visiting.fetch()
             loss = self._end_step(st)
-            if rt.visiting is not None:
-                rt.visiting.send_back()
         except BaseException as e:
             st.kept.clear()  # (saved layers' products: GPU memory a held traceback would otherwise keep)
             self._failed = f"step {st.index} raised {type(e).__name__}"
@@ -364,10 +346,7 @@ class SlideEngine:
             for unit, sent in sorted(st.finished, key=lambda f: f[0]):
                 if sent is not None and sent.rows is not None and finite:  # the embedding's untouched rows first
                     rt.updates.submit(UpdateJob(unit, None, st.index, self.lr, coef, rest=self._untouched(st)))
-                if st.visiting and unit == self._gpu_first:
-                    if finite:
-                        rt.visiting.update(st.visiting_slot, st.index, self.lr, coef)
-                elif unit not in self.resident:
+                if unit not in self.resident:
                     rt.updates.submit(UpdateJob(unit, sent, st.index, self.lr, coef))
                 elif finite:
                     rt.resident.update(unit, st.index, self.lr, coef)
@@ -630,15 +609,6 @@ class SlideEngine:
             return
         if not owned:  # another rank's unit: its owner sends the gradient and updates it
             return
-        if unit == self._gpu_first:
-            if st.visiting:  # its state is on the GPU by now (``fetch``)
-                if self.cfg.max_grad_norm is None:
-                    self.runtime.visiting.update(slot, st.index, self.lr, 1.0)
-                else:
-                    st.finished.append((unit, None))
-                    st.visiting_slot = slot
-                return
-            self.runtime.visiting.synchronize()  # (a CPU update reads the host state a visit wrote back)
         sent = self.runtime.send_grads(unit, slot, rows)
         if self.cfg.max_grad_norm is None:
             self.runtime.updates.submit(UpdateJob(unit, sent, st.index, self.lr, 1.0))
@@ -662,7 +632,6 @@ class SlideEngine:
             self._placements[key] = fit(self.shape, *key, self._limit, Layout.of(self.cfg))
         p = self._placements[key]
         n = self.adapter.num_layers
-        self._visits_now = self._gpu_first is not None and p.gpu_first_update
         self.activations.offload_layers = set(range(max(0, n - p.gpu_activation_layers)))
         self.mlp_chunking.tokens = p.mlp_chunk_tokens
         self._saved = self._last_layers(saved_layers(self.shape, p))
@@ -812,8 +781,6 @@ class SlideEngine:
         self._usable("load a checkpoint")
         self.synchronize()
         state = ckpt_state.load_checkpoint(path, self.adapter, self.store, self.ranks)
-        if self.runtime.visiting is not None:
-            self.runtime.visiting.forget()
         self.lr = float(state.get("lr", self.lr))
         return state
 
