@@ -206,7 +206,7 @@ def profile_ops(step, finish, top: int) -> dict:
     total = sum(t for _, t, _ in rows) or 1.0
     rows.sort(key=lambda r: -r[1])
     mms = [(e.key, e.input_shapes, e.device_time_total / 1e6, e.count)
-           for e in prof.key_averages(group_by_input_shape=True) if e.key in ("aten::mm", "aten::addmm", "aten::bmm")]
+           for e in prof.key_averages(group_by_input_shape=True) if e.key in ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm")]
     mms.sort(key=lambda r: -r[2])
     return {"kernels": [{"op": k, "gpu_s": t, "calls": n, "share": t / total} for k, t, n in rows[:top]],
             "matmuls": [{"op": k, "shapes": sh, "gpu_s": t, "calls": n} for k, sh, t, n in mms[:top]],
