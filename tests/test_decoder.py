@@ -20,15 +20,20 @@ def test_llama_style_layers_are_the_families_with_llamas_forward():
 class _Recompute:
     recomputing = False
 
+    @staticmethod
+    def sum_in_down(layer, residual, mlp):
+        return residual + mlp()
+
 
 @pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.interpret)])
 def test_the_forward_is_transformers(fused, monkeypatch):
     """Output and gradients as transformers' own forward of the layer (fp32; fused: the residual sum and
     the norm in the Triton kernel: on the GPU where there is one, else under the CPU interpreter)."""
-    from slideformer.kernels.rms_norm import AddRMSNormFunction
+    from slideformer.kernels.rms_norm import AddRMSNormFunction, RMSNormPassFunction
 
-    kernels, real = [], AddRMSNormFunction.apply
+    kernels, real, real_pass = [], AddRMSNormFunction.apply, RMSNormPassFunction.apply
     monkeypatch.setattr(AddRMSNormFunction, "apply", lambda *a: kernels.append(1) or real(*a))
+    monkeypatch.setattr(RMSNormPassFunction, "apply", lambda *a: kernels.append(2) or real_pass(*a))
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model = build("qwen3-tied").to(dev)
     ref_layer = model.model.layers[1]
@@ -47,7 +52,7 @@ def test_the_forward_is_transformers(fused, monkeypatch):
 
     for a, b in zip(run(layer), run(ref_layer)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert len(kernels) == fused
+    assert kernels == ([2, 1] if fused else [])  # (the input's norm passing the stream on, then the sum's)
 
 
 def test_the_recompute_leaves_each_layers_output_sum_uncomputed(monkeypatch):

@@ -335,6 +335,40 @@ def test_the_norm_of_a_residual_sum_is_the_sum_then_transformers_norm(dtype, sha
     assert_no_farther_from_exact(("y", "s", "dx", "dr", "dw"), ours, theirs, exact, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(37, 40), (5, 7, 48), (0, 24)])
+@pytest.mark.parametrize("used", ["both", "norm", "stream"])
+def test_the_norm_of_a_stream_passed_on_is_transformers_norm(dtype, shape, used):
+    """RMSNormPassFunction against transformers' Llama RMSNorm of x with x used again (a residual stream)
+    under autograd, both against the same in fp64: the stream passed on is x itself, and the norm, x's
+    gradient (the stream's added in the norm's backward pass) and the weight's are no farther from fp64 than
+    transformers'. ``used``: which outputs have a gradient."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from slideformer.kernels.rms_norm import RMSNormPassFunction
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype).to(DEV)
+    w = (1 + torch.randn(shape[-1], generator=g) / 4).to(dtype).to(DEV)
+    dy, ds = (torch.randn(*shape, generator=g).to(dtype).to(DEV) for _ in range(2))
+
+    def run(fn, *inputs):
+        inputs = [t.detach().clone().requires_grad_() for t in inputs]
+        y, s = fn(*inputs)
+        outs, grads = {"both": ([y, s], [dy, ds]), "norm": ([y], [dy]), "stream": ([s], [ds])}[used]
+        got = torch.autograd.grad(outs, inputs, [t.to(y.dtype) for t in grads], allow_unused=True)
+        return (y, s, *(torch.zeros_like(i) if d is None else d for i, d in zip(inputs, got)))
+
+    ours = run(lambda x, w: RMSNormPassFunction.apply(x, w, 1e-6), x, w)
+    theirs = run(lambda x, w: (norm_of(LlamaRMSNorm, w)(x), x), x, w)
+    exact = run(lambda x, w: (norm_of(LlamaRMSNorm, w)(x), x), x.double(), w.double())
+    assert torch.equal(ours[1], x)
+    if not x.numel():
+        assert all(t.shape == e.shape for t, e in zip(ours, exact))
+        return
+    assert_no_farther_from_exact(("y", "s", "dx", "dw"), ours, theirs, exact, dtype)
+
+
 def e4m3_half_step(v: torch.Tensor) -> torch.Tensor:
     """Half the spacing of e4m3 values around ``v``: 3 mantissa bits from 2^-6 up, 2^-9 below."""
     a = v.abs().clamp(min=2.0 ** -6)

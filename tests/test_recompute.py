@@ -75,6 +75,32 @@ def test_the_engine_skips_the_projection_in_backward_only(monkeypatch):
     assert (n_full - n, skipped_full, loss_full) == (3, 0, loss)
 
 
+def test_the_forward_adds_each_layers_output_sum_in_the_down_projection(monkeypatch):
+    """A forward without gradients adds each layer's output sum within its down projection's GEMM (3 layers,
+    2 micro-batches a step), not in a separate add; OLMoE's experts end otherwise, so it sums apart. The
+    training is the separate sum's, within fp32's rounding (one rounding of the product and sum, not two)."""
+    sums, real_addmm = [], torch.addmm
+    monkeypatch.setattr(torch, "addmm", lambda *a, **k: sums.append(a[0].shape) or real_addmm(*a, **k))
+    steps = [[batch(97, seed=s), batch(97, seed=10 + s)] for s in range(2)]
+
+    def train(family):
+        sums.clear()
+        with SlideEngine(build(family), EngineConfig(device="cpu", compute_dtype=torch.float32)) as eng:
+            return [eng.train_step(b) for b in steps], eng.state_dict()
+
+    losses, got = train("llama")
+    hidden = build("llama").config.hidden_size
+    assert len(sums) == 2 * 3 * 2 and all(s[-1] == hidden for s in sums)
+    train("olmoe")
+    assert not sums
+    monkeypatch.setattr(LayerRecompute, "sum_in_down", lambda self, layer, residual, mlp: residual + mlp())
+    ref_losses, ref = train("llama")
+    assert not sums
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-7)
+
+
 def test_a_normalised_mlp_output_is_kept_like_the_others():
     """Where a norm reads the down projection's output (OLMo 2, Gemma), its product is neither skipped in
     the recompute nor left out of the kept products (tests/test_engine_parity.py trains OLMo 2)."""

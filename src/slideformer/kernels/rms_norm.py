@@ -9,7 +9,8 @@ weight gradient's per-program fp32 rows afterwards. Forward is one block of rows
 
 ``add_rms_norm``: the norm of a residual sum, the sum computed (and stored) in the norm's forward pass, its
 own gradient added in the norm's backward pass: one read and one write of the rows fewer each way than a
-separate add.
+separate add. ``rms_norm_pass``: the norm of a residual stream that also flows on, the stream's gradient
+added in the norm's backward pass likewise.
 
 The inverse RMS is saved for backward (4 bytes a row); the input is kept by the caller's autograd graph.
 Every load is upcast to fp32 (Triton's CPU interpreter computes bf16 arithmetic on raw bits), so the
@@ -163,6 +164,27 @@ class AddRMSNormFunction(torch.autograd.Function):
         return dx, dx, dw, None
 
 
+class RMSNormPassFunction(torch.autograd.Function):
+    """``(norm(x), x)``: the norm of a residual stream, and the stream passed on (a view of ``x``); backward
+    adds the stream's gradient into the norm's input gradient in the same pass, where autograd would add
+    them in another kernel."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.set_materialize_grads(False)
+        y, x2, rstd = _forward(x, None, weight, eps)
+        ctx.save_for_backward(x2, weight, rstd)
+        return y.view(x.shape), x
+
+    @staticmethod
+    def backward(ctx, dy, dx_passed):
+        x2, weight, rstd = ctx.saved_tensors
+        if dy is None:  # (only the stream was used)
+            return dx_passed, None, None
+        dx, dw = _backward(dy, x2, weight, rstd, dx_passed)
+        return dx.view(dy.shape), dw, None
+
+
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
 
@@ -173,6 +195,13 @@ def add_rms_norm(x: torch.Tensor, r: torch.Tensor, weight: torch.Tensor, eps: fl
         return AddRMSNormFunction.apply(x, r, weight, eps)
     s = x + r
     return rms_norm(s, weight, eps), s
+
+
+def rms_norm_pass(x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """``(norm(x), x)``, the stream's gradient added in the norm's backward kernel where Triton runs."""
+    if triton_usable(x):
+        return RMSNormPassFunction.apply(x, weight, eps)
+    return rms_norm(x, weight, eps), x
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -5,6 +5,10 @@ MLP, each added to the residual stream. The same arithmetic, with two sums fewer
 - **The residual sum before the MLP's norm** runs in the norm's kernel where the fused ops are on
   (kernels/rms_norm.py ``add_rms_norm``); backward adds the sum's own gradient into the norm's input
   gradient in the same pass, where autograd would add them in another kernel.
+- **The layer's output sum in a forward without gradients** is added by the down projection's GEMM
+  (model/recompute.py ``sum_in_down``), where the MLP ends in one.
+- **The layer input's two gradients** (through the attention's norm and along the residual stream) are
+  summed in that norm's backward kernel likewise (``rms_norm_pass``), where the fused ops are on.
 - **The layer's output sum in backward's recompute** is not computed: backward needs its graph, never its
   value (the engine differentiates the recomputed output against the gradient it already holds), and
   its MLP term is the down projection's output, which the recompute does not compute either
@@ -18,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..kernels.rms_norm import add_rms_norm
+from ..kernels.rms_norm import add_rms_norm, rms_norm_pass
 from .fused_ops import same_code
 
 
@@ -57,8 +61,12 @@ def install(layers: list[nn.Module], recompute, fused: bool) -> int:
 def _forward_of(layer: nn.Module, recompute, fused: bool):
     def forward(hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
                 position_embeddings=None, **kwargs):
-        residual = hidden_states
-        h = layer.input_layernorm(hidden_states)
+        if fused and torch.is_grad_enabled():
+            norm = layer.input_layernorm
+            h, residual = rms_norm_pass(hidden_states, norm.weight, norm.variance_epsilon)
+        else:
+            residual = hidden_states
+            h = layer.input_layernorm(hidden_states)
         h, _ = layer.self_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids,
                                past_key_values=past_key_values, use_cache=use_cache,
                                position_embeddings=position_embeddings, **kwargs)
@@ -68,6 +76,9 @@ def _forward_of(layer: nn.Module, recompute, fused: bool):
         else:
             residual = residual + h
             h = norm(residual)
-        h = layer.mlp(h)
-        return _UnreadSum.apply(residual, h) if recompute.recomputing else residual + h
+        if recompute.recomputing:
+            return _UnreadSum.apply(residual, layer.mlp(h))
+        if not torch.is_grad_enabled():
+            return recompute.sum_in_down(layer, residual, lambda: layer.mlp(h))
+        return residual + layer.mlp(h)
     return forward

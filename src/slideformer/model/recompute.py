@@ -164,6 +164,7 @@ class LayerRecompute:
         self._groups: dict[nn.Linear, tuple[nn.Linear, ...]] = {}
         self._run: tuple[list, weakref.ref | None, nn.Module | None] = ([], None, None)
         self._pending: dict[nn.Linear, tuple[torch.Tensor, torch.Tensor]] = {}  # a group's later outputs, by input
+        self._residual: torch.Tensor | None = None  # (sum_in_down's, for the down projection's GEMM)
         for layer in layers:
             down = output_free_down(layer)
             for m in layer.modules():
@@ -226,6 +227,10 @@ class LayerRecompute:
             # (with gradients outside the recompute, as token-chunked MLPs' checkpoints: autograd's linear)
             if not grad:
                 self._learn(proj, layer, x, last)
+                if last and self._residual is not None and proj.bias is None and casts is None:
+                    r, self._residual = self._residual, None
+                    return torch.addmm(r.reshape(-1, r.shape[-1]), x.reshape(-1, x.shape[-1]),
+                                       proj.weight.t()).view(r.shape)
             y = F.linear(x, proj.weight, proj.bias) if grad or casts is None else \
                 fp8_linear(x, proj.weight, proj.bias, casts)
             if kept is not None and not last:
@@ -233,6 +238,20 @@ class LayerRecompute:
                 kept.setdefault(proj, deque()).append((k, k._version))
             return y
         return forward
+
+    def sum_in_down(self, layer: nn.Module, residual: torch.Tensor, mlp) -> torch.Tensor:
+        """``residual + mlp()`` in a forward without gradients, the sum added by the layer's output-free down
+        projection within its GEMM (beta 1: the product rounded once with the sum, and one pass over the
+        rows fewer than a separate add); a plain sum where the MLP ends otherwise (a MoE block's experts,
+        a post-feedforward norm) or multiplies in FP8."""
+        if self.casts is not None or output_free_down(layer) is None:
+            return residual + mlp()
+        self._residual = residual
+        try:
+            y = mlp()
+        finally:
+            r, self._residual = self._residual, None
+        return y if r is None else r + y
 
     def new_visit(self) -> None:
         """A unit's visit begins: FP8 casts of the weights a slot held before are gone (a slot's new weights
