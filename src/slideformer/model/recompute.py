@@ -227,8 +227,10 @@ class LayerRecompute:
             # (with gradients outside the recompute, as token-chunked MLPs' checkpoints: autograd's linear)
             if not grad:
                 self._learn(proj, layer, x, last)
-                if last and self._residual is not None and proj.bias is None and casts is None:
-                    r, self._residual = self._residual, None
+                r = self._residual
+                # (not a token chunk of the MLP's input, model/chunked_mlp.py: the whole sum's rows only)
+                if last and r is not None and proj.bias is None and casts is None and x.shape[:-1] == r.shape[:-1]:
+                    self._residual = None
                     return torch.addmm(r.reshape(-1, r.shape[-1]), x.reshape(-1, x.shape[-1]),
                                        proj.weight.t()).view(r.shape)
             y = F.linear(x, proj.weight, proj.bias) if grad or casts is None else \
