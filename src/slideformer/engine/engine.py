@@ -463,7 +463,7 @@ class SlideEngine:
         sliced = self._head_slice is not None and self.cfg.tuning.loss_kernel == "fused"
         in_gemm = head_sums_in_gemm(self.cfg.tuning.loss_kernel, self._loss_chunk,
                                     max(h.numel() // h.shape[-1] for h in st.hidden), gw.element_size())
-        if gw.dtype != torch.float32:  # sum chunk gradients in fp32, cast once at the end (but see in_gemm)
+        if gw.dtype != torch.float32:  # sum chunk gradients in fp32, cast once at the end
             acc_n = torch.empty_like(gnorm, dtype=torch.float32)
             # (sliced: an fp32 sum of one vocabulary slice at a time, inside sliced_head_loss; a chunk a
             # micro-batch: each micro-batch's product added by its GEMM, plan/memory.py head_sums_in_gemm)

@@ -36,8 +36,7 @@ def linear_cross_entropy_grads(hidden: torch.Tensor, weight: torch.Tensor, label
                                ignore_index: int = -100, softcap: float | None = None, chunk_tokens: int = 8192,
                                grad_weight: torch.Tensor | None = None, targets: torch.Tensor | None = None,
                                lse_out: torch.Tensor | None = None):
-    """(loss sum x scale as an fp32 scalar, grad_hidden [T, H], grad_weight [V, H]: fp32 where this call
-    made it).
+    """(loss sum x scale as an fp32 scalar, grad_hidden [T, H], grad_weight [V, H] fp32).
 
     ``grad_weight``, when given, is accumulated into: the engine sums micro-batches there. In fp32 each chunk's
     product is added with an fp32 output; in the compute dtype the GEMM adds into it (beta 1: one rounding a

@@ -7,8 +7,7 @@ The GPU peak is modelled as
 
 where the loss head holds an fp32 accumulator for the [vocab, hidden] gradient and one chunk of logits
 (the fused kernel: 4 bytes per logit, the chunk becoming its own gradient and the lm_head gradient's
-addmm copying it, plus the final norm's buffers; where a chunk is a whole micro-batch, no accumulator and
-2 bytes per logit, ``head_sums_in_gemm``;
+addmm copying it, plus the final norm's buffers;
 the autograd head: 16 bytes per logit and a bf16 chunk gradient of [vocab, hidden]), and a layer's
 backward holds about 10 x ffn + 6 x hidden bf16 values per token of the micro-batch (HF's MLP keeps
 gate, up, act and product and their gradients; the norms upcast to fp32) plus one weight's gradient.
@@ -648,8 +647,8 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
     half the GPU's (with every other layer streamed and saving what fits), another resident layer saves no
     time and pushes inputs to pinned host memory and PCIe, or costs a layer's recompute. The half leaves
     room for the time model's error (its GPU rate underestimates 8B's); the layers of that margin are not
-    taken where they cost smaller micro-batches, layer inputs kept on the GPU, or GPU work that makes the
-    step longer, and the update hides under the GPU work without them.
+    taken where they cost smaller micro-batches, or GPU work that makes the step longer, and the update
+    hides under the GPU work without them.
     With ``clipping`` the update follows backward and only the next forward (a quarter of the GPU work)
     can hide it: a quarter, with no margin (that model already counts no overlap with backward).
     ``score(k)``: a step's predicted seconds with k resident layers, where the rule above does not see all
@@ -685,9 +684,8 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
     # The margin's layers give back the micro-batch they shrink, the layer inputs they push to the host, or
     # the GPU work they add where the step is then shorter without them (the sliced head's second product,
     # saved layers' matmuls), where the update still hides under the GPU work without them: micro-batches
-    # cost more the fewer tokens they hold, which the time model does not count, and inputs cost copies
-    # beside the weights' that it counts only where PCIe bounds the step (FP8's shorter GPU work asks more
-    # layers of the margin).
+    # cost more the fewer tokens they hold, and inputs cost copies beside the weights', which the time model
+    # does not count (FP8's shorter GPU work asks more layers of the margin).
     cover = t["gpu_compute_s"] * (0.25 if clipping else 1.0)
     more_work = lambda k: t_k[k]["gpu_compute_s"] > t_k[0]["gpu_compute_s"] and \
         t_k[k - 1]["step_s"] < t_k[k]["step_s"]  # noqa: E731

@@ -105,11 +105,10 @@ def _inputs_within_host(plan: Plan, cfg, auto: "Auto", batch: int, seq: int, mac
                         micro_batch: int | None, prefix: str) -> Plan:
     """Where the offloaded layer inputs put the host over its budget, the plan made again with a floor on
     the inputs kept on the GPU (``min_gpu_inputs``), if it fits both budgets: a step the host holds rather
-    than a refusal. The placements that meet the floor (at the most efficient micro-batches fit() finds)
-    cost GPU work (the sliced head), so residency, which weighs them, may take the embedding and head onto
-    the GPU instead (their host state then goes), and does where no such placement meets it; the floor
-    stays in the config only where the placement meets it (where it does not, fit() places as it would
-    without one, so the engine's placement is the same)."""
+    than a refusal. The placements that meet the floor cost GPU work (the sliced head, smaller
+    micro-batches), so residency, which weighs them, may take the embedding and head onto the GPU instead
+    (their host state then goes); the floor stays in the config only where the placement meets it (where
+    it does not, fit() places as it would without one, so the engine's placement is the same)."""
     if plan.binds != "host" or plan.config.gpu_memory_limit is None or cfg.placement.min_gpu_inputs:
         return plan
     over = sum(plan.host.values()) - host_budget(plan.config, machine.rank_ram)[1]
