@@ -46,8 +46,7 @@ from ..model.fused_ops import apply_liger
 from ..model.fused_ops import resolve as resolve_fused_ops
 from ..machine import host_memory
 from ..plan.memory import (LOSS_CHUNK_TOKENS, ModelShape, Layout, check_host_fits, config_host_bytes, embedding_by_rows,
-                           fit, fmt_bytes, head_sums_in_gemm, nvme_layer_count, parse_bytes, saved_layers,
-                           speculative_spares)
+                           fit, fmt_bytes, nvme_layer_count, parse_bytes, saved_layers, speculative_spares)
 from ..window.schedule import plan_step
 from .activations import ActivationStore
 from .embedding import step_rows
@@ -461,13 +460,10 @@ class SlideEngine:
         gnorm = grads[0]
         acc_n, acc_w = gnorm, gw
         sliced = self._head_slice is not None and self.cfg.tuning.loss_kernel == "fused"
-        in_gemm = head_sums_in_gemm(self.cfg.tuning.loss_kernel, self._loss_chunk,
-                                    max(h.numel() // h.shape[-1] for h in st.hidden), gw.element_size())
         if gw.dtype != torch.float32:  # sum chunk gradients in fp32, cast once at the end
             acc_n = torch.empty_like(gnorm, dtype=torch.float32)
-            # (sliced: an fp32 sum of one vocabulary slice at a time, inside sliced_head_loss; a chunk a
-            # micro-batch: each micro-batch's product added by its GEMM, plan/memory.py head_sums_in_gemm)
-            acc_w = gw if sliced or in_gemm else torch.empty_like(gw, dtype=torch.float32)
+            # (sliced: an fp32 sum of one vocabulary slice at a time, inside sliced_head_loss)
+            acc_w = gw if sliced else torch.empty_like(gw, dtype=torch.float32)
         if sliced:
             loss, ghs = sliced_head_loss([h.flatten(0, 1) for h in st.hidden], [mb.labels for mb in st.mbs],
                                          [mb.targets for mb in st.mbs], ad.head_norm, w, st.denom, self._loss_chunk,

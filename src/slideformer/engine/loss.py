@@ -87,9 +87,8 @@ def fused_head_loss(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Module 
                     denom: int, chunk: int, grad_norm_weight: torch.Tensor | None, grad_weight: torch.Tensor,
                     accumulate: bool, targets: torch.Tensor | None = None,
                     softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``chunked_head_loss`` (a logit scale folded into ``norm``); ``grad_weight`` is fp32, or
-    the compute dtype where ``chunk`` covers the micro-batch (kernels/fused_linear_ce.py: then summed by the
-    GEMM, one rounding a micro-batch)."""
+    """Same contract as ``chunked_head_loss`` (a logit scale folded into ``norm``); ``grad_weight`` must be
+    fp32 (it is summed into)."""
     from ..kernels.fused_linear_ce import linear_cross_entropy_grads
 
     if not accumulate:

@@ -2,8 +2,7 @@
 
 Tokens are processed in chunks; per chunk the logits are computed, turned into their own gradient in
 place by ``cross_entropy_grad_`` and immediately used for the hidden-state gradient (chunk @ weight)
-and the weight gradient (chunk.T @ hidden, summed over chunks in fp32, or, where the caller's accumulator is
-in the compute dtype, added into it by the GEMM). The gradients are computed in
+and the weight gradient (chunk.T @ hidden, summed over chunks in fp32). The gradients are computed in
 the forward and only scaled by the incoming gradient in backward, so autograd holds no logits. Chunks
 whose labels are all ignored cost nothing.
 
@@ -38,10 +37,7 @@ def linear_cross_entropy_grads(hidden: torch.Tensor, weight: torch.Tensor, label
                                lse_out: torch.Tensor | None = None):
     """(loss sum x scale as an fp32 scalar, grad_hidden [T, H], grad_weight [V, H] fp32).
 
-    ``grad_weight``, when given, is accumulated into: the engine sums micro-batches there. In fp32 each chunk's
-    product is added with an fp32 output; in the compute dtype the GEMM adds into it (beta 1: one rounding a
-    chunk, as a plain bf16 model's ``.grad`` takes one a micro-batch; the engine passes one only where a chunk
-    is a whole micro-batch).
+    ``grad_weight``, when given (fp32), is accumulated into: the engine sums micro-batches there.
     ``lse_out`` [T] fp32, when given, receives each token's log-sum-exp and the weight gradient is left
     to ``weight_grad_by_slices`` (the third item is then None). ``targets``: see ``chunks_with_targets``.
     """
@@ -61,8 +57,7 @@ def linear_cross_entropy_grads(hidden: torch.Tensor, weight: torch.Tensor, label
         loss += cross_entropy_grad_(logits, lab.contiguous(), scale, ignore_index, softcap, lse_out=lse).sum()
         torch.matmul(logits, weight, out=grad_hidden[s: s + chunk_tokens])
         if lse_out is None:
-            addmm_fp32_(grad_weight, logits.T, h) if grad_weight.dtype == torch.float32 else \
-                grad_weight.addmm_(logits.T, h)
+            addmm_fp32_(grad_weight, logits.T, h)
     return loss, grad_hidden, (grad_weight if lse_out is None else None)
 
 

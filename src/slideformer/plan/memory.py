@@ -274,22 +274,11 @@ def saved_layers(shape: ModelShape, p: Layout) -> int:
     return 0 if p.mlp_chunk_tokens else min(p.saved_layers, shape.layers)
 
 
-def head_sums_in_gemm(loss_kernel: str, chunk: int, tokens: int, dtype_bytes: int) -> bool:
-    """Whether the fused head adds the lm_head gradient into its compute-dtype gradient within the GEMM, with
-    no fp32 accumulator: where one chunk is a whole micro-batch of ``tokens``. Then each micro-batch's
-    gradient is rounded once into the sum, as a plain model's bf16 ``.grad`` sums micro-batches; in smaller
-    chunks the chunks are summed in fp32 first (a micro-batch's product is one GEMM in plain training).
-    The engine's head (engine.py ``_head``) and ``loss_head_bytes`` both ask here."""
-    return loss_kernel == "fused" and dtype_bytes < 4 and chunk >= tokens
-
-
 def loss_head_bytes(shape: ModelShape, T: int, t: int, p: Layout, dtype_bytes: int = 2) -> int:
     """The loss head's GPU bytes beyond the window, for a step of ``T`` tokens in micro-batches of ``t``."""
     V, H = shape.vocab, shape.hidden
     chunk = min(p.loss_chunk_tokens or LOSS_CHUNK_TOKENS[-1], t)
     norm = HEAD_TOKEN_HIDDEN[p.loss_kernel] * t * H * dtype_bytes
-    if p.head_slice is None and head_sums_in_gemm(p.loss_kernel, chunk, t, dtype_bytes):
-        return chunk * V * dtype_bytes + norm  # (the chunk's logits, its gradient in place; no accumulator)
     if p.head_slice is None or p.loss_kernel != "fused":
         return V * H * HEAD_GRAD_BYTES[p.loss_kernel] + chunk * V * LOGIT_BYTES[p.loss_kernel] + norm
     # a chunk of whole-vocabulary logits (the second pass's, of a slice, are fewer), a slice's fp32 sum,
@@ -656,7 +645,7 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
     to RAM may push state onto it): then the k of the shortest step, the fewest among equals."""
     rates = rates or MachineRates()
     want = min(batch * seq, EFFICIENT_TOKENS)
-    best, placed, micro, inputs, t_k = 0, None, {}, {}, {}  # (each k's micro-batch, kept inputs, predicted times)
+    best, placed, micro, t_k = 0, None, {}, {}  # (each k's micro-batch and predicted times, as fit places it)
     for k in range(shape.layers + 1):
         try:
             p = fit(shape, batch, seq, limit, replace(base, resident_layers=k))
@@ -666,7 +655,7 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
             break
         if min(p.micro_batch, batch) * seq < want:
             break
-        best, placed, micro[k], inputs[k] = k, p, min(p.micro_batch, batch), p.gpu_activation_layers
+        best, placed, micro[k] = k, p, min(p.micro_batch, batch)
         t_k[k] = step_time(shape, batch, seq, p, rates, clipping=clipping)
     if placed is None or (placed.gpu_activation_layers >= shape.layers
                           and (saved_layers(shape, placed) >= shape.layers or placed.mlp_chunk_tokens)):
@@ -681,16 +670,14 @@ def choose_resident_layers(shape: ModelShape, batch: int, seq: int, limit: int, 
     needed = 0
     while needed < best and per_param * on_cpu(needed) > (0.25 if clipping else 0.5) * t["gpu_compute_s"]:
         needed += 1
-    # The margin's layers give back the micro-batch they shrink, the layer inputs they push to the host, or
-    # the GPU work they add where the step is then shorter without them (the sliced head's second product,
-    # saved layers' matmuls), where the update still hides under the GPU work without them: micro-batches
-    # cost more the fewer tokens they hold, and inputs cost copies beside the weights', which the time model
-    # does not count (FP8's shorter GPU work asks more layers of the margin).
+    # The margin's layers give back the micro-batch they shrink, or the GPU work they add where the step
+    # is then shorter without them (the sliced head's second product, saved layers' matmuls), where the
+    # update still hides under the GPU work without them: micro-batches cost more the fewer tokens they
+    # hold, which the time model does not count (FP8's shorter GPU work asks more layers of the margin).
     cover = t["gpu_compute_s"] * (0.25 if clipping else 1.0)
     more_work = lambda k: t_k[k]["gpu_compute_s"] > t_k[0]["gpu_compute_s"] and \
         t_k[k - 1]["step_s"] < t_k[k]["step_s"]  # noqa: E731
-    while needed and per_param * on_cpu(needed - 1) <= cover and \
-            (micro[needed] < micro[0] or inputs[needed] < inputs[needed - 1] or more_work(needed)):
+    while needed and per_param * on_cpu(needed - 1) <= cover and (micro[needed] < micro[0] or more_work(needed)):
         needed -= 1
     return needed
 
@@ -793,19 +780,15 @@ def _fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout) -> L
     options = []
     for head in heads(base):
         for mb in (d for d in range(1, batch + 1) if batch % d == 0):
-            least = least_head_chunk(shape, batch, seq, replace(base, micro_batch=mb, gpu_activation_layers=0,
-                                                                head_slice=head, saved_layers=0))
+            least = replace(base, micro_batch=mb, gpu_activation_layers=0, head_slice=head, saved_layers=0)
             base_peak = gpu_bytes(shape, batch, seq, least)["peak"]
             if base_peak > limit:
                 continue
             per_layer = batch * seq * shape.hidden * 2
             kept = min(shape.layers, int((limit - base_peak) / SAFETY) // per_layer)
             options.append(with_saved_layers(shape, batch, seq, limit, replace(least, gpu_activation_layers=kept)))
-    # (the host's budget may hold only so many offloaded inputs: the placements that keep the rest, if any
-    # among those of the most efficient micro-batches)
-    efficient = max((min(p.micro_batch * seq, EFFICIENT_TOKENS) for p in options), default=0)
-    options = [p for p in options if p.gpu_activation_layers >= min(base.min_gpu_inputs, shape.layers)
-               and min(p.micro_batch * seq, EFFICIENT_TOKENS) == efficient] or options
+    # (the host's budget may hold only so many offloaded inputs: the placements that keep the rest, if any)
+    options = [p for p in options if p.gpu_activation_layers >= min(base.min_gpu_inputs, shape.layers)] or options
     if options:  # (the sliced head only where it buys efficient micro-batches, or nothing fits without it)
         best = max(options, key=lambda p: (min(p.micro_batch * seq, EFFICIENT_TOKENS), p.head_slice is None,
                                            min(p.micro_batch * seq, base.prefer_tokens or LARGE_TOKENS),
@@ -878,19 +861,9 @@ def least_layout(shape: ModelShape, batch: int, seq: int, base: Layout) -> Layou
     """The least GPU memory ``base`` allows: a sequence per micro-batch, every layer input offloaded, and
     the head of ``heads`` that needs less at this batch (the sliced head keeps every token's normed
     hidden state, which outgrows the accumulator it saves at long steps)."""
-    options = [least_head_chunk(shape, batch, seq, replace(base, micro_batch=1, gpu_activation_layers=0, head_slice=h,
-                                                           saved_layers=0)) for h in heads(base)]
+    options = [replace(base, micro_batch=1, gpu_activation_layers=0, head_slice=h, saved_layers=0)
+               for h in heads(base)]
     return min(options, key=lambda p: gpu_bytes(shape, batch, seq, p)["peak"])
-
-
-def least_head_chunk(shape: ModelShape, batch: int, seq: int, p: Layout) -> Layout:
-    """``p`` with the loss chunk that needs the least GPU memory, where ``p`` leaves it open (None counts as the
-    smallest chunk): the smallest, or a whole micro-batch, whose head needs no fp32 accumulator
-    (``head_sums_in_gemm``), whichever needs less. fit() then takes the largest chunk that fits."""
-    if p.loss_chunk_tokens is not None:
-        return p
-    whole = replace(p, loss_chunk_tokens=LOSS_CHUNK_TOKENS[0])
-    return min((p, whole), key=lambda q: gpu_bytes(shape, batch, seq, q)["peak"])
 
 
 def heads(base: Layout) -> list:

@@ -117,11 +117,6 @@ def _inputs_within_host(plan: Plan, cfg, auto: "Auto", batch: int, seq: int, mac
         return plan
     keep = plan.placement.gpu_activation_layers + math.ceil(over / per_input)
     again = _resolve(cfg.placed(min_gpu_inputs=keep), auto, plan.shape, batch, seq, machine, micro_batch, prefix)
-    if again.problem is not None and auto.resident_edges is None and not plan.placement.edges_resident(plan.shape):
-        # (no placement keeps that many at efficient micro-batches: the embedding and head on the GPU, whose
-        # host state goes, where the planner streamed them because that was hardly slower)
-        again = _resolve(cfg, replace(auto, resident_edges=True), plan.shape, batch, seq, machine, micro_batch,
-                         prefix)
     if again.problem is not None:
         return plan
     if again.placement.gpu_activation_layers < keep:
