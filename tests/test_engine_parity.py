@@ -573,6 +573,8 @@ def test_liger_ops_change_only_the_engines_own_modules():
     per_layer = 4 + 1 + 1  # input, post-attention, q and k norms; the MLP; the attention's RoPE
     assert n == per_layer * ad.num_layers + 1
     assert all(lay.mlp.forward.__func__.__name__ == "_swiglu_forward" for lay in ad.layers)
+    from slideformer.model.recompute import swiglu_mlp  # (its recompute then runs no SwiGLU forward either)
+    assert all(swiglu_mlp(lay) is lay.mlp for lay in ad.layers)
     attn = ad.layers[0].self_attn  # (Qwen 3: its q and k norms run in the rotation's kernel)
     assert attn.forward.__func__.__globals__["apply_rotary_pos_emb"].__qualname__.startswith("_norm_rope_of")
     assert attn.q_norm.forward is attn.k_norm.forward is _unchanged

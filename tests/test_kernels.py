@@ -488,3 +488,36 @@ def test_norm_rope_is_transformers_norm_then_rotation(dtype, shape, angle_batch)
         assert all(t.shape == e.shape for t, e in zip(ours, exact)) and float(ours[2].abs().sum()) == 0
         return
     assert_no_farther_from_exact(("y", "dx", "dw"), ours, theirs, exact, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(37, 40), (5, 7, 48), (3, 5000), (0, 24)])
+@pytest.mark.parametrize("use_triton", [True, False])
+def test_swiglu_backward_writes_the_product_and_transformers_gradients(dtype, shape, use_triton):
+    """kernels/swiglu.py against transformers' SwiGLU (``silu(gate) * up``) under autograd, both against the
+    same in fp64: the product it writes over the gradient is the forward's (within a few fp32 ulps of the
+    sigmoid, one bf16 ulp, two under the interpreter, which truncates; bit for bit where Triton does not run), and gate's and up's gradients are no
+    farther from fp64 than transformers' own. Blocks of the flat tensors that end inside a row, a tail
+    block, and no rows at all."""
+    from slideformer.kernels.swiglu import swiglu_backward_product
+
+    g = torch.Generator().manual_seed(5)
+    gate, up, dy = ((torch.randn(*shape, generator=g) * 3).to(dtype).to(DEV) for _ in range(3))
+
+    def theirs(gate, up, dy):
+        gate, up = gate.detach().clone().requires_grad_(), up.detach().clone().requires_grad_()
+        y = torch.nn.functional.silu(gate) * up
+        return (y, *torch.autograd.grad(y, (gate, up), dy.to(y.dtype)))
+
+    ours = [dy.clone(), gate.clone(), up.clone()]
+    swiglu_backward_product(*ours, use_triton=use_triton)
+    ref = theirs(gate, up, dy)
+    exact = theirs(gate.double(), up.double(), dy.double())
+    # (its sigmoid is Triton's: a few fp32 ulps from torch's, which may move a bf16 rounding by one ulp; the
+    # interpreter truncates each of the two casts to bf16: two)
+    ulps = 1 if DEV == "cuda" or not use_triton else 2
+    torch.testing.assert_close(ours[0], ref[0], rtol=4e-7 if dtype == torch.float32 else ulps * 2 ** -7, atol=0)
+    if not use_triton:  # (autograd's own ops)
+        assert all(torch.equal(a, b) for a, b in zip(ours, ref))
+    if gate.numel():
+        assert_no_farther_from_exact(("y", "dgate", "dup"), ours, ref, exact, dtype)

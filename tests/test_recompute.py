@@ -371,3 +371,43 @@ def test_a_group_called_otherwise_in_the_recompute_falls_back_to_single_linears(
             got = torch.autograd.grad(run(x, other), [x] + params, g)
         for a, r in zip(got, ref):
             torch.testing.assert_close(a, r, rtol=1e-6, atol=1e-6)
+
+
+def test_the_recompute_runs_no_swiglu_forward(monkeypatch):
+    """A SwiGLU MLP's recompute multiplies gate and up and stops there (3 layers x 2 micro-batches a step):
+    no SwiGLU product in the forward, its product made in backward beside gate's and up's gradients
+    (kernels/swiglu.py), and the training is bit for bit the MLP's own (autograd's ops on the CPU). MLPs
+    of other shapes (a GeLU's, a MoE block, a normalised output, a fused gate_up) run their own forward."""
+    from slideformer.model import recompute
+
+    nodes, real = [], recompute.swiglu_backward_product
+    forwards, real_silu = [], torch.nn.functional.silu
+
+    def in_backward(*a):
+        nodes.append(1)
+        forwards.append("backward")
+        real(*a)
+
+    monkeypatch.setattr(recompute, "swiglu_backward_product", in_backward)
+    monkeypatch.setattr(torch.nn.functional, "silu", lambda x, *a, **k: forwards.append(torch.is_grad_enabled())
+                        or real_silu(x, *a, **k))
+    steps = [[batch(97, seed=s), batch(97, seed=10 + s)] for s in range(2)]
+    model = build("llama")
+
+    def train():
+        nodes.clear()
+        forwards.clear()
+        with SlideEngine(model, EngineConfig(device="cpu", compute_dtype=torch.float32)) as eng:
+            return [eng.train_step(b) for b in steps], eng.state_dict()
+
+    losses, got = train()
+    # (per step: the forwards without gradients, then in backward the products alone, each with its own silu)
+    assert len(nodes) == 2 * 3 * 2 and forwards == ([False] * 6 + ["backward", True] * 6) * 2
+    monkeypatch.setattr(LayerRecompute, "unread_mlp", lambda self, layer, x: layer.mlp(x))
+    ref_losses, ref = train()
+    assert not nodes and forwards == ([False] * 6 + [True] * 6) * 2
+    assert losses == ref_losses and all(torch.equal(got[k], ref[k]) for k in ref)
+    for family in ("qwen2", "qwen3-tied", "mistral-sliding"):
+        assert all(recompute.swiglu_mlp(lay) is lay.mlp for lay in build(family).model.layers)
+    for family in ("olmo2", "phi3", "gemma3", "olmoe"):
+        assert all(recompute.swiglu_mlp(lay) is None for lay in build(family).model.layers), family

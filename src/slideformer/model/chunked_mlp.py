@@ -34,4 +34,5 @@ class MlpChunking:
             else:
                 out = [forward(c) for c in chunks]
             return torch.cat(out, dim=1).view(*x.shape[:-1], -1)
+        run.__wrapped__ = forward  # (what it runs whole: model/recompute.py swiglu_mlp reads it)
         return run

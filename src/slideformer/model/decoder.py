@@ -11,8 +11,8 @@ MLP, each added to the residual stream. The same arithmetic, with two sums fewer
   summed in that norm's backward kernel likewise (``rms_norm_pass``), where the fused ops are on.
 - **The layer's output sum in backward's recompute** is not computed: backward needs its graph, never its
   value (the engine differentiates the recomputed output against the gradient it already holds), and
-  its MLP term is the down projection's output, which the recompute does not compute either
-  (model/recompute.py).
+  its MLP term is the down projection's output, which the recompute does not compute either, nor, for a
+  SwiGLU MLP, that projection's input (model/recompute.py ``unread_mlp``).
 
 Why our own forward and not transformers': its sums are Python operators inside the method, which no
 module or function rebinding reaches.
@@ -77,7 +77,7 @@ def _forward_of(layer: nn.Module, recompute, fused: bool):
             residual = residual + h
             h = norm(residual)
         if recompute.recomputing:
-            return _UnreadSum.apply(residual, layer.mlp(h))
+            return _UnreadSum.apply(residual, recompute.unread_mlp(layer, h))
         if not torch.is_grad_enabled():
             return recompute.sum_in_down(layer, residual, lambda: layer.mlp(h))
         return residual + layer.mlp(h)

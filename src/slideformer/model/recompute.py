@@ -19,6 +19,12 @@ Backward recomputes each layer from its saved input to rebuild the autograd grap
   An output that forward changed in place after its linear returned it (Liger's RoPE rotates q and k in
   their projections' memory for Llama-style attention) cannot be returned: backward multiplies again for
   it, and from then on forward keeps a copy of that linear's output.
+- **SwiGLU's product** (every layer whose MLP is ``down(silu(gate(x)) * up(x))``). With the down
+  projection's output not computed, its input, the product, is read only by that projection's weight
+  gradient. So the recompute does not run SwiGLU's forward at all: backward's one pass over gate, up and
+  the product's gradient writes the product beside their gradients (kernels/swiglu.py), and the weight
+  gradient follows it. One pass over gate and up a layer fewer, and one [tokens, ffn] tensor fewer alive
+  at the down projection's backward.
 - **The input gradient's sums** (every layer). Linears that read one input (q, k and v; gate and up) run
   in the recompute as one autograd node: backward adds the others' input gradients into the last one's
   within their GEMMs (beta 1), where autograd would write each to a temporary and sum them in separate
@@ -43,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.swiglu import swiglu_backward_product
 from .fp8 import Fp8Weights, fp8_gradients, fp8_linear
 
 
@@ -130,6 +137,55 @@ class _SharedInputLinears(torch.autograd.Function):
         return (None if gx is None else gx.view_as(x), None, *out)
 
 
+class _UnreadSwiGLUDown(torch.autograd.Function):
+    """``down(silu(gate) * up)`` in backward's recompute, where nobody reads its value (the down projection
+    is output-free): memory of its shape. Backward makes the product's gradient, then in one pass the
+    product and gate's and up's gradients (over the gradient, gate and up: nothing else reads them), then
+    the weight's gradient from the product."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight):
+        ctx.save_for_backward(gate, up, weight)
+        return gate.new_empty(*gate.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, g):
+        gate, up, w = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1])
+        dy = g2.mm(w)
+        gate2, up2 = gate.reshape(dy.shape), up.reshape(dy.shape)
+        swiglu_backward_product(dy, gate2, up2)  # (dy is the product now; gate and up their gradients)
+        gw = _weight_gradient(w, g2, dy, None) if ctx.needs_input_grad[2] else None
+        return gate2.view_as(gate), up2.view_as(up), gw
+
+
+def swiglu_mlp(layer: nn.Module) -> nn.Module | None:
+    """The layer's MLP where it is ``down(silu(gate(x)) * up(x))`` of plain linears without bias (transformers'
+    Llama MLP code, or the fused ops' SwiGLU), with an output-free down projection; else None."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from .fused_ops import _swiglu_forward, same_code
+
+    mlp = getattr(layer, "mlp", None)
+    if output_free_down(layer) is None or \
+            any(type(getattr(mlp, n, None)) is not nn.Linear or getattr(mlp, n).bias is not None
+                for n in ("gate_proj", "up_proj", "down_proj")):
+        return None
+    fn = getattr(mlp, "forward", None)
+    while hasattr(fn, "__wrapped__"):  # (token chunking's wrapper: model/chunked_mlp.py)
+        fn = fn.__wrapped__
+    fn = getattr(fn, "__func__", fn)
+    if fn is _swiglu_forward:
+        return mlp
+    try:
+        from transformers.activations import SiLUActivation
+        silu = (nn.SiLU, SiLUActivation)
+    except ImportError:
+        silu = (nn.SiLU,)
+    return mlp if isinstance(getattr(mlp, "act_fn", None), silu) and \
+        callable(fn) and same_code(fn, LlamaMLP.forward) else None
+
+
 def output_free_down(layer: nn.Module) -> nn.Linear | None:
     """The layer's MLP down projection where its output only joins the residual sum, else None."""
     down = getattr(getattr(layer, "mlp", None), "down_proj", None)
@@ -165,6 +221,7 @@ class LayerRecompute:
         self._run: tuple[list, weakref.ref | None, nn.Module | None] = ([], None, None)
         self._pending: dict[nn.Linear, tuple[torch.Tensor, torch.Tensor]] = {}  # a group's later outputs, by input
         self._residual: torch.Tensor | None = None  # (sum_in_down's, for the down projection's GEMM)
+        self._swiglu: dict[nn.Module, nn.Module | None] = {}  # layer -> its SwiGLU MLP (unread_mlp's), once seen
         for layer in layers:
             down = output_free_down(layer)
             for m in layer.modules():
@@ -240,6 +297,16 @@ class LayerRecompute:
                 kept.setdefault(proj, deque()).append((k, k._version))
             return y
         return forward
+
+    def unread_mlp(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP in the recompute, whose output's value nobody reads: for a SwiGLU MLP (not in FP8)
+        gate and up as the forward ran them, and no SwiGLU forward (``_UnreadSwiGLUDown``); else the MLP."""
+        if layer not in self._swiglu:
+            self._swiglu[layer] = swiglu_mlp(layer)
+        mlp = self._swiglu[layer]
+        if mlp is None or self.casts is not None or not self._active:
+            return layer.mlp(x)
+        return _UnreadSwiGLUDown.apply(mlp.gate_proj(x), mlp.up_proj(x), mlp.down_proj.weight)
 
     def sum_in_down(self, layer: nn.Module, residual: torch.Tensor, mlp) -> torch.Tensor:
         """``residual + mlp()`` in a forward without gradients, the sum added by the layer's output-free down
