@@ -48,11 +48,15 @@ def test_the_recomputed_linear_has_linears_gradients(bias, mode, into_grad, monk
 
 
 def test_the_engine_skips_the_projection_in_backward_only(monkeypatch):
-    """The recompute in backward records each layer's down projection without its product: 3 fewer
-    linear products a step (3 layers, one micro-batch) than with the projection computed, the same loss
-    (the training itself: tests/test_engine_parity.py)."""
+    """The recompute in backward records each layer's down projection without its product (a SwiGLU MLP's
+    in one node with the SwiGLU: ``unread_mlp``): 3 fewer linear products a step (3 layers, one
+    micro-batch) than with the projection computed, the same loss (the training itself:
+    tests/test_engine_parity.py)."""
+    from slideformer.model import recompute
+
     products, graph_only = [], []
     real_linear, real_apply = torch.nn.functional.linear, _RecomputedLinear.apply
+    real_swiglu = recompute._UnreadSwiGLUDown.apply
     monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: products.append(1) or real_linear(*a))
 
     def counted(*a):
@@ -61,6 +65,7 @@ def test_the_engine_skips_the_projection_in_backward_only(monkeypatch):
         return real_apply(*a)
 
     monkeypatch.setattr(_RecomputedLinear, "apply", counted)
+    monkeypatch.setattr(recompute._UnreadSwiGLUDown, "apply", lambda *a: graph_only.append(1) or real_swiglu(*a))
 
     def step():
         products.clear()
