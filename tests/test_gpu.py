@@ -644,3 +644,26 @@ def test_embedding_update_by_rows_on_cuda_is_the_whole_update(family, state, cli
         assert losses == pytest.approx(whole_losses, rel=1e-5)
         for k in whole:
             assert float((by_rows[k] - whole[k]).norm() / whole[k].norm()) < 1e-4, k
+
+
+@pytest.mark.parametrize("fused", ["none", "liger"])
+def test_mid_layers_on_cuda_train_like_the_recompute(fused, monkeypatch):
+    """Layers that offload their residual sum after attention (``mid_layers``) train as the recompute on
+    CUDA: with the fused ops the sum's gradient is added in the post-attention norm's pass
+    (kernels/rms_norm.py rms_norm_pass) where the recompute's add_rms_norm adds it, within fp32's rounding
+    of that sum; one output projection fewer a mid layer and micro-batch."""
+    if fused == "liger":
+        pytest.importorskip("liger_kernel")
+    model = build("llama")
+    steps = [[batch(97, seed=s), batch(97, seed=10 + s)] for s in range(3)]
+    products = []
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: products.append(1) or real_linear(*a))
+    kw = dict(compute_dtype=torch.float32, fused_ops=fused, offload_activations=True, gpu_activation_layers=0)
+    ref, ref_losses = cuda_engine_train(model, steps, **kw)
+    ref_products, products[:] = len(products), []
+    got, losses = cuda_engine_train(model, steps, mid_layers=3, **kw)
+    assert losses == pytest.approx(ref_losses, rel=1e-6)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-7)
+    assert ref_products - len(products) == 3 * 3 * 2  # 3 steps x 3 layers x 2 micro-batches

@@ -846,14 +846,15 @@ def test_a_gpu_bound_step_trades_kept_inputs_for_a_larger_loss_chunk():
     Qwen3-4B b64 under 15.5 / 67 GiB: 4096-token chunks with two inputs fewer ran 0.7% faster than the
     2048 fit() leaves (8192 would be faster still by the model, but its inputs are over the 67 GiB). A
     CPU-bound step (Llama-8B b8 under 24 GiB) keeps fit()'s chunk, and so does a chunk the config fixes.
-    The chunk goes into the config, so the engine's own fit() places the same."""
+    The chunk goes into the config, so the engine's own fit() places the same. (Without mid layers, which
+    take that RAM: test_mid_layers_take_the_ram_of_gradient_buffers_where_the_gpu_bounds_the_step.)"""
     from slideformer.machine import Machine
     from slideformer.plan import Auto, resolve
 
     machine = Machine(ram=int(125.8 * GiB), gpu=int(139.8 * GiB))
     sh = shape("qwen3-4b")
     cfg = EngineConfig(device="cuda", gpu_memory_limit="15.5GiB", host_memory_limit="67GiB")
-    plan = resolve(cfg, Auto(resident_edges=True), sh, 64, 1024, machine)
+    plan = resolve(cfg, Auto(resident_edges=True, mid_layers=False), sh, 64, 1024, machine)
     fitted = fit(sh, 64, 1024, plan.gpu_limit, Layout.of(replace(plan.config, tuning=Tuning())))
     assert (fitted.loss_chunk_tokens, plan.placement.loss_chunk_tokens) == (2048, 4096)
     assert plan.config.tuning.loss_chunk_tokens == 4096 and plan.fits
@@ -864,10 +865,10 @@ def test_a_gpu_bound_step_trades_kept_inputs_for_a_larger_loss_chunk():
     longer = fit(sh, 64, 6656, plan.gpu_limit, Layout.of(plan.config))
     assert longer.loss_chunk_tokens < 4096 and gpu_bytes(sh, 64, 6656, longer)["peak"] <= plan.gpu_limit
     assert plan.gpu["peak"] <= plan.gpu_limit
-    fixed = resolve(replace(cfg, tuning=Tuning(loss_chunk_tokens=2048)), Auto(resident_edges=True), sh, 64, 1024,
+    fixed = resolve(replace(cfg, tuning=Tuning(loss_chunk_tokens=2048)), Auto(resident_edges=True, mid_layers=False), sh, 64, 1024,
                     machine)
     assert fixed.placement.loss_chunk_tokens == 2048
-    cpu_bound = resolve(EngineConfig(device="cuda", gpu_memory_limit="24GiB"), Auto(resident_edges=True),
+    cpu_bound = resolve(EngineConfig(device="cuda", gpu_memory_limit="24GiB"), Auto(resident_edges=True, mid_layers=False),
                         shape("llama3-8b"), 8, 1024, machine)
     assert cpu_bound.config.tuning.loss_chunk_tokens is None
 
@@ -1127,3 +1128,40 @@ def test_the_engine_places_what_the_resolver_planned_where_no_input_is_displaced
             assert fit(plan.shape, b, 1024, plan.gpu_limit, Layout.of(plan.config)) == plan.placement, (model, ranks)
             checked += 1
     assert checked == 8
+
+
+def test_mid_layers_take_the_ram_of_gradient_buffers_where_the_gpu_bounds_the_step():
+    """Qwen3-4B b64 under 15.5 / 67 GiB is GPU-bound (the CPU update is under half the GPU's work):
+    the resolver offloads the residual sums after attention of as many offloaded layers as RAM holds with
+    the gradient ring at its smallest (the buffers then take what is left), within the host budget, for a
+    shorter predicted step; their GPU share (a layer's sums and the next one's) is in the layer's backward,
+    never beside the loss head, so the head's chunk stays. None where the CPU update bounds the step
+    (Llama-8B b8), under clipping (its buffers are held until the norm), or where RAM has no room
+    (Llama-8B b32 under 103 GiB)."""
+    from slideformer.machine import Machine
+    from slideformer.plan import Auto, predicted_step, resolve
+    from slideformer.plan.memory import host_budget
+
+    machine = Machine(ram=int(125.8 * GiB), gpu=int(139.8 * GiB))
+    sh = shape("qwen3-4b")
+    cfg = EngineConfig(device="cuda", gpu_memory_limit="15.5GiB", host_memory_limit="67GiB")
+    plan = resolve(cfg, Auto(resident_edges=True), sh, 64, 1024, machine)
+    without = resolve(cfg, Auto(resident_edges=True, mid_layers=False), sh, 64, 1024, machine)
+    p = plan.placement
+    offloaded = sh.layers - p.gpu_activation_layers
+    assert plan.fits and 0 < p.mid_layers == plan.config.placement.mid_layers <= offloaded
+    assert plan.config.placement.host_grad_buffers < sh.layers and without.config.placement.host_grad_buffers is None
+    assert p.loss_chunk_tokens == without.placement.loss_chunk_tokens == 4096
+    per_input = 64 * 1024 * sh.hidden * 2
+    assert plan.host["activations"] == (offloaded + p.mid_layers) * per_input
+    budget = host_budget(plan.config, machine.ram)[0]
+    # (the room used: less than one more input's and one more buffer's left)
+    assert sum(plan.host.values()) <= budget < sum(plan.host.values()) + per_input + 2 * sh.layer_params
+    assert predicted_step(plan, sh, 64, 1024)["step_s"] < predicted_step(without, sh, 64, 1024)["step_s"]
+    assert gpu_bytes(sh, 64, 1024, p)["peak"] <= plan.gpu_limit
+    assert fit(sh, 64, 1024, plan.gpu_limit, Layout.of(plan.config)) == p  # (the engine places the same)
+    e8 = shape("llama3-8b")
+    for c, s, b in ((replace(cfg, max_grad_norm=1.0), sh, 64),
+                    (EngineConfig(device="cuda", gpu_memory_limit="7.5GiB", host_memory_limit="103GiB"), e8, 8),
+                    (EngineConfig(device="cuda", gpu_memory_limit="11.5GiB", host_memory_limit="103GiB"), e8, 32)):
+        assert resolve(c, Auto(), s, b, 1024, machine).placement.mid_layers == 0

@@ -75,7 +75,7 @@ def test_the_engine_skips_the_projection_in_backward_only(monkeypatch):
 
     loss, n, skipped = step()
     assert skipped == 3
-    monkeypatch.setattr(LayerRecompute, "active", lambda self, on=True, kept=None: contextlib.nullcontext())
+    monkeypatch.setattr(LayerRecompute, "active", lambda self, on=True, kept=None, mid=None: contextlib.nullcontext())
     loss_full, n_full, skipped_full = step()
     assert (n_full - n, skipped_full, loss_full) == (3, 0, loss)
 
@@ -416,3 +416,42 @@ def test_the_recompute_runs_no_swiglu_forward(monkeypatch):
         assert all(recompute.swiglu_mlp(lay) is lay.mlp for lay in build(family).model.layers)
     for family in ("olmo2", "phi3", "gemma3", "olmoe"):
         assert all(recompute.swiglu_mlp(lay) is None for lay in build(family).model.layers), family
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3-tied", "olmo2"])
+def test_mid_layers_train_bit_identically_without_the_attentions_output_product(family, monkeypatch):
+    """Layers that offload their residual sum after attention (the planner's ``mid_layers``: the first 2 of
+    3 offloaded layers) recompute their attention's output projection without its product (2 layers x 2
+    micro-batches a step, fewer products by as many), and train bit for bit as the recompute does: the sum
+    forward kept is the one the recompute would compute. OLMo 2 (its own forward, a norm after the
+    attention) keeps none."""
+    from slideformer.model import recompute
+
+    products = []
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: products.append(1) or real_linear(*a))
+    model = build(family)
+    n = model.config.num_hidden_layers
+    steps = [[batch(97, seed=s), batch(97, seed=10 + s)] for s in range(3)]
+
+    def train(mids):
+        cfg = EngineConfig(device="cpu", compute_dtype=torch.float32).placed(
+            offload_activations=True, gpu_activation_layers=0, mid_layers=mids)
+        losses, counts = [], []
+        with SlideEngine(model, cfg) as eng:
+            for b in steps:
+                products.clear()
+                losses.append(eng.train_step(b))
+                counts.append(len(products))
+            return losses, eng.state_dict(), counts, eng._mids, eng.activations.host_bytes
+
+    ref_losses, ref, ref_counts, none, ref_host = train(0)
+    got_losses, got, counts, mids, host = train(2)
+    assert not none and got_losses == ref_losses
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+    if family == "olmo2":
+        assert not mids and counts == ref_counts and recompute.mid_projection(model.model.layers[0]) is None
+        return
+    assert mids == {0, 1} and n == 3
+    assert [r - c for r, c in zip(ref_counts, counts)] == [2 * 2] * 3
+    assert host == ref_host * 5 // 3  # (3 layers' inputs and 2 layers' sums)

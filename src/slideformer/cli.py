@@ -87,7 +87,7 @@ def cmd_plan(args) -> int:
     from .machine import Machine, MachineRates, disk_free, gpu_memory, host_memory
     from .plan import Auto, ModelShape, nvme_layer_count, parse_bytes, predicted_step, resolve
     from .plan.resolve import tier_bytes
-    from .plan.memory import PROCESS_BYTES, config_rank_host_bytes, fmt_bytes, host_budget, saved_layers, user_bytes
+    from .plan.memory import PROCESS_BYTES, config_rank_host_bytes, fmt_bytes, host_budget, mid_layers, saved_layers, user_bytes
     from .presets import PRESETS, preset_config
 
     from .config import ConfigError
@@ -271,6 +271,8 @@ def cmd_plan(args) -> int:
               + (f", MLPs in {placement.mlp_chunk_tokens}-token chunks" if placement.mlp_chunk_tokens else "")
               + (f", {saved_layers(shape, placement)} layers' products kept (no matmul recompute)"
                  if saved_layers(shape, placement) else "")
+              + (f", {mid_layers(shape, placement)} offloaded layers' sums after attention too (no output "
+                 "projection recomputed)" if mid_layers(shape, placement) else "")
               + (f", the lm_head gradient in {placement.head_slice}-row slices" if placement.head_slice else "")
               + (f", {placement.window_slots} window slots" if placement.window_slots != 3 else ""))
         model = ("of the H200 machine, within 6% of its unclipped 4B and 8B steps" if rates == MachineRates() else

@@ -50,6 +50,10 @@ class Placement:
     # recompute then runs no matmul for them (model/recompute.py): about a fifth less GPU work a layer,
     # for about 11 x hidden bf16 values a token. Never with token-chunked MLPs.
     saved_layers: int = 0
+    # The first `mid_layers` of the offloaded layers also offload the residual sum after their attention
+    # (hidden values a token more), and backward's recompute then runs their attention's output
+    # projection without its product (model/recompute.py): where RAM has room and the GPU bounds the step.
+    mid_layers: int = 0
     # Pinned host bytes the planner may give the first layers' inputs (offloaded then) so that their GPU
     # memory keeps more saved layers' products: where RAM has room and the time model says it is faster.
     host_input_bytes: int = 0
@@ -203,6 +207,8 @@ class EngineConfig:
         if isinstance(p.speculative_layers, bool) or not isinstance(p.speculative_layers, int) \
                 or p.speculative_layers < 0:
             raise ConfigError(f"speculative_layers must be >= 0, got {p.speculative_layers}")
+        if p.mid_layers < 0:
+            raise ConfigError(f"mid_layers must be >= 0, got {p.mid_layers}")
         if p.gpu_activation_layers < 0:
             raise ConfigError(f"gpu_activation_layers must be >= 0, got {p.gpu_activation_layers}")
         if p.saved_layers < 0:

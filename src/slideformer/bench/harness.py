@@ -93,7 +93,7 @@ def plan_record(args, config) -> dict:
     cfg = plan.config
     p, c = plan.placement, cfg.placement
     return {"micro_batch": min(p.micro_batch, args.batch), "gpu_activation_layers": p.gpu_activation_layers,
-            "saved_layers": p.saved_layers, "head_slice": p.head_slice, "loss_chunk_tokens": p.loss_chunk_tokens,
+            "saved_layers": p.saved_layers, "mid_layers": p.mid_layers, "head_slice": p.head_slice, "loss_chunk_tokens": p.loss_chunk_tokens,
             "resident_layers": c.resident_layers, "resident_edges": c.resident_edges, "window_slots": c.window_slots,
             "host_weights": c.host_weights, "host_grad_buffers": c.host_grad_buffers,
             "host_input_bytes": c.host_input_bytes, "micro_batch_tokens": getattr(c, "micro_batch_tokens", None),  # (older srcs: compare_plans.sh)

@@ -64,8 +64,11 @@ class ActivationStore:
     def disk_bytes(self) -> int:
         return 0 if self.scratch is None else self.scratch.disk_bytes
 
-    def begin_step(self, tokens_per_layer: int, hidden: int, dtype: torch.dtype) -> None:
-        """Make sure the arena (or the file and staging buffers) hold every offloaded layer's inputs."""
+    def begin_step(self, tokens_per_layer: int, hidden: int, dtype: torch.dtype, mid_layers: int = 0) -> None:
+        """Make sure the arena (or the file and staging buffers) hold every offloaded layer's inputs, and
+        ``mid_layers`` more layers' worth (the engine's layers that save a second tensor a micro-batch: not
+        on the disk, whose records hold one layer's inputs each)."""
+        assert not (mid_layers and self.scratch is not None)
         per_layer = tokens_per_layer * hidden
         self._cursor = 0
         if self.scratch is not None:
@@ -84,7 +87,7 @@ class ActivationStore:
                 self._registered = self.rt.copier.cuda
                 self._free = [(buf, None) for buf in self._staging]
             return
-        need = len(self.offload_layers) * per_layer
+        need = (len(self.offload_layers) + mid_layers) * per_layer
         if need == 0 or (self._arena is not None and self._arena.numel() >= need and self._arena.dtype == dtype):
             return
         self._drop_host()

@@ -41,7 +41,7 @@ from ..optim.adamw import Rows
 from ..model.chunked_mlp import MlpChunking
 from ..model.moe import RouterLoss
 from ..model.decoder import install as install_decoder
-from ..model.recompute import LayerRecompute
+from ..model.recompute import LayerRecompute, mid_projection
 from ..model.fused_ops import apply_liger
 from ..model.fused_ops import resolve as resolve_fused_ops
 from ..machine import host_memory
@@ -239,6 +239,7 @@ class SlideEngine:
         offload = set(range(max(0, n - p.gpu_activation_layers))) if p.offload_activations else set()
         self.activations = ActivationStore(self.runtime, n, offload,
                                            nvme_dir=self.cfg.offload_dir if p.activations_to_nvme else None)
+        self._mids = self._first_mids(p.mid_layers)
         self._embed_slot = next((v.group, v.slot) for v in self.plan if v.unit == self.adapter.embed_unit.index)
         self._loads_after = _loads_after(self.plan)
         # Evaluation: the step's forward visits and the loss head, in the same slots (``evaluate``)
@@ -296,7 +297,7 @@ class SlideEngine:
             if self.router_loss is not None:
                 self.router_loss.begin_step(self.device)
             self.activations.begin_step(sum(mb.input_ids.numel() for mb in mbs), self.adapter.config.hidden_size,
-                                        self.cfg.compute_dtype)
+                                        self.cfg.compute_dtype, mid_layers=len(self._mids))
             rt.begin_step(self._update_order)
             # (by rows, the embedding's load is the step's rows: engine/embedding.py)
             rows = {self.adapter.embed_unit.index: st.rows} if self._by_rows else {}
@@ -425,8 +426,9 @@ class SlideEngine:
         layer = self.adapter.layers[unit.layer]
         bind_parameters(layer, slot.views(unit)[0])
         saved = training and unit.layer in self._saved  # its products stay on the GPU until its backward
-        out, kept = [], []
-        with torch.no_grad():
+        out, kept, mids = [], [], []
+        with torch.no_grad(), (self.recompute.keeping_mids(mids) if training and unit.layer in self._mids
+                               else contextlib.nullcontext()):
             for h, mb in zip(st.hidden, st.mbs):
                 with (self.recompute.recording() if saved else contextlib.nullcontext()) as products, \
                         (self.router_loss.counting(self._token_mask(mb)) if self.router_loss is not None
@@ -436,7 +438,8 @@ class SlideEngine:
         if saved:
             st.kept[unit.layer] = kept
         if training:
-            self.activations.save(unit.layer, st.hidden)  # after the layer is enqueued: the copy overlaps the next
+            # (after the layer is enqueued: the copy overlaps the next; a mid layer's sums after attention beside)
+            self.activations.save(unit.layer, st.hidden + mids)
         st.hidden = out
 
     def _head(self, st: "_Step", unit, slot) -> None:
@@ -528,6 +531,8 @@ class SlideEngine:
         bind_parameters(layer, params)
         inputs = self.activations.take(unit.layer)
         self.activations.prefetch(unit.layer - 1)  # one layer ahead: it lands while this layer computes
+        n = len(st.mbs)
+        inputs, mids = inputs[:n], inputs[n:] or [None] * n
         self.runtime.begin_grads(slot)
         plist = list(params.values())
         # Each parameter's gradient is added into the slot as soon as it is computed (the .grad of a slot's
@@ -541,12 +546,12 @@ class SlideEngine:
         for i, (x, mb) in enumerate(zip(inputs, st.mbs)):
             x = x.detach().requires_grad_(True)
             # (not with token-chunked MLPs: their checkpoints recompute the projection in backward)
-            with torch.enable_grad(), self.recompute.active(self.mlp_chunking.tokens is None, kept[i]), \
+            with torch.enable_grad(), self.recompute.active(self.mlp_chunking.tokens is None, kept[i], mids[i]), \
                     (self.router_loss.recording(self._token_mask(mb)) if self.router_loss is not None
                      else contextlib.nullcontext(lambda: None)) as router_term:
                 y = self._run_layer(layer, unit.layer, x, mb)
                 term = router_term()
-            kept[i] = None  # (what the recompute took is the graph's now, freed with it)
+            kept[i] = mids[i] = None  # (what the recompute took is the graph's now, freed with it)
             outs, grads = ([y], [st.grad_hidden[i]]) if term is None else ([y, term], [st.grad_hidden[i], None])
             torch.autograd.backward(outs, grads, inputs=[x] + plist)
             st.grad_hidden[i] = x.grad
@@ -635,6 +640,7 @@ class SlideEngine:
         self.activations.offload_layers = set(range(max(0, n - p.gpu_activation_layers)))
         self.mlp_chunking.tokens = p.mlp_chunk_tokens
         self._saved = self._last_layers(saved_layers(self.shape, p))
+        self._mids = self._first_mids(p.mid_layers)
         self._loss_chunk = p.loss_chunk_tokens or LOSS_CHUNK_TOKENS[-1]
         self._head_slice = p.head_slice
         out = []
@@ -643,6 +649,15 @@ class SlideEngine:
                 out.append({k: torch.as_tensor(v).reshape(rows, -1)[start: start + p.micro_batch]
                             for k, v in it.items() if v is not None})
         return out
+
+    def _first_mids(self, k: int) -> frozenset[int]:
+        """The layers that offload their residual sum after attention beside their input (the planner's
+        ``mid_layers``): the first ``k`` of the offloaded ones (not to disk), but for saved layers and those
+        whose forward cannot take it back (model/recompute.py ``mid_projection``)."""
+        if self.activations.scratch is not None:
+            return frozenset()
+        return frozenset(i for i in sorted(self.activations.offload_layers)[:k]
+                         if i not in self._saved and mid_projection(self.adapter.layers[i]) is not None)
 
     def _last_layers(self, k: int) -> frozenset[int]:
         n = self.adapter.num_layers

@@ -9,6 +9,9 @@ MLP, each added to the residual stream. The same arithmetic, with two sums fewer
   (model/recompute.py ``sum_in_down``), where the MLP ends in one.
 - **The layer input's two gradients** (through the attention's norm and along the residual stream) are
   summed in that norm's backward kernel likewise (``rms_norm_pass``), where the fused ops are on.
+- **The residual sum after the attention in backward's recompute**, where forward kept it (the planner's
+  ``mid_layers``), is forward's: the attention's output projection then runs without its product
+  (model/recompute.py).
 - **The layer's output sum in backward's recompute** is not computed: backward needs its graph, never its
   value (the engine differentiates the recomputed output against the gradient it already holds), and
   its MLP term is the down projection's output, which the recompute does not compute either, nor, for a
@@ -31,6 +34,19 @@ def llama_style(layer: nn.Module) -> bool:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     return same_code(type(layer).forward, LlamaDecoderLayer.forward)
+
+
+class _KeptSum(torch.autograd.Function):
+    """``a + b`` whose value forward kept (``kept[0]``, the same sum): returned as it is, the gradient passed
+    to both terms. (``kept`` a list: a tensor input returned as an output would become a view.)"""
+
+    @staticmethod
+    def forward(ctx, a, b, kept):
+        return kept[0]
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, g, None
 
 
 class _UnreadSum(torch.autograd.Function):
@@ -71,11 +87,18 @@ def _forward_of(layer: nn.Module, recompute, fused: bool):
                                past_key_values=past_key_values, use_cache=use_cache,
                                position_embeddings=position_embeddings, **kwargs)
         norm = layer.post_attention_layernorm
-        if fused:
+        mid = recompute.take_mid()
+        if mid is not None:  # (backward's recompute of a layer whose forward kept this sum)
+            residual = _KeptSum.apply(residual, h, [mid])
+            h, residual = rms_norm_pass(residual, norm.weight, norm.variance_epsilon) if fused else \
+                (norm(residual), residual)
+        elif fused:
             h, residual = add_rms_norm(residual, h, norm.weight, norm.variance_epsilon)
         else:
             residual = residual + h
             h = norm(residual)
+        if not torch.is_grad_enabled():
+            recompute.keep_mid(residual)
         if recompute.recomputing:
             return _UnreadSum.apply(residual, recompute.unread_mlp(layer, h))
         if not torch.is_grad_enabled():

@@ -9,6 +9,10 @@ Backward recomputes each layer from its saved input to rebuild the autograd grap
   returns uninitialised memory of the right shape. Plain training with gradient checkpointing gets the
   same saving from torch.utils.checkpoint's early stop. Without it the recompute would run a quarter of
   a layer's forward GEMM work for nothing.
+- **The attention's output projection** (the planner's ``mid_layers``, where RAM holds what it needs).
+  Forward keeps the residual sum after the attention (the layer's midpoint: hidden values a token, offloaded
+  beside the layer's input), and backward's recompute returns it for that sum: the projection, whose output
+  only joins the sum, then records its graph without its product, as the down projection does.
 - **Kept products** (the planner's ``saved_layers``, where the GPU budget holds them). Forward keeps the
   output of each of the layer's other linears (q, k, v, o, gate and up: about 11 x hidden values a
   token at Qwen3-4B), and backward's recompute returns those instead of multiplying again. Only the
@@ -186,6 +190,15 @@ def swiglu_mlp(layer: nn.Module) -> nn.Module | None:
         callable(fn) and same_code(fn, LlamaMLP.forward) else None
 
 
+def mid_projection(layer: nn.Module) -> nn.Linear | None:
+    """The attention's output projection where the engine's own forward (model/decoder.py: Llama-style
+    layers) can take the residual sum after it from forward (``LayerRecompute.active(mid=...)``), else None."""
+    from .decoder import llama_style
+
+    o = getattr(getattr(layer, "self_attn", None), "o_proj", None)
+    return o if type(o) is nn.Linear and llama_style(layer) else None
+
+
 def output_free_down(layer: nn.Module) -> nn.Linear | None:
     """The layer's MLP down projection where its output only joins the residual sum, else None."""
     down = getattr(getattr(layer, "mlp", None), "down_proj", None)
@@ -222,6 +235,9 @@ class LayerRecompute:
         self._pending: dict[nn.Linear, tuple[torch.Tensor, torch.Tensor]] = {}  # a group's later outputs, by input
         self._residual: torch.Tensor | None = None  # (sum_in_down's, for the down projection's GEMM)
         self._swiglu: dict[nn.Module, nn.Module | None] = {}  # layer -> its SwiGLU MLP (unread_mlp's), once seen
+        self._mid_out: list | None = None  # (keeping_mids': the residual sums after attention, forward's)
+        self._mid_in: torch.Tensor | None = None  # (active's: the one the recompute's layer takes)
+        self._mid_free = {o for o in map(mid_projection, layers) if o is not None}
         for layer in layers:
             down = output_free_down(layer)
             for m in layer.modules():
@@ -267,7 +283,7 @@ class LayerRecompute:
             kept, casts = self._kept, self.casts
             grad = torch.is_grad_enabled()
             if grad and self._active:
-                if last:
+                if last or (self._mid_in is not None and proj in self._mid_free):
                     return _RecomputedLinear.apply(x, proj.weight, proj.bias, None, True, casts)
                 if casts is None:
                     pending = self._pending.pop(proj, None)
@@ -308,6 +324,27 @@ class LayerRecompute:
             return layer.mlp(x)
         return _UnreadSwiGLUDown.apply(mlp.gate_proj(x), mlp.up_proj(x), mlp.down_proj.weight)
 
+    @contextlib.contextmanager
+    def keeping_mids(self, out: list):
+        """A forward without gradients whose layers append the residual sum after their attention to ``out``
+        (``keep_mid``), one a layer and micro-batch, for backward's ``active(mid=...)``."""
+        self._mid_out = out
+        try:
+            yield
+        finally:
+            self._mid_out = None
+
+    def keep_mid(self, residual: torch.Tensor) -> None:
+        """The layer's residual sum after its attention, in a forward without gradients (model/decoder.py)."""
+        if self._mid_out is not None:
+            self._mid_out.append(residual)
+
+    def take_mid(self) -> torch.Tensor | None:
+        """In the recompute of a layer given ``mid``: that sum (once), which the layer returns for its
+        attention's residual sum; its output projection is output-free until then. Else None."""
+        mid, self._mid_in = self._mid_in, None
+        return mid
+
     def sum_in_down(self, layer: nn.Module, residual: torch.Tensor, mlp) -> torch.Tensor:
         """``residual + mlp()`` in a forward without gradients, the sum added by the layer's output-free down
         projection within its GEMM (beta 1: the product rounded once with the sum, and one pass over the
@@ -344,14 +381,16 @@ class LayerRecompute:
             self._kept = None
 
     @contextlib.contextmanager
-    def active(self, on: bool = True, kept: dict | None = None):
+    def active(self, on: bool = True, kept: dict | None = None, mid: torch.Tensor | None = None):
         """Backward's recompute: the down projection without its product, and the other linears' products
         taken from ``kept`` (from ``recording``; emptied as they are used), every weight's gradient added
-        in its GEMM. ``on`` False (token-chunked MLPs, whose checkpoints run their linears again after this
-        context has closed, and must find the same graph): plain linears throughout."""
-        self._active, self._kept = on, kept if on else None
+        in its GEMM; with ``mid`` (from ``keeping_mids``) the attention's residual sum taken from it and its
+        output projection without its product. ``on`` False (token-chunked MLPs, whose checkpoints run
+        their linears again after this context has closed, and must find the same graph): plain linears
+        throughout."""
+        self._active, self._kept, self._mid_in = on, kept if on else None, mid if on else None
         try:
             yield
         finally:
-            self._active, self._kept = False, None
+            self._active, self._kept, self._mid_in = False, None, None
             self._pending.clear()

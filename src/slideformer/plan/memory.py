@@ -119,6 +119,9 @@ class ModelShape:
     embed_params: int
     head_params: int  # final norm (+ lm_head when untied)
     kept_per_token: int = 0  # values a token of a saved layer keeps for backward (model/recompute.py)
+    # the attention output projection's parameters, whose product a mid layer's recompute skips (model/recompute.py
+    # mid_projection; 0 where the layers cannot keep their residual sum after attention)
+    mid_params: int = 0
     # Mixture-of-Experts (model/moe.py): the experts a layer has (0: dense), the parameters a token passes
     # through (attention, router and its top-k experts; ``ffn`` is then those experts' intermediate size
     # summed), and the largest parameter (the 3-D experts tensor, whose gradient autograd makes whole)
@@ -156,7 +159,7 @@ class ModelShape:
     @classmethod
     def from_adapter(cls, adapter) -> "ModelShape":
         from ..model.moe import expert_params
-        from ..model.recompute import kept_values_per_token
+        from ..model.recompute import kept_values_per_token, mid_projection
 
         c = adapter.config
         moe = {}
@@ -174,7 +177,9 @@ class ModelShape:
                              vocab=c.vocab_size, tied=adapter.tied,
                              layer_params=max(u.numel for u in adapter.units if u.kind == "layer"),
                              embed_params=adapter.embed_unit.numel, head_params=adapter.head_unit.numel,
-                             kept_per_token=max(kept_values_per_token(layer) for layer in adapter.layers)), **moe})
+                             kept_per_token=max(kept_values_per_token(layer) for layer in adapter.layers),
+                             mid_params=min(o.weight.numel() if o is not None else 0
+                                            for o in map(mid_projection, adapter.layers))), **moe})
 
 
 @dataclass(frozen=True)
@@ -196,6 +201,9 @@ class Layout:
     # the last layers keep their linears' outputs for backward, whose recompute then runs no matmul for them
     # (model/recompute.py); fit() fills what the GPU has left with them
     saved_layers: int = 0
+    # the first offloaded layers also offload their residual sum after attention, whose recompute then skips
+    # the attention's output projection (model/recompute.py); the resolver's call (``mid_layers_that_pay``)
+    mid_layers: int = 0
     compute_bytes: int = 2  # the compute dtype's: fit() models bf16 and fp16 (fp32 compute keeps no saved layers)
     # pinned host bytes fit() may give layer inputs whose GPU memory then keeps more saved layers' products
     # (the resolver's call, from the RAM left and the time model: ``displace_inputs``)
@@ -214,7 +222,8 @@ class Layout:
                    resident_layers=cfg.placement.resident_layers, loss_kernel=cfg.tuning.loss_kernel,
                    resident_edges=cfg.placement.resident_edges, mlp_chunk_tokens=cfg.tuning.mlp_chunk_tokens,
                    resident_state_bytes=resident_state_bytes(cfg.optimizer_state),
-                   saved_layers=cfg.placement.saved_layers, compute_bytes=cfg.compute_dtype.itemsize,
+                   saved_layers=cfg.placement.saved_layers, mid_layers=cfg.placement.mid_layers,
+                   compute_bytes=cfg.compute_dtype.itemsize,
                    host_input_bytes=cfg.placement.host_input_bytes, prefer_tokens=cfg.placement.micro_batch_tokens,
                    fp8=cfg.fp8, min_gpu_inputs=cfg.placement.min_gpu_inputs, **kw)
 
@@ -255,6 +264,9 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: i
                                                                * shape.ffn + 2 * shape.top_k * H)
                            + t * LAYER_TOKEN_HIDDEN * H) * dtype_bytes
                           + (shape.largest_param or H * shape.ffn) * dtype_bytes  # + one weight's gradient in flight
+                          # mid layers: a layer's sums after attention, and the next one's fetched beside its
+                          # inputs (in the offloaded layers' backward only: never beside the loss head)
+                          + (2 * T * H * dtype_bytes if mid_layers(shape, p) else 0)
                           # fp8: the widest linear's operands in e4m3 while its gradients are made, a byte a value:
                           # g's rows and columns, x's columns (token-chunked MLPs' backward runs plain linears)
                           + (t * (2 * shape.ffn + H) if p.fp8 and not p.mlp_chunk_tokens else 0)
@@ -266,6 +278,15 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: i
     out["peak"] = int(SAFETY * (out["window"] + out["activations"] + out["saved_products"] + out["hidden_flow"]
                                 + max(out["loss_head"], out["layer_backward"])))
     return out
+
+
+def mid_layers(shape: ModelShape, p: Layout) -> int:
+    """The layers whose residual sum after attention ``p`` offloads beside their input: of the offloaded
+    ones (not saved ones), where the model's layers can take it back, never with token-chunked MLPs."""
+    offloaded = shape.layers - min(shape.layers, p.gpu_activation_layers)
+    if not shape.mid_params or p.mlp_chunk_tokens:
+        return 0
+    return max(0, min(p.mid_layers, offloaded, shape.layers - saved_layers(shape, p)))
 
 
 def saved_layers(shape: ModelShape, p: Layout) -> int:
@@ -359,8 +380,8 @@ def rank_host_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, host_wei
             "nvme_buffers": nvme_buffers * (nvme_bytes(shape, 1, state, nvme_master) + 4 * 4096)
             + (2 * (width + 4096) if read else 0) if tier else 0,
             # offloaded layer inputs in RAM, or on NVMe through 3 staging buffers (engine/activations.py)
-            "activations": (min(offloaded, 3) if activations_to_nvme else offloaded) * batch * seq * shape.hidden
-            * dtype_bytes,
+            "activations": (min(offloaded, 3) if activations_to_nvme else offloaded + mid_layers(shape, p))
+            * batch * seq * shape.hidden * dtype_bytes,
             "spares": min(spare_layers, len(layers)) * state_bytes(state, shape.layer_params),
         })
     return out
@@ -904,6 +925,7 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
     streamed = max(0, on_cpu - reused // shape.ranks)
     offloaded = shape.layers - min(shape.layers, p.gpu_activation_layers)
     chunked = p.mlp_chunk_tokens and p.mlp_chunk_tokens < min(batch, p.micro_batch) * seq
+    mids = 0 if activations_to_nvme else mid_layers(shape, p)
     cpu_rate = rates.optimizer_params_per_s * rates.state_speedup[state]
     # a token's logits and their two gradients, not recomputed; the sliced head computes the logits twice;
     # in chunks under 4096 tokens, ``small_head_chunk_cost`` times as long (SMALL_HEAD_CHUNK_COST, weighed
@@ -920,11 +942,13 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
         # the layers' forward, recompute and backward (2 + 2 + 4 FLOPs a parameter and token), less the
         # recompute of the down projection (2 x hidden x ffn a token and layer; model/recompute.py);
         # token-chunked MLPs recompute it, and run their whole forward once more (6 x hidden x ffn); a
-        # saved layer recomputes none of its products (the attention and elementwise work are left out). The
+        # saved layer recomputes none of its products (the attention and elementwise work are left out), a mid
+        # layer not its attention's output projection. The
         # head's three products are not recomputed (6 x vocab x hidden); the embedding is a lookup.
         "gpu_compute_s": (8 * shape.layers * shape.flop_params + head_flops
                           + shape.layers * (6 * shape.hidden * shape.ffn if chunked else -2 * shape.down_params)
                           - 2 * saved_layers(shape, p) * shape.kept_params
+                          - 2 * mids * shape.mid_params
                           - fp8_flops * (1 - 1 / FP8_SPEEDUP))
                          * tokens / rates.gpu_flops,
         "gpu_adamw_s": (shape.params - everyone) / rates.gpu_adamw_params_per_s / rates.gpu_state_speedup[state],
@@ -933,7 +957,7 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
         "peer_s": (2 * 2 * max(0, everyone - reused) + 2 * everyone + 2 * 2 * (shape.params - everyone))
         / rates.peer_bytes_per_s if shape.ranks > 1 else 0.0,
         # offloaded layer inputs: out and back once a step, each way on its own copy engine
-        "activations_s": offloaded * tokens * shape.hidden * 2 / rates.pcie_bytes_per_s,
+        "activations_s": (offloaded + mids) * tokens * shape.hidden * 2 / rates.pcie_bytes_per_s,
         "optimizer_s": on_cpu / cpu_rate,
         # bf16 weights, about twice a step; staged parameters cross as their fp32 master
         "h2d_s": 2 * (2 * streamed + 2 * min(staged_params, streamed)) / rates.pcie_bytes_per_s,

@@ -5,8 +5,9 @@ model's rates) come in as a ``Machine``.
 The order is the dependency chain: spare states for clipping (what RAM holds with every layer
 streamed; residency depends on them), then the window's slots and the units trained on the GPU (under
 the GPU budget), then the placement (micro-batches, offloaded layer inputs), then the host settings
-(bf16 copy, gradient buffers, spares), then the NVMe tier for what RAM still cannot hold, then the host
-check, then the disk's where the machine says what is free."""
+(bf16 copy, gradient buffers, spares), then the NVMe tier for what RAM still cannot hold, then the mid
+layers (whose sums take RAM from gradient buffers), the loss head's chunk and the inputs displaced for
+saved layers, then the host check, then the disk's where the machine says what is free."""
 from __future__ import annotations
 
 import math
@@ -14,10 +15,11 @@ from dataclasses import dataclass, replace
 
 from ..machine import Machine, MachineRates
 from ..optim.formats import compact_master
-from .memory import (EFFICIENT_TOKENS, LOSS_CHUNK_TOKENS, SMALL_HEAD_CHUNK_COST, DoesNotFit, ModelShape, Layout,
+from .memory import (EFFICIENT_TOKENS, LOSS_CHUNK_TOKENS, MIN_GRAD_BUFFERS, SMALL_HEAD_CHUNK_COST, DoesNotFit,
+                     ModelShape, Layout,
                      auto_host, auto_residency, auto_tier, check_host_fits, choose_window_slots, config_host_bytes,
                      fit, fmt_bytes, gpu_budget, gpu_bytes, held, host_budget, least_layout, nvme_bytes,
-                     nvme_layer_count, parse_bytes, spares_that_fit, step_time)
+                     nvme_layer_count, parse_bytes, saved_layers, spares_that_fit, step_time)
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,7 @@ class Auto:
     window_slots: bool = True
     nvme_fraction: bool = True  # (with offload_dir: as few layers on the tier as the host budget allows)
     nvme_master: bool = True  # (fp32 state: the tier's master too, where the moments alone are not enough)
+    mid_layers: bool = True
 
     @classmethod
     def of(cls, asked: dict) -> tuple["Auto", dict]:
@@ -40,7 +43,7 @@ class Auto:
         edges = asked.get("resident_edges", "auto")
         auto = cls(**{k: asked.get(k, "auto") == "auto"
                       for k in ("host_weights", "host_grad_buffers", "speculative_layers", "resident_layers",
-                                "window_slots", "nvme_fraction", "nvme_master")},
+                                "window_slots", "nvme_fraction", "nvme_master", "mid_layers")},
                    resident_edges=None if edges == "auto" else edges)
         return auto, {k: v for k, v in asked.items() if v != "auto"}
 
@@ -168,6 +171,8 @@ def _resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: 
     if auto.nvme_fraction and cfg.offload_dir:
         cfg = auto_tier(cfg, shape, batch, seq, placement, ram, buffers=auto.host_grad_buffers,
                         spares=auto.speculative_layers, weights=auto.host_weights, master=auto.nvme_master)
+    if problem is None and on_gpu and cfg.gpu_memory_limit and auto.mid_layers:
+        cfg, placement = mid_layers_that_pay(cfg, auto, shape, batch, seq, limit, placement, ram, rates)
     if problem is None and on_gpu and cfg.gpu_memory_limit:
         cfg, placement = head_chunk_and_inputs(cfg, shape, batch, seq, limit, placement, ram, rates)
         gpu = gpu_bytes(shape, batch, seq, placement, cfg.compute_dtype.itemsize)
@@ -192,6 +197,41 @@ def _resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: 
 def _seconds(cfg, shape: ModelShape, batch: int, seq: int, p: Layout, rates: MachineRates, **kw) -> float:
     return step_time(shape, batch, seq, p, rates, state=cfg.optimizer_state,
                      clipping=cfg.max_grad_norm is not None, **kw)["step_s"]
+
+
+def mid_layers_that_pay(cfg, auto: "Auto", shape: ModelShape, batch: int, seq: int, limit: int, placement: Layout,
+                        ram: int, rates: MachineRates) -> tuple[object, Layout]:
+    """``mid_layers`` decided: as many of the offloaded layers as the host's budget holds offload their
+    residual sum after attention too (a layer input's bytes each), whose recompute then skips the
+    attention's output projection (model/recompute.py), where the time model says the step is faster for
+    it. The sums take RAM before gradient buffers past MIN_GRAD_BUFFERS do, so only where the CPU update
+    takes at most half the GPU's work (a short ring then never holds backward up: the time model does not
+    weigh the ring), and without clipping (which holds a buffer per layer); the host weights stay as
+    decided. Their GPU share (a layer's sums in backward, and the next one's fetched) is fit()'s."""
+    c = cfg.placement
+    if not shape.mid_params or c.activations_to_nvme or cfg.max_grad_norm is not None or placement.mlp_chunk_tokens:
+        return cfg, placement
+    try:
+        q = fit(shape, batch, seq, limit, Layout.of(cfg.placed(mid_layers=shape.layers)))
+    except DoesNotFit:
+        return cfg, placement
+    offloaded = shape.layers - min(shape.layers, q.gpu_activation_layers) - saved_layers(shape, q)
+    if offloaded <= 0:
+        return cfg, placement
+    ring = cfg.placed(host_grad_buffers=MIN_GRAD_BUFFERS) if auto.host_grad_buffers else cfg
+    none = replace(q, mid_layers=0)
+    room = host_budget(ring, ram)[0] - sum(config_host_bytes(ring, shape, batch, seq, none).values())
+    k = min(offloaded, max(0, room) // (batch * seq * shape.hidden * cfg.compute_dtype.itemsize))
+    if not k:
+        return cfg, placement
+    mid = replace(q, mid_layers=k)
+    c1 = auto_host(ring.placed(mid_layers=k), shape, batch, seq, mid, ram, weights=False,
+                   buffers=auto.host_grad_buffers, spares=False)
+    t = step_time(shape, batch, seq, mid, rates, state=cfg.optimizer_state)
+    if t["optimizer_s"] > 0.5 * t["gpu_compute_s"] or \
+            _seconds(c1, shape, batch, seq, mid, rates) >= CHUNK_MARGIN * _seconds(cfg, shape, batch, seq, placement, rates):
+        return cfg, placement
+    return c1, mid
 
 
 CHUNK_MARGIN = 0.995  # a larger chunk's predicted gain must pass the time model's noise: half a percent
