@@ -1160,6 +1160,17 @@ def test_mid_layers_take_the_ram_of_gradient_buffers_where_the_gpu_bounds_the_st
     assert predicted_step(plan, sh, 64, 1024)["step_s"] < predicted_step(without, sh, 64, 1024)["step_s"]
     assert gpu_bytes(sh, 64, 1024, p)["peak"] <= plan.gpu_limit
     assert fit(sh, 64, 1024, plan.gpu_limit, Layout.of(plan.config)) == p  # (the engine places the same)
+    # their GPU share: a layer's sums and the next one's, in a layer's backward, not beside the head
+    share = {k: gpu_bytes(sh, 64, 1024, p)[k] - gpu_bytes(sh, 64, 1024, replace(p, mid_layers=0))[k]
+             for k in ("layer_backward", "loss_head", "hidden_flow", "activations")}
+    assert share == {"layer_backward": 2 * per_input, "loss_head": 0, "hidden_flow": 0, "activations": 0}
+    # none with inputs on the disk (whose records hold a layer's inputs), nor where they would halve the
+    # micro-batches (12 GiB: the time model does not weigh their size)
+    assert Layout.of(plan.config.placed(activations_to_nvme=True)).mid_layers == 0
+    small = resolve(replace(cfg, gpu_memory_limit="12GiB"), Auto(resident_edges=True), sh, 64, 1024, machine)
+    small_without = resolve(replace(cfg, gpu_memory_limit="12GiB"), Auto(resident_edges=True, mid_layers=False),
+                            sh, 64, 1024, machine)
+    assert small.placement.micro_batch == small_without.placement.micro_batch
     e8 = shape("llama3-8b")
     for c, s, b in ((replace(cfg, max_grad_norm=1.0), sh, 64),
                     (EngineConfig(device="cuda", gpu_memory_limit="7.5GiB", host_memory_limit="103GiB"), e8, 8),

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from slideformer import EngineConfig, SlideEngine
+from slideformer.config import Tuning
 from slideformer.model.recompute import LayerRecompute, _RecomputedLinear, kept_values_per_token, output_free_down
 
 from tiny import FAMILIES, batch, build
@@ -455,3 +456,9 @@ def test_mid_layers_train_bit_identically_without_the_attentions_output_product(
     assert mids == {0, 1} and n == 3
     assert [r - c for r, c in zip(ref_counts, counts)] == [2 * 2] * 3
     assert host == ref_host * 5 // 3  # (3 layers' inputs and 2 layers' sums)
+    # token-chunked MLPs recompute under their own checkpoints, which would not take the sums: none kept
+    cfg = EngineConfig(device="cpu", compute_dtype=torch.float32, tuning=Tuning(mlp_chunk_tokens=4)).placed(
+        offload_activations=True, gpu_activation_layers=0, mid_layers=2)
+    with SlideEngine(model, cfg) as eng:
+        eng.train_step(steps[0])
+        assert not eng._mids and eng.activations.host_bytes == ref_host

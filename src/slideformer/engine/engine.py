@@ -46,7 +46,8 @@ from ..model.fused_ops import apply_liger
 from ..model.fused_ops import resolve as resolve_fused_ops
 from ..machine import host_memory
 from ..plan.memory import (LOSS_CHUNK_TOKENS, ModelShape, Layout, check_host_fits, config_host_bytes, embedding_by_rows,
-                           fit, fmt_bytes, nvme_layer_count, parse_bytes, saved_layers, speculative_spares)
+                           fit, fmt_bytes, mid_layers, nvme_layer_count, parse_bytes, saved_layers,
+                           speculative_spares)
 from ..window.schedule import plan_step
 from .activations import ActivationStore
 from .embedding import step_rows
@@ -239,7 +240,7 @@ class SlideEngine:
         offload = set(range(max(0, n - p.gpu_activation_layers))) if p.offload_activations else set()
         self.activations = ActivationStore(self.runtime, n, offload,
                                            nvme_dir=self.cfg.offload_dir if p.activations_to_nvme else None)
-        self._mids = self._first_mids(p.mid_layers)
+        self._mids = self._first_mids(Layout.of(self.cfg))
         self._embed_slot = next((v.group, v.slot) for v in self.plan if v.unit == self.adapter.embed_unit.index)
         self._loads_after = _loads_after(self.plan)
         # Evaluation: the step's forward visits and the loss head, in the same slots (``evaluate``)
@@ -640,7 +641,7 @@ class SlideEngine:
         self.activations.offload_layers = set(range(max(0, n - p.gpu_activation_layers)))
         self.mlp_chunking.tokens = p.mlp_chunk_tokens
         self._saved = self._last_layers(saved_layers(self.shape, p))
-        self._mids = self._first_mids(p.mid_layers)
+        self._mids = self._first_mids(p)
         self._loss_chunk = p.loss_chunk_tokens or LOSS_CHUNK_TOKENS[-1]
         self._head_slice = p.head_slice
         out = []
@@ -650,13 +651,14 @@ class SlideEngine:
                             for k, v in it.items() if v is not None})
         return out
 
-    def _first_mids(self, k: int) -> frozenset[int]:
-        """The layers that offload their residual sum after attention beside their input (the planner's
-        ``mid_layers``): the first ``k`` of the offloaded ones (not to disk), but for saved layers and those
-        whose forward cannot take it back (model/recompute.py ``mid_projection``)."""
-        if self.activations.scratch is not None:
+    def _first_mids(self, p: Layout) -> frozenset[int]:
+        """The layers that offload their residual sum after attention beside their input: as many of the
+        first offloaded ones as placement ``p`` counts (plan/memory.py ``mid_layers``: none with token-chunked
+        MLPs, whose recompute would not take them, nor for inputs on the disk), but for saved layers and
+        those whose forward cannot take it back (model/recompute.py ``mid_projection``)."""
+        if self.activations.scratch is not None or self.mlp_chunking.tokens is not None:
             return frozenset()
-        return frozenset(i for i in sorted(self.activations.offload_layers)[:k]
+        return frozenset(i for i in sorted(self.activations.offload_layers)[:mid_layers(self.shape, p)]
                          if i not in self._saved and mid_projection(self.adapter.layers[i]) is not None)
 
     def _last_layers(self, k: int) -> frozenset[int]:

@@ -222,7 +222,9 @@ class Layout:
                    resident_layers=cfg.placement.resident_layers, loss_kernel=cfg.tuning.loss_kernel,
                    resident_edges=cfg.placement.resident_edges, mlp_chunk_tokens=cfg.tuning.mlp_chunk_tokens,
                    resident_state_bytes=resident_state_bytes(cfg.optimizer_state),
-                   saved_layers=cfg.placement.saved_layers, mid_layers=cfg.placement.mid_layers,
+                   saved_layers=cfg.placement.saved_layers,
+                   # (offloaded inputs on the disk keep no sums: engine/activations.py)
+                   mid_layers=0 if cfg.placement.activations_to_nvme else cfg.placement.mid_layers,
                    compute_bytes=cfg.compute_dtype.itemsize,
                    host_input_bytes=cfg.placement.host_input_bytes, prefer_tokens=cfg.placement.micro_batch_tokens,
                    fp8=cfg.fp8, min_gpu_inputs=cfg.placement.min_gpu_inputs, **kw)

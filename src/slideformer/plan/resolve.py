@@ -207,7 +207,8 @@ def mid_layers_that_pay(cfg, auto: "Auto", shape: ModelShape, batch: int, seq: i
     it. The sums take RAM before gradient buffers past MIN_GRAD_BUFFERS do, so only where the CPU update
     takes at most half the GPU's work (a short ring then never holds backward up: the time model does not
     weigh the ring), and without clipping (which holds a buffer per layer); the host weights stay as
-    decided. Their GPU share (a layer's sums in backward, and the next one's fetched) is fit()'s."""
+    decided. Their GPU share (a layer's sums in backward, and the next one's fetched) is fit()'s; where it
+    would change the micro-batches, the sliced head or token chunking, no sums."""
     c = cfg.placement
     if not shape.mid_params or c.activations_to_nvme or cfg.max_grad_norm is not None or placement.mlp_chunk_tokens:
         return cfg, placement
@@ -215,7 +216,10 @@ def mid_layers_that_pay(cfg, auto: "Auto", shape: ModelShape, batch: int, seq: i
         q = fit(shape, batch, seq, limit, Layout.of(cfg.placed(mid_layers=shape.layers)))
     except DoesNotFit:
         return cfg, placement
-    offloaded = shape.layers - min(shape.layers, q.gpu_activation_layers) - saved_layers(shape, q)
+    if (q.micro_batch, q.head_slice, q.mlp_chunk_tokens) != \
+            (placement.micro_batch, placement.head_slice, placement.mlp_chunk_tokens):
+        return cfg, placement  # (the time model does not weigh the micro-batches' size: not traded for sums)
+    offloaded = min(shape.layers - min(shape.layers, q.gpu_activation_layers), shape.layers - saved_layers(shape, q))
     if offloaded <= 0:
         return cfg, placement
     ring = cfg.placed(host_grad_buffers=MIN_GRAD_BUFFERS) if auto.host_grad_buffers else cfg
@@ -228,8 +232,11 @@ def mid_layers_that_pay(cfg, auto: "Auto", shape: ModelShape, batch: int, seq: i
     c1 = auto_host(ring.placed(mid_layers=k), shape, batch, seq, mid, ram, weights=False,
                    buffers=auto.host_grad_buffers, spares=False)
     t = step_time(shape, batch, seq, mid, rates, state=cfg.optimizer_state)
-    if t["optimizer_s"] > 0.5 * t["gpu_compute_s"] or \
-            _seconds(c1, shape, batch, seq, mid, rates) >= CHUNK_MARGIN * _seconds(cfg, shape, batch, seq, placement, rates):
+
+    def seconds(c, p: Layout) -> float:
+        return _seconds(c, shape, batch, seq, p, rates, small_head_chunk_cost=SMALL_HEAD_CHUNK_COST)
+
+    if t["optimizer_s"] > 0.5 * t["gpu_compute_s"] or seconds(c1, mid) >= CHUNK_MARGIN * seconds(cfg, placement):
         return cfg, placement
     return c1, mid
 
