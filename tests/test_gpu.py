@@ -540,6 +540,16 @@ def test_saved_layers_on_cuda_train_like_the_recompute(fused, monkeypatch):
     """Kept products on the GPU train bit for bit as the recompute (the same kernels on the same inputs);
     with Liger, whose RoPE rotates Llama's q and k in their projections' memory, the first step multiplies
     those again and later ones keep copies (model/recompute.py)."""
+    ref, ref_losses, got, losses, fewer = _with_and_without(monkeypatch, fused, {}, saved_layers=3)
+    assert losses == ref_losses
+    assert all(torch.equal(got[k], ref[k]) for k in ref)
+    # 3 steps x 3 layers x 2 micro-batches x 6 products not recomputed; with Liger the first step's q and k are
+    assert fewer == 108 - (12 if fused == "liger" else 0)
+
+
+def _with_and_without(monkeypatch, fused: str, placed: dict, **extra):
+    """Llama's training on CUDA in fp32, 3 steps of 2 micro-batches, placed as ``placed`` and with ``extra``
+    too: the state and losses of each, and how many fewer linear products the second ran."""
     if fused == "liger":
         pytest.importorskip("liger_kernel")
     model = build("llama")
@@ -547,13 +557,10 @@ def test_saved_layers_on_cuda_train_like_the_recompute(fused, monkeypatch):
     products = []
     real_linear = torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: products.append(1) or real_linear(*a))
-    ref, ref_losses = cuda_engine_train(model, steps, compute_dtype=torch.float32, fused_ops=fused)
+    ref, ref_losses = cuda_engine_train(model, steps, compute_dtype=torch.float32, fused_ops=fused, **placed)
     ref_products, products[:] = len(products), []
-    got, losses = cuda_engine_train(model, steps, compute_dtype=torch.float32, fused_ops=fused, saved_layers=3)
-    assert losses == ref_losses
-    assert all(torch.equal(got[k], ref[k]) for k in ref)
-    # 3 steps x 3 layers x 2 micro-batches x 6 products not recomputed; with Liger the first step's q and k are
-    assert ref_products - len(products) == 108 - (12 if fused == "liger" else 0)
+    got, losses = cuda_engine_train(model, steps, compute_dtype=torch.float32, fused_ops=fused, **placed, **extra)
+    return ref, ref_losses, got, losses, ref_products - len(products)
 
 
 _ON_SECOND_GPU = """
@@ -652,18 +659,9 @@ def test_mid_layers_on_cuda_train_like_the_recompute(fused, monkeypatch):
     CUDA: with the fused ops the sum's gradient is added in the post-attention norm's pass
     (kernels/rms_norm.py rms_norm_pass) where the recompute's add_rms_norm adds it, within fp32's rounding
     of that sum; one output projection fewer a mid layer and micro-batch."""
-    if fused == "liger":
-        pytest.importorskip("liger_kernel")
-    model = build("llama")
-    steps = [[batch(97, seed=s), batch(97, seed=10 + s)] for s in range(3)]
-    products = []
-    real_linear = torch.nn.functional.linear
-    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: products.append(1) or real_linear(*a))
-    kw = dict(compute_dtype=torch.float32, fused_ops=fused, offload_activations=True, gpu_activation_layers=0)
-    ref, ref_losses = cuda_engine_train(model, steps, **kw)
-    ref_products, products[:] = len(products), []
-    got, losses = cuda_engine_train(model, steps, mid_layers=3, **kw)
+    ref, ref_losses, got, losses, fewer = _with_and_without(
+        monkeypatch, fused, dict(offload_activations=True, gpu_activation_layers=0), mid_layers=3)
     assert losses == pytest.approx(ref_losses, rel=1e-6)
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-7)
-    assert ref_products - len(products) == 3 * 3 * 2  # 3 steps x 3 layers x 2 micro-batches
+    assert fewer == 3 * 3 * 2  # 3 steps x 3 layers x 2 micro-batches
