@@ -656,8 +656,6 @@ class SlideEngine:
         first offloaded ones as placement ``p`` counts (plan/memory.py ``mid_layers``: none with token-chunked
         MLPs, whose recompute would not take them, nor for inputs on the disk), but for saved layers and
         those whose forward cannot take it back (model/recompute.py ``mid_projection``)."""
-        if self.activations.scratch is not None or self.mlp_chunking.tokens is not None:
-            return frozenset()
         return frozenset(i for i in sorted(self.activations.offload_layers)[:mid_layers(self.shape, p)]
                          if i not in self._saved and mid_projection(self.adapter.layers[i]) is not None)
 

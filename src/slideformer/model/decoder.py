@@ -77,7 +77,8 @@ def install(layers: list[nn.Module], recompute, fused: bool) -> int:
 def _forward_of(layer: nn.Module, recompute, fused: bool):
     def forward(hidden_states, attention_mask=None, position_ids=None, past_key_values=None, use_cache=False,
                 position_embeddings=None, **kwargs):
-        if fused and torch.is_grad_enabled():
+        grad = torch.is_grad_enabled()
+        if fused and grad:
             norm = layer.input_layernorm
             h, residual = rms_norm_pass(hidden_states, norm.weight, norm.variance_epsilon)
         else:
@@ -97,11 +98,10 @@ def _forward_of(layer: nn.Module, recompute, fused: bool):
         else:
             residual = residual + h
             h = norm(residual)
-        if not torch.is_grad_enabled():
-            recompute.keep_mid(residual)
         if recompute.recomputing:
             return _UnreadSum.apply(residual, recompute.unread_mlp(layer, h))
-        if not torch.is_grad_enabled():
+        if not grad:
+            recompute.keep_mid(residual)
             return recompute.sum_in_down(layer, residual, lambda: layer.mlp(h))
         return residual + layer.mlp(h)
     return forward

@@ -320,7 +320,7 @@ class LayerRecompute:
         if layer not in self._swiglu:
             self._swiglu[layer] = swiglu_mlp(layer)
         mlp = self._swiglu[layer]
-        if mlp is None or self.casts is not None or not self._active:
+        if mlp is None or self.casts is not None:
             return layer.mlp(x)
         return _UnreadSwiGLUDown.apply(mlp.gate_proj(x), mlp.up_proj(x), mlp.down_proj.weight)
 

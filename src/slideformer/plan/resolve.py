@@ -19,7 +19,7 @@ from .memory import (EFFICIENT_TOKENS, LOSS_CHUNK_TOKENS, MIN_GRAD_BUFFERS, SMAL
                      ModelShape, Layout,
                      auto_host, auto_residency, auto_tier, check_host_fits, choose_window_slots, config_host_bytes,
                      fit, fmt_bytes, gpu_budget, gpu_bytes, held, host_budget, least_layout, nvme_bytes,
-                     nvme_layer_count, parse_bytes, saved_layers, spares_that_fit, step_time)
+                     mid_layers, nvme_layer_count, parse_bytes, spares_that_fit, step_time)
 
 
 @dataclass(frozen=True)
@@ -209,8 +209,7 @@ def mid_layers_that_pay(cfg, auto: "Auto", shape: ModelShape, batch: int, seq: i
     weigh the ring), and without clipping (which holds a buffer per layer); the host weights stay as
     decided. Their GPU share (a layer's sums in backward, and the next one's fetched) is fit()'s; where it
     would change the micro-batches, the sliced head or token chunking, no sums."""
-    c = cfg.placement
-    if not shape.mid_params or c.activations_to_nvme or cfg.max_grad_norm is not None or placement.mlp_chunk_tokens:
+    if not shape.mid_params or cfg.max_grad_norm is not None:
         return cfg, placement
     try:
         q = fit(shape, batch, seq, limit, Layout.of(cfg.placed(mid_layers=shape.layers)))
@@ -219,8 +218,8 @@ def mid_layers_that_pay(cfg, auto: "Auto", shape: ModelShape, batch: int, seq: i
     if (q.micro_batch, q.head_slice, q.mlp_chunk_tokens) != \
             (placement.micro_batch, placement.head_slice, placement.mlp_chunk_tokens):
         return cfg, placement  # (the time model does not weigh the micro-batches' size: not traded for sums)
-    offloaded = min(shape.layers - min(shape.layers, q.gpu_activation_layers), shape.layers - saved_layers(shape, q))
-    if offloaded <= 0:
+    offloaded = mid_layers(shape, q)  # (as many as may keep sums: none on the disk or with token-chunked MLPs)
+    if not offloaded:
         return cfg, placement
     ring = cfg.placed(host_grad_buffers=MIN_GRAD_BUFFERS) if auto.host_grad_buffers else cfg
     none = replace(q, mid_layers=0)
