@@ -391,6 +391,50 @@ def test_resident_edges_train_like_pytorch(family, layers, clip):
                 reference_noise(model, big, lr=1e-3, max_grad_norm=clip, weight_decay=0.1))
 
 
+@pytest.mark.parametrize("family,resident", [("llama", 0), ("qwen3-tied", 1)])
+@pytest.mark.parametrize("clip", [None, 0.05, 1e-9])
+def test_first_layer_updated_on_the_gpu_trains_like_pytorch(family, resident, clip):
+    """The first streamed layer's update on the device (engine/resident.py VisitingUpdate), with accumulation,
+    weight decay and clipping (1e-9: every step clipped hard); its state goes back to the host store each step,
+    and the CPU never updates it."""
+    model = build(family)
+    batches = [[batch(97, seed=s), batch(97, seed=s + 11)] for s in range(3)]
+    big = [{k: torch.cat([m[k] for m in mbs]) for k in ("input_ids", "labels")} for mbs in batches]
+    eng = SlideEngine(model, engine_config(device="cpu", compute_dtype=torch.float32, loss_kernel="torch", lr=1e-3,
+                                           weight_decay=0.1, max_grad_norm=clip, resident_layers=resident,
+                                           gpu_first_update=True))
+    on_cpu, run = [], eng.runtime.updates._run_update
+    eng.runtime.updates._run_update = lambda job: (on_cpu.append(job.unit), run(job))
+    with eng:
+        losses = [eng.train_step(b) for b in batches]
+        state = {k: v.clone() for k, v in eng.state_dict().items()}
+        first = eng.adapter.layer_unit(resident).index
+        assert eng.runtime.visiting.unit == first and eng.runtime.visiting.updates == 3
+    assert first not in on_cpu and first + 1 in on_cpu
+    ref, ref_losses = reference_train(model, big, lr=1e-3, max_grad_norm=clip, weight_decay=0.1)
+    assert_same(state, ref, losses, ref_losses,
+                reference_noise(model, big, lr=1e-3, max_grad_norm=clip, weight_decay=0.1))
+
+
+def test_first_layer_on_the_gpu_survives_checkpoints_and_evaluation(tmp_path):
+    """Resume is bit for bit, and an evaluation between steps reads the new weights from the device."""
+    model = build("llama")
+    steps = [batch(97, seed=s) for s in range(4)]
+    cfg = dict(device="cpu", compute_dtype=torch.float32, loss_kernel="torch", lr=1e-2, gpu_first_update=True)
+    straight, _ = engine_train(model, steps, lr=1e-2, gpu_first_update=True)
+    with SlideEngine(model, engine_config(**cfg)) as e:
+        for b in steps[:2]:
+            e.train_step(b)
+        e.evaluate(steps[0])
+        e.save_checkpoint(tmp_path / "ck")
+        e.train_step(steps[3])  # (the GPU's master is then another step's: the load below must not take it)
+        e.load_checkpoint(tmp_path / "ck")
+        for b in steps[2:]:
+            e.train_step(b)
+        resumed = {k: v.clone() for k, v in e.state_dict().items()}
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
 def test_resident_layers_and_the_nvme_tier_take_opposite_ends(tmp_path):
     """One layer resident (the first), one on the tier (the last), one in RAM (of 3); the training is
     the same as PyTorch's."""

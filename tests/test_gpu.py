@@ -515,6 +515,35 @@ def test_resident_edges_on_cuda_match_pytorch(family):
     assert_near_reference(state, ref, losses, ref_losses, noise)
 
 
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_first_layer_updated_on_cuda_matches_pytorch_and_waits_for_its_copies(clip, monkeypatch):
+    """The first streamed layer's update on the GPU (engine/resident.py VisitingUpdate): its state crosses on
+    the copy streams, so slow copies (sleeps queued ahead of the fetch and of the copy back) must change
+    nothing; and the training is plain PyTorch's within its own GPU noise."""
+    from slideformer.engine.resident import VisitingUpdate
+
+    model = build("llama")
+    batches = [batch(97, seed=s) for s in range(3)]
+    cfg = dict(compute_dtype=torch.float32, lr=1e-2, window_slots=2, max_grad_norm=clip, gpu_first_update=True)
+    fast, losses = cuda_engine_train(model, batches, **cfg)
+    ref, ref_losses = reference_train(model, batches, lr=1e-2, max_grad_norm=clip)
+    assert_near_reference(fast, ref, losses, ref_losses, gpu_noise(model, batches, ref.state_dict(), lr=1e-2,
+                                                                   max_grad_norm=clip))
+    fetch, send_back = VisitingUpdate.fetch, VisitingUpdate.send_back
+
+    def slow(stream, f):
+        def run(self):
+            with torch.cuda.stream(getattr(self.copier, stream)):
+                torch.cuda._sleep(5_000_000)
+            return f(self)
+        return run
+
+    monkeypatch.setattr(VisitingUpdate, "fetch", slow("h2d", fetch))
+    monkeypatch.setattr(VisitingUpdate, "send_back", slow("d2h", send_back))
+    slowed, _ = cuda_engine_train(model, batches, **cfg)
+    assert all(torch.equal(fast[k], slowed[k]) for k in fast)
+
+
 @pytest.mark.parametrize("state", ["fp32", "compact"])
 def test_resume_on_cuda_with_resident_units(tmp_path, state):
     """Resident units' state lives on the GPU only: a checkpoint copies it out, a fresh engine copies it

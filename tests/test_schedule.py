@@ -54,10 +54,13 @@ def test_next_update_prefers_the_lowest_landed_unit():
     assert next_update([5, 4, 3], [True, True, False]) == 1  # unit 4: landed and needed before 5
     assert next_update([5, 4, 3], [False, False, False]) == 0  # none landed: wait for the oldest copy
     assert next_update([0, 9], [True, True]) == 0
-    # the embedding's untouched rows wait for every other ready job, and come before an unready one
+    # the embedding's untouched rows wait for every other job, ready or still landing (the oldest first)
     assert next_update([0, 9], [True, True], background=[True, False]) == 1
-    assert next_update([0, 9], [True, False], background=[True, False]) == 0
-    assert next_update([3, 0, 9], [False, True, False], background=[False, True, False]) == 1
+    assert next_update([0, 9], [True, False], background=[True, False]) == 1
+    assert next_update([3, 0, 9], [False, True, False], background=[False, True, False]) == 0
+    # but not for a job of their own unit queued after them (a unit's jobs run in the order they came)
+    assert next_update([0, 0], [True, False], background=[True, False]) == 0
+    assert next_update([0], [True], background=[True]) == 0
 
 
 def test_resident_units_never_load_and_leave_the_ring_to_the_others():

@@ -32,6 +32,11 @@ class Placement:
     # The embedding and head train on the GPU too, whatever resident_layers says: they are the last
     # gradient of a step and the first weights of the next.
     resident_edges: bool = False
+    # The first streamed layer's update on the GPU: its gradient completes last and the next forward needs
+    # it first, so a CPU update there stalls every step boundary. Its fp32 master and moments (pinned) cross
+    # PCIe both ways each step instead, and take 12 bytes/param of GPU memory around the boundary only.
+    # fp32 state, one process; the planner takes it where the GPU has that room (plan/memory.py fit).
+    gpu_first_update: bool = False
     # GPU window: decoder-layer slots, and how many visits ahead weights stream in (None: two where the
     # slots allow, so that a staged layer's larger copy hides behind two visits).
     window_slots: int = 3

@@ -97,7 +97,7 @@ def plan_record(args, config) -> dict:
             "resident_layers": c.resident_layers, "resident_edges": c.resident_edges, "window_slots": c.window_slots,
             "host_weights": c.host_weights, "host_grad_buffers": c.host_grad_buffers,
             "host_input_bytes": c.host_input_bytes, "micro_batch_tokens": getattr(c, "micro_batch_tokens", None),  # (older srcs: compare_plans.sh)
-            "min_gpu_inputs": getattr(c, "min_gpu_inputs", 0),
+            "min_gpu_inputs": getattr(c, "min_gpu_inputs", 0), "gpu_first_update": getattr(p, "gpu_first_update", False),
             "nvme_fraction": c.nvme_fraction if cfg.offload_dir else None, "problem": plan.problem}
 
 

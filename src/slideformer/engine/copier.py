@@ -21,7 +21,7 @@ class CpuCopier:
     def __init__(self, device: torch.device, profiler: StepProfiler | NullProfiler):
         self.device, self.profiler = device, profiler
 
-    def load(self, dst: torch.Tensor, src: torch.Tensor, staged: bool, used) -> None:
+    def load(self, dst: torch.Tensor, src: torch.Tensor, staged: bool, used, after=None) -> None:
         dst.copy_(src)  # (a staged unit's master is cast here)
 
     def begin_visit(self, loaded) -> None:
@@ -58,6 +58,10 @@ class CpuCopier:
     def consume(self, tensors: list[torch.Tensor], ready) -> None:
         pass
 
+    def copy_on_device(self, dst: torch.Tensor, src: torch.Tensor, after: list):
+        dst.copy_(src)
+        return None
+
     def synchronize(self) -> None:
         pass
 
@@ -80,12 +84,13 @@ class CudaCopier:
     def gpu_bytes(self) -> int:
         return 0 if self._staging is None else self._staging.numel() * 4
 
-    def load(self, dst: torch.Tensor, src: torch.Tensor, staged: bool, used):
-        """Enqueue ``src`` -> ``dst`` on the h2d stream behind ``used`` (the slot's last reader); returns
-        ``loaded``. Runs on the loader thread."""
+    def load(self, dst: torch.Tensor, src: torch.Tensor, staged: bool, used, after=None):
+        """Enqueue ``src`` -> ``dst`` on the h2d stream behind ``used`` (the slot's last reader) and ``after``
+        (a copy that writes ``src``); returns ``loaded``. Runs on the loader thread."""
         with torch.cuda.stream(self.h2d):
-            if used is not None:
-                self.h2d.wait_event(used)
+            for e in (used, after):
+                if e is not None:
+                    self.h2d.wait_event(e)
             start = self.profiler.mark(self.h2d)
             if staged:
                 self._copy_staged(src, dst)
@@ -183,6 +188,17 @@ class CudaCopier:
         pool's, so nothing more to record)."""
         if ready is not None:
             self.compute.wait_event(ready)
+
+    def copy_on_device(self, dst: torch.Tensor, src: torch.Tensor, after: list):
+        """``src`` (a GPU tensor, cast to ``dst``'s dtype) -> ``dst`` on the h2d stream behind the events
+        ``after``; returns the copy's event (a load's ``loaded``)."""
+        with torch.cuda.stream(self.h2d):
+            for e in after:
+                if e is not None:
+                    self.h2d.wait_event(e)
+            dst.copy_(src)
+            src.record_stream(self.h2d)
+            return self.h2d.record_event()
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)

@@ -87,6 +87,8 @@ class _Step:
     rows: torch.Tensor | None = None  # the embedding rows the step's tokens touch (sorted, on the host)
     rows_device: torch.Tensor | None = None  # (and on the device: a tied embedding's by rows, from the head on)
     kept: dict = field(default_factory=dict)  # saved layer -> its products per micro-batch, forward to backward
+    visiting: bool = False  # the first streamed layer's update runs on the GPU this step (``VisitingUpdate``)
+    visiting_slot: object = None  # (its slot, for an update that waits for clipping's coefficient)
 
 
 class Evaluation(NamedTuple):
@@ -208,9 +210,16 @@ class SlideEngine:
         layers = [self.adapter.layer_unit(i).index for i in range(n)]
         k = min(p.resident_layers, n)
         nvme = set(layers[n - nvme_layer_count(self.cfg, n):])
+        # The first streamed layer, updated on the GPU where the placement says so (engine/resident.py
+        # ``VisitingUpdate``): fp32 state in RAM, one process. Its loads copy the GPU's master, so a bf16
+        # host copy would only cost RAM and a copy back each step.
+        first = layers[k] if k < n else None
+        self._gpu_first = first if p.gpu_first_update and first is not None and first not in nvme \
+            and self.cfg.optimizer_state == "fp32" and self.ranks is None else None
         hw = p.host_weights  # units without a compute copy on the host: cast at copy time
         staged = {u.index for u in self.adapter.units} if hw == "staged" else \
             set() if hw == "persistent" else set(layers[n - min(hw, n):])
+        staged |= {self._gpu_first} - {None}
         # Resident units: `resident_layers` decoder layers, and embedding and head with `resident_edges` or
         # when every layer is resident (the whole model then trains on the GPU, as plain training would).
         # Their state is the runtime's, on the GPU; the host store keeps none of it.
@@ -232,11 +241,18 @@ class SlideEngine:
                                nvme_dir=self.cfg.offload_dir, nvme_units=nvme, nvme_buffers=p.nvme_buffers,
                                state=self.cfg.optimizer_state, nvme_master=p.nvme_master,
                                spare_states=speculative_spares(self.cfg, n), resident_units=self.resident,
-                               foreign_units=foreign)
+                               foreign_units=foreign,
+                               gpu_updated_units=set() if self._gpu_first is None else {self._gpu_first})
         # Untied: the head's weights take the embedding's slot after its forward (window/schedule.py).
         self.plan = plan_step(n, p.window_slots, p.lookahead, self.resident,
                               share_edge=not self.adapter.tied)
-        self.runtime = Runtime(self.adapter, self.store, self.cfg, self.plan, self._owner if self.ranks else None)
+        self.runtime = Runtime(self.adapter, self.store, self.cfg, self.plan, self._owner if self.ranks else None,
+                               gpu_updated=self._gpu_first)
+        self._visits_now = self._gpu_first is not None  # (per step under a budget: the placement's, ``_place``)
+        if self._gpu_first is not None:  # its state crosses behind its input, restored by the visit before
+            bwd = next(t for t, v in enumerate(self.plan) if v.unit == self._gpu_first and v.phase == "bwd")
+            head = next(t for t, v in enumerate(self.plan) if v.phase == "head")
+            self._fetch_after = max(bwd - 1, head)
         offload = set(range(max(0, n - p.gpu_activation_layers))) if p.offload_activations else set()
         self.activations = ActivationStore(self.runtime, n, offload,
                                            nvme_dir=self.cfg.offload_dir if p.activations_to_nvme else None)
@@ -292,7 +308,7 @@ class SlideEngine:
             batch = self._place(batch)
         mbs, denom, rows = self._prepare(batch)  # (a refused batch leaves the engine as it was)
         self.last_step_targets = denom  # (the loss is the mean over these, every rank's)
-        st = _Step(mbs=mbs, denom=denom, index=self.store.step + 1, rows=rows)
+        st = _Step(mbs=mbs, denom=denom, index=self.store.step + 1, rows=rows, visiting=self._visits_now)
         rt = self.runtime
         try:
             if self.router_loss is not None:
@@ -317,7 +333,11 @@ class SlideEngine:
                     self._gradient_done(st, v.unit, slot)
                 for nxt in self._loads_after.get(t, ()):
                     rt.load(nxt.unit, rt.slots[nxt.group][nxt.slot], rows.get(nxt.unit))
+                if st.visiting and t == self._fetch_after:
+                    rt.visiting.fetch()
             loss = self._end_step(st)
+            if rt.visiting is not None:
+                rt.visiting.end_step()
         except BaseException as e:
             st.kept.clear()  # (saved layers' products: GPU memory a held traceback would otherwise keep)
             self._failed = f"step {st.index} raised {type(e).__name__}"
@@ -348,7 +368,10 @@ class SlideEngine:
             for unit, sent in sorted(st.finished, key=lambda f: f[0]):
                 if sent is not None and sent.rows is not None and finite:  # the embedding's untouched rows first
                     rt.updates.submit(UpdateJob(unit, None, st.index, self.lr, coef, rest=self._untouched(st)))
-                if unit not in self.resident:
+                if st.visiting and unit == self._gpu_first:
+                    if finite:
+                        rt.visiting.update(st.visiting_slot, st.index, self.lr, coef)
+                elif unit not in self.resident:
                     rt.updates.submit(UpdateJob(unit, sent, st.index, self.lr, coef))
                 elif finite:
                     rt.resident.update(unit, st.index, self.lr, coef)
@@ -615,6 +638,15 @@ class SlideEngine:
             return
         if not owned:  # another rank's unit: its owner sends the gradient and updates it
             return
+        if unit == self._gpu_first:
+            if st.visiting:  # its state is on the GPU by now (``fetch``)
+                if self.cfg.max_grad_norm is None:
+                    self.runtime.visiting.update(slot, st.index, self.lr, 1.0)
+                else:
+                    st.finished.append((unit, None))
+                    st.visiting_slot = slot
+                return
+            self.runtime.visiting.synchronize()  # (a CPU update reads the host state a visit wrote back)
         sent = self.runtime.send_grads(unit, slot, rows)
         if self.cfg.max_grad_norm is None:
             self.runtime.updates.submit(UpdateJob(unit, sent, st.index, self.lr, 1.0))
@@ -638,6 +670,7 @@ class SlideEngine:
             self._placements[key] = fit(self.shape, *key, self._limit, Layout.of(self.cfg))
         p = self._placements[key]
         n = self.adapter.num_layers
+        self._visits_now = self._gpu_first is not None and p.gpu_first_update
         self.activations.offload_layers = set(range(max(0, n - p.gpu_activation_layers)))
         self.mlp_chunking.tokens = p.mlp_chunk_tokens
         self._saved = self._last_layers(saved_layers(self.shape, p))
@@ -796,6 +829,8 @@ class SlideEngine:
         self._usable("load a checkpoint")
         self.synchronize()
         state = ckpt_state.load_checkpoint(path, self.adapter, self.store, self.ranks)
+        if self.runtime.visiting is not None:
+            self.runtime.visiting.forget()
         self.lr = float(state.get("lr", self.lr))
         return state
 
@@ -810,11 +845,12 @@ class SlideEngine:
         threads = self.cfg.tuning.optimizer_threads or native.default_threads()
         parts = [f"{size} params, {str(self.cfg.compute_dtype).replace('torch.', '')} on {self.device}",
                  f"trained on the device: {kept}{' + embedding and head' if edges else ''}",
-                 f"streamed: {n - layers} layers through {self.cfg.placement.window_slots} slots",
+                 f"streamed: {n - layers} layers through {self.cfg.placement.window_slots} slots"
+                 + (" (the first one's update on the device)" if self._gpu_first is not None else ""),
                  f"fused ops {self.fused_ops}",
                  f"CPU AdamW {self.runtime.updates.backend} on {threads} thread{'s' * (threads != 1)}, "
                  f"{self.cfg.optimizer_state} state"]
-        staged = len(self.store.staged)
+        staged = len(self.store.staged - {self._gpu_first})
         if staged:  # RAM-bound choices, which cost time: said where they were made
             every = staged == len(ad.units) - len(self.resident)
             parts.append("no bf16 host copy: the fp32 master crosses PCIe" if every else

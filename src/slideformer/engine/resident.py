@@ -82,16 +82,117 @@ class ResidentState:
             compact_adamw_(slot.params[:n], master, slot.grads[:n], m, v, step=step, lr=lr, betas=c.betas, eps=c.eps,
                            weight_decay=c.weight_decay, grad_coef=grad_coef, seed=compact_seed(c.seed, unit))
         else:
-            step_t = self._step[unit]
-            step_t.fill_(float(step))
-            for a in range(0, n, RESIDENT_PIECE):
-                b = min(n, a + RESIDENT_PIECE)
-                g = slot.grads[a:b].float()
-                if grad_coef != 1.0:
-                    g.mul_(grad_coef)
-                torch._fused_adamw_([master[a:b]], [g], [m[a:b]], [v[a:b]], [], [step_t], lr=lr, beta1=c.betas[0],
-                                    beta2=c.betas[1], weight_decay=c.weight_decay, eps=c.eps, amsgrad=False,
-                                    maximize=False)
-            slot.params[:n].copy_(master)
+            fused_adamw_(master, m, v, slot, self._step[unit], step, lr, grad_coef, c)
         if self.compute is not None:  # GPU work between visits: not idle time
             self.profiler.copy("gpu_adamw", start, self.profiler.mark(self.compute))
+
+
+def fused_adamw_(master, m, v, slot: Slot, step_t: torch.Tensor, step: int, lr: float, grad_coef: float, c) -> None:
+    """fp32 AdamW from the slot's gradient (torch's fused kernel, in pieces: the fp32 gradient it needs is
+    that large, not the unit's), then the slot's weights from the new master."""
+    n = master.numel()
+    step_t.fill_(float(step))
+    for a in range(0, n, RESIDENT_PIECE):
+        b = min(n, a + RESIDENT_PIECE)
+        g = slot.grads[a:b].float()
+        if grad_coef != 1.0:
+            g.mul_(grad_coef)
+        torch._fused_adamw_([master[a:b]], [g], [m[a:b]], [v[a:b]], [], [step_t], lr=lr, beta1=c.betas[0],
+                            beta2=c.betas[1], weight_decay=c.weight_decay, eps=c.eps, amsgrad=False, maximize=False)
+    slot.params[:n].copy_(master)
+
+
+class VisitingUpdate:
+    """The first streamed decoder layer's update on the GPU (``Placement.gpu_first_update``).
+
+    Its gradient completes last of the layers and the next forward needs its weights first, so a CPU
+    update of it would stall the GPU at every step boundary. Instead its fp32 master and moments cross to
+    the GPU while backward reaches it (``fetch``), the update runs on the compute stream as a resident
+    unit's does (``update``), the next load of the unit copies the new weights from the GPU's master
+    (``load``), and the state goes back to the host store once that forward has read them (``send_back``).
+    The state crosses beside the step boundary, never through it: the fetch queues behind the unit's own
+    restored input, and the copy back waits until the CPU's boundary jobs (the embedding's touched rows)
+    are done, since 2.6 GB of DMA into host memory at the boundary would slow them (Llama-8B's layer).
+    The host store stays the state's owner: whoever reads it (a checkpoint, the next fetch, a load from
+    the host, a CPU update in a step that does not visit) sends a pending state back and waits for
+    ``landed`` first (``synchronize``, or in stream order). The unit's ``updated`` flag is never cleared
+    for this: no host thread takes part."""
+
+    def __init__(self, unit: int, store, copier, cfg, profiler):
+        self.unit, self.store, self.copier, self.cfg, self.profiler = unit, store, copier, cfg, profiler
+        self._step = torch.zeros((), dtype=torch.float32, device=cfg.device)
+        self._fetched = None  # ([master, exp_avg, exp_avg_sq] on the GPU, their copy's event)
+        self._updated = None  # the same after an update, and the slot it wrote, until send_back
+        self._fresh = None  # the new master on the GPU and the update's event, until a load has read it
+        self.landed = None  # the event after the last send_back's copies (None on the CPU: copies are done)
+        self.updates = 0  # updates run on the GPU (tests check the path is taken)
+
+    def _host(self) -> list[torch.Tensor]:
+        st = self.store.state_fields(self.unit)
+        return [st["master"], st["exp_avg"], st["exp_avg_sq"]]
+
+    def fetch(self) -> None:
+        """The state to the GPU on the h2d stream, behind the last send_back."""
+        self.send_back()
+        self._fetched = self.copier.to_device(self._host(), self.landed)
+
+    def update(self, slot: Slot, step: int, lr: float, grad_coef: float) -> None:
+        """AdamW from the slot's gradient into the fetched state and the slot's weights, on the compute stream."""
+        (master, m, v), ready = self._fetched
+        self._fetched = None
+        cuda = self.copier.compute is not None
+        start = self.profiler.mark(self.copier.compute) if cuda else None
+        self.copier.consume([master, m, v], ready)
+        fused_adamw_(master, m, v, slot, self._step, step, lr, grad_coef, self.cfg)
+        done = self.copier.read_done()
+        slot.used = done  # (the update wrote the slot after its visit ended)
+        self._updated, self._fresh = ([master, m, v], slot), (master, done)
+        self.updates += 1
+        if cuda:  # GPU work between visits: not idle time
+            self.profiler.copy("gpu_adamw", start, self.profiler.mark(self.copier.compute))
+
+    def end_step(self) -> None:
+        """After a step: a state fetched for a step that was dropped is let go, and the host's compute copy of
+        the weights, if it has one, leaves the slot the update wrote (before another load takes that slot).
+        The state itself stays until ``send_back``."""
+        self._fetched = None
+        self._send_weights()
+
+    def _send_weights(self) -> None:
+        if self._updated is None or self._updated[1] is None:
+            return
+        state, slot = self._updated
+        self._updated = (state, None)
+        w = self.store.weights[self.unit]
+        if self.store.weights is not self.store.master and w is not None:  # (else the master is the copy)
+            self.landed = self.copier.to_host([w], [slot.params[: w.numel()]])
+            if self.landed is not None:
+                slot.used = self.landed  # the copy reads the slot: its next load waits for it
+
+    def send_back(self) -> None:
+        """The updated state to the host store on the d2h stream, behind the compute enqueued so far."""
+        if self._updated is None:
+            return
+        self._send_weights()
+        (master, m, v), _ = self._updated
+        self._updated = None
+        self.landed = self.copier.to_host(self._host(), [master, m, v])
+
+    @property
+    def fresh(self) -> bool:
+        return self._fresh is not None
+
+    def load(self, dst: torch.Tensor, used):
+        """The unit's next load, from the GPU's master (cast to the slot's dtype); returns ``loaded``."""
+        master, done = self._fresh
+        self._fresh = None
+        return self.copier.copy_on_device(dst, master, [used, done])
+
+    def forget(self) -> None:
+        """The host state was written (a checkpoint loaded): the GPU's master is stale."""
+        self._fresh = None
+
+    def synchronize(self) -> None:
+        self.send_back()
+        if self.landed is not None:
+            self.landed.synchronize()

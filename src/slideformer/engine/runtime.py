@@ -82,7 +82,7 @@ from .copier import copier_for, on_device
 from .disk import DiskIO, Failure
 from .profile import NullProfiler, StepProfiler
 from .updates import SentGrads, Updates
-from .resident import ResidentState
+from .resident import ResidentState, VisitingUpdate
 
 ROWS_PIECE = 2048  # staged embedding rows gathered and cast this many at a time (32 MiB of fp32 at hidden 4096)
 STAGING_ELEMS = 16 * 2**20  # "staged" host weights: the master crosses in 16M-element (64 MiB) pieces, cast on the GPU
@@ -120,8 +120,9 @@ _SWITCH_INTERVAL = _SwitchInterval()
 
 class Runtime:
     def __init__(self, adapter: ModelAdapter, store: HostStore, cfg: EngineConfig, plan: list[Visit],
-                 owner: list[int] | None = None):
-        """``owner``: each unit's rank under data parallel (parallel.py), else None."""
+                 owner: list[int] | None = None, gpu_updated: int | None = None):
+        """``owner``: each unit's rank under data parallel (parallel.py), else None. ``gpu_updated``: a host
+        unit whose update may run on the GPU (engine/resident.py ``VisitingUpdate``)."""
         self.adapter, self.store, self.cfg, self.owner = adapter, store, cfg, owner
         self.device = torch.device(cfg.device)
         cuda = self.device.type == "cuda"
@@ -143,6 +144,8 @@ class Runtime:
         self.resident = ResidentState(self.slots["resident"], {u: adapter.units[u].numel for u in resident},
                                       store.state_format, cfg, self.copier.compute, self.profiler)
         store.attach_gpu(self.resident)
+        self.visiting = VisitingUpdate(gpu_updated, store, self.copier, cfg, self.profiler) \
+            if gpu_updated is not None else None
         self.failure = Failure()  # the first failure in any thread (engine/disk.py)
         self.disk = DiskIO(store.tier, self.failure, self.device)  # (engine/disk.py)
         self.updates = Updates(adapter, store, cfg, self.disk, self.failure, self.profiler)
@@ -188,6 +191,10 @@ class Runtime:
         slot.shared_by = None if self.owner is None else self.owner[unit]
         if not self.store.owns(unit):
             slot.issued = None
+            return
+        if self._visiting(unit) and self.visiting.fresh and rows is None:  # (its new weights are on the GPU)
+            n = self.adapter.units[unit].numel
+            slot.loaded, slot.issued = self.visiting.load(slot.params[:n], slot.used), None
             return
         slot.issued = threading.Event()
         # The slot's last reader is enqueued before this request (window.schedule guarantees it), so the
@@ -247,7 +254,8 @@ class Runtime:
             return
         w = self.store.weights[unit]  # (None: staged, cast from the master)
         slot.loaded = self.copier.load(slot.params[:n], w if w is not None else self.store.master[unit],
-                                       staged=w is None, used=used)
+                                       staged=w is None, used=used,
+                                       after=self.visiting.landed if self._visiting(unit) else None)
 
     def _load_rows(self, unit: int, slot: Slot, rows: torch.Tensor, used):
         """An embedding's rows a step touches, packed into the slot (engine/embedding.py): gathered on the
@@ -289,6 +297,9 @@ class Runtime:
             self._tier_turn, self._tier_copied[k] = k, loaded
         return loaded
 
+    def _visiting(self, unit: int) -> bool:
+        return self.visiting is not None and unit == self.visiting.unit
+
     def begin_compute(self, slot: Slot) -> None:
         self._issued(slot)
         self.copier.begin_visit(slot.loaded)
@@ -316,6 +327,8 @@ class Runtime:
 
     def end_compute(self, slot: Slot, unit: int) -> None:
         slot.used = self.copier.end_visit(unit)
+        if self._visiting(unit):  # its next visit after an update has read the new weights: the state goes back
+            self.visiting.send_back()
 
     def begin_grads(self, slot: Slot) -> None:
         self.copier.wait(slot.grads_sent)
@@ -339,6 +352,8 @@ class Runtime:
         """Wait until every queued update has been applied and written (before reading or saving state)."""
         for u in range(len(self.updates.updated)):
             self.updates.wait_updated(u)
+        if self.visiting is not None:
+            self.visiting.synchronize()
         self.disk.join_writes()
         self._raise_worker_error()
 

@@ -74,7 +74,10 @@ class HostStore:
     def __init__(self, units: list[UnitSpec], compute_dtype: torch.dtype, pin: bool, staged_units: set[int] = frozenset(),
                  host_grad_buffers: int | None = None, nvme_dir=None, nvme_units: set[int] = frozenset(),
                  nvme_buffers: int = 4, state: str = "fp32", nvme_master: bool = False, spare_states: int = 0,
-                 resident_units: set[int] = frozenset(), foreign_units: set[int] = frozenset()):
+                 resident_units: set[int] = frozenset(), foreign_units: set[int] = frozenset(),
+                 gpu_updated_units: set[int] = frozenset()):
+        """``gpu_updated_units``: host units whose update runs on the GPU (engine/resident.py ``VisitingUpdate``):
+        their master and moments are pinned, since they cross PCIe both ways every step."""
         self.units = units
         self.resident_units, self.nvme_units = frozenset(resident_units), frozenset(nvme_units)
         self.foreign_units = frozenset(foreign_units)
@@ -99,7 +102,8 @@ class HostStore:
             # whose masters get an arena of their own: the others' stay pageable).
             with_master = in_ram if self.nvme_master else host
             on_tier_master = [u for u in host if u.index in nvme_units] if self.nvme_master else []
-            read = [u for u in with_master if compute_dtype == master_dtype or u.index in staged_units]
+            read = [u for u in with_master if compute_dtype == master_dtype or u.index in staged_units
+                    or u.index in gpu_updated_units]
             pinned_part = _some(units, read, master_dtype, pin, self._registered)
             read_ix = {u.index for u in read}
             rest = _some(units, [u for u in with_master if u.index not in read_ix], master_dtype, False, self._registered)
@@ -108,8 +112,15 @@ class HostStore:
             self.master_lo = _some(units, with_master, torch.bfloat16, False, self._registered) if compact else None
             self.moment_dtype = moment_dtype = formats.moment_dtype(state)
             self.moment_numel = size = functools.partial(formats.moment_numel, state)
-            self.exp_avg = _some(units, in_ram, moment_dtype, False, self._registered, size)
-            self.exp_avg_sq = _some(units, in_ram, moment_dtype, False, self._registered, size)
+            crossing = [u for u in in_ram if u.index in gpu_updated_units]
+            others = [u for u in in_ram if u.index not in gpu_updated_units]
+
+            def moments():  # (pinned where they cross PCIe)
+                return [a if a is not None else b for a, b in zip(
+                    _some(units, crossing, moment_dtype, pin, self._registered, size),
+                    _some(units, others, moment_dtype, False, self._registered, size))]
+            self.exp_avg = moments()
+            self.exp_avg_sq = moments()
             if nvme_units:
                 from .nvme import NvmeTier
 

@@ -212,6 +212,9 @@ class Layout:
     prefer_tokens: int | None = None  # None: LARGE_TOKENS
     fp8: bool = False  # the layers' linears in FP8: the visited layer's weights keep two e4m3 casts (model/fp8.py)
     min_gpu_inputs: int = 0  # fit() keeps at least this many layer inputs on the GPU where any placement does
+    # the first streamed layer's fp32 state on the GPU around the step boundary (Placement.gpu_first_update);
+    # fit() keeps it only where it fits beside what it chose without it
+    gpu_first_update: bool = False
 
     @classmethod
     def of(cls, cfg, **kw) -> "Layout":
@@ -227,7 +230,8 @@ class Layout:
                    mid_layers=0 if cfg.placement.activations_to_nvme else cfg.placement.mid_layers,
                    compute_bytes=cfg.compute_dtype.itemsize,
                    host_input_bytes=cfg.placement.host_input_bytes, prefer_tokens=cfg.placement.micro_batch_tokens,
-                   fp8=cfg.fp8, min_gpu_inputs=cfg.placement.min_gpu_inputs, **kw)
+                   fp8=cfg.fp8, min_gpu_inputs=cfg.placement.min_gpu_inputs,
+                   gpu_first_update=cfg.placement.gpu_first_update, **kw)
 
     def edges_resident(self, shape: "ModelShape") -> bool:
         return self.resident_edges or self.resident_layers >= shape.layers
@@ -275,10 +279,16 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: i
                           # eager attention's scores and their softmax, kept for backward (about 16 bytes an entry)
                           + min(batch, p.micro_batch) * shape.eager_heads * seq * seq * 16,
     }
+    # The first streamed layer's state on the GPU (Placement.gpu_first_update) from the visit before its
+    # backward into the next forward: the kept inputs and saved products are the last layers', spent by then;
+    # two layers' inputs and a layer's backward beside it.
+    first = p.gpu_first_update and k < shape.layers and p.resident_state_bytes == 12 and shape.ranks == 1
+    out["first_update"] = 12 * shape.layer_params if first else 0
     # (the embedding's backward, last, holds the hidden gradient, a micro-batch's rows and, by rows, a packed
     # block of at most T rows: under the loss head's share, which holds at least T x H values beside those)
-    out["peak"] = int(SAFETY * (out["window"] + out["activations"] + out["saved_products"] + out["hidden_flow"]
-                                + max(out["loss_head"], out["layer_backward"])))
+    out["peak"] = int(SAFETY * (out["window"] + out["hidden_flow"] + max(
+        out["activations"] + out["saved_products"] + max(out["loss_head"], out["layer_backward"]),
+        (out["first_update"] + 2 * T * H * dtype_bytes + out["layer_backward"]) if first else 0)))
     return out
 
 
@@ -787,7 +797,14 @@ def fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout = Layo
     ``base`` fixes the window, loss and resident layers; micro-batch and kept activations are chosen, then
     the loss head's chunk (unless ``base`` fixes it: then at most that, where a larger shape than the one
     it was chosen for needs less), and token-chunked MLPs where nothing fits without them.
+    ``base.gpu_first_update`` is kept only where it fits beside that choice (it never costs kept inputs).
     Raises DoesNotFit with the largest batch that would fit."""
+    p = _fit_chunks(shape, batch, seq, limit, replace(base, gpu_first_update=False))
+    first = replace(p, gpu_first_update=True)
+    return first if base.gpu_first_update and gpu_bytes(shape, batch, seq, first)["peak"] <= limit else p
+
+
+def _fit_chunks(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout) -> Layout:
     try:
         return _fit(shape, batch, seq, limit, base)
     except DoesNotFit:
@@ -921,7 +938,9 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
     # rank's share bounds the step. ``rates`` are then one rank's share of what the machine's ranks share
     # (Machine.rank_rates: the CPU's cores, the disk).
     mine = max(held(shape, p), key=lambda h: h[1] + len(h[0]) * shape.layer_params)
-    on_cpu = mine[1] + len(mine[0]) * shape.layer_params
+    # the first streamed layer updated on the GPU: its state crosses both ways instead (counted on the h2d side)
+    first = gpu_bytes(shape, batch, seq, p)["first_update"]
+    on_cpu = mine[1] + len(mine[0]) * shape.layer_params - first // 12
     nvme_layers = sum(i >= shape.layers - min(nvme_layers, shape.layers) for i in mine[0])
     reused = min(p.window_slots, shape.layers - k) * shape.layer_params  # the backward's first layers, kept
     streamed = max(0, on_cpu - reused // shape.ranks)
@@ -962,7 +981,7 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
         "activations_s": (offloaded + mids) * tokens * shape.hidden * 2 / rates.pcie_bytes_per_s,
         "optimizer_s": on_cpu / cpu_rate,
         # bf16 weights, about twice a step; staged parameters cross as their fp32 master
-        "h2d_s": 2 * (2 * streamed + 2 * min(staged_params, streamed)) / rates.pcie_bytes_per_s,
+        "h2d_s": (2 * (2 * streamed + 2 * min(staged_params, streamed)) + first) / rates.pcie_bytes_per_s,
         # the tier's state read and written once a step, offloaded layer inputs out and back, and the
         # weights the window reads from the tier for forward and again for backward (compact state's; fp32
         # state's staged layers' master)

@@ -149,6 +149,8 @@ def _resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: 
         cfg = replace(cfg.placed(**auto_residency(cfg, shape, batch, seq, auto.resident_edges, machine.gpu,
                                                                  rates, ram)),
                       gpu_memory_limit=budget)
+    if on_gpu and cfg.optimizer_state == "fp32" and shape.ranks == 1:  # (fit keeps it where it fits)
+        cfg = cfg.placed(gpu_first_update=True)
     gpu, limit, problem, binds = None, None, None, None
     placement = Layout.of(cfg, micro_batch=micro_batch or batch)
     if on_gpu:

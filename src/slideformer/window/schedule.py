@@ -100,7 +100,7 @@ def next_update(units: list[int], ready: list[bool], background: list[bool] | No
 
     The lowest unit whose gradient has landed: the next forward consumes units in increasing order,
     so this lets it start as early as possible. ``background`` jobs (the embedding's rows a step did
-    not touch, due only by the next step) run when no other is ready. If none is ready, the oldest job
+    not touch, due only by the next step) run when no other job can run or wait. If none is ready, the oldest job
     (index 0), whose gradient copy was enqueued first and so finishes first. The caller marks a job not
     ready while an older one of its unit is pending: a unit's jobs run in the order they came.
     """
@@ -108,4 +108,10 @@ def next_update(units: list[int], ready: list[bool], background: list[bool] | No
     landed = [i for i, r in enumerate(ready) if r and not background[i]]
     if landed:
         return min(landed, key=lambda i: units[i])
+    # A due job whose gradient is still in flight comes before a background one: it lands within a copy's
+    # time, and the next forward may wait for it (the embedding's touched rows at the step boundary), while
+    # a background job takes as long as a layer's update.
+    due = [i for i, u in enumerate(units) if not background[i] and u not in units[:i]]
+    if due:
+        return due[0]
     return next((i for i, r in enumerate(ready) if r), 0)
