@@ -35,10 +35,13 @@ def masters(eng):
 @pytest.mark.parametrize("spares", [0, 2])  # updates waiting for the norm; speculative ones run before it
 @pytest.mark.parametrize("what", ["grad", "loss"])
 @pytest.mark.parametrize("resident", [0, 1])
-def test_a_nonfinite_step_is_dropped_under_clipping(monkeypatch, spares, what, resident):
+@pytest.mark.parametrize("gpu_first", [False, True])  # (the first streamed layer's update on the device)
+def test_a_nonfinite_step_is_dropped_under_clipping(monkeypatch, spares, what, resident, gpu_first):
     """A, with a poisoned step between two good ones, ends bit-identical to B, which never saw it."""
     model = build("llama")
-    cfg = EngineConfig(device="cpu", compute_dtype=torch.float32, lr=1e-2, max_grad_norm=1.0, placement=Placement(speculative_layers=spares, resident_layers=resident), tuning=Tuning(loss_kernel="torch"))
+    cfg = EngineConfig(device="cpu", compute_dtype=torch.float32, lr=1e-2, max_grad_norm=1.0,
+                       placement=Placement(speculative_layers=spares, resident_layers=resident,
+                                           gpu_first_update=gpu_first), tuning=Tuning(loss_kernel="torch"))
     with SlideEngine(model, cfg) as a, SlideEngine(model, cfg) as b:
         a.train_step(batch(97, seed=0))
         b.train_step(batch(97, seed=0))
@@ -53,6 +56,7 @@ def test_a_nonfinite_step_is_dropped_under_clipping(monkeypatch, spares, what, r
         assert not a.last_step_dropped and a.store.step == b.store.step == 2
         ma, mb = masters(a), masters(b)
         assert all(torch.equal(ma[k], mb[k]) for k in ma)
+        assert (a.runtime.visiting is not None and a.runtime.visiting.updates == 2) == gpu_first
         if spares:  # (undone after the verdict, or, where the worker had not begun them by then, never run:
             # which of the two depends on the threads' timing, so either counts)
             spec = a.runtime.updates.speculation
@@ -79,10 +83,13 @@ def test_a_nonfinite_state_is_never_saved(tmp_path, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("spares", [0, 2])
-def test_a_nonfinite_step_is_dropped_on_cuda(monkeypatch, spares):
+@pytest.mark.parametrize("gpu_first", [False, True])
+def test_a_nonfinite_step_is_dropped_on_cuda(monkeypatch, spares, gpu_first):
     """The same on the GPU, streams and events included: the poisoned step leaves no trace."""
     model = build("llama")
-    cfg = EngineConfig(device="cuda", compute_dtype=torch.float32, lr=1e-2, max_grad_norm=1.0, placement=Placement(speculative_layers=spares, resident_layers=1), tuning=Tuning(loss_kernel="torch"))
+    cfg = EngineConfig(device="cuda", compute_dtype=torch.float32, lr=1e-2, max_grad_norm=1.0,
+                       placement=Placement(speculative_layers=spares, resident_layers=1, gpu_first_update=gpu_first),
+                       tuning=Tuning(loss_kernel="torch"))
     with SlideEngine(model, cfg) as a, SlideEngine(model, cfg) as b:
         a.train_step(batch(97, seed=0))
         b.train_step(batch(97, seed=0))
@@ -93,6 +100,7 @@ def test_a_nonfinite_step_is_dropped_on_cuda(monkeypatch, spares):
         b.train_step(batch(97, seed=2))
         ma, mb = masters(a), masters(b)
         assert all(torch.equal(ma[k], mb[k]) for k in ma)
+        assert (a.runtime.visiting is not None and a.runtime.visiting.updates == 2) == gpu_first
 
 
 @pytest.mark.parametrize("what", ["grad", "loss"])

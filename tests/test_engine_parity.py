@@ -416,6 +416,27 @@ def test_first_layer_updated_on_the_gpu_trains_like_pytorch(family, resident, cl
                 reference_noise(model, big, lr=1e-3, max_grad_norm=clip, weight_decay=0.1))
 
 
+@pytest.mark.parametrize("clip", [None, 0.05])
+@pytest.mark.parametrize("pattern", [(1, 0, 1, 0, 1), (0, 1, 1, 0, 0)])
+def test_first_layer_on_the_gpu_in_some_steps_only_trains_like_pytorch(clip, pattern):
+    """Under a budget each step's plan says whether the first streamed layer's update runs on the device
+    (engine._place): a step that updates it on the CPU takes the state a visiting step left on the device,
+    and a visiting step the state a CPU update wrote."""
+    model = build("llama")
+    steps = [batch(97, seed=s) for s in range(len(pattern))]
+    cfg = engine_config(device="cpu", compute_dtype=torch.float32, loss_kernel="torch", lr=1e-2, max_grad_norm=clip,
+                        gpu_first_update=True)
+    with SlideEngine(model, cfg) as e:
+        losses = []
+        for b, visits in zip(steps, pattern):
+            e._visits_now = bool(visits)  # (what _place sets from the step's plan)
+            losses.append(e.train_step(b))
+        state = {k: v.clone() for k, v in e.state_dict().items()}
+        assert e.runtime.visiting.updates == sum(pattern)
+    ref, ref_losses = reference_train(model, steps, lr=1e-2, max_grad_norm=clip)
+    assert_same(state, ref, losses, ref_losses, reference_noise(model, steps, lr=1e-2, max_grad_norm=clip))
+
+
 def test_first_layer_on_the_gpu_survives_checkpoints_and_evaluation(tmp_path):
     """Resume is bit for bit, and an evaluation between steps reads the new weights from the device."""
     model = build("llama")

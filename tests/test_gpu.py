@@ -544,6 +544,50 @@ def test_first_layer_updated_on_cuda_matches_pytorch_and_waits_for_its_copies(cl
     assert all(torch.equal(fast[k], slowed[k]) for k in fast)
 
 
+def test_first_layer_state_held_on_cuda_is_back_before_the_host_store_is_read(tmp_path, monkeypatch):
+    """Its state stays on the GPU from the update into the next forward: a step that updates the layer on
+    the CPU, an evaluation and a checkpoint between steps must each read the host store after the state is
+    back, however late the copy back runs (a sleep queued ahead of it)."""
+    from slideformer.engine.resident import VisitingUpdate
+
+    model = build("llama")
+    steps = [batch(97, seed=s) for s in range(4)]
+    cfg = engine_config(device="cuda", compute_dtype=torch.float32, lr=1e-2, window_slots=2, gpu_first_update=True)
+
+    def run(checkpoint=None):
+        with SlideEngine(model, cfg) as e:
+            losses, mid = [], None
+            for i, (b, visits) in enumerate(zip(steps, (1, 0, 1, 1))):
+                e._visits_now = bool(visits)  # (what _place sets from the step's plan)
+                losses.append(e.train_step(b))
+                if i == 2:
+                    losses.append(e.evaluate(steps[0]).loss)
+                    if checkpoint is not None:
+                        e.save_checkpoint(checkpoint)
+                    else:
+                        mid = {k: v.clone() for k, v in e.state_dict().items()}
+            assert e.runtime.visiting.updates == 3
+            return {k: v.clone() for k, v in e.state_dict().items()}, losses, mid
+
+    state, losses, mid = run()
+    send_back = VisitingUpdate.send_back
+
+    def late(self):
+        with torch.cuda.stream(self.copier.d2h):
+            torch.cuda._sleep(50_000_000)
+        return send_back(self)
+
+    monkeypatch.setattr(VisitingUpdate, "send_back", late)
+    slow, slow_losses, _ = run(tmp_path / "ck")
+    assert slow_losses == losses
+    assert all(torch.equal(state[k], slow[k]) for k in state)
+    monkeypatch.undo()
+    with SlideEngine(model, cfg) as e:
+        e.load_checkpoint(tmp_path / "ck")
+        saved = e.state_dict()
+        assert all(torch.equal(mid[k], saved[k]) for k in mid)
+
+
 @pytest.mark.parametrize("state", ["fp32", "compact"])
 def test_resume_on_cuda_with_resident_units(tmp_path, state):
     """Resident units' state lives on the GPU only: a checkpoint copies it out, a fresh engine copies it

@@ -438,6 +438,30 @@ def test_fit_prefers_gpu_activations_then_offloads_then_refuses():
         fit(sh, 8, 1024, 4 * GiB)
 
 
+def test_the_first_layers_gpu_update_is_kept_only_where_its_state_fits_beside_what_is_alive():
+    """Its 12 bytes a parameter sit on the GPU from the visit before its backward into the next forward,
+    beside the inputs of the layers before it that are kept on the GPU (all of them where every input is)."""
+    sh = shape("llama3-8b")
+    base = Layout(resident_layers=sh.layers - 2, gpu_activation_layers=sh.layers, micro_batch=8)
+    first = replace(base, gpu_first_update=True)
+    T, H = 64 * 1024, sh.hidden
+    b, f = gpu_bytes(sh, 64, 1024, base), gpu_bytes(sh, 64, 1024, first)
+    assert f["first_update"] == 12 * sh.layer_params and b["first_update"] == 0
+    # the inputs of every layer to the first streamed one alive beside its state and a layer's backward
+    assert f["peak"] >= int(1.0 * (f["window"] + f["hidden_flow"] + f["first_update"] + (sh.layers - 1) * T * H * 2
+                                   + f["layer_backward"]))
+    assert f["peak"] > b["peak"]
+    # fit keeps it only where its own choice's peak with it fits, and gives nothing else up for it
+    kept = set()
+    for limit in (b["peak"] + 1, (b["peak"] + f["peak"]) // 2, f["peak"] + 1, 1000 * GiB):
+        without, with_ = fit(sh, 64, 1024, limit, base), fit(sh, 64, 1024, limit, first)
+        assert replace(with_, gpu_first_update=False) == without
+        fits = gpu_bytes(sh, 64, 1024, replace(without, gpu_first_update=True))["peak"] <= limit
+        assert with_.gpu_first_update == fits
+        kept.add(fits)
+    assert kept == {False, True}
+
+
 def test_fit_slices_the_head_gradient_only_where_it_pays():
     """The lm_head gradient's fp32 accumulator (1.5 GiB at Qwen3-4B) goes by vocabulary slices where
     nothing fits with it, or where that buys micro-batches of EFFICIENT_TOKENS; not where memory is ample.

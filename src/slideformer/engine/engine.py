@@ -671,6 +671,8 @@ class SlideEngine:
         p = self._placements[key]
         n = self.adapter.num_layers
         self._visits_now = self._gpu_first is not None and p.gpu_first_update
+        if self._gpu_first is not None and not self._visits_now:  # (this plan has no room for a held state)
+            self.runtime.visiting.release()
         self.activations.offload_layers = set(range(max(0, n - p.gpu_activation_layers)))
         self.mlp_chunking.tokens = p.mlp_chunk_tokens
         self._saved = self._last_layers(saved_layers(self.shape, p))
@@ -830,7 +832,7 @@ class SlideEngine:
         self.synchronize()
         state = ckpt_state.load_checkpoint(path, self.adapter, self.store, self.ranks)
         if self.runtime.visiting is not None:
-            self.runtime.visiting.forget()
+            self.runtime.visiting.release()
         self.lr = float(state.get("lr", self.lr))
         return state
 

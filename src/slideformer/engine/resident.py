@@ -188,8 +188,10 @@ class VisitingUpdate:
         self._fresh = None
         return self.copier.copy_on_device(dst, master, [used, done])
 
-    def forget(self) -> None:
-        """The host state was written (a checkpoint loaded): the GPU's master is stale."""
+    def release(self) -> None:
+        """Nothing of the unit's stays on the GPU: the state goes back, and the next load is from the host
+        (a plan without room for it; after a checkpoint is loaded, whose state the host store then holds)."""
+        self.send_back()
         self._fresh = None
 
     def synchronize(self) -> None:

@@ -80,6 +80,7 @@ class HostStore:
         their master and moments are pinned, since they cross PCIe both ways every step."""
         self.units = units
         self.resident_units, self.nvme_units = frozenset(resident_units), frozenset(nvme_units)
+        self.gpu_updated_units = frozenset(gpu_updated_units)  # (their state stays pinned: never a spare's)
         self.foreign_units = frozenset(foreign_units)
         self.gpu = None  # the GPU units' state owner (attach_gpu): copy_out(unit) and copy_in(unit, **fields)
         host = [u for u in units if u.index not in self.resident_units | self.foreign_units]
@@ -185,7 +186,7 @@ class HostStore:
         """Whether the unit's state can be written to a spare: a decoder layer in RAM."""
         u = self.units[unit]
         return bool(self.spares) and u.kind == "layer" and not self.on_tier(unit) and not self.is_resident(unit) \
-            and u.numel == self.spares[0]["master"].numel()
+            and u.numel == self.spares[0]["master"].numel() and unit not in self.gpu_updated_units
 
     def state_fields(self, unit: int) -> dict[str, torch.Tensor]:
         """The unit's optimizer state in RAM (the buffers an update reads and writes), by spare field name."""

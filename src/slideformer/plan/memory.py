@@ -279,16 +279,21 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: i
                           # eager attention's scores and their softmax, kept for backward (about 16 bytes an entry)
                           + min(batch, p.micro_batch) * shape.eager_heads * seq * seq * 16,
     }
-    # The first streamed layer's state on the GPU (Placement.gpu_first_update) from the visit before its
-    # backward into the next forward: the kept inputs and saved products are the last layers', spent by then;
-    # two layers' inputs and a layer's backward beside it.
+    # The first streamed layer (k)'s state on the GPU (Placement.gpu_first_update) from the visit before its
+    # backward into the next forward: kept inputs and saved products are the last layers', so of them only
+    # layers 0..k's are alive then (in backward not yet spent, in the next forward already made); at least
+    # two layers' inputs (its own and the one restored for the next backward), and a layer's backward.
     first = p.gpu_first_update and k < shape.layers and p.resident_state_bytes == 12 and shape.ranks == 1
     out["first_update"] = 12 * shape.layer_params if first else 0
+    inputs = max(2, k + 1 - (shape.layers - kept))
+    products = max(0, k + 1 - (shape.layers - saved_layers(shape, p)))
+    beside_first = out["first_update"] + (inputs * H + products * shape.kept_per_token) * T * dtype_bytes \
+        + out["layer_backward"]
     # (the embedding's backward, last, holds the hidden gradient, a micro-batch's rows and, by rows, a packed
     # block of at most T rows: under the loss head's share, which holds at least T x H values beside those)
     out["peak"] = int(SAFETY * (out["window"] + out["hidden_flow"] + max(
         out["activations"] + out["saved_products"] + max(out["loss_head"], out["layer_backward"]),
-        (out["first_update"] + 2 * T * H * dtype_bytes + out["layer_backward"]) if first else 0)))
+        beside_first if first else 0)))
     return out
 
 
