@@ -355,3 +355,19 @@ def test_a_rank_ends_without_the_interpreters_finalization(monkeypatch, tmp_path
     assert ends == ["atexit", 2] and (tmp_path / "1").read_text() == "2"
     monkeypatch.setenv("WORLD_SIZE", "1")  # one process: the interpreter ends as usual
     assert cli.entry() == 2 and ends == ["atexit", 2]
+
+
+def test_plan_says_where_the_first_layers_update_runs_on_the_gpu(capsys):
+    """With fp32 state and room on the GPU beside its peak (issue 20's 8B b32 case), the first streamed
+    layer's update runs there (engine/resident.py VisitingUpdate); compact state keeps it on the CPU."""
+    def placement(*extra):
+        code = main(["plan", "--model", "llama3-8b", "--seq-len", "1024", "--batch-size", "32", "--gpu-memory",
+                     "11.5GiB", "--cpu-memory", "125GiB", "--host-memory-limit", "103GiB", "--max-grad-norm", "0",
+                     *extra])
+        out = capsys.readouterr().out
+        return code, next(line for line in out.splitlines() if line.startswith("placement:"))
+
+    code, line = placement()
+    assert code == 0 and "the first streamed layer's update on the GPU" in line
+    code, line = placement("--optimizer-state", "compact")
+    assert code == 0 and "update on the GPU" not in line

@@ -274,6 +274,8 @@ def cmd_plan(args) -> int:
               + (f", {mid_layers(shape, placement)} offloaded layers' sums after attention too (no output "
                  "projection recomputed)" if mid_layers(shape, placement) else "")
               + (f", the lm_head gradient in {placement.head_slice}-row slices" if placement.head_slice else "")
+              + (", the first streamed layer's update on the GPU (its fp32 state crosses each step, beside the "
+                 "step boundary)" if placement.gpu_first_update else "")
               + (f", {placement.window_slots} window slots" if placement.window_slots != 3 else ""))
         model = ("of the H200 machine, within 6% of its unclipped 4B and 8B steps" if rates == MachineRates() else
                  "at the rates given")
