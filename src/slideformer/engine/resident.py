@@ -122,7 +122,7 @@ class VisitingUpdate:
         self.unit, self.store, self.copier, self.cfg, self.profiler = unit, store, copier, cfg, profiler
         self._step = torch.zeros((), dtype=torch.float32, device=cfg.device)
         self._fetched = None  # ([master, exp_avg, exp_avg_sq] on the GPU, their copy's event)
-        self._updated = None  # the same after an update, and the slot it wrote, until send_back
+        self._updated = None  # the same after an update, until send_back
         self._fresh = None  # the new master on the GPU and the update's event, until a load has read it
         self.landed = None  # the event after the last send_back's copies (None on the CPU: copies are done)
         self.updates = 0  # updates run on the GPU (tests check the path is taken)
@@ -146,37 +146,22 @@ class VisitingUpdate:
         fused_adamw_(master, m, v, slot, self._step, step, lr, grad_coef, self.cfg)
         done = self.copier.read_done()
         slot.used = done  # (the update wrote the slot after its visit ended)
-        self._updated, self._fresh = ([master, m, v], slot), (master, done)
+        self._updated, self._fresh = [master, m, v], (master, done)
         self.updates += 1
         if cuda:  # GPU work between visits: not idle time
             self.profiler.copy("gpu_adamw", start, self.profiler.mark(self.copier.compute))
 
     def end_step(self) -> None:
-        """After a step: a state fetched for a step that was dropped is let go, and the host's compute copy of
-        the weights, if it has one, leaves the slot the update wrote (before another load takes that slot).
-        The state itself stays until ``send_back``."""
+        """After a step: a state fetched for a step that was dropped is let go (the updated one stays until
+        ``send_back``)."""
         self._fetched = None
-        self._send_weights()
-
-    def _send_weights(self) -> None:
-        if self._updated is None or self._updated[1] is None:
-            return
-        state, slot = self._updated
-        self._updated = (state, None)
-        w = self.store.weights[self.unit]
-        if self.store.weights is not self.store.master and w is not None:  # (else the master is the copy)
-            self.landed = self.copier.to_host([w], [slot.params[: w.numel()]])
-            if self.landed is not None:
-                slot.used = self.landed  # the copy reads the slot: its next load waits for it
 
     def send_back(self) -> None:
-        """The updated state to the host store on the d2h stream, behind the compute enqueued so far."""
-        if self._updated is None:
-            return
-        self._send_weights()
-        (master, m, v), _ = self._updated
-        self._updated = None
-        self.landed = self.copier.to_host(self._host(), [master, m, v])
+        """The updated state to the host store on the d2h stream, behind the compute enqueued so far. (The unit
+        is staged: no host copy of its weights to refresh.)"""
+        if self._updated is not None:
+            self.landed = self.copier.to_host(self._host(), self._updated)
+            self._updated = None
 
     @property
     def fresh(self) -> bool:
