@@ -462,6 +462,27 @@ def test_the_first_layers_gpu_update_is_kept_only_where_its_state_fits_beside_wh
     assert kept == {False, True}
 
 
+def test_the_resolver_keeps_the_first_layers_gpu_update_only_where_it_fits_without_a_gpu_budget_too():
+    """With the residency fixed and no GPU budget set, nothing calls fit: the resolver itself drops the update
+    on the GPU where the card cannot hold its state (rather than refusing a plan that fits without it), and
+    the config the engine is built from says what the placement kept."""
+    from slideformer.machine import Machine
+    from slideformer.plan.resolve import Auto, resolve
+
+    sh = shape("llama3-8b")
+    cfg = EngineConfig(device="cuda", placement=Placement(resident_layers=0, offload_activations=True,
+                                                          gpu_activation_layers=4))
+    auto = Auto(resident_layers=False, window_slots=False)
+    p = Layout.of(cfg, micro_batch=8)
+    without, with_ = gpu_bytes(sh, 8, 1024, p)["peak"], gpu_bytes(sh, 8, 1024, replace(p, gpu_first_update=True))["peak"]
+    assert without < with_
+    for card, kept in (((without + with_) // 2, False), (with_ + GiB, True)):
+        plan = resolve(cfg, auto, sh, 8, 1024, Machine(ram=int(125.8 * GiB), gpu=card))
+        assert plan.problem is None, plan.problem
+        assert plan.placement.gpu_first_update == plan.config.placement.gpu_first_update == kept
+        assert plan.gpu["peak"] <= card
+
+
 def test_fit_slices_the_head_gradient_only_where_it_pays():
     """The lm_head gradient's fp32 accumulator (1.5 GiB at Qwen3-4B) goes by vocabulary slices where
     nothing fits with it, or where that buys micro-batches of EFFICIENT_TOKENS; not where memory is ample.

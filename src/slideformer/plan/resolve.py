@@ -158,6 +158,9 @@ def _resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: 
         try:
             if cfg.gpu_memory_limit:
                 placement = fit(shape, batch, seq, limit, Layout.of(cfg))
+            elif placement.gpu_first_update and limit is not None and \
+                    gpu_bytes(shape, batch, seq, placement, cfg.compute_dtype.itemsize)["peak"] > limit:
+                placement = replace(placement, gpu_first_update=False)  # (as fit: only where it fits)
             gpu = gpu_bytes(shape, batch, seq, placement, cfg.compute_dtype.itemsize)
             if limit is not None and gpu["peak"] > limit:
                 problem = (f"a step of {batch} x {seq} tokens in micro-batches of {min(placement.micro_batch, batch)} "
@@ -178,6 +181,8 @@ def _resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: 
     if problem is None and on_gpu and cfg.gpu_memory_limit:
         cfg, placement = head_chunk_and_inputs(cfg, shape, batch, seq, limit, placement, ram, rates)
         gpu = gpu_bytes(shape, batch, seq, placement, cfg.compute_dtype.itemsize)
+    if on_gpu:  # (the engine sets up the GPU update only where the planner's placement kept it)
+        cfg = cfg.placed(gpu_first_update=placement.gpu_first_update)
     host = config_host_bytes(cfg, shape, batch, seq, placement)
     if problem is None:
         try:
