@@ -210,6 +210,32 @@ def test_timeline_says_at_which_visit_the_gpu_memory_peaks():
     assert at >= layers + 1, (at, gpu)  # after the forward's visits (embedding, then each layer)
 
 
+def test_timeline_puts_host_and_gpu_records_on_one_clock():
+    """A layer's CPU update waits for the gradient its backward visit made, and the layer's next forward
+    waits for that update: on the timeline's one clock each update ends after that backward visit and
+    before the next forward's weights are ready (within a millisecond of the anchor's error)."""
+    model = build("llama")
+    cfg = EngineConfig(device="cuda", compute_dtype=torch.bfloat16, lr=1e-3, tuning=Tuning(profile=True))
+    with SlideEngine(model, cfg) as eng:
+        eng.train_step(batch(97, b=4, s=32))
+        eng.profile()
+        for s in range(1, 4):
+            eng.train_step(batch(97, b=4, s=32, seed=s))
+        tl = eng.profile(timeline=True)["timeline"]
+        layers = {eng.adapter.layer_unit(i).index for i in range(model.config.num_hidden_layers)}
+    checked = 0
+    for unit in layers:
+        visits = [row for row in tl["gpu"] if row[0] == unit]  # forward, backward, per step
+        updates = [row for row in tl["host"] if row[0] == "optimizer" and row[1] == unit]
+        assert len(visits) == 6 and len(updates) == 3, (visits, updates)
+        for k, (_, _, _, end) in enumerate(updates):
+            assert end >= visits[2 * k + 1][3] - 1.0, (unit, k, end, visits)
+            if k < 2:
+                assert end <= visits[2 * k + 2][2] + 1.0, (unit, k, end, visits)
+            checked += 1
+    assert checked == 3 * len(layers)
+
+
 @pytest.mark.parametrize("state", ["compact", "8bit"])
 def test_compact_state_on_the_device_matches_the_cpu_update(state):
     """Compact state for resident units is updated on the GPU by kernels/compact_adamw.py (8-bit state by

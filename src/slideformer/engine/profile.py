@@ -8,8 +8,10 @@ around each copy. Host-side waits are wall-clock times measured in the thread th
 
 ``timeline()`` gives the same records one by one (the order in which the CPU optimizer took its
 units and when, each GPU visit's wait and compute): what the per-category sums cannot show, such as
-whether the optimizer idles while the next forward runs. GPU times are relative to the first visit,
-host times to the first host record; the two clocks are not aligned. Each GPU visit also carries the
+whether the optimizer idles while the next forward runs. All times are relative to the first visit's
+start: the GPU's from its events, the host's through an anchor event recorded on the idle GPU when the
+timeline is taken (its host time read as it completes, to within tens of microseconds), so a CPU update
+can be placed against the visit whose gradient it waited for. Each GPU visit also carries the
 allocator's peak so far (its count is kept as kernels are enqueued, so no sync; since the last
 ``torch.cuda.reset_peak_memory_stats``): the visit where it last rises holds a step's GPU memory peak,
 which is what the planner's memory model is checked on (work after the last visit is not attributed).
@@ -139,16 +141,19 @@ class StepProfiler:
     def timeline(self) -> dict[str, list]:
         """Each record between the last reset and close, in milliseconds (call after a synchronize): GPU
         visits as [unit, start, weights ready, end, the allocator's peak so far in bytes] from the first
-        visit, the resident units' AdamW on the GPU (between visits) as [start, end] on that clock, host spans
-        as [what, unit, start, end] from the first span."""
+        visit, the resident units' AdamW on the GPU (between visits) as [start, end] and host spans as [what,
+        unit, start, end], both on that clock (the module says how the host's is aligned)."""
         out: dict[str, list] = {"gpu": [], "gpu_adamw": [], "host": []}
+        h0 = min((s for _, _, s, _ in self._spans), default=0.0)  # (without GPU visits: the first host record)
         if self.cuda and self._visits:
             t0 = self._visits[0][1]
             out["gpu"] = [[u] + [round(t0.elapsed_time(e), 3) for e in (s, r, e_)] + [peak]
                           for u, s, r, e_, peak in self._visits]
             out["gpu_adamw"] = [[round(t0.elapsed_time(a), 3), round(t0.elapsed_time(b), 3)]
                                 for a, b in self._copies.get("gpu_adamw", [])]
-        if self._spans:
-            h0 = min(s for _, _, s, _ in self._spans)
-            out["host"] = [[k, u, round(1e3 * (s - h0), 3), round(1e3 * (e - h0), 3)] for k, u, s, e in self._spans]
+            anchor = torch.cuda.Event(enable_timing=True)
+            anchor.record(torch.cuda.current_stream(self.device))
+            anchor.synchronize()
+            h0 = time.perf_counter() - t0.elapsed_time(anchor) / 1e3  # the first visit's start, on the host clock
+        out["host"] = [[k, u, round(1e3 * (s - h0), 3), round(1e3 * (e - h0), 3)] for k, u, s, e in self._spans]
         return out
