@@ -383,6 +383,41 @@ def test_restored_activations_come_from_the_compute_pool_and_wait_for_its_reader
     assert bool((out[0] == 7.0).all())
 
 
+def test_offloaded_tensors_go_back_to_the_compute_pool_after_their_copy():
+    """``to_host``'s GPU tensors are held until the visit after next, then let go in the compute stream's
+    order behind a wait for their copy: the next compute tensor takes the block at once (the allocator has
+    no event of another stream's to find done first, which under a GPU cap means emptying its cache), and a
+    copy that starts late still reads what was offloaded (a write into the reused block before it would
+    show in the host's bytes)."""
+    from slideformer.engine.copier import CudaCopier
+    from slideformer.engine.profile import NullProfiler
+
+    cp = CudaCopier(torch.device("cuda"), NullProfiler())
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    n = (1 << 20) + 4096
+    host = torch.zeros(n).pin_memory()
+    with torch.cuda.stream(cp.compute):
+        a = torch.full((n,), 3.0, device="cuda")
+    ptr = a.data_ptr()
+    with torch.cuda.stream(cp.d2h):
+        torch.cuda._sleep(100_000_000)  # the copy starts late
+    cp.to_host([host], [a])
+    del a
+    cp.begin_visit(None)
+    cp.end_visit(0)  # the visit that offloaded it: still held
+    with torch.cuda.stream(cp.compute):
+        other = torch.empty(n, device="cuda")
+    assert other.data_ptr() != ptr
+    cp.begin_visit(None)
+    cp.end_visit(1)  # the next: let go, behind the copy
+    with torch.cuda.stream(cp.compute):
+        b = torch.full((n,), 5.0, device="cuda")
+    assert b.data_ptr() == ptr
+    torch.cuda.synchronize()
+    assert bool((host == 3.0).all()) and bool((b == 5.0).all())
+
+
 def test_fused_loss_fp32_accumulation_on_gpu():
     """The lm_head gradient accumulates into fp32 through cuBLAS's fp32 output (no temporaries)."""
     from slideformer.kernels.fused_linear_ce import addmm_fp32_, linear_cross_entropy_grads
@@ -558,10 +593,10 @@ def test_first_layer_updated_on_cuda_matches_pytorch_and_waits_for_its_copies(cl
     fetch, send_back = VisitingUpdate.fetch, VisitingUpdate.send_back
 
     def slow(stream, f):
-        def run(self):
+        def run(self, *args):
             with torch.cuda.stream(getattr(self.copier, stream)):
                 torch.cuda._sleep(5_000_000)
-            return f(self)
+            return f(self, *args)
         return run
 
     monkeypatch.setattr(VisitingUpdate, "fetch", slow("h2d", fetch))
@@ -598,10 +633,10 @@ def test_first_layer_state_held_on_cuda_is_back_before_the_host_store_is_read(tm
     state, losses, mid = run()
     send_back = VisitingUpdate.send_back
 
-    def late(self):
+    def late(self, *args):
         with torch.cuda.stream(self.copier.d2h):
             torch.cuda._sleep(50_000_000)
-        return send_back(self)
+        return send_back(self, *args)
 
     monkeypatch.setattr(VisitingUpdate, "send_back", late)
     slow, slow_losses, _ = run(tmp_path / "ck")

@@ -94,6 +94,26 @@ def test_chunks_to_skip_come_from_the_host_copy_when_given():
         chunks_with_targets(lab, 10, targets=none[:24])
 
 
+def test_every_chunks_logits_go_into_one_workspace():
+    """The fused head writes each chunk's logits (then their gradient) into one block, the caller's or one of
+    its own, not a new one each chunk: the gradients are the same to the bit, the given block ends up
+    holding the last chunk's, and a block too small or of another dtype is refused."""
+    from slideformer.kernels.fused_linear_ce import linear_cross_entropy_grads, logits_buffer
+
+    h, w, lab = inputs(T=25)
+    a = linear_cross_entropy_grads(h, w, lab, 0.1, chunk_tokens=10)
+    block = torch.full((10, w.shape[0]), float("nan"), device=DEV)
+    b = linear_cross_entropy_grads(h, w, lab, 0.1, chunk_tokens=10, workspace=block)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    # the last chunk (5 tokens) overwrote the block's first rows with its logits' gradient; the rest is the
+    # second chunk's
+    assert not torch.isnan(block).any() and torch.count_nonzero(block[:5]) > 0
+    assert logits_buffer(25, w, 10).shape == (10, w.shape[0]) and logits_buffer(4, w, 10).shape == (4, w.shape[0])
+    for bad in (torch.empty(9, w.shape[0], device=DEV), torch.empty(10, w.shape[0], dtype=torch.float64, device=DEV)):
+        with pytest.raises(ValueError, match="logits workspace"):
+            linear_cross_entropy_grads(h, w, lab, 0.1, chunk_tokens=10, workspace=bad)
+
+
 def test_tied_weight_gradients_add_up():
     """The lm_head shares its matrix with the embedding: both uses' gradients must reach it."""
     h, w, lab = inputs(V=97)

@@ -12,8 +12,9 @@ them out and frees the buffer; in backward its disk reader thread reads a layer 
 buffer one layer ahead, and the h2d copy follows when the layer is taken. RAM holds the staging
 buffers only, at the disk's speed (about 1 GB/s written and read again per step).
 
-Hand-offs: the d2h copy waits for an event recorded after the producing compute; the GPU tensor is
-marked used by the d2h stream (record_stream) so the allocator cannot reuse it early. The restored
+Hand-offs: the d2h copy waits for an event recorded after the producing compute; the copier holds the
+GPU tensor until the visit after next, when the compute stream waits for the copy and lets it go
+(engine/copier.py ``to_host``), so its block is reused in stream order. The restored
 tensor is allocated one layer ahead from the compute stream's pool (engine/copier.py ``device_empty``
 says why); the h2d copy waits for the compute stream's work enqueued by then (which may still read that
 block) and for the d2h copy's event (it reads the same host bytes), and is recorded on the h2d stream;

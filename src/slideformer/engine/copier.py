@@ -5,8 +5,17 @@ and records ``loaded``; a gradient send waits on the compute stream and records 
 writes the send's ticket into each chunk's landing flag behind that chunk's bytes (engine/runtime.py
 has the hand-offs). ``CpuCopier`` copies synchronously and returns no events, so the runtime's order of
 operations is the same on both and CI runs it.
+
+GPU tensors copied to the host (offloaded layer inputs, a visiting unit's state) go back to the compute
+stream's pool in stream order, a fixed number of visits later: the compute stream waits for their copy,
+then the copier lets them go (``to_host``). The allocator's own way, ``record_stream``, frees such a block
+only once it sees the copy done, and the thread that drives the GPU runs far ahead of it in the forward:
+the blocks of a dozen layers' inputs would sit pending there, and under a GPU cap the allocator would
+wait for the device and unmap its whole cache to find room (an allocation retry).
 """
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 
@@ -41,7 +50,7 @@ class CpuCopier:
         flags.fill_(ticket)
         return None
 
-    def to_host(self, views: list[torch.Tensor], tensors: list[torch.Tensor]):
+    def to_host(self, views: list[torch.Tensor], tensors: list[torch.Tensor], visits: int = 1):
         for v, t in zip(views, tensors):
             v.copy_(t)
         return None
@@ -62,6 +71,9 @@ class CpuCopier:
         dst.copy_(src)
         return None
 
+    def release_copied(self) -> None:
+        pass
+
     def synchronize(self) -> None:
         pass
 
@@ -79,6 +91,8 @@ class CudaCopier:
         # one staging buffer: in stream order on the h2d stream, so no CPU work and no host buffer
         self._staging = torch.empty(staging_elems, dtype=torch.float32, device=device) if staging_elems else None
         self._visit = (None, None)
+        self._ended = 0  # visits ended so far (``end_visit``)
+        self._copied: deque[tuple[int, object, list[torch.Tensor]]] = deque()  # (due visit, copy's event, tensors)
 
     @property
     def gpu_bytes(self) -> int:
@@ -115,10 +129,27 @@ class CudaCopier:
         self._visit = (start, self.profiler.mark(self.compute))
 
     def end_visit(self, unit: int):
-        """The slot's ``used`` event: its next load waits for it."""
+        """The slot's ``used`` event: its next load waits for it. Tensors copied to the host that are due go
+        back to the pool behind it (``to_host``)."""
         used = self.compute.record_event()
         self.profiler.visit(unit, *self._visit, self.profiler.mark(self.compute))
+        self._ended += 1
+        while self._copied and self._copied[0][0] <= self._ended:
+            self._let_go(self._copied.popleft())
         return used
+
+    def _let_go(self, entry) -> None:
+        """The compute stream waits for the copy; the tensors' blocks are then the compute stream's to reuse,
+        in stream order (nothing enqueued before this point reads them after their copy)."""
+        _, copied, tensors = entry
+        self.compute.wait_event(copied)
+        tensors.clear()
+
+    def release_copied(self) -> None:
+        """Every tensor still held for its copy to the host goes back to the pool now, in stream order (the
+        memory is needed before the visits that would let it go: a plan without room for it)."""
+        while self._copied:
+            self._let_go(self._copied.popleft())
 
     def read_done(self):
         """An event after the compute stream's work so far: a slot another visit read (a tied head, the
@@ -145,16 +176,19 @@ class CudaCopier:
             self.profiler.copy("d2h", start, self.profiler.mark(self.d2h))
         return sent
 
-    def to_host(self, views: list[torch.Tensor], tensors: list[torch.Tensor]):
+    def to_host(self, views: list[torch.Tensor], tensors: list[torch.Tensor], visits: int = 1):
         """Offload ``tensors`` (layer inputs) into pinned ``views`` on the d2h stream after the compute
-        stream's work so far; returns the event the copies record."""
+        stream's work so far; returns the event the copies record. The copier holds ``tensors`` until
+        ``visits`` more visits have ended (the module docstring says why): enough for the copy to be done
+        by then, so the compute stream's wait for it costs nothing, and no more (their memory is held)."""
         produced = self.compute.record_event()
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(produced)
             for v, t in zip(views, tensors):
                 v.copy_(t, non_blocking=True)
-                t.record_stream(self.d2h)
-            return self.d2h.record_event()
+            copied = self.d2h.record_event()
+        self._copied.append((self._ended + visits + 1, copied, list(tensors)))
+        return copied
 
     def device_empty(self, like: list[tuple[torch.Size, torch.dtype]]):
         """GPU tensors of these shapes and dtypes for ``to_device`` to fill, and the event it waits for first.
@@ -202,6 +236,7 @@ class CudaCopier:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
+        self._copied.clear()  # (every copy is done)
 
 
 def on_device(target, device):

@@ -51,7 +51,7 @@ from ..plan.memory import (LOSS_CHUNK_TOKENS, ModelShape, Layout, check_host_fit
 from ..window.schedule import plan_step
 from .activations import ActivationStore
 from .embedding import step_rows
-from .loss import chunked_head_loss, fused_head_loss, head_loss_value, sliced_head_loss
+from .loss import chunked_head_loss, fused_head_loss, head_loss_value, logits_workspace, sliced_head_loss
 from .runtime import Runtime
 from .updates import UpdateJob
 
@@ -499,10 +499,12 @@ class SlideEngine:
             st.grad_hidden = [gh.view_as(h) for gh, h in zip(ghs, st.hidden)]
         else:
             # (the fused kernel takes the logits' scale on its input; the autograd head after the product, as HF)
-            fused = self.cfg.tuning.loss_kernel == "fused"
-            head_loss = partial(fused_head_loss, norm=ad.head_norm, softcap=ad.logit_softcap) if fused else \
-                partial(chunked_head_loss, norm=ad.norm, logit_scale=ad.logit_scale, logit_divisor=ad.logit_divisor,
-                        softcap=ad.logit_softcap)
+            if self.cfg.tuning.loss_kernel == "fused":  # (one block for every chunk's logits, beside the sum above)
+                block = logits_workspace(max(mb.input_ids.numel() for mb in st.mbs), w, self._loss_chunk)
+                head_loss = partial(fused_head_loss, norm=ad.head_norm, softcap=ad.logit_softcap, workspace=block)
+            else:
+                head_loss = partial(chunked_head_loss, norm=ad.norm, logit_scale=ad.logit_scale,
+                                    logit_divisor=ad.logit_divisor, softcap=ad.logit_softcap)
             for i, (h, mb) in enumerate(zip(st.hidden, st.mbs)):
                 part, gh = head_loss(h.flatten(0, 1), mb.labels, weight=w, denom=st.denom, chunk=self._loss_chunk,
                                      grad_norm_weight=acc_n, grad_weight=acc_w, accumulate=i > 0, targets=mb.targets)

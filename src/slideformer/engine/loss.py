@@ -3,7 +3,7 @@
 Two implementations with one contract:
 - ``chunked_head_loss``: PyTorch autograd per chunk (about 16 bytes per logit of the chunk);
 - ``fused_head_loss``: the kernels package's fused linear cross-entropy (the logits chunk becomes its
-  own gradient in place: 4 bytes per logit with the copy the fp32-output addmm makes), with the norm's
+  own gradient in place, in one block for every chunk of a step: ``logits_workspace``), with the norm's
   backward through autograd.
 The [tokens x vocab] logits exist one chunk at a time in both, and all-ignored chunks cost nothing.
 ``sliced_head_loss`` is the fused head without its [vocab, hidden] fp32 gradient accumulator, for GPU
@@ -83,12 +83,20 @@ def _chunk_loss(h, labels, norm, weight, denom, logit_scale, logit_divisor, soft
     return F.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum") / denom
 
 
+def logits_workspace(tokens: int, weight: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The block ``fused_head_loss`` writes each chunk's logits into, for micro-batches of up to ``tokens``."""
+    from ..kernels.fused_linear_ce import logits_buffer
+
+    return logits_buffer(tokens, weight, chunk)
+
+
 def fused_head_loss(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Module | None, weight: torch.Tensor,
                     denom: int, chunk: int, grad_norm_weight: torch.Tensor | None, grad_weight: torch.Tensor,
                     accumulate: bool, targets: torch.Tensor | None = None,
-                    softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    softcap: float | None = None, workspace: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``chunked_head_loss`` (a logit scale folded into ``norm``); ``grad_weight`` must be
-    fp32 (it is summed into)."""
+    fp32 (it is summed into). ``workspace``: the logits' block (kernels/fused_linear_ce.py ``logits_buffer``),
+    one for every micro-batch of a step."""
     from ..kernels.fused_linear_ce import linear_cross_entropy_grads
 
     if not accumulate:
@@ -96,7 +104,8 @@ def fused_head_loss(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Module 
 
     def head(z):
         loss, gz, _ = linear_cross_entropy_grads(z, weight.detach(), labels, 1.0 / denom, chunk_tokens=chunk,
-                                                 grad_weight=grad_weight, targets=targets, softcap=softcap)
+                                                 grad_weight=grad_weight, targets=targets, softcap=softcap,
+                                                 workspace=workspace)
         return loss, gz
     return _through_norm(hidden, norm, grad_norm_weight, accumulate, head)
 
@@ -113,17 +122,19 @@ def sliced_head_loss(hiddens: list[torch.Tensor], labels: list[torch.Tensor], ta
 
     loss = torch.zeros((), dtype=torch.float32, device=weight.device)
     parts, grads = [], []
+    workspace = logits_workspace(max(h.shape[0] for h in hiddens), weight, chunk)
     for i, (hidden, lab, tg) in enumerate(zip(hiddens, labels, targets)):
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
 
         def head(z):
             parts.append((z, lab, lse, chunks_with_targets(lab, chunk, targets=tg)))
             part, gz, _ = linear_cross_entropy_grads(z, weight.detach(), lab, 1.0 / denom, chunk_tokens=chunk,
-                                                     targets=tg, lse_out=lse, softcap=softcap)
+                                                     targets=tg, lse_out=lse, softcap=softcap, workspace=workspace)
             return part, gz
         part, gh = _through_norm(hidden, norm, grad_norm_weight, i > 0, head)
         loss += part
         grads.append(gh)
+    workspace = None  # (its memory back: the second pass's logits are a slice's)
     weight_grad_by_slices(parts, weight.detach(), 1.0 / denom, grad_weight, slice_rows, chunk, softcap=softcap)
     return loss, grads
 

@@ -82,7 +82,7 @@ from .copier import copier_for, on_device
 from .disk import DiskIO, Failure
 from .profile import NullProfiler, StepProfiler
 from .updates import SentGrads, Updates
-from .resident import ResidentState, VisitingUpdate
+from .resident import BACK_VISITS, ResidentState, VisitingUpdate
 
 ROWS_PIECE = 2048  # staged embedding rows gathered and cast this many at a time (32 MiB of fp32 at hidden 4096)
 STAGING_ELEMS = 16 * 2**20  # "staged" host weights: the master crosses in 16M-element (64 MiB) pieces, cast on the GPU
@@ -328,7 +328,7 @@ class Runtime:
     def end_compute(self, slot: Slot, unit: int) -> None:
         slot.used = self.copier.end_visit(unit)
         if self._visiting(unit):  # its next visit after an update has read the new weights: the state goes back
-            self.visiting.send_back()
+            self.visiting.send_back(BACK_VISITS)
 
     def begin_grads(self, slot: Slot) -> None:
         self.copier.wait(slot.grads_sent)

@@ -31,15 +31,24 @@ def chunks_with_targets(labels: torch.Tensor, chunk_tokens: int, ignore_index: i
     return [bool(mask[s: s + chunk_tokens].any()) for s in range(0, mask.numel(), chunk_tokens)]
 
 
+def logits_buffer(tokens: int, weight: torch.Tensor, chunk_tokens: int) -> torch.Tensor:
+    """The one [chunk, V] block every chunk's logits are written into (``linear_cross_entropy_grads``)."""
+    return torch.empty(min(chunk_tokens, tokens), weight.shape[0], dtype=weight.dtype, device=weight.device)
+
+
 def linear_cross_entropy_grads(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, scale: float,
                                ignore_index: int = -100, softcap: float | None = None, chunk_tokens: int = 8192,
                                grad_weight: torch.Tensor | None = None, targets: torch.Tensor | None = None,
-                               lse_out: torch.Tensor | None = None):
+                               lse_out: torch.Tensor | None = None, workspace: torch.Tensor | None = None):
     """(loss sum x scale as an fp32 scalar, grad_hidden [T, H], grad_weight [V, H] fp32).
 
     ``grad_weight``, when given (fp32), is accumulated into: the engine sums micro-batches there.
     ``lse_out`` [T] fp32, when given, receives each token's log-sum-exp and the weight gradient is left
     to ``weight_grad_by_slices`` (the third item is then None). ``targets``: see ``chunks_with_targets``.
+    ``workspace``: ``logits_buffer``'s block, which each chunk's logits overwrite (else one of this call's).
+    One block for all chunks, not one each: a new chunk's product would be allocated while the last one's
+    still held it, two blocks of the largest size in the step, which a GPU cap's allocator has to find
+    again after every micro-batch's smaller tensors have split them.
     """
     T = hidden.shape[0]
     grad_hidden = torch.zeros_like(hidden)
@@ -47,12 +56,18 @@ def linear_cross_entropy_grads(hidden: torch.Tensor, weight: torch.Tensor, label
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
     live = chunks_with_targets(labels, chunk_tokens, ignore_index, targets)
+    if workspace is None:
+        workspace = logits_buffer(T, weight, chunk_tokens)
+    elif workspace.shape[0] < min(chunk_tokens, T) or workspace.shape[1:] != weight.shape[:1] \
+            or workspace.dtype != weight.dtype:
+        raise ValueError(f"logits workspace {tuple(workspace.shape)} {workspace.dtype}: need at least "
+                         f"[{min(chunk_tokens, T)}, {weight.shape[0]}] in {weight.dtype}")
     for s in range(0, T, chunk_tokens):
         if not live[s // chunk_tokens]:
             continue
         lab = labels[s: s + chunk_tokens]
         h = hidden[s: s + chunk_tokens]
-        logits = h @ weight.T  # [t, V] in the compute dtype; becomes its own gradient below
+        logits = torch.matmul(h, weight.T, out=workspace[: h.shape[0]])  # [t, V]: becomes its own gradient below
         lse = None if lse_out is None else lse_out[s: s + chunk_tokens]
         loss += cross_entropy_grad_(logits, lab.contiguous(), scale, ignore_index, softcap, lse_out=lse).sum()
         torch.matmul(logits, weight, out=grad_hidden[s: s + chunk_tokens])
