@@ -353,3 +353,38 @@ def test_the_timeline_names_where_memory_peaks_and_where_the_gpu_waits(tmp_path)
     waited, memory = mp.report(str(path))
     assert "over 2 step(s)" in waited and "idle start 6.0" in waited and "weights backward 1.0" in waited
     assert "reached at visit 0 (the embedding, forward)" in memory and "planned GiB" in memory
+
+
+def test_allocation_retries_are_named_with_what_they_waited_for():
+    """A retry in torch's memory history (bench/allocations.py): the frees completed just before the unmaps
+    are the blocks that waited for another stream, the next allocation is the one that hit the cap."""
+    from slideformer.bench.allocations import retries
+
+    MiB = 2**20
+    here = [{"filename": "/x/torch/cuda/memory.py", "line": 1, "name": "inner"},
+            {"filename": "/x/slideformer/model/fused_ops.py", "line": 62, "name": "_swiglu_forward"}]
+
+    def ev(action, t_ms, addr=0, size=0, frames=()):
+        return {"action": action, "time_us": 1_000_000 + int(t_ms * 1000), "addr": addr, "size": size,
+                "frames": list(frames)}
+    trace = [ev("segment_map", 0, 0, 1000 * MiB), ev("alloc", 1, 1, 80 * MiB), ev("alloc", 2, 2, 80 * MiB),
+             ev("alloc", 3, 3, 300 * MiB), ev("free_requested", 5, 1, 80 * MiB),
+             ev("free_requested", 9, 2, 80 * MiB), ev("free_completed", 10, 3, 300 * MiB),  # (not in the retry)
+             ev("alloc", 11, 4, 100 * MiB),
+             ev("free_completed", 205, 1, 80 * MiB), ev("free_completed", 205, 2, 80 * MiB),
+             ev("segment_unmap", 206, 0, 400 * MiB), ev("segment_unmap", 207, 500, 300 * MiB),
+             ev("segment_map", 208, 0, 304 * MiB), ev("alloc", 208, 5, 304 * MiB, here)]
+    (r,) = retries(trace)
+    assert r["at_ms"] == 206.0 and r["size_mib"] == 304.0 and r["where"] == ["fused_ops.py:62 _swiglu_forward"]
+    assert r["freed_blocks"] == 2 and r["freed_waited_ms"] == [196.0, 200.0]
+    assert r["allocated_gib"] == round(100 * MiB / 2**30, 2) and r["mapped_gib"] == round(1000 * MiB / 2**30, 2)
+    assert r["unmapped_gib"] == round(700 * MiB / 2**30, 2)
+    assert retries(trace[:8]) == []
+
+
+def test_memory_history_needs_a_gpu(tmp_path):
+    from slideformer.bench.harness import main
+
+    with pytest.raises(SystemExit, match="run it on a GPU"):
+        main(["--system", "slideformer", "--model", "tiny", "--device", "cpu",
+              "--memory-history", str(tmp_path / "h.pkl.gz")])

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import json
 import os
+import pickle
 import resource
 import subprocess
 import sys
@@ -318,6 +320,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--timeline", action="store_true",
                     help="slideformer: record each GPU visit and CPU update of the timed steps (engine/profile.py)")
+    ap.add_argument("--memory-history", default=None, metavar="PATH",
+                    help="CUDA: record torch's memory history through the timed steps, write its snapshot to PATH "
+                         "(a gzipped pickle: gunzip it for pytorch.org/memory_viz) and put each allocation "
+                         "retry, with what it waited for, in the record (bench/allocations.py)")
     ap.add_argument("--profile-ops", type=int, default=0, metavar="N",
                     help="after the timed steps, profile one more step and record its N costliest GPU ops")
     ap.add_argument("--failed", metavar="WHY",
@@ -345,6 +351,10 @@ def main(argv=None):
         rec = {"model": args.model, "batch": args.batch, "command": args.command, **plan_record(args, preset_config(args.model))}
         print(json.dumps(rec))
         return rec
+    if args.memory_history:
+        if not cuda:
+            raise SystemExit("--memory-history records the CUDA allocator's history: run it on a GPU")
+        torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_EVENTS, stacks="python")
     if args.gpu_memory_limit_gib and cuda:  # the same hard cap for every system; slideformer also plans for it
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.gpu_memory_limit_gib * 2**30 / total))
@@ -403,6 +413,8 @@ def main(argv=None):
         "gc_s": pauses.seconds / args.steps, "gc_full": pauses.full,
         "model_tflops": 6 * active * tokens / dt / 1e12, "loss": float(loss.detach() if torch.is_tensor(loss) else loss),
         "build_s": build_s, **_common(args, cuda), "gpu_alloc_retries_timed": retries})
+    if args.memory_history:
+        rec["alloc_retries"] = _memory_history(args.memory_history)
     ex = extra()  # before the profiled step below, which is not one of the timed ones
     if args.profile_ops and cuda:
         prof = profile_ops(step, finish, args.profile_ops)
@@ -450,6 +462,20 @@ def _common(args, cuda: bool) -> dict:
                                                    "nvme_fraction", "nvme_master", "activations_to_nvme",
                                                    "offload_activations", "fp8")},
     }
+
+
+MEMORY_HISTORY_EVENTS = 1_000_000  # allocator events kept (a 4B b64 step under a cap makes about 30k)
+
+
+def _memory_history(path: str) -> list[dict]:
+    """The recorded history to ``path`` (recording stops), and its retries (bench/allocations.py)."""
+    from .allocations import retries
+
+    snapshot = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    with gzip.open(path, "wb") as f:
+        pickle.dump(snapshot, f)
+    return [r for trace in snapshot["device_traces"] for r in retries(trace)]
 
 
 def _alloc_retries(cuda: bool) -> int:

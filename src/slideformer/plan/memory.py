@@ -42,8 +42,8 @@ from ..optim.formats import BLOCK8, compact_master, moment_bytes, state_bytes
 LAYER_TOKEN_FFN = 10  # bf16 values per token per ffn unit at the peak of a layer's backward
 LAYER_TOKEN_HIDDEN = 6
 LOGIT_BYTES = {"torch": 16,  # bf16 logits, fp32 copy, fp32 log-softmax, fp32 gradient (x1 each), bf16 gradient
-               "fused": 4}  # the chunk becomes its own gradient in place; the fp32-output addmm of the
-# lm_head gradient takes a second bf16 copy of it
+               "fused": 4}  # one bf16 block for every chunk, which becomes its own gradient in place
+# (engine/loss.py logits_workspace), counted twice: room for the allocator beside the head's largest blocks
 # the fused head runs the final norm on the whole micro-batch: its normed output, fp32 saved input and
 # the gradients around it (the autograd head's share of these was fitted into LOGIT_BYTES)
 HEAD_TOKEN_HIDDEN = {"torch": 0, "fused": 8}
