@@ -416,6 +416,23 @@ def test_offloaded_tensors_go_back_to_the_compute_pool_after_their_copy():
     assert b.data_ptr() == ptr
     torch.cuda.synchronize()
     assert bool((host == 3.0).all()) and bool((b == 5.0).all())
+    # in the order of the copies: one held for three more visits holds back one copied after it for one
+    long, short = torch.ones(n, device="cuda"), torch.ones(n, device="cuda")
+    cp.to_host([host], [long], visits=3)
+    cp.to_host([host], [short])
+    ptrs = {long.data_ptr(), short.data_ptr()}
+    del long, short
+    taken = []  # (kept: a free block of theirs would be the next one's)
+    for unit in range(3):
+        cp.begin_visit(None)
+        cp.end_visit(unit)
+        with torch.cuda.stream(cp.compute):
+            taken.append(torch.empty(n, device="cuda"))
+        assert taken[-1].data_ptr() not in ptrs
+    cp.begin_visit(None)
+    cp.end_visit(3)
+    with torch.cuda.stream(cp.compute):
+        assert torch.empty(n, device="cuda").data_ptr() in ptrs
 
 
 def test_fused_loss_fp32_accumulation_on_gpu():

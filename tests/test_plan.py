@@ -462,6 +462,22 @@ def test_the_first_layers_gpu_update_is_kept_only_where_its_state_fits_beside_wh
     assert kept == {False, True}
 
 
+def test_the_first_layers_state_going_back_counts_what_waits_behind_it():
+    """In the next forward the state's copy back takes BACK_VISITS visits, and the copier lets offloaded
+    tensors go in the order of their copies (engine/copier.py): the inputs and mid sums of those layers wait
+    on the GPU beside the state. With small micro-batches that, not the backward, is the update's peak."""
+    from slideformer.plan.memory import BACK_VISITS, SAFETY
+
+    sh = shape("llama3-8b")
+    base = Layout(micro_batch=1, gpu_activation_layers=0, mid_layers=sh.layers)
+    b, f = gpu_bytes(sh, 64, 1024, base), gpu_bytes(sh, 64, 1024, replace(base, gpu_first_update=True))
+    T, H = 64 * 1024, sh.hidden
+    held = (BACK_VISITS + 1) * 2 * T * H * 2  # (each layer's input and its sum after attention)
+    assert f["peak"] >= int(SAFETY * (f["window"] + f["hidden_flow"] + f["first_update"] + held))
+    assert f["first_update"] + held > max(f["loss_head"], f["layer_backward"]) + 2 * T * H * 2  # (binding here)
+    assert b["peak"] < int(SAFETY * (b["window"] + b["hidden_flow"] + f["first_update"] + held))
+
+
 def test_the_resolver_keeps_the_first_layers_gpu_update_only_where_it_fits_without_a_gpu_budget_too():
     """With the residency fixed and no GPU budget set, nothing calls fit: the resolver itself drops the update
     on the GPU where the card cannot hold its state (rather than refusing a plan that fits without it), and

@@ -102,9 +102,6 @@ def fused_adamw_(master, m, v, slot: Slot, step_t: torch.Tensor, step: int, lr: 
     slot.params[:n].copy_(master)
 
 
-BACK_VISITS = 3  # forward visits the state's copy back takes at most (Llama-8B's layer: 2.6 GB, about 50 ms)
-
-
 class VisitingUpdate:
     """The first streamed decoder layer's update on the GPU (``Placement.gpu_first_update``).
 
@@ -162,8 +159,8 @@ class VisitingUpdate:
     def send_back(self, visits: int = 0) -> None:
         """The updated state to the host store on the d2h stream, behind the compute enqueued so far; its GPU
         memory goes back to the pool ``visits`` visits after the next (copier ``to_host``): in the forward,
-        after the copy's time (``BACK_VISITS``), elsewhere at the next visit's end. (The unit is staged: no host copy of its
-        weights to refresh.)"""
+        after the copy's time (plan.memory ``BACK_VISITS``), elsewhere at the next visit's end. (The unit is
+        staged: no host copy of its weights to refresh.)"""
         if self._updated is not None:
             self.landed = self.copier.to_host(self._host(), self._updated, visits)
             self._updated = None

@@ -76,13 +76,14 @@ from ..config import EngineConfig
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter
 from ..optim.adamw import Landing, Rows
+from ..plan.memory import BACK_VISITS
 from ..window.schedule import Visit
 from ..window.slots import Slot
 from .copier import copier_for, on_device
 from .disk import DiskIO, Failure
 from .profile import NullProfiler, StepProfiler
 from .updates import SentGrads, Updates
-from .resident import BACK_VISITS, ResidentState, VisitingUpdate
+from .resident import ResidentState, VisitingUpdate
 
 ROWS_PIECE = 2048  # staged embedding rows gathered and cast this many at a time (32 MiB of fp32 at hidden 4096)
 STAGING_ELEMS = 16 * 2**20  # "staged" host weights: the master crosses in 16M-element (64 MiB) pieces, cast on the GPU

@@ -41,6 +41,8 @@ from ..optim.formats import BLOCK8, compact_master, moment_bytes, state_bytes
 
 LAYER_TOKEN_FFN = 10  # bf16 values per token per ffn unit at the peak of a layer's backward
 LAYER_TOKEN_HIDDEN = 6
+LAYER_FORWARD_FFN = 3  # a layer's forward, per token: gate, up and their product per ffn unit,
+LAYER_FORWARD_HIDDEN = 8  # and the attention's q, k, v, output and the norms' per hidden unit
 LOGIT_BYTES = {"torch": 16,  # bf16 logits, fp32 copy, fp32 log-softmax, fp32 gradient (x1 each), bf16 gradient
                "fused": 4}  # one bf16 block for every chunk, which becomes its own gradient in place
 # (engine/loss.py logits_workspace), counted twice: room for the allocator beside the head's largest blocks
@@ -50,6 +52,7 @@ HEAD_TOKEN_HIDDEN = {"torch": 0, "fused": 8}
 HEAD_GRAD_BYTES = {"torch": 6,  # per lm_head element: the fp32 accumulator and autograd's bf16 chunk gradient
                    "fused": 4}  # the fp32 accumulator only (cuBLAS adds into it)
 SAFETY = 1.05  # allocator rounding and what the model leaves out
+BACK_VISITS = 3  # forward visits the first layer's GPU-updated state takes to go back (2.6 GB at Llama-8B's layer)
 EFFICIENT_TOKENS = 8192
 # Past EFFICIENT_TOKENS a micro-batch still saves GPU time: each one costs about 8e-12 s per layer parameter
 # beyond its FLOPs (the kernels a layer launches per micro-batch, its weights read again), so fit() takes
@@ -289,11 +292,21 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: i
     products = max(0, k + 1 - (shape.layers - saved_layers(shape, p)))
     beside_first = out["first_update"] + (inputs * H + products * shape.kept_per_token) * T * dtype_bytes \
         + out["layer_backward"]
+    # In the next forward the state goes back over BACK_VISITS visits (from layer k's), and the copier lets go
+    # of what it offloads in the order of the copies (engine/copier.py ``to_host``), so the inputs and a mid
+    # layer's sums of those visits' layers wait with it, beside a layer's forward.
+    offloaded = shape.layers - kept
+    held = min(BACK_VISITS + 1, offloaded) * (2 if mid_layers(shape, p) else 1) \
+        + max(0, k + BACK_VISITS + 1 - offloaded)  # (kept inputs already made)
+    forward_layer = (min(t, p.mlp_chunk_tokens or t) * LAYER_FORWARD_FFN * shape.ffn + t * LAYER_FORWARD_HIDDEN * H) \
+        * dtype_bytes + min(batch, p.micro_batch) * shape.eager_heads * seq * seq * 16
+    made = max(0, k + BACK_VISITS + 1 - (shape.layers - saved_layers(shape, p)))  # (saved products already made)
+    forward_first = out["first_update"] + (held * H + made * shape.kept_per_token) * T * dtype_bytes + forward_layer
     # (the embedding's backward, last, holds the hidden gradient, a micro-batch's rows and, by rows, a packed
     # block of at most T rows: under the loss head's share, which holds at least T x H values beside those)
     out["peak"] = int(SAFETY * (out["window"] + out["hidden_flow"] + max(
         out["activations"] + out["saved_products"] + max(out["loss_head"], out["layer_backward"]),
-        beside_first if first else 0)))
+        max(beside_first, forward_first) if first else 0)))
     return out
 
 
