@@ -179,12 +179,12 @@ class CudaCopier:
     def to_host(self, views: list[torch.Tensor], tensors: list[torch.Tensor], visits: int = 1):
         """Offload ``tensors`` (layer inputs; allocated on the compute stream, whose order alone frees them
         safely) into pinned ``views`` on the d2h stream after the compute stream's work so far; returns the
-        event the copies record. The copier holds ``tensors`` until
-        ``visits`` more visits have ended (the module docstring says why): enough for the copy to be done
-        by then, so the compute stream's wait for it costs nothing, and no more (their memory is held). It
-        lets them go in the order of the copies, never before what was copied earlier: the d2h stream
-        finishes them in that order, so a later one's wait would be as long (the planner counts what waits
-        behind a long copy: plan.memory ``BACK_VISITS``)."""
+        event the copies record. The copier holds ``tensors`` until ``visits`` more visits have ended (the
+        module docstring says why): enough for the copy to be done by then, so the compute stream's wait for
+        it costs nothing, and no more (their memory is held). It lets them go in the order of the copies,
+        never before what was copied earlier: the d2h stream finishes them in that order, so a later one's
+        wait would be as long (the planner counts what waits behind a long copy: plan.memory
+        ``BACK_VISITS``)."""
         produced = self.compute.record_event()
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(produced)

@@ -92,8 +92,8 @@ def logits_workspace(tokens: int, weight: torch.Tensor, chunk: int) -> torch.Ten
 
 def fused_head_loss(hidden: torch.Tensor, labels: torch.Tensor, norm: nn.Module | None, weight: torch.Tensor,
                     denom: int, chunk: int, grad_norm_weight: torch.Tensor | None, grad_weight: torch.Tensor,
-                    accumulate: bool, targets: torch.Tensor | None = None,
-                    softcap: float | None = None, workspace: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    accumulate: bool, targets: torch.Tensor | None = None, softcap: float | None = None,
+                    workspace: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``chunked_head_loss`` (a logit scale folded into ``norm``); ``grad_weight`` must be
     fp32 (it is summed into). ``workspace``: the logits' block (kernels/fused_linear_ce.py ``logits_buffer``),
     one for every micro-batch of a step."""
