@@ -388,3 +388,8 @@ def test_memory_history_needs_a_gpu(tmp_path):
     with pytest.raises(SystemExit, match="run it on a GPU"):
         main(["--system", "slideformer", "--model", "tiny", "--device", "cpu",
               "--memory-history", str(tmp_path / "h.pkl.gz")])
+    kept = tmp_path / "kept"
+    kept.write_text("the user's")
+    with pytest.raises(SystemExit, match="exists; name a new file"):
+        main(["--system", "slideformer", "--model", "tiny", "--device", "cpu", "--memory-history", str(kept)])
+    assert kept.read_text() == "the user's"

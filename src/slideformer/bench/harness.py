@@ -352,6 +352,8 @@ def main(argv=None):
         print(json.dumps(rec))
         return rec
     if args.memory_history:
+        if Path(args.memory_history).exists():  # (a run writes only files of its own)
+            raise SystemExit(f"--memory-history: {args.memory_history} exists; name a new file")
         if not cuda:
             raise SystemExit("--memory-history records the CUDA allocator's history: run it on a GPU")
         torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_EVENTS, stacks="python")
