@@ -934,6 +934,32 @@ def test_a_gpu_bound_step_trades_kept_inputs_for_a_larger_loss_chunk():
     assert cpu_bound.config.tuning.loss_chunk_tokens is None
 
 
+def test_a_larger_loss_chunk_may_stage_layer_weights_never_the_edges():
+    """Llama-3.1-8B b32 under 11.5 / 103 GiB: fit() leaves 1024-token chunks beside 12 kept inputs, and the
+    host has no room for the inputs a larger chunk offloads while 31 layers keep their bf16 copy. Each
+    halving under 4096 tokens costs the head's products SMALL_HEAD_CHUNK_COST again, so the resolver stages
+    the last layer's weights too and takes 2048-token chunks (measured on an H100: the step -0.4%, peak RSS
+    102.3 GiB). A 4096-token chunk would stage the embedding's and head's weights, which the GPU would
+    wait for at each step: not taken."""
+    from slideformer.machine import Machine
+    from slideformer.plan import Auto, resolve
+    from slideformer.plan.memory import host_budget
+
+    sh, machine = shape("llama3-8b"), Machine(ram=int(125.8 * GiB), gpu=int(139.8 * GiB))
+    cfg = EngineConfig(device="cuda", gpu_memory_limit="11.5GiB", host_memory_limit="103GiB")
+    plan = resolve(cfg, Auto(resident_edges=False), sh, 32, 1024, machine)
+    fitted = fit(sh, 32, 1024, plan.gpu_limit, Layout.of(replace(plan.config, tuning=Tuning())))
+    assert plan.fits and (fitted.loss_chunk_tokens, plan.placement.loss_chunk_tokens) == (1024, 2048)
+    assert plan.config.placement.host_weights == sh.layers  # (every layer staged; the edges keep their copy)
+    assert sum(plan.host.values()) <= host_budget(plan.config, machine.ram)[0]
+    assert plan.placement.gpu_activation_layers < fitted.gpu_activation_layers
+    assert fit(sh, 32, 1024, plan.gpu_limit, Layout.of(plan.config)) == plan.placement
+    # with the host weights fixed by the user, the chunk stays where the inputs do not fit beside them
+    fixed = resolve(cfg.placed(host_weights=plan.config.placement.host_weights - 1),
+                    Auto(resident_edges=False, host_weights=False), sh, 32, 1024, machine)
+    assert fixed.placement.loss_chunk_tokens == 1024
+
+
 def test_resident_layers_take_state_off_the_disk_where_it_binds():
     """GPU-bound (14B b64 under 80 GiB), the CPU update alone asks for no resident layer. Where RAM holds
     only part of the state, the GPU's memory is a tier too: the planner weighs each number of resident layers

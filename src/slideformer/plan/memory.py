@@ -61,8 +61,10 @@ LARGE_TOKENS = 16384
 # the FP8 products' speed over bf16's (forward, input and weight gradients), their casts included: fitted to the
 # measured step of Llama-3.1-8B b32 on the whole card (tests/test_plan.py); the FP8 GEMMs alone run about 1.8x
 FP8_SPEEDUP = 1.26
-# the loss head's products in chunks under 4096 tokens over those in larger ones (the GEMMs of a chunk of fewer
-# rows run slower): measured at Qwen3-4B b64 under 15.5 GiB, 2048- against 4096-token chunks
+# the loss head's products in chunks of half as many tokens, under 4096, over those in twice as large ones:
+# each chunk's lm_head gradient reads and writes the whole fp32 accumulator, and a chunk of fewer rows runs its
+# GEMMs slower. Measured at Qwen3-4B b64 under 15.5 GiB, 2048- against 4096-token chunks (1.12); Llama-3.1-8B
+# b32 under 11.5 GiB, 1024 against 2048, came to about 1.08 (the step -0.4%, on an H100)
 SMALL_HEAD_CHUNK_COST = 1.12
 MLP_CHUNK_TOKENS = (4096, 1024, 256)  # tried in turn where one sequence's layer backward does not fit
 LOSS_CHUNK_TOKENS = (8192, 4096, 2048, 1024)  # the loss head's chunk: the largest that fits is taken
@@ -967,11 +969,12 @@ def step_time(shape: ModelShape, batch: int, seq: int, p: Layout, rates: Machine
     mids = 0 if activations_to_nvme else mid_layers(shape, p)
     cpu_rate = rates.optimizer_params_per_s * rates.state_speedup[state]
     # a token's logits and their two gradients, not recomputed; the sliced head computes the logits twice;
-    # in chunks under 4096 tokens, ``small_head_chunk_cost`` times as long (SMALL_HEAD_CHUNK_COST, weighed
-    # where the chunk is decided: plan/resolve.py)
+    # in chunks under 4096 tokens, ``small_head_chunk_cost`` times as long for each halving (SMALL_HEAD_CHUNK_COST,
+    # weighed where the chunk is decided: plan/resolve.py)
     head_flops = (8 if p.head_slice else 6) * shape.vocab * shape.hidden
-    if min(p.loss_chunk_tokens or LOSS_CHUNK_TOKENS[-1], min(batch, p.micro_batch) * seq) < 4096:
-        head_flops *= small_head_chunk_cost
+    head_chunk = min(p.loss_chunk_tokens or LOSS_CHUNK_TOKENS[-1], min(batch, p.micro_batch) * seq)
+    if head_chunk < 4096:
+        head_flops *= small_head_chunk_cost ** math.log2(4096 / head_chunk)
     # fp8: the linears' forward products, and (but for token-chunked MLPs, whose backward runs plain
     # linears) their recompute, input-gradient and weight-gradient products, a token
     linears = shape.kept_params + shape.down_params

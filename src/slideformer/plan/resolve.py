@@ -179,7 +179,7 @@ def _resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: 
     if problem is None and on_gpu and cfg.gpu_memory_limit and auto.mid_layers:
         cfg, placement = mid_layers_that_pay(cfg, auto, shape, batch, seq, limit, placement, ram, rates)
     if problem is None and on_gpu and cfg.gpu_memory_limit:
-        cfg, placement = head_chunk_and_inputs(cfg, shape, batch, seq, limit, placement, ram, rates)
+        cfg, placement = head_chunk_and_inputs(cfg, auto, shape, batch, seq, limit, placement, ram, rates)
         gpu = gpu_bytes(shape, batch, seq, placement, cfg.compute_dtype.itemsize)
     if on_gpu:  # (the engine sets up the GPU update only where the planner's placement kept it)
         cfg = cfg.placed(gpu_first_update=placement.gpu_first_update)
@@ -250,23 +250,27 @@ def mid_layers_that_pay(cfg, auto: "Auto", shape: ModelShape, batch: int, seq: i
 CHUNK_MARGIN = 0.995  # a larger chunk's predicted gain must pass the time model's noise: half a percent
 
 
-def head_chunk_and_inputs(cfg, shape: ModelShape, batch: int, seq: int, limit: int, placement: Layout, ram: int,
-                          rates: MachineRates) -> tuple[object, Layout]:
+def head_chunk_and_inputs(cfg, auto: "Auto", shape: ModelShape, batch: int, seq: int, limit: int,
+                          placement: Layout, ram: int, rates: MachineRates) -> tuple[object, Layout]:
     """The loss head's chunk and the host's room for layer inputs (``displace_inputs``), decided together:
     fit() takes the largest chunk that fits beside the most kept inputs, but the head's products run faster
     in larger chunks (SMALL_HEAD_CHUNK_COST, counted here only), and the inputs a larger chunk sends to the
-    host cost nothing where the GPU's work bounds the step. So each larger chunk's placement is timed beside
-    fit()'s, with the same micro-batches (the time model does not weigh their size) and within the host's
-    budget, and the fastest is taken where it gains at least CHUNK_MARGIN; its chunk then goes into the
-    config, so the engine's fit() places the same."""
+    host cost nothing where the GPU's work bounds the step (only there is it weighed). So each larger
+    chunk's placement is timed beside fit()'s, with the same micro-batches (the time model does not weigh
+    their size) and within the host's budget, and the smallest of the fastest is taken where it gains at
+    least CHUNK_MARGIN; its chunk then goes into the config, so the engine's fit() places the same. Where
+    the planner decides the host weights (and no NVMe tier was placed beside them), a larger chunk's inputs
+    may stage more layers' weights to fit the budget, not the embedding's and head's."""
     def seconds(c, p: Layout) -> float:
         return _seconds(c, shape, batch, seq, p, rates, small_head_chunk_cost=SMALL_HEAD_CHUNK_COST)
 
     best = displace_inputs(cfg, shape, batch, seq, limit, placement, ram, rates)
-    if cfg.tuning.loss_chunk_tokens is not None or cfg.placement.activations_to_nvme:
+    t = step_time(shape, batch, seq, best[1], rates, state=cfg.optimizer_state)
+    if cfg.tuning.loss_chunk_tokens is not None or cfg.placement.activations_to_nvme \
+            or t["optimizer_s"] >= t["gpu_compute_s"]:  # (the CPU update bounds the step: fit()'s chunk)
         return best
     best_s = seconds(*best)
-    for chunk in (c for c in LOSS_CHUNK_TOKENS if c > (placement.loss_chunk_tokens or 0)):
+    for chunk in sorted(c for c in LOSS_CHUNK_TOKENS if c > (placement.loss_chunk_tokens or 0)):  # (ties: the least)
         wider = replace(cfg, tuning=replace(cfg.tuning, loss_chunk_tokens=chunk))
         try:
             q = fit(shape, batch, seq, limit, Layout.of(wider))
@@ -275,6 +279,10 @@ def head_chunk_and_inputs(cfg, shape: ModelShape, batch: int, seq: int, limit: i
         if (q.micro_batch, q.head_slice, q.mlp_chunk_tokens) != \
                 (placement.micro_batch, placement.head_slice, placement.mlp_chunk_tokens):
             continue
+        if auto.host_weights and not cfg.offload_dir:
+            wider = auto_host(wider, shape, batch, seq, q, ram, buffers=False)
+            if wider.placement.host_weights == "staged" != cfg.placement.host_weights:
+                continue  # (the embedding's and head's weights too: the GPU would wait for them at each step)
         c, p = displace_inputs(wider, shape, batch, seq, limit, q, ram, rates)
         if sum(config_host_bytes(c, shape, batch, seq, p).values()) > host_budget(c, ram)[0]:
             continue
