@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from slideformer import EngineConfig, SlideEngine, lr_at
 from slideformer.config import ConfigError, Placement, Tuning
+from slideformer.plan.memory import Layout, back_visits
 
 from tiny import FAMILIES, attention, batch, build, engine_config
 
@@ -410,6 +411,8 @@ def test_first_layer_updated_on_the_gpu_trains_like_pytorch(family, resident, cl
         state = {k: v.clone() for k, v in eng.state_dict().items()}
         first = eng.adapter.layer_unit(resident).index
         assert eng.runtime.visiting.unit == first and eng.runtime.visiting.updates == 3
+        # (the copy back's visits as planned for the step's tokens: plan.memory back_visits)
+        assert eng.runtime.visiting.back_visits == back_visits(eng.shape, Layout.of(eng.cfg), 48)
     assert first not in on_cpu and first + 1 in on_cpu
     ref, ref_losses = reference_train(model, big, lr=1e-3, max_grad_norm=clip, weight_decay=0.1)
     assert_same(state, ref, losses, ref_losses,

@@ -463,19 +463,38 @@ def test_the_first_layers_gpu_update_is_kept_only_where_its_state_fits_beside_wh
 
 
 def test_the_first_layers_state_going_back_counts_what_waits_behind_it():
-    """In the next forward the state's copy back takes BACK_VISITS visits, and the copier lets offloaded
+    """In the next forward the state's copy back takes ``back_visits`` visits, and the copier lets offloaded
     tensors go in the order of their copies (engine/copier.py): the inputs and mid sums of those layers wait
     on the GPU beside the state. With small micro-batches that, not the backward, is the update's peak."""
-    from slideformer.plan.memory import BACK_VISITS, SAFETY
+    from slideformer.plan.memory import SAFETY, back_visits
 
     sh = shape("llama3-8b")
     base = Layout(micro_batch=1, gpu_activation_layers=0, mid_layers=sh.layers)
     b, f = gpu_bytes(sh, 64, 1024, base), gpu_bytes(sh, 64, 1024, replace(base, gpu_first_update=True))
     T, H = 64 * 1024, sh.hidden
-    held = (BACK_VISITS + 1) * 2 * T * H * 2  # (each layer's input and its sum after attention)
+    held = (back_visits(sh, base, T) + 1) * 2 * T * H * 2  # (each layer's input and its sum after attention)
     assert f["peak"] >= int(SAFETY * (f["window"] + f["hidden_flow"] + f["first_update"] + held))
     assert f["first_update"] + held > max(f["loss_head"], f["layer_backward"]) + 2 * T * H * 2  # (binding here)
     assert b["peak"] < int(SAFETY * (b["window"] + b["hidden_flow"] + f["first_update"] + held))
+
+
+def test_the_first_layers_state_goes_back_over_as_many_visits_as_its_copy_takes():
+    """The copy back (12 bytes a parameter) runs beside the forward's other host traffic at about
+    BACK_BYTES_PER_S; a visit lasts the layer's forward over the step's tokens. Llama-3.1-8B b32 waited 27-32
+    ms a step at the end of the fourth visit with three (its copy took about 126 ms against visits of 22);
+    Qwen3-4B b64 (a third of the bytes, visits of the same length) never waited with three. Fewer tokens,
+    shorter visits: more of them, up to the rest of the forward."""
+    from slideformer.plan.memory import BACK_BYTES_PER_S, back_visits
+
+    llama, qwen, p = shape("llama3-8b"), shape("qwen3-4b"), Layout()
+    assert back_visits(qwen, p, 64 * 1024) == 3
+    assert back_visits(llama, p, 32 * 1024) >= 5
+    visit = 2 * llama.flop_params * 32 * 1024 / MachineRates().gpu_flops
+    assert back_visits(llama, p, 32 * 1024) * visit >= 12 * llama.layer_params / BACK_BYTES_PER_S
+    assert back_visits(llama, p, 8 * 1024) > back_visits(llama, p, 32 * 1024) > back_visits(llama, p, 10**9) == 1
+    # at most the forward's visits after the first streamed layer's: the state is gone before the loss head
+    assert back_visits(llama, p, 1) == llama.layers - 1
+    assert back_visits(llama, replace(p, resident_layers=20), 1) == llama.layers - 21
 
 
 def test_the_resolver_keeps_the_first_layers_gpu_update_only_where_it_fits_without_a_gpu_budget_too():

@@ -184,7 +184,7 @@ class CudaCopier:
         it costs nothing, and no more (their memory is held). It lets them go in the order of the copies,
         never before what was copied earlier: the d2h stream finishes them in that order, so a later one's
         wait would be as long (the planner counts what waits behind a long copy: plan.memory
-        ``BACK_VISITS``)."""
+        ``back_visits``)."""
         produced = self.compute.record_event()
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(produced)

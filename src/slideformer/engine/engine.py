@@ -45,8 +45,8 @@ from ..model.recompute import LayerRecompute, mid_projection
 from ..model.fused_ops import apply_liger
 from ..model.fused_ops import resolve as resolve_fused_ops
 from ..machine import host_memory
-from ..plan.memory import (LOSS_CHUNK_TOKENS, ModelShape, Layout, check_host_fits, config_host_bytes, embedding_by_rows,
-                           fit, fmt_bytes, mid_layers, nvme_layer_count, parse_bytes, saved_layers,
+from ..plan.memory import (LOSS_CHUNK_TOKENS, ModelShape, Layout, back_visits, check_host_fits, config_host_bytes,
+                           embedding_by_rows, fit, fmt_bytes, mid_layers, nvme_layer_count, parse_bytes, saved_layers,
                            speculative_spares)
 from ..window.schedule import plan_step
 from .activations import ActivationStore
@@ -310,6 +310,8 @@ class SlideEngine:
         self.last_step_targets = denom  # (the loss is the mean over these, every rank's)
         st = _Step(mbs=mbs, denom=denom, index=self.store.step + 1, rows=rows, visiting=self._visits_now)
         rt = self.runtime
+        if st.visiting:  # (the visits of the state's copy back, for this step's tokens)
+            rt.visiting.back_visits = back_visits(self.shape, Layout.of(self.cfg), sum(m.input_ids.numel() for m in mbs))
         try:
             if self.router_loss is not None:
                 self.router_loss.begin_step(self.device)

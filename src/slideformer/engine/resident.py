@@ -126,6 +126,7 @@ class VisitingUpdate:
         self._fresh = None  # the new master on the GPU and the update's event, until a load has read it
         self.landed = None  # the event after the last send_back's copies (None on the CPU: copies are done)
         self.updates = 0  # updates run on the GPU (tests check the path is taken)
+        self.back_visits = 1  # forward visits the copy back takes (plan.memory ``back_visits``: the engine's, a step)
 
     def _host(self) -> list[torch.Tensor]:
         st = self.store.state_fields(self.unit)
@@ -159,7 +160,7 @@ class VisitingUpdate:
     def send_back(self, visits: int = 0) -> None:
         """The updated state to the host store on the d2h stream, behind the compute enqueued so far; its GPU
         memory goes back to the pool ``visits`` visits after the next (copier ``to_host``): in the forward,
-        after the copy's time (plan.memory ``BACK_VISITS``), elsewhere at the next visit's end. (The unit is
+        after the copy's time (``back_visits``), elsewhere at the next visit's end. (The unit is
         staged: no host copy of its weights to refresh.)"""
         if self._updated is not None:
             self.landed = self.copier.to_host(self._host(), self._updated, visits)

@@ -76,7 +76,6 @@ from ..config import EngineConfig
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter
 from ..optim.adamw import Landing, Rows
-from ..plan.memory import BACK_VISITS
 from ..window.schedule import Visit
 from ..window.slots import Slot
 from .copier import copier_for, on_device
@@ -329,7 +328,7 @@ class Runtime:
     def end_compute(self, slot: Slot, unit: int) -> None:
         slot.used = self.copier.end_visit(unit)
         if self._visiting(unit):  # its next visit after an update has read the new weights: the state goes back
-            self.visiting.send_back(BACK_VISITS)
+            self.visiting.send_back(self.visiting.back_visits)
 
     def begin_grads(self, slot: Slot) -> None:
         self.copier.wait(slot.grads_sent)

@@ -52,7 +52,9 @@ HEAD_TOKEN_HIDDEN = {"torch": 0, "fused": 8}
 HEAD_GRAD_BYTES = {"torch": 6,  # per lm_head element: the fp32 accumulator and autograd's bf16 chunk gradient
                    "fused": 4}  # the fp32 accumulator only (cuBLAS adds into it)
 SAFETY = 1.05  # allocator rounding and what the model leaves out
-BACK_VISITS = 3  # forward visits the first layer's GPU-updated state takes to go back (2.6 GB at Llama-8B's layer)
+# the first layer's GPU-updated state on its way back in the forward (d2h), beside the CPU's update of the
+# embedding's untouched rows and the loads: measured about 23 GB/s at Llama-3.1-8B b32 under 11.5 GiB
+BACK_BYTES_PER_S = 20e9
 EFFICIENT_TOKENS = 8192
 # Past EFFICIENT_TOKENS a micro-batch still saves GPU time: each one costs about 8e-12 s per layer parameter
 # beyond its FLOPs (the kernels a layer launches per micro-batch, its weights read again), so fit() takes
@@ -294,15 +296,15 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: i
     products = max(0, k + 1 - (shape.layers - saved_layers(shape, p)))
     beside_first = out["first_update"] + (inputs * H + products * shape.kept_per_token) * T * dtype_bytes \
         + out["layer_backward"]
-    # In the next forward the state goes back over BACK_VISITS visits (from layer k's), and the copier lets go
-    # of what it offloads in the order of the copies (engine/copier.py ``to_host``), so the inputs and a mid
+    # In the next forward the state goes back over ``back_visits`` visits (from layer k's), and the copier lets
+    # go of what it offloads in the order of the copies (engine/copier.py ``to_host``), so the inputs and a mid
     # layer's sums of those visits' layers wait with it, beside a layer's forward.
-    offloaded = shape.layers - kept
-    held = min(BACK_VISITS + 1, offloaded) * (2 if mid_layers(shape, p) else 1) \
-        + max(0, k + BACK_VISITS + 1 - offloaded)  # (kept inputs already made)
+    offloaded, back = shape.layers - kept, back_visits(shape, p, T)
+    held = min(back + 1, offloaded) * (2 if mid_layers(shape, p) else 1) \
+        + max(0, k + back + 1 - offloaded)  # (kept inputs already made)
     forward_layer = (min(t, p.mlp_chunk_tokens or t) * LAYER_FORWARD_FFN * shape.ffn + t * LAYER_FORWARD_HIDDEN * H) \
         * dtype_bytes + min(batch, p.micro_batch) * shape.eager_heads * seq * seq * 16
-    made = max(0, k + BACK_VISITS + 1 - (shape.layers - saved_layers(shape, p)))  # (saved products already made)
+    made = max(0, k + back + 1 - (shape.layers - saved_layers(shape, p)))  # (saved products already made)
     forward_first = out["first_update"] + (held * H + made * shape.kept_per_token) * T * dtype_bytes + forward_layer
     # (the embedding's backward, last, holds the hidden gradient, a micro-batch's rows and, by rows, a packed
     # block of at most T rows: under the loss head's share, which holds at least T x H values beside those)
@@ -310,6 +312,18 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: i
         out["activations"] + out["saved_products"] + max(out["loss_head"], out["layer_backward"]),
         max(beside_first, forward_first) if first else 0)))
     return out
+
+
+def back_visits(shape: ModelShape, p: Layout, tokens: int, rates: MachineRates = MachineRates()) -> int:
+    """The forward visits after its own that the first layer's GPU-updated state (Layout.gpu_first_update)
+    takes to go back to the host: its copy's time over a visit's, so that the compute stream's wait for the
+    copy, where its memory goes back to the pool (engine/copier.py ``to_host``), finds it done. Fewer
+    tokens a step make shorter visits, so more of them (and the inputs offloaded meanwhile wait too); at
+    most the rest of the forward's layers, so that the state is gone before the loss head's peak."""
+    copy = 12 * shape.layer_params / BACK_BYTES_PER_S
+    visit = 2 * shape.flop_params * max(1, tokens) / rates.gpu_flops
+    rest = shape.layers - min(p.resident_layers, shape.layers) - 1
+    return max(1, min(math.ceil(copy / visit), rest))
 
 
 def mid_layers(shape: ModelShape, p: Layout) -> int:
