@@ -8,7 +8,6 @@ from transformers import AutoModelForCausalLM
 
 from slideformer import EngineConfig, SlideEngine, lr_at
 from slideformer.config import ConfigError, Placement, Tuning
-from slideformer.plan.memory import Layout, back_visits
 
 from tiny import FAMILIES, attention, batch, build, engine_config
 
@@ -411,12 +410,23 @@ def test_first_layer_updated_on_the_gpu_trains_like_pytorch(family, resident, cl
         state = {k: v.clone() for k, v in eng.state_dict().items()}
         first = eng.adapter.layer_unit(resident).index
         assert eng.runtime.visiting.unit == first and eng.runtime.visiting.updates == 3
-        # (the copy back's visits as planned for the step's tokens: plan.memory back_visits)
-        assert eng.runtime.visiting.back_visits == back_visits(eng.shape, Layout.of(eng.cfg), 48)
     assert first not in on_cpu and first + 1 in on_cpu
     ref, ref_losses = reference_train(model, big, lr=1e-3, max_grad_norm=clip, weight_decay=0.1)
     assert_same(state, ref, losses, ref_losses,
                 reference_noise(model, big, lr=1e-3, max_grad_norm=clip, weight_decay=0.1))
+
+
+def test_the_copy_back_takes_the_visits_planned_for_the_steps_shape(monkeypatch):
+    """Each step sets the state's copy back to plan.memory ``back_visits`` of the step as fit() sizes it:
+    its rows times their longest sequence (micro-batches of 12 and 7 tokens: 4 x 12)."""
+    import slideformer.engine.engine as engine_module
+
+    asked = []
+    monkeypatch.setattr(engine_module, "back_visits", lambda shape, p, tokens: asked.append(tokens) or 5)
+    with SlideEngine(build("llama"), engine_config(device="cpu", compute_dtype=torch.float32, loss_kernel="torch",
+                                                   gpu_first_update=True)) as eng:
+        eng.train_step([batch(97, s=12), batch(97, s=7, seed=1)])
+        assert eng.runtime.visiting.back_visits == 5 and asked == [48]
 
 
 @pytest.mark.parametrize("clip", [None, 0.05])

@@ -7,7 +7,7 @@ has the hand-offs). ``CpuCopier`` copies synchronously and returns no events, so
 operations is the same on both and CI runs it.
 
 GPU tensors copied to the host (offloaded layer inputs, a visiting unit's state) go back to the compute
-stream's pool in stream order, a fixed number of visits later: the compute stream waits for their copy,
+stream's pool in stream order, as many visits later as their copy should take: the compute stream waits for it,
 then the copier lets them go (``to_host``). The allocator's own way, ``record_stream``, frees such a block
 only once it sees the copy done, and the thread that drives the GPU runs far ahead of it in the forward:
 the blocks of a dozen layers' inputs would sit pending there, and under a GPU cap the allocator would

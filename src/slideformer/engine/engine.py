@@ -310,8 +310,9 @@ class SlideEngine:
         self.last_step_targets = denom  # (the loss is the mean over these, every rank's)
         st = _Step(mbs=mbs, denom=denom, index=self.store.step + 1, rows=rows, visiting=self._visits_now)
         rt = self.runtime
-        if st.visiting:  # (the visits of the state's copy back, for this step's tokens)
-            rt.visiting.back_visits = back_visits(self.shape, Layout.of(self.cfg), sum(m.input_ids.numel() for m in mbs))
+        if st.visiting:  # (the visits of the state's copy back, for the step's shape as fit() sizes it)
+            rows, seq = sum(m.input_ids.shape[0] for m in mbs), max(m.input_ids.shape[1] for m in mbs)
+            rt.visiting.back_visits = back_visits(self.shape, Layout.of(self.cfg), rows * seq)
         try:
             if self.router_loss is not None:
                 self.router_loss.begin_step(self.device)

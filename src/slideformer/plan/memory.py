@@ -317,13 +317,15 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: i
 def back_visits(shape: ModelShape, p: Layout, tokens: int, rates: MachineRates = MachineRates()) -> int:
     """The forward visits after its own that the first layer's GPU-updated state (Layout.gpu_first_update)
     takes to go back to the host: its copy's time over a visit's, so that the compute stream's wait for the
-    copy, where its memory goes back to the pool (engine/copier.py ``to_host``), finds it done. Fewer
-    tokens a step make shorter visits, so more of them (and the inputs offloaded meanwhile wait too); at
-    most the rest of the forward's layers, so that the state is gone before the loss head's peak."""
+    copy, where its memory goes back to the pool (engine/copier.py ``to_host``: at the end of the visit after
+    that many), finds it done. Fewer tokens a step make shorter visits, so more of them (and the inputs
+    offloaded meanwhile wait too); the state is let go by the end of the last layer's forward visit at the
+    latest, never beside the loss head (``tokens``: the step's rows times their longest sequence, as fit()
+    sizes it)."""
     copy = 12 * shape.layer_params / BACK_BYTES_PER_S
     visit = 2 * shape.flop_params * max(1, tokens) / rates.gpu_flops
-    rest = shape.layers - min(p.resident_layers, shape.layers) - 1
-    return max(1, min(math.ceil(copy / visit), rest))
+    rest = shape.layers - min(p.resident_layers, shape.layers) - 2  # (the layers after it, less the one it ends)
+    return max(0, min(math.ceil(copy / visit), rest))
 
 
 def mid_layers(shape: ModelShape, p: Layout) -> int:

@@ -202,8 +202,15 @@ def _resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: 
 
 
 def _seconds(cfg, shape: ModelShape, batch: int, seq: int, p: Layout, rates: MachineRates, **kw) -> float:
-    return step_time(shape, batch, seq, p, rates, state=cfg.optimizer_state,
+    return step_time(shape, batch, seq, p, rates, state=cfg.optimizer_state, staged_params=staged_params(cfg, shape, p),
                      clipping=cfg.max_grad_norm is not None, **kw)["step_s"]
+
+
+def staged_params(cfg, shape: ModelShape, p: Layout) -> int:
+    """The parameters ``cfg``'s host weights stage (they cross PCIe as their fp32 master: step_time)."""
+    hw, streamed = cfg.placement.host_weights, shape.layers - min(p.resident_layers, shape.layers)
+    return 0 if compact_master(cfg.optimizer_state) else shape.params if hw == "staged" else \
+        0 if hw == "persistent" else min(hw, streamed) * shape.layer_params
 
 
 def mid_layers_that_pay(cfg, auto: "Auto", shape: ModelShape, batch: int, seq: int, limit: int, placement: Layout,
@@ -259,13 +266,15 @@ def head_chunk_and_inputs(cfg, auto: "Auto", shape: ModelShape, batch: int, seq:
     chunk's placement is timed beside fit()'s, with the same micro-batches (the time model does not weigh
     their size) and within the host's budget, and the smallest of the fastest is taken where it gains at
     least CHUNK_MARGIN; its chunk then goes into the config, so the engine's fit() places the same. Where
-    the planner decides the host weights (and no NVMe tier was placed beside them), a larger chunk's inputs
-    may stage more layers' weights to fit the budget, not the embedding's and head's."""
+    the planner decides the host settings (and without offload_dir, whose tier they were placed beside),
+    they are decided again for a larger chunk's inputs: more staged layers, never the embedding's and head's
+    weights, and the steps are timed with what staging costs."""
     def seconds(c, p: Layout) -> float:
         return _seconds(c, shape, batch, seq, p, rates, small_head_chunk_cost=SMALL_HEAD_CHUNK_COST)
 
     best = displace_inputs(cfg, shape, batch, seq, limit, placement, ram, rates)
-    t = step_time(shape, batch, seq, best[1], rates, state=cfg.optimizer_state)
+    t = step_time(shape, batch, seq, best[1], rates, state=cfg.optimizer_state,
+                  staged_params=staged_params(best[0], shape, best[1]))
     if cfg.tuning.loss_chunk_tokens is not None or cfg.placement.activations_to_nvme \
             or t["optimizer_s"] >= t["gpu_compute_s"]:  # (the CPU update bounds the step: fit()'s chunk)
         return best
@@ -280,7 +289,8 @@ def head_chunk_and_inputs(cfg, auto: "Auto", shape: ModelShape, batch: int, seq:
                 (placement.micro_batch, placement.head_slice, placement.mlp_chunk_tokens):
             continue
         if auto.host_weights and not cfg.offload_dir:
-            wider = auto_host(wider, shape, batch, seq, q, ram, buffers=False)
+            wider = auto_host(wider, shape, batch, seq, q, ram, buffers=auto.host_grad_buffers,
+                              spares=auto.speculative_layers)  # (in auto_host's order: the weights first)
             if wider.placement.host_weights == "staged" != cfg.placement.host_weights:
                 continue  # (the embedding's and head's weights too: the GPU would wait for them at each step)
         c, p = displace_inputs(wider, shape, batch, seq, limit, q, ram, rates)
@@ -331,11 +341,8 @@ def predicted_step(plan: Plan, shape: ModelShape, batch: int, seq: int, rates: M
     resident ones)."""
     c = plan.config
     resident = min(plan.placement.resident_layers, shape.layers)
-    hw, streamed = c.placement.host_weights, shape.layers - resident
-    staged = 0 if compact_master(c.optimizer_state) else shape.params if hw == "staged" else \
-        0 if hw == "persistent" else min(hw, streamed) * shape.layer_params
     return step_time(shape, batch, seq, plan.placement, rates, state=c.optimizer_state,
-                     staged_params=staged,
+                     staged_params=staged_params(c, shape, plan.placement),
                      nvme_layers=min(nvme_layer_count(c, shape.layers), shape.layers - resident),
                      nvme_master=c.placement.nvme_master, activations_to_nvme=c.placement.activations_to_nvme,
                      clipping=c.max_grad_norm is not None, speculative_layers=c.placement.speculative_layers)
