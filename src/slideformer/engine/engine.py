@@ -311,8 +311,8 @@ class SlideEngine:
         st = _Step(mbs=mbs, denom=denom, index=self.store.step + 1, rows=rows, visiting=self._visits_now)
         rt = self.runtime
         if st.visiting:  # (the visits of the state's copy back, for the step's shape as fit() sizes it)
-            rows, seq = sum(m.input_ids.shape[0] for m in mbs), max(m.input_ids.shape[1] for m in mbs)
-            rt.visiting.back_visits = back_visits(self.shape, Layout.of(self.cfg), rows * seq)
+            seqs, longest = sum(m.input_ids.shape[0] for m in mbs), max(m.input_ids.shape[1] for m in mbs)
+            rt.visiting.back_visits = back_visits(self.shape, Layout.of(self.cfg), seqs * longest)
         try:
             if self.router_loss is not None:
                 self.router_loss.begin_step(self.device)
