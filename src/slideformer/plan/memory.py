@@ -66,7 +66,7 @@ FP8_SPEEDUP = 1.26
 # the loss head's products in chunks of half as many tokens, under 4096, over those in twice as large ones:
 # each chunk's lm_head gradient reads and writes the whole fp32 accumulator, and a chunk of fewer rows runs its
 # GEMMs slower. Measured at Qwen3-4B b64 under 15.5 GiB, 2048- against 4096-token chunks (1.12); Llama-3.1-8B
-# b32 under 11.5 GiB, 1024 against 2048, came to about 1.08 (the step -0.4%, on an H100)
+# b32 under 11.5 GiB, 1024 against 2048, about 1.08
 SMALL_HEAD_CHUNK_COST = 1.12
 MLP_CHUNK_TOKENS = (4096, 1024, 256)  # tried in turn where one sequence's layer backward does not fit
 LOSS_CHUNK_TOKENS = (8192, 4096, 2048, 1024)  # the loss head's chunk: the largest that fits is taken
