@@ -273,10 +273,11 @@ def head_chunk_and_inputs(cfg, auto: "Auto", shape: ModelShape, batch: int, seq:
         return _seconds(c, shape, batch, seq, p, rates, small_head_chunk_cost=SMALL_HEAD_CHUNK_COST)
 
     best = displace_inputs(cfg, shape, batch, seq, limit, placement, ram, rates)
+    if cfg.tuning.loss_chunk_tokens is not None or cfg.placement.activations_to_nvme:
+        return best
     t = step_time(shape, batch, seq, best[1], rates, state=cfg.optimizer_state,
                   staged_params=staged_params(best[0], shape, best[1]))
-    if cfg.tuning.loss_chunk_tokens is not None or cfg.placement.activations_to_nvme \
-            or t["optimizer_s"] >= t["gpu_compute_s"]:  # (the CPU update bounds the step: fit()'s chunk)
+    if t["optimizer_s"] >= t["gpu_compute_s"]:  # (the CPU update bounds the step: fit()'s chunk)
         return best
     best_s = seconds(*best)
     for chunk in sorted(c for c in LOSS_CHUNK_TOKENS if c > (placement.loss_chunk_tokens or 0)):  # (ties: the least)
