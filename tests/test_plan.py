@@ -235,6 +235,24 @@ def test_resident_units_have_no_host_state(ring, state, staged):
             assert ("1 gradient buffer for 2 streamed layers" in eng.describe()) == (ring == 1 and k == 1)
 
 
+@pytest.mark.parametrize("staged", ["persistent", 1, 3])
+def test_the_layer_updated_on_the_gpu_has_no_host_copy(staged):
+    """The first streamed layer's loads copy the GPU's master where it is updated there (engine/engine.py),
+    so the host model counts no bf16 copy of it, whether or not the staged last layers reach it, as the
+    engine holds none."""
+    model = build("llama")
+    for k in (0, 1):
+        cfg = EngineConfig(device="cpu", compute_dtype=torch.bfloat16, placement=Placement(
+            host_weights=staged, resident_layers=k, gpu_first_update=True))
+        with SlideEngine(model, cfg) as eng:
+            sh = ModelShape.from_adapter(eng.adapter)
+            host = host_bytes(sh, 1, 8, Layout.of(cfg), host_weights=staged)
+            without = host_bytes(sh, 1, 8, replace(Layout.of(cfg), gpu_first_update=False), host_weights=staged)
+            assert host["weights"] == eng.memory_report()["host_weights"], (k, staged)
+            reached = staged != "persistent" and k >= sh.layers - staged  # (staged anyway)
+            assert without["weights"] - host["weights"] == (0 if reached else 2 * sh.layer_params), (k, staged)
+
+
 def test_auto_host_stages_only_streamed_layers():
     """With resident layers only the streamed ones have host weights to stage: past their number the
     edges' copies must go too ("staged")."""
@@ -961,10 +979,10 @@ def test_a_gpu_bound_step_trades_kept_inputs_for_a_larger_loss_chunk():
 
 
 def test_a_larger_loss_chunk_may_stage_layer_weights_never_the_edges():
-    """Llama-3.1-8B b32 under 11.5 / 103 GiB: fit() leaves 1024-token chunks beside 12 kept inputs, with the
-    weights of 31 layers staged (host_weights 31: no bf16 host copy), and the host has no room for the inputs
-    a larger chunk offloads. Each halving under 4096 tokens costs the head's products SMALL_HEAD_CHUNK_COST
-    again, so the resolver stages every layer's weights (32) and takes 2048-token chunks (measured on an
+    """Llama-3.1-8B b32 under 11.5 / 103 GiB: fit() leaves 1024-token chunks beside 12 kept inputs, with one
+    layer's bf16 host copy kept (the last 30 staged, and the first, updated on the GPU), and the host has no
+    room for the inputs a larger chunk offloads. Each halving under 4096 tokens costs the head's products
+    SMALL_HEAD_CHUNK_COST again, so the resolver stages every layer's weights and takes 2048-token chunks (measured on an
     H100: the step -0.4%, peak RSS 102.3 GiB). A 4096-token chunk would stage the embedding's and head's
     weights too, which the GPU would wait for at each step: not taken."""
     from slideformer.machine import Machine
@@ -976,7 +994,7 @@ def test_a_larger_loss_chunk_may_stage_layer_weights_never_the_edges():
     plan = resolve(cfg, Auto(resident_edges=False), sh, 32, 1024, machine)
     fitted = fit(sh, 32, 1024, plan.gpu_limit, Layout.of(replace(plan.config, tuning=Tuning())))
     assert plan.fits and (fitted.loss_chunk_tokens, plan.placement.loss_chunk_tokens) == (1024, 2048)
-    assert plan.config.placement.host_weights == sh.layers  # (every layer staged; the edges keep their copy)
+    assert plan.host["weights"] == 2 * (sh.embed_params + sh.head_params)  # (every layer staged; the edges' copy kept)
     assert sum(plan.host.values()) <= host_budget(plan.config, machine.ram)[0]
     assert plan.placement.gpu_activation_layers < fitted.gpu_activation_layers
     assert fit(sh, 32, 1024, plan.gpu_limit, Layout.of(plan.config)) == plan.placement

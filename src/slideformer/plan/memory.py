@@ -290,7 +290,7 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: i
     # backward into the next forward: kept inputs and saved products are the last layers', so of them only
     # layers 0..k's are alive then (in backward not yet spent, in the next forward already made); at least
     # two layers' inputs (its own and the one restored for the next backward), and a layer's backward.
-    first = p.gpu_first_update and k < shape.layers and p.resident_state_bytes == 12 and shape.ranks == 1
+    first = first_on_gpu(shape, p)
     out["first_update"] = 12 * shape.layer_params if first else 0
     inputs = max(2, k + 1 - (shape.layers - kept))
     products = max(0, k + 1 - (shape.layers - saved_layers(shape, p)))
@@ -312,6 +312,14 @@ def gpu_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, dtype_bytes: i
         out["activations"] + out["saved_products"] + max(out["loss_head"], out["layer_backward"]),
         max(beside_first, forward_first) if first else 0)))
     return out
+
+
+def first_on_gpu(shape: ModelShape, p: Layout, nvme_layers: int = 0) -> bool:
+    """Whether the first streamed layer is updated on the GPU (Layout.gpu_first_update), as the engine
+    decides it: fp32 state, one process, a layer off the NVMe tier (the tier's are the last ones)."""
+    k = min(p.resident_layers, shape.layers)
+    return p.gpu_first_update and k < shape.layers - nvme_layers and p.resident_state_bytes == 12 \
+        and shape.ranks == 1
 
 
 def back_visits(shape: ModelShape, p: Layout, tokens: int, rates: MachineRates = MachineRates()) -> int:
@@ -404,6 +412,8 @@ def rank_host_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, host_wei
     tier_from = L - min(nvme_layers, L)
     staged_from = 0 if host_weights == "staged" else L if host_weights == "persistent" else L - min(host_weights, L)
     offloaded = L - min(L, p.gpu_activation_layers)
+    # a layer updated on the GPU has no host compute copy: its loads copy the GPU's master (engine/engine.py)
+    first = min(p.resident_layers, L) if first_on_gpu(shape, p, min(nvme_layers, L)) else None
     out = []
     for layers, edges in held(shape, p):
         N = edges + len(layers) * shape.layer_params  # the parameters this rank's CPU update covers
@@ -420,7 +430,8 @@ def rank_host_bytes(shape: ModelShape, batch: int, seq: int, p: Layout, host_wei
             "moments": moment_bytes(state, N) - nvme_bytes(shape, tier, state),
             # a separate compute copy exists for persistent host weights in bf16/fp16 with fp32 state, and
             # whenever the master is on the tier ("staged": the edges too)
-            "weights": dtype_bytes * (0 if host_weights == "staged" else N - staged * shape.layer_params)
+            "weights": dtype_bytes * (0 if host_weights == "staged" else
+                                      N - (staged + (first in layers and first < staged_from)) * shape.layer_params)
             if not compact_master(state) and (dtype_bytes < 4 or tier_master) else 0,
             "grads": dtype_bytes * (edges + ring * shape.layer_params),
             # the tier's RAM buffers: a layer's state each (every field 4096-aligned), read ahead and written
