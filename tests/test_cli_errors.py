@@ -117,6 +117,8 @@ def test_a_number_for_a_folder_name_is_a_folder_name(tmp_path, monkeypatch):
     ("records", b'{"text": "a"}\n{"text": "b"}\nnot json\n', ["records:3: not valid JSON", "skip_bad_records"]),
     ("notes.txt", b"plain prose, one paragraph\n", ["notes.txt:1: not valid JSON", "a .txt file is read as JSONL",
                                                    '{"text": ...}']),
+    ("quote.csv", b'instruction,output\n"a,b\n', ["quote.csv: datasets cannot read it (ParserError"]),
+    ("latin1.csv", b"instruction,output\nh\xff,x\n", ["latin1.csv: datasets cannot read it (UnicodeDecodeError"]),
 ])
 def test_bad_data_files_are_named(tmp_path, capsys, name, content, needles):
     p = data(tmp_path, name, content)
@@ -225,6 +227,54 @@ def test_a_huge_chat_template_is_refused_at_once(tmp_path, capsys):
     one_line(capsys, "chat_template is 10.0 MiB", "not a file's contents")
 
 
+def test_a_chat_template_that_is_not_jinja_is_named_before_any_record(tmp_path, capsys):
+    """Compiled up front: the line names the template's file and line, not each record (which, with
+    skip_bad_records, would drop every conversation as malformed)."""
+    t = tmp_path / "t.jinja"
+    t.write_text("{% for m in messages %}{{ m.content }\n")
+    rows = data(tmp_path, "chat.jsonl", b'{"messages": [{"role": "user", "content": "hi"}, '
+                b'{"role": "assistant", "content": "yo"}]}\n')
+    for extra in ([], ["skip_bad_records=true"]):
+        assert main(FAST + [f"output_dir={tmp_path}/out", f"dataset=[{rows}]", f"chat_template={t}", *extra]) == 2
+        one_line(capsys, f"chat_template {t}: not a valid Jinja template (line 1")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_config_that_is_not_utf8_or_cannot_be_read(tmp_path, capsys, monkeypatch):
+    """Bytes that are not UTF-8 are a bad config (2); a config the process may not read is a file that
+    could not be read (5), as the documented codes say."""
+    from pathlib import Path
+
+    p = tmp_path / "c.yaml"
+    p.write_bytes(b"max_steps: 1\noutput_dir: caf\xe9\n")
+    assert main(["train", str(p)]) == 2
+    one_line(capsys, f"config {p} is not UTF-8 text", "save it as UTF-8")
+    p.write_text("max_steps: 1\n")
+    real = Path.read_text
+
+    def denied(self, *a, **k):
+        if self == p:
+            raise PermissionError(13, "Permission denied")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    assert main(["train", str(p)]) == 5
+    one_line(capsys, f"config {p}: cannot read it (Permission denied)", "check its permissions")
+
+
+def test_a_data_file_the_process_may_not_read_is_an_io_error(tmp_path, capsys, monkeypatch):
+    from slideformer.data import formats
+
+    rows = data(tmp_path, "rows.jsonl", b'{"text": "a"}\n')
+
+    def denied(path, *a, **k):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(formats, "open", denied, raising=False)
+    assert main(FAST + [f"output_dir={tmp_path}/out", f"dataset=[{rows}]"]) == 5
+    one_line(capsys, f"dataset file {rows}: cannot read it (Permission denied)", "check its permissions")
+
+
 def test_a_huge_record_costs_no_more_than_cutoff_len(tmp_path):
     """A 20 MB text record is cut before tokenizing: the same ids as the whole text's first cutoff_len."""
     from transformers import AutoTokenizer
@@ -299,7 +349,7 @@ def test_a_run_refused_after_taking_its_folder_leaves_none(tmp_path, capsys, mon
     capsys.readouterr()
 
 
-def test_plan_refuses_nonsense(capsys):
+def test_plan_refuses_nonsense(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "-1"])
     assert e.value.code == 2 and "must be a whole number >= 1" in capsys.readouterr().err
@@ -319,6 +369,11 @@ def test_plan_refuses_nonsense(capsys):
     assert main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1", "--cpu-memory", "64GiB",
                  "--host-memory-limit", "100GiB"]) == 2
     one_line(capsys, "--host-memory-limit 100GiB is more than the machine's 64.0 GiB of RAM (--cpu-memory)")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    assert main(["plan", "--model", str(bad), "--seq-len", "64", "--batch-size", "1"]) == 2
+    one_line(capsys, f"{bad / 'config.json'}: transformers cannot read it")
     for flag, value in (("--nvme-fraction", "7"), ("--nvme-fraction", "-3"), ("--max-grad-norm", "nan")):
         with pytest.raises(SystemExit):
             main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1", flag, value])
@@ -358,6 +413,35 @@ def test_export_overwrite_leaves_no_stale_weights(checkpoint, tmp_path):
     assert not (dst / "model.safetensors.index.json").exists() and not (dst / "model-00001-of-00002.safetensors").exists()
     assert (dst / "notes.txt").read_text() == "keep" and not (dst / "state").exists()
     assert AutoModelForCausalLM.from_pretrained(dst) is not None
+
+
+def test_export_on_a_full_disk_leaves_nothing_half_written(checkpoint, tmp_path, capsys, monkeypatch):
+    """A copy that runs out of space midway: what the export wrote is removed (a folder it made, too), the
+    user's files stay, and the line names the target."""
+    import errno
+    import shutil
+
+    real, calls = shutil.copyfile, {"n": 0}
+
+    def fills_up(a, b, **k):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            with open(b, "wb") as f:
+                f.write(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device", str(a))
+        return real(a, b, **k)
+
+    monkeypatch.setattr(shutil, "copyfile", fills_up)
+    assert main(["export", str(checkpoint), str(tmp_path / "new")]) == 5
+    one_line(capsys, f"export to {tmp_path / 'new'} failed (No space left on device)", "removed")
+    assert not (tmp_path / "new").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    calls["n"] = 0
+    assert main(["export", str(checkpoint), str(mine), "--overwrite"]) == 5
+    capsys.readouterr()
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
 
 
 def test_export_does_not_follow_links_out_of_the_checkpoint(checkpoint, tmp_path, capsys):

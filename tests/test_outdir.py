@@ -243,3 +243,89 @@ def test_odd_names_and_bytes_in_the_folder_are_not_bugs(tmp_path):
     with open(out / "metrics.jsonl", "ab") as f:
         f.write(b"\xff\n")
     assert run(out, "max_steps=2", "resume_from_checkpoint=auto") == 0
+
+
+def test_overwrite_keeps_the_users_tensorboard_files_and_a_new_run_drops_an_earlier_runs(tmp_path):
+    """TensorBoard's event files are the run's only where a slideformer run marked the folder: a user's
+    own, in a folder the run was let overwrite, stay; an earlier run's go with its metrics."""
+    out = tmp_path / "mine"
+    (out / "tensorboard").mkdir(parents=True)
+    users = out / "tensorboard" / "events.out.tfevents.1700000000.myhost.123.0"
+    users.write_bytes(b"my own curves")
+    assert run(out, "max_steps=1", "overwrite_output_dir=true", "report_to=tensorboard") == 0
+    assert users.read_bytes() == b"my own curves"
+    ours = set((out / "tensorboard").glob("events.out.tfevents.*")) - {users}
+    assert len(ours) == 1
+    theirs = tmp_path / "theirs"
+    assert run(theirs, "max_steps=1", "report_to=tensorboard") == 0
+    first = set((theirs / "tensorboard").glob("events.out.tfevents.*"))
+    assert run(theirs, "max_steps=1", "report_to=tensorboard", "overwrite_output_dir=true",
+               "resume_from_checkpoint=null") == 0
+    now = set((theirs / "tensorboard").glob("events.out.tfevents.*"))
+    assert len(first) == len(now) == 1 and not first & now
+
+
+def test_a_full_disk_as_the_run_takes_its_folder_leaves_it_as_it_was(tmp_path, monkeypatch, capsys):
+    """The mark's write failing (no space) leaves no half-written mark, lock or folder, so the same
+    command runs once space is free."""
+    import errno
+
+    out = tmp_path / "o"
+    real = os.fsync
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    assert run(out, "max_steps=1") == 5
+    assert "No space left on device" in capsys.readouterr().err
+    assert not out.exists()
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert run(out, "max_steps=1", "overwrite_output_dir=true") == 5
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    monkeypatch.setattr(os, "fsync", real)
+    assert run(out, "max_steps=1", "overwrite_output_dir=true") == 0
+
+
+def test_a_picture_that_cannot_be_written_does_not_hide_the_error_that_ended_the_run(tmp_path, monkeypatch, capsys):
+    """The loss curve is drawn however the run ends: on a full disk its own failure is one note, and the
+    checkpoint's error (naming the intact checkpoint) is the run's line and exit code."""
+    import errno
+
+    from slideformer.checkpoint import state
+    from slideformer.train import loop
+
+    def no_space(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    real, calls = state.save_file, {"n": 0}
+
+    def fills_up(*a, **k):
+        calls["n"] += 1
+        if calls["n"] > 7:  # (the second checkpoint)
+            no_space()
+        return real(*a, **k)
+
+    monkeypatch.setattr(state, "save_file", fills_up)
+    monkeypatch.setattr(loop, "_draw_loss", no_space)
+    out = tmp_path / "o"
+    assert run(out, "max_steps=4", "save_steps=2") == 5
+    err = [line for line in capsys.readouterr().err.splitlines()]
+    assert any("loss.png not written" in line for line in err)
+    assert "checkpoint-2 is intact" in err[-1] and "Traceback" not in "".join(err)
+    assert not (out / "loss.png").exists()
+
+
+def test_auto_resume_replaces_a_newest_checkpoint_whose_metadata_is_damaged(tmp_path, capsys):
+    """A checkpoint of this run whose trainer.json was emptied cannot be told as the run's, so resuming
+    passes over it; the resumed run then saves that step over it, as its own (not refused as foreign)."""
+    out = tmp_path / "o"
+    assert run(out, "max_steps=3", "save_steps=1", "save_total_limit=5") == 0
+    (out / "checkpoint-3" / "state" / "trainer.json").write_text("")
+    assert run(out, "max_steps=4", "save_steps=1", "save_total_limit=5", "resume_from_checkpoint=auto") == 0
+    err = capsys.readouterr().err
+    assert "not resuming from" in err and "checkpoint-3" in err and "replaces it" in err
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    assert json.loads((out / "checkpoint-3" / "state" / "trainer.json").read_text())["trainer"]["step"] == 3

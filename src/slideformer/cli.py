@@ -6,6 +6,7 @@ that is what ``make demo`` runs. ``slideformer bench`` measures a training step 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -100,7 +101,11 @@ def cmd_plan(args) -> int:
         if not (Path(args.model) / "config.json").is_file():
             raise ConfigError(f"--model {args.model}: not a preset ({', '.join(PRESETS)}) nor a local folder with "
                               "config.json")
-        config = AutoConfig.from_pretrained(args.model)
+        try:
+            config = AutoConfig.from_pretrained(args.model)
+        except (OSError, ValueError, KeyError) as e:  # (as train says it)
+            raise ConfigError(f"{Path(args.model) / 'config.json'}: transformers cannot read it "
+                              f"({str(e).splitlines()[0][:200]})") from e
     for flag in ("gpu_memory", "cpu_memory", "host_memory_limit", "disk_space"):
         value = getattr(args, flag)
         try:
@@ -366,24 +371,40 @@ def cmd_export(args) -> int:
             return EXIT_USAGE
         if p.is_file():
             files.append(rel)
+    made = not dst.exists()
     dst.mkdir(parents=True, exist_ok=True)
-    # the model's weight files are replaced as a set: a stale shard index or single file would shadow them
-    for old in list(dst.glob("model*.safetensors")) + list(dst.glob("model.safetensors.index.json")):
-        if Path(old.name) not in files:
-            old.unlink()
-    for rel in files:
-        target = dst / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(target.name + ".tmp")
-        shutil.copyfile(src / rel, tmp)
-        os.replace(tmp, target)
-    if args.dtype:
-        import torch
+    had = set(dst.rglob("*"))
+    written = []
+    try:
+        # the model's weight files are replaced as a set: a stale shard index or single file would shadow them
+        for old in list(dst.glob("model*.safetensors")) + list(dst.glob("model.safetensors.index.json")):
+            if Path(old.name) not in files:
+                old.unlink()
+        for rel in files:
+            target = dst / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(target.name + ".tmp")
+            try:
+                shutil.copyfile(src / rel, tmp)
+                os.replace(tmp, target)
+            finally:
+                tmp.unlink(missing_ok=True)
+            written.append(target)
+        if args.dtype:
+            import torch
 
-        from .checkpoint.export import save_from_state
+            from .checkpoint.export import save_from_state
 
-        files += save_from_state(src, dst, {"bf16": torch.bfloat16, "fp16": torch.float16,
-                                            "fp32": torch.float32}[args.dtype])
+            files += save_from_state(src, dst, {"bf16": torch.bfloat16, "fp16": torch.float16,
+                                                "fp32": torch.float32}[args.dtype])
+    except OSError as e:  # (a full disk mid-way: no half export is left to be taken for a whole one)
+        for p in sorted(set(written) | (set(dst.rglob("*")) - had), key=lambda p: len(p.parts), reverse=True):
+            with contextlib.suppress(OSError):
+                p.rmdir() if p.is_dir() else p.unlink()
+        if made:
+            shutil.rmtree(dst, ignore_errors=True)
+        raise OSError(e.errno, f"export to {dst} failed ({e.strerror}); what it wrote there is removed; free space "
+                               "there, make it writable or choose another folder, then export again") from e
     print(f"exported {src} -> {dst} ({len(files)} files)")
     return EXIT_OK
 

@@ -105,8 +105,8 @@ def check_readable(p: Path) -> None:
     try:
         with open(p, "rb") as f:
             head = f.read(4)
-    except OSError as e:
-        raise DataError(f"dataset file {p}: cannot read it ({e.strerror})") from e
+    except OSError as e:  # (it exists: permissions or the disk, exit 5 as any file that cannot be read)
+        raise OSError(e.errno, f"dataset file {p}: cannot read it ({e.strerror})") from e
     if head[:2] == b"\x1f\x8b" or head[:3] == b"BZh" or head[:4] == b"\x28\xb5\x2f\xfd":
         raise DataError(f"dataset file {p} is compressed (gzip, bzip2 or zstd); decompress it first, e.g. gunzip")
     if p.suffix.lower() == ".parquet":
@@ -263,7 +263,7 @@ def chat_template_text(value: str) -> str:
                 if not isinstance(text, str):
                     raise ValueError
     except OSError as e:
-        raise DataError(f"chat_template {p}: cannot read it ({e.strerror})") from e
+        raise OSError(e.errno, f"chat_template {p}: cannot read it ({e.strerror})") from e
     except UnicodeDecodeError:
         raise DataError(f"chat_template {p}: not UTF-8 text; give a Jinja template file") from None
     except (ValueError, AttributeError):  # (JSON that does not parse, or holds no one template)
@@ -281,10 +281,20 @@ MAX_TEMPLATE_CHARS = 256 * 1024  # far above any real chat template; above it, l
 
 
 def check_chat_template(template: str, where: str = "chat_template") -> None:
-    """Refuse a template whose rendering alone would dominate the work (each record renders it several times)."""
+    """Refuse, before any record is read, a template whose rendering alone would dominate the work (each
+    record renders it several times), or one that is not Jinja at all: compiled as transformers compiles
+    it, so a syntax error names the template, never each record."""
     if len(template) > MAX_TEMPLATE_CHARS:
         raise DataError(f"{where} is {len(template) / 2**20:.1f} MiB of text; chat templates are Jinja of at most "
                         f"{MAX_TEMPLATE_CHARS // 1024} KiB: give the template itself, not a file's contents")
+    from jinja2 import TemplateSyntaxError
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(template)
+    except TemplateSyntaxError as e:
+        raise DataError(f"{where}: not a valid Jinja template (line {e.lineno}: {e.message}); fix the template, "
+                        "or leave chat_template unset for the model's own") from None
 
 
 def max_token_chars(tokenizer) -> int:
@@ -451,6 +461,9 @@ def open_through_datasets(name: str, p: Path, split: str | None, subset: str | N
         import datasets
     except ImportError:
         raise DataError(f"{name}: reading it needs the datasets package: pip install 'slideformer[data]'") from None
+    bars, level = datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity()
+    datasets.disable_progress_bars()  # (its bars and log lines: an error is said once, in our line)
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
         if p.is_dir() and ((p / "dataset_dict.json").is_file() or (p / "state.json").is_file()):
             data = datasets.load_from_disk(str(p))
@@ -459,12 +472,18 @@ def open_through_datasets(name: str, p: Path, split: str | None, subset: str | N
                                          **({"delimiter": "\t"} if p.suffix.lower() == ".tsv" else {}))
         else:
             data = datasets.load_dataset(name, subset)
-    except (FileNotFoundError, ConnectionError, OSError, ValueError) as e:
+    except (FileNotFoundError, ConnectionError, OSError, ValueError, datasets.exceptions.DatasetGenerationError) as e:
+        if isinstance(e, datasets.exceptions.DatasetGenerationError) and e.__cause__ is not None:
+            e = e.__cause__  # (the parser's own error says what is wrong)
         where = "folder" if p.is_dir() else "file" if p.is_file() else "Hub dataset"
         hint = "" if p.exists() else ("; offline, fetch it first: hf download --repo-type dataset " + name +
                                        " --local-dir DIR, and give DIR")
         raise DataError(f"dataset {where} {name}: datasets cannot read it ({type(e).__name__}: "
                         f"{(str(e).splitlines() or [''])[0][:200]}){hint}") from e
+    finally:
+        datasets.logging.set_verbosity(level)
+        if bars:
+            datasets.enable_progress_bars()
     if isinstance(data, datasets.DatasetDict):
         want = split or "train"
         if want not in data:

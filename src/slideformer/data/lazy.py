@@ -53,7 +53,7 @@ class JsonlLines:
                         pending += int(np.count_nonzero(~_SPACE[b]))
                     at += len(chunk)
         except OSError as e:
-            raise DataError(f"dataset file {self.path}: cannot read it ({e.strerror})") from e
+            raise OSError(e.errno, f"dataset file {self.path}: cannot read it ({e.strerror})") from e
         if line_start < at:  # (a last line without a newline)
             (starts if pending else blank).append(np.array([line_start if pending else lines], np.int64))
         self.starts = np.concatenate(starts).astype(np.int64) if starts else np.zeros(0, np.int64)
@@ -77,7 +77,7 @@ class JsonlLines:
             finally:
                 os.close(fd)
         except OSError as e:
-            raise DataError(f"dataset file {self.path}: cannot read it ({e.strerror})") from e
+            raise OSError(e.errno, f"dataset file {self.path}: cannot read it ({e.strerror})") from e
         # (the record's own line: blank ones may follow)
         return where, jsonl_record(raw.split(b"\n", 1)[0], Path(self.path), lineno, self.skip_bad)
 

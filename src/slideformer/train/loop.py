@@ -62,7 +62,8 @@ def load_tokenizer(cfg: TrainConfig):
                           "the folder needs tokenizer.json or the tokenizer files transformers saves") from e
     if cfg.chat_template:
         tok.chat_template = chat_template_text(cfg.chat_template)
-        check_chat_template(tok.chat_template)
+        named = "{{" not in cfg.chat_template and "{%" not in cfg.chat_template  # (a file's path)
+        check_chat_template(tok.chat_template, f"chat_template {cfg.chat_template}" if named else "chat_template")
     elif isinstance(tok.chat_template, str):
         check_chat_template(tok.chat_template, f"the chat template of {path}")
     if tok.pad_token_id is None:
@@ -332,8 +333,9 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
                         f"resume_from_checkpoint: auto found no intact checkpoint of this run in {out.path} "
                         f"({len(damaged)} damaged, newest {damaged[0].name}); move them away to start over, or set "
                         "resume_from_checkpoint to a checkpoint's path")
-                return str(found) if found else None
-            resume = latest() if ranks is None else parallel.from_leader(latest)
+                return (str(found) if found else None), [p.name for p in damaged]
+            resume, passed_over = latest() if ranks is None else parallel.from_leader(latest)
+            out.passed_over = set(passed_over)  # (this run replaces them as it saves those steps)
         try:  # (the engine's own refusals, before it allocates, in the config's key names)
             if cfg.model_name_or_path == "tiny":
                 engine = SlideEngine.from_config(hf_config, ecfg)
@@ -659,7 +661,7 @@ def _permutation(n: int, seed: int, epoch: int):
 def _save(engine, tok, out: OutputDir, step: int, state: dict, limit: int | None, previous: Path | None,
           source: str = "tiny") -> Path:
     target = out.path / f"{CKPT_PREFIX}{step}"
-    if target.exists() and not out.overwrite and target not in out.checkpoints():
+    if target.exists() and not out.overwrite and target not in out.checkpoints() and target.name not in out.passed_over:
         raise OutputDirError(f"{target} appeared during the run and was not written by it; move it away and resume "
                              "with resume_from_checkpoint: auto")
     generation = Path(source) / "generation_config.json"  # (the source model's sampling defaults travel along)
@@ -736,6 +738,17 @@ def loss_curves(metrics: Path) -> tuple[list[dict], list[dict]]:
 
 
 def _plot_loss(metrics: Path, path: Path) -> None:
+    """The loss curve as a picture, at the end of the run however it ends: a picture that cannot be written
+    (a full disk) is said in one line and never replaces the error that ended the run."""
+    try:
+        _draw_loss(metrics, path)
+    except OSError as e:
+        path.unlink(missing_ok=True)
+        print(f"slideformer: {path} not written ({e.strerror or e}); {metrics} has the same curve",
+              file=sys.stderr, flush=True)
+
+
+def _draw_loss(metrics: Path, path: Path) -> None:
     history, evals = loss_curves(metrics)
     if not history:
         return

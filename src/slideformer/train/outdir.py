@@ -42,11 +42,15 @@ def _step_of(p: Path) -> int | None:
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class OutputDir:
@@ -54,6 +58,7 @@ class OutputDir:
 
     def __init__(self, path: Path, run_id: str):
         self.path, self.run_id = path, run_id
+        self.passed_over: set[str] = set()  # damaged checkpoints of this run that resuming passed over
 
     @classmethod
     def check(cls, path: str | os.PathLike, *, resume: str | None, overwrite: bool) -> "OutputDir":
@@ -105,6 +110,7 @@ class OutputDir:
             out.mkdir(parents=True, exist_ok=True)
             self._lock = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
+            self.close(ok=False)  # (a folder it made goes again)
             raise OSError(e.errno, f"cannot write to output_dir {out}: {e.strerror}; make it writable or choose "
                                    "another output_dir") from e
         try:
@@ -123,11 +129,12 @@ class OutputDir:
         try:
             if self.fresh:
                 _write_atomic(out / RUN_FILE, json.dumps({"run_id": self.run_id}) + "\n")
-                (out / METRICS).unlink(missing_ok=True)  # this run's metrics start with it (TensorBoard's too)
-                for f in (out / TENSORBOARD).glob("events.out.tfevents.*"):
-                    f.unlink()
+                (out / METRICS).unlink(missing_ok=True)  # this run's metrics start with it
+                if RUN_FILE in self.found:  # (TensorBoard's too, where an earlier slideformer run wrote them)
+                    for f in (out / TENSORBOARD).glob("events.out.tfevents.*"):
+                        f.unlink()
         except OSError as e:
-            self.close()
+            self.close(ok=False)
             raise OSError(e.errno, f"cannot write to output_dir {out}: {e.strerror}; make it writable or choose "
                                    "another output_dir") from e
         return self
@@ -147,8 +154,8 @@ class OutputDir:
 
     def foreign_ahead(self, start: int, end: int) -> list[Path]:
         """Checkpoint folders of steps ``start`` < N <= ``end`` that this run did not write: a save of that step
-        would replace one."""
-        own = {p.name for p in self.checkpoints()}
+        would replace one. Those resuming passed over as damaged are this run's (``latest_intact``)."""
+        own = {p.name for p in self.checkpoints()} | self.passed_over
         return sorted((p for p in self.path.iterdir() if (n := _step_of(p)) is not None and start < n <= end
                        and p.name not in own), key=_step_of) if self.path.is_dir() else []
 
@@ -187,7 +194,7 @@ class OutputDir:
                 return p, damaged
             except CorruptCheckpointError as e:
                 damaged.append(p)
-                print(f"slideformer: not resuming from {p}: {e}", file=sys.stderr)
+                print(f"slideformer: not resuming from {p}: {e}; a save of its step replaces it", file=sys.stderr)
         return None, damaged
 
     def rotate(self, keep: int) -> None:
