@@ -40,6 +40,14 @@ def test_batch_longer_than_positions():
     ({"input_ids": torch.tensor([[1, 2, 3]]), "labels": torch.full((1, 3), -100)}, "every label"),
     ({"tokens": [1, 2]}, "expected a dict with 'input_ids'"),
     ({"input_ids": torch.tensor([[1, 2, 3]]), "attention_mask": torch.ones(1, 2)}, "attention_mask shape"),
+    ({"input_ids": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[1, 2, 97]])},
+     r"labels must be -100 \(ignored\) or token ids in \[0, 97\), got 97"),
+    ({"input_ids": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[1, -1, 2]])}, "got -1"),
+    ({"input_ids": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[1.0, 2.0, 3.0]])}, "labels must be an integer"),
+    ({"input_ids": torch.tensor([[1, 2], [3, 4], [5, 6]]), "labels": torch.tensor([[1, 2, 3], [4, 5, 6]])},
+     r"labels shape \(2, 3\) differs"),  # (as many values, transposed: refused, not reshaped)
+    ({"input_ids": torch.tensor([[1, 2], [3, 4], [5, 6]]), "attention_mask": torch.ones(2, 3)}, "attention_mask shape"),
+    ([batch(97), {"input_ids": torch.zeros(0, 16, dtype=torch.long)}], r"micro-batch 1: input_ids of shape \(0, 16\) hold no token"),
 ])
 def test_bad_batches(bad, match):
     with SlideEngine(build("llama"), engine_config(**CPU)) as eng:
@@ -61,6 +69,12 @@ def test_bad_batches(bad, match):
     (dict(optimizer_state="4bit"), "optimizer_state must be one of 'fp32', 'compact', '8bit', got '4bit'"),
     (dict(lr="1e-5"), "lr must be a number, got '1e-5'"),
     (dict(lr=float("nan")), "lr must be a finite number >= 0"),
+    (dict(eps=float("nan")), "eps must be a finite number > 0"),
+    (dict(eps=float("inf")), "eps must be a finite number > 0"),
+    (dict(weight_decay=float("nan")), "weight_decay must be a finite number >= 0"),
+    (dict(weight_decay=float("inf")), "weight_decay must be a finite number >= 0"),
+    (dict(max_grad_norm=float("nan")), "max_grad_norm must be a finite number > 0"),
+    (dict(max_grad_norm=float("inf")), "max_grad_norm must be a finite number > 0"),
     (dict(betas=(0.9, 0.99, 0.9)), r"betas must be two numbers \(beta1, beta2\)"),
     (dict(compute_dtype="int8"), "compute_dtype must be bfloat16, float16 or float32, got 'int8'"),
     (dict(optimizer_state="8bit", compute_dtype=torch.float32), "optimizer_state='8bit' keeps the weights the GPU "
@@ -236,3 +250,16 @@ def test_a_save_replaces_only_a_checkpoint(tmp_path):
         with pytest.raises(CheckpointError, match="is a slideformer checkpoint"):
             eng.save_pretrained(tmp_path / "ck")
         verify_checkpoint(tmp_path / "ck")
+
+
+def test_hugging_face_weights_are_written_in_a_float_dtype_only(tmp_path):
+    """save_pretrained takes bfloat16, float16 or float32 (a dtype or its name), as export --dtype does: an
+    integer dtype would write weights that load but are zeros."""
+    with SlideEngine(build("llama"), engine_config(**CPU)) as eng:
+        with pytest.raises(ConfigError, match="save_pretrained's dtype must be bfloat16, float16 or float32, got torch.int8"):
+            eng.save_pretrained(tmp_path / "int8", dtype=torch.int8)
+        assert not (tmp_path / "int8").exists()
+        eng.save_pretrained(tmp_path / "bf16", dtype="bf16")
+        import json
+
+        assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"

@@ -59,6 +59,18 @@ def test_a_ranks_error_is_one_line_and_its_exit_code(tmp_path):
     assert _left_running(tmp_path) == []  # nothing the launcher started is left
 
 
+def test_a_dataset_smaller_than_the_ranks_is_refused_with_the_fix(tmp_path):
+    """One sample for two ranks: the second would have no row of the step; refused with one line (exit 2),
+    where one process trains on what there is."""
+    (tmp_path / "one.jsonl").write_text('{"text": "a single record of text"}\n')
+    p = _slideformer(tmp_path, *COMMON, "device=cpu", "max_steps=2", "micro_batch_size=2", "nproc_per_node=2",
+                     f"dataset={tmp_path / 'one.jsonl'}", f"output_dir={tmp_path / 'o'}", new_session=True)
+    out = p.communicate(timeout=300)[0]
+    assert p.returncode == 2, out
+    assert out.count("the dataset has 1 sample(s), fewer than the 2 processes") == 1, out
+    assert "use nproc_per_node: 1 or more data" in out and "Traceback" not in out, out
+
+
 def _left_running(tmp_path) -> list[int]:
     """The processes started for this test still running: the ranks run in sessions of their own, so they
     are found by the tag in their environment."""
@@ -96,6 +108,28 @@ def test_a_signal_saves_the_step_on_every_rank_and_exits_with_its_code(tmp_path,
     assert f"{sig}: stopped after step" in out and "again" not in out and "Traceback" not in out, out
     saved = list((tmp_path / "o").glob("checkpoint-*"))
     assert len(saved) == 1 and (saved[0] / "state" / "trainer.json").is_file(), out
+
+
+def test_ranks_whose_launcher_is_killed_save_their_step_and_end(tmp_path):
+    """SIGKILL to the launcher (an OOM killer, `kill -9`) passes nothing on; the kernel then sends each rank
+    SIGTERM (the parent-death signal), so none trains on alone holding the folder: they save and end."""
+    p = _slideformer(tmp_path, *COMMON, "device=cpu", "max_steps=100000", "micro_batch_size=2", "nproc_per_node=2",
+                     f"output_dir={tmp_path / 'o'}", new_session=True)
+    for line in p.stdout:
+        if line.startswith("step 2/"):
+            assert len(children(p.pid)) == 2
+            os.kill(p.pid, signal.SIGKILL)
+            break
+    p.wait(timeout=60)
+    deadline = time.time() + 120
+    while _left_running(tmp_path) and time.time() < deadline:
+        time.sleep(0.5)
+    left = _left_running(tmp_path)
+    for pid in left:  # (not to leave them to the rest of the suite)
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
+    saved = list((tmp_path / "o").glob("checkpoint-*"))
+    assert len(saved) == 1 and (saved[0] / "state" / "trainer.json").is_file()
 
 
 def test_under_nohup_the_launcher_leaves_sighup_ignored(monkeypatch):

@@ -1307,3 +1307,17 @@ def test_mid_layers_take_the_ram_of_gradient_buffers_where_the_gpu_bounds_the_st
                     (EngineConfig(device="cuda", gpu_memory_limit="7.5GiB", host_memory_limit="103GiB"), e8, 8),
                     (EngineConfig(device="cuda", gpu_memory_limit="11.5GiB", host_memory_limit="103GiB"), e8, 32)):
         assert resolve(c, Auto(), s, b, 1024, machine).placement.mid_layers == 0
+
+
+@pytest.mark.parametrize("name,seq", [("qwen3-4b", 1024), ("llama3-8b", 4096)])
+def test_the_largest_batch_is_found_by_bisection_as_by_counting(name, seq):
+    """fit()'s refusal names the largest batch whose least layout fits: bisected (a refusal may be asked of
+    any batch, a million rows), the same as counting up from one."""
+    from slideformer.plan.memory import largest_batch, least_layout
+
+    sh = shape(name)
+    for limit in (3 * GiB, 8 * GiB, 24 * GiB):
+        counted = max((b for b in range(1, 200) if gpu_bytes(sh, b, seq, least_layout(sh, b, seq, Layout()))["peak"]
+                       <= limit), default=0)
+        assert largest_batch(sh, seq, limit, Layout(), 199) == counted
+    assert 0 < largest_batch(sh, seq, 24 * GiB, Layout(), 10**9) < 10**9

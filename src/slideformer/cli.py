@@ -178,11 +178,12 @@ def cmd_plan(args) -> int:
     host_total = sum(h.values())
     state_limit = host_budget(plan.config, machine.rank_ram)[1]  # (one process's, under several)
     fits = fits_at(args.batch_size, plan)
-    max_batch, most = 0, 4096  # (searched up to ``most``: a batch that large is said as "or more")
-    for b in range(1, most + 1):
-        if not fits_at(b):
-            break
-        max_batch = b
+    most = 4096  # (searched up to ``most``: a batch that large is said as "or more")
+    lo, hi = (most, most) if fits_at(most) else (0, most - 1)
+    while lo < hi:  # (by bisection: a larger batch never needs less memory)
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits_at(mid) else (lo, mid - 1)
+    max_batch = lo
     compact = args.optimizer_state != "fp32"
     nvme_layers = nvme_layer_count(plan.config, shape.layers)  # (the tier's layers as resolved)
     clip = as_trained.max_grad_norm is not None  # the update then waits for backward's global norm
@@ -512,6 +513,10 @@ def _positive(v: str) -> int:
 def entry() -> int:
     """The `slideformer` command: signals are handled before anything heavy is imported (signals.py)."""
     with Signals(hard=True):
+        if os.environ.get("SLIDEFORMER_LAUNCHER_PID"):  # (a rank of our launcher: it ends with the launcher)
+            from .train.launch import follow_launcher
+
+            follow_launcher()
         code = main()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a rank of a job: train/launch.py says how it ends
         from .train.launch import end_rank

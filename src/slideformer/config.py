@@ -20,6 +20,17 @@ class ConfigError(ValueError):
     """A setting is invalid; the message says which and how to fix it."""
 
 
+def float_dtype(value, key: str) -> torch.dtype:
+    """bfloat16, float16 or float32, as a torch dtype or its name ("bf16", "torch.float32", ...): the
+    dtypes the engine computes and writes weights in."""
+    named = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+             "half": torch.float16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+    dtype = named.get(value.removeprefix("torch.")) if isinstance(value, str) else value
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ConfigError(f"{key} must be bfloat16, float16 or float32, got {value!r}")
+    return dtype
+
+
 @dataclass
 class Placement:
     """Where each piece of the model lives and moves: the planner's decisions (plan.resolve), which an
@@ -153,24 +164,19 @@ class EngineConfig:
         if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2
                 and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in self.betas)):
             raise ConfigError(f"betas must be two numbers (beta1, beta2), got {self.betas!r}")
-        if isinstance(self.compute_dtype, str):  # (a dtype's name: "bfloat16", "bf16", "float32"...)
-            named = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-                     "fp16": torch.float16, "half": torch.float16, "float32": torch.float32, "fp32": torch.float32,
-                     "float": torch.float32}.get(self.compute_dtype.removeprefix("torch."))
-            if named is None:
-                raise ConfigError(f"compute_dtype must be bfloat16, float16 or float32, got {self.compute_dtype!r}")
-            self.compute_dtype = named
+        if isinstance(self.compute_dtype, str):
+            self.compute_dtype = float_dtype(self.compute_dtype, "compute_dtype")
         if not self.lr >= 0 or not math.isfinite(self.lr):
             raise ConfigError(f"lr must be a finite number >= 0, got {self.lr}")
         b1, b2 = self.betas
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
             raise ConfigError(f"betas must each lie in [0, 1), got {self.betas}")
-        if self.eps <= 0:
-            raise ConfigError(f"eps must be > 0, got {self.eps}")
-        if self.weight_decay < 0:
-            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
-        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
-            raise ConfigError(f"max_grad_norm must be > 0 or None (no clipping), got {self.max_grad_norm}")
+        if not (0 < self.eps < math.inf):  # (NaN fails every comparison)
+            raise ConfigError(f"eps must be a finite number > 0, got {self.eps}")
+        if not (0 <= self.weight_decay < math.inf):
+            raise ConfigError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if self.max_grad_norm is not None and not (0 < self.max_grad_norm < math.inf):
+            raise ConfigError(f"max_grad_norm must be a finite number > 0 or None (no clipping), got {self.max_grad_norm}")
         if isinstance(p.window_slots, bool) or not isinstance(p.window_slots, int) or p.window_slots < 2:
             raise ConfigError(f"window_slots must be a number of slots >= 2 (one computing, one loading), "
                               f"got {p.window_slots!r}")

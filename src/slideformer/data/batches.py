@@ -41,20 +41,33 @@ def check_step(batch, vocab: int, max_positions: int | None, some_targets: bool 
         if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
             raise BatchError(f"{where}: input_ids must be an integer tensor [batch, seq], got {tuple(ids.shape)} {ids.dtype}")
         B, S = ids.shape
+        if not B or not S:
+            raise BatchError(f"{where}: input_ids of shape {(B, S)} hold no token; give each micro-batch at least "
+                             "one row of tokens, or leave it out")
         if max_positions is not None and S > max_positions:
             raise BatchError(f"{where}: sequence length {S} exceeds the model's max_position_embeddings "
                              f"{max_positions}; truncate inputs to at most {max_positions} tokens")
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
             raise BatchError(f"{where}: token ids must lie in [0, {vocab}), got [{int(ids.min())}, {int(ids.max())}]")
         am = item.get("attention_mask")
-        labels = ids.clone() if item.get("labels") is None else torch.as_tensor(item["labels"]).reshape(B, -1)
+        labels = ids.clone() if item.get("labels") is None else torch.as_tensor(item["labels"])
+        if labels.dim() == 1 and B == 1:
+            labels = labels.unsqueeze(0)
         if tuple(labels.shape) != (B, S):
             raise BatchError(f"{where}: labels shape {tuple(labels.shape)} differs from input_ids {(B, S)}")
+        if labels.dtype not in (torch.int64, torch.int32):
+            raise BatchError(f"{where}: labels must be an integer tensor (token ids, -100 where ignored), got "
+                             f"{labels.dtype}")
+        bad = (labels != -100) & ((labels < 0) | (labels >= vocab))
+        if bool(bad.any()):
+            raise BatchError(f"{where}: labels must be -100 (ignored) or token ids in [0, {vocab}), got "
+                             f"{int(labels[bad][0])}")
         if am is not None:
             am = torch.as_tensor(am)
-            if am.numel() != B * S:
+            if am.dim() == 1 and B == 1:
+                am = am.unsqueeze(0)
+            if tuple(am.shape) != (B, S):
                 raise BatchError(f"{where}: attention_mask shape {tuple(am.shape)} differs from input_ids {(B, S)}")
-            am = am.view(B, S)
             if "labels" not in item:
                 labels = labels.masked_fill(am == 0, -100)
             if bool(am.all()):  # no padding: no mask, and no device read of it in the mask functions

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from .. import parallel
 from ..checkpoint import CheckpointError, export, loader
 from ..checkpoint import state as ckpt_state
-from ..config import ConfigError, EngineConfig
+from ..config import ConfigError, EngineConfig, float_dtype
 from ..data.batches import BatchError, check_step  # noqa: F401  (BatchError: the engine's to raise, re-exported)
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter, bind_parameters
@@ -784,15 +784,16 @@ class SlideEngine:
         """Write a Hugging Face checkpoint (config + safetensors) that from_pretrained loads. Under several
         ranks every rank calls it, and each writes the files of the units it owns."""
         self._usable("save")
+        dtype = self.cfg.compute_dtype if dtype is None else float_dtype(dtype, "save_pretrained's dtype")
         if ckpt_state.is_checkpoint_dir(Path(out)):
             raise CheckpointError(f"{out} is a slideformer checkpoint: Hugging Face files written into it would no "
                                   "longer match its checksums; choose another folder")
         self.synchronize()
         if self.ranks is None:
-            return export.save_pretrained(out, self.adapter, self.store, dtype or self.cfg.compute_dtype)
+            return export.save_pretrained(out, self.adapter, self.store, dtype)
         err = None
         try:
-            out = export.save_pretrained(out, self.adapter, self.store, dtype or self.cfg.compute_dtype, self._owner,
+            out = export.save_pretrained(out, self.adapter, self.store, dtype, self._owner,
                                          self.ranks.rank)
         except BaseException as e:
             err = e

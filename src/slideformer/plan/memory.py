@@ -322,6 +322,19 @@ def first_on_gpu(shape: ModelShape, p: Layout, nvme_layers: int = 0) -> bool:
         and shape.ranks == 1
 
 
+def largest_batch(shape: ModelShape, seq: int, limit: int, base: Layout, most: int) -> int:
+    """The largest batch of at most ``most`` whose least layout (``least_layout``) fits ``limit`` (0: none),
+    by bisection: that layout's bytes grow with the batch, and a refusal may be asked of any batch."""
+    def fits(b: int) -> bool:
+        return gpu_bytes(shape, b, seq, least_layout(shape, b, seq, base))["peak"] <= limit
+
+    lo, hi = 0, most  # (fits(lo) holds, or lo is 0; the answer lies in [lo, hi])
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
 def back_visits(shape: ModelShape, p: Layout, tokens: int, rates: MachineRates = MachineRates()) -> int:
     """The forward visits after its own that the first layer's GPU-updated state (Layout.gpu_first_update)
     takes to go back to the host: its copy's time over a visit's, so that the compute stream's wait for the
@@ -894,8 +907,7 @@ def _fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout) -> L
                 except DoesNotFit:
                     pass
         base = replace(base, mlp_chunk_tokens=MLP_CHUNK_TOKENS[-1] if MLP_CHUNK_TOKENS[-1] < seq else None)
-    best = max((b for b in range(1, batch) if gpu_bytes(shape, b, seq, least_layout(shape, b, seq, base))["peak"]
-                <= limit), default=0)
+    best = largest_batch(shape, seq, limit, base, batch - 1)
     need = gpu_bytes(shape, batch, seq, least_layout(shape, batch, seq, base))["peak"]
     if batch == seq == 1:  # (the engine's first check, before any batch is known: the model's own floor)
         raise DoesNotFit(f"this model needs at least {fmt_bytes(need)} of GPU memory (its window of layers, every "

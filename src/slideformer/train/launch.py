@@ -30,6 +30,7 @@ from ..signals import past_hangup
 from ..watchdog import SAVE_LIMIT_S
 
 EXIT_DIR = "SLIDEFORMER_EXIT_DIR"  # (environment: the folder our launcher reads its ranks' exit codes from)
+LAUNCHER = "SLIDEFORMER_LAUNCHER_PID"  # (environment: our launcher's process, which its ranks end with)
 
 
 def processes(asked, device: str | None) -> int:
@@ -86,6 +87,7 @@ def launch(n: int, argv: list[str]) -> int:
     # only a third ends that wait early, and what the ranks still leave here is then not waited for)
     with tempfile.TemporaryDirectory(prefix="slideformer-exit-", ignore_cleanup_errors=True) as codes:
         os.environ[EXIT_DIR] = codes  # (the ranks inherit it)
+        os.environ[LAUNCHER] = str(os.getpid())
         echo = _Echo(codes)
         try:
             elastic_launch(LaunchConfig(**kw), sys.executable)("-m", "slideformer", *argv)
@@ -97,7 +99,7 @@ def launch(n: int, argv: list[str]) -> int:
             return exit_code([_left(codes, r) for r in range(n)])
         finally:
             echo.stop()
-            del os.environ[EXIT_DIR]
+            del os.environ[EXIT_DIR], os.environ[LAUNCHER]
     return 0
 
 
@@ -162,6 +164,23 @@ def exit_code(codes: list[int]) -> int:
     if not failed:
         return 0
     return min(failed, key=lambda c: (0 if 0 < c < 128 and c != 7 else 1 if c == 7 else 2, failed.index(c)))
+
+
+def follow_launcher() -> None:
+    """A rank of our launcher is sent SIGTERM by the kernel when the launcher dies (Linux's parent-death
+    signal): killed outright, it could not pass a signal on, and the ranks, each in a session of its own,
+    would train on unseen and keep the folder locked. As for any signal, the step finishes and is saved."""
+    parent = os.environ.get(LAUNCHER)
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # (1: PR_SET_PDEATHSIG)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != int(parent):  # (it was gone before the request)
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _left(folder: str, rank: int) -> int:

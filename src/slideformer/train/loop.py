@@ -453,6 +453,10 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                                   short=True)
                     if drawn is None:
                         raise DataError(f"no record of the dataset is a sample: {_counts(examples, skipped, dropped)}")
+                    if ranks and len(drawn[0]["input_ids"]) < world:  # (a rank with no row has no step)
+                        n = len(drawn[0]["input_ids"])
+                        raise DataError(f"the dataset has {n} sample(s), fewer than the {world} processes, each of "
+                                        f"which trains rows of every micro-batch; use nproc_per_node: {n} or more data")
                 mb, offset = drawn
                 mbs.append(mb)
             lr = lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, warmup, total)
