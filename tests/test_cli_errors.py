@@ -444,6 +444,23 @@ def test_export_on_a_full_disk_leaves_nothing_half_written(checkpoint, tmp_path,
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
 
 
+def test_export_in_another_dtype_on_a_full_disk_says_so_and_leaves_nothing(checkpoint, tmp_path, capsys, monkeypatch):
+    """safetensors reports a full disk as its own error type, not an OSError: still exit 5, the files the
+    export added removed."""
+    from safetensors import SafetensorError
+
+    from slideformer.checkpoint import export
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "
+                              "\"No space left on device\" })  os error 28")
+
+    monkeypatch.setattr(export, "save_file", full)
+    assert main(["export", str(checkpoint), str(tmp_path / "new"), "--dtype", "bf16"]) == 5
+    one_line(capsys, f"export to {tmp_path / 'new'} failed (No space left on device)")
+    assert not (tmp_path / "new").exists()
+
+
 def test_export_does_not_follow_links_out_of_the_checkpoint(checkpoint, tmp_path, capsys):
     import shutil
 

@@ -49,8 +49,11 @@ def test_batch_longer_than_positions():
     ({"input_ids": torch.tensor([[1, 2], [3, 4], [5, 6]]), "attention_mask": torch.ones(2, 3)}, "attention_mask shape"),
     ([batch(97), {"input_ids": torch.zeros(0, 16, dtype=torch.long)}], r"micro-batch 1: input_ids of shape \(0, 16\) hold no token"),
 ])
-def test_bad_batches(bad, match):
-    with SlideEngine(build("llama"), engine_config(**CPU)) as eng:
+@pytest.mark.parametrize("budget", [None, "1GiB"])
+def test_bad_batches(bad, match, budget):
+    """Refused as given, also under a GPU budget, where the planner splits the step into its micro-batches
+    (nothing is reshaped or dropped before the check)."""
+    with SlideEngine(build("llama"), engine_config(**CPU, gpu_memory_limit=budget)) as eng:
         with pytest.raises(BatchError, match=match):
             eng.train_step(bad)
         eng.train_step(batch(97))  # the engine is still usable after a refused batch

@@ -317,15 +317,14 @@ def test_a_picture_that_cannot_be_written_does_not_hide_the_error_that_ended_the
     assert not (out / "loss.png").exists()
 
 
-def test_auto_resume_replaces_a_newest_checkpoint_whose_metadata_is_damaged(tmp_path, capsys):
-    """A checkpoint of this run whose trainer.json was emptied cannot be told as the run's, so resuming
-    passes over it; the resumed run then saves that step over it, as its own (not refused as foreign)."""
+def test_a_newest_checkpoint_whose_metadata_is_damaged_is_passed_over_and_never_replaced(tmp_path, capsys):
+    """A checkpoint whose trainer.json was emptied cannot be told as the run's: resuming passes over it, and
+    the run, which would save that step over it, is refused saying why (not "did not write"), untouched."""
     out = tmp_path / "o"
     assert run(out, "max_steps=3", "save_steps=1", "save_total_limit=5") == 0
     (out / "checkpoint-3" / "state" / "trainer.json").write_text("")
-    assert run(out, "max_steps=4", "save_steps=1", "save_total_limit=5", "resume_from_checkpoint=auto") == 0
+    assert run(out, "max_steps=4", "save_steps=1", "save_total_limit=5", "resume_from_checkpoint=auto") == 2
     err = capsys.readouterr().err
-    assert "not resuming from" in err and "checkpoint-3" in err and "replaces it" in err
-    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4]
-    assert json.loads((out / "checkpoint-3" / "state" / "trainer.json").read_text())["trainer"]["step"] == 3
+    assert "not resuming from" in err and "checkpoint-3" in err
+    assert "holds checkpoint-3, whose metadata is damaged, so whose it is cannot be told" in err.splitlines()[-1]
+    assert (out / "checkpoint-3" / "state" / "trainer.json").read_text() == ""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -178,12 +179,11 @@ def cmd_plan(args) -> int:
     host_total = sum(h.values())
     state_limit = host_budget(plan.config, machine.rank_ram)[1]  # (one process's, under several)
     fits = fits_at(args.batch_size, plan)
-    most = 4096  # (searched up to ``most``: a batch that large is said as "or more")
-    lo, hi = (most, most) if fits_at(most) else (0, most - 1)
-    while lo < hi:  # (by bisection: a larger batch never needs less memory)
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if fits_at(mid) else (lo, mid - 1)
-    max_batch = lo
+    max_batch, most = 0, 4096  # (searched up to ``most``: a batch that large is said as "or more")
+    for b in range(1, most + 1):  # (counted: a batch's micro-batches divide it, so a larger one may fit where
+        if not fits_at(b):        # a smaller prime one does not; the first that does not is what is said)
+            break
+        max_batch = b
     compact = args.optimizer_state != "fp32"
     nvme_layers = nvme_layer_count(plan.config, shape.layers)  # (the tier's layers as resolved)
     clip = as_trained.max_grad_norm is not None  # the update then waits for backward's global norm
@@ -375,12 +375,9 @@ def cmd_export(args) -> int:
     made = not dst.exists()
     dst.mkdir(parents=True, exist_ok=True)
     had = set(dst.rglob("*"))
-    written = []
+    from safetensors import SafetensorError
+
     try:
-        # the model's weight files are replaced as a set: a stale shard index or single file would shadow them
-        for old in list(dst.glob("model*.safetensors")) + list(dst.glob("model.safetensors.index.json")):
-            if Path(old.name) not in files:
-                old.unlink()
         for rel in files:
             target = dst / rel
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -390,7 +387,6 @@ def cmd_export(args) -> int:
                 os.replace(tmp, target)
             finally:
                 tmp.unlink(missing_ok=True)
-            written.append(target)
         if args.dtype:
             import torch
 
@@ -398,14 +394,20 @@ def cmd_export(args) -> int:
 
             files += save_from_state(src, dst, {"bf16": torch.bfloat16, "fp16": torch.float16,
                                                 "fp32": torch.float32}[args.dtype])
-    except OSError as e:  # (a full disk mid-way: no half export is left to be taken for a whole one)
-        for p in sorted(set(written) | (set(dst.rglob("*")) - had), key=lambda p: len(p.parts), reverse=True):
+    except (OSError, SafetensorError) as e:  # (a full disk mid-way: the files it added go, as a folder it made)
+        for p in sorted(set(dst.rglob("*")) - had, key=lambda p: len(p.parts), reverse=True):
             with contextlib.suppress(OSError):
                 p.rmdir() if p.is_dir() else p.unlink()
         if made:
             shutil.rmtree(dst, ignore_errors=True)
-        raise OSError(e.errno, f"export to {dst} failed ({e.strerror}); what it wrote there is removed; free space "
-                               "there, make it writable or choose another folder, then export again") from e
+        code = getattr(e, "errno", None) or int((re.search(r"os error (\d+)", str(e)) or [0, 0])[1])
+        raise OSError(code, f"export to {dst} failed ({os.strerror(code) if code else e}); the files it added there "
+                            "are removed; free space there, make it writable or choose another folder, then export "
+                            "again") from e
+    # the model's weight files are replaced as a set: a stale shard index or single file would shadow them
+    for old in list(dst.glob("model*.safetensors")) + list(dst.glob("model.safetensors.index.json")):
+        if Path(old.name) not in files:
+            old.unlink()
     print(f"exported {src} -> {dst} ({len(files)} files)")
     return EXIT_OK
 

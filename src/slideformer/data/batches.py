@@ -68,7 +68,7 @@ def check_step(batch, vocab: int, max_positions: int | None, some_targets: bool 
                 am = am.unsqueeze(0)
             if tuple(am.shape) != (B, S):
                 raise BatchError(f"{where}: attention_mask shape {tuple(am.shape)} differs from input_ids {(B, S)}")
-            if "labels" not in item:
+            if item.get("labels") is None:
                 labels = labels.masked_fill(am == 0, -100)
             if bool(am.all()):  # no padding: no mask, and no device read of it in the mask functions
                 am = None

@@ -475,6 +475,8 @@ def open_through_datasets(name: str, p: Path, split: str | None, subset: str | N
     except (FileNotFoundError, ConnectionError, OSError, ValueError, datasets.exceptions.DatasetGenerationError) as e:
         if isinstance(e, datasets.exceptions.DatasetGenerationError) and e.__cause__ is not None:
             e = e.__cause__  # (the parser's own error says what is wrong)
+        if isinstance(e, OSError) and not isinstance(e, FileNotFoundError) and e.errno and p.exists():
+            raise OSError(e.errno, f"dataset {name}: datasets cannot read it ({e.strerror})") from e  # (exit 5)
         where = "folder" if p.is_dir() else "file" if p.is_file() else "Hub dataset"
         hint = "" if p.exists() else ("; offline, fetch it first: hf download --repo-type dataset " + name +
                                        " --local-dir DIR, and give DIR")

@@ -666,8 +666,11 @@ class SlideEngine:
     def _place(self, batch) -> list[dict]:
         """Split the step into the planner's micro-batches and set which layer inputs are offloaded."""
         items = list(batch) if isinstance(batch, (list, tuple)) else [batch]
-        if not all(isinstance(it, dict) and "input_ids" in it for it in items):
-            return items  # malformed: _prepare says what is wrong
+        cfgm = self.adapter.config
+        try:  # (as given, before it is split: _prepare says what is wrong, every rank together)
+            check_step(items, cfgm.vocab_size, getattr(cfgm, "max_position_embeddings", None), some_targets=False)
+        except BatchError:
+            return items
         ids = [torch.as_tensor(it["input_ids"]) for it in items]
         shapes = [t.reshape(-1, t.shape[-1]).shape for t in ids]
         key = (sum(s[0] for s in shapes), max(s[1] for s in shapes))

@@ -7,6 +7,7 @@ What the run may touch in ``output_dir`` is decided by train/outdir.py.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -335,7 +336,7 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
                         "resume_from_checkpoint to a checkpoint's path")
                 return (str(found) if found else None), [p.name for p in damaged]
             resume, passed_over = latest() if ranks is None else parallel.from_leader(latest)
-            out.passed_over = set(passed_over)  # (this run replaces them as it saves those steps)
+            out.passed_over = set(passed_over)
         try:  # (the engine's own refusals, before it allocates, in the config's key names)
             if cfg.model_name_or_path == "tiny":
                 engine = SlideEngine.from_config(hf_config, ecfg)
@@ -381,9 +382,11 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                 f"interrupted run would have drawn (its position, {offset} samples into epoch {epoch}, is kept)",
                 file=sys.stderr, flush=True)
     if not cfg.overwrite_output_dir and (foreign := out.foreign_ahead(start, total)):
-        raise OutputDirError(f"output_dir {out.path} holds {foreign[0].name}, which this run did not write and would "
-                             f"replace when it saves that step; move it away, choose another output_dir, or set "
-                             "overwrite_output_dir: true")
+        whose = "whose metadata is damaged, so whose it is cannot be told," if foreign[0].name in out.passed_over \
+            else "which this run did not write and"
+        raise OutputDirError(f"output_dir {out.path} holds {foreign[0].name}, {whose} would be replaced when this run "
+                             "saves that step; move it away (or delete it, if it is this run's), choose another "
+                             "output_dir, or set overwrite_output_dir: true")
     if lead:
         out.trim_metrics(start)
     tracking = Trackers(cfg.report_to if lead else "none", out.path, start, run_meta(cfg, engine, device))
@@ -665,7 +668,7 @@ def _permutation(n: int, seed: int, epoch: int):
 def _save(engine, tok, out: OutputDir, step: int, state: dict, limit: int | None, previous: Path | None,
           source: str = "tiny") -> Path:
     target = out.path / f"{CKPT_PREFIX}{step}"
-    if target.exists() and not out.overwrite and target not in out.checkpoints() and target.name not in out.passed_over:
+    if target.exists() and not out.overwrite and target not in out.checkpoints():
         raise OutputDirError(f"{target} appeared during the run and was not written by it; move it away and resume "
                              "with resume_from_checkpoint: auto")
     generation = Path(source) / "generation_config.json"  # (the source model's sampling defaults travel along)
@@ -744,25 +747,29 @@ def loss_curves(metrics: Path) -> tuple[list[dict], list[dict]]:
 def _plot_loss(metrics: Path, path: Path) -> None:
     """The loss curve as a picture, at the end of the run however it ends: a picture that cannot be written
     (a full disk) is said in one line and never replaces the error that ended the run."""
+    tmp = path.with_name(path.name + ".tmp.png")
     try:
-        _draw_loss(metrics, path)
+        if _draw_loss(metrics, tmp):
+            os.replace(tmp, path)
     except OSError as e:
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
         print(f"slideformer: {path} not written ({e.strerror or e}); {metrics} has the same curve",
               file=sys.stderr, flush=True)
 
 
-def _draw_loss(metrics: Path, path: Path) -> None:
+def _draw_loss(metrics: Path, path: Path) -> bool:
+    """Whether a picture was drawn into ``path`` (none without a logged step, or without matplotlib)."""
     history, evals = loss_curves(metrics)
     if not history:
-        return
+        return False
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return
+        return False
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train")
     if evals:
@@ -774,6 +781,7 @@ def _draw_loss(metrics: Path, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return True
 
 
 def describe_data(cfg: TrainConfig, samples: int = 2, out=None) -> dict:

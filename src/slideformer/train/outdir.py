@@ -58,7 +58,7 @@ class OutputDir:
 
     def __init__(self, path: Path, run_id: str):
         self.path, self.run_id = path, run_id
-        self.passed_over: set[str] = set()  # damaged checkpoints of this run that resuming passed over
+        self.passed_over: set[str] = set()  # checkpoints resuming passed over as damaged (latest_intact)
 
     @classmethod
     def check(cls, path: str | os.PathLike, *, resume: str | None, overwrite: bool) -> "OutputDir":
@@ -143,8 +143,8 @@ class OutputDir:
         """Release the folder. A new run that ends with an error before it wrote a checkpoint or a metric
         (``ok`` False) leaves the folder as it found it: no mark or lock file it made, no folder it made."""
         if not ok and self.fresh and not self.checkpoints() and not (self.path / METRICS).exists():
-            for name in {RUN_FILE, LOCK_FILE} - self.found:
-                (self.path / name).unlink(missing_ok=True)
+            for name in {RUN_FILE, LOCK_FILE} - self.found if getattr(self, "_lock", None) is not None else ():
+                (self.path / name).unlink(missing_ok=True)  # (only under its lock: no other run's)
             if self.created:
                 with contextlib.suppress(OSError):
                     self.path.rmdir()  # (only if empty)
@@ -154,8 +154,8 @@ class OutputDir:
 
     def foreign_ahead(self, start: int, end: int) -> list[Path]:
         """Checkpoint folders of steps ``start`` < N <= ``end`` that this run did not write: a save of that step
-        would replace one. Those resuming passed over as damaged are this run's (``latest_intact``)."""
-        own = {p.name for p in self.checkpoints()} | self.passed_over
+        would replace one."""
+        own = {p.name for p in self.checkpoints()}
         return sorted((p for p in self.path.iterdir() if (n := _step_of(p)) is not None and start < n <= end
                        and p.name not in own), key=_step_of) if self.path.is_dir() else []
 
@@ -194,7 +194,7 @@ class OutputDir:
                 return p, damaged
             except CorruptCheckpointError as e:
                 damaged.append(p)
-                print(f"slideformer: not resuming from {p}: {e}; a save of its step replaces it", file=sys.stderr)
+                print(f"slideformer: not resuming from {p}: {e}", file=sys.stderr)
         return None, damaged
 
     def rotate(self, keep: int) -> None:
