@@ -80,6 +80,7 @@ def model_dirs(tmp_path):
     ("seed=99999999999999999999999", 2, ["seed must lie in [0, 2**63)"]),
     ("fp8=true", 2, ["fp8: true", "on device cpu", "set fp8: false"]),
     ("fp8=maybe", 2, ["fp8 must be true or false"]),
+    ("max_steps=-5", 2, ["max_steps must be > 0, or 0 or -1 for num_train_epochs to decide, got -5"]),
     # (in the trainer's keys: its compute dtype is bf16, not the engine's compute_dtype)
     ("offload.optimizer_state=compact", 2, ["offload.optimizer_state='compact'", "set bf16: true"]),
     ("attn_implementation=flash_attention_2", 2, ["runs on CUDA only"]),  # (before transformers' ImportError)

@@ -214,6 +214,8 @@ class TrainConfig:
                               "gradient norm is known, so a non-finite step cannot be dropped; set max_grad_norm")
         if not 0 <= self.warmup_ratio < 1:
             raise ConfigError(f"warmup_ratio must lie in [0, 1), got {self.warmup_ratio}")
+        if self.max_steps < -1:
+            raise ConfigError(f"max_steps must be > 0, or 0 or -1 for num_train_epochs to decide, got {self.max_steps}")
         if self.max_steps <= 0 and self.num_train_epochs <= 0:
             raise ConfigError("set max_steps > 0 or num_train_epochs > 0")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
