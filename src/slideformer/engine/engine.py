@@ -97,6 +97,12 @@ class Evaluation(NamedTuple):
     router_loss: float = 0.0  # that load-balancing part (0 for dense models)
 
 
+def _as_rows(v) -> torch.Tensor:
+    """A batch value as rows: one sequence (1-D) is one row; anything else as it is."""
+    t = torch.as_tensor(v)
+    return t.unsqueeze(0) if t.dim() == 1 else t
+
+
 def _loads_after(plan) -> dict[int, list]:
     """A plan's loads by the visit after whose compute each is issued (-1: at the step's start)."""
     out: dict[int, list] = {}
@@ -666,13 +672,12 @@ class SlideEngine:
     def _place(self, batch) -> list[dict]:
         """Split the step into the planner's micro-batches and set which layer inputs are offloaded."""
         items = list(batch) if isinstance(batch, (list, tuple)) else [batch]
-        cfgm = self.adapter.config
-        try:  # (as given, before it is split: _prepare says what is wrong, every rank together)
-            check_step(items, cfgm.vocab_size, getattr(cfgm, "max_position_embeddings", None), some_targets=False)
-        except BatchError:
-            return items
+        if not all(isinstance(it, dict) and "input_ids" in it for it in items):
+            return items  # malformed: _prepare says what is wrong, every rank together
         ids = [torch.as_tensor(it["input_ids"]) for it in items]
-        shapes = [t.reshape(-1, t.shape[-1]).shape for t in ids]
+        if any(t.dim() not in (1, 2) or not t.numel() for t in ids):
+            return items  # (no row to split: refused there too)
+        shapes = [(1, t.shape[0]) if t.dim() == 1 else tuple(t.shape) for t in ids]
         key = (sum(s[0] for s in shapes), max(s[1] for s in shapes))
         if key not in self._placements:
             self._placements[key] = fit(self.shape, *key, self._limit, Layout.of(self.cfg))
@@ -690,8 +695,8 @@ class SlideEngine:
         out = []
         for it, (rows, _) in zip(items, shapes):
             for start in range(0, rows, p.micro_batch):
-                out.append({k: torch.as_tensor(v).reshape(rows, -1)[start: start + p.micro_batch]
-                            for k, v in it.items() if v is not None})
+                # (split as given, never reshaped: a tensor of another shape reaches _prepare's check as one)
+                out.append({k: _as_rows(v)[start: start + p.micro_batch] for k, v in it.items() if v is not None})
         return out
 
     def _first_mids(self, p: Layout) -> frozenset[int]:
