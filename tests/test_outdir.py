@@ -90,6 +90,21 @@ def test_the_runs_own_folder_resumes_and_a_new_run_there_is_refused(tmp_path, ca
     assert meta["trainer"]["run_id"] == run_id
 
 
+def test_rotation_deletes_what_the_saves_wrote_and_keeps_a_file_put_in_a_checkpoint(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert run(out, "max_steps=1", "save_steps=1") == 0
+    (out / "checkpoint-1" / "eval.txt").write_text("my eval")
+    (out / "checkpoint-1" / "state" / "notes").mkdir()
+    (out / "checkpoint-1" / "state" / "notes" / "n.txt").write_text("mine")
+    capsys.readouterr()
+    assert run(out, "max_steps=3", "save_steps=1", "save_total_limit=1") == 0
+    assert capsys.readouterr().err.count("checkpoint-1 rotated out; 2 file(s) in it that no save wrote are kept") == 1
+    assert tree(out / "checkpoint-1") == {"eval.txt": b"my eval", "state/notes/n.txt": b"mine"}
+    assert not (out / "checkpoint-2").exists() and (out / "checkpoint-3" / "state" / "trainer.json").is_file()
+    assert run(out, "max_steps=4", "save_steps=1", "save_total_limit=1") == 0  # (resumed, said nothing again)
+    assert "rotated out" not in capsys.readouterr().err and (out / "checkpoint-1" / "eval.txt").is_file()
+
+
 def test_a_checkpoint_copied_in_from_another_run_is_neither_resumed_nor_rotated(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     assert run(a, "max_steps=5") == 0

@@ -108,3 +108,25 @@ def test_compact_state_resumes_bit_identically(tmp_path, state, other):
     with pytest.raises(CorruptCheckpointError, match=f"saved with optimizer_state={state}, this run has {other}; "
                                                      f"resume with optimizer_state={state}"):
         run(model, 3, start=2, resume=tmp_path / "ck", compute_dtype=torch.bfloat16, optimizer_state=other)
+
+
+def test_a_save_over_its_own_checkpoint_keeps_the_files_no_save_wrote(tmp_path, capsys):
+    """A checkpoint saved again under its name: the old save's files go, a file put in it by hand stays
+    (moved aside with the old folder, said on stderr); a later save there that would lose it is refused."""
+    from slideformer.checkpoint.loader import CheckpointError
+
+    eng = SlideEngine(build("llama"), engine_config(**CPU))
+    ck, old = tmp_path / "ck", tmp_path / "ck.old"
+    with eng:
+        eng.train_step(batch(97))
+        eng.save_checkpoint(ck, {"next": 1})
+        (ck / "state" / "notes.txt").write_text("mine")
+        eng.save_checkpoint(ck, {"next": 1})
+        assert "1 file(s) in it that no save wrote are kept in" in capsys.readouterr().err
+        assert [p.relative_to(old).as_posix() for p in old.rglob("*") if p.is_file()] == ["state/notes.txt"]
+        with pytest.raises(CheckpointError, match="notes.txt is in .*ck.old, and no save wrote it"):
+            eng.save_checkpoint(ck, {"next": 1})
+        assert (old / "state" / "notes.txt").read_text() == "mine" and not (tmp_path / "ck.tmp").exists()
+        (old / "state" / "notes.txt").unlink()
+        eng.save_checkpoint(ck, {"next": 1})  # (the empty folders it left are its own)
+        assert not old.exists() and eng.load_checkpoint(ck)["next"] == 1

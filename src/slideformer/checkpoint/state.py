@@ -13,10 +13,12 @@ is not finite is refused before anything is renamed: a checkpoint never holds a 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import sys
 import zlib
 from pathlib import Path
 
@@ -116,7 +118,7 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
     Data parallel (``ranks``, every rank calls this): each rank writes its units' state and export files
     (``owner``), rank 0 the rest, the checksums and the rename; a failure on any rank stops all of them."""
     final = Path(path)
-    tmp = final.with_name(final.name + ".tmp")
+    tmp, old = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
     rank = 0 if ranks is None else ranks.rank
     lead = rank == 0
     mine = [u for u in range(len(adapter.units)) if owner is None or owner[u] == rank]
@@ -144,6 +146,8 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
                                           "its own; choose another path, or move it away")
             if tmp.exists():
                 shutil.rmtree(tmp)  # a save that was interrupted earlier
+            if final.exists() and old.exists() and (kept := remove_checkpoint(old)):  # (rename() moves final there)
+                raise CheckpointError(f"{kept[0]} is in {old}, and no save wrote it: move it away, then save again")
             (tmp / STATE_DIR).mkdir(parents=True)
 
     def write():  # (a unit that is not finite stops the save before its file: the folder is then removed)
@@ -182,11 +186,11 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
         if not lead:
             return
         if final.exists():  # replacing a checkpoint of the same name: move the old one aside first
-            old = final.with_name(final.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
             os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
+            if kept := remove_checkpoint(old):
+                print(f"slideformer: {final} replaced; {len(kept)} file(s) in it that no save wrote are kept in {old} "
+                      f"({kept[0].relative_to(old)}{', ...' if len(kept) > 1 else ''})", file=sys.stderr)
         else:
             os.replace(tmp, final)
         _fsync_dir(final.parent)
@@ -214,6 +218,35 @@ def read_meta(path: str | os.PathLike) -> dict:
     if meta["format"] >= 3 and meta.get("crc32") != _meta_crc(meta):
         raise CorruptCheckpointError(f"{meta_path} is corrupt or was edited (its CRC32 does not match its content)")
     return meta
+
+
+def remove_checkpoint(path: str | os.PathLike) -> list[Path]:
+    """Delete the files a save wrote into the checkpoint at ``path`` (those its metadata names, and the
+    metadata), then the folders that leaves empty. Returns what is left, never deleted: files the save did
+    not write (every file, where its metadata cannot be read, since what it wrote cannot be told)."""
+    root = Path(path)
+    if root.is_symlink() or (root.exists() and not root.is_dir()):
+        return [root]
+    try:
+        ours = set(read_meta(root)["checksums"]) | {f"{STATE_DIR}/{TRAINER}"}
+    except CorruptCheckpointError:
+        ours = set()
+    left = []
+    for folder, dirs, files in os.walk(root, topdown=False):  # (links are not followed: a link is a file here)
+        here = Path(folder)
+        for name in files + [d for d in dirs if (here / d).is_symlink()]:
+            f = here / name
+            if f.relative_to(root).as_posix() in ours:
+                f.unlink()
+            else:
+                left.append(f)
+        for name in dirs:
+            if not (here / name).is_symlink():
+                with contextlib.suppress(OSError):
+                    (here / name).rmdir()  # (only where empty)
+    with contextlib.suppress(OSError):
+        root.rmdir()
+    return sorted(left)
 
 
 def verify_checkpoint(path: str | os.PathLike, only=None) -> dict:

@@ -19,7 +19,7 @@ import sys
 import uuid
 from pathlib import Path
 
-from ..checkpoint.state import CorruptCheckpointError, read_meta, verify_checkpoint
+from ..checkpoint.state import CorruptCheckpointError, read_meta, remove_checkpoint, verify_checkpoint
 from ..config import ConfigError
 
 RUN_FILE = "slideformer-run.json"
@@ -198,11 +198,12 @@ class OutputDir:
         return None, damaged
 
     def rotate(self, keep: int) -> None:
-        """Delete this run's checkpoints but the newest ``keep``."""
-        import shutil
-
+        """Delete this run's checkpoints but the newest ``keep``: the files their saves wrote (a file put
+        there by hand stays, said once: the folder is no longer a checkpoint, so no later rotation sees it)."""
         for old in self.checkpoints()[:-keep]:
-            shutil.rmtree(old)
+            if kept := remove_checkpoint(old):
+                print(f"slideformer: {old.name} rotated out; {len(kept)} file(s) in it that no save wrote are kept "
+                      f"({kept[0].relative_to(old)}{', ...' if len(kept) > 1 else ''})", file=sys.stderr)
 
     def trim_metrics(self, step: int) -> None:
         """Drop logged records past ``step`` (a resumed run logs those steps again)."""
