@@ -241,6 +241,31 @@ def test_a_chat_template_that_is_not_jinja_is_named_before_any_record(tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
+def test_a_tokenizer_past_the_models_vocabulary_is_named_before_the_model_loads(tmp_path, capsys):
+    """A tokenizer with more tokens than the model's embedding (added tokens, no resize): one line naming the
+    record, the id and both sizes before any weight is read, skip_bad_records or not; `slideformer data` too."""
+    import shutil
+    from importlib.resources import files
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = tmp_path / "m"
+    shutil.copytree(str(files("slideformer") / "assets" / "tiny"), model)
+    config = AutoConfig.from_pretrained(model)
+    config.vocab_size = 300  # (the tokenizer's 498 ids do not fit)
+    AutoModelForCausalLM.from_config(config).save_pretrained(model)
+    capsys.readouterr()
+    rows = data(tmp_path, "d.jsonl", b'{"instruction": "hi there", "output": "hello to you"}\n' * 4)
+    for extra in ([], ["skip_bad_records=true"]):
+        assert main(FAST + [f"output_dir={tmp_path}/out", f"dataset=[{rows}]", f"model_name_or_path={model}",
+                            *extra]) == 2
+        one_line(capsys, f"{rows}:1: the tokenizer of {model} gives token id", "past the model's vocabulary of "
+                 "300", "holds 498 tokens", "resize the model's embeddings")
+    assert main(["data", f"dataset=[{rows}]", f"model_name_or_path={model}"]) == 2
+    one_line(capsys, "past the model's vocabulary of 300")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_config_that_is_not_utf8_or_cannot_be_read(tmp_path, capsys, monkeypatch):
     """Bytes that are not UTF-8 are a bad config (2); a config the process may not read is a file that
     could not be read (5), as the documented codes say."""

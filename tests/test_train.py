@@ -346,7 +346,7 @@ def test_held_out_evaluation_is_logged_and_kept_out_of_training(tmp_path):
     assert list((tmp_path / "run" / "tb").glob("events.*")) or list((tmp_path / "run").rglob("events.*"))
     # the samples held out: the seeded fifth, none of which was trained on; evaluated again from the checkpoint
     tok = load_tokenizer(c)
-    examples, _, _ = build_examples(c, tok)
+    examples, _, _ = build_examples(c, tok, len(tok))
     pick = torch.randperm(len(examples), generator=torch.Generator().manual_seed(VAL_SPLIT_SEED)).tolist()
     held = [examples[i] for i in sorted(pick[: round(0.2 * len(examples))])]
     from slideformer import SlideEngine

@@ -72,9 +72,10 @@ def load_tokenizer(cfg: TrainConfig):
     return tok
 
 
-def make_sample(cfg: TrainConfig, tok, token_chars: int, spec, where: str, rec: dict):
+def make_sample(cfg: TrainConfig, tok, token_chars: int, vocab: int, spec, where: str, rec: dict):
     """One record's sample: (ids, labels) truncated to cutoff_len and whether it was, or None where no token
-    within cutoff_len is a target; DataError where the record is malformed."""
+    within cutoff_len is a target; DataError where the record is malformed, ConfigError where the tokenizer
+    gives an id past the model's ``vocab`` (whatever the record: skip_bad_records does not pass it over)."""
     rec = renamed(rec, spec.columns, where)
     fmt = detect_format(rec, where) if spec.format == "auto" else spec.format
     msgs = to_messages(rec, fmt, where)
@@ -84,10 +85,15 @@ def make_sample(cfg: TrainConfig, tok, token_chars: int, spec, where: str, rec: 
     ids, labels = render(msgs, tok, where, cfg.cutoff_len, token_chars)
     truncated = len(ids) > cfg.cutoff_len
     ids, labels = ids[: cfg.cutoff_len], labels[: cfg.cutoff_len]
+    if ids and (top := max(ids)) >= vocab:
+        raise ConfigError(f"{where}: the tokenizer of {cfg.model_name_or_path} gives token id {top} "
+                          f"({tok.convert_ids_to_tokens(top)!r}), past the model's vocabulary of {vocab} (its "
+                          f"config.json): the tokenizer holds {len(tok)} tokens; resize the model's embeddings to "
+                          "them, or train with the tokenizer the model was made with")
     return (ids, labels, truncated) if any(l != -100 for l in labels[1:]) else None
 
 
-def build_examples(cfg: TrainConfig, tok, specs=None, lazy: bool = False):
+def build_examples(cfg: TrainConfig, tok, vocab: int, specs=None, lazy: bool = False):
     """The samples of ``specs`` (default: the dataset) by record, None for a record that is no sample; the
     number of records skipped as malformed, and the number dropped for having no target token within
     cutoff_len: tokenized up front (a list), or with ``lazy`` a LazyExamples (data/lazy.py: each made when a
@@ -96,7 +102,7 @@ def build_examples(cfg: TrainConfig, tok, specs=None, lazy: bool = False):
     from ..data.lazy import open_records
 
     specs = specs or cfg.dataset
-    make = functools.partial(make_sample, cfg, tok, max_token_chars(tok))
+    make = functools.partial(make_sample, cfg, tok, max_token_chars(tok), vocab)
     if lazy:
         sources = []
         for spec in specs:
@@ -137,12 +143,12 @@ def _none_trainable(cfg: TrainConfig, skipped: int, dropped: int) -> DataError:
                      f"token within cutoff_len {cfg.cutoff_len}{why}")
 
 
-def held_out(cfg: TrainConfig, tok, examples, in_ram=lambda specs: False):
+def held_out(cfg: TrainConfig, tok, vocab: int, examples, in_ram=lambda specs: False):
     """Training's samples and evaluation's: eval_dataset's (read up front where ``in_ram(specs)``), or
     val_size of the dataset's records, the same ones whatever the seed (runs that differ in seed are
     evaluated on the same samples); with eval_dataset's records skipped and dropped."""
     if cfg.eval_dataset:
-        held, h_skipped, h_dropped = build_examples(cfg, tok, cfg.eval_dataset, lazy=not in_ram(cfg.eval_dataset))
+        held, h_skipped, h_dropped = build_examples(cfg, tok, vocab, cfg.eval_dataset, lazy=not in_ram(cfg.eval_dataset))
         return examples, held, (h_skipped, h_dropped)
     if not cfg.val_size:
         return examples, [], (0, 0)
@@ -293,7 +299,8 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     def in_ram(specs) -> bool:  # (under several ranks rank 0's choice: each rank counts the steps alike)
         fits = lambda: data_in_ram(sum(source_bytes(s.path) for s in specs), allowance)  # noqa: E731
         return fits() if ranks is None else parallel.from_leader(fits)
-    examples, skipped, dropped = build_examples(cfg, tok, lazy=not in_ram(cfg.dataset))
+    vocab = hf_config.get_text_config().vocab_size
+    examples, skipped, dropped = build_examples(cfg, tok, vocab, lazy=not in_ram(cfg.dataset))
     if isinstance(examples, LazyExamples):
         say0 = print if ranks is None or ranks.leader else (lambda *a, **k: None)
         say0(f"slideformer: the dataset ({len(examples)} records) is read as the steps reach it, not tokenized up "
@@ -301,7 +308,7 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     if dropped:
         print(f"slideformer: {dropped} sample(s) have no target token within cutoff_len {cfg.cutoff_len} and are "
               "left out", file=sys.stderr)
-    examples, held, (h_skipped, h_dropped) = held_out(cfg, tok, examples, in_ram)
+    examples, held, (h_skipped, h_dropped) = held_out(cfg, tok, vocab, examples, in_ram)
     if cfg.eval_dataset:
         if isinstance(held, LazyExamples):
             # (every evaluation reads it whole: its records are checked once now, not first after training)
@@ -789,10 +796,10 @@ def describe_data(cfg: TrainConfig, samples: int = 2, out=None) -> dict:
     or val_size's records held out), and the first ``samples`` training samples rendered with the trained
     tokens marked [[like this]]."""
     out = out or sys.stdout
-    load_model_config(cfg)  # (cutoff_len's default comes from the model)
+    vocab = load_model_config(cfg).get_text_config().vocab_size  # (cutoff_len's default comes from the model)
     tok = load_tokenizer(cfg)
-    lazy, _, _ = build_examples(cfg, tok, lazy=True)  # (one record at a time: any size in bounded RAM)
-    train_part, held, _ = held_out(cfg, tok, lazy)
+    lazy, _, _ = build_examples(cfg, tok, vocab, lazy=True)  # (one record at a time: any size in bounded RAM)
+    train_part, held, _ = held_out(cfg, tok, vocab, lazy)
     shown = []
     stats = _tally(train_part, cfg.cutoff_len, lambda e: len(shown) < samples and shown.append(e))
     if not stats["samples"]:
