@@ -313,8 +313,10 @@ def test_compact_adamw_compiles_once_for_every_unit_and_step():
 
 
 def test_token_chunked_mlps_bound_a_long_sequence_on_gpu():
-    """One 4096-token sequence through a model with a wide MLP: in 512-token chunks the peak drops by
-    most of the MLP intermediates (10 x ffn bf16 values per token), and the training stays the same."""
+    """One 4096-token sequence through a model with a wide MLP: in 512-token chunks the peak drops by more
+    than two of the MLP's [tokens, ffn] fp32 intermediates (the whole sequence's recomputed backward holds
+    about two and a half of them at its peak, a chunk's are an eighth as large), and the training stays
+    the same."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -336,7 +338,7 @@ def test_token_chunked_mlps_bound_a_long_sequence_on_gpu():
 
     a, la, whole = run(None)
     b, lb, chunked = run(512)
-    assert whole - chunked > 0.3 * 10 * 4096 * (4096 - 512) * 4  # fp32: most of the intermediates gone
+    assert whole - chunked > 2 * 4096 * (4096 - 512) * 4  # (measured on an H100: 2.3 of them)
     assert lb == pytest.approx(la, rel=1e-5)
     # chunks sum each weight gradient over tokens in another order; Adam's first steps move weights by
     # ~lr x sign(g), so an element whose gradient is rounding noise may move either way: compare norms
@@ -507,10 +509,10 @@ def test_master_on_the_nvme_tier_on_cuda(tmp_path, monkeypatch, state, slow):
 
         load = CudaCopier.load
 
-        def late(self, dst, src, staged, used):
+        def late(self, dst, src, staged, used, **kw):
             with torch.cuda.stream(self.h2d):
                 torch.cuda._sleep(20_000_000)
-            return load(self, dst, src, staged, used)
+            return load(self, dst, src, staged, used, **kw)
         monkeypatch.setattr(CudaCopier, "load", late)
     from slideformer.engine.runtime import Runtime
 
