@@ -266,6 +266,15 @@ def test_a_tokenizer_past_the_models_vocabulary_is_named_before_the_model_loads(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "{}\n"])
+def test_an_empty_config_is_refused_not_taken_for_the_tiny_model(tmp_path, capsys, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    assert main(["train", str(p), "device=cpu", f"output_dir={tmp_path / 'out'}"]) == 2
+    one_line(capsys, f"config {p} holds no keys", "model_name_or_path and dataset")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_config_that_is_not_utf8_or_cannot_be_read(tmp_path, capsys, monkeypatch):
     """Bytes that are not UTF-8 are a bad config (2); a config the process may not read is a file that
     could not be read (5), as the documented codes say."""

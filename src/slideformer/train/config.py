@@ -356,13 +356,16 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         raw = yaml.safe_load((_assets() / "demo.yaml").read_text())
     else:
         try:
-            raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+            raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError, yaml.YAMLError) as e:
             raise ConfigError(f"cannot read config {path}: {e}") from e
         except UnicodeDecodeError as e:
             raise ConfigError(f"config {path} is not UTF-8 text (byte {e.start}); save it as UTF-8 YAML") from None
         except OSError as e:  # (permissions or the disk: exit 5, as any file that cannot be read)
             raise OSError(e.errno, f"config {path}: cannot read it ({e.strerror})") from e
+        if raw is None or raw == {}:  # (an empty file is a mistake: it would train the bundled tiny model)
+            raise ConfigError(f"config {path} holds no keys: give at least model_name_or_path and dataset "
+                              "(docs/training.md), or no config at all for the demo")
         if not isinstance(raw, dict):
             raise ConfigError(f"config {path} must be a mapping of keys to values")
         _check_colons(f"config {path}", raw)
