@@ -168,7 +168,21 @@ def test_resuming_with_other_data_says_so(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "resumed with seed 5 (it was 0), batch 2 (it was 4): the data from step 3 on" in err, err
     assert main(FAST + [out, "max_steps=4", "seed=5", "micro_batch_size=2"]) == 0
-    assert "resumed with" not in capsys.readouterr().err  # (the same as the checkpoint's: nothing to say)
+    assert "the data from" not in capsys.readouterr().err  # (the same as the checkpoint's: nothing to say)
+
+
+def test_resuming_with_another_schedule_or_precision_says_so(tmp_path, capsys):
+    out = f"output_dir={tmp_path}/o"
+    assert main(FAST + [out, "max_steps=2"]) == 0
+    capsys.readouterr()
+    assert main(FAST + [out, "max_steps=3", "learning_rate=0.5", "max_grad_norm=1.0"]) == 0
+    err = capsys.readouterr().err
+    assert ("resumed with learning_rate 0.5 (it was 0.003), total_steps 3 (it was 2), max_grad_norm 1.0 (it was None): "
+            "the steps from 3 on follow these") in err, err
+    assert "the data from" not in err
+    assert main(FAST + [out, "max_steps=3", "learning_rate=0.5", "max_grad_norm=1.0"]) == 0  # (at its end: no step)
+    assert main(FAST + [out, "max_steps=4", "learning_rate=0.5", "max_grad_norm=1.0"]) == 0
+    assert "resumed with total_steps 4 (it was 3): the steps from 4 on" in capsys.readouterr().err
 
 
 def test_a_library_run_with_path_datasets_saves_and_resumes_quietly(tmp_path, monkeypatch, capsys):

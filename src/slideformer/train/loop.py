@@ -377,6 +377,11 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     data = {"seed": cfg.seed, "batch": cfg.micro_batch_size * cfg.gradient_accumulation_steps * world,
             "samples": len(examples), "dataset": [_where(d.path) for d in cfg.dataset], "packing": cfg.packing,
             "cutoff_len": cfg.cutoff_len}
+    # what decides each step's update, by the config's keys: a resume that changes one says so
+    update = {"learning_rate": cfg.learning_rate, "lr_scheduler_type": cfg.lr_scheduler_type, "warmup_steps": warmup,
+              "total_steps": total, "weight_decay": cfg.weight_decay, "adam_beta1": cfg.adam_beta1,
+              "adam_beta2": cfg.adam_beta2, "max_grad_norm": cfg.max_grad_norm,
+              "bf16": engine.cfg.compute_dtype == torch.bfloat16, "fp8": cfg.fp8}
     if resume:
         state = engine.load_checkpoint(resume)
         start, epoch, offset = state["step"], state["epoch"], state["offset"]
@@ -388,6 +393,11 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             say(f"slideformer: resumed with {', '.join(changed)}: the data from step {start + 1} on is not what the "
                 f"interrupted run would have drawn (its position, {offset} samples into epoch {epoch}, is kept)",
                 file=sys.stderr, flush=True)
+        was = state.get("update") or {}
+        changed = [f"{k} {update[k]} (it was {was[k]})" for k in update if k in was and was[k] != update[k]]
+        if changed:
+            say(f"slideformer: resumed with {', '.join(changed)}: the steps from {start + 1} on follow these, not "
+                "the interrupted run's settings", file=sys.stderr, flush=True)
     if not cfg.overwrite_output_dir and (foreign := out.foreign_ahead(start, total)):
         whose = "whose metadata is damaged, so whose it is cannot be told," if foreign[0].name in out.passed_over \
             else "which this run did not write and"
@@ -496,7 +506,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                 signum, _ = why_stop(signals.requested, False)
                 if signum:  # the state is the last finished step's, the data past the dropped batch
                     state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
-                             "run_id": out.run_id, "data": data}
+                             "run_id": out.run_id, "data": data, "update": update}
                     last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
                                        cfg.model_name_or_path)
                     status = "interrupted"
@@ -534,7 +544,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             stop = bool(signum) or memory_somewhere
             due = bool(held) and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total)
             state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
-                     "run_id": out.run_id, "data": data, "eval_pending": due and stop}
+                     "run_id": out.run_id, "data": data, "update": update,
+                     "eval_pending": due and stop}
             if (cfg.save_steps and step % cfg.save_steps == 0) or step == total or stop:
                 with dog.allowing(SAVE_LIMIT_S):
                     last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
