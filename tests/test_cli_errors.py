@@ -146,14 +146,14 @@ def test_dataset_paths_on_the_command_line_are_from_the_current_folder(tmp_path,
     from slideformer.train.config import load_config
 
     (tmp_path / "cfg").mkdir()
-    (tmp_path / "cfg" / "run.yaml").write_text("dataset: in_cfg.jsonl\neval_dataset: [held.jsonl]\n")
+    (tmp_path / "cfg" / "run.yaml").write_text("model_name_or_path: tiny\ndataset: in_cfg.jsonl\neval_dataset: [held.jsonl]\n")
     monkeypatch.chdir(tmp_path)
     cfg = load_config("cfg/run.yaml")
     assert cfg.dataset[0].path == "cfg/in_cfg.jsonl" and cfg.eval_dataset[0].path == "cfg/held.jsonl"
     cfg = load_config("cfg/run.yaml", ["dataset=mine.jsonl"])
     assert cfg.dataset[0].path == "mine.jsonl" and cfg.eval_dataset[0].path == "cfg/held.jsonl"
     # (a Hub dataset's name stays one, and ~ is a home folder, as a shell reads it)
-    (tmp_path / "cfg" / "hub.yaml").write_text("dataset: [org/name, ~/mine.jsonl]\n")
+    (tmp_path / "cfg" / "hub.yaml").write_text("model_name_or_path: tiny\ndataset: [org/name, ~/mine.jsonl]\n")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert [d.path for d in load_config("cfg/hub.yaml").dataset] == ["org/name", str(tmp_path / "home" / "mine.jsonl")]
 
@@ -177,12 +177,12 @@ def test_resuming_with_another_schedule_or_precision_says_so(tmp_path, capsys):
     capsys.readouterr()
     assert main(FAST + [out, "max_steps=3", "learning_rate=0.5", "max_grad_norm=1.0"]) == 0
     err = capsys.readouterr().err
-    assert ("resumed with learning_rate 0.5 (it was 0.003), total_steps 3 (it was 2), max_grad_norm 1.0 (it was None): "
+    assert ("resumed with learning_rate 0.5 (it was 0.003), steps 3 (it was 2), max_grad_norm 1.0 (it was None): "
             "the steps from 3 on follow these") in err, err
     assert "the data from" not in err
     assert main(FAST + [out, "max_steps=3", "learning_rate=0.5", "max_grad_norm=1.0"]) == 0  # (at its end: no step)
     assert main(FAST + [out, "max_steps=4", "learning_rate=0.5", "max_grad_norm=1.0"]) == 0
-    assert "resumed with total_steps 4 (it was 3): the steps from 4 on" in capsys.readouterr().err
+    assert "resumed with steps 4 (it was 3): the steps from 4 on" in capsys.readouterr().err
 
 
 def test_a_library_run_with_path_datasets_saves_and_resumes_quietly(tmp_path, monkeypatch, capsys):
@@ -200,7 +200,7 @@ def test_a_library_run_with_path_datasets_saves_and_resumes_quietly(tmp_path, mo
     monkeypatch.chdir(tmp_path / "here")
     capsys.readouterr()
     assert train(TrainConfig(dataset=["./d.jsonl"], max_steps=3, **kw).validate())["steps"] == 3
-    assert "resumed with" not in capsys.readouterr().err
+    assert "the data from" not in capsys.readouterr().err
 
 
 def test_resuming_an_earlier_checkpoint_into_its_run_is_refused(tmp_path, capsys):
@@ -234,7 +234,8 @@ def test_samples_without_a_target_within_cutoff_len_are_counted(tmp_path, capsys
 
 def test_a_huge_chat_template_is_refused_at_once(tmp_path, capsys):
     p = tmp_path / "c.yaml"
-    p.write_text(json.dumps({"chat_template": "{{ messages }}" + " " * (10 << 20), "max_steps": 1, "cutoff_len": 64,
+    p.write_text(json.dumps({"model_name_or_path": "tiny", "chat_template": "{{ messages }}" + " " * (10 << 20),
+                             "max_steps": 1, "cutoff_len": 64,
                              "device": "cpu", "progress": False, "output_dir": str(tmp_path / "out")}))
     t0 = time.perf_counter()
     assert main(["train", str(p)]) == 2
@@ -255,7 +256,7 @@ def test_a_chat_template_that_is_not_jinja_is_named_before_any_record(tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
-def test_a_tokenizer_past_the_models_vocabulary_is_named_before_the_model_loads(tmp_path, capsys):
+def test_a_tokenizer_past_the_models_vocabulary_is_named_before_the_model_loads(tmp_path, capsys, monkeypatch):
     """A tokenizer with more tokens than the model's embedding (added tokens, no resize): one line naming the
     record, the id and both sizes before any weight is read, skip_bad_records or not; `slideformer data` too."""
     import shutil
@@ -278,15 +279,50 @@ def test_a_tokenizer_past_the_models_vocabulary_is_named_before_the_model_loads(
     assert main(["data", f"dataset=[{rows}]", f"model_name_or_path={model}"]) == 2
     one_line(capsys, "past the model's vocabulary of 300")
     assert not (tmp_path / "out").exists()
+    # read as the steps reach it (a dataset larger than its share of RAM): said up front, stopped at the step
+    monkeypatch.setattr("slideformer.plan.memory.data_in_ram", lambda *a: False)
+    assert main(FAST + [f"output_dir={tmp_path}/out", f"dataset=[{rows}]", f"model_name_or_path={model}"]) == 2
+    err = capsys.readouterr().err
+    assert "a record that gives one of those ids stops the run when a step reaches it" in err
+    assert f"{rows}:1: the tokenizer of {model} gives token id" in err
+    # a pad token past it: refused whatever the data
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.pad_token = tok.convert_ids_to_tokens(450)
+    tok.save_pretrained(model)
+    capsys.readouterr()
+    ok = data(tmp_path, "ok.jsonl", b'{"text": "a"}\n')
+    assert main(["data", f"dataset=[{ok}]", f"model_name_or_path={model}"]) == 2
+    one_line(capsys, f"the tokenizer of {model} pads with", "id 450, past the model's vocabulary of 300")
 
 
-@pytest.mark.parametrize("text", ["", "# only a comment\n", "{}\n"])
-def test_an_empty_config_is_refused_not_taken_for_the_tiny_model(tmp_path, capsys, text):
+def test_a_tokenizer_whose_extra_ids_the_data_never_gives_trains(tmp_path, capsys):
+    """Ids past the vocabulary that no record produces are no error (each sample is checked, not the tokenizer)."""
+    import shutil
+    from importlib.resources import files
+
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    model = tmp_path / "m"
+    shutil.copytree(str(files("slideformer") / "assets" / "tiny"), model)
+    tok = AutoTokenizer.from_pretrained(model)
+    config = AutoConfig.from_pretrained(model)
+    tok.add_tokens([f"<extra_{i}>" for i in range(len(tok), config.vocab_size + 8)])  # (ids past 512)
+    tok.save_pretrained(model)
+    AutoModelForCausalLM.from_config(config).save_pretrained(model)
+    assert main(FAST + [f"output_dir={tmp_path}/out", f"model_name_or_path={model}"]) == 0
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "{}\n", "max_steps: 1\n"])
+def test_a_config_that_names_no_model_is_refused_not_taken_for_the_tiny_model(tmp_path, capsys, text):
     p = tmp_path / "c.yaml"
     p.write_text(text)
     assert main(["train", str(p), "device=cpu", f"output_dir={tmp_path / 'out'}"]) == 2
-    one_line(capsys, f"config {p} holds no keys", "model_name_or_path and dataset")
+    one_line(capsys, f"config {p} names no model_name_or_path", "or tiny, the bundled test model")
     assert not (tmp_path / "out").exists()
+    assert main(["train", str(p), "device=cpu", "max_steps=1", "progress=false", "model_name_or_path=tiny",
+                 f"output_dir={tmp_path / 'out'}"]) == 0  # (named on the command line)
 
 
 def test_a_config_that_is_not_utf8_or_cannot_be_read(tmp_path, capsys, monkeypatch):

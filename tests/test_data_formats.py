@@ -249,5 +249,5 @@ def test_a_chat_template_may_be_a_file(tmp_path):
                                          f"dataset={_assets() / 'sample' / 'messages.jsonl'}"]), 0)
     # a config file's template path is relative to the config, as its dataset paths
     (tmp_path / "cfg").mkdir()
-    (tmp_path / "cfg" / "c.yaml").write_text("chat_template: ../t.jinja\n")
+    (tmp_path / "cfg" / "c.yaml").write_text("model_name_or_path: tiny\nchat_template: ../t.jinja\n")
     assert load_tokenizer(load_config(tmp_path / "cfg" / "c.yaml")).chat_template == template

@@ -115,7 +115,7 @@ def test_a_dataset_larger_than_its_share_of_ram_is_read_in_bounded_ram(tmp_path)
     c = cfg(tmp_path / "o", f"dataset=[{f}]", "cutoff_len=256")
     tok = load_tokenizer(c)
     before = rss_bytes()
-    examples, _, _ = build_examples(c, tok, len(tok), lazy=True)
+    examples, _, _ = build_examples(c, tok, None, lazy=True)
     order, offset = _permutation(len(examples), 0, 0), 0
     for _ in range(50):
         mb, offset = _draw(examples, order, offset, 8, False, 256, tok.pad_token_id)

@@ -98,7 +98,7 @@ def test_rotation_deletes_what_the_saves_wrote_and_keeps_a_file_put_in_a_checkpo
     (out / "checkpoint-1" / "state" / "notes" / "n.txt").write_text("mine")
     capsys.readouterr()
     assert run(out, "max_steps=3", "save_steps=1", "save_total_limit=1") == 0
-    assert capsys.readouterr().err.count("checkpoint-1 rotated out; 2 file(s) in it that no save wrote are kept") == 1
+    assert capsys.readouterr().err.count("checkpoint-1 rotated out; 2 file(s) kept there, as no save wrote them") == 1
     assert tree(out / "checkpoint-1") == {"eval.txt": b"my eval", "state/notes/n.txt": b"mine"}
     assert not (out / "checkpoint-2").exists() and (out / "checkpoint-3" / "state" / "trainer.json").is_file()
     assert run(out, "max_steps=4", "save_steps=1", "save_total_limit=1") == 0  # (resumed, said nothing again)

@@ -36,7 +36,7 @@ def test_unknown_key_suggests_the_right_one():
 
 def test_yaml_with_overrides(tmp_path):
     (tmp_path / "d.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
-    (tmp_path / "c.yaml").write_text("dataset:\n  - {path: d.jsonl, format: text}\nlearning_rate: 1.0e-4\n"
+    (tmp_path / "c.yaml").write_text("model_name_or_path: tiny\ndataset:\n  - {path: d.jsonl, format: text}\nlearning_rate: 1.0e-4\n"
                                      "offload:\n  window_slots: 2\n")
     c = load_config(tmp_path / "c.yaml", ["learning_rate=2e-4", "offload.prefetch_depth=1"])
     assert c.learning_rate == 2e-4 and c.offload.window_slots == 2
@@ -346,7 +346,7 @@ def test_held_out_evaluation_is_logged_and_kept_out_of_training(tmp_path):
     assert list((tmp_path / "run" / "tb").glob("events.*")) or list((tmp_path / "run").rglob("events.*"))
     # the samples held out: the seeded fifth, none of which was trained on; evaluated again from the checkpoint
     tok = load_tokenizer(c)
-    examples, _, _ = build_examples(c, tok, len(tok))
+    examples, _, _ = build_examples(c, tok, None)
     pick = torch.randperm(len(examples), generator=torch.Generator().manual_seed(VAL_SPLIT_SEED)).tolist()
     held = [examples[i] for i in sorted(pick[: round(0.2 * len(examples))])]
     from slideformer import SlideEngine

@@ -146,8 +146,8 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
                                           "its own; choose another path, or move it away")
             if tmp.exists():
                 shutil.rmtree(tmp)  # a save that was interrupted earlier
-            if final.exists() and old.exists() and (kept := remove_checkpoint(old)):  # (rename() moves final there)
-                raise CheckpointError(f"{kept[0]} is in {old}, and no save wrote it: move it away, then save again")
+            if final.exists() and old.exists():  # (an earlier rename's, cut short: what it wrote goes)
+                remove_checkpoint(old)
             (tmp / STATE_DIR).mkdir(parents=True)
 
     def write():  # (a unit that is not finite stops the save before its file: the folder is then removed)
@@ -186,11 +186,17 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
         if not lead:
             return
         if final.exists():  # replacing a checkpoint of the same name: move the old one aside first
-            os.replace(final, old)
+            aside = next(a for k in range(1, 10**6) if not (a := old if k == 1 else old.with_name(f"{old.name}-{k}"))
+                         .exists())  # (one an earlier replacement left, holding what no save wrote, stays)
+            os.replace(final, aside)
             os.replace(tmp, final)
-            if kept := remove_checkpoint(old):
-                print(f"slideformer: {final} replaced; {len(kept)} file(s) in it that no save wrote are kept in {old} "
-                      f"({kept[0].relative_to(old)}{', ...' if len(kept) > 1 else ''})", file=sys.stderr)
+            try:
+                kept, why = remove_checkpoint(aside)
+            except OSError as e:  # (the new checkpoint is in place: the old one's remains are only said)
+                kept, why = [aside], f"removing it failed ({e.strerror})"
+            if kept:
+                print(f"slideformer: {final} replaced; {len(kept)} file(s) of the old one kept in {aside}, as {why}",
+                      file=sys.stderr)
         else:
             os.replace(tmp, final)
         _fsync_dir(final.parent)
@@ -220,33 +226,39 @@ def read_meta(path: str | os.PathLike) -> dict:
     return meta
 
 
-def remove_checkpoint(path: str | os.PathLike) -> list[Path]:
-    """Delete the files a save wrote into the checkpoint at ``path`` (those its metadata names, and the
-    metadata), then the folders that leaves empty. Returns what is left, never deleted: files the save did
-    not write (every file, where its metadata cannot be read, since what it wrote cannot be told)."""
+def remove_checkpoint(path: str | os.PathLike) -> tuple[list[Path], str]:
+    """Delete the files a save wrote into the checkpoint at ``path`` (those its metadata names), the metadata
+    last (so that a removal cut short is finished by the next), then the folders that leaves empty. Returns
+    what is left, never deleted, and why: files the save did not write, or every file where the metadata
+    cannot be read (what it wrote cannot be told then) or ``path`` is a link."""
     root = Path(path)
     if root.is_symlink() or (root.exists() and not root.is_dir()):
-        return [root]
+        return [root], "it is a link or a file, not a checkpoint folder"
     try:
-        ours = set(read_meta(root)["checksums"]) | {f"{STATE_DIR}/{TRAINER}"}
+        ours = set(read_meta(root)["checksums"])
     except CorruptCheckpointError:
-        ours = set()
-    left = []
-    for folder, dirs, files in os.walk(root, topdown=False):  # (links are not followed: a link is a file here)
+        ours, why = set(), "its metadata is damaged, so what a save wrote there cannot be told"
+    else:
+        why = "no save wrote them"
+    meta = f"{STATE_DIR}/{TRAINER}"
+    found = []  # (walked, links not followed: a file named in the metadata but reached through a link is not ours)
+    for folder, dirs, files in os.walk(root):
         here = Path(folder)
-        for name in files + [d for d in dirs if (here / d).is_symlink()]:
-            f = here / name
-            if f.relative_to(root).as_posix() in ours:
-                f.unlink()
-            else:
-                left.append(f)
+        found += [here / n for n in files + [d for d in dirs if (here / d).is_symlink()]]
+    mine = [f for f in found if f.relative_to(root).as_posix() in ours and not f.is_symlink()]
+    for f in mine:
+        f.unlink()
+    if ours:  # (the metadata, not among its own checksums)
+        mine.append(root / meta)
+        mine[-1].unlink(missing_ok=True)
+    for folder, dirs, _ in os.walk(root, topdown=False):
         for name in dirs:
-            if not (here / name).is_symlink():
+            if not (Path(folder) / name).is_symlink():
                 with contextlib.suppress(OSError):
-                    (here / name).rmdir()  # (only where empty)
+                    (Path(folder) / name).rmdir()  # (only where empty)
     with contextlib.suppress(OSError):
         root.rmdir()
-    return sorted(left)
+    return sorted(f for f in found if f not in mine), why
 
 
 def verify_checkpoint(path: str | os.PathLike, only=None) -> dict:

@@ -363,9 +363,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
             raise ConfigError(f"config {path} is not UTF-8 text (byte {e.start}); save it as UTF-8 YAML") from None
         except OSError as e:  # (permissions or the disk: exit 5, as any file that cannot be read)
             raise OSError(e.errno, f"config {path}: cannot read it ({e.strerror})") from e
-        if raw is None or raw == {}:  # (an empty file is a mistake: it would train the bundled tiny model)
-            raise ConfigError(f"config {path} holds no keys: give at least model_name_or_path and dataset "
-                              "(docs/training.md), or no config at all for the demo")
+        raw = {} if raw is None else raw  # (an empty file: refused below, as it names no model)
         if not isinstance(raw, dict):
             raise ConfigError(f"config {path} must be a mapping of keys to values")
         _check_colons(f"config {path}", raw)
@@ -383,6 +381,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {p} in the config is not a mapping")
         node[leaf] = _coerce(item, value)
+    if path is not None and "model_name_or_path" not in raw:  # (the demo's tiny model is the demo's alone)
+        raise ConfigError(f"config {path} names no model_name_or_path: set it to a local Hugging Face model folder "
+                          "(or tiny, the bundled test model)")
     if path is None and "output_dir" in given:  # the demo starts over in its own folder only, never in one named
         for k in ("overwrite_output_dir", "resume_from_checkpoint"):
             if k not in given:

@@ -72,10 +72,23 @@ def load_tokenizer(cfg: TrainConfig):
     return tok
 
 
-def make_sample(cfg: TrainConfig, tok, token_chars: int, vocab: int, spec, where: str, rec: dict):
+def vocab_limit(cfg: TrainConfig, tok, hf_config) -> int | None:
+    """The model's vocabulary where the tokenizer holds ids past it (added tokens, the embeddings not
+    resized): each sample is then checked (make_sample); None where it holds none. A pad token past it is
+    refused now, as padding is no record's."""
+    vocab = hf_config.get_text_config().vocab_size
+    if tok.pad_token_id is not None and tok.pad_token_id >= vocab:
+        raise ConfigError(f"the tokenizer of {cfg.model_name_or_path} pads with {tok.pad_token!r}, id "
+                          f"{tok.pad_token_id}, past the model's vocabulary of {vocab} (its config.json): resize the "
+                          "model's embeddings to the tokenizer, or give it a pad token the model has")
+    return vocab if max(tok.get_vocab().values(), default=-1) >= vocab else None
+
+
+def make_sample(cfg: TrainConfig, tok, token_chars: int, vocab: int | None, spec, where: str, rec: dict):
     """One record's sample: (ids, labels) truncated to cutoff_len and whether it was, or None where no token
     within cutoff_len is a target; DataError where the record is malformed, ConfigError where the tokenizer
-    gives an id past the model's ``vocab`` (whatever the record: skip_bad_records does not pass it over)."""
+    gives an id past the model's ``vocab`` (vocab_limit; whatever the record: skip_bad_records does not pass
+    it over)."""
     rec = renamed(rec, spec.columns, where)
     fmt = detect_format(rec, where) if spec.format == "auto" else spec.format
     msgs = to_messages(rec, fmt, where)
@@ -85,7 +98,7 @@ def make_sample(cfg: TrainConfig, tok, token_chars: int, vocab: int, spec, where
     ids, labels = render(msgs, tok, where, cfg.cutoff_len, token_chars)
     truncated = len(ids) > cfg.cutoff_len
     ids, labels = ids[: cfg.cutoff_len], labels[: cfg.cutoff_len]
-    if ids and (top := max(ids)) >= vocab:
+    if vocab is not None and ids and (top := max(ids)) >= vocab:
         raise ConfigError(f"{where}: the tokenizer of {cfg.model_name_or_path} gives token id {top} "
                           f"({tok.convert_ids_to_tokens(top)!r}), past the model's vocabulary of {vocab} (its "
                           f"config.json): the tokenizer holds {len(tok)} tokens; resize the model's embeddings to "
@@ -93,7 +106,7 @@ def make_sample(cfg: TrainConfig, tok, token_chars: int, vocab: int, spec, where
     return (ids, labels, truncated) if any(l != -100 for l in labels[1:]) else None
 
 
-def build_examples(cfg: TrainConfig, tok, vocab: int, specs=None, lazy: bool = False):
+def build_examples(cfg: TrainConfig, tok, vocab: int | None, specs=None, lazy: bool = False):
     """The samples of ``specs`` (default: the dataset) by record, None for a record that is no sample; the
     number of records skipped as malformed, and the number dropped for having no target token within
     cutoff_len: tokenized up front (a list), or with ``lazy`` a LazyExamples (data/lazy.py: each made when a
@@ -143,7 +156,7 @@ def _none_trainable(cfg: TrainConfig, skipped: int, dropped: int) -> DataError:
                      f"token within cutoff_len {cfg.cutoff_len}{why}")
 
 
-def held_out(cfg: TrainConfig, tok, vocab: int, examples, in_ram=lambda specs: False):
+def held_out(cfg: TrainConfig, tok, vocab: int | None, examples, in_ram=lambda specs: False):
     """Training's samples and evaluation's: eval_dataset's (read up front where ``in_ram(specs)``), or
     val_size of the dataset's records, the same ones whatever the seed (runs that differ in seed are
     evaluated on the same samples); with eval_dataset's records skipped and dropped."""
@@ -299,12 +312,16 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     def in_ram(specs) -> bool:  # (under several ranks rank 0's choice: each rank counts the steps alike)
         fits = lambda: data_in_ram(sum(source_bytes(s.path) for s in specs), allowance)  # noqa: E731
         return fits() if ranks is None else parallel.from_leader(fits)
-    vocab = hf_config.get_text_config().vocab_size
+    vocab = vocab_limit(cfg, tok, hf_config)
     examples, skipped, dropped = build_examples(cfg, tok, vocab, lazy=not in_ram(cfg.dataset))
     if isinstance(examples, LazyExamples):
         say0 = print if ranks is None or ranks.leader else (lambda *a, **k: None)
         say0(f"slideformer: the dataset ({len(examples)} records) is read as the steps reach it, not tokenized up "
              "front: its records are checked and counted as they are met", flush=True)
+        if vocab is not None:
+            say0(f"slideformer: the tokenizer holds {len(tok)} tokens, past the model's vocabulary of {vocab}: a "
+                 "record that gives one of those ids stops the run when a step reaches it", file=sys.stderr,
+                 flush=True)
     if dropped:
         print(f"slideformer: {dropped} sample(s) have no target token within cutoff_len {cfg.cutoff_len} and are "
               "left out", file=sys.stderr)
@@ -377,9 +394,10 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     data = {"seed": cfg.seed, "batch": cfg.micro_batch_size * cfg.gradient_accumulation_steps * world,
             "samples": len(examples), "dataset": [_where(d.path) for d in cfg.dataset], "packing": cfg.packing,
             "cutoff_len": cfg.cutoff_len}
-    # what decides each step's update, by the config's keys: a resume that changes one says so
-    update = {"learning_rate": cfg.learning_rate, "lr_scheduler_type": cfg.lr_scheduler_type, "warmup_steps": warmup,
-              "total_steps": total, "weight_decay": cfg.weight_decay, "adam_beta1": cfg.adam_beta1,
+    # what decides each step's update (the config's keys, and the steps max_steps or num_train_epochs give): a
+    # resume that changes one says so
+    update = {"learning_rate": cfg.learning_rate, "lr_scheduler_type": cfg.lr_scheduler_type,
+              "warmup_ratio": cfg.warmup_ratio, "steps": total, "weight_decay": cfg.weight_decay, "adam_beta1": cfg.adam_beta1,
               "adam_beta2": cfg.adam_beta2, "max_grad_norm": cfg.max_grad_norm,
               "bf16": engine.cfg.compute_dtype == torch.bfloat16, "fp8": cfg.fp8}
     if resume:
@@ -395,7 +413,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                 file=sys.stderr, flush=True)
         was = state.get("update") or {}
         changed = [f"{k} {update[k]} (it was {was[k]})" for k in update if k in was and was[k] != update[k]]
-        if changed:
+        if changed and start < total:  # (at its end: nothing follows them)
             say(f"slideformer: resumed with {', '.join(changed)}: the steps from {start + 1} on follow these, not "
                 "the interrupted run's settings", file=sys.stderr, flush=True)
     if not cfg.overwrite_output_dir and (foreign := out.foreign_ahead(start, total)):
@@ -807,8 +825,9 @@ def describe_data(cfg: TrainConfig, samples: int = 2, out=None) -> dict:
     or val_size's records held out), and the first ``samples`` training samples rendered with the trained
     tokens marked [[like this]]."""
     out = out or sys.stdout
-    vocab = load_model_config(cfg).get_text_config().vocab_size  # (cutoff_len's default comes from the model)
+    hf_config = load_model_config(cfg)  # (cutoff_len's default comes from the model)
     tok = load_tokenizer(cfg)
+    vocab = vocab_limit(cfg, tok, hf_config)
     lazy, _, _ = build_examples(cfg, tok, vocab, lazy=True)  # (one record at a time: any size in bounded RAM)
     train_part, held, _ = held_out(cfg, tok, vocab, lazy)
     shown = []

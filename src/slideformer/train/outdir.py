@@ -169,7 +169,7 @@ class OutputDir:
         found = []
         for p in self.path.iterdir() if self.path.is_dir() else ():
             step = _step_of(p)
-            if step is None:
+            if step is None or p.is_symlink():  # (a link is the user's, wherever it points)
                 continue
             try:
                 if read_meta(p)["trainer"].get("run_id") == self.run_id:
@@ -201,9 +201,10 @@ class OutputDir:
         """Delete this run's checkpoints but the newest ``keep``: the files their saves wrote (a file put
         there by hand stays, said once: the folder is no longer a checkpoint, so no later rotation sees it)."""
         for old in self.checkpoints()[:-keep]:
-            if kept := remove_checkpoint(old):
-                print(f"slideformer: {old.name} rotated out; {len(kept)} file(s) in it that no save wrote are kept "
-                      f"({kept[0].relative_to(old)}{', ...' if len(kept) > 1 else ''})", file=sys.stderr)
+            kept, why = remove_checkpoint(old)
+            if kept:
+                print(f"slideformer: {old.name} rotated out; {len(kept)} file(s) kept there, as {why} "
+                      f"({kept[0].relative_to(old) if kept[0] != old else old.name})", file=sys.stderr)
 
     def trim_metrics(self, step: int) -> None:
         """Drop logged records past ``step`` (a resumed run logs those steps again)."""
