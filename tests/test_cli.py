@@ -309,7 +309,7 @@ def test_data_shows_what_training_sees(capsys, tmp_path):
     assert "missing.jsonl" in err and "Traceback" not in err
 
 
-def test_plan_for_several_processes_on_one_machine(capsys):
+def test_plan_for_several_processes_on_one_machine(capsys, monkeypatch):
     """--nproc-per-node: each GPU's figures at its own batch, one process's share of the host state and of
     the RAM, and the machine's RAM for them all."""
     import json
@@ -332,6 +332,10 @@ def test_plan_for_several_processes_on_one_machine(capsys):
     assert main(base[:-1] + ["--nproc-per-node", "2"]) == 0
     text = capsys.readouterr().out
     assert "per GPU, 2 processes" in text and "host of the machine" in text and "in all" in text
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # (auto: one per GPU, as train counts them)
+    assert main(base + ["--nproc-per-node", "auto"]) == 0
+    assert json.loads(capsys.readouterr().out) == two
 
 
 def test_a_rank_ends_without_the_interpreters_finalization(monkeypatch, tmp_path):

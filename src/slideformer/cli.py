@@ -502,6 +502,15 @@ def _whole(v: str) -> int:
     return int(v)
 
 
+def _processes(v: str) -> int:
+    """--nproc-per-node: a number, or auto (train's count for auto: one per GPU, at least one)."""
+    if v == "auto":
+        from .train.launch import processes
+
+        return processes("auto", None)
+    return _positive(v)
+
+
 def _positive(v: str) -> int:
     try:
         n = int(v)
@@ -640,9 +649,10 @@ def _main(argv: list[str], signals: Signals) -> int:
                     "device's bandwidth, shared)")
     pl.add_argument("--cpu-update-gparams", type=_positive_float, default=rates.optimizer_params_per_s / 1e9,
                     help="the CPU AdamW's billions of parameters a second (default %(default).0f, 15 threads)")
-    pl.add_argument("--nproc-per-node", type=_positive, default=1,
-                    help="data parallel (torchrun's --nproc-per-node): processes on this machine, one a GPU; "
-                         "--batch-size is then one GPU's, and the processes share the RAM, cores and disk")
+    pl.add_argument("--nproc-per-node", type=_processes, default=1,
+                    help="data parallel (torchrun's --nproc-per-node): processes on this machine, one a GPU, or "
+                         "auto (one per GPU here, as train's nproc_per_node: auto); --batch-size is then one GPU's, "
+                         "and the processes share the RAM, cores and disk")
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(func=cmd_plan)
     ex = sub.add_parser("export", help="a checkpoint's Hugging Face files, without the training state")
