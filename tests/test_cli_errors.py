@@ -232,6 +232,14 @@ def test_samples_without_a_target_within_cutoff_len_are_counted(tmp_path, capsys
     assert "3 sample(s) have no target token within cutoff_len 64" in capsys.readouterr().err
 
 
+def test_val_size_below_one_record_holds_out_one_and_says_so(tmp_path, capsys):
+    rows = data(tmp_path, "d.jsonl", b"".join(b'{"text": "sample %d"}\n' % i for i in range(20)))
+    assert main(FAST + [f"output_dir={tmp_path}/a", f"dataset=[{rows}]", "val_size=0.01"]) == 0
+    assert "val_size 0.01 of 20 records holds out 1 (5.0% of them: at least one)" in capsys.readouterr().err
+    assert main(FAST + [f"output_dir={tmp_path}/b", f"dataset=[{rows}]", "val_size=0.1"]) == 0
+    assert "holds out" not in capsys.readouterr().err
+
+
 def test_a_huge_chat_template_is_refused_at_once(tmp_path, capsys):
     p = tmp_path / "c.yaml"
     p.write_text(json.dumps({"model_name_or_path": "tiny", "chat_template": "{{ messages }}" + " " * (10 << 20),

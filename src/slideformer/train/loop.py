@@ -326,6 +326,10 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
         print(f"slideformer: {dropped} sample(s) have no target token within cutoff_len {cfg.cutoff_len} and are "
               "left out", file=sys.stderr)
     examples, held, (h_skipped, h_dropped) = held_out(cfg, tok, vocab, examples, in_ram)
+    records = len(examples) + len(held)
+    if cfg.val_size and len(held) > 1.5 * cfg.val_size * records and (ranks is None or ranks.leader):
+        print(f"slideformer: val_size {cfg.val_size} of {records} records holds out {len(held)} ({len(held) / records:.1%} "
+              "of them: at least one)", file=sys.stderr)
     if cfg.eval_dataset:
         if isinstance(held, LazyExamples):
             # (every evaluation reads it whole: its records are checked once now, not first after training)
