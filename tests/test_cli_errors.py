@@ -506,6 +506,9 @@ def test_export_overwrite_leaves_no_stale_weights(checkpoint, tmp_path):
     assert not (dst / "model.safetensors.index.json").exists() and not (dst / "model-00001-of-00002.safetensors").exists()
     assert (dst / "notes.txt").read_text() == "keep" and not (dst / "state").exists()
     assert AutoModelForCausalLM.from_pretrained(dst) is not None
+    for _ in range(2):  # (rewritten from the state over its own files: they are replaced, not removed as stale)
+        assert main(["export", str(checkpoint), str(dst), "--overwrite", "--dtype", "fp32"]) == 0
+        assert AutoModelForCausalLM.from_pretrained(dst).dtype == torch.float32
 
 
 def test_export_on_a_full_disk_leaves_nothing_half_written(checkpoint, tmp_path, capsys, monkeypatch):

@@ -124,6 +124,7 @@ def save_from_state(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype
     from .state import STATE_DIR
 
     adapter = ModelAdapter(AutoConfig.from_pretrained(str(checkpoint)))
-    before = set(Path(out).iterdir())
     save_pretrained(out, adapter, _StateMasters(Path(checkpoint) / STATE_DIR, adapter), dtype)
-    return sorted(p.relative_to(out) for p in set(Path(out).iterdir()) - before)
+    weights = files_of(adapter, dtype, None, 0)  # (every file it wrote, new or replaced: what export keeps)
+    return sorted(Path(n) for n in weights + ["config.json"] + (["model.safetensors.index.json"] if len(weights) > 1
+                                                                 else []))
