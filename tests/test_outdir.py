@@ -105,6 +105,27 @@ def test_rotation_deletes_what_the_saves_wrote_and_keeps_a_file_put_in_a_checkpo
     assert "rotated out" not in capsys.readouterr().err and (out / "checkpoint-1" / "eval.txt").is_file()
 
 
+def test_a_folder_in_a_saves_way_is_refused_before_training_even_with_overwrite(tmp_path, capsys):
+    """overwrite_output_dir replaces checkpoints only: a checkpoint-N that is the user's folder, at a step the run
+    saves, is refused up front (not after training to that step); one at a step it does not save is left be."""
+    out = tmp_path / "o"
+    assert run(out, "max_steps=1") == 0
+    for name in ("checkpoint-3", "checkpoint-2"):
+        (out / name).mkdir()
+        (out / name / "notes.txt").write_text("precious")
+    metrics = (out / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    for extra in ([], ["overwrite_output_dir=true"]):
+        assert run(out, "max_steps=3", *extra) == 2
+        err = capsys.readouterr().err
+        assert "holds checkpoint-3, which is not a slideformer checkpoint, where this run would save" in err, err
+        assert (out / "metrics.jsonl").read_bytes() == metrics  # (no step trained)
+    (out / "checkpoint-3" / "notes.txt").rename(tmp_path / "notes.txt")
+    (out / "checkpoint-3").rmdir()
+    assert run(out, "max_steps=3", "overwrite_output_dir=true") == 0  # (it saves step 3 only)
+    assert (out / "checkpoint-2" / "notes.txt").read_text() == "precious" and (out / "checkpoint-3").is_dir()
+
+
 def test_a_checkpoint_copied_in_from_another_run_is_neither_resumed_nor_rotated(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     assert run(a, "max_steps=5") == 0

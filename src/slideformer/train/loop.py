@@ -420,6 +420,10 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
         if changed and start < total:  # (at its end: nothing follows them)
             say(f"slideformer: resumed with {', '.join(changed)}: the steps from {start + 1} on follow these, not "
                 "the interrupted run's settings", file=sys.stderr, flush=True)
+    if blocking := out.unreplaceable_ahead(start, total, cfg.save_steps):  # (overwrite_output_dir or not)
+        raise OutputDirError(f"output_dir {out.path} holds {blocking[0].name}, which is not a slideformer checkpoint, "
+                             "where this run would save that step (a save replaces only checkpoints, even with "
+                             "overwrite_output_dir); move it away, or choose another output_dir")
     if not cfg.overwrite_output_dir and (foreign := out.foreign_ahead(start, total)):
         whose = "whose metadata is damaged, so whose it is cannot be told," if foreign[0].name in out.passed_over \
             else "which this run did not write and"

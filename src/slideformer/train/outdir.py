@@ -19,7 +19,8 @@ import sys
 import uuid
 from pathlib import Path
 
-from ..checkpoint.state import CorruptCheckpointError, read_meta, remove_checkpoint, verify_checkpoint
+from ..checkpoint.state import (CorruptCheckpointError, is_checkpoint_dir, read_meta, remove_checkpoint,
+                                verify_checkpoint)
 from ..config import ConfigError
 
 RUN_FILE = "slideformer-run.json"
@@ -158,6 +159,21 @@ class OutputDir:
         own = {p.name for p in self.checkpoints()}
         return sorted((p for p in self.path.iterdir() if (n := _step_of(p)) is not None and start < n <= end
                        and p.name not in own), key=_step_of) if self.path.is_dir() else []
+
+    def unreplaceable_ahead(self, start: int, end: int, every: int) -> list[Path]:
+        """What a save of a step ``start`` < N <= ``end`` (``end`` and every ``every``-th: those a run saves
+        unless stopped) would find in its way and never replace, even under overwrite_output_dir: a
+        ``checkpoint-N`` (or its ``.tmp``) that is not a checkpoint folder (a save replaces only checkpoints:
+        checkpoint/state.py ``is_checkpoint_dir``)."""
+        found = []
+        for p in self.path.iterdir() if self.path.is_dir() else ():
+            name = p.name[:-len(".tmp")] if p.name.endswith(".tmp") else p.name
+            tail = name[len(CKPT_PREFIX):]
+            if not (name.startswith(CKPT_PREFIX) and tail.isascii() and tail.isdigit()) or is_checkpoint_dir(p):
+                continue
+            if start < int(tail) <= end and (int(tail) == end or (every and int(tail) % every == 0)):
+                found.append((int(tail), p))
+        return [p for _, p in sorted(found)]
 
     def checkpoints_after(self, step: int) -> list[Path]:
         """This run's checkpoints of steps past ``step``, oldest first."""
