@@ -168,6 +168,20 @@ def test_datasets_sources_csv_save_to_disk_folders_and_hub_names(tmp_path, monke
     assert len(read_records(tmp_path / "saved")) == 3  # (train by default)
     with pytest.raises(DataError, match="has no split 'dev'; it has train, test"):
         read_records(tmp_path / "saved", split="dev")
+    # what would be ignored is refused: a subset of a save, a split or subset of one file, an empty save
+    from slideformer.data.lazy import open_records
+
+    with pytest.raises(DataError, match="subset 'x' names a configuration .* remove subset:"):
+        read_records(tmp_path / "saved", subset="x")
+    (tmp_path / "d.jsonl").write_text('{"text": "a"}\n')
+    for read in (read_records, open_records):
+        with pytest.raises(DataError, match="d.jsonl is one dataset, read whole: it has no split 'test'"):
+            read(tmp_path / "d.jsonl", split="test")
+        with pytest.raises(DataError, match="it has no subset 'x'"):
+            read(tmp_path / "d.jsonl", subset="x")
+        datasets.Dataset.from_list(rows).select([]).save_to_disk(str(tmp_path / "empty"))
+        with pytest.raises(DataError, match="empty holds no records"):
+            read(tmp_path / "empty")
     (tmp_path / "shards").mkdir()
     datasets.Dataset.from_list(rows).to_json(str(tmp_path / "shards" / "part-0.jsonl"))
     assert len(read_records(tmp_path / "shards")) == 5

@@ -45,6 +45,7 @@ def read_records(path: str | os.PathLike, skip_bad: bool = False, split: str | N
     if read_by_datasets(path):
         return _through_datasets(str(path), p, split, subset)
     check_readable(p)
+    check_one_dataset(p, split, subset)
     if p.suffix.lower() == ".parquet":
         return [(f"{p}[record {i}]", dict(r)) for i, r in enumerate(open_parquet(p))]
     if p.suffix.lower() == ".json":
@@ -96,6 +97,14 @@ def read_by_datasets(path: str | os.PathLike) -> bool:
     (``org/name``, no such local path). A missing local file is left to ``check_readable``, which says so."""
     p = Path(path)
     return p.is_dir() or (p.suffix.lower() in LOADERS and p.is_file()) or (not p.exists() and hub_name(str(path)))
+
+
+def check_one_dataset(p: Path, split: str | None, subset: str | None) -> None:
+    """A JSONL, JSON or Parquet file is one dataset: a split or subset asked of it would be ignored."""
+    for key, value in (("split", split), ("subset", subset)):
+        if value:
+            raise DataError(f"dataset file {p} is one dataset, read whole: it has no {key} {value!r}; remove {key}: "
+                            "(it names a part of a datasets folder or a Hub dataset)")
 
 
 def check_readable(p: Path) -> None:
@@ -464,9 +473,16 @@ def open_through_datasets(name: str, p: Path, split: str | None, subset: str | N
     bars, level = datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity()
     datasets.disable_progress_bars()  # (its bars and log lines: an error is said once, in our line)
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    if subset and p.exists() and (p.is_file() or (p / "dataset_dict.json").is_file() or (p / "state.json").is_file()):
+        raise DataError(f"dataset {name}: subset {subset!r} names a configuration of a Hub dataset or a folder of "
+                        "data files; this one has none: remove subset:")
     try:
         if p.is_dir() and ((p / "dataset_dict.json").is_file() or (p / "state.json").is_file()):
-            data = datasets.load_from_disk(str(p))
+            try:
+                data = datasets.load_from_disk(str(p))
+            except IndexError:  # (datasets cannot load a save of no rows: it concatenates none)
+                raise DataError(f"dataset folder {name} holds no records (a save of an empty dataset, or of an "
+                                "empty split)") from None
         elif p.is_file():
             data = datasets.load_dataset(LOADERS[p.suffix.lower()], data_files=str(p),
                                          **({"delimiter": "\t"} if p.suffix.lower() == ".tsv" else {}))

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .formats import (DataError, check_readable, jsonl_record, open_parquet, open_through_datasets, read_by_datasets,
-                      read_records)
+from .formats import (DataError, check_one_dataset, check_readable, jsonl_record, open_parquet, open_through_datasets,
+                      read_by_datasets, read_records)
 
 CHUNK = 4 << 20  # bytes scanned for line ends at a time
 _SPACE = np.zeros(256, np.bool_)
@@ -103,6 +103,7 @@ def open_records(path, skip_bad: bool = False, split: str | None = None, subset:
         data, tag = open_through_datasets(str(path), p, split, subset)
         return ArrowRows(data, str(path), tag)
     check_readable(p)
+    check_one_dataset(p, split, subset)
     if p.suffix.lower() == ".parquet":
         return ArrowRows(open_parquet(p), str(p), "record")
     if p.suffix.lower() == ".json":
