@@ -37,6 +37,15 @@ def model_dirs(tmp_path):
     (tmp_path / "a_file").write_text("x")
     (tmp_path / "no_config").mkdir()
     GPT2Config(n_layer=1, n_embd=16, n_head=2).save_pretrained(tmp_path / "gpt2")
+    from transformers import LlamaConfig
+
+    good = LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                       intermediate_size=32, vocab_size=64).to_dict()
+    for name, edit in (("layers0", {"num_hidden_layers": 0}), ("heads3", {"num_attention_heads": 3}),
+                       ("kv3", {"num_key_value_heads": 3}), ("ffn_neg", {"intermediate_size": -5}),
+                       ("a_list", None)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps([1, 2] if edit is None else {**good, **edit}))
     return tmp_path
 
 
@@ -46,6 +55,13 @@ def model_dirs(tmp_path):
     ("model_name_or_path={t}/a_file", 2, ["is a file"]),
     ("model_name_or_path={t}/no_config", 2, ["has no config.json"]),
     ("model_name_or_path={t}/gpt2", 2, ["gpt2", "llama"]),
+    # (a hand-edited config.json: one line, not an error deep in the planner or transformers)
+    ("model_name_or_path={t}/layers0", 2, ["config.json: num_hidden_layers is 0; it must be a whole number >= 1"]),
+    ("model_name_or_path={t}/heads3", 2, ["heads3/config.json: transformers cannot read it", "not a multiple of the "
+                                          "number of attention heads (3)"]),
+    ("model_name_or_path={t}/kv3", 2, ["num_key_value_heads 3 does not divide num_attention_heads 4"]),
+    ("model_name_or_path={t}/ffn_neg", 2, ["intermediate_size is -5"]),
+    ("model_name_or_path={t}/a_list", 2, ["a_list/config.json: transformers cannot read it"]),
     ("device=tpu", 2, ["device 'tpu' is not supported"]),
     ("max_steps.x=1", 2, ["only offload.<key> is a section"]),
     ("micro_batch_size=2.5", 2, ["micro_batch_size must be a whole number"]),
@@ -467,6 +483,11 @@ def test_plan_refuses_nonsense(tmp_path, capsys):
     (bad / "config.json").write_text("{not json")
     assert main(["plan", "--model", str(bad), "--seq-len", "64", "--batch-size", "1"]) == 2
     one_line(capsys, f"{bad / 'config.json'}: transformers cannot read it")
+    t = model_dirs(tmp_path)
+    for name, needle in (("layers0", "num_hidden_layers is 0"), ("kv3", "does not divide"),
+                         ("heads3", "transformers cannot read it"), ("a_list", "transformers cannot read it")):
+        assert main(["plan", "--model", str(t / name), "--seq-len", "64", "--batch-size", "1"]) == 2
+        one_line(capsys, needle)
     for flag, value in (("--nvme-fraction", "7"), ("--nvme-fraction", "-3"), ("--max-grad-norm", "nan")):
         with pytest.raises(SystemExit):
             main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1", flag, value])

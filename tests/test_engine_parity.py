@@ -93,8 +93,8 @@ def engine_train(model, steps, *, lrs=None, **cfg):
     return state, losses
 
 
-def assert_same(state, ref_model, losses, ref_losses, noise_model=None):
-    """Each tensor within 1e-5 relative (||a - b|| / ||b||); no element off by more than 1e-4.
+def assert_same(state, ref_model, losses, ref_losses, noise_model=None, atol=1e-4):
+    """Each tensor within 1e-5 relative (||a - b|| / ||b||); no element off by more than ``atol``.
 
     Micro-batch accumulation sums in another order than one large batch, and Adam divides by
     sqrt(v), so an element whose gradient is near zero may differ by more than its own 1e-5.
@@ -107,7 +107,7 @@ def assert_same(state, ref_model, losses, ref_losses, noise_model=None):
         r = ref[key]
         rel = float((v - r).norm() / r.norm())
         rel_bound = max(1e-5, 3 * float((noise[key] - r).norm() / r.norm())) if key in noise else 1e-5
-        abs_bound = max(1e-4, 3 * float((noise[key] - r).abs().max())) if key in noise else 1e-4
+        abs_bound = max(atol, 3 * float((noise[key] - r).abs().max())) if key in noise else atol
         assert rel <= rel_bound, f"{key}: relative error {rel:.2e} (bound {rel_bound:.2e})"
         torch.testing.assert_close(v, r, rtol=0, atol=abs_bound, msg=lambda m: f"{key}: {m}")
     assert losses == pytest.approx(ref_losses, rel=1e-5)

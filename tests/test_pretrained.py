@@ -12,7 +12,7 @@ import torch
 
 from slideformer import EngineConfig, SlideEngine
 from slideformer.bench.convergence import corpora, eval_loss, windows
-from test_engine_parity import assert_same, engine_train, reference_train
+from test_engine_parity import assert_same, engine_train, reference_noise, reference_train
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,10 @@ def test_the_engine_trains_smollm2_as_plain_pytorch_does(smollm2, text, clip):
     kw = dict(lr=1e-4, weight_decay=0.01, max_grad_norm=clip)
     state, losses = engine_train(model, steps, **kw)
     ref, ref_losses = reference_train(model, steps, **kw)
-    assert_same(state, ref, losses, ref_losses)
+    # (an element whose gradient is about zero moves by up to lr either way a step, whichever its rounding: run
+    # alone, one of SmolLM2's 135M lands 1.03 lr apart; each tensor's norm bound, and the reference's own
+    # reordered noise, stay as they are)
+    assert_same(state, ref, losses, ref_losses, reference_noise(model, steps, **kw), atol=2 * kw["lr"])
 
 
 def test_smollm2_learns_real_text_and_exports_a_chat_model(smollm2, text, tmp_path):

@@ -104,9 +104,9 @@ def cmd_plan(args) -> int:
                               "config.json")
         try:
             config = AutoConfig.from_pretrained(args.model)
-        except (OSError, ValueError, KeyError) as e:  # (as train says it)
+        except Exception as e:  # (as train says it)
             raise ConfigError(f"{Path(args.model) / 'config.json'}: transformers cannot read it "
-                              f"({str(e).splitlines()[0][:200]})") from e
+                              f"({' '.join(str(e).split())[:240]})") from e
     for flag in ("gpu_memory", "cpu_memory", "host_memory_limit", "disk_space"):
         value = getattr(args, flag)
         try:

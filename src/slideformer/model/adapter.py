@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..config import ConfigError
+
 # The families named and tested (tests/tiny.py); others are accepted by their structure (_config_missing,
 # _structure_missing), less those whose model-level forward does what the engine's parts do not.
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "phi3", "granite", "cohere", "gemma",
@@ -76,6 +78,8 @@ class ModelAdapter:
         from transformers import AutoModelForCausalLM
 
         model_type = getattr(config, "model_type", None)
+        if bad := _bad_size(config):
+            raise ConfigError(f"the model's config.json: {bad}")
         if missing := _config_missing(config):
             raise UnsupportedModelError(f"model_type {model_type!r}: {missing}; slideformer trains decoder-only "
                                         f"models such as {', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -229,6 +233,21 @@ class _Scaled(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(x) * self.scale
+
+
+def _bad_size(config) -> str | None:
+    """A size no model has (a hand-edited config.json), in words: found here, not as an error deep in the
+    planner or the skeleton."""
+    text = config.get_text_config()
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "intermediate_size"):
+        v = getattr(text, key, None)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            return f"{key} is {v!r}; it must be a whole number >= 1"
+    heads, kv = text.num_attention_heads, getattr(text, "num_key_value_heads", None)
+    if kv is not None and heads % kv:
+        return f"num_key_value_heads {kv} does not divide num_attention_heads {heads}"
+    return None
 
 
 def _config_missing(config) -> str | None:

@@ -214,8 +214,8 @@ def load_model_config(cfg: TrainConfig):
             raise ConfigError(f"model_name_or_path {path} has no config.json: not a Hugging Face model folder")
         try:
             hf_config = AutoConfig.from_pretrained(str(path))
-        except (OSError, ValueError, KeyError) as e:
-            raise ConfigError(f"{path / 'config.json'}: transformers cannot read it ({str(e).splitlines()[0][:200]})") from e
+        except Exception as e:  # (whatever transformers makes of a config.json: its content is the user's)
+            raise ConfigError(f"{path / 'config.json'}: transformers cannot read it ({' '.join(str(e).split())[:240]})") from e
     try:  # (what the engine cannot run: refused now)
         ModelAdapter(hf_config, attn_implementation=cfg.attn_implementation)
     except ImportError as e:  # (transformers' check of the attention's package)
