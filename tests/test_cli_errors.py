@@ -77,8 +77,10 @@ def model_dirs(tmp_path):
     ("offload.gpu_memory_limit=100KB", 2, ["offload.gpu_memory_limit", "'100KB' is under 1 MiB"]),
     ("offload.gpu_memory_limit=1MiB", 3, ["this model needs at least", "over the 1.0 MiB budget",
                                           "raise offload.gpu_memory_limit to"]),  # (the model's floor: no batch)
-    ("offload.host_memory_limit=1GiB", 3, ["host_memory_limit is 1.0 GiB", "process itself",
-                                          "use offload.host_memory_limit of at least 2.1 GiB, "]),
+    ("offload.host_memory_limit=1GiB", 3, ["the process itself takes about 2.0 GiB of host RAM", "more than the "
+                                          "1.0 GiB offload.host_memory_limit allows; set it to at least 2.1 GiB"]),
+    ("offload.host_memory_limit=2.005GiB", 3, ["host_memory_limit is 2.0 GiB", "process itself",
+                                              "offload.host_memory_limit of at least 2.1 GiB, "]),
     ("offload.window_slots=1", 2, ["offload.window_slots must be auto or a number of slots >= 2"]),
     ("offload.window_slots=three", 2, ["offload.window_slots must be auto or a number of slots >= 2, got 'three'"]),
     # (YAML on the command line: a key without the space after its colon, a template that needs quotes)
@@ -89,6 +91,7 @@ def model_dirs(tmp_path):
     ("dataset={{path:hf://org/x}}", 2, ["write path: hf://org/x (a space after the colon)"]),
     ("output_dir=/etc/passwd/run", 5, ["/etc/passwd/run"]),
     ("offload.offload_dir=/etc/passwd", 2, ["offload.offload_dir /etc/passwd is a file"]),
+    ("offload.nvme_fraction=1", 2, ["offload.nvme_fraction 1 puts that share", "set offload.offload_dir"]),
     ("num_train_epochs=nan", 2, ["num_train_epochs must be a finite number"]),
     ("num_train_epochs=.inf", 2, ["num_train_epochs must be a finite number"]),
     ("max_grad_norm=.nan", 2, ["max_grad_norm must be a finite number"]),
@@ -483,12 +486,20 @@ def test_plan_refuses_nonsense(tmp_path, capsys):
     (bad / "config.json").write_text("{not json")
     assert main(["plan", "--model", str(bad), "--seq-len", "64", "--batch-size", "1"]) == 2
     one_line(capsys, f"{bad / 'config.json'}: transformers cannot read it")
+    assert main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1", "--offload-dir", str(bad / "config.json")]) == 2
+    one_line(capsys, "--offload-dir", "config.json is a file; give a folder")
+    for ram in (["--cpu-memory", "1MiB"], ["--host-memory-limit", "1GiB"]):  # (as train: the process itself counts)
+        assert main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "2", "--gpu-memory", "1GiB",
+                     *ram]) == 3
+        out = capsys.readouterr().out
+        assert "does NOT fit host RAM: the process itself takes about 2.0 GiB" in out and "largest batch that fits: 0" in out
     t = model_dirs(tmp_path)
     for name, needle in (("layers0", "num_hidden_layers is 0"), ("kv3", "does not divide"),
                          ("heads3", "transformers cannot read it"), ("a_list", "transformers cannot read it")):
         assert main(["plan", "--model", str(t / name), "--seq-len", "64", "--batch-size", "1"]) == 2
         one_line(capsys, needle)
-    for flag, value in (("--nvme-fraction", "7"), ("--nvme-fraction", "-3"), ("--max-grad-norm", "nan")):
+    for flag, value in (("--nvme-fraction", "7"), ("--nvme-fraction", "-3"), ("--max-grad-norm", "nan"),
+                        ("--nproc-per-node", "100000")):
         with pytest.raises(SystemExit):
             main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1", flag, value])
         assert "must be" in capsys.readouterr().err

@@ -89,7 +89,8 @@ def cmd_plan(args) -> int:
     from .machine import Machine, MachineRates, disk_free, gpu_memory, host_memory
     from .plan import Auto, ModelShape, nvme_layer_count, parse_bytes, predicted_step, resolve
     from .plan.resolve import tier_bytes
-    from .plan.memory import PROCESS_BYTES, config_rank_host_bytes, fmt_bytes, host_budget, mid_layers, saved_layers, user_bytes
+    from .plan.memory import (PROCESS_BYTES, config_rank_host_bytes, fmt_bytes, host_budget, mid_layers,
+                              process_allowance, saved_layers, user_bytes)
     from .presets import PRESETS, preset_config
 
     from .config import ConfigError
@@ -121,6 +122,8 @@ def cmd_plan(args) -> int:
                                     ("--nvme-master", args.nvme_master),
                                     ("--activations-to-nvme", args.activations_to_nvme),
                                     ("--disk-space", args.disk_space is not None)) if given]
+    if args.offload_dir and Path(args.offload_dir).exists() and not Path(args.offload_dir).is_dir():  # (as train)
+        raise ConfigError(f"--offload-dir {args.offload_dir} is a file; give a folder (the NVMe tier's)")
     if tier_only and not args.offload_dir:
         raise ConfigError(f"{', '.join(tier_only)} {'describe' if len(tier_only) > 1 else 'describes'} the NVMe tier: "
                           "give its folder too (--offload-dir)")
@@ -249,6 +252,12 @@ def cmd_plan(args) -> int:
                       "--optimizer-state compact or 8bit (8 or 6.06 instead of 14 bytes a parameter)")
         verdict = (f"does NOT fit host RAM: about {gib(need)} of state against {against}; {' or '.join(levers)} "
                    "would lower it")
+        if process_allowance(plan.config, machine.rank_ram) <= PROCESS_BYTES:  # (no state could fit: say why)
+            verdict = (f"does NOT fit host RAM: {'each' if args.nproc_per_node > 1 else 'the'} process itself takes "
+                       f"about {gib(PROCESS_BYTES)} (Python, torch, the data), more than the "
+                       f"{gib(process_allowance(plan.config, machine.rank_ram))} allowed "
+                       + ("(--host-memory-limit" + share + ")" if args.host_memory_limit else
+                          f"(95% of {gib(cpu_limit)}, {'--cpu-memory' if args.cpu_memory else 'this machine'}{share})"))
     out["verdict"] = verdict
     out["predicted_step_s"] = timing["step_s"]
     out["predicted_tokens_per_s"] = args.batch_size * args.seq_len / timing["step_s"]
@@ -508,7 +517,9 @@ def _processes(v: str) -> int:
         from .train.launch import processes
 
         return processes("auto", None)
-    return _positive(v)
+    if (n := _positive(v)) > 1024:  # (one a GPU: no machine has that many)
+        raise argparse.ArgumentTypeError(f"must be at most 1024 (processes on one machine, one a GPU), got {v!r}")
+    return n
 
 
 def _positive(v: str) -> int:

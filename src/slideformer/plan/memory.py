@@ -544,6 +544,13 @@ def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training",
     "offload.") that would need less and are not in use yet. Data parallel: ``have`` and ``cfg``'s limit
     are one of ``ranks`` processes' share of the machine's, and ``ram`` is that process's."""
     total = sum(ram.values())
+    if (allowance := process_allowance(cfg, have)) <= PROCESS_BYTES:  # (whatever the state: none may be left)
+        whose = f"each of the {ranks} processes on this machine" if ranks > 1 else "the process"
+        need = fmt_bytes(math.ceil(ranks * (total + PROCESS_BYTES) / 2**30 * 10) * 2**30 / 10)
+        raise DoesNotFit(f"{whose} itself takes about {fmt_bytes(PROCESS_BYTES)} of host RAM (Python, torch, the "
+                         f"data), more than the {fmt_bytes(ranks * allowance)} "
+                         + (f"{prefix}host_memory_limit allows; set it to at least {need}" if cfg.host_memory_limit
+                            else f"this machine allows ({HOST_SHARE:.0%} of its RAM); use one with more RAM"))
     if total <= host_budget(cfg, have)[1]:
         return
     hints, k = [], prefix
@@ -568,8 +575,7 @@ def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training",
         need = math.ceil(ranks * (total + PROCESS_BYTES) / 2**30 * 10) * 2**30 / 10
         larger = (f"{k}host_memory_limit of at least {fmt_bytes(need)}" if total <= unlimited
                   else f"a larger {k}host_memory_limit")
-        # (under what the process itself takes, the limit is the first thing to change)
-        hints = [larger] + hints if limit <= PROCESS_BYTES else hints + [larger]
+        hints = hints + [larger]
         whose = "each one's" if ranks > 1 else "the"
         has = (f"{k}host_memory_limit is {fmt_bytes(ranks * limit)} "
                + (f"shared by {ranks} processes " if ranks > 1 else "")

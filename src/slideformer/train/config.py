@@ -235,6 +235,9 @@ class TrainConfig:
             raise ConfigError(f"offload.nvme_fraction must be auto or a number in [0, 1], got {nf!r}")
         if self.offload.nvme_master not in (True, False, "auto"):
             raise ConfigError(f"offload.nvme_master must be true, false or auto, got {self.offload.nvme_master!r}")
+        if nf not in ("auto", 0) and not self.offload.offload_dir:  # (as plan --nvme-fraction: no tier, no share)
+            raise ConfigError(f"offload.nvme_fraction {nf} puts that share of the layers on the NVMe tier: set "
+                              "offload.offload_dir, its folder, too")
         ws = self.offload.window_slots
         if not (ws == "auto" or (isinstance(ws, int) and not isinstance(ws, bool) and ws >= 2)):
             raise ConfigError(f"offload.window_slots must be auto or a number of slots >= 2, got {ws!r}")
