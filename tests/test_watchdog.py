@@ -62,6 +62,9 @@ def test_the_limit_follows_the_runs_pace():
             assert dog.limit == SAVE_LIMIT_S
         assert dog.limit < SAVE_LIMIT_S
         assert fixed.limit == 300 and off._thread is None
+        with fixed.allowing(SAVE_LIMIT_S):  # (a limit set for steps does not cut a checkpoint short)
+            assert fixed.limit == SAVE_LIMIT_S
+        assert fixed.limit == 300
     finally:
         for d in (dog, fixed, off):
             d.close()

@@ -49,8 +49,8 @@ class Watchdog:
 
     @property
     def limit(self) -> float:
-        if self.fixed:
-            return self.fixed
+        if self.fixed:  # (a checkpoint still gets its hour: a short limit is meant for steps, not saves)
+            return max(self.fixed, self._floor)
         floor = MIN_LIMIT_S if self._done_steps else FIRST_STEP_LIMIT_S
         return max(floor, PACE * self._slowest, self._floor)
 

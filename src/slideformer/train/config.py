@@ -159,7 +159,7 @@ class TrainConfig:
     report_to: list | str = "tensorboard"
     # no step, evaluation or checkpoint for this long ends the run with every thread's stack (exit 6), the last
     # checkpoint intact; default: ten times the slowest step so far, at least 10 minutes (30 before the first
-    # step); 0: off
+    # step); 0: off. A checkpoint's save has at least an hour, whatever this is
     watchdog_seconds: float | None = None
     offload: OffloadConfig = field(default_factory=OffloadConfig)
 
