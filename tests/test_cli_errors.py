@@ -46,6 +46,9 @@ def model_dirs(tmp_path):
                        ("a_list", None)):
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps([1, 2] if edit is None else {**good, **edit}))
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("mamba", hidden_size=16, num_hidden_layers=1, vocab_size=64).save_pretrained(tmp_path / "mamba")
     return tmp_path
 
 
@@ -62,6 +65,7 @@ def model_dirs(tmp_path):
     ("model_name_or_path={t}/kv3", 2, ["num_key_value_heads 3 does not divide num_attention_heads 4"]),
     ("model_name_or_path={t}/ffn_neg", 2, ["intermediate_size is -5"]),
     ("model_name_or_path={t}/a_list", 2, ["a_list/config.json: transformers cannot read it"]),
+    ("model_name_or_path={t}/mamba", 2, ["model_type 'mamba'"]),  # (no attention heads: not a size to check)
     ("device=tpu", 2, ["device 'tpu' is not supported"]),
     ("max_steps.x=1", 2, ["only offload.<key> is a section"]),
     ("micro_batch_size=2.5", 2, ["micro_batch_size must be a whole number"]),

@@ -1,4 +1,6 @@
 """Training-state checkpoints: resume is bit-identical; corruption and interrupted saves are detected."""
+import shutil
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -127,6 +129,10 @@ def test_a_save_over_its_own_checkpoint_keeps_the_files_no_save_wrote(tmp_path, 
             assert "kept in" not in capsys.readouterr().err
         assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "ck.old"]
         assert (old / "state" / "notes.txt").read_text() == "mine" and eng.load_checkpoint(ck)["next"] == 1
+        shutil.rmtree(old)
+        shutil.copytree(ck, old)  # (the user's backup under the aside's name: a save never takes it for its own)
+        eng.save_checkpoint(ck, {"next": 1})
+        assert eng.load_checkpoint(old)["next"] == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["ck", "ck.old"]
 
 
 def test_a_removal_cut_short_is_finished_by_the_next(tmp_path, monkeypatch):
@@ -154,3 +160,18 @@ def test_a_removal_cut_short_is_finished_by_the_next(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert written > 3 and len(read_meta(tmp_path / "ck")["checksums"]) == written
     assert remove_checkpoint(tmp_path / "ck") == ([], "no save wrote them") and not (tmp_path / "ck").exists()
+
+
+def test_a_removal_never_reaches_through_a_link(tmp_path):
+    """A checkpoint whose state/ is a link to another's: its own files go, the other's (metadata too) stay."""
+    from slideformer.checkpoint.state import remove_checkpoint, verify_checkpoint
+
+    eng = SlideEngine(build("llama"), engine_config(**CPU))
+    with eng:
+        eng.train_step(batch(97))
+        eng.save_checkpoint(tmp_path / "a", {"next": 1})
+        eng.save_checkpoint(tmp_path / "b", {"next": 1})
+    shutil.rmtree(tmp_path / "b" / "state")
+    (tmp_path / "b" / "state").symlink_to(tmp_path / "a" / "state")
+    kept, _ = remove_checkpoint(tmp_path / "b")
+    assert kept == [tmp_path / "b" / "state"] and verify_checkpoint(tmp_path / "a")["step"] == 1

@@ -129,8 +129,8 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
             work()
         except BaseException as e:
             err = _write_error(final, e, "the partial copy was removed and existing checkpoints are untouched"
-                               if clean else f"what was written is in {tmp} (or the old copy in "
-                               f"{final.name}.old); move it into place by hand")
+                               if clean else f"what was written is in {tmp} (or the old copy beside it, "
+                               f"{final.name}.old or .old-N); move it into place by hand")
         try:
             _together(ranks, err)
         except BaseException:
@@ -146,8 +146,6 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
                                           "its own; choose another path, or move it away")
             if tmp.exists():
                 shutil.rmtree(tmp)  # a save that was interrupted earlier
-            if final.exists() and old.exists():  # (an earlier rename's, cut short: what it wrote goes)
-                remove_checkpoint(old)
             (tmp / STATE_DIR).mkdir(parents=True)
 
     def write():  # (a unit that is not finite stops the save before its file: the folder is then removed)
@@ -187,13 +185,13 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
             return
         if final.exists():  # replacing a checkpoint of the same name: move the old one aside first
             aside = next(a for k in range(1, 10**6) if not (a := old if k == 1 else old.with_name(f"{old.name}-{k}"))
-                         .exists())  # (one an earlier replacement left, holding what no save wrote, stays)
+                         .exists())  # (one there already, a backup or what an earlier replacement left, stays)
             os.replace(final, aside)
             os.replace(tmp, final)
             try:
                 kept, why = remove_checkpoint(aside)
             except OSError as e:  # (the new checkpoint is in place: the old one's remains are only said)
-                kept, why = [aside], f"removing it failed ({e.strerror})"
+                kept, why = [aside], f"removing it failed ({e.strerror or e})"
             if kept:
                 print(f"slideformer: {final} replaced; {len(kept)} file(s) of the old one kept in {aside}, as {why}",
                       file=sys.stderr)
@@ -248,9 +246,9 @@ def remove_checkpoint(path: str | os.PathLike) -> tuple[list[Path], str]:
     mine = [f for f in found if f.relative_to(root).as_posix() in ours and not f.is_symlink()]
     for f in mine:
         f.unlink()
-    if ours:  # (the metadata, not among its own checksums)
+    if ours and root / meta in found and not (root / meta).is_symlink():  # (not among its own checksums)
         mine.append(root / meta)
-        mine[-1].unlink(missing_ok=True)
+        mine[-1].unlink()
     for folder, dirs, _ in os.walk(root, topdown=False):
         for name in dirs:
             if not (Path(folder) / name).is_symlink():

@@ -466,6 +466,9 @@ def _through_datasets(name: str, p: Path, split: str | None, subset: str | None)
 def open_through_datasets(name: str, p: Path, split: str | None, subset: str | None):
     """``datasets``' Dataset of what ``_through_datasets`` reads (Arrow, memory-mapped), and how a record of
     it is named ("record", or the split's)."""
+    if subset and p.exists() and (p.is_file() or (p / "dataset_dict.json").is_file() or (p / "state.json").is_file()):
+        raise DataError(f"dataset {name}: subset {subset!r} names a configuration of a Hub dataset or a folder of "
+                        "data files; this one has none: remove subset:")
     try:
         import datasets
     except ImportError:
@@ -473,9 +476,6 @@ def open_through_datasets(name: str, p: Path, split: str | None, subset: str | N
     bars, level = datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity()
     datasets.disable_progress_bars()  # (its bars and log lines: an error is said once, in our line)
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
-    if subset and p.exists() and (p.is_file() or (p / "dataset_dict.json").is_file() or (p / "state.json").is_file()):
-        raise DataError(f"dataset {name}: subset {subset!r} names a configuration of a Hub dataset or a folder of "
-                        "data files; this one has none: remove subset:")
     try:
         if p.is_dir() and ((p / "dataset_dict.json").is_file() or (p / "state.json").is_file()):
             try:

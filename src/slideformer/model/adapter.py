@@ -78,11 +78,11 @@ class ModelAdapter:
         from transformers import AutoModelForCausalLM
 
         model_type = getattr(config, "model_type", None)
-        if bad := _bad_size(config):
-            raise ConfigError(f"the model's config.json: {bad}")
         if missing := _config_missing(config):
             raise UnsupportedModelError(f"model_type {model_type!r}: {missing}; slideformer trains decoder-only "
                                         f"models such as {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if bad := _bad_size(config):
+            raise ConfigError(f"the model's config.json: {bad}")
         self.config = config
         self.model_type = model_type
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -239,13 +239,21 @@ def _bad_size(config) -> str | None:
     """A size no model has (a hand-edited config.json), in words: found here, not as an error deep in the
     planner or the skeleton."""
     text = config.get_text_config()
+
+    def size(key):  # (None where the config has no one value: absent, per layer, or a list)
+        try:
+            v = getattr(text, key, None)
+        except (AttributeError, RuntimeError):  # (transformers: a per-layer attribute asked as one)
+            return None
+        return None if isinstance(v, (list, tuple, dict)) else v
+
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "intermediate_size"):
-        v = getattr(text, key, None)
+        v = size(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             return f"{key} is {v!r}; it must be a whole number >= 1"
-    heads, kv = text.num_attention_heads, getattr(text, "num_key_value_heads", None)
-    if kv is not None and heads % kv:
+    heads, kv = size("num_attention_heads"), size("num_key_value_heads")
+    if heads is not None and kv is not None and heads % kv:
         return f"num_key_value_heads {kv} does not divide num_attention_heads {heads}"
     return None
 

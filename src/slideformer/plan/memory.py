@@ -545,12 +545,15 @@ def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training",
     are one of ``ranks`` processes' share of the machine's, and ``ram`` is that process's."""
     total = sum(ram.values())
     if (allowance := process_allowance(cfg, have)) <= PROCESS_BYTES:  # (whatever the state: none may be left)
-        whose = f"each of the {ranks} processes on this machine" if ranks > 1 else "the process"
+        who = (f"the {ranks} processes on this machine take about {fmt_bytes(ranks * PROCESS_BYTES)} of host RAM "
+               f"themselves ({fmt_bytes(PROCESS_BYTES)} each" if ranks > 1 else
+               f"the process itself takes about {fmt_bytes(PROCESS_BYTES)} of host RAM (")
         need = fmt_bytes(math.ceil(ranks * (total + PROCESS_BYTES) / 2**30 * 10) * 2**30 / 10)
-        raise DoesNotFit(f"{whose} itself takes about {fmt_bytes(PROCESS_BYTES)} of host RAM (Python, torch, the "
-                         f"data), more than the {fmt_bytes(ranks * allowance)} "
-                         + (f"{prefix}host_memory_limit allows; set it to at least {need}" if cfg.host_memory_limit
-                            else f"this machine allows ({HOST_SHARE:.0%} of its RAM); use one with more RAM"))
+        fewer = " or fewer processes (nproc_per_node)" if ranks > 1 else ""
+        raise DoesNotFit(f"{who}: Python, torch, the data), more than the {fmt_bytes(ranks * allowance)} "
+                         + (f"{prefix}host_memory_limit allows; set it to at least {need}{fewer}"
+                            if cfg.host_memory_limit else
+                            f"this machine allows ({HOST_SHARE:.0%} of its RAM); use one with more RAM{fewer}"))
     if total <= host_budget(cfg, have)[1]:
         return
     hints, k = [], prefix

@@ -533,8 +533,9 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                 if signum:  # the state is the last finished step's, the data past the dropped batch
                     state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
                              "run_id": out.run_id, "data": data, "update": update}
-                    last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
-                                       cfg.model_name_or_path)
+                    with dog.allowing(SAVE_LIMIT_S):
+                        last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
+                                           cfg.model_name_or_path)
                     status = "interrupted"
                     break
                 continue  # the same step number, the next data

@@ -169,7 +169,8 @@ class OutputDir:
         for p in self.path.iterdir() if self.path.is_dir() else ():
             name = p.name[:-len(".tmp")] if p.name.endswith(".tmp") else p.name
             tail = name[len(CKPT_PREFIX):]
-            if not (name.startswith(CKPT_PREFIX) and tail.isascii() and tail.isdigit()) or is_checkpoint_dir(p):
+            if not (name.startswith(CKPT_PREFIX) and tail.isascii() and tail.isdigit() and tail == str(int(tail))) \
+                    or is_checkpoint_dir(p):  # (checkpoint-03 is no save's name)
                 continue
             if start < int(tail) <= end and (int(tail) == end or (every and int(tail) % every == 0)):
                 found.append((int(tail), p))
