@@ -192,10 +192,16 @@ def test_train_refuses_what_the_host_cannot_hold(tmp_path, monkeypatch):
     from slideformer import machine
     from slideformer.plan import DoesNotFit
 
-    monkeypatch.setattr(machine, "host_memory", lambda: 2**20)  # a 1 MiB machine
+    from slideformer.plan.memory import HOST_SHARE, PROCESS_BYTES
+
+    # (a machine whose RAM holds the process itself and 1 MiB more; then one that does not hold the process)
+    monkeypatch.setattr(machine, "host_memory", lambda: int((PROCESS_BYTES + 2**20) / HOST_SHARE) + 1)
     with pytest.raises(DoesNotFit, match="host RAM.*offload_dir"):
         train(cfg(tmp_path, "max_steps=1"))
     assert main(["train"] + FAST + [f"output_dir={tmp_path}", "max_steps=1"]) == 3
+    monkeypatch.setattr(machine, "host_memory", lambda: 2**20)
+    with pytest.raises(DoesNotFit, match="the process itself takes about 2.0 GiB of host RAM .* more than the 0.9 MiB"):
+        train(cfg(tmp_path, "max_steps=1"))
     assert not list(tmp_path.glob("checkpoint-*"))
 
 
