@@ -166,7 +166,8 @@ def test_gpu_memory_does_not_grow_after_first_step():
         torch.cuda.reset_peak_memory_stats()
         for s in range(2, 5):
             eng.train_step(batch(97, b=4, s=32, seed=s))
-        assert torch.cuda.memory_allocated() == after_first
+        # (not grown: an earlier test's block freed behind its stream's event may leave the count lower)
+        assert torch.cuda.memory_allocated() <= after_first
         assert torch.cuda.max_memory_allocated() <= peak_second
 
 
