@@ -161,7 +161,8 @@ def held_out(cfg: TrainConfig, tok, vocab: int | None, examples, in_ram=lambda s
     val_size of the dataset's records, the same ones whatever the seed (runs that differ in seed are
     evaluated on the same samples); with eval_dataset's records skipped and dropped."""
     if cfg.eval_dataset:
-        held, h_skipped, h_dropped = build_examples(cfg, tok, vocab, cfg.eval_dataset, lazy=not in_ram(cfg.eval_dataset))
+        held, h_skipped, h_dropped = build_examples(cfg, tok, vocab, cfg.eval_dataset,
+                                                    lazy=not in_ram(cfg.eval_dataset))
         return examples, held, (h_skipped, h_dropped)
     if not cfg.val_size:
         return examples, [], (0, 0)
@@ -215,7 +216,8 @@ def load_model_config(cfg: TrainConfig):
         try:
             hf_config = AutoConfig.from_pretrained(str(path))
         except Exception as e:  # (whatever transformers makes of a config.json: its content is the user's)
-            raise ConfigError(f"{path / 'config.json'}: transformers cannot read it ({' '.join(str(e).split())[:240]})") from e
+            raise ConfigError(f"{path / 'config.json'}: transformers cannot read it "
+                              f"({' '.join(str(e).split())[:240]})") from e
     try:  # (what the engine cannot run: refused now)
         ModelAdapter(hf_config, attn_implementation=cfg.attn_implementation)
     except ImportError as e:  # (transformers' check of the attention's package)
@@ -328,8 +330,8 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     examples, held, (h_skipped, h_dropped) = held_out(cfg, tok, vocab, examples, in_ram)
     records = len(examples) + len(held)
     if cfg.val_size and len(held) > 1.5 * cfg.val_size * records and (ranks is None or ranks.leader):
-        print(f"slideformer: val_size {cfg.val_size} of {records} records holds out {len(held)} ({len(held) / records:.1%} "
-              "of them: at least one)", file=sys.stderr)
+        print(f"slideformer: val_size {cfg.val_size} of {records} records holds out {len(held)} "
+              f"({len(held) / records:.1%} of them: at least one)", file=sys.stderr)
     if cfg.eval_dataset:
         if isinstance(held, LazyExamples):
             # (every evaluation reads it whole: its records are checked once now, not first after training)
@@ -401,8 +403,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     # what decides each step's update (the config's keys, and the steps max_steps or num_train_epochs give): a
     # resume that changes one says so
     update = {"learning_rate": cfg.learning_rate, "lr_scheduler_type": cfg.lr_scheduler_type,
-              "warmup_ratio": cfg.warmup_ratio, "steps": total, "weight_decay": cfg.weight_decay, "adam_beta1": cfg.adam_beta1,
-              "adam_beta2": cfg.adam_beta2, "max_grad_norm": cfg.max_grad_norm,
+              "warmup_ratio": cfg.warmup_ratio, "steps": total, "weight_decay": cfg.weight_decay,
+              "adam_beta1": cfg.adam_beta1, "adam_beta2": cfg.adam_beta2, "max_grad_norm": cfg.max_grad_norm,
               "bf16": engine.cfg.compute_dtype == torch.bfloat16, "fp8": cfg.fp8}
     if resume:
         state = engine.load_checkpoint(resume)
