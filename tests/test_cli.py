@@ -334,6 +334,7 @@ def test_plan_for_several_processes_on_one_machine(capsys, monkeypatch):
     assert "per GPU, 2 processes" in text and "host of the machine" in text and "in all" in text
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # (auto: one per GPU, as train counts them)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # (inside a launcher's environment too)
     assert main(base + ["--nproc-per-node", "auto"]) == 0
     assert json.loads(capsys.readouterr().out) == two
 

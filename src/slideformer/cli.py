@@ -512,11 +512,12 @@ def _whole(v: str) -> int:
 
 
 def _processes(v: str) -> int:
-    """--nproc-per-node: a number, or auto (train's count for auto: one per GPU, at least one)."""
+    """--nproc-per-node: a number, or auto (one per GPU here, at least one: train's count for auto where no
+    launcher started it; plan never runs under one, so its environment is not asked)."""
     if v == "auto":
-        from .train.launch import processes
+        from .train.launch import local_gpus
 
-        return processes("auto", None)
+        return max(1, local_gpus(None))
     if (n := _positive(v)) > 1024:  # (one a GPU: no machine has that many)
         raise argparse.ArgumentTypeError(f"must be at most 1024 (processes on one machine, one a GPU), got {v!r}")
     return n

@@ -33,6 +33,13 @@ EXIT_DIR = "SLIDEFORMER_EXIT_DIR"  # (environment: the folder our launcher reads
 LAUNCHER = "SLIDEFORMER_LAUNCHER_PID"  # (environment: our launcher's process, which its ranks end with)
 
 
+def local_gpus(device: str | None) -> int:
+    """The GPUs a rank each could take on this machine (none where ``device`` is the CPU)."""
+    import torch
+
+    return torch.cuda.device_count() if device != "cpu" and torch.cuda.is_available() else 0
+
+
 def processes(asked, device: str | None) -> int:
     """How many processes `train` runs on this machine: ``asked`` (a number, or "auto": one per GPU), 1 in a
     process that a launcher started (its count decides)."""
@@ -45,9 +52,7 @@ def processes(asked, device: str | None) -> int:
                               "out under a launcher (its process count decides), or run `slideformer train` "
                               "without one")
         return 1
-    import torch
-
-    gpus = torch.cuda.device_count() if device != "cpu" and torch.cuda.is_available() else 0
+    gpus = local_gpus(device)
     if asked == "auto":
         return max(1, gpus)
     if device != "cpu" and asked > max(1, gpus):
