@@ -1,4 +1,6 @@
 """Bad input gets a clear error, not a stack trace from deep inside."""
+import math
+
 import pytest
 import torch
 from transformers import GPT2Config
@@ -269,3 +271,16 @@ def test_hugging_face_weights_are_written_in_a_float_dtype_only(tmp_path):
         import json
 
         assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_the_engine_keeps_its_own_copy_of_the_config():
+    """A config changed after the engine is built (to build another) reaches neither the engine nor its
+    checks: the engine trains as configured."""
+    from tiny import batch, build, engine_config
+
+    cfg = engine_config(device="cpu", compute_dtype=torch.float32, lr=1e-2)
+    eng = SlideEngine(build("llama"), cfg)
+    with eng:
+        cfg.eps, cfg.max_grad_norm = -1.0, 1.0
+        assert eng.cfg.eps != -1.0 and eng.cfg.max_grad_norm is None
+        assert math.isfinite(eng.train_step(batch(97)))

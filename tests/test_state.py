@@ -175,3 +175,17 @@ def test_a_removal_never_reaches_through_a_link(tmp_path):
     (tmp_path / "b" / "state").symlink_to(tmp_path / "a" / "state")
     kept, _ = remove_checkpoint(tmp_path / "b")
     assert kept == [tmp_path / "b" / "state"] and verify_checkpoint(tmp_path / "a")["step"] == 1
+
+
+def test_a_refused_save_leaves_the_users_tmp_folder(tmp_path):
+    """A save refused because ``<path>.tmp`` is the user's folder removes nothing: only a copy it made goes."""
+    from slideformer.checkpoint.loader import CheckpointError
+
+    (tmp_path / "ck.tmp").mkdir()
+    (tmp_path / "ck.tmp" / "thesis.txt").write_text("mine")
+    eng = SlideEngine(build("llama"), engine_config(**CPU))
+    with eng:
+        eng.train_step(batch(97))
+        with pytest.raises(CheckpointError, match="ck.tmp exists and is not a slideformer checkpoint"):
+            eng.save_checkpoint(tmp_path / "ck", {"next": 1})
+    assert (tmp_path / "ck.tmp" / "thesis.txt").read_text() == "mine" and not (tmp_path / "ck").exists()

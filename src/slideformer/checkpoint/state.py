@@ -122,6 +122,7 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
     rank = 0 if ranks is None else ranks.rank
     lead = rank == 0
     mine = [u for u in range(len(adapter.units)) if owner is None or owner[u] == rank]
+    made = []  # (the partial copy, once this save made it: only that is removed on failure)
 
     def phase(work, clean: bool = True) -> None:
         err = None
@@ -134,7 +135,7 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
         try:
             _together(ranks, err)
         except BaseException:
-            if lead and clean:
+            if lead and clean and made:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
 
@@ -147,6 +148,7 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
             if tmp.exists():
                 shutil.rmtree(tmp)  # a save that was interrupted earlier
             (tmp / STATE_DIR).mkdir(parents=True)
+            made.append(tmp)
 
     def write():  # (a unit that is not finite stops the save before its file: the folder is then removed)
         written = []

@@ -168,7 +168,8 @@ class SlideEngine:
         if cfg is not None and not isinstance(cfg, EngineConfig):
             raise ConfigError(f"cfg must be a slideformer.EngineConfig, got {type(cfg).__name__} (e.g. "
                               "EngineConfig(lr=1e-5, gpu_memory_limit='24GiB'))")
-        self.cfg = (cfg or EngineConfig()).validate()
+        # (a copy: the caller's object, changed later, would skip validate() and reach a running engine)
+        self.cfg = copy.deepcopy(cfg or EngineConfig()).validate()
         p, t = self.cfg.placement, self.cfg.tuning
         self.device = torch.device(self.cfg.device)
         self.adapter = ModelAdapter(hf_config, self.cfg.compute_dtype, self.cfg.attn_implementation)
