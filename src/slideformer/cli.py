@@ -252,10 +252,9 @@ def cmd_plan(args) -> int:
                       "--optimizer-state compact or 8bit (8 or 6.06 instead of 14 bytes a parameter)")
         verdict = (f"does NOT fit host RAM: about {gib(need)} of state against {against}; {' or '.join(levers)} "
                    "would lower it")
-        if process_allowance(plan.config, machine.rank_ram) <= PROCESS_BYTES:  # (no state could fit: say why)
+        if (allowance := process_allowance(plan.config, machine.rank_ram)) <= PROCESS_BYTES:  # (no state fits)
             verdict = (f"does NOT fit host RAM: {'each' if args.nproc_per_node > 1 else 'the'} process itself takes "
-                       f"about {gib(PROCESS_BYTES)} (Python, torch, the data), more than the "
-                       f"{gib(process_allowance(plan.config, machine.rank_ram))} allowed "
+                       f"about {gib(PROCESS_BYTES)} (Python, torch, the data), more than the {gib(allowance)} allowed "
                        + ("(--host-memory-limit" + share + ")" if args.host_memory_limit else
                           f"(95% of {gib(cpu_limit)}, {'--cpu-memory' if args.cpu_memory else 'this machine'}{share})"))
     out["verdict"] = verdict

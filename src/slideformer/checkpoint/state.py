@@ -186,8 +186,10 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
         if not lead:
             return
         if final.exists():  # replacing a checkpoint of the same name: move the old one aside first
-            aside = next(a for k in range(1, 10**6) if not (a := old if k == 1 else old.with_name(f"{old.name}-{k}"))
-                         .exists())  # (one there already, a backup or what an earlier replacement left, stays)
+            aside, k = old, 1  # (one there already, a backup or what an earlier replacement left, stays)
+            while aside.exists():
+                k += 1
+                aside = old.with_name(f"{old.name}-{k}")
             os.replace(final, aside)
             os.replace(tmp, final)
             try:
@@ -245,12 +247,12 @@ def remove_checkpoint(path: str | os.PathLike) -> tuple[list[Path], str]:
     for folder, dirs, files in os.walk(root):
         here = Path(folder)
         found += [here / n for n in files + [d for d in dirs if (here / d).is_symlink()]]
-    mine = [f for f in found if f.relative_to(root).as_posix() in ours and not f.is_symlink()]
+    mine = {f for f in found if f.relative_to(root).as_posix() in ours and not f.is_symlink()}
     for f in mine:
         f.unlink()
     if ours and root / meta in found and not (root / meta).is_symlink():  # (not among its own checksums)
-        mine.append(root / meta)
-        mine[-1].unlink()
+        (root / meta).unlink()
+        mine.add(root / meta)
     for folder, dirs, _ in os.walk(root, topdown=False):
         for name in dirs:
             if not (Path(folder) / name).is_symlink():

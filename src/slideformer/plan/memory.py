@@ -544,11 +544,12 @@ def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training",
     "offload.") that would need less and are not in use yet. Data parallel: ``have`` and ``cfg``'s limit
     are one of ``ranks`` processes' share of the machine's, and ``ram`` is that process's."""
     total = sum(ram.values())
+    # (the limit that would hold this state, where the RAM does; up to the 0.1 GiB the line shows)
+    need = fmt_bytes(math.ceil(ranks * (total + PROCESS_BYTES) / 2**30 * 10) * 2**30 / 10)
     if (allowance := process_allowance(cfg, have)) <= PROCESS_BYTES:  # (whatever the state: none may be left)
         who = (f"the {ranks} processes on this machine take about {fmt_bytes(ranks * PROCESS_BYTES)} of host RAM "
                f"themselves ({fmt_bytes(PROCESS_BYTES)} each" if ranks > 1 else
                f"the process itself takes about {fmt_bytes(PROCESS_BYTES)} of host RAM (")
-        need = fmt_bytes(math.ceil(ranks * (total + PROCESS_BYTES) / 2**30 * 10) * 2**30 / 10)
         fewer = " or fewer processes (nproc_per_node)" if ranks > 1 else ""
         raise DoesNotFit(f"{who}: Python, torch, the data), more than the {fmt_bytes(ranks * allowance)} "
                          + (f"{prefix}host_memory_limit allows; set it to at least {need}{fewer}"
@@ -574,9 +575,7 @@ def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training",
     unlimited = host_budget(replace(cfg, host_memory_limit=None), have)[1]
     if cfg.host_memory_limit and host_budget(cfg, have)[1] < unlimited:  # (the limit binds, not the RAM)
         limit = parse_bytes(cfg.host_memory_limit)
-        # (the limit that would hold this state, where the RAM does; up to the 0.1 GiB the line shows)
-        need = math.ceil(ranks * (total + PROCESS_BYTES) / 2**30 * 10) * 2**30 / 10
-        larger = (f"{k}host_memory_limit of at least {fmt_bytes(need)}" if total <= unlimited
+        larger = (f"{k}host_memory_limit of at least {need}" if total <= unlimited
                   else f"a larger {k}host_memory_limit")
         hints = hints + [larger]
         whose = "each one's" if ranks > 1 else "the"

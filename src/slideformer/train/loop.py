@@ -411,16 +411,17 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
         start, epoch, offset = state["step"], state["epoch"], state["offset"]
         eval_pending = bool(state.get("eval_pending"))  # (the run stopped at an evaluation's step, before it)
         say(f"slideformer: resumed from {resume} at step {start}", flush=True)
-        was = state.get("data") or {}
-        changed = [f"{k} {data[k]} (it was {was[k]})" for k in data if k in was and was[k] != data[k]]
-        if changed:
-            say(f"slideformer: resumed with {', '.join(changed)}: the data from step {start + 1} on is not what the "
+
+        def differ(now: dict, key: str) -> str:  # (what the checkpoint recorded under ``key`` and ``now`` changes)
+            was = state.get(key) or {}
+            return ", ".join(f"{k} {now[k]} (it was {was[k]})" for k in now if k in was and was[k] != now[k])
+
+        if changed := differ(data, "data"):
+            say(f"slideformer: resumed with {changed}: the data from step {start + 1} on is not what the "
                 f"interrupted run would have drawn (its position, {offset} samples into epoch {epoch}, is kept)",
                 file=sys.stderr, flush=True)
-        was = state.get("update") or {}
-        changed = [f"{k} {update[k]} (it was {was[k]})" for k in update if k in was and was[k] != update[k]]
-        if changed and start < total:  # (at its end: nothing follows them)
-            say(f"slideformer: resumed with {', '.join(changed)}: the steps from {start + 1} on follow these, not "
+        if (changed := differ(update, "update")) and start < total:  # (at its end: nothing follows them)
+            say(f"slideformer: resumed with {changed}: the steps from {start + 1} on follow these, not "
                 "the interrupted run's settings", file=sys.stderr, flush=True)
     if blocking := out.unreplaceable_ahead(start, total, cfg.save_steps):  # (overwrite_output_dir or not)
         raise OutputDirError(f"output_dir {out.path} holds {blocking[0].name}, which is not a slideformer checkpoint, "

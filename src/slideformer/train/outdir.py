@@ -35,10 +35,13 @@ class OutputDirError(ConfigError):
     """The output folder cannot be used as asked; the message names the fix."""
 
 
+def _step_of_name(name: str) -> int | None:
+    tail = name[len(CKPT_PREFIX):]
+    return int(tail) if name.startswith(CKPT_PREFIX) and tail.isascii() and tail.isdigit() else None
+
+
 def _step_of(p: Path) -> int | None:
-    tail = p.name[len(CKPT_PREFIX):]
-    ok = p.name.startswith(CKPT_PREFIX) and tail.isascii() and tail.isdigit() and p.is_dir()
-    return int(tail) if ok else None
+    return _step_of_name(p.name) if p.is_dir() else None
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -168,12 +171,11 @@ class OutputDir:
         found = []
         for p in self.path.iterdir() if self.path.is_dir() else ():
             name = p.name[:-len(".tmp")] if p.name.endswith(".tmp") else p.name
-            tail = name[len(CKPT_PREFIX):]
-            if not (name.startswith(CKPT_PREFIX) and tail.isascii() and tail.isdigit() and tail == str(int(tail))) \
-                    or is_checkpoint_dir(p):  # (checkpoint-03 is no save's name)
+            n = _step_of_name(name)
+            if n is None or name != f"{CKPT_PREFIX}{n}" or is_checkpoint_dir(p):  # (checkpoint-03 is no save's name)
                 continue
-            if start < int(tail) <= end and (int(tail) == end or (every and int(tail) % every == 0)):
-                found.append((int(tail), p))
+            if start < n <= end and (n == end or (every and n % every == 0)):
+                found.append((n, p))
         return [p for _, p in sorted(found)]
 
     def checkpoints_after(self, step: int) -> list[Path]:
