@@ -121,3 +121,38 @@ def test_a_dropped_step_leaves_the_compute_copy_as_it_was(monkeypatch, what):
         assert all(torch.equal(wa, wb) for wa, wb in zip(a.store.weights, b.store.weights) if wa is not None)
         ma, mb = masters(a), masters(b)
         assert all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+def test_weights_that_are_not_finite_are_never_exported(tmp_path, monkeypatch):
+    """An export of NaN weights over a good one is refused before any file is replaced (it wrote the good
+    shards' replacements and left a mixed folder); float16's range is named where only the cast overflows."""
+    from safetensors.torch import load_file
+
+    from slideformer.checkpoint import export
+
+    monkeypatch.setattr(export, "MAX_SHARD_BYTES", 20_000)  # (several files: the NaN is in a later one)
+    model = build("llama")
+    cfg = EngineConfig(device="cpu", compute_dtype=torch.float32, tuning=Tuning(loss_kernel="torch"))
+    with SlideEngine(model, cfg) as eng:
+        eng.train_step(batch(97))
+        eng.save_pretrained(tmp_path / "hf", dtype=torch.float32)
+        good = {f.name: f.read_bytes() for f in (tmp_path / "hf").iterdir()}
+        assert sum(n.endswith(".safetensors") for n in good) > 2
+        eng.synchronize()
+        last = eng.store.unit_params(len(eng.adapter.units) - 2)  # (the last layer: a later file)
+        key = next(iter(last))
+        last[key].view(-1)[0] = float("nan")
+        with pytest.raises(NonFiniteStateError, match=f"{key} holds NaN or infinite values in float32; nothing was"):
+            eng.save_pretrained(tmp_path / "hf", dtype=torch.float32)
+        assert {f.name: f.read_bytes() for f in (tmp_path / "hf").iterdir()} == good
+        last[key].view(-1)[0] = 1e6  # (finite, past float16's 65504)
+        with pytest.raises(NonFiniteStateError, match="in float16 \\(past float16's range: export in bfloat16"):
+            eng.save_pretrained(tmp_path / "hf", dtype=torch.float16)
+        assert {f.name: f.read_bytes() for f in (tmp_path / "hf").iterdir()} == good
+        eng.save_pretrained(tmp_path / "hf", dtype=torch.bfloat16)  # (written whole: every file replaced)
+        weights = {}
+        for f in (tmp_path / "hf").glob("*.safetensors"):  # (the float32 export's extra shards removed)
+            part = load_file(f)
+            assert all(t.dtype == torch.bfloat16 for t in part.values()), f
+            weights.update(part)
+        assert weights[key].dtype == torch.bfloat16 and weights[key].view(-1)[0] == 1e6 // 4096 * 4096

@@ -30,6 +30,33 @@ def test_an_architecture_without_the_parts_names_what_is_missing():
         SlideEngine.from_config(MixtralConfig(**small, router_jitter_noise=0.1), engine_config(**CPU))
 
 
+@pytest.mark.parametrize("budget", [None, "1GiB"])
+def test_a_batch_is_read_as_transformers_reads_it(budget, monkeypatch):
+    """pack_batch's own dict (its int examples_used beside the tensors) and one row of position_ids for
+    every row, as transformers broadcasts it, train as the plain batch does, under a GPU budget too (where
+    the planner's split, here a row per micro-batch, took every key as rows: an IndexError, and a second
+    micro-batch with no positions)."""
+    from dataclasses import replace
+
+    from slideformer.data.batches import pack_batch
+    from slideformer.engine import engine as engine_mod
+
+    real_fit = engine_mod.fit
+    monkeypatch.setattr(engine_mod, "fit", lambda *a, **k: replace(real_fit(*a, **k), micro_batch=1))
+
+    rng = torch.Generator().manual_seed(0)
+    examples = [(x, x) for x in (torch.randint(0, 97, (int(n),), generator=rng).tolist() for n in (5, 9, 7, 11, 3))]
+    packed = pack_batch(examples, rows=3, length=16, pad_id=0)
+    ids = torch.randint(0, 97, (2, 16), generator=rng)
+    shared = {"input_ids": ids, "position_ids": torch.arange(16).unsqueeze(0)}
+    losses = []
+    for step in (packed, shared, {k: v for k, v in packed.items() if k != "examples_used"},
+                 {"input_ids": ids, "position_ids": torch.arange(16).expand(2, -1)}):
+        with SlideEngine(build("llama"), engine_config(**CPU, gpu_memory_limit=budget)) as eng:
+            losses.append((eng.train_step(step), eng.train_step(step)))
+    assert losses[0] == losses[2] and losses[1] == losses[3]
+
+
 def test_batch_longer_than_positions():
     with SlideEngine(build("llama"), engine_config(**CPU)) as eng:
         with pytest.raises(BatchError, match="sequence length 65 exceeds.*max_position_embeddings 64"):
@@ -50,6 +77,13 @@ def test_batch_longer_than_positions():
      r"labels shape \(2, 3\) differs"),  # (as many values, transposed: refused, not reshaped)
     ({"input_ids": torch.tensor([[1, 2], [3, 4], [5, 6]]), "attention_mask": torch.ones(2, 3)}, "attention_mask shape"),
     ([batch(97), {"input_ids": torch.zeros(0, 16, dtype=torch.long)}], r"micro-batch 1: input_ids of shape \(0, 16\) hold no token"),
+    ({"input_ids": [[1, 2, 3], [4, 5]]}, "batch: input_ids must be a tensor or a rectangular list of integers, got list"),
+    ({"input_ids": torch.ones(1, 3, dtype=torch.long, device="meta")}, "input_ids is a meta tensor"),
+    ({"input_ids": torch.tensor([[1, 2, 3]]), "labels": [[1, "2", 3]]}, "labels must be a tensor or a rectangular"),
+    ({"input_ids": torch.tensor([[1, 2], [3, 4], [5, 6]]), "position_ids": torch.tensor([[0, 1, 0], [1, 0, 1]])},
+     r"position_ids must be integers of shape \(3, 2\) \(or \(1, 2\) for every row\), got \(2, 3\)"),
+    ({"input_ids": torch.tensor([[1, 2, 3]]), "position_ids": torch.tensor([[0.0, 1.0, 2.0]])},
+     "position_ids must be integers of shape"),
 ])
 @pytest.mark.parametrize("budget", [None, "1GiB"])
 def test_bad_batches(bad, match, budget):
@@ -63,7 +97,7 @@ def test_bad_batches(bad, match, budget):
 
 @pytest.mark.parametrize("kw,match", [
     (dict(window_slots=1), "window_slots must be a number of slots >= 2"),
-    (dict(window_slots="auto"), "window_slots must be a number of slots >= 2"),
+    (dict(window_slots="auto"), "window_slots must be an integer, got 'auto'"),
     (dict(window_slots=2, prefetch_depth=2), "raise window_slots or lower prefetch_depth"),
     (dict(max_grad_norm=0.0), "max_grad_norm"),
     (dict(host_weights="disk"), "host_weights"),
@@ -71,7 +105,7 @@ def test_bad_batches(bad, match, budget):
     (dict(host_memory_limit=0), "host_memory_limit: a memory size must be > 0"),
     (dict(host_memory_limit=float("inf")), "host_memory_limit: a memory size must be finite"),
     (dict(host_memory_limit=True), "host_memory_limit: cannot read a memory size"),
-    (dict(optimizer_state="4bit"), "optimizer_state must be one of 'fp32', 'compact', '8bit', got '4bit'"),
+    (dict(optimizer_state="4bit"), "optimizer_state must be 'fp32', 'compact' or '8bit', got '4bit'"),
     (dict(lr="1e-5"), "lr must be a number, got '1e-5'"),
     (dict(lr=float("nan")), "lr must be a finite number >= 0"),
     (dict(eps=float("nan")), "eps must be a finite number > 0"),
@@ -80,7 +114,16 @@ def test_bad_batches(bad, match, budget):
     (dict(weight_decay=float("inf")), "weight_decay must be a finite number >= 0"),
     (dict(max_grad_norm=float("nan")), "max_grad_norm must be a finite number > 0"),
     (dict(max_grad_norm=float("inf")), "max_grad_norm must be a finite number > 0"),
-    (dict(betas=(0.9, 0.99, 0.9)), r"betas must be two numbers \(beta1, beta2\)"),
+    (dict(betas=(0.9, 0.99, 0.9)), "betas must be two numbers, got"),
+    (dict(device="CPU"), "device must be 'cuda' or 'cpu'"),
+    (dict(device="gpu"), "device must be 'cuda' or 'cpu'"),
+    (dict(offload_activations="no"), "offload_activations must be True or False, got 'no'"),
+    (dict(mid_layers=0.5), "mid_layers must be an integer, got 0.5"),
+    (dict(host_grad_buffers=2.5), "host_grad_buffers must be an integer or None, got 2.5"),
+    (dict(seed=None), "seed must be an integer, got None"),
+    (dict(host_weights=True), "host_weights must be 'persistent', 'staged' or an integer, got True"),
+    (dict(loss_kernel="triton"), "loss_kernel must be 'torch' or 'fused', got 'triton'"),
+    (dict(offload_dir=3), "offload_dir must be text, a path or None, got 3"),
     (dict(compute_dtype="int8"), "compute_dtype must be bfloat16, float16 or float32, got 'int8'"),
     (dict(optimizer_state="8bit", compute_dtype=torch.float32), "optimizer_state='8bit' keeps the weights the GPU "
                                                                 "reads in bf16: set compute_dtype=torch.bfloat16"),
@@ -220,11 +263,22 @@ def test_a_library_callers_mistakes_are_named(tmp_path):
         with pytest.raises(CheckpointError, match=said):
             SlideEngine.from_pretrained(folder, engine_config(**CPU))
     eng = SlideEngine(build("llama"), engine_config(**CPU))
-    for lr in (-1, "1e-5", float("inf")):
+    for lr in (-1, "1e-5", float("inf"), torch.ones(2), True):
         with pytest.raises(ConfigError, match="learning rate must be a finite number >= 0"):
             eng.set_lr(lr)
+    import numpy as np
+
+    for lr in (np.float32(2e-5), torch.tensor(3e-5), np.int64(0)):  # (a scheduler's or NumPy's scalar)
+        eng.set_lr(lr)
+        assert type(eng.lr) is float and eng.lr == float(lr)
     with pytest.raises(ConfigError, match="trainer_state must be JSON"):
         eng.save_checkpoint(tmp_path / "ck", {"t": torch.ones(2)})
+    with pytest.raises(ConfigError, match="trainer_state must be a dict, got list"):
+        eng.save_checkpoint(tmp_path / "ck", [1])
+    with pytest.raises(ConfigError, match="trainer_state's lr .* must be a finite number >= 0, got 'x'"):
+        eng.save_checkpoint(tmp_path / "ck", {"lr": "x"})  # (load_checkpoint would set it)
+    with pytest.raises(ConfigError, match="save_checkpoint's dtype must be bfloat16, float16 or float32"):
+        eng.save_checkpoint(tmp_path / "ck", dtype=torch.int8)
     assert not (tmp_path / "ck").exists() and not (tmp_path / "ck.tmp").exists()
     eng.close()
     eng.close()  # (again: nothing)
@@ -242,15 +296,17 @@ def test_a_save_replaces_only_a_checkpoint(tmp_path):
     from slideformer.checkpoint.state import verify_checkpoint
 
     (tmp_path / "notes.py").write_text("mine")
-    (tmp_path / "folder").mkdir()
-    (tmp_path / "folder" / "notes.txt").write_text("mine")
+    for folder in ("folder", "project/state", "run.tmp/state"):  # (a folder of its own named state/ too)
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "notes.txt").write_text("mine")
     with SlideEngine(build("llama"), engine_config(**CPU)) as eng:
         eng.train_step(batch(97))
-        for taken in ("notes.py", "folder"):
+        for target, taken in (("notes.py",) * 2, ("folder",) * 2, ("project",) * 2, ("run", "run.tmp")):
             with pytest.raises(CheckpointError, match=f"{taken} exists and is not a slideformer checkpoint"):
-                eng.save_checkpoint(tmp_path / taken)
-        assert (tmp_path / "notes.py").read_text() == (tmp_path / "folder" / "notes.txt").read_text() == "mine"
-        assert not (tmp_path / "notes.py.old").exists()
+                eng.save_checkpoint(tmp_path / target)
+        assert (tmp_path / "notes.py").read_text() == "mine"
+        assert all((tmp_path / f / "notes.txt").read_text() == "mine" for f in ("folder", "project/state", "run.tmp/state"))
+        assert not (tmp_path / "notes.py.old").exists() and not (tmp_path / "project.old").exists()
         eng.save_checkpoint(tmp_path / "ck")
         eng.train_step(batch(97))
         eng.save_checkpoint(tmp_path / "ck")  # (its own: replaced)
@@ -258,6 +314,29 @@ def test_a_save_replaces_only_a_checkpoint(tmp_path):
         with pytest.raises(CheckpointError, match="is a slideformer checkpoint"):
             eng.save_pretrained(tmp_path / "ck")
         verify_checkpoint(tmp_path / "ck")
+
+
+def test_a_checkpoint_whose_saved_lr_is_not_one_is_refused_before_loading(tmp_path):
+    """A trainer state whose lr is not a learning rate (saved by an older slideformer, which took a caller's
+    {"lr": ...} unchecked) is refused before any unit is restored: it loaded the weights, then raised."""
+    import json
+
+    from slideformer.checkpoint.state import TRAINER, _meta_crc
+
+    with SlideEngine(build("llama"), engine_config(**CPU)) as eng:
+        eng.train_step(batch(97))
+        eng.save_checkpoint(tmp_path / "ck", {"next": 1})
+        meta_path = tmp_path / "ck" / "state" / TRAINER
+        meta = json.loads(meta_path.read_text())
+        meta["trainer"]["lr"] = {"base": 1e-5}
+        meta["crc32"] = _meta_crc(meta)
+        meta_path.write_text(json.dumps(meta))
+        eng.train_step(batch(97, seed=1))
+        before = {k: v.clone() for k, v in eng.state_dict().items()}
+        with pytest.raises(ConfigError, match=r"ck: its lr must be a finite number >= 0, got \{'base': 1e-05\}"):
+            eng.load_checkpoint(tmp_path / "ck")
+        assert all(torch.equal(before[k], v) for k, v in eng.state_dict().items())
+        assert math.isfinite(eng.train_step(batch(97, seed=2)))  # (still usable)
 
 
 def test_hugging_face_weights_are_written_in_a_float_dtype_only(tmp_path):
@@ -284,3 +363,35 @@ def test_the_engine_keeps_its_own_copy_of_the_config():
         cfg.eps, cfg.max_grad_norm = -1.0, 1.0
         assert eng.cfg.eps != -1.0 and eng.cfg.max_grad_norm is None
         assert math.isfinite(eng.train_step(batch(97)))
+
+
+def test_a_second_thread_is_refused_while_one_is_inside_the_engine(monkeypatch):
+    """Two threads' steps would interleave their visits and their updates of the same state: the second
+    caller is refused (train, save, close) while the first is inside; the first finishes as it would alone."""
+    import threading
+
+    from slideformer.engine import engine as engine_mod
+
+    inside, go = threading.Event(), threading.Event()
+    real = engine_mod.SlideEngine._end_step
+
+    def slow_end(self, st):
+        inside.set()
+        go.wait(30)
+        return real(self, st)
+
+    with SlideEngine(build("llama"), engine_config(**CPU)) as eng:
+        monkeypatch.setattr(engine_mod.SlideEngine, "_end_step", slow_end)
+        out = []
+        first = threading.Thread(target=lambda: out.append(eng.train_step(batch(97))))
+        first.start()
+        assert inside.wait(30)
+        for call, what in ((lambda: eng.train_step(batch(97)), "train"), (eng.synchronize, "synchronize"),
+                           (lambda: eng.save_checkpoint("unused"), "save"), (eng.close, "close")):
+            with pytest.raises(RuntimeError, match=f"cannot {what}: another thread is using this engine"):
+                call()
+        go.set()
+        first.join(30)
+        monkeypatch.undo()
+        assert len(out) == 1 and math.isfinite(out[0]) and eng.store.step == 1
+        assert math.isfinite(eng.train_step(batch(97)))  # (this thread's turn now)

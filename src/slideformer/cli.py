@@ -413,9 +413,10 @@ def cmd_export(args) -> int:
                             "are removed; free space there, make it writable or choose another folder, then export "
                             "again") from e
     # the model's weight files are replaced as a set: a stale shard index or single file would shadow them
-    for old in list(dst.glob("model*.safetensors")) + list(dst.glob("model.safetensors.index.json")):
-        if Path(old.name) not in files:
-            old.unlink()
+    from .checkpoint.export import stale_weights
+
+    for old in stale_weights(dst, [str(f) for f in files]):
+        old.unlink()
     print(f"exported {src} -> {dst} ({len(files)} files)")
     return EXIT_OK
 

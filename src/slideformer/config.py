@@ -5,12 +5,16 @@ Errors name the fix, so a user who mistypes a setting learns what to write inste
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+import numbers
+import os
+import types
+import typing
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 import torch
 
-from .optim.formats import BLOCK8, STATE_FORMATS, compact_master
+from .optim.formats import BLOCK8, compact_master
 
 
 ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3")
@@ -29,6 +33,64 @@ def float_dtype(value, key: str) -> torch.dtype:
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ConfigError(f"{key} must be bfloat16, float16 or float32, got {value!r}")
     return dtype
+
+
+def learning_rate(value, what: str) -> float:
+    """A learning rate as a float: a finite number >= 0 (a Python, NumPy or one-element tensor scalar)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.dtype.is_complex:
+        value = value.item()
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value >= 0:
+        return float(value)
+    raise ConfigError(f"{what} must be a finite number >= 0, got {value!r}")
+
+
+def _fits(value, hint) -> bool:
+    """Whether ``value`` is of the annotated type ``hint`` (numbers of any library; a bool is no number)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_fits(value, h) for h in typing.get_args(hint))
+    if typing.get_origin(hint) is typing.Literal:
+        return isinstance(value, str) and value in typing.get_args(hint)
+    if typing.get_origin(hint) is tuple:
+        args = typing.get_args(hint)
+        return isinstance(value, (tuple, list)) and len(value) == len(args) and all(map(_fits, value, args))
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint in (int, float):
+        return isinstance(value, numbers.Integral if hint is int else numbers.Real) and not isinstance(value, bool)
+    if hint is type(None):
+        return value is None
+    return isinstance(value, hint)
+
+
+def _alternatives(hint) -> list[str]:
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return [a for h in typing.get_args(hint) for a in _alternatives(h)]
+    if typing.get_origin(hint) is typing.Literal:
+        return list(map(repr, typing.get_args(hint)))
+    if typing.get_origin(hint) is tuple:
+        return [f"{'two' if len(typing.get_args(hint)) == 2 else len(typing.get_args(hint))} numbers"]
+    return [{bool: "True or False", int: "an integer", float: "a number", str: "text", os.PathLike: "a path",
+             type(None): "None", torch.dtype: "a torch dtype"}.get(hint, getattr(hint, "__name__", str(hint)))]
+
+
+def _said(hint) -> str:
+    parts = _alternatives(hint)
+    return parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " or " + parts[-1]
+
+
+_PARSED = {"gpu_memory_limit", "host_memory_limit"}  # (read by parse_bytes, which names what it cannot read)
+
+
+def _check_types(part) -> None:
+    """Each field of a config dataclass against its annotation: a wrong type is named here, not met as a
+    TypeError (or a truthy "no") deep in the engine."""
+    hints = typing.get_type_hints(type(part))
+    for f in fields(part):
+        value = getattr(part, f.name)
+        if f.name not in _PARSED and not _fits(value, hints[f.name]):
+            raise ConfigError(f"{f.name} must be {_said(hints[f.name])}, got {value!r}")
+        if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):  # (NumPy's, as Python's)
+            setattr(part, f.name, int(value) if isinstance(value, numbers.Integral) else float(value))
 
 
 @dataclass
@@ -125,7 +187,7 @@ class EngineConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     max_grad_norm: float | None = None
-    device: str = "cuda"
+    device: str | torch.device = "cuda"
     compute_dtype: torch.dtype = torch.bfloat16
     # a cap on the engine's GPU memory ("24GiB", "80GB" or bytes): each batch is then split into
     # micro-batches and layer inputs offloaded so that a step fits under it (plan/memory.py)
@@ -137,7 +199,7 @@ class EngineConfig:
     # stochastically: 8 instead of 14 bytes/param of host RAM. "8bit": that master and 8-bit block-quantized
     # moments, 6.06 bytes/param (optim/formats.py). The last two need bf16 compute.
     optimizer_state: Literal["fp32", "compact", "8bit"] = "fp32"
-    offload_dir: str | None = None  # the NVMe tier's folder (Placement.nvme_*); None: no tier
+    offload_dir: str | os.PathLike | None = None  # the NVMe tier's folder (Placement.nvme_*); None: no tier
     # transformers' attention for the layers: "sdpa", "eager", "flash_attention_2" or "flash_attention_3"
     # (installed, on CUDA); None: SDPA (the fastest measured on the H200), or eager where the model's
     # attention scores are soft-capped (Gemma 2), which SDPA cannot do
@@ -157,15 +219,10 @@ class EngineConfig:
         if not isinstance(self.placement, Placement) or not isinstance(self.tuning, Tuning):
             raise ConfigError("placement and tuning must be a Placement and a Tuning (slideformer.config)")
         p, t = self.placement, self.tuning
-        for key in ("lr", "eps", "weight_decay", "max_grad_norm"):
-            v = getattr(self, key)
-            if not (isinstance(v, (int, float)) and not isinstance(v, bool) or (v is None and key == "max_grad_norm")):
-                raise ConfigError(f"{key} must be a number, got {v!r}")
-        if not (isinstance(self.betas, (tuple, list)) and len(self.betas) == 2
-                and all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in self.betas)):
-            raise ConfigError(f"betas must be two numbers (beta1, beta2), got {self.betas!r}")
         if isinstance(self.compute_dtype, str):
             self.compute_dtype = float_dtype(self.compute_dtype, "compute_dtype")
+        for part in (self, p, t):
+            _check_types(part)
         if not self.lr >= 0 or not math.isfinite(self.lr):
             raise ConfigError(f"lr must be a finite number >= 0, got {self.lr}")
         b1, b2 = self.betas
@@ -177,7 +234,7 @@ class EngineConfig:
             raise ConfigError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if self.max_grad_norm is not None and not (0 < self.max_grad_norm < math.inf):
             raise ConfigError(f"max_grad_norm must be a finite number > 0 or None (no clipping), got {self.max_grad_norm}")
-        if isinstance(p.window_slots, bool) or not isinstance(p.window_slots, int) or p.window_slots < 2:
+        if p.window_slots < 2:
             raise ConfigError(f"window_slots must be a number of slots >= 2 (one computing, one loading), "
                               f"got {p.window_slots!r}")
         if p.prefetch_depth is not None and not 1 <= p.prefetch_depth <= p.window_slots - 1:
@@ -185,8 +242,7 @@ class EngineConfig:
                 f"prefetch_depth={p.prefetch_depth} needs window_slots >= prefetch_depth + 1 "
                 f"(got window_slots={p.window_slots}); raise window_slots or lower prefetch_depth"
             )
-        if p.host_weights not in ("persistent", "staged") and not (
-                isinstance(p.host_weights, int) and not isinstance(p.host_weights, bool) and p.host_weights >= 0):
+        if not isinstance(p.host_weights, str) and p.host_weights < 0:
             raise ConfigError(f"host_weights must be 'persistent', 'staged' or a number of staged layers (>= 0), "
                               f"got {p.host_weights!r}")
         if self.compute_dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -194,13 +250,14 @@ class EngineConfig:
         if self.fp8 and (self.compute_dtype != torch.bfloat16 and str(self.device).startswith("cuda")):
             raise ConfigError("fp8 multiplies the layers' linears in FP8 with bf16 outputs: set compute_dtype="
                               "torch.bfloat16, or leave fp8 off")
-        dev = torch.device(self.device)
+        try:
+            dev = torch.device(self.device)
+        except RuntimeError:
+            dev = None
+        if dev is None or dev.type not in ("cuda", "cpu"):
+            raise ConfigError(f"device must be 'cuda' or 'cpu' (or 'cuda:N'), got {self.device!r}")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device='cuda' but CUDA is not available; pass device='cpu' to run on the CPU")
-        if dev.type not in ("cuda", "cpu"):
-            raise ConfigError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
-        if t.optimizer_backend not in ("auto", "native", "torch"):
-            raise ConfigError(f"optimizer_backend must be 'auto', 'native' or 'torch', got {t.optimizer_backend!r}")
         if t.optimizer_threads is not None and t.optimizer_threads < 1:
             raise ConfigError(f"optimizer_threads must be >= 1 or None (all cores but one), got {t.optimizer_threads}")
         for key in ("gpu_memory_limit", "host_memory_limit"):
@@ -215,8 +272,7 @@ class EngineConfig:
             raise ConfigError(f"grad_chunk_elems must be >= 1, got {t.grad_chunk_elems}")
         if p.host_grad_buffers is not None and p.host_grad_buffers < 1:
             raise ConfigError(f"host_grad_buffers must be >= 1 or None (one per layer), got {p.host_grad_buffers}")
-        if isinstance(p.speculative_layers, bool) or not isinstance(p.speculative_layers, int) \
-                or p.speculative_layers < 0:
+        if p.speculative_layers < 0:
             raise ConfigError(f"speculative_layers must be >= 0, got {p.speculative_layers}")
         if p.mid_layers < 0:
             raise ConfigError(f"mid_layers must be >= 0, got {p.mid_layers}")
@@ -224,17 +280,14 @@ class EngineConfig:
             raise ConfigError(f"gpu_activation_layers must be >= 0, got {p.gpu_activation_layers}")
         if p.saved_layers < 0:
             raise ConfigError(f"saved_layers must be >= 0, got {p.saved_layers}")
-        if isinstance(p.min_gpu_inputs, bool) or not isinstance(p.min_gpu_inputs, int) or p.min_gpu_inputs < 0:
-            raise ConfigError(f"min_gpu_inputs must be an int >= 0, got {p.min_gpu_inputs!r}")
+        if p.min_gpu_inputs < 0:
+            raise ConfigError(f"min_gpu_inputs must be >= 0, got {p.min_gpu_inputs!r}")
         if p.micro_batch_tokens is not None and p.micro_batch_tokens < 1:
             raise ConfigError(f"micro_batch_tokens must be >= 1 or None, got {p.micro_batch_tokens}")
         if p.host_input_bytes < 0:
             raise ConfigError(f"host_input_bytes must be >= 0, got {p.host_input_bytes}")
         if p.resident_layers < 0:
             raise ConfigError(f"resident_layers must be >= 0, got {p.resident_layers}")
-        if self.optimizer_state not in STATE_FORMATS:
-            raise ConfigError(f"optimizer_state must be one of {', '.join(map(repr, STATE_FORMATS))}, "
-                              f"got {self.optimizer_state!r}")
         if compact_master(self.optimizer_state) and self.compute_dtype != torch.bfloat16:
             raise ConfigError(f"optimizer_state={self.optimizer_state!r} keeps the weights the GPU reads in bf16: "
                               "set compute_dtype=torch.bfloat16, or use optimizer_state='fp32'")
@@ -268,16 +321,12 @@ class EngineConfig:
                 raise ConfigError("nvme_master puts the master on the NVMe tier: set offload_dir too")
         if p.nvme_buffers < 1:
             raise ConfigError(f"nvme_buffers must be >= 1, got {p.nvme_buffers}")
-        if t.loss_kernel not in ("torch", "fused"):
-            raise ConfigError(f"loss_kernel must be 'torch' or 'fused', got {t.loss_kernel!r}")
-        if t.fused_ops not in ("auto", "none", "liger"):
-            raise ConfigError(f"fused_ops must be 'auto', 'none' or 'liger', got {t.fused_ops!r}")
         if t.fused_ops == "liger":
             from .model.fused_ops import liger_available
 
             if not liger_available():
                 raise ConfigError("fused_ops='liger' needs Liger-Kernel: pip install liger-kernel")
-            if self.device == "cpu":
+            if dev.type == "cpu":
                 raise ConfigError("fused_ops='liger' runs on CUDA only (its kernels do not run in Triton's CPU "
                                   "interpreter); use fused_ops='none' on the CPU")
         if t.mlp_chunk_tokens is not None and t.mlp_chunk_tokens < 1:

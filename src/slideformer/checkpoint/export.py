@@ -1,12 +1,14 @@
 """Write the fp32 masters (the host store's, or copies of the GPU's for units trained there) out as a
 Hugging Face checkpoint that ``from_pretrained`` loads.
 
-Files are written under temporary names and renamed into place, so a reader never sees half a file.
+Every file is written under a temporary name and checked finite first; the names are renamed into place
+only once all are written, so a failed export leaves the folder's earlier weights as they were.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -18,12 +20,17 @@ from ..model.adapter import ModelAdapter
 MAX_SHARD_BYTES = 5 * 2**30
 
 
-def _write_atomic(path: Path, write) -> None:
+class NonFiniteStateError(FloatingPointError):
+    """The weights or the training state hold NaN or infinity (in the dtype asked for): they are not written."""
+
+
+def _staged(path: Path, write) -> Path:
+    """``write`` the file under a temporary name beside ``path``, flushed to disk: the name to rename."""
     tmp = path.with_name(path.name + ".tmp")
     write(tmp)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    return tmp
 
 
 def shard_plan(adapter: ModelAdapter, dtype: torch.dtype, owner: list[int] | None = None) -> list[list]:
@@ -61,36 +68,83 @@ def files_of(adapter: ModelAdapter, dtype: torch.dtype, owner: list[int] | None,
     return [n for n, shard in zip(_names(plan), plan) if _writer(shard, owner) == rank]
 
 
-def save_pretrained(out: str | os.PathLike, adapter: ModelAdapter, store: HostStore, dtype: torch.dtype,
-                    owner: list[int] | None = None, rank: int = 0) -> Path:
-    """Write the files of ``shard_plan`` one at a time (a file's tensors are all the export holds in RAM);
-    with ``owner``, only those of this ``rank``'s units, and rank 0 the index and config."""
+def stage_pretrained(out: str | os.PathLike, adapter: ModelAdapter, store: HostStore, dtype: torch.dtype,
+                     owner: list[int] | None = None, rank: int = 0) -> list[tuple[Path, Path]]:
+    """Write the files of ``shard_plan`` (with ``owner``, only those of this ``rank``'s units; rank 0 the
+    index too) one at a time, under temporary names: a file's tensors are all the export holds in RAM.
+    A tensor that is not finite in ``dtype`` (a NaN, or a value past float16's range) stops it, and what
+    it wrote goes. Returns (temporary, final) names for ``place_pretrained``: until then nothing a reader
+    sees has changed."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     plan = shard_plan(adapter, dtype, owner)
     names = _names(plan)
-    meta = {"format": "pt"}
-    for name, shard in zip(names, plan):
-        if _writer(shard, owner) != rank:
-            continue
-        tensors, unit, params = {}, None, None
-        for u, spec in shard:
-            if u is not unit:
-                unit, params = u, store.unit_params(u.index)
-            tensors[spec.key] = params[spec.key].to(dtype).contiguous()
-        _write_atomic(out / name, lambda p, t=tensors: save_file(t, str(p), metadata=meta))
-        del tensors, params
-    if rank != 0:
-        return out
-    if len(plan) > 1:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        index = {"metadata": {"total_size": sum(spec.numel * itemsize for shard in plan for _, spec in shard)},
-                 "weight_map": {spec.key: name for name, shard in zip(names, plan) for _, spec in shard}}
-        _write_atomic(out / "model.safetensors.index.json", lambda p: p.write_text(json.dumps(index, indent=2)))
-    cfg = adapter.config
-    cfg.dtype = dtype
-    cfg.save_pretrained(str(out))
-    return out
+    staged = []
+    try:
+        for name, shard in zip(names, plan):
+            if _writer(shard, owner) != rank:
+                continue
+            tensors, unit, params = {}, None, None
+            for u, spec in shard:
+                if u is not unit:
+                    unit, params = u, store.unit_params(u.index)
+                t = tensors[spec.key] = params[spec.key].to(dtype).contiguous()
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    raise NonFiniteStateError(
+                        f"{spec.key} holds NaN or infinite values in {str(dtype).replace('torch.', '')}"
+                        + (" (past float16's range: export in bfloat16 or float32)" if dtype == torch.float16
+                           and bool(torch.isfinite(params[spec.key]).all()) else "")
+                        + f"; nothing was written to {out}")
+            staged.append((_staged(out / name, lambda p, t=tensors: save_file(t, str(p), metadata={"format": "pt"})),
+                           out / name))
+            del tensors, params
+        if rank == 0 and len(plan) > 1:
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            index = {"metadata": {"total_size": sum(spec.numel * itemsize for shard in plan for _, spec in shard)},
+                     "weight_map": {spec.key: name for name, shard in zip(names, plan) for _, spec in shard}}
+            name = "model.safetensors.index.json"
+            staged.append((_staged(out / name, lambda p: p.write_text(json.dumps(index, indent=2))), out / name))
+    except BaseException:
+        drop_staged(staged)
+        raise
+    return staged
+
+
+def drop_staged(staged: list[tuple[Path, Path]]) -> None:
+    for tmp, _ in staged:
+        tmp.unlink(missing_ok=True)
+
+
+def stale_weights(out: Path, names) -> list[Path]:
+    """Weight files in ``out`` under the names an export gives (``model.safetensors``, its shards, their
+    index) that are not among ``names``: an earlier export's, which a loader would take instead of the
+    new ones (a single file before an index)."""
+    ours = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+    return sorted(p for p in out.iterdir() if ours.fullmatch(p.name) and p.name not in set(names)
+                  and p.is_file() and not p.is_symlink())
+
+
+def place_pretrained(out: str | os.PathLike, adapter: ModelAdapter, dtype: torch.dtype,
+                     staged: list[tuple[Path, Path]], owner: list[int] | None = None, rank: int = 0) -> Path:
+    """Rename what ``stage_pretrained`` wrote into place; rank 0 removes an earlier export's weight files
+    that would shadow them and writes the config."""
+    for tmp, final in staged:
+        os.replace(tmp, final)
+    if rank == 0:
+        plan = shard_plan(adapter, dtype, owner)
+        for old in stale_weights(Path(out), _names(plan) + ["model.safetensors.index.json"] * (len(plan) > 1)):
+            old.unlink()
+        cfg = adapter.config
+        cfg.dtype = dtype
+        cfg.save_pretrained(str(out))
+    return Path(out)
+
+
+def save_pretrained(out: str | os.PathLike, adapter: ModelAdapter, store: HostStore, dtype: torch.dtype,
+                    owner: list[int] | None = None, rank: int = 0) -> Path:
+    """A Hugging Face checkpoint of ``store``'s weights in ``dtype`` (one process's part, with ``owner``):
+    written whole, or (weights not finite, a full disk) not at all over what ``out`` held."""
+    return place_pretrained(out, adapter, dtype, stage_pretrained(out, adapter, store, dtype, owner, rank), owner, rank)
 
 
 class _StateMasters:

@@ -29,10 +29,12 @@ from safetensors.torch import save_file
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter
 from . import export
+from .export import NonFiniteStateError
 from .loader import CheckpointError
 
 STATE_DIR = "state"
 TRAINER = "trainer.json"
+MARK = ".slideformer-save"  # written first into a save's folder: an interrupted save is told from a user's folder
 FORMAT = 3  # 2: trainer.json without a checksum of its own (still read); 1: two files for all units
 READS = (2, 3)
 
@@ -45,13 +47,10 @@ class CheckpointWriteError(OSError):
     """A checkpoint could not be written (a full or read-only disk); the partial one is removed."""
 
 
-class NonFiniteStateError(FloatingPointError):
-    """The training state holds NaN or infinity: it is not written."""
-
-
 def is_checkpoint_dir(path: Path) -> bool:
-    """A folder a save wrote, whole or interrupted: its state folder and nothing but a checkpoint's files."""
-    return path.is_dir() and not path.is_symlink() and (path / STATE_DIR).is_dir()
+    """A folder a save wrote, whole (its metadata) or interrupted (the mark a save leaves first): what a save
+    may replace or remove; any other folder is the user's."""
+    return path.is_dir() and not path.is_symlink() and any((path / STATE_DIR / n).is_file() for n in (TRAINER, MARK))
 
 
 def _meta_crc(meta: dict) -> str:
@@ -149,6 +148,7 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
                 shutil.rmtree(tmp)  # a save that was interrupted earlier
             (tmp / STATE_DIR).mkdir(parents=True)
             made.append(tmp)
+            (tmp / STATE_DIR / MARK).touch()
 
     def write():  # (a unit that is not finite stops the save before its file: the folder is then removed)
         written = []
@@ -284,16 +284,22 @@ _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "
 _SAVED_FORMAT = {"F32": "fp32", "BF16": "compact", "U8": "8bit"}  # by the moments' dtype
 
 
-def load_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostStore, ranks=None) -> dict:
+def load_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostStore, ranks=None,
+                    check=None) -> dict:
     """Restore master, moments and step into ``store``; returns the trainer state saved with them.
-    Every file is verified, and every unit's layout checked from the file headers, before the store is
-    touched: a refused checkpoint leaves the state as it was. Data parallel (``ranks``): each rank reads
-    and verifies the units it keeps (whichever rank wrote them), and all stop if any refuses."""
+    Every file is verified, every unit's layout checked from the file headers, and the trainer state
+    by ``check(trainer_state)`` (which raises), before the store is touched: a refused checkpoint leaves
+    the state as it was. Data parallel (``ranks``): each rank reads and verifies the units it keeps
+    (whichever rank wrote them), and all stop if any refuses."""
     root = Path(path)
     units = [u for u in range(len(adapter.units)) if store.owns(u)]
     err, meta = None, None
     try:
         meta = _verified(root, adapter, store, units)
+        if not isinstance(meta["trainer"], dict):
+            raise CorruptCheckpointError(f"{root / STATE_DIR / TRAINER}: its trainer state is not a dict")
+        if check is not None:
+            check(meta["trainer"])
     except BaseException as e:
         err = e
     _together(ranks, err)

@@ -22,6 +22,21 @@ class HostMicroBatch:
     position_ids: torch.Tensor | None  # [B, S] restarting at 0 per packed sample; None: 0..S-1
 
 
+KEYS = ("input_ids", "labels", "attention_mask", "position_ids")  # what a micro-batch's dict is read for
+
+
+def as_tensor(value, where: str, key: str) -> torch.Tensor:
+    """A batch value as a host-readable tensor, or a BatchError naming it (a ragged list, text, a meta tensor)."""
+    try:
+        t = torch.as_tensor(value)
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise BatchError(f"{where}: {key} must be a tensor or a rectangular list of integers, got "
+                         f"{type(value).__name__} ({str(e).splitlines()[0]})") from None
+    if t.device.type == "meta":
+        raise BatchError(f"{where}: {key} is a meta tensor, which holds no values; give its data")
+    return t
+
+
 def check_step(batch, vocab: int, max_positions: int | None, some_targets: bool = True
                ) -> tuple[list[HostMicroBatch], int]:
     """A step's micro-batches (a dict, or a list of them) checked and shifted, and the number of target
@@ -35,7 +50,7 @@ def check_step(batch, vocab: int, max_positions: int | None, some_targets: bool 
         where = f"micro-batch {k}" if len(items) > 1 else "batch"
         if not isinstance(item, dict) or "input_ids" not in item:
             raise BatchError(f"{where}: expected a dict with 'input_ids' (and 'labels'), got {type(item).__name__}")
-        ids = torch.as_tensor(item["input_ids"])
+        ids = as_tensor(item["input_ids"], where, "input_ids")
         if ids.dim() == 1:
             ids = ids.unsqueeze(0)
         if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
@@ -50,7 +65,7 @@ def check_step(batch, vocab: int, max_positions: int | None, some_targets: bool 
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
             raise BatchError(f"{where}: token ids must lie in [0, {vocab}), got [{int(ids.min())}, {int(ids.max())}]")
         am = item.get("attention_mask")
-        labels = ids.clone() if item.get("labels") is None else torch.as_tensor(item["labels"])
+        labels = ids.clone() if item.get("labels") is None else as_tensor(item["labels"], where, "labels")
         if labels.dim() == 1 and B == 1:
             labels = labels.unsqueeze(0)
         if tuple(labels.shape) != (B, S):
@@ -63,7 +78,7 @@ def check_step(batch, vocab: int, max_positions: int | None, some_targets: bool 
             raise BatchError(f"{where}: labels must be -100 (ignored) or token ids in [0, {vocab}), got "
                              f"{int(labels[bad][0])}")
         if am is not None:
-            am = torch.as_tensor(am)
+            am = as_tensor(am, where, "attention_mask")
             if am.dim() == 1 and B == 1:
                 am = am.unsqueeze(0)
             if tuple(am.shape) != (B, S):
@@ -74,7 +89,13 @@ def check_step(batch, vocab: int, max_positions: int | None, some_targets: bool 
                 am = None
         pos = item.get("position_ids")
         if pos is not None:  # packed rows: positions restart per sample, attention stays within it
-            pos = torch.as_tensor(pos).reshape(B, S).long()
+            pos = as_tensor(pos, where, "position_ids")
+            if pos.dim() == 1 or (pos.dim() == 2 and pos.shape[0] == 1):  # (one row for all, as transformers reads it)
+                pos = pos.reshape(1, -1).expand(B, -1).contiguous()
+            if tuple(pos.shape) != (B, S) or pos.is_floating_point() or pos.is_complex():
+                raise BatchError(f"{where}: position_ids must be integers of shape {(B, S)} (or {(1, S)} for every "
+                                 f"row), got {tuple(pos.shape)} {pos.dtype}")
+            pos = pos.long()
             if am is not None:
                 raise BatchError(f"{where}: give either position_ids (packed samples) or attention_mask, not both")
             starts = torch.zeros_like(pos, dtype=torch.bool)

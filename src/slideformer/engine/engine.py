@@ -21,8 +21,9 @@ import copy
 import json
 import math
 import os
+import threading
 from dataclasses import dataclass, field, replace
-from functools import partial
+from functools import partial, wraps
 from pathlib import Path
 from typing import NamedTuple
 
@@ -32,8 +33,8 @@ import torch.nn.functional as F
 from .. import parallel
 from ..checkpoint import CheckpointError, export, loader
 from ..checkpoint import state as ckpt_state
-from ..config import ConfigError, EngineConfig, float_dtype
-from ..data.batches import BatchError, check_step  # noqa: F401  (BatchError: the engine's to raise, re-exported)
+from ..config import ConfigError, EngineConfig, float_dtype, learning_rate
+from ..data.batches import KEYS, BatchError, as_tensor, check_step
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter, bind_parameters
 from ..optim import native
@@ -135,6 +136,25 @@ class StepFailed(RuntimeError):
     releases it."""
 
 
+def _one_caller(what: str):
+    """A public method that changes or reads the training state: refused on an engine that failed or was
+    closed, and while another thread is inside the engine (two threads' steps would interleave their
+    visits and updates). The same thread may call in again (save_checkpoint synchronizes)."""
+    def wrap(method):
+        @wraps(method)
+        def call(self, *args, **kwargs):
+            if not self._caller.acquire(blocking=False):
+                raise RuntimeError(f"cannot {what}: another thread is using this engine; an engine serves one "
+                                   "thread at a time")
+            try:
+                self._usable(what)
+                return method(self, *args, **kwargs)
+            finally:
+                self._caller.release()
+        return call
+    return wrap
+
+
 class SlideEngine:
     def __init__(self, model, cfg: EngineConfig | None = None):
         """Train an in-memory Hugging Face causal LM; its weights are copied to host storage."""
@@ -165,6 +185,7 @@ class SlideEngine:
         return self
 
     def _setup(self, hf_config, cfg: EngineConfig | None) -> None:
+        self._caller = threading.RLock()
         if cfg is not None and not isinstance(cfg, EngineConfig):
             raise ConfigError(f"cfg must be a slideformer.EngineConfig, got {type(cfg).__name__} (e.g. "
                               "EngineConfig(lr=1e-5, gpu_memory_limit='24GiB'))")
@@ -293,15 +314,14 @@ class SlideEngine:
     # -- public API -----------------------------------------------------------------------------
     def set_lr(self, lr: float) -> None:
         """Learning rate for the next ``train_step`` on."""
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not (math.isfinite(lr) and lr >= 0):
-            raise ConfigError(f"set_lr: the learning rate must be a finite number >= 0, got {lr!r}")
-        self.lr = float(lr)
+        self.lr = learning_rate(lr, "set_lr: the learning rate")
 
     @property
     def last_grad_norm(self) -> float | None:
         """Global gradient norm of the last step (before clipping)."""
         return None if self._grad_norm is None else float(self._grad_norm)
 
+    @_one_caller("train")
     def train_step(self, batch, *, blocking: bool = True) -> float | torch.Tensor:
         """One optimizer step over ``batch`` (a dict, or a list of micro-batch dicts accumulated).
 
@@ -310,7 +330,6 @@ class SlideEngine:
         reads the loss only now and then loses no time at step boundaries). Clipping still waits, for
         the global norm; with it, a step whose norm or loss is not finite is dropped before it is applied
         (``last_step_dropped``)."""
-        self._usable("train")
         if self._limit is not None:
             batch = self._place(batch)
         mbs, denom, rows = self._prepare(batch)  # (a refused batch leaves the engine as it was)
@@ -400,12 +419,12 @@ class SlideEngine:
                                "a new one")
 
     @torch.no_grad()
+    @_one_caller("evaluate")
     def evaluate(self, batch) -> "Evaluation":
         """The loss of ``batch`` (a dict, or a list of micro-batch dicts) without training it: forward only,
         the weights streamed through the window, no gradient, no update, no layer input kept. Returns the
         mean loss over its target tokens (plain PyTorch's ``model(**batch).loss`` on it, with a MoE model's
         load-balancing loss where its config asks for it), their number, and that load-balancing part."""
-        self._usable("evaluate")
         if self._limit is not None:
             batch = self._place(batch)
         mbs, denom, _ = self._prepare(batch)
@@ -675,9 +694,12 @@ class SlideEngine:
         items = list(batch) if isinstance(batch, (list, tuple)) else [batch]
         if not all(isinstance(it, dict) and "input_ids" in it for it in items):
             return items  # malformed: _prepare says what is wrong, every rank together
-        ids = [torch.as_tensor(it["input_ids"]) for it in items]
+        try:
+            ids = [as_tensor(it["input_ids"], "", "") for it in items]
+        except BatchError:
+            return items  # (refused there too)
         if any(t.dim() not in (1, 2) or not t.numel() for t in ids):
-            return items  # (no row to split: refused there too)
+            return items
         shapes = [(1, t.shape[0]) if t.dim() == 1 else tuple(t.shape) for t in ids]
         key = (sum(s[0] for s in shapes), max(s[1] for s in shapes))
         if key not in self._placements:
@@ -695,9 +717,15 @@ class SlideEngine:
         self._head_slice = p.head_slice
         out = []
         for it, (rows, _) in zip(items, shapes):
+            try:
+                given = {k: _as_rows(it[k]) for k in KEYS if it.get(k) is not None}  # (what _prepare reads, no more)
+            except (ValueError, TypeError, RuntimeError):
+                return items  # (refused there)
+            if "position_ids" in given and len(given["position_ids"]) == 1:  # one row for all: for each row
+                given["position_ids"] = given["position_ids"].expand(rows, -1)
             for start in range(0, rows, p.micro_batch):
                 # (split as given, never reshaped: a tensor of another shape reaches _prepare's check as one)
-                out.append({k: _as_rows(v)[start: start + p.micro_batch] for k, v in it.items() if v is not None})
+                out.append({k: v[start: start + p.micro_batch] for k, v in given.items()})
         return out
 
     def _first_mids(self, p: Layout) -> frozenset[int]:
@@ -774,25 +802,25 @@ class SlideEngine:
             ))
         return mbs, denom, touched
 
+    @_one_caller("synchronize")
     def synchronize(self) -> None:
         """Wait for every pending update."""
-        self._usable("synchronize")
         self.runtime.synchronize()
 
+    @_one_caller("read the weights")
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Hugging Face-named fp32 master weights (views of RAM; copies for compact state and for units
         trained on the GPU), after pending updates. Under several ranks: the units this rank owns.
         The views are of this step's buffers: a later speculative update may hand the unit other ones
         (host/store.py ``adopt``), so copy what is kept."""
-        self._usable("read the weights")
         self.synchronize()
         return {k: v for u in self.adapter.units if self.store.owns(u.index)
                 for k, v in self.store.unit_params(u.index).items()}
 
+    @_one_caller("save")
     def save_pretrained(self, out: str | os.PathLike, dtype: torch.dtype | None = None):
         """Write a Hugging Face checkpoint (config + safetensors) that from_pretrained loads. Under several
         ranks every rank calls it, and each writes the files of the units it owns."""
-        self._usable("save")
         dtype = self.cfg.compute_dtype if dtype is None else float_dtype(dtype, "save_pretrained's dtype")
         if ckpt_state.is_checkpoint_dir(Path(out)):
             raise CheckpointError(f"{out} is a slideformer checkpoint: Hugging Face files written into it would no "
@@ -800,14 +828,17 @@ class SlideEngine:
         self.synchronize()
         if self.ranks is None:
             return export.save_pretrained(out, self.adapter, self.store, dtype)
-        err = None
+        err, staged, rank = None, [], self.ranks.rank
         try:
-            out = export.save_pretrained(out, self.adapter, self.store, dtype, self._owner,
-                                         self.ranks.rank)
+            staged = export.stage_pretrained(out, self.adapter, self.store, dtype, self._owner, rank)
         except BaseException as e:
             err = e
-        parallel.together(err)  # (a rank that failed to write stops every rank, with its error)
-        return out
+        try:  # (a rank that failed to write stops every rank, with its error, before any file is replaced)
+            parallel.together(err)
+        except BaseException:
+            export.drop_staged(staged)
+            raise
+        return export.place_pretrained(out, self.adapter, dtype, staged, self._owner, rank)
 
     def profile(self, reset: bool = True, timeline: bool = False) -> dict:
         """Seconds per category since the last call (needs ``tuning=Tuning(profile=True)``); with
@@ -824,31 +855,36 @@ class SlideEngine:
             prof.reset()
         return out
 
+    @_one_caller("save")
     def save_checkpoint(self, path: str | os.PathLike, trainer_state: dict | None = None,
                         dtype: torch.dtype | None = None, extra=None):
         """Hugging Face weights plus the full training state, written atomically (checkpoint/state.py);
         ``extra(folder)`` adds files (a tokenizer) before the checkpoint is sealed. Under several ranks every
         rank calls it (with the same arguments): one checkpoint, each rank writing its units."""
-        self._usable("save")
+        dtype = self.cfg.compute_dtype if dtype is None else float_dtype(dtype, "save_checkpoint's dtype")
+        if trainer_state is not None and not isinstance(trainer_state, dict):
+            raise ConfigError(f"save_checkpoint: trainer_state must be a dict, got {type(trainer_state).__name__}")
         state = {"lr": self.lr, **(trainer_state or {})}
+        learning_rate(state["lr"], "save_checkpoint: trainer_state's lr (the rate load_checkpoint sets)")
         try:  # (it goes into trainer.json: refused before anything is written)
             json.dumps(state, allow_nan=False)
         except (TypeError, ValueError) as e:
             raise ConfigError(f"save_checkpoint: trainer_state must be JSON (numbers, text, lists, dicts; finite): "
                               f"{e}") from None
         self.synchronize()
-        return ckpt_state.save_checkpoint(path, self.adapter, self.store, dtype or self.cfg.compute_dtype, state,
+        return ckpt_state.save_checkpoint(path, self.adapter, self.store, dtype, state,
                                           extra, ranks=self.ranks, owner=self._owner if self.ranks else None)
 
+    @_one_caller("load a checkpoint")
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Restore a checkpoint written by save_checkpoint (by any number of ranks); returns the trainer state
         saved with it. Under several ranks every rank calls it and reads the units it keeps."""
-        self._usable("load a checkpoint")
         self.synchronize()
-        state = ckpt_state.load_checkpoint(path, self.adapter, self.store, self.ranks)
+        state = ckpt_state.load_checkpoint(path, self.adapter, self.store, self.ranks,
+                                           check=lambda st: learning_rate(st.get("lr", self.lr), f"{path}: its lr"))
         if self.runtime.visiting is not None:
             self.runtime.visiting.release()
-        self.lr = float(state.get("lr", self.lr))
+        self.lr = learning_rate(state.get("lr", self.lr), "")
         return state
 
     def describe(self) -> str:
@@ -904,7 +940,11 @@ class SlideEngine:
         closed, the engine refuses work; closing again does nothing."""
         if self._closed:
             return
+        if not self._caller.acquire(blocking=False):
+            raise RuntimeError("cannot close: another thread is using this engine; close it from that thread, or "
+                               "once its call returns")
         self._closed = True
+        self._caller.release()  # (closed: every later call is refused)
         try:
             self.runtime.close(abort)
         finally:  # files and pinned memory go back even if the runtime's last wait failed

@@ -18,7 +18,6 @@ import functools
 
 import torch
 
-STATE_FORMATS = ("fp32", "compact", "8bit")
 BLOCK8 = 128  # values per 8-bit block; a divisor of the units' alignment
 
 
