@@ -593,6 +593,30 @@ def test_export_in_another_dtype_on_a_full_disk_says_so_and_leaves_nothing(check
     assert not (tmp_path / "new").exists()
 
 
+def test_export_in_float16_past_its_range_is_refused_and_leaves_nothing(checkpoint, tmp_path, capsys, monkeypatch):
+    """A master value past float16's range would be exported as infinity: refused (exit 4) with the tensor and
+    the fix named, and the files the export had copied (the tokenizer) removed, with the folder it made."""
+    from slideformer.checkpoint import export
+
+    real = export._StateMasters.unit_params
+
+    def huge(self, unit):
+        params = real(self, unit)
+        next(iter(params.values())).view(-1)[0] = 1e6
+        return params
+
+    monkeypatch.setattr(export._StateMasters, "unit_params", huge)
+    assert main(["export", str(checkpoint), str(tmp_path / "new"), "--dtype", "fp16"]) == 4
+    one_line(capsys, "in float16 (past float16's range: export in bfloat16 or float32)")
+    assert not (tmp_path / "new").exists()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    assert main(["export", str(checkpoint), str(mine), "--overwrite", "--dtype", "fp16"]) == 4
+    capsys.readouterr()
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+
+
 def test_export_does_not_follow_links_out_of_the_checkpoint(checkpoint, tmp_path, capsys):
     import shutil
 

@@ -126,6 +126,9 @@ def test_a_dropped_step_leaves_the_compute_copy_as_it_was(monkeypatch, what):
 def test_weights_that_are_not_finite_are_never_exported(tmp_path, monkeypatch):
     """An export of NaN weights over a good one is refused before any file is replaced (it wrote the good
     shards' replacements and left a mixed folder); float16's range is named where only the cast overflows."""
+    import errno
+    from pathlib import Path
+
     from safetensors.torch import load_file
 
     from slideformer.checkpoint import export
@@ -149,7 +152,24 @@ def test_weights_that_are_not_finite_are_never_exported(tmp_path, monkeypatch):
         with pytest.raises(NonFiniteStateError, match="in float16 \\(past float16's range: export in bfloat16"):
             eng.save_pretrained(tmp_path / "hf", dtype=torch.float16)
         assert {f.name: f.read_bytes() for f in (tmp_path / "hf").iterdir()} == good
+        calls = {"n": 0}
+        real_save = export.save_file
+
+        def fills_up(tensors, path, **k):  # (a full disk at the third file, after part of it)
+            calls["n"] += 1
+            if calls["n"] == 3:
+                Path(path).write_bytes(b"partial")
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real_save(tensors, path, **k)
+
+        monkeypatch.setattr(export, "save_file", fills_up)
+        with pytest.raises(OSError, match="No space left"):
+            eng.save_pretrained(tmp_path / "hf", dtype=torch.bfloat16)
+        assert {f.name: f.read_bytes() for f in (tmp_path / "hf").iterdir()} == good  # (no .tmp left either)
+        monkeypatch.setattr(export, "save_file", real_save)
+        (tmp_path / "hf" / "model.safetensors").symlink_to(tmp_path / "hf" / "config.json")  # (stale, as a link)
         eng.save_pretrained(tmp_path / "hf", dtype=torch.bfloat16)  # (written whole: every file replaced)
+        assert not (tmp_path / "hf" / "model.safetensors").is_symlink() and (tmp_path / "hf" / "config.json").is_file()
         weights = {}
         for f in (tmp_path / "hf").glob("*.safetensors"):  # (the float32 export's extra shards removed)
             part = load_file(f)

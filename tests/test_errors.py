@@ -84,6 +84,9 @@ def test_batch_longer_than_positions():
      r"position_ids must be integers of shape \(3, 2\) \(or \(1, 2\) for every row\), got \(2, 3\)"),
     ({"input_ids": torch.tensor([[1, 2, 3]]), "position_ids": torch.tensor([[0.0, 1.0, 2.0]])},
      "position_ids must be integers of shape"),
+    ({"input_ids": torch.tensor([[1, 2, 3]]), "position_ids": torch.tensor(0)}, "position_ids must be integers of shape"),
+    ({"input_ids": torch.tensor([[1, 2, 3]] * 2), "position_ids": torch.arange(6).view(1, 2, 3)},
+     "position_ids must be integers of shape"),
 ])
 @pytest.mark.parametrize("budget", [None, "1GiB"])
 def test_bad_batches(bad, match, budget):

@@ -189,3 +189,29 @@ def test_a_refused_save_leaves_the_users_tmp_folder(tmp_path):
         with pytest.raises(CheckpointError, match="ck.tmp exists and is not a slideformer checkpoint"):
             eng.save_checkpoint(tmp_path / "ck", {"next": 1})
     assert (tmp_path / "ck.tmp" / "thesis.txt").read_text() == "mine" and not (tmp_path / "ck").exists()
+
+
+def test_an_interrupted_save_is_told_by_its_mark_and_removed_by_the_next(tmp_path):
+    """A save marks its folder first and unmarks it once sealed (the metadata says so then, and the mark is
+    no file of the checkpoint's: a copy without hidden files verifies). An interrupted save's folder, or
+    what a removal cut short left of one (the mark goes last), is removed by the next save; a folder without
+    the mark or metadata is the user's."""
+    from slideformer.checkpoint.state import MARK, is_checkpoint_dir, verify_checkpoint
+
+    with SlideEngine(build("llama"), engine_config(**CPU)) as eng:
+        eng.train_step(batch(97))
+        eng.save_checkpoint(tmp_path / "ck", {"next": 1})
+        assert not (tmp_path / "ck" / "state" / MARK).exists()
+        assert not any(MARK in k for k in verify_checkpoint(tmp_path / "ck")["checksums"])
+        for left in (["state/layer0.safetensors", "model.safetensors", "tokenizer/vocab.json"], []):
+            tmp = tmp_path / "ck.tmp"
+            (tmp / "state").mkdir(parents=True)
+            (tmp / "state" / MARK).touch()
+            for rel in left:
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                (tmp / rel).write_bytes(b"partial")
+            assert is_checkpoint_dir(tmp)
+            eng.save_checkpoint(tmp_path / "ck", {"next": 1})
+            assert not tmp.exists() and verify_checkpoint(tmp_path / "ck")["step"] == 1
+        (tmp_path / "ck.tmp" / "state").mkdir(parents=True)
+        assert not is_checkpoint_dir(tmp_path / "ck.tmp")

@@ -402,12 +402,14 @@ def cmd_export(args) -> int:
 
             files += save_from_state(src, dst, {"bf16": torch.bfloat16, "fp16": torch.float16,
                                                 "fp32": torch.float32}[args.dtype])
-    except (OSError, SafetensorError) as e:  # (a full disk mid-way: the files it added go, as a folder it made)
+    except BaseException as e:  # (a full disk or weights not finite mid-way: the files it added go, as a folder it made)
         for p in sorted(set(dst.rglob("*")) - had, key=lambda p: len(p.parts), reverse=True):
             with contextlib.suppress(OSError):
                 p.rmdir() if p.is_dir() else p.unlink()
         if made:
             shutil.rmtree(dst, ignore_errors=True)
+        if not isinstance(e, (OSError, SafetensorError)):
+            raise
         code = getattr(e, "errno", None) or int((re.search(r"os error (\d+)", str(e)) or [0, 0])[1])
         raise OSError(code, f"export to {dst} failed ({os.strerror(code) if code else e}); the files it added there "
                             "are removed; free space there, make it writable or choose another folder, then export "

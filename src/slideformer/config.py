@@ -12,6 +12,7 @@ import typing
 from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
+import numpy as np
 import torch
 
 from .optim.formats import BLOCK8, compact_master
@@ -54,7 +55,7 @@ def _fits(value, hint) -> bool:
         args = typing.get_args(hint)
         return isinstance(value, (tuple, list)) and len(value) == len(args) and all(map(_fits, value, args))
     if hint is bool:
-        return isinstance(value, bool)
+        return isinstance(value, (bool, np.bool_))
     if hint in (int, float):
         return isinstance(value, numbers.Integral if hint is int else numbers.Real) and not isinstance(value, bool)
     if hint is type(None):
@@ -70,7 +71,7 @@ def _alternatives(hint) -> list[str]:
     if typing.get_origin(hint) is tuple:
         return [f"{'two' if len(typing.get_args(hint)) == 2 else len(typing.get_args(hint))} numbers"]
     return [{bool: "True or False", int: "an integer", float: "a number", str: "text", os.PathLike: "a path",
-             type(None): "None", torch.dtype: "a torch dtype"}.get(hint, getattr(hint, "__name__", str(hint)))]
+             type(None): "None", torch.dtype: "a torch dtype", torch.device: "a torch.device"}[hint]]
 
 
 def _said(hint) -> str:
@@ -89,8 +90,18 @@ def _check_types(part) -> None:
         value = getattr(part, f.name)
         if f.name not in _PARSED and not _fits(value, hints[f.name]):
             raise ConfigError(f"{f.name} must be {_said(hints[f.name])}, got {value!r}")
-        if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):  # (NumPy's, as Python's)
-            setattr(part, f.name, int(value) if isinstance(value, numbers.Integral) else float(value))
+        setattr(part, f.name, _plain(value))
+
+
+def _plain(value):
+    """NumPy's scalars as Python's (the engine tests ``isinstance(v, int)``), in tuples too."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(map(_plain, value))
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, (bool, int, float)):
+        return int(value) if isinstance(value, numbers.Integral) else float(value)
+    return value
 
 
 @dataclass

@@ -6,6 +6,7 @@ only once all are written, so a failed export leaves the folder's earlier weight
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -27,9 +28,13 @@ class NonFiniteStateError(FloatingPointError):
 def _staged(path: Path, write) -> Path:
     """``write`` the file under a temporary name beside ``path``, flushed to disk: the name to rename."""
     tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    try:
+        write(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return tmp
 
 
@@ -76,6 +81,7 @@ def stage_pretrained(out: str | os.PathLike, adapter: ModelAdapter, store: HostS
     it wrote goes. Returns (temporary, final) names for ``place_pretrained``: until then nothing a reader
     sees has changed."""
     out = Path(out)
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     plan = shard_plan(adapter, dtype, owner)
     names = _names(plan)
@@ -106,6 +112,9 @@ def stage_pretrained(out: str | os.PathLike, adapter: ModelAdapter, store: HostS
             staged.append((_staged(out / name, lambda p: p.write_text(json.dumps(index, indent=2))), out / name))
     except BaseException:
         drop_staged(staged)
+        if made:
+            with contextlib.suppress(OSError):
+                out.rmdir()  # (only where empty: another rank's files stay)
         raise
     return staged
 
@@ -121,7 +130,7 @@ def stale_weights(out: Path, names) -> list[Path]:
     new ones (a single file before an index)."""
     ours = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
     return sorted(p for p in out.iterdir() if ours.fullmatch(p.name) and p.name not in set(names)
-                  and p.is_file() and not p.is_symlink())
+                  and (p.is_symlink() or p.is_file()))  # (a link goes, never what it points to)
 
 
 def place_pretrained(out: str | os.PathLike, adapter: ModelAdapter, dtype: torch.dtype,

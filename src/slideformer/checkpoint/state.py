@@ -53,6 +53,26 @@ def is_checkpoint_dir(path: Path) -> bool:
     return path.is_dir() and not path.is_symlink() and any((path / STATE_DIR / n).is_file() for n in (TRAINER, MARK))
 
 
+def _remove_save(path: Path) -> None:
+    """Remove a folder a save made (``is_checkpoint_dir``), its mark or metadata last: a removal cut short
+    leaves a folder that is still told as one, and the next save removes the rest."""
+    keep = [path / STATE_DIR / n for n in (TRAINER, MARK)]
+    for entry in path.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            for sub in entry.iterdir() if entry.name == STATE_DIR else ():
+                if sub not in keep:
+                    shutil.rmtree(sub) if sub.is_dir() and not sub.is_symlink() else sub.unlink()
+            if entry.name != STATE_DIR:
+                shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    for f in keep:
+        f.unlink(missing_ok=True)
+    if (path / STATE_DIR).is_dir():
+        (path / STATE_DIR).rmdir()
+    path.rmdir()
+
+
 def _meta_crc(meta: dict) -> str:
     body = json.dumps({k: v for k, v in meta.items() if k != "crc32"}, sort_keys=True)
     return f"{zlib.crc32(body.encode()):08x}"
@@ -135,7 +155,8 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
             _together(ranks, err)
         except BaseException:
             if lead and clean and made:
-                shutil.rmtree(tmp, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    _remove_save(tmp)
             raise
 
     def start():
@@ -145,7 +166,7 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
                     raise CheckpointError(f"{p} exists and is not a slideformer checkpoint: a save replaces only "
                                           "its own; choose another path, or move it away")
             if tmp.exists():
-                shutil.rmtree(tmp)  # a save that was interrupted earlier
+                _remove_save(tmp)  # a save that was interrupted earlier
             (tmp / STATE_DIR).mkdir(parents=True)
             made.append(tmp)
             (tmp / STATE_DIR / MARK).touch()
@@ -169,7 +190,7 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
             return
         if extra is not None:
             extra(tmp)
-        files = sorted(p for p in tmp.rglob("*") if p.is_file())
+        files = sorted(p for p in tmp.rglob("*") if p.is_file() and p != tmp / STATE_DIR / MARK)
         for f in files:
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -179,6 +200,7 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
         (tmp / STATE_DIR / TRAINER).write_text(json.dumps(meta, indent=1))
         with open(tmp / STATE_DIR / TRAINER, "rb") as fh:
             os.fsync(fh.fileno())
+        (tmp / STATE_DIR / MARK).unlink()  # (whole now: its metadata says so)
         _fsync_dir(tmp / STATE_DIR)
         _fsync_dir(tmp)
 

@@ -721,8 +721,11 @@ class SlideEngine:
                 given = {k: _as_rows(it[k]) for k in KEYS if it.get(k) is not None}  # (what _prepare reads, no more)
             except (ValueError, TypeError, RuntimeError):
                 return items  # (refused there)
-            if "position_ids" in given and len(given["position_ids"]) == 1:  # one row for all: for each row
-                given["position_ids"] = given["position_ids"].expand(rows, -1)
+            if any(v.dim() == 0 for v in given.values()):
+                return items  # (no rows: refused there too)
+            pos = given.get("position_ids")
+            if pos is not None and pos.dim() == 2 and pos.shape[0] == 1:  # one row for all: for each row
+                given["position_ids"] = pos.expand(rows, -1)
             for start in range(0, rows, p.micro_batch):
                 # (split as given, never reshaped: a tensor of another shape reaches _prepare's check as one)
                 out.append({k: v[start: start + p.micro_batch] for k, v in given.items()})
