@@ -90,7 +90,7 @@ def cmd_plan(args) -> int:
     from .plan import Auto, ModelShape, nvme_layer_count, parse_bytes, predicted_step, resolve
     from .plan.resolve import tier_bytes
     from .plan.memory import (PROCESS_BYTES, config_rank_host_bytes, fmt_bytes, host_budget, mid_layers,
-                              process_allowance, saved_layers, user_bytes)
+                              process_allowance, processes_over, saved_layers, user_bytes)
     from .presets import PRESETS, preset_config
 
     from .config import ConfigError
@@ -253,8 +253,7 @@ def cmd_plan(args) -> int:
         verdict = (f"does NOT fit host RAM: about {gib(need)} of state against {against}; {' or '.join(levers)} "
                    "would lower it")
         if (allowance := process_allowance(plan.config, machine.rank_ram)) <= PROCESS_BYTES:  # (no state fits)
-            verdict = (f"does NOT fit host RAM: {'each' if args.nproc_per_node > 1 else 'the'} process itself takes "
-                       f"about {gib(PROCESS_BYTES)} (Python, torch, the data), more than the {gib(allowance)} allowed "
+            verdict = (f"does NOT fit host RAM: {processes_over(args.nproc_per_node, allowance)} allowed "
                        + ("(--host-memory-limit" + share + ")" if args.host_memory_limit else
                           f"(95% of {gib(cpu_limit)}, {'--cpu-memory' if args.cpu_memory else 'this machine'}{share})"))
     out["verdict"] = verdict

@@ -536,6 +536,15 @@ def host_budget(cfg, ram: int) -> tuple[int, int]:
     return min(int(RAM_FRACTION * ram), most), most
 
 
+def processes_over(ranks: int, allowance: int) -> str:
+    """What the processes themselves take against a host budget that leaves each ``allowance`` (no more
+    than PROCESS_BYTES): the start of a refusal, the budget's name to follow."""
+    who = (f"the {ranks} processes on this machine take about {fmt_bytes(ranks * PROCESS_BYTES)} of host RAM "
+           f"themselves ({fmt_bytes(PROCESS_BYTES)} each: " if ranks > 1 else
+           f"the process itself takes about {fmt_bytes(PROCESS_BYTES)} of host RAM (")
+    return f"{who}Python, torch, the data), more than the {fmt_bytes(ranks * allowance)}"
+
+
 def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training", prefix: str = "",
                     ranks: int = 1) -> None:
     """Refuse, before anything is allocated, host RAM (``ram`` by category, for EngineConfig ``cfg``) over
@@ -547,11 +556,8 @@ def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training",
     # (the limit that would hold this state, where the RAM does; up to the 0.1 GiB the line shows)
     need = fmt_bytes(math.ceil(ranks * (total + PROCESS_BYTES) / 2**30 * 10) * 2**30 / 10)
     if (allowance := process_allowance(cfg, have)) <= PROCESS_BYTES:  # (whatever the state: none may be left)
-        who = (f"the {ranks} processes on this machine take about {fmt_bytes(ranks * PROCESS_BYTES)} of host RAM "
-               f"themselves ({fmt_bytes(PROCESS_BYTES)} each" if ranks > 1 else
-               f"the process itself takes about {fmt_bytes(PROCESS_BYTES)} of host RAM (")
         fewer = " or fewer processes (nproc_per_node)" if ranks > 1 else ""
-        raise DoesNotFit(f"{who}: Python, torch, the data), more than the {fmt_bytes(ranks * allowance)} "
+        raise DoesNotFit(processes_over(ranks, allowance) + " "
                          + (f"{prefix}host_memory_limit allows; set it to at least {need}{fewer}"
                             if cfg.host_memory_limit else
                             f"this machine allows ({HOST_SHARE:.0%} of its RAM); use one with more RAM{fewer}"))
