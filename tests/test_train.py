@@ -150,6 +150,23 @@ def test_a_diverging_run_stops_without_saving_nan(tmp_path, clip, capsys):
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
 
 
+def test_a_run_that_diverges_at_once_can_be_run_again_with_the_fix(tmp_path, capsys):
+    """A new run that stops before any metric or checkpoint leaves its folder as it found it, TensorBoard's
+    files too: the same command with a sane learning rate then trains there (the folder was refused as
+    "not empty and not written by slideformer")."""
+    out = tmp_path / "o"
+    args = ["train"] + FAST + [f"output_dir={out}", "max_steps=3", "logging_steps=2", "report_to=tensorboard"]
+    assert main(args + ["learning_rate=1e30", "warmup_ratio=0"]) == 4
+    assert not out.exists()
+    assert main(args + ["learning_rate=1e-4"]) == 0
+    mine = tmp_path / "mine"
+    (mine / "tensorboard").mkdir(parents=True)
+    (mine / "tensorboard" / "notes.txt").write_text("keep")  # (a folder it did not make stays, with its files)
+    assert main(args + [f"output_dir={mine}", "learning_rate=1e30", "warmup_ratio=0", "overwrite_output_dir=true"]) == 4
+    assert (mine / "tensorboard" / "notes.txt").read_text() == "keep"
+    capsys.readouterr()
+
+
 def test_skip_nonfinite_steps_goes_on_with_the_next_data(tmp_path, monkeypatch):
     from slideformer.engine import engine as engine_mod
 
@@ -222,6 +239,29 @@ def test_packing_trains_and_resumes(tmp_path):
     train(cfg(b, *opts, "resume_from_checkpoint=auto"))
     ma, mb = master(a / "checkpoint-4"), master(b / "checkpoint-4")
     assert all(torch.equal(ma[k], mb[k]) for k in ma)
+
+
+def test_an_epoch_of_packed_rows_is_one_pass_over_the_samples(tmp_path):
+    """num_train_epochs counts passes over the data with packing too: an epoch is its samples' packed rows
+    (it counted samples, a row's worth each: about cutoff_len / a sample's length epochs in one)."""
+    opts = ["max_steps=-1", "packing=true", "cutoff_len=96", "micro_batch_size=2"]
+    one = train(cfg(tmp_path / "one", *opts, "num_train_epochs=1"))
+    two = train(cfg(tmp_path / "two", *opts, "num_train_epochs=2"))
+    assert {h["epoch"] for h in one["history"]} == {0} and one["history"][-1]["step"] == one["steps"]
+    assert {h["epoch"] for h in two["history"]} == {0, 1} and abs(two["steps"] - 2 * one["steps"]) <= 1  # (its order)
+    assert one["steps"] < 112 // 2 // 2  # (the bundled data's 112 samples: several a row)
+
+
+def test_packing_data_read_as_reached_needs_max_steps(tmp_path, monkeypatch):
+    """Read as the steps reach it, the data's packed rows are not known up front: num_train_epochs is
+    refused there (an epoch was a count of records), max_steps trains."""
+    from slideformer.plan import memory
+
+    monkeypatch.setattr(memory, "data_in_ram", lambda *a: False)
+    opts = ["packing=true", "cutoff_len=96", "micro_batch_size=2"]
+    with pytest.raises(DataError, match="packing: the dataset is read as the steps reach it.*set max_steps"):
+        train(cfg(tmp_path / "a", *opts, "max_steps=-1", "num_train_epochs=1"))
+    assert train(cfg(tmp_path / "b", *opts, "max_steps=2"))["steps"] == 2
 
 
 def test_resident_layers_auto_is_accepted_and_trains(tmp_path):

@@ -346,8 +346,18 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     if not samples:
         raise DataError(f"val_size {cfg.val_size} leaves no sample to train on: {_counts(examples, skipped, dropped)}")
     per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world  # (micro_batch_size: a rank's)
-    steps_per_epoch = max(1, samples // per_step)
-    total = cfg.max_steps if cfg.max_steps > 0 else math.ceil(cfg.num_train_epochs * steps_per_epoch)
+    if cfg.packing and cfg.max_steps <= 0 and not isinstance(examples, list):
+        raise DataError("packing: the dataset is read as the steps reach it, so how many packed rows an epoch makes "
+                        "is not known before training; set max_steps (num_train_epochs counts epochs of rows)")
+    if cfg.max_steps > 0:
+        total = cfg.max_steps
+    elif cfg.packing:  # each epoch's micro-batches: its samples packed into rows in its order, as _draw packs them
+        mbs = sum(min(1.0, cfg.num_train_epochs - k) * -(-_packed_rows(examples, _permutation(len(examples), cfg.seed, k),
+                                                                        cfg.cutoff_len) // (cfg.micro_batch_size * world))
+                  for k in range(math.ceil(cfg.num_train_epochs)))
+        total = max(1, math.ceil(mbs / cfg.gradient_accumulation_steps))
+    else:
+        total = math.ceil(cfg.num_train_epochs * max(1, samples // per_step))
     warmup = math.ceil(cfg.warmup_ratio * total)  # (as transformers' TrainingArguments.get_warmup_steps)
     ecfg = resolve_engine(cfg, hf_config, ecfg, examples, Machine.detect(device))
     if ranks is None:
@@ -692,6 +702,19 @@ def _draw(examples, order, offset: int, rows: int, packing: bool, length: int, p
     if not picked or (len(picked) < rows and not short):
         return None
     return pad_batch([e for e, _ in picked], pad_id), picked[-1][1]
+
+
+def _packed_rows(examples: list, order, length: int) -> int:
+    """The rows of ``length`` tokens an epoch in ``order`` packs into (data/batches.py pack_batch's rule: a
+    sample that does not fit what is left of a row starts the next)."""
+    rows, col = 0, length
+    for k in order:
+        if examples[k] is not None:
+            n = min(len(examples[k][0]), length)
+            if col + n > length:
+                rows, col = rows + 1, 0
+            col += n
+    return rows
 
 
 def _counts(examples, skipped: int, dropped: int, whole: bool = False) -> str:
