@@ -78,6 +78,8 @@ def model_dirs(tmp_path):
     ("offload.gpu_memory_limit=lots", 2, ["offload.gpu_memory_limit", "24GiB"]),
     ("offload.host_memory_limit=0GiB", 2, ["offload.host_memory_limit", "must be > 0"]),
     ("offload.host_memory_limit=24", 2, ["offload.host_memory_limit", "'24' has no unit", "'24GiB'"]),
+    ("offload.host_memory_limit=100TiB", 2, ["offload.host_memory_limit 100TiB is more than this machine's",
+                                             "give at most that"]),
     ("offload.gpu_memory_limit=100KB", 2, ["offload.gpu_memory_limit", "'100KB' is under 1 MiB"]),
     ("offload.gpu_memory_limit=1MiB", 3, ["this model needs at least", "over the 1.0 MiB budget",
                                           "raise offload.gpu_memory_limit to"]),  # (the model's floor: no batch)
@@ -354,6 +356,32 @@ def test_a_config_that_names_no_model_is_refused_not_taken_for_the_tiny_model(tm
     assert not (tmp_path / "out").exists()
     assert main(["train", str(p), "device=cpu", "max_steps=1", "progress=false", "model_name_or_path=tiny",
                  f"output_dir={tmp_path / 'out'}"]) == 0  # (named on the command line)
+
+
+def test_a_config_that_names_no_dataset_is_refused_not_trained_on_the_samples(tmp_path, capsys):
+    """A real model with no dataset trained on the bundled sample records, exit 0: refused now (the tiny
+    model may take them; a dataset on the command line counts)."""
+    from transformers import AutoModelForCausalLM
+
+    from slideformer.presets import preset_config
+
+    from importlib import resources
+
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "model"
+    AutoModelForCausalLM.from_config(preset_config("tiny")).save_pretrained(model)
+    AutoTokenizer.from_pretrained(str(resources.files("slideformer") / "assets" / "tiny")).save_pretrained(model)
+    p = tmp_path / "c.yaml"
+    p.write_text(f"model_name_or_path: {model}\nmax_steps: 1\nprogress: false\n")
+    capsys.readouterr()  # (the model's writing)
+    assert main(["train", str(p), "device=cpu", f"output_dir={tmp_path / 'out'}"]) == 2
+    one_line(capsys, f"config {p} names no dataset", "the bundled samples are the demo's alone")
+    assert not (tmp_path / "out").exists()
+    sample = resources.files("slideformer") / "assets" / "sample" / "text.jsonl"
+    assert main(["train", str(p), "device=cpu", f"dataset={sample}", f"output_dir={tmp_path / 'out'}"]) == 0
+    p.write_text("model_name_or_path: tiny\nmax_steps: 1\nprogress: false\n")
+    assert main(["train", str(p), "device=cpu", f"output_dir={tmp_path / 'tiny'}"]) == 0
 
 
 def test_a_config_that_is_not_utf8_or_cannot_be_read(tmp_path, capsys, monkeypatch):

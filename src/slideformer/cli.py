@@ -1,4 +1,4 @@
-"""slideformer: fine-tune language models larger than GPU memory on one GPU.
+"""slideformer: fine-tune language models larger than GPU memory, on one GPU or several.
 
 ``slideformer train`` with no arguments fine-tunes the bundled tiny model on the bundled sample data:
 that is what ``make demo`` runs. ``slideformer bench`` measures a training step (see bench/).
@@ -618,7 +618,9 @@ def _main(argv: list[str], signals: Signals) -> int:
     d.add_argument("overrides", nargs="*", metavar="key=value")
     d.add_argument("--samples", type=_whole, default=2, help="samples to print (default 2)")
     d.set_defaults(func=cmd_data)
-    pl = sub.add_parser("plan", help="GPU, host and NVMe bytes of a run, whether it fits, the largest batch")
+    pl = sub.add_parser("plan", help="GPU, host and NVMe bytes of a run, whether it fits, the largest batch",
+                        description="What a run would take and whether it fits: exit 0 where it fits, 3 where it "
+                                    "does not, 2 for a bad argument.")
     pl.add_argument("--model", required=True, help=f"a preset ({', '.join(PRESETS)}) or a HF directory")
     pl.add_argument("--seq-len", type=_positive, required=True)
     pl.add_argument("--batch-size", type=_positive, required=True)
@@ -678,6 +680,9 @@ def _main(argv: list[str], signals: Signals) -> int:
     ex.set_defaults(func=cmd_export)
     sub.add_parser("bench", help="benchmark one case (see `slideformer bench --help`), or `bench report FILE...`",
                    add_help=False)
+    if not argv:  # (what there is to do, not argparse's "arguments are required: cmd")
+        p.print_help(sys.stderr)
+        return EXIT_USAGE
     # key=value overrides after an option (`data cfg.yaml --samples 3 lr=1e-5`): argparse leaves them over,
     # and cannot parse subcommands intermixed; they join the command's own (anything else is refused)
     args, rest = p.parse_known_args(argv)

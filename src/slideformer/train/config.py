@@ -387,6 +387,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
     if path is not None and "model_name_or_path" not in raw:  # (the demo's tiny model is the demo's alone)
         raise ConfigError(f"config {path} names no model_name_or_path: set it to a local Hugging Face model folder "
                           "(or tiny, the bundled test model)")
+    if path is not None and "dataset" not in raw and raw["model_name_or_path"] != "tiny":  # (nor its sample data)
+        raise ConfigError(f"config {path} names no dataset: set it to your data's file or folder (or a list of "
+                          "them; docs/training.md says which formats); the bundled samples are the demo's alone")
     if path is None and "output_dir" in given:  # the demo starts over in its own folder only, never in one named
         for k in ("overwrite_output_dir", "resume_from_checkpoint"):
             if k not in given:

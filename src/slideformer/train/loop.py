@@ -291,6 +291,13 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
         ecfg.validate()  # (before any work; its messages in the config's key names)
     except ConfigError as e:
         raise ConfigError(_in_user_keys(str(e))) from None
+    from ..machine import Machine, host_memory
+    from ..plan.memory import data_in_ram, fmt_bytes, parse_bytes, process_allowance
+
+    if o.host_memory_limit and parse_bytes(o.host_memory_limit) > (ram := host_memory()):  # (plan refuses it too)
+        raise ConfigError(f"offload.host_memory_limit {o.host_memory_limit} is more than this machine's "
+                          f"{fmt_bytes(ram)} of RAM, which would end the run mid-way where it did not hold; give "
+                          "at most that, or leave it unset (95% of the RAM)")
     hf_config = load_model_config(cfg)
     resume = cfg.resume_from_checkpoint
     # (a folder that is not a checkpoint is refused before any work)
@@ -306,8 +313,6 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
         _check_writable(o.offload_dir, "offload.offload_dir")
     tok = load_tokenizer(cfg)
     from ..data.lazy import source_bytes
-    from ..machine import Machine, host_memory
-    from ..plan.memory import data_in_ram, process_allowance
 
     allowance = process_allowance(ecfg, host_memory()) // parallel.local_world(ranks)  # (one process's share)
 
@@ -358,6 +363,12 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
         total = max(1, math.ceil(mbs / cfg.gradient_accumulation_steps))
     else:
         total = math.ceil(cfg.num_train_epochs * max(1, samples // per_step))
+        if (ranks is None or ranks.leader) and samples % per_step:  # (said where epochs decide the steps)
+            print(f"slideformer: {samples} samples, {per_step} a step: " + (
+                f"an epoch is {samples // per_step} steps, and the last {samples % per_step} samples of each epoch's "
+                "order are left out of it (other ones each epoch)" if samples > per_step else
+                "the dataset is smaller than one step, whose samples then come from several epochs' orders"),
+                file=sys.stderr, flush=True)
     warmup = math.ceil(cfg.warmup_ratio * total)  # (as transformers' TrainingArguments.get_warmup_steps)
     ecfg = resolve_engine(cfg, hf_config, ecfg, examples, Machine.detect(device))
     if ranks is None:
