@@ -23,11 +23,14 @@ if [[ $what == ab ]]; then
   done
   exit 0
 fi
-# Packages the machine lacks (DeepSpeed and its dependencies, Liger-Kernel) travel as wheels in .whl
-# (see bench/README.md). Liger is used only where asked for (--fused-ops liger, the loss benchmark).
+# Packages the machine lacks (DeepSpeed and its dependencies, Liger-Kernel) travel as wheels in .whl, an
+# ignored folder: a call carries it (see bench/README.md). Without Liger, slideformer's fused_ops "auto" runs
+# unfused: layers about a third slower, which no comparison with another call's figures survives.
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+else
+  echo "bench/run_device.sh: no .whl/ here (carry it): no Liger-Kernel, slideformer runs unfused" >&2
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc; free -g | head -2;
   lscpu | grep -E "Model name|Thread\(s\) per core|Socket"; gcc --version | head -1;

@@ -719,6 +719,21 @@ def test_liger_ops_refused_where_they_cannot_run():
     assert resolve("auto", "cuda") == ("liger" if liger_available() else "none")
     with SlideEngine.from_config(build("llama").config, EngineConfig(device=torch.device("cpu"))) as eng:
         assert eng.fused_ops == "none"  # (a torch.device works as well as a string)
+        assert "Liger-Kernel is not installed" not in eng.describe()  # (the CPU runs unfused anyway)
+
+
+def test_running_unfused_on_cuda_for_want_of_liger_is_said(monkeypatch):
+    """A CUDA run that "auto" left unfused only because Liger-Kernel is missing is told why and what it
+    costs (sessions of benchmarks ran a third slower so, unsaid); not where Liger would not serve anyway."""
+    from slideformer.model import fused_ops
+
+    monkeypatch.setattr(fused_ops, "liger_available", lambda: False)
+    assert fused_ops.liger_missing("auto", "cuda:0", "qwen3")
+    assert not fused_ops.liger_missing("auto", "cpu", "qwen3")
+    assert not fused_ops.liger_missing("none", "cuda", "llama")
+    assert not fused_ops.liger_missing("auto", "cuda", "gemma2")
+    monkeypatch.setattr(fused_ops, "liger_available", lambda: True)
+    assert not fused_ops.liger_missing("auto", "cuda", "llama")
 
 
 def wait_for_speculation(eng):

@@ -364,3 +364,21 @@ def test_a_newest_checkpoint_whose_metadata_is_damaged_is_passed_over_and_never_
     assert "not resuming from" in err and "checkpoint-3" in err
     assert "holds checkpoint-3, whose metadata is damaged, so whose it is cannot be told" in err.splitlines()[-1]
     assert (out / "checkpoint-3" / "state" / "trainer.json").read_text() == ""
+
+
+def test_a_run_that_ends_before_its_first_metric_removes_the_tracker_folders_it_made(tmp_path):
+    """wandb's and mlflow's folders a new run made (as TensorBoard's: test_train.py) go with it when it
+    fails before any metric or checkpoint: the folder would otherwise be refused to the same command again.
+    One that was there before stays, with its files."""
+    from slideformer.train.outdir import OutputDir
+
+    out = tmp_path / "o"
+    (out / "wandb").mkdir(parents=True)
+    (out / "wandb" / "notes.txt").write_text("keep")
+    run = OutputDir.check(out, resume=None, overwrite=True).open()
+    for made in ("mlruns/0/meta.yaml", "tensorboard/events.out.tfevents.1", "wandb/offline-run-1/files/x"):
+        (out / made).parent.mkdir(parents=True, exist_ok=True)
+        (out / made).write_text("the run's")
+    run.close(ok=False)
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == \
+        ["wandb", "wandb/notes.txt", "wandb/offline-run-1", "wandb/offline-run-1/files", "wandb/offline-run-1/files/x"]

@@ -43,7 +43,7 @@ from ..model.chunked_mlp import MlpChunking
 from ..model.moe import RouterLoss
 from ..model.decoder import install as install_decoder
 from ..model.recompute import LayerRecompute, mid_projection
-from ..model.fused_ops import apply_liger
+from ..model.fused_ops import apply_liger, liger_missing
 from ..model.fused_ops import resolve as resolve_fused_ops
 from ..machine import host_memory
 from ..plan.memory import (LOSS_CHUNK_TOKENS, ModelShape, Layout, back_visits, check_host_fits, config_host_bytes,
@@ -195,6 +195,7 @@ class SlideEngine:
         self.device = torch.device(self.cfg.device)
         self.adapter = ModelAdapter(hf_config, self.cfg.compute_dtype, self.cfg.attn_implementation)
         self.fused_ops = resolve_fused_ops(t.fused_ops, str(self.cfg.device), self.adapter.model_type)
+        self._liger_missing = liger_missing(t.fused_ops, str(self.device), self.adapter.model_type)
         if self.fused_ops == "liger":
             apply_liger(self.adapter.layers + [self.adapter.norm], getattr(hf_config, "hidden_act", ""))
         # (after Liger: the chunks run whatever MLP forward is bound)
@@ -903,7 +904,9 @@ class SlideEngine:
                  f"trained on the device: {kept}{' + embedding and head' if edges else ''}",
                  f"streamed: {n - layers} layers through {self.cfg.placement.window_slots} slots"
                  + (" (the first one's update on the device)" if self._gpu_first is not None else ""),
-                 f"fused ops {self.fused_ops}",
+                 f"fused ops {self.fused_ops}" + (" (Liger-Kernel is not installed: unfused RMSNorm, RoPE and SwiGLU "
+                                                  "make the layers about a third slower; pip install liger-kernel)"
+                                                  if self._liger_missing else ""),
                  f"CPU AdamW {self.runtime.updates.backend} on {threads} thread{'s' * (threads != 1)}, "
                  f"{self.cfg.optimizer_state} state"]
         staged = len(self.store.staged - {self._gpu_first})

@@ -50,6 +50,13 @@ def resolve(requested: str, device: str, model_type: str | None = None) -> str:
     return requested
 
 
+def liger_missing(requested: str, device: str, model_type: str | None) -> bool:
+    """Whether "auto" ran unfused only because Liger-Kernel is not installed (CUDA, a family it serves): the
+    layers are then markedly slower, which the engine says once."""
+    return requested == "auto" and device.startswith("cuda") and model_type in LIGER_FAMILIES \
+        and not liger_available()
+
+
 def _rms_norm_forward(self, x):
     from ..kernels.rms_norm import rms_norm
 

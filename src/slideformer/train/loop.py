@@ -350,24 +350,23 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     samples = sum(e is not None for e in examples) if isinstance(examples, list) else len(examples)
     if not samples:
         raise DataError(f"val_size {cfg.val_size} leaves no sample to train on: {_counts(examples, skipped, dropped)}")
-    per_step = cfg.micro_batch_size * cfg.gradient_accumulation_steps * world  # (micro_batch_size: a rank's)
     if cfg.packing and cfg.max_steps <= 0 and not isinstance(examples, list):
         raise DataError("packing: the dataset is read as the steps reach it, so how many packed rows an epoch makes "
                         "is not known before training; set max_steps (num_train_epochs counts epochs of rows)")
+    rows = cfg.micro_batch_size * world  # (a micro-batch's, every rank's)
     if cfg.max_steps > 0:
         total = cfg.max_steps
-    elif cfg.packing:  # each epoch's micro-batches: its samples packed into rows in its order, as _draw packs them
-        mbs = sum(min(1.0, cfg.num_train_epochs - k) * -(-_packed_rows(examples, _permutation(len(examples), cfg.seed, k),
-                                                                        cfg.cutoff_len) // (cfg.micro_batch_size * world))
-                  for k in range(math.ceil(cfg.num_train_epochs)))
-        total = max(1, math.ceil(mbs / cfg.gradient_accumulation_steps))
-    else:
-        total = math.ceil(cfg.num_train_epochs * max(1, samples // per_step))
-        if (ranks is None or ranks.leader) and samples % per_step:  # (said where epochs decide the steps)
-            print(f"slideformer: {samples} samples, {per_step} a step: " + (
-                f"an epoch is {samples // per_step} steps, and the last {samples % per_step} samples of each epoch's "
-                "order are left out of it (other ones each epoch)" if samples > per_step else
-                "the dataset is smaller than one step, whose samples then come from several epochs' orders"),
+    else:  # the micro-batches each epoch holds as _draw takes them, whole steps of them
+        def held_by(k: int) -> int:  # epoch k's: packed rows in its order, or its whole micro-batches (at least one)
+            if cfg.packing:
+                return -(-_packed_rows(examples, _permutation(len(examples), cfg.seed, k), cfg.cutoff_len) // rows)
+            return max(1, samples // rows)
+        mbs = sum(min(1.0, cfg.num_train_epochs - k) * held_by(k) for k in range(math.ceil(cfg.num_train_epochs)))
+        total = max(1, math.floor(mbs / cfg.gradient_accumulation_steps + 1e-9))
+        if (ranks is None or ranks.leader) and not cfg.packing and samples % rows:
+            print(f"slideformer: {samples} samples, micro-batches of {rows}: " + (
+                f"the last {samples % rows} samples of each epoch's order are left out of it (other ones each epoch)"
+                if samples > rows else "the dataset is smaller than one micro-batch, which takes all of it"),
                 file=sys.stderr, flush=True)
     warmup = math.ceil(cfg.warmup_ratio * total)  # (as transformers' TrainingArguments.get_warmup_steps)
     ecfg = resolve_engine(cfg, hf_config, ecfg, examples, Machine.detect(device))

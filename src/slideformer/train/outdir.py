@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import sys
 import uuid
 from pathlib import Path
@@ -28,6 +29,8 @@ LOCK_FILE = "slideformer-run.lock"
 CKPT_PREFIX = "checkpoint-"
 METRICS = "metrics.jsonl"
 TENSORBOARD = "tensorboard"
+MLRUNS = "mlruns"  # mlflow's file store, where no MLFLOW_TRACKING_URI is set
+TRACKER_DIRS = (TENSORBOARD, "wandb", MLRUNS)  # what the trackers make in the folder (wandb names its own)
 ERROR_LOG = "slideformer-error.log"
 
 
@@ -103,7 +106,7 @@ class OutputDir:
         own = cls(out, run_id or uuid.uuid4().hex)
         own.fresh, own.overwrite, own.resume = run_id is None, overwrite, resume
         own.created = not out.exists()
-        own.found = {n for n in (RUN_FILE, LOCK_FILE, TENSORBOARD) if (out / n).exists()}  # (what close must not remove)
+        own.found = {n for n in (RUN_FILE, LOCK_FILE, *TRACKER_DIRS) if (out / n).exists()}  # (what close must not remove)
         return own
 
     def open(self) -> "OutputDir":
@@ -145,16 +148,15 @@ class OutputDir:
 
     def close(self, ok: bool = True) -> None:
         """Release the folder. A new run that ends with an error before it wrote a checkpoint or a metric
-        (``ok`` False) leaves the folder as it found it: no mark or lock file it made, no TensorBoard folder it
+        (``ok`` False) leaves the folder as it found it: no mark or lock file it made, no trackers' folder it
         made (else the folder, unmarked, would refuse the same run again), no folder it made."""
         if not ok and self.fresh and not self.checkpoints() and not (self.path / METRICS).exists():
-            for name in {RUN_FILE, LOCK_FILE} - self.found if getattr(self, "_lock", None) is not None else ():
-                (self.path / name).unlink(missing_ok=True)  # (only under its lock: no other run's)
-            if TENSORBOARD not in self.found and getattr(self, "_lock", None) is not None:
-                for f in (self.path / TENSORBOARD).glob("events.out.tfevents.*"):
-                    f.unlink()
-                with contextlib.suppress(OSError):
-                    (self.path / TENSORBOARD).rmdir()  # (only if empty)
+            held = getattr(self, "_lock", None) is not None  # (only under its lock: no other run's)
+            for name in {RUN_FILE, LOCK_FILE} - self.found if held else ():
+                (self.path / name).unlink(missing_ok=True)
+            for name in set(TRACKER_DIRS) - self.found if held else ():  # (made by this run: all of it is its own)
+                if (self.path / name).is_dir() and not (self.path / name).is_symlink():
+                    shutil.rmtree(self.path / name, ignore_errors=True)
             if self.created:
                 with contextlib.suppress(OSError):
                     self.path.rmdir()  # (only if empty)

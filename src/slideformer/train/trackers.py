@@ -35,7 +35,7 @@ class Trackers:
         """Open each tracker and log ``meta`` (config, model, versions, machine) once. A resumed run is a W&B
         run of its own: W&B ignores steps below one it has logged, which a resumed run logs again."""
         from ..config import ConfigError
-        from .outdir import TENSORBOARD
+        from .outdir import MLRUNS, TENSORBOARD
 
         self._tb = self._wandb = self._mlflow = None
         if "tensorboard" in names:
@@ -64,7 +64,7 @@ class Trackers:
                 raise ConfigError("report_to: mlflow needs its client (pip install mlflow-skinny)")
             if not os.environ.get("MLFLOW_TRACKING_URI"):  # (a file store: mlflow-skinny has no database one)
                 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-                mlflow.set_tracking_uri((out / "mlruns").resolve().as_uri())
+                mlflow.set_tracking_uri((out / MLRUNS).resolve().as_uri())
             self._mlflow = mlflow
             mlflow.start_run(run_name=out.name)
             mlflow.log_params({k: str(v)[:500] for k, v in _flat(meta).items()})
