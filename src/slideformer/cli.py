@@ -89,8 +89,8 @@ def cmd_plan(args) -> int:
     from .machine import Machine, MachineRates, disk_free, gpu_memory, host_memory
     from .plan import Auto, ModelShape, nvme_layer_count, parse_bytes, predicted_step, resolve
     from .plan.resolve import tier_bytes
-    from .plan.memory import (PROCESS_BYTES, config_rank_host_bytes, fmt_bytes, host_budget, mid_layers,
-                              process_allowance, processes_over, saved_layers, user_bytes)
+    from .plan.memory import (PROCESS_BYTES, check_host_limit, config_rank_host_bytes, fmt_bytes, host_budget,
+                              mid_layers, process_allowance, processes_over, saved_layers, user_bytes)
     from .presets import PRESETS, preset_config
 
     from .config import ConfigError
@@ -139,10 +139,8 @@ def cmd_plan(args) -> int:
                       gpu=parse_bytes(args.gpu_memory) if args.gpu_memory is not None else gpu_memory(), rates=rates,
                       disk=disk, ranks=args.nproc_per_node)
     cpu_limit, gpu_limit = machine.ram, machine.gpu
-    if args.host_memory_limit and parse_bytes(args.host_memory_limit) > cpu_limit:  # (it would be capped unsaid)
-        raise ConfigError(f"--host-memory-limit {args.host_memory_limit} is more than the machine's "
-                          f"{fmt_bytes(cpu_limit)} of RAM ({'--cpu-memory' if args.cpu_memory else 'this machine'}): "
-                          "give at most that")
+    check_host_limit(args.host_memory_limit, cpu_limit, "--host-memory-limit",
+                     "--cpu-memory" if args.cpu_memory else "this machine")
     # the engine settings `slideformer train` would use (clipping by default: a gradient buffer per layer)
     placement = Placement(nvme_master=args.nvme_master and bool(args.offload_dir),
                           **({} if args.nvme_fraction == "auto" else {"nvme_fraction": args.nvme_fraction}),

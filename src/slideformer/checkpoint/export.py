@@ -62,6 +62,14 @@ def _names(plan: list) -> list[str]:
         [f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors" for i in range(len(plan))]
 
 
+INDEX = "model.safetensors.index.json"
+
+
+def _all_names(plan: list) -> list[str]:
+    """Every weight file an export of ``plan`` holds, its shards' index too."""
+    return _names(plan) + [INDEX] * (len(plan) > 1)
+
+
 def _writer(shard: list, owner: list[int] | None) -> int:
     """The rank that writes a file of ``shard_plan``: its units' owner."""
     return owner[shard[0][0].index] if owner else 0
@@ -108,8 +116,7 @@ def stage_pretrained(out: str | os.PathLike, adapter: ModelAdapter, store: HostS
             itemsize = torch.empty((), dtype=dtype).element_size()
             index = {"metadata": {"total_size": sum(spec.numel * itemsize for shard in plan for _, spec in shard)},
                      "weight_map": {spec.key: name for name, shard in zip(names, plan) for _, spec in shard}}
-            name = "model.safetensors.index.json"
-            staged.append((_staged(out / name, lambda p: p.write_text(json.dumps(index, indent=2))), out / name))
+            staged.append((_staged(out / INDEX, lambda p: p.write_text(json.dumps(index, indent=2))), out / INDEX))
     except BaseException:
         drop_staged(staged)
         if made:
@@ -141,7 +148,7 @@ def place_pretrained(out: str | os.PathLike, adapter: ModelAdapter, dtype: torch
         os.replace(tmp, final)
     if rank == 0:
         plan = shard_plan(adapter, dtype, owner)
-        for old in stale_weights(Path(out), _names(plan) + ["model.safetensors.index.json"] * (len(plan) > 1)):
+        for old in stale_weights(Path(out), _all_names(plan)):
             old.unlink()
         cfg = adapter.config
         cfg.dtype = dtype
@@ -188,6 +195,5 @@ def save_from_state(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype
 
     adapter = ModelAdapter(AutoConfig.from_pretrained(str(checkpoint)))
     save_pretrained(out, adapter, _StateMasters(Path(checkpoint) / STATE_DIR, adapter), dtype)
-    weights = files_of(adapter, dtype, None, 0)  # (every file it wrote, new or replaced: what export keeps)
-    return sorted(Path(n) for n in weights + ["config.json"] + (["model.safetensors.index.json"] if len(weights) > 1
-                                                                 else []))
+    # (every file it wrote, new or replaced: what export keeps)
+    return sorted(Path(n) for n in _all_names(shard_plan(adapter, dtype)) + ["config.json"])

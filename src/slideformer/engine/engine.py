@@ -888,7 +888,7 @@ class SlideEngine:
                                            check=lambda st: learning_rate(st.get("lr", self.lr), f"{path}: its lr"))
         if self.runtime.visiting is not None:
             self.runtime.visiting.release()
-        self.lr = learning_rate(state.get("lr", self.lr), "")
+        self.lr = float(state.get("lr", self.lr))  # (checked above)
         return state
 
     def describe(self) -> str:

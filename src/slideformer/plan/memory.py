@@ -536,6 +536,17 @@ def host_budget(cfg, ram: int) -> tuple[int, int]:
     return min(int(RAM_FRACTION * ram), most), most
 
 
+def check_host_limit(limit, ram: int, key: str, ram_from: str | None = None) -> None:
+    """Refuse a host_memory_limit over the RAM there is (``ram``: this machine's, or what ``ram_from`` says):
+    it would be no budget, and the run would end mid-way where it did not hold."""
+    if limit and parse_bytes(limit) > ram:
+        from ..config import ConfigError
+
+        raise ConfigError(f"{key} {limit} is more than " + (f"the machine's {fmt_bytes(ram)} of RAM ({ram_from})"
+                          if ram_from else f"this machine's {fmt_bytes(ram)} of RAM") + "; give at most that, or "
+                          "leave it unset (95% of the RAM)")
+
+
 def processes_over(ranks: int, allowance: int) -> str:
     """What the processes themselves take against a host budget that leaves each ``allowance`` (no more
     than PROCESS_BYTES): the start of a refusal, the budget's name to follow."""

@@ -292,12 +292,9 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     except ConfigError as e:
         raise ConfigError(_in_user_keys(str(e))) from None
     from ..machine import Machine, host_memory
-    from ..plan.memory import data_in_ram, fmt_bytes, parse_bytes, process_allowance
+    from ..plan.memory import check_host_limit, data_in_ram, process_allowance
 
-    if o.host_memory_limit and parse_bytes(o.host_memory_limit) > (ram := host_memory()):  # (plan refuses it too)
-        raise ConfigError(f"offload.host_memory_limit {o.host_memory_limit} is more than this machine's "
-                          f"{fmt_bytes(ram)} of RAM, which would end the run mid-way where it did not hold; give "
-                          "at most that, or leave it unset (95% of the RAM)")
+    check_host_limit(o.host_memory_limit, host_memory(), "offload.host_memory_limit")
     hf_config = load_model_config(cfg)
     resume = cfg.resume_from_checkpoint
     # (a folder that is not a checkpoint is refused before any work)
