@@ -52,6 +52,9 @@ def model_dirs(tmp_path):
     return tmp_path
 
 
+OWN = b'{"text": "a"}\n'  # (a model of one's own needs data of one's own: the bundled samples are the demo's)
+
+
 @pytest.mark.parametrize("override,code,needles", [
     ("model_name_or_path={t}/missing", 2, ["missing: no such folder", "hf download"]),
     ("model_name_or_path=someorg/some-model", 2, ["no such folder"]),  # not the Hub: refused at once
@@ -114,7 +117,8 @@ def model_dirs(tmp_path):
 ])
 def test_bad_settings(tmp_path, capsys, override, code, needles):
     t = model_dirs(tmp_path)
-    assert main(FAST + [f"output_dir={t}/out", override.format(t=t)]) == code
+    own = [f"dataset={data(tmp_path, 'own.jsonl', OWN)}"] * override.startswith("model_name")
+    assert main(FAST + [f"output_dir={t}/out", override.format(t=t), *own]) == code
     one_line(capsys, *needles)
 
 
@@ -139,6 +143,8 @@ def test_a_number_for_a_folder_name_is_a_folder_name(tmp_path, monkeypatch):
     ("deep.jsonl", b"[" * 100000 + b"]" * 100000 + b"\n", ["deep.jsonl:1: not valid JSON (nested too deeply)"]),
     ("broken.jsonl", b'{"text": "ok"}\n{"text": \n', ["broken.jsonl:2: not valid JSON", "skip_bad_records"]),
     ("empty.jsonl", b"\n", ["empty.jsonl holds no records"]),
+    ("null.jsonl", b'{"text": "a"}\nnull\n', ["null.jsonl:2: expected a record (a JSON object), got null"]),
+    ("null.json", b'[null, {"text": "a"}]', ["null.json[record 0]: expected a record (a JSON object), got null"]),
     ("surrogate.jsonl", b'{"text": "\\ud800 bad"}\n', ["surrogate.jsonl:1: text holds invalid Unicode"]),
     ("records", b'{"text": "a"}\n{"text": "b"}\nnot json\n', ["records:3: not valid JSON", "skip_bad_records"]),
     ("notes.txt", b"plain prose, one paragraph\n", ["notes.txt:1: not valid JSON", "a .txt file is read as JSONL",
@@ -243,10 +249,10 @@ def test_resuming_an_earlier_checkpoint_into_its_run_is_refused(tmp_path, capsys
 
 
 def test_skip_bad_records_also_skips_lines_that_are_not_json(tmp_path, capsys):
-    lines = [json.dumps({"text": f"sample number {i}"}) for i in range(8)] + ['{"text": ', "not json at all"]
+    lines = [json.dumps({"text": f"sample number {i}"}) for i in range(8)] + ['{"text": ', "not json at all", "null"]
     p = data(tmp_path, "d.jsonl", "\n".join(lines).encode() + b"\n")
     assert main(FAST + [f"output_dir={tmp_path}/out", f"dataset=[{p}]", "skip_bad_records=true"]) == 0
-    assert "skipped 2 malformed record(s)" in capsys.readouterr().out
+    assert "skipped 3 malformed record(s)" in capsys.readouterr().out
 
 
 def test_samples_without_a_target_within_cutoff_len_are_counted(tmp_path, capsys):
@@ -287,6 +293,27 @@ def test_a_chat_template_that_is_not_jinja_is_named_before_any_record(tmp_path, 
         assert main(FAST + [f"output_dir={tmp_path}/out", f"dataset=[{rows}]", f"chat_template={t}", *extra]) == 2
         one_line(capsys, f"chat_template {t}: not a valid Jinja template (line 1")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_chat_template_that_renders_no_content_or_no_generation_prompt_is_said_before_any_record(tmp_path, capsys):
+    """A template reading another key than 'content' would train every chat record on its own text: refused
+    (with skip_bad_records too). One with an assistant header but no add_generation_prompt branch trains the
+    header with each answer: said, and the run goes on."""
+    rows = data(tmp_path, "chat.jsonl", b'{"messages": [{"role": "user", "content": "hi"}, '
+                b'{"role": "assistant", "content": "yo"}]}\n')
+    value = tmp_path / "value.jinja"
+    value.write_text("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['value'] }}<|eos|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    for extra in ([], ["skip_bad_records=true"]):
+        assert main(FAST + [f"output_dir={tmp_path}/out", f"dataset=[{rows}]", f"chat_template={value}", *extra]) == 2
+        one_line(capsys, f"chat_template {value} renders no message's content", "message['content']")
+    assert not (tmp_path / "out").exists()
+    nogen = tmp_path / "nogen.jinja"
+    nogen.write_text("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|eos|>\n{% endfor %}")
+    assert main(["data", f"dataset=[{rows}]", f"chat_template={nogen}", "--samples", "1"]) == 0
+    out = capsys.readouterr()
+    assert f"chat_template {nogen} puts '<|assistant|>\\n' before an assistant turn's content" in out.err
+    assert "[[<|assistant|>\nyo<|eos|>\n]]" in out.out  # (what it says: the header trained)
 
 
 def test_a_tokenizer_past_the_models_vocabulary_is_named_before_the_model_loads(tmp_path, capsys, monkeypatch):
@@ -330,6 +357,44 @@ def test_a_tokenizer_past_the_models_vocabulary_is_named_before_the_model_loads(
     one_line(capsys, f"the tokenizer of {model} pads with", "id 450, past the model's vocabulary of 300")
 
 
+def test_a_tokenizer_without_an_end_of_text_token_is_named(tmp_path, capsys):
+    """A text sample ends with the eos token, and rows are padded with it where no pad token is set."""
+    import shutil
+    from importlib.resources import files
+
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "m"
+    shutil.copytree(str(files("slideformer") / "assets" / "tiny"), model)
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.eos_token = tok.pad_token = None
+    tok.save_pretrained(model)
+    rows = data(tmp_path, "d.jsonl", b'{"text": "a"}\n')
+    assert main(["data", f"dataset=[{rows}]", f"model_name_or_path={model}"]) == 2
+    one_line(capsys, f"model_name_or_path {model}: its tokenizer has no eos_token", "tokenizer_config.json")
+
+
+@pytest.mark.parametrize("options,needles", [
+    (['dataset=""'], ["dataset[0]: path is ''"]),
+    (["dataset=[{d}]", 'eval_dataset=""'], ["eval_dataset[0]: path is ''"]),
+    (["dataset=[{d}, {d}]"], ["dataset lists", "twice", "list it once"]),
+    (["dataset=[{d}, {dot}]"], ["dataset lists", "twice (again as"]),
+    (["dataset=[{script}]"], ["datasets cannot read it (RuntimeError", "scripts"]),
+])
+def test_dataset_keys_a_user_gets_wrong(tmp_path, capsys, monkeypatch, options, needles):
+    """An empty path (it would read the folder the run starts in), one file listed twice (its records trained
+    twice as often, unsaid), a folder of a datasets loading script: each a bad config, one line."""
+    d = data(tmp_path, "d.jsonl", b'{"text": "a"}\n')
+    (tmp_path / "script").mkdir()
+    (tmp_path / "script" / "script.py").write_text("import datasets\n")
+    (tmp_path / "script" / "train.jsonl").write_text('{"text": "a"}\n')
+    monkeypatch.chdir(tmp_path)
+    args = [o.format(d=d, dot="./d.jsonl", script=tmp_path / "script") for o in options]
+    assert main(FAST + [f"output_dir={tmp_path}/out", *args]) == 2
+    one_line(capsys, *needles)
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_tokenizer_whose_extra_ids_the_data_never_gives_trains(tmp_path, capsys):
     """Ids past the vocabulary that no record produces are no error (each sample is checked, not the tokenizer)."""
     import shutil
@@ -344,7 +409,8 @@ def test_a_tokenizer_whose_extra_ids_the_data_never_gives_trains(tmp_path, capsy
     tok.add_tokens([f"<extra_{i}>" for i in range(len(tok), config.vocab_size + 8)])  # (ids past 512)
     tok.save_pretrained(model)
     AutoModelForCausalLM.from_config(config).save_pretrained(model)
-    assert main(FAST + [f"output_dir={tmp_path}/out", f"model_name_or_path={model}"]) == 0
+    sample = files("slideformer") / "assets" / "sample" / "alpaca.jsonl"
+    assert main(FAST + [f"output_dir={tmp_path}/out", f"model_name_or_path={model}", f"dataset={sample}"]) == 0
 
 
 @pytest.mark.parametrize("text", ["", "# only a comment\n", "{}\n", "max_steps: 1\n"])
@@ -382,6 +448,18 @@ def test_a_config_that_names_no_dataset_is_refused_not_trained_on_the_samples(tm
     assert main(["train", str(p), "device=cpu", f"dataset={sample}", f"output_dir={tmp_path / 'out'}"]) == 0
     p.write_text("model_name_or_path: tiny\nmax_steps: 1\nprogress: false\n")
     assert main(["train", str(p), "device=cpu", f"output_dir={tmp_path / 'tiny'}"]) == 0
+    # with no file, a model on the command line starts from the defaults, not the demo's (its learning rate,
+    # 3e-3, is the random tiny model's; its folder out/demo it overwrites): a dataset is needed as in a file
+    capsys.readouterr()
+    assert main(["train", f"model_name_or_path={model}", "device=cpu", f"output_dir={tmp_path / 'cmd'}"]) == 2
+    one_line(capsys, "the command names no dataset: add dataset=PATH")
+    from slideformer.train.config import TrainConfig, load_config
+
+    own = load_config(None, [f"model_name_or_path={model}", f"dataset={sample}"])
+    assert (own.learning_rate, own.max_steps, own.output_dir, own.overwrite_output_dir) == \
+        (TrainConfig.learning_rate, TrainConfig.max_steps, TrainConfig.output_dir, False)
+    demo = load_config(None, [f"dataset={sample}"])  # (the tiny model: the demo's settings, the data the user's)
+    assert (demo.learning_rate, demo.output_dir) == (3e-3, "out/demo")
 
 
 def test_a_config_that_is_not_utf8_or_cannot_be_read(tmp_path, capsys, monkeypatch):
@@ -594,7 +672,7 @@ def test_export_on_a_full_disk_leaves_nothing_half_written(checkpoint, tmp_path,
 
     monkeypatch.setattr(shutil, "copyfile", fills_up)
     assert main(["export", str(checkpoint), str(tmp_path / "new")]) == 5
-    one_line(capsys, f"export to {tmp_path / 'new'} failed (No space left on device)", "removed")
+    one_line(capsys, f"export to {tmp_path / 'new'} failed (No space left on device)", "left as it was")
     assert not (tmp_path / "new").exists()
     mine = tmp_path / "mine"
     mine.mkdir()
@@ -603,6 +681,33 @@ def test_export_on_a_full_disk_leaves_nothing_half_written(checkpoint, tmp_path,
     assert main(["export", str(checkpoint), str(mine), "--overwrite"]) == 5
     capsys.readouterr()
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    # over an earlier export: not one of its files replaced (the copies are staged, then renamed together)
+    monkeypatch.setattr(shutil, "copyfile", real)
+    assert main(["export", str(checkpoint), str(mine), "--overwrite"]) == 0
+    for f in mine.iterdir():
+        f.write_bytes(b"earlier " + f.name.encode())
+    before = {f.name: f.read_bytes() for f in mine.iterdir()}
+    monkeypatch.setattr(shutil, "copyfile", fills_up)
+    calls["n"] = 0
+    assert main(["export", str(checkpoint), str(mine), "--overwrite"]) == 5
+    capsys.readouterr()
+    assert {f.name: f.read_bytes() for f in mine.iterdir()} == before
+
+
+def test_export_over_a_folder_where_it_writes_a_file_changes_nothing(checkpoint, tmp_path, capsys):
+    dst = tmp_path / "hf"
+    assert main(["export", str(checkpoint), str(dst)]) == 0
+    weights = (dst / "model.safetensors").read_bytes()
+    (dst / "tokenizer_config.json").unlink()
+    (dst / "tokenizer_config.json").mkdir()
+    (dst / "model.safetensors").write_bytes(b"earlier")
+    before = sorted(p.name for p in dst.iterdir())
+    capsys.readouterr()
+    for extra in ([], ["--dtype", "fp32"]):
+        assert main(["export", str(checkpoint), str(dst), "--overwrite", *extra]) == 2
+        one_line(capsys, f"export target {dst} holds a folder tokenizer_config.json where the export writes a file")
+        assert sorted(p.name for p in dst.iterdir()) == before and (dst / "model.safetensors").read_bytes() == b"earlier"
+    assert weights != b"earlier"
 
 
 def test_export_in_another_dtype_on_a_full_disk_says_so_and_leaves_nothing(checkpoint, tmp_path, capsys, monkeypatch):

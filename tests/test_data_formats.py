@@ -33,6 +33,12 @@ def trained_text(tok, rec, fmt="auto"):
     ({"prompt": [{"role": "system", "content": "terse"}, {"role": "user", "content": "2+3?"},
                  {"role": "assistant", "content": "in the prompt"}, {"role": "user", "content": "so?"}],
       "completion": [{"role": "assistant", "content": "five"}]}, "five<|eos|>"),
+    # OpenAI's fine-tuning format: an assistant message of weight 0 is context
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "BAD ANSWER", "weight": 0},
+                   {"role": "user", "content": "again"}, {"role": "assistant", "content": "good", "weight": 1}]},
+     "good<|eos|>"),
+    # LLaMA-Factory's alpaca history: earlier [instruction, answer] turns, trained as its multi-turn records are
+    ({"instruction": "and 3?", "output": "three", "history": [["say 1", "one"]]}, "one<|eos|>three<|eos|>"),
 ])
 def test_formats_mask_everything_but_the_targets(tok, rec, expect):
     assert trained_text(tok, rec) == expect
@@ -128,6 +134,12 @@ def test_malformed_line_names_file_and_line(tmp_path):
     ({"instruction": "x", "output": "y", "system": 5}, "needs 'system' as a string, if any"),
     ({"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "user", "content": "a"}]},
      "a 'completion' of assistant messages"),
+    ({"messages": [{"role": "user", "content": "q", "weight": 0}, {"role": "assistant", "content": "a"}]},
+     r"messages\[0\]: 'weight' is for assistant messages"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0.5}]},
+     r"messages\[1\]: 'weight' is for assistant messages, 0 \(not trained on\) or 1"),
+    ({"instruction": "x", "output": "y", "history": [["only one"]]}, "needs 'history' as a list of"),
+    ({"instruction": "x", "output": "y", "history": "earlier"}, "needs 'history' as a list of"),
 ])
 def test_bad_records(rec, match):
     with pytest.raises(DataError, match=match):
@@ -189,6 +201,36 @@ def test_datasets_sources_csv_save_to_disk_folders_and_hub_names(tmp_path, monke
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(DataError, match="Hub dataset someorg/somedata.*hf download --repo-type dataset"):
         read_records("someorg/somedata")
+
+
+def test_a_path_with_pattern_characters_is_that_file(tmp_path):
+    """datasets reads a name as a glob pattern: "alp[1].csv" would read alp1.csv. The named file is read,
+    whichever reader (up front or as reached); a folder of data files under such a path is refused."""
+    import datasets
+
+    from slideformer.data.lazy import open_records
+
+    (tmp_path / "alp[1].csv").write_text("instruction,output\nright,yes\n")
+    (tmp_path / "alp1.csv").write_text("text\nTHE WRONG FILE\n")
+    datasets.Dataset.from_list([{"text": "right"}]).to_parquet(str(tmp_path / "p[1].parquet"))
+    datasets.Dataset.from_list([{"text": "THE WRONG FILE"}]).to_parquet(str(tmp_path / "p1.parquet"))
+    for read in (read_records, open_records):
+        assert [dict(r) for _, r in read(tmp_path / "alp[1].csv")] == [{"instruction": "right", "output": "yes"}]
+        assert [dict(r) for _, r in read(tmp_path / "p[1].parquet")] == [{"text": "right"}]
+    (tmp_path / "d[1]").mkdir()
+    (tmp_path / "d[1]" / "x.csv").write_text("text\nright\n")
+    with pytest.raises(DataError, match=r"d\[1\]: its path holds \[, \], \* or \?.*rename the folder"):
+        read_records(tmp_path / "d[1]")
+
+
+def test_csv_cells_are_the_text_they_hold(tmp_path):
+    """pandas would read "4" as a number and "NA" as missing: a CSV's (or TSV's) cells are read as text."""
+    (tmp_path / "m.csv").write_text('instruction,input,output\n"What is 2+2?",NA,"4"\nx,,007\n')
+    (tmp_path / "m.tsv").write_text('instruction\tinput\toutput\nWhat is 2+2?\tnull\t4\n')
+    assert [r for _, r in read_records(tmp_path / "m.csv")] == [
+        {"instruction": "What is 2+2?", "input": "NA", "output": "4"}, {"instruction": "x", "input": "", "output": "007"}]
+    assert [r for _, r in read_records(tmp_path / "m.tsv")] == [
+        {"instruction": "What is 2+2?", "input": "null", "output": "4"}]
 
 
 def test_columns_map_a_records_own_keys_to_a_formats(tok, tmp_path):

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from slideformer.data import DataError, read_records
+from slideformer.data import NOT_JSON, DataError, read_records
 from slideformer.data import lazy
 from slideformer.data.lazy import JsonlLines, open_records
 from slideformer.plan import memory
@@ -40,7 +40,7 @@ def test_a_bad_line_is_named_when_a_step_reaches_it(tmp_path):
     assert lines[2] == (f"{f}:3", {"text": "ok"})
     with pytest.raises(DataError, match=r"d.jsonl:2: not valid JSON .* skip_bad_records"):
         lines[1]
-    assert JsonlLines(f, skip_bad=True)[1] == (f"{f}:2", None)
+    assert JsonlLines(f, skip_bad=True)[1] == (f"{f}:2", NOT_JSON)
     f.write_bytes(b'{"text": "ok"}\n{"text": "\xff"}\n')
     with pytest.raises(DataError, match=r"d.jsonl:2: not UTF-8"):
         JsonlLines(f, skip_bad=True)[1]

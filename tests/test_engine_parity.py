@@ -39,24 +39,37 @@ def reference_train(model, batches, *, lr, weight_decay=0.0, max_grad_norm=None,
     return model, losses
 
 
-def rows_apart(batches: list[dict]) -> list[list[dict]]:
-    """Each batch's rows as micro-batches, the last first: the reference's sums in other orders, for its own
-    noise (``assert_same``'s ``noise_model``)."""
-    return [[{k: v[i: i + 1] for k, v in b.items()} for i in reversed(range(len(b["input_ids"])))] for b in batches]
+def rows_apart(batches: list[dict], rows: int = 1) -> list[list[dict]]:
+    """Each batch's rows as micro-batches of ``rows`` (the last, or half the batch), the last first: the
+    reference's sums in other orders, for its own noise (``assert_same``'s ``noise_model``)."""
+    def size(b):
+        n = len(b["input_ids"])
+        return -(-n // 2) if rows == "half" else rows
+
+    return [[{k: v[i: i + size(b)] for k, v in b.items()} for i in reversed(range(0, len(b["input_ids"]), size(b)))]
+            for b in batches]
 
 
-def reference_noise(model, batches, **kw):
-    """PyTorch's training again in another exact order of its sums, for its own noise (``assert_same``'s
-    ``noise_model``): a Mixture-of-Experts model through transformers' eager experts (a loop over experts,
-    not its grouped products; the router's loss is the whole batch's, so the rows stay together), any other
-    with each batch's rows as micro-batches, the last first; and in both, each input that several linears
-    read in turn summed over those linears before its other uses (as the engine's recompute sums them:
-    model/recompute.py)."""
+def _rows_flipped(batches: list) -> list:
+    """Each batch (or micro-batch) with its rows in reverse order: the same sums in another order."""
+    return [[_rows_flipped([m])[0] for m in b] if isinstance(b, list) else {k: v.flip(0) for k, v in b.items()}
+            for b in batches]
+
+
+def reference_noise(model, batches, **kw) -> list:
+    """PyTorch's training again in two other exact orders of its sums, for its own noise (``assert_same``'s
+    ``noise_model``; one order's distance alone is a single draw, on some CPUs a small one): a
+    Mixture-of-Experts model through transformers' eager experts (a loop over experts, not its grouped
+    products; the router's loss is the whole batch's, so the rows stay together), its rows as given and
+    reversed; any other with each batch's rows as micro-batches of one row and of half the batch (kernels
+    of other shapes round otherwise: on some CPUs the larger part of the noise), the last first; and in
+    all, each input that several linears read in turn summed over those linears before its other uses (as
+    the engine's recompute sums them: model/recompute.py)."""
     model = linears_read_one_alias(copy.deepcopy(model))
     if getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
         model.config._experts_implementation = "eager"
-        return reference_train(model, batches, **kw)[0]
-    return reference_train(model, rows_apart(batches), **kw)[0]
+        return [reference_train(model, b, **kw)[0] for b in (batches, _rows_flipped(batches))]
+    return [reference_train(model, rows_apart(batches, rows), **kw)[0] for rows in (1, "half")]
 
 
 def linears_read_one_alias(model):
@@ -98,16 +111,19 @@ def assert_same(state, ref_model, losses, ref_losses, noise_model=None, atol=1e-
 
     Micro-batch accumulation sums in another order than one large batch, and Adam divides by
     sqrt(v), so an element whose gradient is near zero may differ by more than its own 1e-5.
-    ``noise_model``: the reference trained again on the same batches in another exact order of its sums
-    (``reference_noise``); each tensor's bounds are then also three times its own distance from the
-    reference (fp32's noise, which on some CPUs' kernels passes 1e-5 for a tensor or two)."""
+    ``noise_model``: the reference trained again on the same batches in other exact orders of its sums
+    (``reference_noise``: a model or a list of them); each tensor's bounds are then also three times its
+    largest distance from the reference among them (fp32's noise, which on some CPUs' kernels passes 1e-5
+    for a tensor or two)."""
     ref = ref_model.state_dict()
-    noise = noise_model.state_dict() if noise_model is not None else {}
+    noises = [m.state_dict() for m in (noise_model if isinstance(noise_model, list) else [noise_model])
+              if m is not None]
     for key, v in state.items():
         r = ref[key]
         rel = float((v - r).norm() / r.norm())
-        rel_bound = max(1e-5, 3 * float((noise[key] - r).norm() / r.norm())) if key in noise else 1e-5
-        abs_bound = max(atol, 3 * float((noise[key] - r).abs().max())) if key in noise else atol
+        near = [n[key] for n in noises if key in n]
+        rel_bound = max([1e-5] + [3 * float((n - r).norm() / r.norm()) for n in near])
+        abs_bound = max([atol] + [3 * float((n - r).abs().max()) for n in near])
         assert rel <= rel_bound, f"{key}: relative error {rel:.2e} (bound {rel_bound:.2e})"
         torch.testing.assert_close(v, r, rtol=0, atol=abs_bound, msg=lambda m: f"{key}: {m}")
     assert losses == pytest.approx(ref_losses, rel=1e-5)

@@ -1,6 +1,7 @@
 """The engine on a real GPU: streams and events must give the same training as the CPU path."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -32,7 +33,7 @@ def gpu_noise(model, batches, ref, fused="none", **kw) -> dict[str, float]:
 
     on_gpu = [{k: v.cuda() for k, v in b.items()} for b in batches]
     runs = [reference_train(copy.deepcopy(model).cuda(), on_gpu, **kw)[0],
-            reference_noise(copy.deepcopy(model).cuda(), on_gpu, **kw)]
+            *reference_noise(copy.deepcopy(model).cuda(), on_gpu, **kw)]
     if fused == "liger":
         fused_model = copy.deepcopy(model).cuda()
         assert apply_liger([fused_model.model], model.config.hidden_act)
@@ -780,13 +781,14 @@ def test_embedding_update_by_rows_on_cuda_is_the_whole_update(family, state, cli
     from the head's gradient, sent at the head, while backward runs), the packed gradient of the touched
     ones sent in chunks; the same bits as the whole embedding's update. (With clipping the global norm sums
     the packed gradient's squares, not the whole one's zeros too: in another order on the GPU, so there the
-    same to rounding of the coefficient.)"""
+    same to rounding of the coefficient, which bf16 weights can round a bit apart: within a small multiple of
+    the whole update's own noise, its micro-batches rotated.)"""
     import slideformer.engine.engine as engine_module
 
     model = build(family)
     g = torch.Generator().manual_seed(2)
     steps = [[{"input_ids": ids, "labels": ids.clone()}
-              for ids in (torch.randint(8 * s, 8 * s + 12, (1, 12), generator=g) for _ in range(2))] for s in range(4)]
+              for ids in (torch.randint(8 * s, 8 * s + 12, (1, 12), generator=g) for _ in range(3))] for s in range(4)]
     dtype = torch.float32 if state == "fp32" else torch.bfloat16
     kw = dict(lr=1e-2, weight_decay=0.1, max_grad_norm=clip, optimizer_state=state, compute_dtype=dtype,
               grad_chunk_elems=256)
@@ -800,9 +802,18 @@ def test_embedding_update_by_rows_on_cuda_is_the_whole_update(family, state, cli
         for k in whole:
             assert torch.equal(by_rows[k], whole[k]), k
     else:
-        assert losses == pytest.approx(whole_losses, rel=1e-5)
-        for k in whole:
-            assert float((by_rows[k] - whole[k]).norm() / whole[k].norm()) < 1e-4, k
+        rotated, rotated_losses = cuda_engine_train(model, [b[1:] + b[:1] for b in steps], **kw)
+
+        def loss_gap(got):
+            return max(abs(a - b) / abs(b) for a, b in zip(got, whole_losses))
+
+        def state_gap(got):
+            return math.sqrt(sum(float((got[k] - whole[k]).norm()) ** 2 for k in whole)
+                             / sum(float(whole[k].norm()) ** 2 for k in whole))
+
+        assert loss_gap(rotated_losses) > 0 and state_gap(rotated) > 0  # (the noise is there to measure)
+        assert loss_gap(losses) <= 4 * loss_gap(rotated_losses)
+        assert state_gap(by_rows) <= 4 * state_gap(rotated)
 
 
 @pytest.mark.parametrize("fused", ["none", "liger"])

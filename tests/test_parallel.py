@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from slideformer.parallel import assign_units
 
-from test_engine_parity import assert_same, reference_train, rows_apart
+from test_engine_parity import assert_same, reference_noise, reference_train
 from tiny import batch, build, children, engine_config
 
 
@@ -90,12 +90,17 @@ def run_ranks(tmp_path, world: int, family: str, cfg: dict, micro: int = 1, step
     return [torch.load(o) for o in outs]
 
 
-def reference(family: str, cfg: dict, steps=(0, 1, 2), apart: bool = False):
-    """PyTorch's training on the global batches; ``apart``: with their rows as micro-batches (its own noise)."""
+def reference(family: str, cfg: dict, steps=(0, 1, 2), noise: bool = False, world: int = 1, micro: int = 1):
+    """PyTorch's training on the global batches; ``noise``: its own noise instead (``reference_noise``), and
+    its training on the micro-batches the ``world`` ranks' ``micro`` make of them, in reverse order (the
+    engine's shapes of products, summed otherwise)."""
     model = build(family)
     batches = [batch(model.config.vocab_size, b=6, seed=s) for s in steps]
-    return reference_train(model, rows_apart(batches) if apart else batches, lr=cfg["lr"],
-                           max_grad_norm=cfg.get("max_grad_norm"), weight_decay=cfg.get("weight_decay", 0.0))
+    kw = dict(lr=cfg["lr"], max_grad_norm=cfg.get("max_grad_norm"), weight_decay=cfg.get("weight_decay", 0.0))
+    if not noise:
+        return reference_train(model, batches, **kw)
+    as_ranks = [[m for r in range(world) for m in _rows(b, r, world, micro)][::-1] for b in batches]
+    return reference_noise(model, batches, **kw) + [reference_train(model, as_ranks, **kw)[0]]
 
 
 BASE = dict(lr=1e-2, loss_kernel="torch", compute_dtype=torch.float32)
@@ -115,7 +120,7 @@ def test_ranks_train_the_global_batch_as_one_process(tmp_path, world, family, cf
         cfg["offload_dir"] = str(tmp_path / "nvme")
     results = run_ranks(tmp_path, world, family, cfg, micro, save=str(tmp_path / "ck"))
     ref, ref_losses = reference(family, cfg)
-    noise = reference(family, cfg, apart=True)[0]
+    noise = reference(family, cfg, noise=True, world=world, micro=micro)
     model = build(family)
     if family.endswith("moe"):  # (the router's loss is the whole batch's: the engine's own rows apart for noise)
         one, apart = train_steps(family, cfg, [0, 1, 2]), train_steps(family, cfg, [0, 1, 2], micro=6)
@@ -229,7 +234,7 @@ def test_a_checkpoint_of_n_ranks_resumes_under_m(tmp_path, before, after):
     rest = run_ranks(tmp_path, after, "llama", cfg, steps=range(split, 3), resume=ck) if after > 1 else \
         [train_steps("llama", cfg, list(range(split, 3)), resume=ck)]
     ref, ref_losses = reference("llama", cfg)
-    noise = reference("llama", cfg, apart=True)[0]
+    noise = reference("llama", cfg, noise=True)
     for res in rest:
         assert_same(res["state"], ref, first[0]["losses"] + res["losses"], ref_losses, noise)
 

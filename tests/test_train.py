@@ -446,7 +446,8 @@ def test_generation_config_travels_into_checkpoints_and_exports(tmp_path):
     AutoModelForCausalLM.from_config(preset_config("tiny")).save_pretrained(src)
     AutoTokenizer.from_pretrained(str(resources.files("slideformer") / "assets" / "tiny")).save_pretrained(src)
     GenerationConfig(do_sample=True, temperature=0.3, max_new_tokens=17).save_pretrained(src)
-    result = train(cfg(tmp_path / "run", "max_steps=1", f"model_name_or_path={src}"))
+    sample = resources.files("slideformer") / "assets" / "sample" / "text.jsonl"
+    result = train(cfg(tmp_path / "run", "max_steps=1", f"model_name_or_path={src}", f"dataset={sample}"))
     assert GenerationConfig.from_pretrained(result["checkpoint"]).temperature == 0.3
     assert main(["export", result["checkpoint"], str(tmp_path / "hf")]) == 0
     assert GenerationConfig.from_pretrained(tmp_path / "hf").max_new_tokens == 17

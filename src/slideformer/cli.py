@@ -128,6 +128,9 @@ def cmd_plan(args) -> int:
         raise ConfigError(f"{', '.join(tier_only)} {'describe' if len(tier_only) > 1 else 'describes'} the NVMe tier: "
                           "give its folder too (--offload-dir)")
     shape = ModelShape.from_adapter(ModelAdapter(config))
+    if isinstance(args.host_weights, int) and args.host_weights > shape.layers:
+        raise ConfigError(f"--host-weights {args.host_weights}: the model has {shape.layers} layers; stage at most "
+                          "that many, or give persistent, staged or auto")
     rates = MachineRates(gpu_flops=args.gpu_tflops * 1e12, pcie_bytes_per_s=args.pcie_gbps * 1e9,
                          disk_read_bytes_per_s=args.disk_read_gbps * 1e9,
                          disk_write_bytes_per_s=args.disk_write_gbps * 1e9,
@@ -230,7 +233,7 @@ def cmd_plan(args) -> int:
     if fits:
         verdict = "fits"
     elif not fits_gpu:
-        verdict = f"does NOT fit the GPU: {reason}"
+        verdict = "does NOT fit the GPU: " + re.sub(r"(?<![\w.])gpu_memory_limit", "--gpu-memory", reason)  # (its flag)
     elif (disk := next((q for q in (plan, trained(args.batch_size)) if q and q.binds == "disk"), None)):
         verdict = f"does NOT fit the disk: {disk.problem}"
     else:  # the GPU holds it; host RAM binds
@@ -380,42 +383,52 @@ def cmd_export(args) -> int:
     made = not dst.exists()
     dst.mkdir(parents=True, exist_ok=True)
     had = set(dst.rglob("*"))
+    import torch
     from safetensors import SafetensorError
 
-    try:
-        for rel in files:
-            target = dst / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp = target.with_name(target.name + ".tmp")
-            try:
-                shutil.copyfile(src / rel, tmp)
-                os.replace(tmp, target)
-            finally:
-                tmp.unlink(missing_ok=True)
-        if args.dtype:
-            import torch
+    from .checkpoint.export import drop_staged, place_pretrained, stage_from_state, staged_file, stale_weights
 
-            from .checkpoint.export import save_from_state
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}[args.dtype]
+    staged, weights = [], None  # (temporary, final) names: nothing in the target changes until all are written
 
-            files += save_from_state(src, dst, {"bf16": torch.bfloat16, "fp16": torch.float16,
-                                                "fp32": torch.float32}[args.dtype])
-    except BaseException as e:  # (a full disk or weights not finite mid-way: the files it added go, as a folder it made)
+    def undo():
+        drop_staged(staged + (weights[1] if weights else []))
         for p in sorted(set(dst.rglob("*")) - had, key=lambda p: len(p.parts), reverse=True):
             with contextlib.suppress(OSError):
                 p.rmdir() if p.is_dir() else p.unlink()
         if made:
             shutil.rmtree(dst, ignore_errors=True)
+
+    try:
+        for rel in files:
+            target = dst / rel
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staged.append((staged_file(target, lambda tmp, rel=rel: shutil.copyfile(src / rel, tmp)), target))
+        if dtype is not None:
+            weights = stage_from_state(src, dst, dtype)
+    except BaseException as e:  # (a full disk or weights not finite mid-way: the target is left as it was)
+        undo()
         if not isinstance(e, (OSError, SafetensorError)):
             raise
         code = getattr(e, "errno", None) or int((re.search(r"os error (\d+)", str(e)) or [0, 0])[1])
-        raise OSError(code, f"export to {dst} failed ({os.strerror(code) if code else e}); the files it added there "
-                            "are removed; free space there, make it writable or choose another folder, then export "
+        raise OSError(code, f"export to {dst} failed ({os.strerror(code) if code else e}); {dst} is left as it "
+                            "was; free space there, make it writable or choose another folder, then export "
                             "again") from e
-    # the model's weight files are replaced as a set: a stale shard index or single file would shadow them
-    from .checkpoint.export import stale_weights
-
-    for old in stale_weights(dst, [str(f) for f in files]):
-        old.unlink()
+    finals = [final for _, final in staged + (weights[1] if weights else [])] + [dst / "config.json"] * bool(weights)
+    blocked = next((f for f in finals if f.is_dir() and not f.is_symlink()), None)
+    if blocked is not None:  # (a rename onto it would fail midway, the files before it replaced)
+        undo()
+        print(f"error: export target {dst} holds a folder {blocked.name} where the export writes a file; move it "
+              "away, or export to a new folder", file=sys.stderr)
+        return EXIT_USAGE
+    for tmp, final in staged:
+        os.replace(tmp, final)
+    if weights is not None:  # (its weight files and config; an earlier export's weight files go)
+        place_pretrained(dst, weights[0], dtype, weights[1])
+        files += [final.relative_to(dst) for _, final in weights[1]] + [Path("config.json")]
+    else:  # the model's weight files are replaced as a set: a stale shard index or single file would shadow them
+        for old in stale_weights(dst, [str(f) for f in files]):
+            old.unlink()
     print(f"exported {src} -> {dst} ({len(files)} files)")
     return EXIT_OK
 
@@ -559,6 +572,12 @@ def _number(v: str, low: float, high: float, what: str) -> float:
     return x
 
 
+def _host_weights(v: str) -> str | int:
+    if v in ("auto", "persistent", "staged") or (v.isdigit() and v.isascii()):
+        return v if not v.isdigit() else int(v)
+    raise argparse.ArgumentTypeError(f"must be persistent, staged, auto or a number of staged layers, got {v!r}")
+
+
 def _fraction(v: str) -> float:
     return _number(v, 0.0, 1.0, "a number in [0, 1]")
 
@@ -637,8 +656,7 @@ def _main(argv: list[str], signals: Signals) -> int:
                     "the moments alone leave the host budget short)")
     pl.add_argument("--activations-to-nvme", action="store_true",
                     help="offloaded layer inputs go to files under --offload-dir (RAM: 3 staging buffers)")
-    pl.add_argument("--host-weights", default="auto",
-                    type=lambda v: v if v in ("auto", "persistent", "staged") else int(v),
+    pl.add_argument("--host-weights", default="auto", type=_host_weights,
                     help="persistent, staged, a number of staged layers, or auto (as `slideformer train`): "
                          "persistent where the state fits the host budget (host_memory_limit, else 85%% of the "
                          "RAM), else the fewest staged layers")

@@ -25,7 +25,7 @@ class NonFiniteStateError(FloatingPointError):
     """The weights or the training state hold NaN or infinity (in the dtype asked for): they are not written."""
 
 
-def _staged(path: Path, write) -> Path:
+def staged_file(path: Path, write) -> Path:
     """``write`` the file under a temporary name beside ``path``, flushed to disk: the name to rename."""
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -109,14 +109,14 @@ def stage_pretrained(out: str | os.PathLike, adapter: ModelAdapter, store: HostS
                         + (" (past float16's range: export in bfloat16 or float32)" if dtype == torch.float16
                            and bool(torch.isfinite(params[spec.key]).all()) else "")
                         + f"; nothing was written to {out}")
-            staged.append((_staged(out / name, lambda p, t=tensors: save_file(t, str(p), metadata={"format": "pt"})),
+            staged.append((staged_file(out / name, lambda p, t=tensors: save_file(t, str(p), metadata={"format": "pt"})),
                            out / name))
             del tensors, params
         if rank == 0 and len(plan) > 1:
             itemsize = torch.empty((), dtype=dtype).element_size()
             index = {"metadata": {"total_size": sum(spec.numel * itemsize for shard in plan for _, spec in shard)},
                      "weight_map": {spec.key: name for name, shard in zip(names, plan) for _, spec in shard}}
-            staged.append((_staged(out / INDEX, lambda p: p.write_text(json.dumps(index, indent=2))), out / INDEX))
+            staged.append((staged_file(out / INDEX, lambda p: p.write_text(json.dumps(index, indent=2))), out / INDEX))
     except BaseException:
         drop_staged(staged)
         if made:
@@ -186,14 +186,14 @@ class _StateMasters:
         return out
 
 
-def save_from_state(checkpoint: str | os.PathLike, out: str | os.PathLike, dtype: torch.dtype) -> list[Path]:
-    """The Hugging Face weights and config of a checkpoint written again in ``dtype`` from its training master
-    (the exact fp32 values, not the compute-dtype copy); returns the files written, relative to ``out``."""
+def stage_from_state(checkpoint: str | os.PathLike, out: str | os.PathLike,
+                     dtype: torch.dtype) -> tuple[ModelAdapter, list[tuple[Path, Path]]]:
+    """The Hugging Face weights of a checkpoint written again in ``dtype`` from its training master (the exact
+    fp32 values, not the compute-dtype copy), staged as ``stage_pretrained`` stages them: the model's
+    adapter and the staged files, for ``place_pretrained`` (which writes the config too)."""
     from transformers import AutoConfig
 
     from .state import STATE_DIR
 
     adapter = ModelAdapter(AutoConfig.from_pretrained(str(checkpoint)))
-    save_pretrained(out, adapter, _StateMasters(Path(checkpoint) / STATE_DIR, adapter), dtype)
-    # (every file it wrote, new or replaced: what export keeps)
-    return sorted(Path(n) for n in _all_names(shard_plan(adapter, dtype)) + ["config.json"])
+    return adapter, stage_pretrained(out, adapter, _StateMasters(Path(checkpoint) / STATE_DIR, adapter), dtype)

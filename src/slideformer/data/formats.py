@@ -2,9 +2,10 @@
 
 Every format becomes a list of chat messages, rendered with the tokenizer's chat template; the loss is
 on the assistant turns only (labels -100 elsewhere). Plain text is trained on whole. Supported:
-- alpaca:   {"instruction", "input"?, "output", "system"?}
+- alpaca:   {"instruction", "input"?, "output", "system"?, "history"?: [[instruction, answer], ...]}
 - sharegpt: {"conversations": [{"from": "human"|"gpt"|"system", "value"}], "system"?}
-- messages: {"messages": [{"role": "user"|"assistant"|"system", "content"}]}  (OpenAI style)
+- messages: {"messages": [{"role": "user"|"assistant"|"system", "content", "weight"?: 0|1}]}  (OpenAI style;
+            an assistant message of weight 0 is context, not trained on)
 - prompt_completion: {"prompt", "completion"} (TRL's): strings, trained on the completion as plain text; or
             lists of messages, rendered with the chat template and trained on the completion's turns only
 - text:     {"text"}
@@ -14,19 +15,34 @@ Files: JSONL, JSON (a list of records) and Parquet (through ``datasets``).
 """
 from __future__ import annotations
 
+import contextlib
+import csv
+import glob
 import json
 import os
 from pathlib import Path
 
 FORMATS = ("alpaca", "sharegpt", "messages", "prompt_completion", "text")
-KEYS = ("messages", "conversations", "instruction", "input", "output", "system", "prompt", "completion", "text")
+KEYS = ("messages", "conversations", "instruction", "input", "output", "system", "history", "prompt", "completion",
+        "text")
 TEXT_KEYS = ("instruction", "input", "output", "system", "text")  # (read as strings only)
-OPTIONAL_KEYS = ("input", "system")  # (alpaca's: a record may go without them)
+OPTIONAL_KEYS = ("input", "system", "history")  # (alpaca's: a record may go without them)
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 
 
 class DataError(ValueError):
     """A malformed record; the message names the file and line (or record index)."""
+
+
+class _NotJson:
+    """A JSONL line that is not JSON, read under ``skip_bad`` (to be counted as skipped). Not ``None``: a line
+    ``null`` is JSON, a record that is no object, malformed like any other."""
+
+    def __repr__(self) -> str:
+        return "NOT_JSON"
+
+
+NOT_JSON = _NotJson()
 
 
 LOADERS = {".csv": "csv", ".tsv": "csv", ".arrow": "arrow"}  # file types read through datasets.load_dataset
@@ -36,9 +52,9 @@ FILE_SUFFIXES = (".json", ".parquet", ".txt", ".gz", ".bz2", ".zst", *JSONL_SUFF
 
 
 def read_records(path: str | os.PathLike, skip_bad: bool = False, split: str | None = None,
-                 subset: str | None = None) -> list[tuple[str, dict | None]]:
+                 subset: str | None = None) -> list[tuple[str, object]]:
     """(where, record) pairs; ``where`` is "file:line" for JSONL, "file[record i]" otherwise. With
-    ``skip_bad`` a JSONL line that is not valid JSON comes back as ``None`` (to be counted), not an error.
+    ``skip_bad`` a JSONL line that is not valid JSON comes back as ``NOT_JSON`` (to be counted), not an error.
     JSONL, JSON and Parquet are read here; CSV and Arrow files, folders (``save_to_disk``'s, or of data
     files) and Hub dataset names through ``datasets`` (``split``, default train; ``subset``)."""
     p = Path(path)
@@ -54,7 +70,9 @@ def read_records(path: str | os.PathLike, skip_bad: bool = False, split: str | N
         except UnicodeDecodeError as e:
             raise DataError(f"{p}: not UTF-8 text (byte {e.start}); save it as UTF-8") from e
         except json.JSONDecodeError as e:
-            raise DataError(f"{p}:{e.lineno}: not valid JSON ({e.msg})") from e
+            lines = e.msg == "Extra data" and e.lineno > 1 and e.colno == 1  # (a record a line: JSONL)
+            raise DataError(f"{p}:{e.lineno}: not valid JSON ({e.msg})" + (
+                "; it holds a JSON record a line (JSONL): name it .jsonl" if lines else "")) from e
         except RecursionError:
             raise DataError(f"{p}: JSON nested too deeply to be a dataset record") from None
         if not isinstance(data, list):
@@ -68,8 +86,8 @@ def read_records(path: str | os.PathLike, skip_bad: bool = False, split: str | N
     return out
 
 
-def jsonl_record(raw: bytes, p: Path, lineno: int, skip_bad: bool) -> dict | None:
-    """Line ``lineno`` of JSONL file ``p`` as its record; None for one that is not JSON under ``skip_bad``.
+def jsonl_record(raw: bytes, p: Path, lineno: int, skip_bad: bool) -> object:
+    """Line ``lineno`` of JSONL file ``p`` as its record; NOT_JSON for one that is not JSON under ``skip_bad``.
     A byte-order mark before the first line is not part of it (editors on Windows write one)."""
     where = f"{p}:{lineno}"
     if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
@@ -82,7 +100,7 @@ def jsonl_record(raw: bytes, p: Path, lineno: int, skip_bad: bool) -> dict | Non
         return json.loads(line)
     except (json.JSONDecodeError, RecursionError) as e:
         if skip_bad:
-            return None
+            return NOT_JSON
         why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deeply"
         if lineno == 1 and p.suffix.lower() not in JSONL_SUFFIXES:  # (likely another kind of file, not a bad line)
             raise DataError(f"{where}: not valid JSON ({why}); a {p.suffix or 'suffix-less'} file is read as JSONL "
@@ -134,7 +152,14 @@ def open_parquet(p: Path):
         raise DataError(f"{p}: reading Parquet needs the datasets package: pip install 'slideformer[data]' "
                         "(or pip install datasets)") from None
     try:
-        return Dataset.from_parquet(str(p))
+        import pyarrow.parquet as pq
+
+        if pq.ParquetFile(p).metadata.num_rows == 0:
+            raise DataError(f"dataset file {p} holds no records")
+        with _quiet_datasets():
+            return Dataset.from_parquet(glob.escape(str(p)))  # (the file itself: datasets reads a name as a pattern)
+    except DataError:
+        raise
     except Exception as e:  # pyarrow raises its own types for a file that is not Parquet
         raise DataError(f"dataset file {p}: not a readable Parquet file ({type(e).__name__}: "
                         f"{str(e).splitlines()[0][:200] if str(e) else ''})") from e
@@ -142,7 +167,8 @@ def open_parquet(p: Path):
 
 def detect_format(rec: dict, where: str) -> str:
     if not isinstance(rec, dict):
-        raise DataError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+        kind = {type(None): "null", list: "a list", str: "a string", bool: "a boolean"}.get(type(rec), "a number")
+        raise DataError(f"{where}: expected a record (a JSON object), got {kind}")
     if "messages" in rec:
         return "messages"
     if "conversations" in rec:
@@ -153,9 +179,15 @@ def detect_format(rec: dict, where: str) -> str:
         return "text"
     if "prompt" in rec and "completion" in rec:
         return "prompt_completion"
-    raise DataError(f"{where}: cannot tell the format from keys {sorted(rec)}; expected one of "
+    raise DataError(f"{where}: cannot tell the format from keys {_keys(rec)}; expected one of "
                     "messages / conversations / instruction+output / prompt+completion / text, or map the record's "
                     "keys to those with the dataset's columns (e.g. {instruction: question, output: answer})")
+
+
+def _keys(rec: dict, most: int = 12) -> str:
+    """A record's keys for a message: a few, each cut short (a record may hold thousands, or one of 200 KB)."""
+    keys = [k if len(k) <= 40 else k[:37] + "..." for k in sorted(rec)[:most]]
+    return str(keys) + (f" and {len(rec) - most} more" if len(rec) > most else "")
 
 
 def renamed(rec, columns: dict | None, where: str):
@@ -166,7 +198,7 @@ def renamed(rec, columns: dict | None, where: str):
     if missing:
         ours = next(o for o, t in columns.items() if t == missing[0])
         raise DataError(f"{where}: no key {missing[0]!r} (the dataset's columns map {ours} to it); the record has "
-                        f"{sorted(rec)}")
+                        f"{_keys(rec)}")
     for ours, theirs in columns.items():
         v = rec.get(theirs)
         if ours in TEXT_KEYS and v is not None and not isinstance(v, str):
@@ -212,10 +244,16 @@ def _to_messages(rec: dict, fmt: str, where: str) -> list[dict] | str:
     if fmt == "alpaca":
         for k in ("instruction", "output"):
             need(isinstance(rec.get(k), str), f"needs a string {k!r}")
-        for k in OPTIONAL_KEYS:
+        for k in ("input", "system"):
             need(rec.get(k) is None or isinstance(rec[k], str), f"needs {k!r} as a string, if any")
         user = rec["instruction"] + (f"\n{rec['input']}" if rec.get("input") else "")
         msgs = [{"role": "system", "content": rec["system"]}] if rec.get("system") else []
+        history = rec.get("history") or []  # (LLaMA-Factory's earlier turns: [instruction, answer] pairs)
+        need(isinstance(history, list) and all(isinstance(t, list) and len(t) == 2 and all(isinstance(x, str) for x in t)
+                                              for t in history), "needs 'history' as a list of [instruction, answer] "
+             "pairs of strings, if any")
+        for question, answer in history:
+            msgs += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
         return msgs + [{"role": "user", "content": user}, {"role": "assistant", "content": rec["output"]}]
     if fmt == "sharegpt":
         conv = rec.get("conversations")
@@ -246,13 +284,18 @@ def _to_messages(rec: dict, fmt: str, where: str) -> list[dict] | str:
 
 
 def _messages(msgs, need, key: str) -> list[dict]:
-    """A record's list of OpenAI-style messages, checked, as role and content only."""
+    """A record's list of OpenAI-style messages, checked, as role and content only; an assistant message's
+    ``weight`` 0 (OpenAI's fine-tuning format) makes it context, not trained on."""
     need(isinstance(msgs, list) and msgs, f"needs a non-empty list {key!r}")
     for i, m in enumerate(msgs):
         need(isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
              and isinstance(m.get("content"), str), f"{key}[{i}] needs 'role' in system/user/assistant and a string "
              "'content'")
-    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+        need(m.get("weight", 1) in (0, 1) and not isinstance(m.get("weight"), float) and
+             ("weight" not in m or m["role"] == "assistant"), f"{key}[{i}]: 'weight' is for assistant messages, 0 "
+             "(not trained on) or 1")
+    return [{"role": m["role"], "content": m["content"], **({"prompt": True} if m.get("weight") == 0 else {})}
+            for m in msgs]
 
 
 def chat_template_text(value: str) -> str:
@@ -304,6 +347,35 @@ def check_chat_template(template: str, where: str = "chat_template") -> None:
     except TemplateSyntaxError as e:
         raise DataError(f"{where}: not a valid Jinja template (line {e.lineno}: {e.message}); fix the template, "
                         "or leave chat_template unset for the model's own") from None
+
+
+PROBE = ("slideformer probe question", "slideformer probe answer")
+
+
+def template_probe(tokenizer, where: str) -> str | None:
+    """A plain exchange rendered by the tokenizer's chat template, before any record: a template that renders
+    no message's content (one that reads another key than 'content') is refused, as every chat record would
+    train on the template's own text; one that puts an assistant header before the content but gives nothing
+    for add_generation_prompt gets a note (returned): the header is then trained as part of the answer."""
+    conv = [{"role": "user", "content": PROBE[0]}, {"role": "assistant", "content": PROBE[1]}]
+    try:
+        whole = tokenizer.apply_chat_template(conv, tokenize=False)
+        bare = tokenizer.apply_chat_template(conv[:1], tokenize=False)
+        header = tokenizer.apply_chat_template(conv[:1], tokenize=False, add_generation_prompt=True)
+    except Exception:  # (a template that refuses this exchange says why per record)
+        return None
+    if not all(isinstance(t, str) for t in (whole, bare, header)):
+        return None
+    if not all(text in whole for text in PROBE):
+        raise DataError(f"{where} renders no message's content (a message is {{'role': ..., 'content': ...}}): chat "
+                        "records would train on the template's own text; make it read message['content']")
+    if header == bare and whole.startswith(bare) and whole.find(PROBE[1]) > len(bare):
+        lead = whole[len(bare): whole.index(PROBE[1])]
+        if lead.strip():
+            return (f"{where} puts {lead[:60]!r} before an assistant turn's content, and nothing for "
+                    "add_generation_prompt: chat records train those tokens as part of each answer; give the "
+                    "template an add_generation_prompt branch to leave them out")
+    return None
 
 
 def max_token_chars(tokenizer) -> int:
@@ -463,6 +535,19 @@ def _through_datasets(name: str, p: Path, split: str | None, subset: str | None)
     return [(f"{name}[{tag} {i}]", dict(r)) for i, r in enumerate(data)]
 
 
+def _csv_as_text(p: Path, datasets) -> dict:
+    """load_dataset's options that read every cell of a CSV or TSV file as the text it holds: an answer "4"
+    stays a string, "NA" or "null" are words, an empty cell is empty (pandas would guess numbers and
+    missing values)."""
+    sep = "\t" if p.suffix.lower() == ".tsv" else ","
+    with open(p, newline="", encoding="utf-8-sig", errors="replace") as f:
+        header = next(csv.reader(f, delimiter=sep), [])
+    out = {"delimiter": sep, "keep_default_na": False}
+    if header and len(set(header)) == len(header):  # (else datasets' own error names the file)
+        out["features"] = datasets.Features({name: datasets.Value("string") for name in header})
+    return out
+
+
 def open_through_datasets(name: str, p: Path, split: str | None, subset: str | None):
     """``datasets``' Dataset of what ``_through_datasets`` reads (Arrow, memory-mapped), and how a record of
     it is named ("record", or the split's)."""
@@ -473,22 +558,13 @@ def open_through_datasets(name: str, p: Path, split: str | None, subset: str | N
         import datasets
     except ImportError:
         raise DataError(f"{name}: reading it needs the datasets package: pip install 'slideformer[data]'") from None
-    bars, level = datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity()
-    datasets.disable_progress_bars()  # (its bars and log lines: an error is said once, in our line)
-    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     try:
-        if p.is_dir() and ((p / "dataset_dict.json").is_file() or (p / "state.json").is_file()):
-            try:
-                data = datasets.load_from_disk(str(p))
-            except IndexError:  # (datasets cannot load a save of no rows: it concatenates none)
-                raise DataError(f"dataset folder {name} holds no records (a save of an empty dataset, or of an "
-                                "empty split)") from None
-        elif p.is_file():
-            data = datasets.load_dataset(LOADERS[p.suffix.lower()], data_files=str(p),
-                                         **({"delimiter": "\t"} if p.suffix.lower() == ".tsv" else {}))
-        else:
-            data = datasets.load_dataset(name, subset)
-    except (FileNotFoundError, ConnectionError, OSError, ValueError, datasets.exceptions.DatasetGenerationError) as e:
+        with _quiet_datasets():
+            data = _load(datasets, name, p, subset)
+    except DataError:
+        raise
+    except (FileNotFoundError, ConnectionError, OSError, ValueError, RuntimeError,  # (RuntimeError: a loading script)
+            datasets.exceptions.DatasetGenerationError) as e:
         if isinstance(e, datasets.exceptions.DatasetGenerationError) and e.__cause__ is not None:
             e = e.__cause__  # (the parser's own error says what is wrong)
         if isinstance(e, OSError) and not isinstance(e, FileNotFoundError) and e.errno and p.exists():
@@ -496,12 +572,8 @@ def open_through_datasets(name: str, p: Path, split: str | None, subset: str | N
         where = "folder" if p.is_dir() else "file" if p.is_file() else "Hub dataset"
         hint = "" if p.exists() else ("; offline, fetch it first: hf download --repo-type dataset " + name +
                                        " --local-dir DIR, and give DIR")
-        raise DataError(f"dataset {where} {name}: datasets cannot read it ({type(e).__name__}: "
-                        f"{(str(e).splitlines() or [''])[0][:200]}){hint}") from e
-    finally:
-        datasets.logging.set_verbosity(level)
-        if bars:
-            datasets.enable_progress_bars()
+        raise DataError(f"{'' if where == 'Hub dataset' else 'dataset '}{where} {name}: datasets cannot read it "
+                        f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}){hint}") from e
     if isinstance(data, datasets.DatasetDict):
         want = split or "train"
         if want not in data:
@@ -513,3 +585,36 @@ def open_through_datasets(name: str, p: Path, split: str | None, subset: str | N
             raise DataError(f"dataset {name} has no splits (it is one dataset); remove split: {split}")
         tag = "record"
     return data, tag
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+    """``datasets``' progress bars and log lines off meanwhile: an error is said once, in our line."""
+    import datasets
+
+    bars, level = datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity()
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(level)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def _load(datasets, name: str, p: Path, subset: str | None):
+    """What ``open_through_datasets`` reads, as datasets gives it (a Dataset or a DatasetDict)."""
+    if p.is_dir() and ((p / "dataset_dict.json").is_file() or (p / "state.json").is_file()):
+        try:
+            return datasets.load_from_disk(str(p))
+        except IndexError:  # (datasets cannot load a save of no rows: it concatenates none)
+            raise DataError(f"dataset folder {name} holds no records (a save of an empty dataset, or of an "
+                            "empty split)") from None
+    if p.is_file():
+        return datasets.load_dataset(LOADERS[p.suffix.lower()], data_files=glob.escape(str(p)),
+                                     **(_csv_as_text(p, datasets) if LOADERS[p.suffix.lower()] == "csv" else {}))
+    if p.is_dir() and any(c in str(p) for c in "*?["):  # (datasets finds a folder's files by patterns under it)
+        raise DataError(f"dataset folder {name}: its path holds [, ], * or ?, which datasets reads as a "
+                        "pattern; rename the folder, or link it from a path without them")
+    return datasets.load_dataset(name, subset)

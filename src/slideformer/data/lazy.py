@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .formats import (DataError, check_one_dataset, check_readable, jsonl_record, open_parquet, open_through_datasets,
+from .formats import (NOT_JSON, DataError, check_one_dataset, check_readable, jsonl_record, open_parquet, open_through_datasets,
                       read_by_datasets, read_records)
 
 CHUNK = 4 << 20  # bytes scanned for line ends at a time
@@ -26,7 +26,7 @@ _SPACE[[9, 10, 11, 12, 13, 32]] = True  # (ASCII whitespace: a line of only thes
 
 class JsonlLines:
     """The records of a JSONL file (its lines that are not blank, as read_records has them), by index:
-    (where, record), or (where, None) for a line that is not JSON under ``skip_bad`` (else DataError,
+    (where, record), or (where, NOT_JSON) for a line that is not JSON under ``skip_bad`` (else DataError,
     naming the file and line). RAM: 8 bytes a record (where its line starts), and the blank lines' numbers.
     The file is opened for each read: nothing stays open (a dataset may be thousands of files), and a copy
     in another process reads it as well."""
@@ -145,7 +145,7 @@ class LazyExamples:
         records, spec = self.sources[s]
         where, rec = records[i - (int(self.ends[s - 1]) if s else 0)]
         first, self._met[i] = not self._met[i], True
-        if rec is None:  # a line that is not JSON, under skip_bad
+        if rec is NOT_JSON:  # a line that is not JSON, under skip_bad
             self.skipped += first
             return None
         try:

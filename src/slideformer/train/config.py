@@ -79,6 +79,8 @@ def _specs(value, key: str) -> list[DatasetSpec]:
             raise ConfigError(f"{key}[{i}] must be a file path or a mapping with a path, got {d!r}")
         spec = DatasetSpec(d) if isinstance(d, str) else d if isinstance(d, DatasetSpec) else \
             DatasetSpec(**_checked(d, DatasetSpec, f"{key}[{i}]"))
+        if not isinstance(spec.path, (str, os.PathLike)) or not os.fspath(spec.path).strip():
+            raise ConfigError(f"{key}[{i}]: path is {spec.path!r}; give your data's file or folder")
         if spec.format != "auto" and spec.format not in FORMATS:
             raise ConfigError(f"{key} {spec.path}: format {spec.format!r} is unknown; use auto or one of "
                               f"{', '.join(FORMATS)}")
@@ -99,6 +101,14 @@ def _specs(value, key: str) -> list[DatasetSpec]:
             raise ConfigError(f"{key} {spec.path}: columns names {unknown[0]!r}, which no format reads"
                               + (f"; did you mean {near[0]!r}?" if near else f"; map some of {', '.join(KEYS)}"))
         specs.append(spec)
+    seen = {}
+    for spec in specs:  # (one file twice: each of its records trained twice as often, unsaid)
+        path = os.fspath(spec.path)
+        same = (os.path.realpath(path) if os.path.exists(path) else path, spec.split, spec.subset)
+        if same in seen:
+            raise ConfigError(f"{key} lists {seen[same]} twice (again as {spec.path}): its records would count "
+                              "twice; list it once")
+        seen[same] = spec.path
     return specs
 
 
@@ -352,11 +362,15 @@ def _check_colons(where: str, v, seen: set | None = None) -> None:
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> TrainConfig:
-    """The config at ``path`` (defaults for what it leaves out), or the embedded demo when ``path`` is None;
+    """The config at ``path`` (defaults for what it leaves out), or with no file the embedded demo's settings
+    while the model is the demo's (the bundled tiny one; another model named on the command line starts from
+    the defaults, as a file would: the demo's learning rate and output folder are the tiny model's alone);
     then the ``key=value`` overrides."""
     raw: dict = {}
+    named = dict(item.partition("=")[::2] for item in overrides)
     if path is None:
-        raw = yaml.safe_load((_assets() / "demo.yaml").read_text())
+        if named.get("model_name_or_path", "tiny") == "tiny":
+            raw = yaml.safe_load((_assets() / "demo.yaml").read_text())
     else:
         try:
             raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
@@ -370,7 +384,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         if not isinstance(raw, dict):
             raise ConfigError(f"config {path} must be a mapping of keys to values")
         _check_colons(f"config {path}", raw)
-    given = {item.partition("=")[0] for item in overrides}
+    given = set(named)
     for item in overrides:
         key, eq, value = item.partition("=")
         if not eq:
@@ -387,9 +401,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
     if path is not None and "model_name_or_path" not in raw:  # (the demo's tiny model is the demo's alone)
         raise ConfigError(f"config {path} names no model_name_or_path: set it to a local Hugging Face model folder "
                           "(or tiny, the bundled test model)")
-    if path is not None and "dataset" not in raw and raw["model_name_or_path"] != "tiny":  # (nor its sample data)
-        raise ConfigError(f"config {path} names no dataset: set it to your data's file or folder (or a list of "
-                          "them; docs/training.md says which formats); the bundled samples are the demo's alone")
+    if "dataset" not in raw and raw["model_name_or_path"] != "tiny":  # (nor its sample data)
+        where, fix = (f"config {path}", "set dataset:") if path is not None else ("the command", "add dataset=PATH")
+        raise ConfigError(f"{where} names no dataset: {fix}, your data's file or folder (or a list of them; "
+                          "docs/training.md says which formats); the bundled samples are the demo's alone")
     if path is None and "output_dir" in given:  # the demo starts over in its own folder only, never in one named
         for k in ("overwrite_output_dir", "resume_from_checkpoint"):
             if k not in given:

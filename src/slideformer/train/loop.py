@@ -26,8 +26,8 @@ import torch
 
 from .. import EngineConfig, SlideEngine, heap, lr_at, parallel
 from ..config import ConfigError, Placement
-from ..data import DataError, detect_format, pack_batch, pad_batch, read_records, render, to_messages
-from ..data.formats import chat_template_text, check_chat_template, max_token_chars, renamed
+from ..data import NOT_JSON, DataError, detect_format, pack_batch, pad_batch, read_records, render, to_messages
+from ..data.formats import chat_template_text, check_chat_template, max_token_chars, renamed, template_probe
 from ..data.lazy import LazyExamples, Subset
 from ..signals import Signals, past_hangup
 from ..checkpoint.state import CheckpointWriteError, CorruptCheckpointError, read_meta
@@ -61,12 +61,20 @@ def load_tokenizer(cfg: TrainConfig):
     except (OSError, ValueError, TypeError) as e:
         raise ConfigError(f"model_name_or_path {path}: cannot load its tokenizer ({str(e).splitlines()[0][:200]}); "
                           "the folder needs tokenizer.json or the tokenizer files transformers saves") from e
+    where = None
     if cfg.chat_template:
         tok.chat_template = chat_template_text(cfg.chat_template)
         named = "{{" not in cfg.chat_template and "{%" not in cfg.chat_template  # (a file's path)
-        check_chat_template(tok.chat_template, f"chat_template {cfg.chat_template}" if named else "chat_template")
+        where = f"chat_template {cfg.chat_template}" if named else "chat_template"
     elif isinstance(tok.chat_template, str):
-        check_chat_template(tok.chat_template, f"the chat template of {path}")
+        where = f"the chat template of {path}"
+    if where is not None:
+        check_chat_template(tok.chat_template, where)
+        if note := template_probe(tok, where):
+            print(f"slideformer: {note}", file=sys.stderr, flush=True)
+    if tok.eos_token_id is None:  # (a text sample ends with it; rows are padded with it where no pad token is set)
+        raise ConfigError(f"model_name_or_path {path}: its tokenizer has no eos_token; set eos_token in its "
+                          "tokenizer_config.json to the model's end-of-text token")
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
@@ -131,7 +139,7 @@ def build_examples(cfg: TrainConfig, tok, vocab: int | None, specs=None, lazy: b
             raise DataError(f"dataset file {spec.path} holds no records")
         for where, rec in records:  # (a record that is no sample keeps its place, as None: the order is the records')
             made = None
-            if rec is None:  # a line that is not JSON, skipped (skip_bad_records)
+            if rec is NOT_JSON:  # a line that is not JSON, skipped (skip_bad_records)
                 skipped += 1
             else:
                 try:
