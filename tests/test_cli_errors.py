@@ -308,6 +308,8 @@ def test_a_chat_template_that_renders_no_content_or_no_generation_prompt_is_said
         assert main(FAST + [f"output_dir={tmp_path}/out", f"dataset=[{rows}]", f"chat_template={value}", *extra]) == 2
         one_line(capsys, f"chat_template {value} renders no message's content", "message['content']")
     assert not (tmp_path / "out").exists()
+    text = data(tmp_path, "text.jsonl", b'{"text": "no chat here"}\n')  # (data that never renders it: trained)
+    assert main(["data", f"dataset=[{text}]", f"chat_template={value}"]) == 0
     nogen = tmp_path / "nogen.jinja"
     nogen.write_text("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|eos|>\n{% endfor %}")
     assert main(["data", f"dataset=[{rows}]", f"chat_template={nogen}", "--samples", "1"]) == 0
@@ -379,6 +381,8 @@ def test_a_tokenizer_without_an_end_of_text_token_is_named(tmp_path, capsys):
     (["dataset=[{d}]", 'eval_dataset=""'], ["eval_dataset[0]: path is ''"]),
     (["dataset=[{d}, {d}]"], ["dataset lists", "twice", "list it once"]),
     (["dataset=[{d}, {dot}]"], ["dataset lists", "twice (again as"]),
+    (["dataset=[{{path: {d}, columns: {{text: body}}}}, {{path: {dot}, columns: {{text: body}}}}]"],
+     ["dataset lists", "read alike"]),
     (["dataset=[{script}]"], ["datasets cannot read it (RuntimeError", "scripts"]),
 ])
 def test_dataset_keys_a_user_gets_wrong(tmp_path, capsys, monkeypatch, options, needles):
@@ -393,6 +397,14 @@ def test_dataset_keys_a_user_gets_wrong(tmp_path, capsys, monkeypatch, options, 
     assert main(FAST + [f"output_dir={tmp_path}/out", *args]) == 2
     one_line(capsys, *needles)
     assert not (tmp_path / "out").exists()
+
+
+def test_one_file_read_two_ways_is_two_datasets(tmp_path, capsys):
+    """Another format or columns makes other records of one file: not the same file listed twice."""
+    d = data(tmp_path, "qa.jsonl", b'{"q": "what is one", "a": "one"}\n{"q": "what is two", "a": "two"}\n')
+    forth, back = "{instruction: q, output: a}", "{instruction: a, output: q}"
+    assert main(FAST + [f"output_dir={tmp_path}/out", f"dataset=[{{path: {d}, columns: {forth}}}, "
+                                                      f"{{path: {d}, columns: {back}}}]"]) == 0
 
 
 def test_a_tokenizer_whose_extra_ids_the_data_never_gives_trains(tmp_path, capsys):

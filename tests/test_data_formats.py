@@ -39,6 +39,9 @@ def trained_text(tok, rec, fmt="auto"):
      "good<|eos|>"),
     # LLaMA-Factory's alpaca history: earlier [instruction, answer] turns, trained as its multi-turn records are
     ({"instruction": "and 3?", "output": "three", "history": [["say 1", "one"]]}, "one<|eos|>three<|eos|>"),
+    # (read through Arrow, every message of a struct column has each key: a weight of None is none given)
+    ({"messages": [{"role": "user", "content": "q", "weight": None}, {"role": "assistant", "content": "a",
+                                                                      "weight": None}]}, "a<|eos|>"),
 ])
 def test_formats_mask_everything_but_the_targets(tok, rec, expect):
     assert trained_text(tok, rec) == expect
@@ -231,6 +234,10 @@ def test_csv_cells_are_the_text_they_hold(tmp_path):
         {"instruction": "What is 2+2?", "input": "NA", "output": "4"}, {"instruction": "x", "input": "", "output": "007"}]
     assert [r for _, r in read_records(tmp_path / "m.tsv")] == [
         {"instruction": "What is 2+2?", "input": "null", "output": "4"}]
+    # pandas' own to_csv writes its index under an empty name; a repeated name is numbered, as pandas does
+    (tmp_path / "index.csv").write_text(',instruction,output,output\n0,"What is 2+2?","4",5\n')
+    assert [r for _, r in read_records(tmp_path / "index.csv")] == [
+        {"Unnamed: 0": "0", "instruction": "What is 2+2?", "output": "4", "output.1": "5"}]
 
 
 def test_columns_map_a_records_own_keys_to_a_formats(tok, tmp_path):
@@ -295,12 +302,13 @@ def test_a_chat_template_may_be_a_file(tmp_path):
     (tmp_path / "huge.jinja").write_text("{{ x }}" + " " * (300 << 10))
     with pytest.raises(DataError, match="huge.jinja: over 256 KiB"):
         load_tokenizer(load_config(None, [f"chat_template={tmp_path}/huge.jinja"]))
-    # (a template that renders no assistant content leaves no target: the refusal names it as a likely why)
+    # (a template that renders no assistant content would leave no target: refused at the first chat record)
+    from slideformer.config import ConfigError
     from slideformer.train.loop import describe_data
 
     (tmp_path / "users.jinja").write_text("{% for m in messages %}{% if m.role == 'user' %}{{ m.content }}{% endif %}"
                                           "{% endfor %}")
-    with pytest.raises(DataError, match="8 with no target token.*a chat_template that does not render the assistant"):
+    with pytest.raises(ConfigError, match="users.jinja renders no message's content"):
         describe_data(load_config(None, [f"chat_template={tmp_path}/users.jinja",
                                          f"dataset={_assets() / 'sample' / 'messages.jsonl'}"]), 0)
     # a config file's template path is relative to the config, as its dataset paths

@@ -57,18 +57,20 @@ def _rows_flipped(batches: list) -> list:
 
 
 def reference_noise(model, batches, **kw) -> list:
-    """PyTorch's training again in two other exact orders of its sums, for its own noise (``assert_same``'s
-    ``noise_model``; one order's distance alone is a single draw, on some CPUs a small one): a
-    Mixture-of-Experts model through transformers' eager experts (a loop over experts, not its grouped
-    products; the router's loss is the whole batch's, so the rows stay together), its rows as given and
-    reversed; any other with each batch's rows as micro-batches of one row and of half the batch (kernels
-    of other shapes round otherwise: on some CPUs the larger part of the noise), the last first; and in
-    all, each input that several linears read in turn summed over those linears before its other uses (as
-    the engine's recompute sums them: model/recompute.py)."""
+    """PyTorch's training again in other exact orders of its sums, for its own noise (``assert_same``'s
+    ``noise_model``; one order's distance alone is a single draw, on some CPUs a small one). A
+    Mixture-of-Experts model: through transformers' eager experts (a loop over experts, not its grouped
+    products; the router's loss is the whole batch's, so the rows stay together) with its rows as given and
+    reversed, and through its own experts with the rows reversed. Any other: each batch's rows as
+    micro-batches of one row and of half the batch (kernels of other shapes round otherwise: on some CPUs
+    the larger part of the noise), the last first. In all, each input that several linears read in turn is
+    summed over those linears before its other uses (as the engine's recompute sums them:
+    model/recompute.py)."""
     model = linears_read_one_alias(copy.deepcopy(model))
     if getattr(model.config, "_experts_implementation", None) not in (None, "eager"):
+        grouped = reference_train(model, _rows_flipped(batches), **kw)[0]  # (its own experts, rows reversed)
         model.config._experts_implementation = "eager"
-        return [reference_train(model, b, **kw)[0] for b in (batches, _rows_flipped(batches))]
+        return [reference_train(model, b, **kw)[0] for b in (batches, _rows_flipped(batches))] + [grouped]
     return [reference_train(model, rows_apart(batches, rows), **kw)[0] for rows in (1, "half")]
 
 

@@ -128,9 +128,6 @@ def cmd_plan(args) -> int:
         raise ConfigError(f"{', '.join(tier_only)} {'describe' if len(tier_only) > 1 else 'describes'} the NVMe tier: "
                           "give its folder too (--offload-dir)")
     shape = ModelShape.from_adapter(ModelAdapter(config))
-    if isinstance(args.host_weights, int) and args.host_weights > shape.layers:
-        raise ConfigError(f"--host-weights {args.host_weights}: the model has {shape.layers} layers; stage at most "
-                          "that many, or give persistent, staged or auto")
     rates = MachineRates(gpu_flops=args.gpu_tflops * 1e12, pcie_bytes_per_s=args.pcie_gbps * 1e9,
                          disk_read_bytes_per_s=args.disk_read_gbps * 1e9,
                          disk_write_bytes_per_s=args.disk_write_gbps * 1e9,
@@ -338,6 +335,12 @@ def _not_a_checkpoint(src: Path) -> str:
     return f"{src} is not a slideformer checkpoint (no config.json)"
 
 
+def _blocked(dst: Path, folder: Path) -> int:
+    print(f"error: export target {dst} holds a folder {folder.relative_to(dst)} where the export writes a file; move "
+          "it away, or export to a new folder", file=sys.stderr)
+    return EXIT_USAGE
+
+
 def cmd_export(args) -> int:
     """Copy a checkpoint's Hugging Face files (weights, config, tokenizer) without the training state,
     after checking them against the checkpoint's checksums."""
@@ -380,6 +383,9 @@ def cmd_export(args) -> int:
             return EXIT_USAGE
         if p.is_file():
             files.append(rel)
+    names = files + ([Path("config.json")] if args.dtype else [])  # (the weight files' names: checked once staged)
+    if blocked := next((dst / f for f in names if (dst / f).is_dir() and not (dst / f).is_symlink()), None):
+        return _blocked(dst, blocked)
     made = not dst.exists()
     dst.mkdir(parents=True, exist_ok=True)
     had = set(dst.rglob("*"))
@@ -418,9 +424,7 @@ def cmd_export(args) -> int:
     blocked = next((f for f in finals if f.is_dir() and not f.is_symlink()), None)
     if blocked is not None:  # (a rename onto it would fail midway, the files before it replaced)
         undo()
-        print(f"error: export target {dst} holds a folder {blocked.name} where the export writes a file; move it "
-              "away, or export to a new folder", file=sys.stderr)
-        return EXIT_USAGE
+        return _blocked(dst, blocked)
     for tmp, final in staged:
         os.replace(tmp, final)
     if weights is not None:  # (its weight files and config; an earlier export's weight files go)

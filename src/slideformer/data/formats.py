@@ -16,7 +16,6 @@ Files: JSONL, JSON (a list of records) and Parquet (through ``datasets``).
 from __future__ import annotations
 
 import contextlib
-import csv
 import glob
 import json
 import os
@@ -70,7 +69,7 @@ def read_records(path: str | os.PathLike, skip_bad: bool = False, split: str | N
         except UnicodeDecodeError as e:
             raise DataError(f"{p}: not UTF-8 text (byte {e.start}); save it as UTF-8") from e
         except json.JSONDecodeError as e:
-            lines = e.msg == "Extra data" and e.lineno > 1 and e.colno == 1  # (a record a line: JSONL)
+            lines = e.msg == "Extra data" and e.lineno > 1 and e.colno == 1 and _a_record(p)  # (JSONL)
             raise DataError(f"{p}:{e.lineno}: not valid JSON ({e.msg})" + (
                 "; it holds a JSON record a line (JSONL): name it .jsonl" if lines else "")) from e
         except RecursionError:
@@ -84,6 +83,15 @@ def read_records(path: str | os.PathLike, skip_bad: bool = False, split: str | N
             if raw.strip():  # (ASCII whitespace only, as data/lazy.py's index has it)
                 out.append((f"{p}:{lineno}", jsonl_record(raw, p, lineno, skip_bad)))
     return out
+
+
+def _a_record(p: Path) -> bool:
+    """Whether the first line of ``p`` is a JSON object on its own (a JSONL file's first record)."""
+    try:
+        with open(p, encoding="utf-8-sig") as f:
+            return isinstance(json.loads(f.readline()), dict)
+    except (ValueError, OSError, RecursionError):
+        return False
 
 
 def jsonl_record(raw: bytes, p: Path, lineno: int, skip_bad: bool) -> object:
@@ -291,9 +299,9 @@ def _messages(msgs, need, key: str) -> list[dict]:
         need(isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
              and isinstance(m.get("content"), str), f"{key}[{i}] needs 'role' in system/user/assistant and a string "
              "'content'")
-        need(m.get("weight", 1) in (0, 1) and not isinstance(m.get("weight"), float) and
-             ("weight" not in m or m["role"] == "assistant"), f"{key}[{i}]: 'weight' is for assistant messages, 0 "
-             "(not trained on) or 1")
+        w = m.get("weight")  # (None: absent; Arrow gives every message of a struct column each key)
+        need(w is None or (w in (0, 1) and not isinstance(w, float) and m["role"] == "assistant"),
+             f"{key}[{i}]: 'weight' is for assistant messages, 0 (not trained on) or 1")
     return [{"role": m["role"], "content": m["content"], **({"prompt": True} if m.get("weight") == 0 else {})}
             for m in msgs]
 
@@ -352,30 +360,31 @@ def check_chat_template(template: str, where: str = "chat_template") -> None:
 PROBE = ("slideformer probe question", "slideformer probe answer")
 
 
-def template_probe(tokenizer, where: str) -> str | None:
-    """A plain exchange rendered by the tokenizer's chat template, before any record: a template that renders
-    no message's content (one that reads another key than 'content') is refused, as every chat record would
-    train on the template's own text; one that puts an assistant header before the content but gives nothing
-    for add_generation_prompt gets a note (returned): the header is then trained as part of the answer."""
+def template_probe(tokenizer, where: str) -> tuple[str | None, str | None]:
+    """A plain exchange rendered by the tokenizer's chat template (``where`` names it), before any record:
+    (refusal, note). A template that renders no message's content (one that reads another key than
+    'content') gets a refusal for the first chat record, as every one would train on the template's own
+    text; one that puts an assistant header before the content but gives nothing for add_generation_prompt
+    gets a note: the header is then trained as part of each answer. Data that is not chat never renders it."""
     conv = [{"role": "user", "content": PROBE[0]}, {"role": "assistant", "content": PROBE[1]}]
     try:
         whole = tokenizer.apply_chat_template(conv, tokenize=False)
         bare = tokenizer.apply_chat_template(conv[:1], tokenize=False)
         header = tokenizer.apply_chat_template(conv[:1], tokenize=False, add_generation_prompt=True)
     except Exception:  # (a template that refuses this exchange says why per record)
-        return None
+        return None, None
     if not all(isinstance(t, str) for t in (whole, bare, header)):
-        return None
+        return None, None
     if not all(text in whole for text in PROBE):
-        raise DataError(f"{where} renders no message's content (a message is {{'role': ..., 'content': ...}}): chat "
-                        "records would train on the template's own text; make it read message['content']")
+        return (f"{where} renders no message's content (a message is {{'role': ..., 'content': ...}}): chat "
+                "records would train on the template's own text; make it read message['content']"), None
     if header == bare and whole.startswith(bare) and whole.find(PROBE[1]) > len(bare):
         lead = whole[len(bare): whole.index(PROBE[1])]
         if lead.strip():
-            return (f"{where} puts {lead[:60]!r} before an assistant turn's content, and nothing for "
-                    "add_generation_prompt: chat records train those tokens as part of each answer; give the "
-                    "template an add_generation_prompt branch to leave them out")
-    return None
+            return None, (f"{where} puts {lead[:60]!r} before an assistant turn's content, and nothing for "
+                          "add_generation_prompt: chat records train those tokens as part of each answer; give "
+                          "the template an add_generation_prompt branch to leave them out")
+    return None, None
 
 
 def max_token_chars(tokenizer) -> int:
@@ -421,7 +430,9 @@ def render(rec_messages, tokenizer, where: str, cutoff_len: int | None = None,
     trained = [m["role"] == "assistant" and not m.get("prompt") for m in rec_messages]
     msgs = [{"role": m["role"], "content": _clip(m["content"], limit)} for m in rec_messages]
     if not any(trained):
-        raise DataError(f"{where}: the conversation has no assistant turn to train on")
+        raise DataError(f"{where}: the conversation has no assistant turn to train on (each is in the prompt, or of "
+                        "weight 0)" if any(m["role"] == "assistant" for m in rec_messages) else
+                        f"{where}: the conversation has no assistant turn to train on")
     def tok(prefix, gen):
         if not prefix:  # (an assistant turn first: no template renders an empty conversation)
             raise DataError(f"{where}: the conversation opens with an assistant turn; the chat template needs a "
@@ -539,13 +550,14 @@ def _csv_as_text(p: Path, datasets) -> dict:
     """load_dataset's options that read every cell of a CSV or TSV file as the text it holds: an answer "4"
     stays a string, "NA" or "null" are words, an empty cell is empty (pandas would guess numbers and
     missing values)."""
+    import pandas
+
     sep = "\t" if p.suffix.lower() == ".tsv" else ","
-    with open(p, newline="", encoding="utf-8-sig", errors="replace") as f:
-        header = next(csv.reader(f, delimiter=sep), [])
-    out = {"delimiter": sep, "keep_default_na": False}
-    if header and len(set(header)) == len(header):  # (else datasets' own error names the file)
-        out["features"] = datasets.Features({name: datasets.Value("string") for name in header})
-    return out
+    # (the column names as pandas makes them, which datasets' reader uses: "Unnamed: 0" for an empty one,
+    # "output.1" for a repeated one; a header pandas cannot parse raises its ValueError, said as the file's)
+    names = pandas.read_csv(p, sep=sep, nrows=0, encoding_errors="replace").columns
+    return {"delimiter": sep, "keep_default_na": False,
+            "features": datasets.Features({str(name): datasets.Value("string") for name in names})}
 
 
 def open_through_datasets(name: str, p: Path, split: str | None, subset: str | None):
@@ -570,8 +582,8 @@ def open_through_datasets(name: str, p: Path, split: str | None, subset: str | N
         if isinstance(e, OSError) and not isinstance(e, FileNotFoundError) and e.errno and p.exists():
             raise OSError(e.errno, f"dataset {name}: datasets cannot read it ({e.strerror})") from e  # (exit 5)
         where = "folder" if p.is_dir() else "file" if p.is_file() else "Hub dataset"
-        hint = "" if p.exists() else ("; offline, fetch it first: hf download --repo-type dataset " + name +
-                                       " --local-dir DIR, and give DIR")
+        hint = "" if p.exists() or not isinstance(e, (ConnectionError, FileNotFoundError)) else (
+            "; offline, fetch it first: hf download --repo-type dataset " + name + " --local-dir DIR, and give DIR")
         raise DataError(f"{'' if where == 'Hub dataset' else 'dataset '}{where} {name}: datasets cannot read it "
                         f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}){hint}") from e
     if isinstance(data, datasets.DatasetDict):

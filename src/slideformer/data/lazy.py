@@ -64,7 +64,7 @@ class JsonlLines:
     def __len__(self) -> int:
         return len(self.starts)
 
-    def __getitem__(self, i: int) -> tuple[str, dict | None]:
+    def __getitem__(self, i: int) -> tuple[str, object]:
         i = int(i)
         lineno = i + 1 + int(np.searchsorted(self._blank_at, i, side='right'))
         where = f"{self.path}:{lineno}"

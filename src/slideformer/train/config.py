@@ -104,10 +104,11 @@ def _specs(value, key: str) -> list[DatasetSpec]:
     seen = {}
     for spec in specs:  # (one file twice: each of its records trained twice as often, unsaid)
         path = os.fspath(spec.path)
-        same = (os.path.realpath(path) if os.path.exists(path) else path, spec.split, spec.subset)
+        same = (os.path.realpath(path) if os.path.exists(path) else path, spec.split, spec.subset, spec.format,
+                tuple(sorted((spec.columns or {}).items())))  # (read another way, a file is other data)
         if same in seen:
-            raise ConfigError(f"{key} lists {seen[same]} twice (again as {spec.path}): its records would count "
-                              "twice; list it once")
+            raise ConfigError(f"{key} lists {seen[same]} twice (again as {spec.path}), read alike: its records would "
+                              "count twice; list it once")
         seen[same] = spec.path
     return specs
 

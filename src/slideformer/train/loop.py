@@ -61,17 +61,10 @@ def load_tokenizer(cfg: TrainConfig):
     except (OSError, ValueError, TypeError) as e:
         raise ConfigError(f"model_name_or_path {path}: cannot load its tokenizer ({str(e).splitlines()[0][:200]}); "
                           "the folder needs tokenizer.json or the tokenizer files transformers saves") from e
-    where = None
     if cfg.chat_template:
         tok.chat_template = chat_template_text(cfg.chat_template)
-        named = "{{" not in cfg.chat_template and "{%" not in cfg.chat_template  # (a file's path)
-        where = f"chat_template {cfg.chat_template}" if named else "chat_template"
-    elif isinstance(tok.chat_template, str):
-        where = f"the chat template of {path}"
-    if where is not None:
-        check_chat_template(tok.chat_template, where)
-        if note := template_probe(tok, where):
-            print(f"slideformer: {note}", file=sys.stderr, flush=True)
+    if isinstance(tok.chat_template, str):
+        check_chat_template(tok.chat_template, _template_name(cfg))
     if tok.eos_token_id is None:  # (a text sample ends with it; rows are padded with it where no pad token is set)
         raise ConfigError(f"model_name_or_path {path}: its tokenizer has no eos_token; set eos_token in its "
                           "tokenizer_config.json to the model's end-of-text token")
@@ -92,17 +85,35 @@ def vocab_limit(cfg: TrainConfig, tok, hf_config) -> int | None:
     return vocab if max(tok.get_vocab().values(), default=-1) >= vocab else None
 
 
-def make_sample(cfg: TrainConfig, tok, token_chars: int, vocab: int | None, spec, where: str, rec: dict):
+def _template_name(cfg: TrainConfig) -> str:
+    """The chat template as a message names it: the config's (a file's path, or inline), or the model's."""
+    if cfg.chat_template:
+        named = "{{" not in cfg.chat_template and "{%" not in cfg.chat_template  # (a file's path)
+        return f"chat_template {cfg.chat_template}" if named else "chat_template"
+    return f"the chat template of {_assets() / 'tiny' if cfg.model_name_or_path == 'tiny' else cfg.model_name_or_path}"
+
+
+def template_report(cfg: TrainConfig, tok) -> tuple[str | None, str | None]:
+    """The tokenizer's chat template probed (data/formats.py ``template_probe``): the refusal the first chat
+    record meets, and the note the run's start says."""
+    return template_probe(tok, _template_name(cfg)) if isinstance(tok.chat_template, str) else (None, None)
+
+
+def make_sample(cfg: TrainConfig, tok, token_chars: int, vocab: int | None, refusal: str | None, spec, where: str,
+                rec: dict):
     """One record's sample: (ids, labels) truncated to cutoff_len and whether it was, or None where no token
     within cutoff_len is a target; DataError where the record is malformed, ConfigError where the tokenizer
     gives an id past the model's ``vocab`` (vocab_limit; whatever the record: skip_bad_records does not pass
-    it over)."""
+    it over) or the chat template renders no content (``refusal``, template_report's: at the first chat record,
+    which data without any never meets)."""
     rec = renamed(rec, spec.columns, where)
     fmt = detect_format(rec, where) if spec.format == "auto" else spec.format
     msgs = to_messages(rec, fmt, where)
     if isinstance(msgs, list) and tok.chat_template is None:
         raise ConfigError(f"{where}: {fmt} data needs a chat template, and the tokenizer has none; "
                           "set chat_template in the config")
+    if isinstance(msgs, list) and refusal:
+        raise ConfigError(refusal)
     ids, labels = render(msgs, tok, where, cfg.cutoff_len, token_chars)
     truncated = len(ids) > cfg.cutoff_len
     ids, labels = ids[: cfg.cutoff_len], labels[: cfg.cutoff_len]
@@ -123,7 +134,7 @@ def build_examples(cfg: TrainConfig, tok, vocab: int | None, specs=None, lazy: b
     from ..data.lazy import open_records
 
     specs = specs or cfg.dataset
-    make = functools.partial(make_sample, cfg, tok, max_token_chars(tok), vocab)
+    make = functools.partial(make_sample, cfg, tok, max_token_chars(tok), vocab, template_report(cfg, tok)[0])
     if lazy:
         sources = []
         for spec in specs:
@@ -317,6 +328,8 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     if o.offload_dir:
         _check_writable(o.offload_dir, "offload.offload_dir")
     tok = load_tokenizer(cfg)
+    if (note := template_report(cfg, tok)[1]) and (ranks is None or ranks.leader):
+        print(f"slideformer: {note}", file=sys.stderr, flush=True)
     from ..data.lazy import source_bytes
 
     allowance = process_allowance(ecfg, host_memory()) // parallel.local_world(ranks)  # (one process's share)
@@ -877,6 +890,8 @@ def describe_data(cfg: TrainConfig, samples: int = 2, out=None) -> dict:
     out = out or sys.stdout
     hf_config = load_model_config(cfg)  # (cutoff_len's default comes from the model)
     tok = load_tokenizer(cfg)
+    if note := template_report(cfg, tok)[1]:
+        print(f"slideformer: {note}", file=sys.stderr, flush=True)
     vocab = vocab_limit(cfg, tok, hf_config)
     lazy, _, _ = build_examples(cfg, tok, vocab, lazy=True)  # (one record at a time: any size in bounded RAM)
     train_part, held, _ = held_out(cfg, tok, vocab, lazy)
