@@ -178,8 +178,11 @@ def test_optimizer_benchmark_reports_every_candidate():
     assert not any(k.startswith(("compact", "out_of_place")) for k in lean)
     with pytest.raises(SystemExit):
         optimizer.main(["--params", "1000", "--only", "compact,bogus"])
+    threads = torch.get_num_threads()
     if not torch.cuda.is_available():  # (the copies' candidate is a GPU test's)
         assert "no CUDA" in optimizer.main(["--params", "1000", "--threads", "1", "--only", "dma"])["dma"]
+    optimizer.main(["--params", "1000", "--threads", "1", "--rounds", "1", "--only", "native"])
+    assert torch.get_num_threads() == threads  # (given back: the rest of a suite ran on one thread, otherwise)
 
 
 @pytest.mark.gpu

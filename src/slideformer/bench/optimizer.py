@@ -92,6 +92,16 @@ def interleaved(cands: dict, rounds: int) -> dict[str, float]:
 
 
 def main(argv=None) -> dict:
+    """The benchmark, run at its own thread counts; torch's thread count is given back after (a caller in the
+    same process, a test suite among them, computes with the count it had)."""
+    threads = torch.get_num_threads()
+    try:
+        return _main(argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _main(argv=None) -> dict:
     ap = argparse.ArgumentParser()
     ap.add_argument("--params", type=float, default=2e9)
     ap.add_argument("--threads", default="8,12,15,16")
