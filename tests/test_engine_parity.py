@@ -742,7 +742,7 @@ def test_liger_ops_refused_where_they_cannot_run():
 
 def test_running_unfused_on_cuda_for_want_of_liger_is_said(monkeypatch):
     """A CUDA run that "auto" left unfused only because Liger-Kernel is missing is told why and what it
-    costs (sessions of benchmarks ran a third slower so, unsaid); not where Liger would not serve anyway."""
+    costs (layers about a third slower); not where Liger would not serve anyway."""
     from slideformer.model import fused_ops
 
     monkeypatch.setattr(fused_ops, "liger_available", lambda: False)

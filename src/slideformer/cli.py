@@ -383,7 +383,7 @@ def cmd_export(args) -> int:
             return EXIT_USAGE
         if p.is_file():
             files.append(rel)
-    names = files + ([Path("config.json")] if args.dtype else [])  # (the weight files' names: checked once staged)
+    names = files + ([Path("config.json")] if args.dtype else [])  # (the weight files' names: once staged, below)
     if blocked := next((dst / f for f in names if (dst / f).is_dir() and not (dst / f).is_symlink()), None):
         return _blocked(dst, blocked)
     made = not dst.exists()
@@ -420,9 +420,10 @@ def cmd_export(args) -> int:
         raise OSError(code, f"export to {dst} failed ({os.strerror(code) if code else e}); {dst} is left as it "
                             "was; free space there, make it writable or choose another folder, then export "
                             "again") from e
-    finals = [final for _, final in staged + (weights[1] if weights else [])] + [dst / "config.json"] * bool(weights)
-    blocked = next((f for f in finals if f.is_dir() and not f.is_symlink()), None)
-    if blocked is not None:  # (a rename onto it would fail midway, the files before it replaced)
+    # (the weight files' names, known once staged; the rest were checked before: a rename onto a folder would fail
+    # midway, the files before it replaced)
+    blocked = next((f for _, f in (weights[1] if weights else []) if f.is_dir() and not f.is_symlink()), None)
+    if blocked is not None:
         undo()
         return _blocked(dst, blocked)
     for tmp, final in staged:

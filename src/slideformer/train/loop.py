@@ -52,10 +52,14 @@ class NonFiniteLoss(FloatingPointError):
     """The loss or gradient norm became NaN or infinite; nothing after the last checkpoint is saved."""
 
 
+def _tokenizer_folder(cfg: TrainConfig):
+    return _assets() / "tiny" if cfg.model_name_or_path == "tiny" else cfg.model_name_or_path
+
+
 def load_tokenizer(cfg: TrainConfig):
     from transformers import AutoTokenizer
 
-    path = _assets() / "tiny" if cfg.model_name_or_path == "tiny" else cfg.model_name_or_path
+    path = _tokenizer_folder(cfg)
     try:
         tok = AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError, TypeError) as e:
@@ -90,7 +94,7 @@ def _template_name(cfg: TrainConfig) -> str:
     if cfg.chat_template:
         named = "{{" not in cfg.chat_template and "{%" not in cfg.chat_template  # (a file's path)
         return f"chat_template {cfg.chat_template}" if named else "chat_template"
-    return f"the chat template of {_assets() / 'tiny' if cfg.model_name_or_path == 'tiny' else cfg.model_name_or_path}"
+    return f"the chat template of {_tokenizer_folder(cfg)}"
 
 
 def template_report(cfg: TrainConfig, tok) -> tuple[str | None, str | None]:
