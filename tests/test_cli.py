@@ -72,6 +72,23 @@ def test_plan_counts_the_ram_resident_units_free(capsys):
     assert not out["fits"] and out["max_batch_size"] == 0
 
 
+@pytest.mark.parametrize("bounds", [["--gpu-memory", "15.5GiB", "--cpu-memory", "70GiB"],  # (the GPU binds)
+                                    ["--gpu-memory", "24GiB", "--cpu-memory", "46GiB"]])  # (host RAM binds)
+def test_plans_largest_batch_fits_and_one_more_does_not(capsys, bounds):
+    """The largest batch plan names (bisected: every budget's bytes grow with the batch) is one it says fits,
+    and the next is one it says does not, counted up from one."""
+    import json
+
+    def plan(b: int) -> dict:
+        main(["plan", "--model", "qwen3-4b", "--seq-len", "1024", "--batch-size", str(b), "--json", *bounds])
+        return json.loads(capsys.readouterr().out)
+
+    best = plan(8)["max_batch_size"]
+    assert 8 < best < 4096
+    assert plan(best)["fits"] and not plan(best + 1)["fits"]
+    assert all(plan(b)["fits"] for b in range(1, best, max(1, best // 7)))
+
+
 def test_export_drops_the_training_state(tmp_path):
     assert main(["train", "max_steps=2", "device=cpu", "progress=false", f"output_dir={tmp_path / 'o'}"]) == 0
     assert main(["export", str(tmp_path / "o" / "checkpoint-2"), str(tmp_path / "hf")]) == 0

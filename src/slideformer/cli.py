@@ -90,7 +90,7 @@ def cmd_plan(args) -> int:
     from .plan import Auto, ModelShape, nvme_layer_count, parse_bytes, predicted_step, resolve
     from .plan.resolve import tier_bytes
     from .plan.memory import (PROCESS_BYTES, check_host_limit, config_rank_host_bytes, fmt_bytes, host_budget,
-                              mid_layers, process_allowance, processes_over, saved_layers, user_bytes)
+                              largest, mid_layers, process_allowance, processes_over, saved_layers, user_bytes)
     from .presets import PRESETS, preset_config
 
     from .config import ConfigError
@@ -180,11 +180,8 @@ def cmd_plan(args) -> int:
     host_total = sum(h.values())
     state_limit = host_budget(plan.config, machine.rank_ram)[1]  # (one process's, under several)
     fits = fits_at(args.batch_size, plan)
-    max_batch, most = 0, 4096  # (searched up to ``most``: a batch that large is said as "or more")
-    for b in range(1, most + 1):  # (counted: a batch's micro-batches divide it, so a larger one may fit where
-        if not fits_at(b):        # a smaller prime one does not; the first that does not is what is said)
-            break
-        max_batch = b
+    most = 4096  # (searched up to it: a batch that large is said as "or more")
+    max_batch = largest(fits_at, most)
     compact = args.optimizer_state != "fp32"
     nvme_layers = nvme_layer_count(plan.config, shape.layers)  # (the tier's layers as resolved)
     clip = as_trained.max_grad_norm is not None  # the update then waits for backward's global norm
