@@ -240,6 +240,36 @@ def test_csv_cells_are_the_text_they_hold(tmp_path):
         {"Unnamed: 0": "0", "instruction": "What is 2+2?", "output": "4", "output.1": "5"}]
 
 
+def test_a_folder_of_data_files_is_read_whole_and_csv_as_text(tmp_path):
+    """A folder of CSV files reads its cells as text, as one CSV file does (its splits from the files' names);
+    a data file datasets would leave out (another kind than the most common, or one not named for a split
+    beside files that are) is refused, not dropped unsaid; hidden files and the dataset card are not data."""
+    from slideformer.data.lazy import open_records
+
+    d, s = tmp_path / "qa", tmp_path / "splits"
+    (d / "more").mkdir(parents=True)
+    s.mkdir()
+    (d / "a.csv").write_text('instruction,output\n"What is 2+2?",4\nSay NA,NA\n')
+    (d / "more" / "part.csv").write_text("instruction,output\nx,007\n")
+    (d / "README.md").write_text("# my data\n")
+    (d / ".notes.jsonl").write_text('{"text": "not data"}\n')
+    (s / "train.csv").write_text("instruction,output\np,1\n")
+    (s / "test.csv").write_text("instruction,output\nq,1.5\n")
+    for read in (read_records, open_records):
+        assert sorted(tuple(dict(r).values()) for _, r in read(d)) == [
+            ("Say NA", "NA"), ("What is 2+2?", "4"), ("x", "007")]
+        assert [dict(r) for _, r in read(s, split="test")] == [{"instruction": "q", "output": "1.5"}]
+    (d / "more" / "extra.jsonl").write_text('{"instruction": "dropped", "output": "unsaid"}\n')
+    (s / "extra.csv").write_text("instruction,output\ndropped,unsaid\n")
+    for read in (read_records, open_records):
+        with pytest.raises(DataError, match=r"qa: datasets would leave out more/extra.jsonl \(it reads 2 .csv files "
+                                            r"as split train\); keep one kind of data file a folder"):
+            read(d)
+        with pytest.raises(DataError, match=r"splits: datasets would leave out extra.csv \(it reads 2 .csv files as "
+                                            r"split train, test\); .* each named for its split"):
+            read(s, split="test")
+
+
 def test_columns_map_a_records_own_keys_to_a_formats(tok, tmp_path):
     """A dataset's columns rename its records' keys (ours -> theirs) before the format is told; an optional key
     may be absent, a required one is named with its mapping; a key no format reads is refused in the config."""

@@ -604,13 +604,17 @@ def _quiet_datasets():
     """``datasets``' progress bars and log lines off meanwhile: an error is said once, in our line."""
     import datasets
 
-    bars, level = datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity()
+    from huggingface_hub.utils import logging as hub_logging  # (a folder's README.md: "no metadata block")
+
+    bars, level, hub = datasets.is_progress_bar_enabled(), datasets.logging.get_verbosity(), hub_logging.get_verbosity()
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    hub_logging.set_verbosity(hub_logging.CRITICAL)
     try:
         yield
     finally:
         datasets.logging.set_verbosity(level)
+        hub_logging.set_verbosity(hub)
         if bars:
             datasets.enable_progress_bars()
 
@@ -626,7 +630,37 @@ def _load(datasets, name: str, p: Path, subset: str | None):
     if p.is_file():
         return datasets.load_dataset(LOADERS[p.suffix.lower()], data_files=glob.escape(str(p)),
                                      **(_csv_as_text(p, datasets) if LOADERS[p.suffix.lower()] == "csv" else {}))
-    if p.is_dir() and any(c in str(p) for c in "*?["):  # (datasets finds a folder's files by patterns under it)
+    if p.is_dir():
+        return _load_folder(datasets, name, p, subset)
+    return datasets.load_dataset(name, subset)
+
+
+FOLDER_SUFFIXES = (".csv", ".tsv", ".json", ".parquet", ".arrow", ".txt", *JSONL_SUFFIXES)  # (a data file's, to users)
+
+
+def _load_folder(datasets, name: str, p: Path, subset: str | None):
+    """A folder of data files as datasets reads it (splits from the files' names), except that every data
+    file in it must be read (datasets reads the most common kind only, and would drop the rest unsaid) and
+    CSV or TSV cells are read as text, as a CSV file's are."""
+    if any(c in str(p) for c in "*?["):  # (datasets finds a folder's files by patterns under it)
         raise DataError(f"dataset folder {name}: its path holds [, ], * or ?, which datasets reads as a "
                         "pattern; rename the folder, or link it from a path without them")
-    return datasets.load_dataset(name, subset)
+    builder = datasets.load_dataset_builder(str(p), subset)
+    splits = {str(k): [str(f) for f in v] for k, v in (builder.config.data_files or {}).items()}
+    read = {Path(f).resolve() for v in splits.values() for f in v}
+    ignored = set(datasets.data_files.FILES_TO_IGNORE)
+    unread = sorted(f.relative_to(p) for f in p.rglob("*") if f.suffix.lower() in FOLDER_SUFFIXES and f.is_file()
+                    and f.name not in ignored and not any(part.startswith((".", "__")) for part in
+                                                          f.relative_to(p).parts) and f.resolve() not in read)
+    if unread:
+        kinds = "/".join(sorted({Path(f).suffix.lower() for f in read}))
+        raise DataError(f"dataset folder {name}: datasets would leave out {unread[0]}"
+                        + (f" and {len(unread) - 1} more" if len(unread) > 1 else "")
+                        + f" (it reads {len(read)} {kinds} file{'s' if len(read) > 1 else ''} as split "
+                        f"{', '.join(splits)}); keep one kind of data file a folder, each named for its split "
+                        "(train*, test*, ...) or none, or list each file as a dataset")
+    if builder.name != "csv":
+        return datasets.load_dataset(str(p), subset)
+    first = Path(next(f for v in splits.values() for f in v))
+    return datasets.load_dataset("csv", data_files={k: [glob.escape(f) for f in v] for k, v in splits.items()},
+                                 **_csv_as_text(first, datasets))
