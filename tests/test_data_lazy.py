@@ -161,3 +161,24 @@ def test_a_bad_record_of_an_eval_dataset_read_as_reached_stops_the_run_before_tr
     with pytest.raises(DataError, match=r"val.jsonl:2: not valid JSON"):
         train(cfg(tmp_path / "run", "max_steps=2", f"eval_dataset={bad}"))
     assert not list((tmp_path / "run").glob("checkpoint-*"))
+
+
+def test_a_parquet_files_size_is_what_it_holds_uncompressed(tmp_path):
+    """Whether a dataset is tokenized up front is judged from the bytes its records hold: a Parquet file of
+    text is a fraction of them on disk (its footer's uncompressed sizes say) (a folder of them alike); a file not Parquet inside is its
+    size (reading it says what is wrong)."""
+    import random
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    r = random.Random(0)
+    words = "alpha beta gamma delta river stone light eleven under quiet".split()
+    table = pa.table({"text": [" ".join(r.choice(words) for _ in range(200)) for _ in range(2000)]})  # (2.4 MB)
+    (tmp_path / "d").mkdir()
+    pq.write_table(table, tmp_path / "d" / "a.parquet", compression="zstd")
+    on_disk = (tmp_path / "d" / "a.parquet").stat().st_size
+    assert on_disk < 600_000 and lazy.source_bytes(tmp_path / "d" / "a.parquet") >= 2_300_000
+    assert lazy.source_bytes(tmp_path / "d") >= 2_300_000
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    assert lazy.source_bytes(tmp_path / "bad.parquet") == len("not parquet")
