@@ -382,3 +382,55 @@ def test_a_run_that_ends_before_its_first_metric_removes_the_tracker_folders_it_
     run.close(ok=False)
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == \
         ["wandb", "wandb/notes.txt", "wandb/offline-run-1", "wandb/offline-run-1/files", "wandb/offline-run-1/files/x"]
+
+
+def test_rotation_after_resuming_past_a_damaged_checkpoint_keeps_the_intact_ones(tmp_path, capsys):
+    """Resuming passes over a damaged newest checkpoint; the run's saves from there are its history: rotation
+    keeps the newest of them (the one just saved), never the damaged later one in their place, and leaves
+    that one until a save of its step replaces it."""
+    from slideformer.checkpoint.state import verify_checkpoint
+
+    out = tmp_path / "o"
+    assert run(out, "max_steps=4", "save_steps=2", "save_total_limit=2") == 0
+    f = out / "checkpoint-4" / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-10] ^= 0xFF
+    f.write_bytes(bytes(data))
+    assert run(out, "max_steps=3", "save_steps=2", "save_total_limit=1", "resume_from_checkpoint=auto") == 0
+    assert "not resuming from" in capsys.readouterr().err
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+    verify_checkpoint(out / "checkpoint-3")
+    assert run(out, "max_steps=4", "save_steps=2", "save_total_limit=1", "resume_from_checkpoint=auto") == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4"]
+    verify_checkpoint(out / "checkpoint-4")
+
+
+def test_a_new_run_over_an_earlier_one_that_fails_before_its_first_step_leaves_it_whole(tmp_path, monkeypatch,
+                                                                                        capsys):
+    """overwrite_output_dir starts a new run where an earlier one's checkpoints are: until the new run's first
+    step is done (a model load can take minutes: a failure or a Ctrl-C comes there), the earlier run's mark,
+    metrics and TensorBoard events stay, and the same command that made it continues it."""
+    from slideformer.engine import SlideEngine
+
+    out = tmp_path / "o"
+    assert run(out, "max_steps=2", "save_steps=1", "report_to=tensorboard") == 0
+    before = {k: v for k, v in tree(out).items() if not k.startswith("slideformer-error")}
+    assert "metrics.jsonl" in before and any(k.startswith("tensorboard/") for k in before)
+
+    def fails(self, *a, **k):
+        raise RuntimeError("the machine fell over")
+
+    monkeypatch.setattr(SlideEngine, "train_step", fails)
+    assert run(out, "max_steps=2", "report_to=tensorboard", "overwrite_output_dir=true",
+               "resume_from_checkpoint=null") == 1
+    assert {k: v for k, v in tree(out).items() if not k.startswith("slideformer-error")} == before
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert run(out, "max_steps=3", "save_steps=1", "report_to=tensorboard", "resume_from_checkpoint=auto") == 0
+    assert "resumed from" in capsys.readouterr().out and (out / "checkpoint-3").is_dir()
+    # a new run's first step makes the folder its own: the earlier run's metrics and events go
+    assert run(out, "max_steps=1", "report_to=tensorboard", "overwrite_output_dir=true",
+               "resume_from_checkpoint=null") == 0
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert not set(before) & {k for k in tree(out) if k.startswith("tensorboard/")}

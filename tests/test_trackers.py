@@ -55,6 +55,23 @@ def test_wandb_without_a_login_is_one_line(tmp_path, monkeypatch):
     wandb.teardown()
 
 
+def test_an_unreachable_mlflow_server_is_one_line_and_a_rerun_continues(tmp_path, monkeypatch):
+    """MLflow's server not answering: a config error naming the URI and the fix (not an unexpected one), with
+    no MLflow run left active in the process and the folder as it was, so the fixed command runs."""
+    import mlflow
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # (the discard port: refused at once)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"report_to: mlflow could not start its run at http://127.0.0.1:9 .*"
+                                          "MLFLOW_TRACKING_URI"):
+        train(load_config(None, FAST + [f"output_dir={out}", "report_to=[tensorboard, mlflow]"]))
+    assert mlflow.active_run() is None and not out.exists()
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert train(load_config(None, FAST + [f"output_dir={out}", "report_to=mlflow"]))["status"] == "finished"
+
+
 def test_none_and_unknown_trackers(tmp_path):
     out = tmp_path / "run"
     train(load_config(None, FAST + [f"output_dir={out}", "report_to=none"]))

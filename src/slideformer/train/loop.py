@@ -393,7 +393,7 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     warmup = math.ceil(cfg.warmup_ratio * total)  # (as transformers' TrainingArguments.get_warmup_steps)
     ecfg = resolve_engine(cfg, hf_config, ecfg, examples, Machine.detect(device))
     if ranks is None:
-        out.open()  # (from here the folder is the run's: locked, marked)
+        out.open()  # (from here the folder is the run's: locked; marked, or at its first step: OutputDir.begin)
     else:  # rank 0 takes the folder; the others write only their checkpoint files into it, under its run id
         out.run_id = parallel.from_leader(lambda: out.open().run_id)
     lead = ranks is None or ranks.leader
@@ -475,7 +475,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
         raise OutputDirError(f"output_dir {out.path} holds {foreign[0].name}, {whose} would be replaced when this run "
                              "saves that step; move it away (or delete it, if it is this run's), choose another "
                              "output_dir, or set overwrite_output_dir: true")
-    if lead:
+    if lead and out.begun:  # (a new run's metrics start with its first step: OutputDir.begin)
         out.trim_metrics(start)
     tracking = Trackers(cfg.report_to if lead else "none", out.path, start, run_meta(cfg, engine, device))
     order = _permutation(len(examples), cfg.seed, epoch)
@@ -553,6 +553,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             lr = lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, warmup, total)
             engine.set_lr(lr)
             loss = engine.train_step([parallel.local_rows(mb, ranks) for mb in mbs] if ranks else mbs)
+            if lead:  # (a new run's history replaces an earlier one's from here, before anything is written)
+                out.begin()
             if settled is None:  # (the first step has built what the run keeps: heap.py)
                 settled = heap.settle()
             norm = engine.last_grad_norm
@@ -787,8 +789,9 @@ def _save(engine, tok, out: OutputDir, step: int, state: dict, limit: int | None
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
         raise CheckpointWriteError(e.errno, f"{e.strerror}; {kept}. Free space in {out.path} (or set output_dir "
                                             "elsewhere), then resume with resume_from_checkpoint: auto") from e
+    out.passed_over.discard(target.name)  # (a damaged one of this step is replaced)
     if limit and (engine.ranks is None or engine.ranks.leader):
-        out.rotate(limit)
+        out.rotate(limit, step)
     return path
 
 

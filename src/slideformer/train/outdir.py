@@ -6,8 +6,10 @@ stamps that id into every checkpoint it writes (``state/trainer.json``). Rotatio
 own ``checkpoint-N`` folders, or those of another run copied in, are never deleted or taken for ours.
 A folder that holds anything but no mark is refused, unless ``overwrite_output_dir`` says to take it.
 ``check`` decides with no side effect (refusals come before any work); ``open`` takes the folder under a
-lock held for the run (the kernel drops it with the process), deciding again under it; a new run that
-fails before it wrote a checkpoint or a metric leaves the folder as it found it (``close(ok=False)``).
+lock held for the run (the kernel drops it with the process), deciding again under it; ``begin``, once the
+run's first step is done, replaces an earlier run's mark, metrics and TensorBoard events (until then a
+failure, a signal or a kill leaves them: the earlier run's ``auto`` resume still works); a new run that
+fails before ``begin`` leaves the folder as it found it (``close(ok=False)``).
 """
 from __future__ import annotations
 
@@ -107,11 +109,14 @@ class OutputDir:
         own.fresh, own.overwrite, own.resume = run_id is None, overwrite, resume
         own.created = not out.exists()
         own.found = {n for n in (RUN_FILE, LOCK_FILE, *TRACKER_DIRS) if (out / n).exists()}  # (what close must not remove)
+        own.events = set((out / TENSORBOARD).glob("events.out.tfevents.*"))  # (TensorBoard's files found)
+        own.begun = not own.fresh
         return own
 
     def open(self) -> "OutputDir":
         """Take the folder: a lock held until ``close`` (a second run into it is refused; the kernel drops
-        the lock with the process), the mark, and for a new run no earlier metrics."""
+        the lock with the process), and a new run's mark where no earlier run's is there (``begin`` replaces
+        that one)."""
         out = self.path
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -132,28 +137,47 @@ class OutputDir:
             self.close()
             raise
         if not (self.fresh and again.fresh):
-            self.run_id, self.fresh = again.run_id, again.fresh
-        try:
-            if self.fresh:
-                _write_atomic(out / RUN_FILE, json.dumps({"run_id": self.run_id}) + "\n")
-                (out / METRICS).unlink(missing_ok=True)  # this run's metrics start with it
-                if RUN_FILE in self.found:  # (TensorBoard's too, where an earlier slideformer run wrote them)
-                    for f in (out / TENSORBOARD).glob("events.out.tfevents.*"):
-                        f.unlink()
-        except OSError as e:
-            self.close(ok=False)
-            raise OSError(e.errno, f"cannot write to output_dir {out}: {e.strerror}; make it writable or choose "
-                                   "another output_dir") from e
+            self.run_id, self.fresh, self.begun = again.run_id, again.fresh, again.begun
+        if self.fresh and RUN_FILE not in self.found:  # (nothing of an earlier run to keep)
+            try:
+                self._replace(out / RUN_FILE, lambda p: _write_atomic(p, json.dumps({"run_id": self.run_id}) + "\n"))
+            except OSError:
+                self.close(ok=False)
+                raise
         return self
+
+    def begin(self) -> None:
+        """The new run's first step is done: from here the folder holds its history, not an earlier one's.
+        Its mark replaces an earlier run's, and the metrics and (where an earlier slideformer run wrote them)
+        TensorBoard events found go (this run's start with it). Once; a resumed run has begun."""
+        if self.begun:
+            return
+        out = self.path
+        if RUN_FILE in self.found:
+            self._replace(out / RUN_FILE, lambda p: _write_atomic(p, json.dumps({"run_id": self.run_id}) + "\n"))
+            for f in self.events:
+                self._replace(f, lambda p: p.unlink(missing_ok=True))
+        self._replace(out / METRICS, lambda p: p.unlink(missing_ok=True))
+        self.begun = True
+
+    def _replace(self, path: Path, act) -> None:
+        """``act(path)``; its OSError as one naming the file (a full disk, a read-only folder)."""
+        try:
+            act(path)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot write {path}: {e.strerror}; make output_dir writable, free space there, "
+                                   "or choose another output_dir") from e
 
     def close(self, ok: bool = True) -> None:
         """Release the folder. A new run that ends with an error before it wrote a checkpoint or a metric
         (``ok`` False) leaves the folder as it found it: no mark or lock file it made, no trackers' folder it
         made (else the folder, unmarked, would refuse the same run again), no folder it made."""
-        if not ok and self.fresh and not self.checkpoints() and not (self.path / METRICS).exists():
+        if not ok and not self.begun:
             held = getattr(self, "_lock", None) is not None  # (only under its lock: no other run's)
             for name in {RUN_FILE, LOCK_FILE} - self.found if held else ():
                 (self.path / name).unlink(missing_ok=True)
+            for f in set((self.path / TENSORBOARD).glob("events.out.tfevents.*")) - self.events if held else ():
+                f.unlink(missing_ok=True)  # (its own writer's, beside those found)
             for name in set(TRACKER_DIRS) - self.found if held else ():  # (made by this run: all of it is its own)
                 if (self.path / name).is_dir() and not (self.path / name).is_symlink():
                     shutil.rmtree(self.path / name, ignore_errors=True)
@@ -224,10 +248,13 @@ class OutputDir:
                 print(f"slideformer: not resuming from {p}: {e}", file=sys.stderr)
         return None, damaged
 
-    def rotate(self, keep: int) -> None:
-        """Delete this run's checkpoints but the newest ``keep``: the files their saves wrote (a file put
-        there by hand stays, said once: the folder is no longer a checkpoint, so no later rotation sees it)."""
-        for old in self.checkpoints()[:-keep]:
+    def rotate(self, keep: int, step: int) -> None:
+        """Delete this run's checkpoints but the newest ``keep`` up to ``step`` (the one just saved): the files
+        their saves wrote (a file put there by hand stays, said once: the folder is no longer a checkpoint, so
+        no later rotation sees it). Later ones (passed over as damaged when resuming: a save of their step
+        replaces them) and damaged ones are neither kept in their place nor deleted."""
+        ours = [p for p in self.checkpoints() if _step_of(p) <= step and p.name not in self.passed_over]
+        for old in ours[:-keep]:
             kept, why = remove_checkpoint(old)
             if kept:
                 print(f"slideformer: {old.name} rotated out; {len(kept)} file(s) kept there, as {why} "

@@ -43,7 +43,8 @@ class Trackers:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise ConfigError("report_to: tensorboard needs the tensorboard package (pip install tensorboard)")
-            self._tb = SummaryWriter(str(out / TENSORBOARD), purge_step=start + 1 if start else None)
+            # (an earlier attempt's steps past ``start``, a killed one's too, are dropped from the view)
+            self._tb = SummaryWriter(str(out / TENSORBOARD), purge_step=start + 1)
             self._tb.add_text("run", "\n".join(f"    {k}: {v}" for k, v in _flat(meta).items()), start)
         if "wandb" in names:
             try:
@@ -54,6 +55,7 @@ class Trackers:
                 self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "slideformer"), name=out.name,
                                          dir=str(out), config=meta)
             except Exception as e:  # (no login, no network: wandb's own errors, before any step)
+                self.close()
                 raise ConfigError(f"report_to: wandb could not start its run ({type(e).__name__}: "
                                   f"{(str(e).splitlines() or [''])[0][:200]}); log in (wandb login, or "
                                   "WANDB_API_KEY), set WANDB_MODE=offline, or leave wandb out of report_to") from None
@@ -62,12 +64,23 @@ class Trackers:
                 import mlflow
             except ImportError:
                 raise ConfigError("report_to: mlflow needs its client (pip install mlflow-skinny)")
-            if not os.environ.get("MLFLOW_TRACKING_URI"):  # (a file store: mlflow-skinny has no database one)
+            # (set each run: mlflow keeps a URI set in the process, an earlier run's folder, over the variable)
+            if uri := os.environ.get("MLFLOW_TRACKING_URI"):
+                mlflow.set_tracking_uri(uri)
+            else:  # (a file store: mlflow-skinny has no database one)
                 os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
                 mlflow.set_tracking_uri((out / MLRUNS).resolve().as_uri())
+            try:
+                mlflow.start_run(run_name=out.name)
+                mlflow.log_params({k: str(v)[:500] for k, v in _flat(meta).items()})
+            except Exception as e:  # (an unreachable or refusing server: mlflow's own errors, before any step)
+                if mlflow.active_run() is not None:
+                    mlflow.end_run("FAILED")
+                self.close()
+                raise ConfigError(f"report_to: mlflow could not start its run at {mlflow.get_tracking_uri()} "
+                                  f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}); check "
+                                  "MLFLOW_TRACKING_URI and the server, or leave mlflow out of report_to") from None
             self._mlflow = mlflow
-            mlflow.start_run(run_name=out.name)
-            mlflow.log_params({k: str(v)[:500] for k, v in _flat(meta).items()})
 
     def scalars(self, values: dict, step: int, prefix: str) -> None:
         """``values`` (None entries skipped) as ``prefix/name`` at ``step``."""
