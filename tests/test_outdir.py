@@ -434,3 +434,27 @@ def test_a_new_run_over_an_earlier_one_that_fails_before_its_first_step_leaves_i
                "resume_from_checkpoint=null") == 0
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
     assert not set(before) & {k for k in tree(out) if k.startswith("tensorboard/")}
+
+
+def test_another_runs_checkpoint_resumed_into_a_runs_folder_is_refused_or_a_new_run(tmp_path, capsys):
+    """A checkpoint path resumes into another output_dir as a branch, a run of its own: where that folder holds
+    checkpoints of its own run, the two histories would share it (its checkpoints rotated by the branch), so
+    it is refused; overwrite_output_dir starts the branch there as a new run, leaving them alone."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert run(a, "max_steps=2", "save_steps=1") == 0
+    assert run(b, "max_steps=2", "save_steps=1", "seed=5") == 0
+    before = tree(b)
+    assert run(b, "max_steps=3", "save_steps=1", "save_total_limit=1", f"resume_from_checkpoint={a}/checkpoint-2") == 2
+    assert "would put two histories in one folder" in capsys.readouterr().err.splitlines()[-1]
+    assert tree(b) == before
+    assert run(b, "max_steps=3", "save_steps=1", "save_total_limit=1", f"resume_from_checkpoint={a}/checkpoint-2",
+               "overwrite_output_dir=true") == 0
+    assert "resumed from" in capsys.readouterr().out
+    assert sorted(p.name for p in b.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    assert {k: v for k, v in tree(b).items() if k.startswith(("checkpoint-1/", "checkpoint-2/"))} == \
+        {k: v for k, v in before.items() if k.startswith(("checkpoint-1/", "checkpoint-2/"))}
+    assert [json.loads(line)["step"] for line in (b / "metrics.jsonl").read_text().splitlines()] == [3]
+    # a branch into a fresh folder, and the branch's own resume, as before
+    assert run(tmp_path / "c", "max_steps=3", "save_steps=1", f"resume_from_checkpoint={a}/checkpoint-1") == 0
+    assert run(tmp_path / "c", "max_steps=4", "save_steps=1") == 0
+    assert "resumed from" in capsys.readouterr().out

@@ -322,7 +322,8 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     resume = cfg.resume_from_checkpoint
     # (a folder that is not a checkpoint is refused before any work)
     meta = read_meta(resume) if resume not in (None, "auto") else None
-    out = OutputDir.check(cfg.output_dir, resume=resume, overwrite=cfg.overwrite_output_dir)
+    out = OutputDir.check(cfg.output_dir, resume=resume, overwrite=cfg.overwrite_output_dir,
+                          resume_run=meta["trainer"].get("run_id") if meta is not None else None)
     # (a path only: auto takes the newest intact one)
     if meta is not None and (later := out.checkpoints_after(meta["trainer"]["step"])):
         raise OutputDirError(f"output_dir {out.path} holds this run's {later[-1].name}, past {resume}: training on "

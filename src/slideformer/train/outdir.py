@@ -70,11 +70,13 @@ class OutputDir:
         self.passed_over: set[str] = set()  # checkpoints resuming passed over as damaged (latest_intact)
 
     @classmethod
-    def check(cls, path: str | os.PathLike, *, resume: str | None, overwrite: bool) -> "OutputDir":
+    def check(cls, path: str | os.PathLike, *, resume: str | None, overwrite: bool,
+              resume_run: str | None = None) -> "OutputDir":
         """Whether ``path`` may be this run's, with no side effect (so refusals come before any work): a
         folder another slideformer run marked is continued when ``resume`` is set (its id is kept), else
-        refused if it holds that run's checkpoints (``overwrite`` starts a new run there); a folder with
-        other content and no mark is refused unless ``overwrite``. ``open`` then takes it."""
+        refused if it holds that run's checkpoints (``overwrite`` starts a new run there); so is a checkpoint
+        path of another run (``resume_run``, its id) resumed there, a branch; a folder with other content
+        and no mark is refused unless ``overwrite``. ``open`` then takes it."""
         out = Path(path)
         if out.exists() and not out.is_dir():
             raise OutputDirError(f"output_dir {out} is a file; set output_dir to a folder")
@@ -89,13 +91,19 @@ class OutputDir:
                 raise OutputDirError(f"{mark} is damaged ({e}); remove it if {out} holds nothing of yours, or "
                                      "choose another output_dir") from e
             own = cls(out, run_id)
-            if resume is None and own.checkpoints():
+            branch = resume not in (None, "auto") and resume_run is not None and resume_run != run_id
+            if (resume is None or branch) and own.checkpoints():
                 if not overwrite:
                     raise OutputDirError(
                         f"output_dir {out} holds checkpoints of an earlier run (newest {own.checkpoints()[-1].name}); "
-                        "set resume_from_checkpoint: auto to continue it, overwrite_output_dir: true to start a "
-                        "new run there, or choose another output_dir")
+                        + (f"resuming {resume}, another run's, there would put two histories in one folder: "
+                           "choose another output_dir for it, or set overwrite_output_dir: true to start it there "
+                           "as a new run" if branch else
+                           "set resume_from_checkpoint: auto to continue it, overwrite_output_dir: true to start a "
+                           "new run there, or choose another output_dir"))
                 run_id = None  # a new run: the earlier one's checkpoints are no longer ours to rotate
+            elif branch:
+                run_id = None  # (a branch where no checkpoint of the folder's run is: a run of its own)
         elif out.is_dir() and not overwrite:
             shown = sorted(p.name for p in out.iterdir()  # (the error logs: a failed start's, any rank's)
                            if p.name != LOCK_FILE and not (p.name.startswith(ERROR_LOG[:-4]) and p.suffix == ".log"))
@@ -106,7 +114,7 @@ class OutputDir:
                     "train there (what the run writes replaces what has its names: checkpoint-N, metrics.jsonl, "
                     "loss.png; nothing else is touched)")
         own = cls(out, run_id or uuid.uuid4().hex)
-        own.fresh, own.overwrite, own.resume = run_id is None, overwrite, resume
+        own.fresh, own.overwrite, own.resume, own.resume_run = run_id is None, overwrite, resume, resume_run
         own.created = not out.exists()
         own.found = {n for n in (RUN_FILE, LOCK_FILE, *TRACKER_DIRS) if (out / n).exists()}  # (what close must not remove)
         own.events = set((out / TENSORBOARD).glob("events.out.tfevents.*"))  # (TensorBoard's files found)
@@ -132,7 +140,7 @@ class OutputDir:
             raise OutputDirError(f"output_dir {out} is in use by another slideformer run; wait for it to end, or "
                                  "choose another output_dir") from None
         try:  # decided again under the lock: another run may have taken the folder since check()
-            again = OutputDir.check(out, resume=self.resume, overwrite=self.overwrite)
+            again = OutputDir.check(out, resume=self.resume, overwrite=self.overwrite, resume_run=self.resume_run)
         except BaseException:
             self.close()
             raise
