@@ -408,9 +408,10 @@ def test_rotation_after_resuming_past_a_damaged_checkpoint_keeps_the_intact_ones
 
 def test_a_new_run_over_an_earlier_one_that_fails_before_its_first_step_leaves_it_whole(tmp_path, monkeypatch,
                                                                                         capsys):
-    """overwrite_output_dir starts a new run where an earlier one's checkpoints are: until the new run's first
-    step is done (a model load can take minutes: a failure or a Ctrl-C comes there), the earlier run's mark,
-    metrics and TensorBoard events stay, and the same command that made it continues it."""
+    """overwrite_output_dir starts a new run where an earlier one's checkpoints are: until the new run first
+    writes (a metric or a checkpoint; a model load can take minutes, and a failure or a Ctrl-C comes there),
+    the earlier run's mark, metrics and TensorBoard events stay, and the same command that made it continues
+    it."""
     from slideformer.engine import SlideEngine
 
     out = tmp_path / "o"
@@ -429,7 +430,7 @@ def test_a_new_run_over_an_earlier_one_that_fails_before_its_first_step_leaves_i
     capsys.readouterr()
     assert run(out, "max_steps=3", "save_steps=1", "report_to=tensorboard", "resume_from_checkpoint=auto") == 0
     assert "resumed from" in capsys.readouterr().out and (out / "checkpoint-3").is_dir()
-    # a new run's first step makes the folder its own: the earlier run's metrics and events go
+    # a new run's first write makes the folder its own: the earlier run's metrics and events go
     assert run(out, "max_steps=1", "report_to=tensorboard", "overwrite_output_dir=true",
                "resume_from_checkpoint=null") == 0
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
@@ -458,3 +459,25 @@ def test_another_runs_checkpoint_resumed_into_a_runs_folder_is_refused_or_a_new_
     assert run(tmp_path / "c", "max_steps=3", "save_steps=1", f"resume_from_checkpoint={a}/checkpoint-1") == 0
     assert run(tmp_path / "c", "max_steps=4", "save_steps=1") == 0
     assert "resumed from" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device every write to is full)")
+def test_a_full_disk_under_the_metrics_names_the_file(tmp_path):
+    """A write of the metrics (an append, or the trim a resumed run makes) failing for space says which file,
+    as one line, not a bare "No space left on device"."""
+    from slideformer.cli import _one_line
+    from slideformer.train.outdir import METRICS, OutputDir
+
+    out = OutputDir(tmp_path, "run")
+    (tmp_path / METRICS).symlink_to("/dev/full")
+    with pytest.raises(OSError) as e:
+        out.log({"step": 1, "loss": 2.0})
+    assert _one_line(e.value) == f"error: {tmp_path / METRICS}: No space left on device; free space there or " \
+                                 "choose another folder"
+    (tmp_path / METRICS).unlink()
+    (tmp_path / METRICS).write_text('{"step": 1}\n{"step": 2}\n')
+    (tmp_path / f"{METRICS}.tmp").symlink_to("/dev/full")
+    with pytest.raises(OSError) as e:
+        out.trim_metrics(1)
+    assert _one_line(e.value).startswith(f"error: {tmp_path / METRICS}: No space left on device")
+    assert (tmp_path / METRICS).read_text() == '{"step": 1}\n{"step": 2}\n'

@@ -56,17 +56,22 @@ def test_conflicts_name_the_fix(bad, match):
                                          # units trained on the device: their state is saved from there
                                          (1, ["offload.resident_layers=1", "offload.resident_edges=true"])])
 def test_resume_continues_the_same_training(tmp_path, accum, extra):
-    """Train 6 steps; then train 3, stop, and resume to 6: the weights are bit-identical."""
+    """Train 6 steps; then train 3, stop, and resume to 6: the weights are bit-identical, and so is the logged
+    loss of the interval the resume falls in (logged every 2 steps: step 4's is the mean over steps 3 and 4)."""
     a = tmp_path / "a"
-    train(cfg(a, "max_steps=6", f"gradient_accumulation_steps={accum}", "save_steps=3", *extra))
+    run_a = train(cfg(a, "max_steps=6", f"gradient_accumulation_steps={accum}", "save_steps=3", "logging_steps=2",
+                      *extra))
     b = tmp_path / "b"
-    train(cfg(b, "max_steps=6", f"gradient_accumulation_steps={accum}", "save_steps=3", "save_total_limit=5", *extra))
+    train(cfg(b, "max_steps=6", f"gradient_accumulation_steps={accum}", "save_steps=3", "save_total_limit=5",
+              "logging_steps=2", *extra))
     # simulate a crash after step 3: drop the later checkpoint, resume from the newest left
     import shutil
     shutil.rmtree(b / "checkpoint-6")
-    r = train(cfg(b, "max_steps=6", f"gradient_accumulation_steps={accum}", "save_steps=3",
+    r = train(cfg(b, "max_steps=6", f"gradient_accumulation_steps={accum}", "save_steps=3", "logging_steps=2",
                   "resume_from_checkpoint=auto", *extra))
     assert r["history"][0]["step"] == 4
+    logged = lambda run: [(h["step"], h["loss"], h["target_tokens"]) for h in run["history"]]  # noqa: E731
+    assert logged(r) == logged(run_a)[1:]
     ma, mb = master(a / "checkpoint-6"), master(b / "checkpoint-6")
     assert all(torch.equal(ma[k], mb[k]) for k in ma)
 
@@ -475,3 +480,72 @@ def test_export_writes_the_training_master_in_the_dtype_asked_for(tmp_path):
         ["export", ck, str(tmp_path / "plain")]) == 0 else None
     assert plain is not None and all(v.dtype == torch.bfloat16 for v in plain.values())
     assert any(not torch.equal(plain[k].float(), master[k]) for k in plain)  # (the master is finer than bf16)
+
+
+def test_every_seed_the_config_accepts_orders_the_data():
+    """A seed up to 2**63 (the config's bound) orders each epoch (its generator's seed is 64 bits); the seeds
+    runs used before keep their order, so their checkpoints resume on the same data."""
+    from slideformer.train.loop import _permutation
+
+    big = [_permutation(50, 2**63 - 1, e) for e in (0, 1)]
+    assert sorted(big[0]) == list(range(50)) and list(big[0]) != list(big[1])
+    g = torch.Generator().manual_seed(7 * 1_000_003 + 2)
+    assert list(_permutation(50, 7, 2)) == list(torch.randperm(50, generator=g).numpy())
+
+
+def test_many_epochs_are_counted_at_once(tmp_path, monkeypatch):
+    """num_train_epochs decides the steps without a pass per epoch (1e12 epochs would hang start-up; an alarm
+    turns that into a failure); with packing each epoch's rows are counted, so past MAX_PACKED_EPOCHS it asks
+    for max_steps."""
+    import signal
+
+    from slideformer.engine import SlideEngine
+    from slideformer.train.loop import MAX_PACKED_EPOCHS
+
+    class Built(Exception):
+        pass
+
+    def built(*a, **k):
+        raise Built
+
+    def hung(*a):
+        raise TimeoutError("counting the epochs' steps took over 60 s")
+
+    monkeypatch.setattr(SlideEngine, "from_config", built)
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        with pytest.raises(Built):
+            train(cfg(tmp_path / "a", "max_steps=-1", "num_train_epochs=1e12"))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    with pytest.raises(ConfigError, match=rf"with packing: .* \(up to {MAX_PACKED_EPOCHS} epochs\); set max_steps"):
+        train(cfg(tmp_path / "b", "max_steps=-1", f"num_train_epochs={MAX_PACKED_EPOCHS + 1}", "packing=true"))
+
+
+def test_a_key_given_twice_in_the_config_file_is_refused(tmp_path):
+    """YAML keeps the last of a key written twice, unsaid: the config names the key and both lines. A merged
+    mapping (<<) is overridden by its own keys, as YAML means."""
+    f = tmp_path / "c.yaml"
+    f.write_text("model_name_or_path: tiny\nlearning_rate: 3.0e-3\nmax_steps: 2\nlearning_rate: 1.0e-5\n")
+    with pytest.raises(ConfigError, match=r"c.yaml, line 4: learning_rate is given twice \(also on line 2;"):
+        load_config(f)
+    f.write_text("model_name_or_path: tiny\noffload: {host_weights: staged, host_weights: pinned}\n")
+    with pytest.raises(ConfigError, match="line 2: host_weights is given twice"):
+        load_config(f)
+    f.write_text("model_name_or_path: tiny\noffload: {<<: {host_weights: pinned}, host_weights: staged}\n")
+    assert load_config(f).offload.host_weights == "staged"
+
+
+def test_an_update_that_overflows_says_the_learning_rate(tmp_path, capsys):
+    """Finite losses, a state gone infinite (a learning rate fp32 cannot hold): nothing non-finite is saved, and
+    the line (exit 4) names the intact checkpoint and the fix."""
+    from slideformer.cli import main
+
+    assert main(["train", "progress=false", "device=cpu", f"output_dir={tmp_path}", "max_steps=2", "save_steps=1",
+                 "learning_rate=1e39", "max_grad_norm=null"]) == 4
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "holds NaN or infinite values; the state is not saved (the previous checkpoint" in line
+    assert line.endswith("lower learning_rate (now 1e+39)")
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1"]

@@ -39,7 +39,8 @@ class Interrupted(KeyboardInterrupt):
     def line(self) -> str:
         name = signal.Signals(self.signum).name
         if self.training:
-            return f"{name} again: stopped at once, mid-step; the last checkpoint saved is kept"
+            return (f"{name} again: stopped at once, mid-step; the checkpoints saved before it are kept (a save it "
+                    "cut short is none: resume_from_checkpoint: auto passes over it)")
         return f"{name}: stopped before a training step had finished; nothing was saved"
 
 

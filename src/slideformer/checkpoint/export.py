@@ -26,8 +26,14 @@ class NonFiniteStateError(FloatingPointError):
 
 
 def staged_file(path: Path, write) -> Path:
-    """``write`` the file under a temporary name beside ``path``, flushed to disk: the name to rename."""
-    tmp = path.with_name(path.name + ".tmp")
+    """``write`` the file under a temporary name beside ``path``, flushed to disk: the name to rename. The
+    name is one no file had (made exclusively): a user's own ``<name>.tmp`` there is neither replaced nor
+    removed."""
+    import tempfile
+
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
     try:
         write(tmp)
         with open(tmp, "rb") as f:

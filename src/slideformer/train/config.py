@@ -362,6 +362,37 @@ def _check_colons(where: str, v, seen: set | None = None) -> None:
         _check_colons(where, x, seen)
 
 
+class _KeyTwice(yaml.YAMLError):
+    pass
+
+
+class _OnceLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (a learning_rate written twice would
+    train with the one further down)."""
+
+
+def _mapping_once(loader: _OnceLoader, node: yaml.MappingNode):
+    lines: dict = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # (``<<: *defaults`` is overridden by its mapping's keys)
+            continue
+        key = loader.construct_object(key_node)
+        try:
+            twice = key in lines
+        except TypeError:  # (a key that is no hashable value: construct_mapping says so)
+            continue
+        if twice:
+            raise _KeyTwice(f"line {key_node.start_mark.line + 1}: {key} is given twice (also on line {lines[key]}; "
+                            "YAML would keep the last unsaid); keep one")
+        lines[key] = key_node.start_mark.line + 1
+    data: dict = {}
+    yield data
+    data.update(loader.construct_mapping(node))
+
+
+_OnceLoader.add_constructor("tag:yaml.org,2002:map", _mapping_once)
+
+
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> TrainConfig:
     """The config at ``path`` (defaults for what it leaves out), or with no file the embedded demo's settings
     while the model is the demo's (the bundled tiny one; another model named on the command line starts from
@@ -374,7 +405,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
             raw = yaml.safe_load((_assets() / "demo.yaml").read_text())
     else:
         try:
-            raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+            raw = yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_OnceLoader)
+        except _KeyTwice as e:
+            raise ConfigError(f"config {path}, {e}") from None
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError, yaml.YAMLError) as e:
             raise ConfigError(f"cannot read config {path}: {e}") from e
         except UnicodeDecodeError as e:

@@ -30,6 +30,7 @@ from ..data import NOT_JSON, DataError, detect_format, pack_batch, pad_batch, re
 from ..data.formats import chat_template_text, check_chat_template, max_token_chars, renamed, template_probe
 from ..data.lazy import LazyExamples, Subset
 from ..signals import Signals, past_hangup
+from ..checkpoint.export import NonFiniteStateError
 from ..checkpoint.state import CheckpointWriteError, CorruptCheckpointError, read_meta
 from .config import OffloadConfig, TrainConfig, _assets
 from .outdir import CKPT_PREFIX, METRICS, OutputDir, OutputDirError
@@ -380,11 +381,15 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     if cfg.max_steps > 0:
         total = cfg.max_steps
     else:  # the micro-batches each epoch holds as _draw takes them, whole steps of them
-        def held_by(k: int) -> int:  # epoch k's: packed rows in its order, or its whole micro-batches (at least one)
-            if cfg.packing:
-                return -(-_packed_rows(examples, _permutation(len(examples), cfg.seed, k), cfg.cutoff_len) // rows)
-            return max(1, samples // rows)
-        mbs = sum(min(1.0, cfg.num_train_epochs - k) * held_by(k) for k in range(math.ceil(cfg.num_train_epochs)))
+        def held_by(k: int) -> int:  # epoch k's packed rows in its order, as micro-batches
+            return -(-_packed_rows(examples, _permutation(len(examples), cfg.seed, k), cfg.cutoff_len) // rows)
+        if cfg.packing and cfg.num_train_epochs > MAX_PACKED_EPOCHS:
+            raise ConfigError(f"num_train_epochs {cfg.num_train_epochs} with packing: each epoch's packed rows are "
+                              f"counted before training (up to {MAX_PACKED_EPOCHS} epochs); set max_steps instead")
+        if cfg.packing:
+            mbs = sum(min(1.0, cfg.num_train_epochs - k) * held_by(k) for k in range(math.ceil(cfg.num_train_epochs)))
+        else:  # (every epoch holds its whole micro-batches, at least one)
+            mbs = cfg.num_train_epochs * max(1, samples // rows)
         total = max(1, math.floor(mbs / cfg.gradient_accumulation_steps + 1e-9))
         if (ranks is None or ranks.leader) and not cfg.packing and samples % rows:
             print(f"slideformer: {samples} samples, micro-batches of {rows}: " + (
@@ -394,7 +399,7 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     warmup = math.ceil(cfg.warmup_ratio * total)  # (as transformers' TrainingArguments.get_warmup_steps)
     ecfg = resolve_engine(cfg, hf_config, ecfg, examples, Machine.detect(device))
     if ranks is None:
-        out.open()  # (from here the folder is the run's: locked; marked, or at its first step: OutputDir.begin)
+        out.open()  # (from here the folder is the run's: locked; marked, or at its first write: OutputDir.begin)
     else:  # rank 0 takes the folder; the others write only their checkpoint files into it, under its run id
         out.run_id = parallel.from_leader(lambda: out.open().run_id)
     lead = ranks is None or ranks.leader
@@ -476,13 +481,15 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
         raise OutputDirError(f"output_dir {out.path} holds {foreign[0].name}, {whose} would be replaced when this run "
                              "saves that step; move it away (or delete it, if it is this run's), choose another "
                              "output_dir, or set overwrite_output_dir: true")
-    if lead and out.begun:  # (a new run's metrics start with its first step: OutputDir.begin)
+    if lead and out.begun:  # (a new run's metrics start with its first write: OutputDir.begin)
         out.trim_metrics(start)
     tracking = Trackers(cfg.report_to if lead else "none", out.path, start, run_meta(cfg, engine, device))
     order = _permutation(len(examples), cfg.seed, epoch)
     params = engine.adapter.num_params
     history, t_last, tokens_since = [], time.perf_counter(), 0
-    loss_sum, targets_since = 0.0, 0  # the logged loss: the mean over the interval's target tokens
+    # the logged loss: the mean over the interval's target tokens (a resumed run's interval goes on)
+    logged = state.get("logged", {}) if resume else {}
+    loss_sum, targets_since = float(logged.get("loss_sum", 0.0)), int(logged.get("targets", 0))
     evals = []
     progress = _progress(cfg.progress, total, start) if lead else (lambda done, rec: None)
 
@@ -521,8 +528,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
         else:
             evals.append(ev)
             if lead:
-                with open(out.path / METRICS, "a") as f:
-                    f.write(json.dumps(_finite(ev), allow_nan=False) + "\n")
+                out.log(_finite(ev))
             tracking.scalars({"loss": ev["eval_loss"], "perplexity": ev["eval_ppl"]}, step, "eval")
             say(f"slideformer: step {step}: eval loss {ev['eval_loss']:.4f}, perplexity "
                 f"{ev['eval_ppl']:.3f} ({ev['eval_tokens']} tokens)", flush=True)
@@ -554,8 +560,6 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             lr = lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, warmup, total)
             engine.set_lr(lr)
             loss = engine.train_step([parallel.local_rows(mb, ranks) for mb in mbs] if ranks else mbs)
-            if lead:  # (a new run's history replaces an earlier one's from here, before anything is written)
-                out.begin()
             if settled is None:  # (the first step has built what the run keeps: heap.py)
                 settled = heap.settle()
             norm = engine.last_grad_norm
@@ -580,7 +584,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                 signum, _ = why_stop(signals.requested, False)
                 if signum:  # the state is the last finished step's, the data past the dropped batch
                     state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
-                             "run_id": out.run_id, "data": data, "update": update}
+                             "run_id": out.run_id, "data": data, "update": update,
+                             "logged": {"loss_sum": loss_sum, "targets": targets_since}}
                     with dog.allowing(SAVE_LIMIT_S):
                         last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
                                            cfg.model_name_or_path)
@@ -609,8 +614,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                 t_last, tokens_since, loss_sum, targets_since = now, 0, 0.0, 0
                 history.append(rec)
                 if lead:
-                    with open(out.path / METRICS, "a") as f:
-                        f.write(json.dumps(_finite(rec), allow_nan=False) + "\n")
+                    out.log(_finite(rec))
                 tracking.scalars({k: rec.get(k) for k in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops",
                                                           "gpu_mem_gib", "host_rss_gib")}, step, "train")
                 progress(step, rec)
@@ -620,7 +624,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             due = bool(held) and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total)
             state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
                      "run_id": out.run_id, "data": data, "update": update,
-                     "eval_pending": due and stop}
+                     "eval_pending": due and stop, "logged": {"loss_sum": loss_sum, "targets": targets_since}}
             if (cfg.save_steps and step % cfg.save_steps == 0) or step == total or stop:
                 with dog.allowing(SAVE_LIMIT_S):
                     last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
@@ -766,8 +770,11 @@ def _where(path) -> str:
     return os.path.realpath(path) if os.path.exists(path) else os.fspath(path)
 
 
+MAX_PACKED_EPOCHS = 10_000  # (num_train_epochs with packing: each one's rows counted before training)
+
+
 def _permutation(n: int, seed: int, epoch: int):
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    g = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**64)  # (a generator's seed is 64 bits)
     return torch.randperm(n, generator=g).numpy()  # (8 bytes a record: a dataset may be larger than RAM)
 
 
@@ -784,12 +791,18 @@ def _save(engine, tok, out: OutputDir, step: int, state: dict, limit: int | None
         if source != "tiny" and generation.is_file():
             shutil.copyfile(generation, Path(tmp) / generation.name)
 
+    if engine.ranks is None or engine.ranks.leader:  # (a new run's history replaces an earlier one's from here)
+        out.begin()
     try:  # (the tokenizer goes in before the checkpoint is sealed: its checksums and the rename cover it)
         path = engine.save_checkpoint(target, state, extra=extra)
     except CheckpointWriteError as e:
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
         raise CheckpointWriteError(e.errno, f"{e.strerror}; {kept}. Free space in {out.path} (or set output_dir "
                                             "elsewhere), then resume with resume_from_checkpoint: auto") from e
+    except NonFiniteStateError as e:  # (finite losses, an overflowing update: a learning rate far too large)
+        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+        raise NonFiniteStateError(f"step {step}: {e} ({kept}); the losses were finite, the update overflowed: "
+                                  f"lower learning_rate (now {engine.cfg.lr})") from None
     out.passed_over.discard(target.name)  # (a damaged one of this step is replaced)
     if limit and (engine.ranks is None or engine.ranks.leader):
         out.rotate(limit, step)

@@ -6,10 +6,10 @@ stamps that id into every checkpoint it writes (``state/trainer.json``). Rotatio
 own ``checkpoint-N`` folders, or those of another run copied in, are never deleted or taken for ours.
 A folder that holds anything but no mark is refused, unless ``overwrite_output_dir`` says to take it.
 ``check`` decides with no side effect (refusals come before any work); ``open`` takes the folder under a
-lock held for the run (the kernel drops it with the process), deciding again under it; ``begin``, once the
-run's first step is done, replaces an earlier run's mark, metrics and TensorBoard events (until then a
-failure, a signal or a kill leaves them: the earlier run's ``auto`` resume still works); a new run that
-fails before ``begin`` leaves the folder as it found it (``close(ok=False)``).
+lock held for the run (the kernel drops it with the process), deciding again under it; ``begin``, at the
+run's first write (a metric or a checkpoint), replaces an earlier run's mark, metrics and TensorBoard
+events (until then a failure, a signal or a kill leaves them: the earlier run's ``auto`` resume still
+works); a new run that fails before it leaves the folder as it found it (``close(ok=False)``).
 """
 from __future__ import annotations
 
@@ -50,6 +50,7 @@ def _step_of(p: Path) -> int | None:
 
 
 def _write_atomic(path: Path, text: str) -> None:
+    """``text`` as ``path``, whole or not at all; an OSError names ``path`` (a write's own names nothing)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "w") as f:
@@ -57,6 +58,9 @@ def _write_atomic(path: Path, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise OSError(e.errno, e.strerror, str(path)) from e
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -155,9 +159,10 @@ class OutputDir:
         return self
 
     def begin(self) -> None:
-        """The new run's first step is done: from here the folder holds its history, not an earlier one's.
-        Its mark replaces an earlier run's, and the metrics and (where an earlier slideformer run wrote them)
-        TensorBoard events found go (this run's start with it). Once; a resumed run has begun."""
+        """The new run writes its first metric or checkpoint: from here the folder holds its history, not an
+        earlier one's. Its mark replaces an earlier run's, and the metrics and (where an earlier slideformer
+        run wrote them) TensorBoard events found go (this run's start with it). Once; a resumed run has
+        begun."""
         if self.begun:
             return
         out = self.path
@@ -267,6 +272,17 @@ class OutputDir:
             if kept:
                 print(f"slideformer: {old.name} rotated out; {len(kept)} file(s) kept there, as {why} "
                       f"({kept[0].relative_to(old) if kept[0] != old else old.name})", file=sys.stderr)
+
+    def log(self, rec: dict) -> None:
+        """``rec`` appended to the run's metrics (the run's first write ``begin``s it); an OSError names the
+        file (a full disk)."""
+        self.begin()
+        path = self.path / METRICS
+        try:
+            with open(path, "a") as f:
+                f.write(json.dumps(rec, allow_nan=False) + "\n")
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(path)) from e
 
     def trim_metrics(self, step: int) -> None:
         """Drop logged records past ``step`` (a resumed run logs those steps again)."""
