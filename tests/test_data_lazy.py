@@ -1,6 +1,7 @@
 """Datasets read as the steps reach them (data/lazy.py): the records, samples and training of tokenizing up
 front, in bounded RAM."""
 import json
+import os
 
 import pytest
 
@@ -182,3 +183,20 @@ def test_a_parquet_files_size_is_what_it_holds_uncompressed(tmp_path):
     assert lazy.source_bytes(tmp_path / "d") >= 2_300_000
     (tmp_path / "bad.parquet").write_text("not parquet")
     assert lazy.source_bytes(tmp_path / "bad.parquet") == len("not parquet")
+
+
+def test_a_file_changed_while_the_run_reads_it_is_refused(tmp_path):
+    """Read as reached, a record is found where its line started when the file was counted: a file edited or
+    appended to since would give other records (or half lines), so the next read refuses, naming the file."""
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"text": "one"}\n{"text": "two"}\n')
+    lines = JsonlLines(f, False)
+    assert lines[1][1] == {"text": "two"}
+    with open(f, "a") as out:
+        out.write('{"text": "three"}\n')
+    with pytest.raises(DataError, match=r"d.jsonl changed while the run read it .* put the file back"):
+        lines[0]
+    f.write_text('{"text": "uno"}\n{"text": "dos"}\n')  # (the same size: its time tells)
+    os.utime(f, ns=(lines.stamp[1] + 10**9, lines.stamp[1] + 10**9))
+    with pytest.raises(DataError, match="changed while the run read it"):
+        lines[1]

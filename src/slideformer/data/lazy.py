@@ -29,7 +29,8 @@ class JsonlLines:
     (where, record), or (where, NOT_JSON) for a line that is not JSON under ``skip_bad`` (else DataError,
     naming the file and line). RAM: 8 bytes a record (where its line starts), and the blank lines' numbers.
     The file is opened for each read: nothing stays open (a dataset may be thousands of files), and a copy
-    in another process reads it as well."""
+    in another process reads it as well. A file changed since its lines were counted (size or modification
+    time) is refused at the next read: its lines would be other records, or cut mid-line."""
 
     def __init__(self, path: Path, skip_bad: bool):
         self.path, self.skip_bad = Path(path), skip_bad
@@ -37,6 +38,8 @@ class JsonlLines:
         line_start, pending, lines, at = 0, 0, 0, 0  # (the unfinished line: its start and non-space bytes)
         try:
             with open(self.path, "rb") as f:
+                st = os.fstat(f.fileno())
+                self.stamp = (st.st_size, st.st_mtime_ns)  # (what each read checks: the file indexed)
                 while chunk := f.read(CHUNK):
                     b = np.frombuffer(chunk, np.uint8)
                     nl = np.flatnonzero(b == 10)
@@ -73,11 +76,16 @@ class JsonlLines:
         try:
             fd = os.open(self.path, os.O_RDONLY)
             try:
+                st = os.fstat(fd)
                 raw = os.pread(fd, end - start, start)
             finally:
                 os.close(fd)
         except OSError as e:
             raise OSError(e.errno, f"dataset file {self.path}: cannot read it ({e.strerror})") from e
+        if (st.st_size, st.st_mtime_ns) != self.stamp or self.size != self.stamp[0]:
+            raise DataError(f"dataset file {self.path} changed while the run read it (its size or modification "
+                            "time is not what it was when its lines were counted): its records are no longer the "
+                            "ones the run ordered; put the file back as it was and resume, or start a new run")
         # (the record's own line: blank ones may follow)
         return where, jsonl_record(raw.split(b"\n", 1)[0], Path(self.path), lineno, self.skip_bad)
 

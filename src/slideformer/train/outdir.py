@@ -72,6 +72,7 @@ class OutputDir:
     def __init__(self, path: Path, run_id: str):
         self.path, self.run_id = path, run_id
         self.passed_over: set[str] = set()  # checkpoints resuming passed over as damaged (latest_intact)
+        self.fresh, self.begun = False, True  # (a new run, and whether it has written: ``check`` and ``begin``)
 
     @classmethod
     def check(cls, path: str | os.PathLike, *, resume: str | None, overwrite: bool,
