@@ -78,3 +78,23 @@ def test_none_and_unknown_trackers(tmp_path):
     assert not (out / "tensorboard").exists()
     with pytest.raises(ConfigError, match="report_to: 'comet' is not a tracker"):
         load_config(None, ["report_to=comet"])
+
+
+def test_tensorboard_shows_one_curve_after_a_run_killed_before_its_first_checkpoint(tmp_path):
+    """A run killed before its first checkpoint starts again from step 0 in the same folder: its earlier steps'
+    events are purged from TensorBoard's view (as a resumed run's past its checkpoint), not shown twice."""
+    import time
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from slideformer.train.trackers import Trackers
+
+    for value, steps in ((9.0, (1, 2, 3)), (1.0, (1, 2))):
+        t = Trackers(["tensorboard"], tmp_path, 0, {"run": "x"})
+        for s in steps:
+            t.scalars({"loss": value + s}, s, "train")
+        t.close()
+        time.sleep(1.1)  # (event files are named by the second they were opened in: read in that order)
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 2.0), (2, 3.0)]
