@@ -666,6 +666,27 @@ def test_export_overwrite_leaves_no_stale_weights(checkpoint, tmp_path):
         assert AutoModelForCausalLM.from_pretrained(dst).dtype == torch.float32
 
 
+def test_export_writes_files_others_may_read_and_keeps_the_users_tmp_files(checkpoint, tmp_path):
+    """Export stages each file under a name no file had: a user's own model.safetensors.tmp stays, the files
+    get the umask's mode (as any file a tool writes, readable by a serving container), and a killed export's
+    temporary files are cleared by the next."""
+    import stat
+
+    dst = tmp_path / "hf"
+    dst.mkdir()
+    (dst / "model.safetensors.tmp").write_text("mine")
+    (dst / ".model.safetensors.0123456789ab.tmp").write_bytes(b"a killed export's")
+    old = os.umask(0o022)
+    try:
+        assert main(["export", str(checkpoint), str(dst), "--overwrite"]) == 0
+    finally:
+        os.umask(old)
+    assert (dst / "model.safetensors.tmp").read_text() == "mine"
+    assert not (dst / ".model.safetensors.0123456789ab.tmp").exists()
+    assert not [p.name for p in dst.iterdir() if p.name.startswith(".")]
+    assert {stat.S_IMODE(p.stat().st_mode) for p in dst.iterdir() if p.is_file()} == {0o644}
+
+
 def test_export_on_a_full_disk_leaves_nothing_half_written(checkpoint, tmp_path, capsys, monkeypatch):
     """A copy that runs out of space midway: what the export wrote is removed (a folder it made, too), the
     user's files stay, and the line names the target."""

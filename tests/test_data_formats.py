@@ -243,7 +243,8 @@ def test_csv_cells_are_the_text_they_hold(tmp_path):
 def test_a_folder_of_data_files_is_read_whole_and_csv_as_text(tmp_path):
     """A folder of CSV files reads its cells as text, as one CSV file does (its splits from the files' names);
     a data file datasets would leave out (another kind than the most common, or one not named for a split
-    beside files that are) is refused, not dropped unsaid; hidden files and the dataset card are not data."""
+    beside files that are) is refused, not dropped unsaid; hidden files, the dataset card and a .txt file beside
+    data of another kind are not data; CSV and TSV files, separated differently, are not read as one."""
     from slideformer.data.lazy import open_records
 
     d, s = tmp_path / "qa", tmp_path / "splits"
@@ -252,6 +253,7 @@ def test_a_folder_of_data_files_is_read_whole_and_csv_as_text(tmp_path):
     (d / "a.csv").write_text('instruction,output\n"What is 2+2?",4\nSay NA,NA\n')
     (d / "more" / "part.csv").write_text("instruction,output\nx,007\n")
     (d / "README.md").write_text("# my data\n")
+    (d / "LICENSE.txt").write_text("CC-BY 4.0\n")  # (beside CSV files: not a dataset's lines)
     (d / ".notes.jsonl").write_text('{"text": "not data"}\n')
     (s / "train.csv").write_text("instruction,output\np,1\n")
     (s / "test.csv").write_text("instruction,output\nq,1.5\n")
@@ -268,6 +270,10 @@ def test_a_folder_of_data_files_is_read_whole_and_csv_as_text(tmp_path):
         with pytest.raises(DataError, match=r"splits: datasets would leave out extra.csv \(it reads 2 .csv files as "
                                             r"split train, test\); .* each named for its split"):
             read(s, split="test")
+    (d / "more" / "extra.jsonl").unlink()
+    (d / "more" / "part.tsv").write_text("instruction\toutput\ny\t8\n")
+    with pytest.raises(DataError, match="qa mixes .csv and .tsv files"):
+        read_records(d)
 
 
 def test_columns_map_a_records_own_keys_to_a_formats(tok, tmp_path):

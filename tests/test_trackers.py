@@ -98,3 +98,9 @@ def test_tensorboard_shows_one_curve_after_a_run_killed_before_its_first_checkpo
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 2.0), (2, 3.0)]
+    # a new run over this one, killed before its first write (purge False: OutputDir.begin not reached),
+    # hides none of it
+    Trackers(["tensorboard"], tmp_path, 0, {"run": "y"}, purge=False).close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 2.0), (2, 3.0)]

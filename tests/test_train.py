@@ -500,7 +500,7 @@ def test_many_epochs_are_counted_at_once(tmp_path, monkeypatch):
     import signal
 
     from slideformer.engine import SlideEngine
-    from slideformer.train.loop import MAX_PACKED_EPOCHS
+    from slideformer.train.config import MAX_PACKED_EPOCHS
 
     class Built(Exception):
         pass
@@ -521,7 +521,7 @@ def test_many_epochs_are_counted_at_once(tmp_path, monkeypatch):
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
     with pytest.raises(ConfigError, match=rf"with packing: .* \(up to {MAX_PACKED_EPOCHS} epochs\); set max_steps"):
-        train(cfg(tmp_path / "b", "max_steps=-1", f"num_train_epochs={MAX_PACKED_EPOCHS + 1}", "packing=true"))
+        cfg(tmp_path / "b", "max_steps=-1", f"num_train_epochs={MAX_PACKED_EPOCHS + 1}", "packing=true").validate()
 
 
 def test_a_key_given_twice_in_the_config_file_is_refused(tmp_path):

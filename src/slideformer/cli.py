@@ -90,7 +90,7 @@ def cmd_plan(args) -> int:
     from .plan import Auto, ModelShape, nvme_layer_count, parse_bytes, predicted_step, resolve
     from .plan.resolve import tier_bytes
     from .plan.memory import (PROCESS_BYTES, check_host_limit, config_rank_host_bytes, fmt_bytes, host_budget,
-                              largest, mid_layers, process_allowance, processes_over, saved_layers, user_bytes)
+                              mid_layers, process_allowance, processes_over, saved_layers, user_bytes)
     from .presets import PRESETS, preset_config
 
     from .config import ConfigError
@@ -180,8 +180,11 @@ def cmd_plan(args) -> int:
     host_total = sum(h.values())
     state_limit = host_budget(plan.config, machine.rank_ram)[1]  # (one process's, under several)
     fits = fits_at(args.batch_size, plan)
-    most = 4096  # (searched up to it: a batch that large is said as "or more")
-    max_batch = largest(fits_at, most)
+    max_batch, most = 0, 4096  # (searched up to ``most``: a batch that large is said as "or more")
+    for b in range(1, most + 1):  # (counted: a batch's micro-batches divide it, so a larger one may fit where
+        if not fits_at(b):        # a smaller prime one does not; the first that does not is what is said)
+            break
+        max_batch = b
     compact = args.optimizer_state != "fp32"
     nvme_layers = nvme_layer_count(plan.config, shape.layers)  # (the tier's layers as resolved)
     clip = as_trained.max_grad_norm is not None  # the update then waits for backward's global norm
@@ -385,11 +388,16 @@ def cmd_export(args) -> int:
         return _blocked(dst, blocked)
     made = not dst.exists()
     dst.mkdir(parents=True, exist_ok=True)
-    had = set(dst.rglob("*"))
     import torch
     from safetensors import SafetensorError
 
-    from .checkpoint.export import drop_staged, place_pretrained, stage_from_state, staged_file, stale_weights
+    from .checkpoint.export import (drop_staged, place_pretrained, stage_from_state, stale_staged, staged_file,
+                                    stale_weights)
+
+    for folder in {dst} | {(dst / rel).parent for rel in files}:  # (a killed export's temporary files)
+        for p in stale_staged(folder):
+            p.unlink(missing_ok=True)
+    had = set(dst.rglob("*"))
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}[args.dtype]
     staged, weights = [], None  # (temporary, final) names: nothing in the target changes until all are written

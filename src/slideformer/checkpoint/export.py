@@ -29,11 +29,10 @@ def staged_file(path: Path, write) -> Path:
     """``write`` the file under a temporary name beside ``path``, flushed to disk: the name to rename. The
     name is one no file had (made exclusively): a user's own ``<name>.tmp`` there is neither replaced nor
     removed."""
-    import tempfile
+    import uuid
 
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(name)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # (the umask's mode, as a plain write's)
     try:
         write(tmp)
         with open(tmp, "rb") as f:
@@ -42,6 +41,15 @@ def staged_file(path: Path, write) -> Path:
         tmp.unlink(missing_ok=True)
         raise
     return tmp
+
+
+def stale_staged(folder: Path) -> list[Path]:
+    """Files ``staged_file`` left in ``folder`` (a killed export's): hidden, named for a file, a 12-hex tag,
+    .tmp; nothing else has such a name."""
+    return [p for p in folder.iterdir() if p.is_file() and STAGED.fullmatch(p.name)] if folder.is_dir() else []
+
+
+STAGED = re.compile(r"\..+\.[0-9a-f]{12}\.tmp")
 
 
 def shard_plan(adapter: ModelAdapter, dtype: torch.dtype, owner: list[int] | None = None) -> list[list]:

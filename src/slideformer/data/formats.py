@@ -649,7 +649,9 @@ def _load_folder(datasets, name: str, p: Path, subset: str | None):
     splits = {str(k): [str(f) for f in v] for k, v in (builder.config.data_files or {}).items()}
     read = {Path(f).resolve() for v in splits.values() for f in v}
     ignored = set(datasets.data_files.FILES_TO_IGNORE)
-    unread = sorted(f.relative_to(p) for f in p.rglob("*") if f.suffix.lower() in FOLDER_SUFFIXES and f.is_file()
+    # (a .txt file beside data of another kind is a licence or notes, not a dataset's lines)
+    kinds = FOLDER_SUFFIXES if builder.name == "text" else tuple(k for k in FOLDER_SUFFIXES if k != ".txt")
+    unread = sorted(f.relative_to(p) for f in p.rglob("*") if f.suffix.lower() in kinds and f.is_file()
                     and f.name not in ignored and not any(part.startswith((".", "__")) for part in
                                                           f.relative_to(p).parts) and f.resolve() not in read)
     if unread:
@@ -661,6 +663,9 @@ def _load_folder(datasets, name: str, p: Path, subset: str | None):
                         "(train*, test*, ...) or none, or list each file as a dataset")
     if builder.name != "csv":
         return datasets.load_dataset(str(p), subset)
+    if len(seps := {Path(f).suffix.lower() for f in read}) > 1:
+        raise DataError(f"dataset folder {name} mixes {' and '.join(sorted(seps))} files, whose cells are separated "
+                        "differently; keep one kind a folder, or list each file as a dataset")
     first = Path(next(f for v in splits.values() for f in v))
     return datasets.load_dataset("csv", data_files={k: [glob.escape(f) for f in v] for k, v in splits.items()},
                                  **_csv_as_text(first, datasets))

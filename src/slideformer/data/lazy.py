@@ -142,7 +142,7 @@ def _read_bytes(f: Path) -> int:
 
         meta = pq.ParquetFile(f).metadata
         return max(size, sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)))
-    except (OSError, ValueError):  # (not Parquet after all: reading it says what is wrong)
+    except (OSError, ValueError, ImportError):  # (not Parquet after all, or no pyarrow: reading it says so)
         return size
 
 

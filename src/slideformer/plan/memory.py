@@ -323,14 +323,11 @@ def first_on_gpu(shape: ModelShape, p: Layout, nvme_layers: int = 0) -> bool:
 
 
 def largest_batch(shape: ModelShape, seq: int, limit: int, base: Layout, most: int) -> int:
-    """The largest batch of at most ``most`` whose least layout (``least_layout``) fits ``limit`` (0: none);
-    a refusal may be asked of any batch, so it is bisected (``largest``): that layout's bytes grow with it."""
-    return largest(lambda b: gpu_bytes(shape, b, seq, least_layout(shape, b, seq, base))["peak"] <= limit, most)
+    """The largest batch of at most ``most`` whose least layout (``least_layout``) fits ``limit`` (0: none),
+    by bisection: that layout's bytes grow with the batch, and a refusal may be asked of any batch."""
+    def fits(b: int) -> bool:
+        return gpu_bytes(shape, b, seq, least_layout(shape, b, seq, base))["peak"] <= limit
 
-
-def largest(fits, most: int) -> int:
-    """The largest n in 1..``most`` with ``fits(n)`` (0: none), bisected: ``fits`` must hold up to some n
-    and not past it, as every batch's bytes do (GPU, host and disk grow with the batch)."""
     lo, hi = 0, most  # (fits(lo) holds, or lo is 0; the answer lies in [lo, hi])
     while lo < hi:
         mid = (lo + hi + 1) // 2

@@ -229,6 +229,9 @@ class TrainConfig:
             raise ConfigError(f"max_steps must be > 0, or 0 or -1 for num_train_epochs to decide, got {self.max_steps}")
         if self.max_steps <= 0 and self.num_train_epochs <= 0:
             raise ConfigError("set max_steps > 0 or num_train_epochs > 0")
+        if self.max_steps <= 0 and self.packing and self.num_train_epochs > MAX_PACKED_EPOCHS:
+            raise ConfigError(f"num_train_epochs {self.num_train_epochs} with packing: each epoch's packed rows are "
+                              f"counted before training (up to {MAX_PACKED_EPOCHS} epochs); set max_steps instead")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise ConfigError("max_grad_norm must be > 0, or null for no clipping")
         hw = self.offload.host_weights
@@ -360,6 +363,9 @@ def _check_colons(where: str, v, seen: set | None = None) -> None:
             if a and not b.startswith("//"):  # (a URL's scheme is no key)
                 raise ConfigError(f"{where}: YAML reads {k!r} as one key; write {a}: {b} (a space after the colon)")
         _check_colons(where, x, seen)
+
+
+MAX_PACKED_EPOCHS = 10_000  # (num_train_epochs with packing: each one's rows counted before training)
 
 
 class _KeyTwice(yaml.YAMLError):

@@ -383,9 +383,6 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     else:  # the micro-batches each epoch holds as _draw takes them, whole steps of them
         def held_by(k: int) -> int:  # epoch k's packed rows in its order, as micro-batches
             return -(-_packed_rows(examples, _permutation(len(examples), cfg.seed, k), cfg.cutoff_len) // rows)
-        if cfg.packing and cfg.num_train_epochs > MAX_PACKED_EPOCHS:
-            raise ConfigError(f"num_train_epochs {cfg.num_train_epochs} with packing: each epoch's packed rows are "
-                              f"counted before training (up to {MAX_PACKED_EPOCHS} epochs); set max_steps instead")
         if cfg.packing:
             mbs = sum(min(1.0, cfg.num_train_epochs - k) * held_by(k) for k in range(math.ceil(cfg.num_train_epochs)))
         else:  # (every epoch holds its whole micro-batches, at least one)
@@ -483,7 +480,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                              "output_dir, or set overwrite_output_dir: true")
     if lead and out.begun:  # (a new run's metrics start with its first write: OutputDir.begin)
         out.trim_metrics(start)
-    tracking = Trackers(cfg.report_to if lead else "none", out.path, start, run_meta(cfg, engine, device))
+    tracking = Trackers(cfg.report_to if lead else "none", out.path, start, run_meta(cfg, engine, device),
+                        purge=out.begun)
     order = _permutation(len(examples), cfg.seed, epoch)
     params = engine.adapter.num_params
     history, t_last, tokens_since = [], time.perf_counter(), 0
@@ -770,9 +768,6 @@ def _where(path) -> str:
     return os.path.realpath(path) if os.path.exists(path) else os.fspath(path)
 
 
-MAX_PACKED_EPOCHS = 10_000  # (num_train_epochs with packing: each one's rows counted before training)
-
-
 def _permutation(n: int, seed: int, epoch: int):
     g = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**64)  # (a generator's seed is 64 bits)
     return torch.randperm(n, generator=g).numpy()  # (8 bytes a record: a dataset may be larger than RAM)
@@ -791,16 +786,16 @@ def _save(engine, tok, out: OutputDir, step: int, state: dict, limit: int | None
         if source != "tiny" and generation.is_file():
             shutil.copyfile(generation, Path(tmp) / generation.name)
 
-    if engine.ranks is None or engine.ranks.leader:  # (a new run's history replaces an earlier one's from here)
-        out.begin()
+    # (a new run's history replaces an earlier one's from here; under several ranks rank 0's failure is theirs)
+    out.begin() if engine.ranks is None else parallel.from_leader(out.begin)
     try:  # (the tokenizer goes in before the checkpoint is sealed: its checksums and the rename cover it)
         path = engine.save_checkpoint(target, state, extra=extra)
     except CheckpointWriteError as e:
-        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+        kept = f"the previous checkpoint {previous} is intact" if previous else "this run saved no checkpoint before"
         raise CheckpointWriteError(e.errno, f"{e.strerror}; {kept}. Free space in {out.path} (or set output_dir "
                                             "elsewhere), then resume with resume_from_checkpoint: auto") from e
     except NonFiniteStateError as e:  # (finite losses, an overflowing update: a learning rate far too large)
-        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+        kept = f"the previous checkpoint {previous} is intact" if previous else "this run saved no checkpoint before"
         raise NonFiniteStateError(f"step {step}: {e} ({kept}); the losses were finite, the update overflowed: "
                                   f"lower learning_rate (now {engine.cfg.lr})") from None
     out.passed_over.discard(target.name)  # (a damaged one of this step is replaced)

@@ -1,7 +1,7 @@
 """The run's output folder: which of its contents the run owns, and so may rotate, resume or overwrite.
 
-A run marks the folder with ``slideformer-run.json`` (a run id) before it writes anything else, and
-stamps that id into every checkpoint it writes (``state/trainer.json``). Rotation and
+A run marks the folder with ``slideformer-run.json`` (a run id) before it writes a metric or a checkpoint,
+and stamps that id into every checkpoint it writes (``state/trainer.json``). Rotation and
 ``resume_from_checkpoint: auto`` only ever consider checkpoints that carry the folder's id, so a user's
 own ``checkpoint-N`` folders, or those of another run copied in, are never deleted or taken for ours.
 A folder that holds anything but no mark is refused, unless ``overwrite_output_dir`` says to take it.
@@ -168,10 +168,18 @@ class OutputDir:
             return
         out = self.path
         if RUN_FILE in self.found:
+            earlier = (out / RUN_FILE).read_bytes()
             self._replace(out / RUN_FILE, lambda p: _write_atomic(p, json.dumps({"run_id": self.run_id}) + "\n"))
-            for f in self.events:
-                self._replace(f, lambda p: p.unlink(missing_ok=True))
-        self._replace(out / METRICS, lambda p: p.unlink(missing_ok=True))
+            try:
+                for f in self.events:
+                    self._replace(f, lambda p: p.unlink(missing_ok=True))
+                self._replace(out / METRICS, lambda p: p.unlink(missing_ok=True))
+            except OSError:  # (the earlier run's mark back: its checkpoints stay its own, resumable)
+                with contextlib.suppress(OSError):
+                    _write_atomic(out / RUN_FILE, earlier.decode())
+                raise
+        else:
+            self._replace(out / METRICS, lambda p: p.unlink(missing_ok=True))
         self.begun = True
 
     def _replace(self, path: Path, act) -> None:

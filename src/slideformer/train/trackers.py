@@ -31,9 +31,11 @@ def parse(report_to) -> list[str]:
 
 
 class Trackers:
-    def __init__(self, names: list[str], out: Path, start: int, meta: dict):
+    def __init__(self, names: list[str], out: Path, start: int, meta: dict, purge: bool = True):
         """Open each tracker and log ``meta`` (config, model, versions, machine) once. A resumed run is a W&B
-        run of its own: W&B ignores steps below one it has logged, which a resumed run logs again."""
+        run of its own: W&B ignores steps below one it has logged, which a resumed run logs again. ``purge``:
+        TensorBoard drops the folder's events past ``start`` from its view (False for a new run that has not
+        yet written over an earlier run's folder: that run's events stay until it does, and go then)."""
         from ..config import ConfigError
         from .outdir import MLRUNS, TENSORBOARD
 
@@ -44,7 +46,7 @@ class Trackers:
             except ImportError:
                 raise ConfigError("report_to: tensorboard needs the tensorboard package (pip install tensorboard)")
             # (an earlier attempt's steps past ``start``, a killed one's too, are dropped from the view)
-            self._tb = SummaryWriter(str(out / TENSORBOARD), purge_step=start + 1)
+            self._tb = SummaryWriter(str(out / TENSORBOARD), purge_step=start + 1 if purge else None)
             self._tb.add_text("run", "\n".join(f"    {k}: {v}" for k, v in _flat(meta).items()), start)
         if "wandb" in names:
             try:
