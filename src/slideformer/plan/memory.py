@@ -904,7 +904,7 @@ def _fit_chunks(shape: ModelShape, batch: int, seq: int, limit: int, base: Layou
 def _fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout) -> Layout:
     options = []
     for head in heads(base):
-        for mb in (d for d in range(1, batch + 1) if batch % d == 0):
+        for mb in divisors(batch):
             least = replace(base, micro_batch=mb, gpu_activation_layers=0, head_slice=head, saved_layers=0)
             base_peak = gpu_bytes(shape, batch, seq, least)["peak"]
             if base_peak > limit:
@@ -945,6 +945,12 @@ def _fit(shape: ModelShape, batch: int, seq: int, limit: int, base: Layout) -> L
         + f", over the {fmt_bytes(limit)} budget; "
         + (f"the largest batch that fits at seq {seq} is {best}" if best else
            f"not even batch 1 fits at seq {seq}: shorten the sequences or raise gpu_memory_limit"))
+
+
+def divisors(n: int) -> list[int]:
+    """``n``'s divisors, ascending (the micro-batches that split a batch of ``n`` evenly), in sqrt(n) steps."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return low + [n // d for d in reversed(low) if d * d != n]
 
 
 def with_saved_layers(shape: ModelShape, batch: int, seq: int, limit: int, p: Layout) -> Layout:
