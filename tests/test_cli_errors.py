@@ -685,6 +685,16 @@ def test_export_writes_files_others_may_read_and_keeps_the_users_tmp_files(check
     assert not (dst / ".model.safetensors.0123456789ab.tmp").exists()
     assert not [p.name for p in dst.iterdir() if p.name.startswith(".")]
     assert {stat.S_IMODE(p.stat().st_mode) for p in dst.iterdir() if p.is_file()} == {0o644}
+    old = os.umask(0o002)  # (weights safetensors writes, rewritten in another dtype: a group-writable umask's mode)
+    try:
+        assert main(["export", str(checkpoint), str(dst), "--overwrite", "--dtype", "fp32"]) == 0
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((dst / "model.safetensors").stat().st_mode) == 0o664
+    # (the checkpoint's own files, weights and training state among them, as the suite's umask makes files)
+    plain = 0o666 & ~old
+    assert {str(p.relative_to(checkpoint)): stat.S_IMODE(p.stat().st_mode) for p in checkpoint.rglob("*")
+            if p.is_file()} == {str(p.relative_to(checkpoint)): plain for p in checkpoint.rglob("*") if p.is_file()}
 
 
 def test_export_on_a_full_disk_leaves_nothing_half_written(checkpoint, tmp_path, capsys, monkeypatch):

@@ -481,3 +481,22 @@ def test_a_full_disk_under_the_metrics_names_the_file(tmp_path):
         out.trim_metrics(1)
     assert _one_line(e.value).startswith(f"error: {tmp_path / METRICS}: No space left on device")
     assert (tmp_path / METRICS).read_text() == '{"step": 1}\n{"step": 2}\n'
+
+
+def test_resuming_a_run_of_another_model_is_refused_or_said(tmp_path, capsys):
+    """The same output_dir (a config's default) with another model: auto would continue the earlier run on its
+    own weights, the named model never read; refused, naming both. A checkpoint path given resumes, said."""
+    from slideformer.train.config import _assets
+
+    out, hf = tmp_path / "o", tmp_path / "my-model"
+    data = f"dataset={_assets() / 'sample' / 'alpaca.jsonl'}"
+    assert run(out, "max_steps=2", "save_steps=1", data) == 0
+    assert main(["export", str(out / "checkpoint-2"), str(hf)]) == 0
+    before = tree(out)
+    capsys.readouterr()
+    assert run(out, "max_steps=3", f"model_name_or_path={hf}", data) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "holds a run of model tiny (newest intact checkpoint-2), and this run names" in line and str(hf) in line
+    assert tree(out) == before
+    assert run(out, "max_steps=3", f"model_name_or_path={hf}", data, f"resume_from_checkpoint={out}/checkpoint-2") == 0
+    assert "is of a run of model tiny; this run names" in capsys.readouterr().err

@@ -549,3 +549,30 @@ def test_an_update_that_overflows_says_the_learning_rate(tmp_path, capsys):
     assert "holds NaN or infinite values; the state is not saved (the previous checkpoint" in line
     assert line.endswith("lower learning_rate (now 1e+39)")
     assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1"]
+
+
+def test_epochs_short_of_a_step_train_one_step_not_at_rate_zero(tmp_path, capsys):
+    """num_train_epochs whose micro-batches fall short of one step train one (drawn over as many epochs as it
+    takes), said at the start; warmup stops short of the last step, whose rate would otherwise be 0 (the
+    first warmup step's): a run that was all warmup trained nothing."""
+    r = train(cfg(tmp_path, "max_steps=-1", "num_train_epochs=1", "gradient_accumulation_steps=64",
+                  "warmup_ratio=0.1", "learning_rate=1e-3"))
+    assert r["steps"] == 1 and r["history"][0]["lr"] == pytest.approx(1e-3)
+    assert "one step is trained, its micro-batches drawn from as many epochs as it takes" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_file_listed_with_format_auto_and_with_the_format_it_finds_is_refused(tmp_path, lazy):
+    """format auto and the format auto finds in a file read it alike: listed both ways, its records would count
+    twice, unsaid. Listed as another format (its text alone, say) it is other data."""
+    from slideformer.train.loop import build_examples, load_tokenizer
+    from slideformer.train.config import _assets
+
+    f = _assets() / "sample" / "alpaca.jsonl"
+    c = cfg(tmp_path, f"dataset=[{f}, {{path: {f}, format: alpaca}}]")
+    with pytest.raises(DataError, match=r"alpaca.jsonl twice, read alike: format auto reads it as alpaca"):
+        build_examples(c, load_tokenizer(c), None, lazy=lazy)
+    (tmp_path / "t.jsonl").write_text('{"text": "a", "instruction": "b", "output": "c"}\n')
+    t = tmp_path / "t.jsonl"
+    c = cfg(tmp_path, f"dataset=[{t}, {{path: {t}, format: text}}]", "cutoff_len=128")
+    assert len(build_examples(c, load_tokenizer(c), None, lazy=lazy)[0]) == 2

@@ -25,6 +25,23 @@ class NonFiniteStateError(FloatingPointError):
     """The weights or the training state hold NaN or infinity (in the dtype asked for): they are not written."""
 
 
+def readable(path: Path) -> None:
+    """``path`` given the mode a plain write gives (the umask's): safetensors' save_file makes its files
+    readable by their owner alone, which a serving container or a colleague cannot load."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it (Linux's /proc; elsewhere set and put back)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
+
+
 def staged_file(path: Path, write) -> Path:
     """``write`` the file under a temporary name beside ``path``, flushed to disk: the name to rename. The
     name is one no file had (made exclusively): a user's own ``<name>.tmp`` there is neither replaced nor
@@ -123,7 +140,7 @@ def stage_pretrained(out: str | os.PathLike, adapter: ModelAdapter, store: HostS
                         + (" (past float16's range: export in bfloat16 or float32)" if dtype == torch.float16
                            and bool(torch.isfinite(params[spec.key]).all()) else "")
                         + f"; nothing was written to {out}")
-            staged.append((staged_file(out / name, lambda p, t=tensors: save_file(t, str(p), metadata={"format": "pt"})),
+            staged.append((staged_file(out / name, lambda p, t=tensors: (save_file(t, str(p), metadata={"format": "pt"}), readable(p))),
                            out / name))
             del tensors, params
         if rank == 0 and len(plan) > 1:

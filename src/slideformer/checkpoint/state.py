@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter
 from . import export
-from .export import NonFiniteStateError
+from .export import NonFiniteStateError, readable
 from .loader import CheckpointError
 
 STATE_DIR = "state"
@@ -178,6 +178,7 @@ def save_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostS
             _check_finite(st, f"unit {_unit_key(adapter, u)}")
             written.append(tmp / STATE_DIR / f"{_unit_key(adapter, u)}.safetensors")
             save_file(st, str(written[-1]))
+            readable(written[-1])
         export.save_pretrained(tmp, adapter, store, dtype, owner, rank)
         if lead:  # (rank 0 syncs every file in seal)
             return

@@ -147,10 +147,12 @@ def build_examples(cfg: TrainConfig, tok, vocab: int | None, specs=None, lazy: b
             if not len(records):
                 raise DataError(f"dataset file {spec.path} holds no records")
             sources.append((records, spec))
+        _listed_alike(sources)
         return LazyExamples(sources, make, cfg.skip_bad_records), 0, 0
     examples, skipped, dropped = [], 0, 0
-    for spec in specs:
-        records = read_records(spec.path, skip_bad=cfg.skip_bad_records, split=spec.split, subset=spec.subset)
+    read = [(read_records(s.path, skip_bad=cfg.skip_bad_records, split=s.split, subset=s.subset), s) for s in specs]
+    _listed_alike(read)
+    for records, spec in read:
         if not records:
             raise DataError(f"dataset file {spec.path} holds no records")
         for where, rec in records:  # (a record that is no sample keeps its place, as None: the order is the records')
@@ -170,6 +172,32 @@ def build_examples(cfg: TrainConfig, tok, vocab: int | None, specs=None, lazy: b
     if specs is cfg.dataset and skipped + dropped == len(examples):  # (held-out data: evaluation says so)
         raise _none_trainable(cfg, skipped, dropped)
     return examples, skipped, dropped
+
+
+def _listed_alike(sources) -> None:
+    """A file listed twice, once with format auto and once with the format auto finds in it (its first
+    record's), is read alike: its records would count twice (the config refuses the same spelling twice)."""
+    from ..data.formats import detect_format
+
+    by_file: dict = {}
+    for records, spec in sources:
+        path = os.fspath(spec.path)
+        key = (os.path.realpath(path) if os.path.exists(path) else path, spec.split, spec.subset,
+               tuple(sorted((spec.columns or {}).items())))
+        by_file.setdefault(key, []).append((records, spec))
+    for listed in by_file.values():
+        auto = next(((r, s) for r, s in listed if s.format == "auto"), None)
+        if auto is None or len(listed) < 2 or not len(auto[0]):
+            continue
+        where, rec = auto[0][0]
+        try:
+            found = detect_format(renamed(rec, auto[1].columns, where), where)
+        except DataError:  # (a first record that tells nothing: read as it comes)
+            continue
+        if (same := next((s for _, s in listed if s.format == found), None)) is not None:
+            raise DataError(f"dataset lists {auto[1].path} twice, read alike: format auto reads it as {found}, as "
+                            f"its listing as {same.path} (format: {found}) does; its records would count twice; "
+                            "list it once")
 
 
 def _none_trainable(cfg: TrainConfig, skipped: int, dropped: int) -> DataError:
@@ -388,12 +416,18 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
         else:  # (every epoch holds its whole micro-batches, at least one)
             mbs = cfg.num_train_epochs * max(1, samples // rows)
         total = max(1, math.floor(mbs / cfg.gradient_accumulation_steps + 1e-9))
+        if mbs < cfg.gradient_accumulation_steps and (ranks is None or ranks.leader):
+            print(f"slideformer: num_train_epochs {cfg.num_train_epochs} holds {mbs:g} micro-batch(es), fewer than "
+                  f"a step's {cfg.gradient_accumulation_steps}: one step is trained, its micro-batches drawn from "
+                  "as many epochs as it takes (set max_steps to choose)", file=sys.stderr, flush=True)
         if (ranks is None or ranks.leader) and not cfg.packing and samples % rows:
             print(f"slideformer: {samples} samples, micro-batches of {rows}: " + (
                 f"the last {samples % rows} samples of each epoch's order are left out of it (other ones each epoch)"
                 if samples > rows else "the dataset is smaller than one micro-batch, which takes all of it"),
                 file=sys.stderr, flush=True)
-    warmup = math.ceil(cfg.warmup_ratio * total)  # (as transformers' TrainingArguments.get_warmup_steps)
+    # (as transformers' TrainingArguments.get_warmup_steps, but short of the last step: the first warmup
+    # step's rate is 0, so a run that was all warmup, one step of it at the least, would train nothing)
+    warmup = min(math.ceil(cfg.warmup_ratio * total), total - 1)
     ecfg = resolve_engine(cfg, hf_config, ecfg, examples, Machine.detect(device))
     if ranks is None:
         out.open()  # (from here the folder is the run's: locked; marked, or at its first write: OutputDir.begin)
@@ -412,6 +446,16 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
                 return (str(found) if found else None), [p.name for p in damaged]
             resume, passed_over = latest() if ranks is None else parallel.from_leader(latest)
             out.passed_over = set(passed_over)
+        if resume and (was := read_meta(resume)["trainer"].get("model")) and was != _model_id(cfg):
+            if cfg.resume_from_checkpoint == "auto" and Path(was).name != Path(_model_id(cfg)).name:
+                raise OutputDirError(
+                    f"output_dir {out.path} holds a run of model {was} (newest intact {Path(resume).name}), and this "
+                    f"run names {cfg.model_name_or_path}: choose another output_dir for it, or set "
+                    "overwrite_output_dir: true with resume_from_checkpoint: null to start over there; name that "
+                    "model to continue its run")
+            if lead:  # (the same folder name elsewhere: the model moved; a checkpoint path: the user's choice)
+                print(f"slideformer: {resume} is of a run of model {was}; this run names {cfg.model_name_or_path}: "
+                      "the weights trained on are the checkpoint's", file=sys.stderr, flush=True)
         try:  # (the engine's own refusals, before it allocates, in the config's key names)
             if cfg.model_name_or_path == "tiny":
                 engine = SlideEngine.from_config(hf_config, ecfg)
@@ -442,6 +486,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     say(f"slideformer: {engine.describe()}" + (f" (rank 0 of {world})" if ranks else ""), flush=True)
     start, epoch, offset, eval_pending = 0, 0, 0, False
     # what decides the data each step draws: the same on resume, or the data from there is another run's
+    model = _model_id(cfg)  # (recorded: a resume naming another model is refused or said, _train)
     data = {"seed": cfg.seed, "batch": cfg.micro_batch_size * cfg.gradient_accumulation_steps * world,
             "samples": len(examples), "dataset": [_where(d.path) for d in cfg.dataset], "packing": cfg.packing,
             "cutoff_len": cfg.cutoff_len}
@@ -582,7 +627,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                 signum, _ = why_stop(signals.requested, False)
                 if signum:  # the state is the last finished step's, the data past the dropped batch
                     state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
-                             "run_id": out.run_id, "data": data, "update": update,
+                             "run_id": out.run_id, "data": data, "update": update, "model": model,
                              "logged": {"loss_sum": loss_sum, "targets": targets_since}}
                     with dog.allowing(SAVE_LIMIT_S):
                         last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
@@ -621,7 +666,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             stop = bool(signum) or memory_somewhere
             due = bool(held) and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total)
             state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
-                     "run_id": out.run_id, "data": data, "update": update,
+                     "run_id": out.run_id, "data": data, "update": update, "model": model,
                      "eval_pending": due and stop, "logged": {"loss_sum": loss_sum, "targets": targets_since}}
             if (cfg.save_steps and step % cfg.save_steps == 0) or step == total or stop:
                 with dog.allowing(SAVE_LIMIT_S):
@@ -766,6 +811,11 @@ def _counts(examples, skipped: int, dropped: int, whole: bool = False) -> str:
 def _where(path) -> str:
     """A dataset's file or folder wherever the run was started from (a Hub name as it is)."""
     return os.path.realpath(path) if os.path.exists(path) else os.fspath(path)
+
+
+def _model_id(cfg) -> str:
+    """The model a run trains, as its checkpoints record it: "tiny", or its folder's absolute path."""
+    return cfg.model_name_or_path if cfg.model_name_or_path == "tiny" else str(Path(cfg.model_name_or_path).resolve())
 
 
 def _permutation(n: int, seed: int, epoch: int):
