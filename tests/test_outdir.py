@@ -497,6 +497,11 @@ def test_resuming_a_run_of_another_model_is_refused_or_said(tmp_path, capsys):
     assert run(out, "max_steps=3", f"model_name_or_path={hf}", data) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "holds a run of model tiny (newest intact checkpoint-2), and this run names" in line and str(hf) in line
+    assert line.endswith(f"to continue that run (its model moved), set resume_from_checkpoint: {out}/checkpoint-2")
+    assert tree(out) == before
+    (tmp_path / "x" / "tiny").mkdir(parents=True)  # (a folder named as the bundled model is another model)
+    shutil.copytree(hf, tmp_path / "x" / "tiny", dirs_exist_ok=True)
+    assert run(out, "max_steps=3", f"model_name_or_path={tmp_path / 'x' / 'tiny'}", data) == 2
     assert tree(out) == before
     assert run(out, "max_steps=3", f"model_name_or_path={hf}", data, f"resume_from_checkpoint={out}/checkpoint-2") == 0
     assert "is of a run of model tiny; this run names" in capsys.readouterr().err

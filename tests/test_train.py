@@ -569,8 +569,14 @@ def test_a_file_listed_with_format_auto_and_with_the_format_it_finds_is_refused(
     from slideformer.train.config import _assets
 
     f = _assets() / "sample" / "alpaca.jsonl"
-    c = cfg(tmp_path, f"dataset=[{f}, {{path: {f}, format: alpaca}}]")
-    with pytest.raises(DataError, match=r"alpaca.jsonl twice, read alike: format auto reads it as alpaca"):
+    c = cfg(tmp_path, f"dataset=[{f}, {{path: {f}, format: alpaca}}]", "cutoff_len=128")
+    with pytest.raises(DataError, match=r"dataset lists .*alpaca.jsonl twice, read alike: format auto reads it as "
+                                        "alpaca"):
+        build_examples(c, load_tokenizer(c), None, lazy=lazy)
+    bad = tmp_path / "bad.jsonl"  # (a first line that is not JSON, skipped: the records after it tell)
+    bad.write_text("not json\n" + f.read_text())
+    c = cfg(tmp_path, f"dataset=[{bad}, {{path: {bad}, format: alpaca}}]", "cutoff_len=128", "skip_bad_records=true")
+    with pytest.raises(DataError, match=r"bad.jsonl twice, read alike"):
         build_examples(c, load_tokenizer(c), None, lazy=lazy)
     (tmp_path / "t.jsonl").write_text('{"text": "a", "instruction": "b", "output": "c"}\n')
     t = tmp_path / "t.jsonl"

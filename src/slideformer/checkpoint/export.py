@@ -32,14 +32,13 @@ def readable(path: Path) -> None:
 
 
 def _umask() -> int:
-    """The process's umask, read without setting it (Linux's /proc; elsewhere set and put back)."""
+    """The process's umask, read without setting it (Linux's /proc: setting and putting it back would race
+    the engine's threads' files); elsewhere the common 022."""
     try:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
     except (OSError, StopIteration, ValueError, IndexError):
-        mask = os.umask(0o022)
-        os.umask(mask)
-        return mask
+        return 0o022
 
 
 def staged_file(path: Path, write) -> Path:

@@ -60,7 +60,7 @@ def build(tag: str = "", flags: tuple[str, ...] = ()):
     name, directory = _build_directory(tag, cflags)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd = os.open(directory / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(directory / _LOCK, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError as e:
         raise OSError(f"cannot write the build directory {directory} ({e.strerror or e}); "
                       "set TORCH_EXTENSIONS_DIR to a writable directory") from e

@@ -139,6 +139,7 @@ def build_examples(cfg: TrainConfig, tok, vocab: int | None, specs=None, lazy: b
     from ..data.lazy import open_records
 
     specs = specs or cfg.dataset
+    key = "dataset" if specs is cfg.dataset else "eval_dataset"
     make = functools.partial(make_sample, cfg, tok, max_token_chars(tok), vocab, template_report(cfg, tok)[0])
     if lazy:
         sources = []
@@ -147,14 +148,14 @@ def build_examples(cfg: TrainConfig, tok, vocab: int | None, specs=None, lazy: b
             if not len(records):
                 raise DataError(f"dataset file {spec.path} holds no records")
             sources.append((records, spec))
-        _listed_alike(sources)
+        _listed_alike([(_first(records), spec) for records, spec in sources], key)
         return LazyExamples(sources, make, cfg.skip_bad_records), 0, 0
-    examples, skipped, dropped = [], 0, 0
-    read = [(read_records(s.path, skip_bad=cfg.skip_bad_records, split=s.split, subset=s.subset), s) for s in specs]
-    _listed_alike(read)
-    for records, spec in read:
+    examples, skipped, dropped, firsts = [], 0, 0, []
+    for spec in specs:  # (a file at a time: its records go once tokenized)
+        records = read_records(spec.path, skip_bad=cfg.skip_bad_records, split=spec.split, subset=spec.subset)
         if not records:
             raise DataError(f"dataset file {spec.path} holds no records")
+        firsts.append((_first(records), spec))
         for where, rec in records:  # (a record that is no sample keeps its place, as None: the order is the records')
             made = None
             if rec is NOT_JSON:  # a line that is not JSON, skipped (skip_bad_records)
@@ -169,22 +170,30 @@ def build_examples(cfg: TrainConfig, tok, vocab: int | None, specs=None, lazy: b
                 else:
                     dropped += made is None
             examples.append(None if made is None else made[:2])
+    _listed_alike(firsts, key)
     if specs is cfg.dataset and skipped + dropped == len(examples):  # (held-out data: evaluation says so)
         raise _none_trainable(cfg, skipped, dropped)
     return examples, skipped, dropped
 
 
-def _listed_alike(sources) -> None:
+def _first(records, most: int = 16) -> list:
+    """The first (where, record) pairs of ``records`` that are records (objects), of the first ``most``: what
+    auto reads a file as (_listed_alike)."""
+    return [(w, r) for w, r in (records[i] for i in range(min(most, len(records)))) if isinstance(r, dict)]
+
+
+def _listed_alike(sources, key: str) -> None:
     """A file listed twice, once with format auto and once with the format auto finds in it (its first
-    record's), is read alike: its records would count twice (the config refuses the same spelling twice)."""
+    record's: ``sources`` pairs each listing's first records with it), is read alike: its records would count twice (the config
+    refuses the same spelling twice)."""
     from ..data.formats import detect_format
 
     by_file: dict = {}
     for records, spec in sources:
         path = os.fspath(spec.path)
-        key = (os.path.realpath(path) if os.path.exists(path) else path, spec.split, spec.subset,
-               tuple(sorted((spec.columns or {}).items())))
-        by_file.setdefault(key, []).append((records, spec))
+        same = (os.path.realpath(path) if os.path.exists(path) else path, spec.split, spec.subset,
+                tuple(sorted((spec.columns or {}).items())))
+        by_file.setdefault(same, []).append((records, spec))
     for listed in by_file.values():
         auto = next(((r, s) for r, s in listed if s.format == "auto"), None)
         if auto is None or len(listed) < 2 or not len(auto[0]):
@@ -194,9 +203,9 @@ def _listed_alike(sources) -> None:
             found = detect_format(renamed(rec, auto[1].columns, where), where)
         except DataError:  # (a first record that tells nothing: read as it comes)
             continue
-        if (same := next((s for _, s in listed if s.format == found), None)) is not None:
-            raise DataError(f"dataset lists {auto[1].path} twice, read alike: format auto reads it as {found}, as "
-                            f"its listing as {same.path} (format: {found}) does; its records would count twice; "
+        if (other := next((s for _, s in listed if s.format == found), None)) is not None:
+            raise DataError(f"{key} lists {auto[1].path} twice, read alike: format auto reads it as {found}, as "
+                            f"its listing as {other.path} (format: {found}) does; its records would count twice; "
                             "list it once")
 
 
@@ -425,9 +434,9 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
                 f"the last {samples % rows} samples of each epoch's order are left out of it (other ones each epoch)"
                 if samples > rows else "the dataset is smaller than one micro-batch, which takes all of it"),
                 file=sys.stderr, flush=True)
-    # (as transformers' TrainingArguments.get_warmup_steps, but short of the last step: the first warmup
-    # step's rate is 0, so a run that was all warmup, one step of it at the least, would train nothing)
-    warmup = min(math.ceil(cfg.warmup_ratio * total), total - 1)
+    # (as transformers' TrainingArguments.get_warmup_steps, but none for one step: the first warmup step's
+    # rate is 0, so a run of one step in warmup would train nothing)
+    warmup = 0 if total == 1 else math.ceil(cfg.warmup_ratio * total)
     ecfg = resolve_engine(cfg, hf_config, ecfg, examples, Machine.detect(device))
     if ranks is None:
         out.open()  # (from here the folder is the run's: locked; marked, or at its first write: OutputDir.begin)
@@ -446,16 +455,20 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
                 return (str(found) if found else None), [p.name for p in damaged]
             resume, passed_over = latest() if ranks is None else parallel.from_leader(latest)
             out.passed_over = set(passed_over)
-        if resume and (was := read_meta(resume)["trainer"].get("model")) and was != _model_id(cfg):
-            if cfg.resume_from_checkpoint == "auto" and Path(was).name != Path(_model_id(cfg)).name:
-                raise OutputDirError(
-                    f"output_dir {out.path} holds a run of model {was} (newest intact {Path(resume).name}), and this "
-                    f"run names {cfg.model_name_or_path}: choose another output_dir for it, or set "
-                    "overwrite_output_dir: true with resume_from_checkpoint: null to start over there; name that "
-                    "model to continue its run")
-            if lead:  # (the same folder name elsewhere: the model moved; a checkpoint path: the user's choice)
-                print(f"slideformer: {resume} is of a run of model {was}; this run names {cfg.model_name_or_path}: "
-                      "the weights trained on are the checkpoint's", file=sys.stderr, flush=True)
+        if resume:  # (rank 0 decides: every rank refuses alike, or trains)
+            was = read_meta(resume)["trainer"].get("model") if ranks is None else \
+                parallel.from_leader(lambda: read_meta(resume)["trainer"].get("model"))
+            if was is not None and was != _model_id(cfg):  # (checkpoints before it was recorded: not told)
+                if cfg.resume_from_checkpoint == "auto":
+                    raise OutputDirError(
+                        f"output_dir {out.path} holds a run of model {was} (newest intact {Path(resume).name}), and "
+                        f"this run names {cfg.model_name_or_path}: choose another output_dir for it, or set "
+                        "overwrite_output_dir: true with resume_from_checkpoint: null to start over there; to "
+                        f"continue that run (its model moved), set resume_from_checkpoint: {resume}")
+                if lead:  # (a checkpoint path: the user's choice)
+                    print(f"slideformer: {resume} is of a run of model {was}; this run names "
+                          f"{cfg.model_name_or_path}: the weights trained on are the checkpoint's", file=sys.stderr,
+                          flush=True)
         try:  # (the engine's own refusals, before it allocates, in the config's key names)
             if cfg.model_name_or_path == "tiny":
                 engine = SlideEngine.from_config(hf_config, ecfg)

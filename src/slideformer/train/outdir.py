@@ -133,7 +133,7 @@ class OutputDir:
         out = self.path
         try:
             out.mkdir(parents=True, exist_ok=True)
-            self._lock = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            self._lock = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as e:
             self.close(ok=False)  # (a folder it made goes again)
             raise OSError(e.errno, f"cannot write to output_dir {out}: {e.strerror}; make it writable or choose "
