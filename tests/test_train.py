@@ -579,6 +579,11 @@ def test_a_file_listed_with_format_auto_and_with_the_format_it_finds_is_refused(
     with pytest.raises(DataError, match=r"bad.jsonl twice, read alike"):
         build_examples(c, load_tokenizer(c), None, lazy=lazy)
     (tmp_path / "t.jsonl").write_text('{"text": "a", "instruction": "b", "output": "c"}\n')
+    mixed = tmp_path / "mixed.jsonl"  # (auto reads its first record as alpaca, the next as text: not alike)
+    mixed.write_text('{"instruction": "b", "output": "c"}\n{"text": "a"}\n')
+    c = cfg(tmp_path, f"dataset=[{mixed}, {{path: {mixed}, format: alpaca}}]", "cutoff_len=128",
+            "skip_bad_records=true")
+    assert len(build_examples(c, load_tokenizer(c), None, lazy=lazy)[0]) == 4
     t = tmp_path / "t.jsonl"
     c = cfg(tmp_path, f"dataset=[{t}, {{path: {t}, format: text}}]", "cutoff_len=128")
     assert len(build_examples(c, load_tokenizer(c), None, lazy=lazy)[0]) == 2

@@ -183,8 +183,8 @@ def _first(records, most: int = 16) -> list:
 
 
 def _listed_alike(sources, key: str) -> None:
-    """A file listed twice, once with format auto and once with the format auto finds in it (its first
-    record's: ``sources`` pairs each listing's first records with it), is read alike: its records would count twice (the config
+    """A file listed twice, once with format auto and once with the format auto finds in it (in each of its
+    first records: ``sources`` pairs each listing's first records with it), is read alike: its records would count twice (the config
     refuses the same spelling twice)."""
     from ..data.formats import detect_format
 
@@ -198,11 +198,13 @@ def _listed_alike(sources, key: str) -> None:
         auto = next(((r, s) for r, s in listed if s.format == "auto"), None)
         if auto is None or len(listed) < 2 or not len(auto[0]):
             continue
-        where, rec = auto[0][0]
         try:
-            found = detect_format(renamed(rec, auto[1].columns, where), where)
-        except DataError:  # (a first record that tells nothing: read as it comes)
+            kinds = {detect_format(renamed(rec, auto[1].columns, where), where) for where, rec in auto[0]}
+        except DataError:  # (a record that tells nothing: read as it comes)
             continue
+        if len(kinds) > 1:  # (a file of mixed formats: auto reads each record its own way)
+            continue
+        (found,) = kinds
         if (other := next((s for _, s in listed if s.format == found), None)) is not None:
             raise DataError(f"{key} lists {auto[1].path} twice, read alike: format auto reads it as {found}, as "
                             f"its listing as {other.path} (format: {found}) does; its records would count twice; "
