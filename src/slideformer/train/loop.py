@@ -184,8 +184,8 @@ def _first(records, most: int = 16) -> list:
 
 def _listed_alike(sources, key: str) -> None:
     """A file listed twice, once with format auto and once with the format auto finds in it (in each of its
-    first records: ``sources`` pairs each listing's first records with it), is read alike: its records would count twice (the config
-    refuses the same spelling twice)."""
+    first records: ``sources`` pairs each listing's first records with it), is read alike: its records would
+    count twice (the config refuses the same spelling twice)."""
     from ..data.formats import detect_format
 
     by_file: dict = {}
