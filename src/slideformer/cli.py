@@ -395,7 +395,7 @@ def cmd_export(args) -> int:
                                     stale_weights)
 
     for folder in {dst} | {(dst / rel).parent for rel in files}:  # (a killed export's temporary files)
-        for p in stale_staged(folder):
+        for p in stale_staged(folder, {f.name for f in names}):
             p.unlink(missing_ok=True)
     had = set(dst.rglob("*"))
 

@@ -59,13 +59,18 @@ def staged_file(path: Path, write) -> Path:
     return tmp
 
 
-def stale_staged(folder: Path) -> list[Path]:
-    """Files ``staged_file`` left in ``folder`` (a killed export's): hidden, named for a file, a 12-hex tag,
-    .tmp; nothing else has such a name."""
-    return [p for p in folder.iterdir() if p.is_file() and STAGED.fullmatch(p.name)] if folder.is_dir() else []
+def stale_staged(folder: Path, names: set[str]) -> list[Path]:
+    """Files ``staged_file`` left in ``folder`` (a killed export's) for a file of ``names`` or a weight file:
+    hidden, the file's name, a 12-hex tag, .tmp."""
+    def staged_for(name: str) -> bool:
+        m = STAGED.fullmatch(name)
+        return bool(m) and (m[1] in names or WEIGHT_FILE.fullmatch(m[1]) is not None)
+
+    return [p for p in folder.iterdir() if p.is_file() and staged_for(p.name)] if folder.is_dir() else []
 
 
-STAGED = re.compile(r"\..+\.[0-9a-f]{12}\.tmp")
+STAGED = re.compile(r"\.(.+)\.[0-9a-f]{12}\.tmp")
+WEIGHT_FILE = re.compile(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?")
 
 
 def shard_plan(adapter: ModelAdapter, dtype: torch.dtype, owner: list[int] | None = None) -> list[list]:

@@ -654,17 +654,17 @@ def _load_folder(datasets, name: str, p: Path, subset: str | None):
     unread = sorted(f.relative_to(p) for f in p.rglob("*") if f.suffix.lower() in kinds and f.is_file()
                     and f.name not in ignored and not any(part.startswith((".", "__")) for part in
                                                           f.relative_to(p).parts) and f.resolve() not in read)
+    suffixes = sorted({Path(f).suffix.lower() for f in read})
     if unread:
-        kinds = "/".join(sorted({Path(f).suffix.lower() for f in read}))
         raise DataError(f"dataset folder {name}: datasets would leave out {unread[0]}"
                         + (f" and {len(unread) - 1} more" if len(unread) > 1 else "")
-                        + f" (it reads {len(read)} {kinds} file{'s' if len(read) > 1 else ''} as split "
+                        + f" (it reads {len(read)} {'/'.join(suffixes)} file{'s' if len(read) > 1 else ''} as split "
                         f"{', '.join(splits)}); keep one kind of data file a folder, each named for its split "
                         "(train*, test*, ...) or none, or list each file as a dataset")
     if builder.name != "csv":
         return datasets.load_dataset(str(p), subset)
-    if len(seps := {Path(f).suffix.lower() for f in read}) > 1:
-        raise DataError(f"dataset folder {name} mixes {' and '.join(sorted(seps))} files, whose cells are separated "
+    if len(suffixes) > 1:
+        raise DataError(f"dataset folder {name} mixes {' and '.join(suffixes)} files, whose cells are separated "
                         "differently; keep one kind a folder, or list each file as a dataset")
     first = Path(next(f for v in splits.values() for f in v))
     return datasets.load_dataset("csv", data_files={k: [glob.escape(f) for f in v] for k, v in splits.items()},

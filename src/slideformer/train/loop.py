@@ -458,8 +458,9 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
             resume, passed_over = latest() if ranks is None else parallel.from_leader(latest)
             out.passed_over = set(passed_over)
         if resume:  # (rank 0 decides: every rank refuses alike, or trains)
-            was = read_meta(resume)["trainer"].get("model") if ranks is None else \
-                parallel.from_leader(lambda: read_meta(resume)["trainer"].get("model"))
+            def recorded():
+                return read_meta(resume)["trainer"].get("model")
+            was = recorded() if ranks is None else parallel.from_leader(recorded)
             if was is not None and was != _model_id(cfg):  # (checkpoints before it was recorded: not told)
                 if cfg.resume_from_checkpoint == "auto":
                     raise OutputDirError(
