@@ -246,6 +246,9 @@ def test_plan_on_paper_for_another_machine(capsys):
     assert asked["fits"] and asked["host_weights"] == large["host_weights"]
     _, hand = plan("llama3.1-70b", *rtx, "--host-weights", "staged")  # (staged asked for: the master goes too)
     assert hand["fits"] and hand["host"]["weights"] == 0  # (without nvme_master: 322 GiB, over the RAM)
+    _, past = plan("llama3.1-70b", *rtx, "--host-weights", "1000")  # (more staged layers than it has: all, as train)
+    _, every = plan("llama3.1-70b", *rtx, "--host-weights", "80")
+    assert past["host_weights"] == 80 and past["host"] == every["host"]
     code, _ = plan("llama3.1-405b", *rtx)
     assert code == 3
     # 8-bit state: the tier takes the master too, and with it the weights the window reads, so RAM holds only

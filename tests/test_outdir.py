@@ -483,9 +483,11 @@ def test_a_full_disk_under_the_metrics_names_the_file(tmp_path):
     assert (tmp_path / METRICS).read_text() == '{"step": 1}\n{"step": 2}\n'
 
 
-def test_resuming_a_run_of_another_model_is_refused_or_said(tmp_path, capsys):
+def test_resuming_a_run_of_another_model_is_refused_or_said(tmp_path, capsys, monkeypatch):
     """The same output_dir (a config's default) with another model: auto would continue the earlier run on its
-    own weights, the named model never read; refused, naming both. A checkpoint path given resumes, said."""
+    own weights, the named model never read; refused, naming both, before the data is read (tokenizing a large
+    dataset first would make the refusal wait). A checkpoint path given resumes, said."""
+    from slideformer.train import loop
     from slideformer.train.config import _assets
 
     out, hf = tmp_path / "o", tmp_path / "my-model"
@@ -494,7 +496,9 @@ def test_resuming_a_run_of_another_model_is_refused_or_said(tmp_path, capsys):
     assert main(["export", str(out / "checkpoint-2"), str(hf)]) == 0
     before = tree(out)
     capsys.readouterr()
-    assert run(out, "max_steps=3", f"model_name_or_path={hf}", data) == 2
+    with monkeypatch.context() as m:
+        m.setattr(loop, "build_examples", lambda *a, **k: pytest.fail("the data read before the refusal"))
+        assert run(out, "max_steps=3", f"model_name_or_path={hf}", data) == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "holds a run of model tiny (newest intact checkpoint-2), and this run names" in line and str(hf) in line
     assert line.endswith(f"to continue that run (its model moved), set resume_from_checkpoint: {out}/checkpoint-2")

@@ -145,7 +145,9 @@ def cmd_plan(args) -> int:
     placement = Placement(nvme_master=args.nvme_master and bool(args.offload_dir),
                           **({} if args.nvme_fraction == "auto" else {"nvme_fraction": args.nvme_fraction}),
                           activations_to_nvme=args.activations_to_nvme and bool(args.offload_dir),
-                          **({} if args.host_weights == "auto" else {"host_weights": args.host_weights}))
+                          **({} if args.host_weights == "auto" else  # (a count past the layers: all, as train)
+                             {"host_weights": args.host_weights if isinstance(args.host_weights, str) else
+                              min(args.host_weights, shape.layers)}))
     as_trained = EngineConfig(device="cuda", max_grad_norm=args.max_grad_norm or None,
                               host_memory_limit=args.host_memory_limit,
                               optimizer_state=args.optimizer_state, offload_dir=args.offload_dir, fp8=args.fp8,

@@ -342,7 +342,6 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     if device == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: one GPU a process
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     ranks = parallel.init_from_env(device)  # (under torchrun: data parallel, parallel.py)
-    world = ranks.world if ranks else 1
     o = cfg.offload
     ecfg = EngineConfig(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
                         max_grad_norm=cfg.max_grad_norm, device=device, seed=cfg.seed,
@@ -355,7 +354,7 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     except ConfigError as e:
         raise ConfigError(_in_user_keys(str(e))) from None
     from ..machine import Machine, host_memory
-    from ..plan.memory import check_host_limit, data_in_ram, process_allowance
+    from ..plan.memory import check_host_limit
 
     check_host_limit(o.host_memory_limit, host_memory(), "offload.host_memory_limit")
     hf_config = load_model_config(cfg)
@@ -372,11 +371,78 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
                              "train into another output_dir")
     if o.offload_dir:
         _check_writable(o.offload_dir, "offload.offload_dir")
-    tok = load_tokenizer(cfg)
-    if (note := template_report(cfg, tok)[1]) and (ranks is None or ranks.leader):
-        print(f"slideformer: {note}", file=sys.stderr, flush=True)
-    from ..data.lazy import source_bytes
+    if ranks is None:
+        out.open()  # (from here the folder is the run's: locked; marked, or at its first write: OutputDir.begin)
+    else:  # rank 0 takes the folder; the others write only their checkpoint files into it, under its run id
+        out.run_id = parallel.from_leader(lambda: out.open().run_id)
+    lead = ranks is None or ranks.leader
+    try:
+        resume = _resume_point(cfg, out, ranks, resume)  # (before the data: a refusal costs no tokenizing)
+        tok = load_tokenizer(cfg)
+        if (note := template_report(cfg, tok)[1]) and (ranks is None or ranks.leader):
+            print(f"slideformer: {note}", file=sys.stderr, flush=True)
+        examples, skipped, dropped, held, total, warmup = _training_data(cfg, tok, hf_config, ecfg, ranks)
+        ecfg = resolve_engine(cfg, hf_config, ecfg, examples, Machine.detect(device))
+        try:  # (the engine's own refusals, before it allocates, in the config's key names)
+            if cfg.model_name_or_path == "tiny":
+                engine = SlideEngine.from_config(hf_config, ecfg)
+            else:
+                engine = SlideEngine.from_pretrained(cfg.model_name_or_path, ecfg)
+        except DoesNotFit as e:
+            raise DoesNotFit(_in_user_keys(str(e))) from None
+        with engine:
+            result = _loop(cfg, signals, engine, out, resume, tok, examples, skipped, dropped, total, warmup, device,
+                           held)
+    except BaseException:
+        if lead:
+            out.close(ok=False)
+        raise
+    if lead:
+        out.close()
+    return result
 
+
+def _resume_point(cfg: TrainConfig, out: OutputDir, ranks, resume):
+    """The checkpoint this run resumes (``auto``: the newest intact one of the folder's run, or none), decided
+    by rank 0; a checkpoint of a run of another model is refused under ``auto``, said for a path given."""
+    lead = ranks is None or ranks.leader
+    if resume == "auto":
+        def latest():
+            found, damaged = out.latest_intact()
+            if found is None and damaged:
+                raise CorruptCheckpointError(
+                    f"resume_from_checkpoint: auto found no intact checkpoint of this run in {out.path} "
+                    f"({len(damaged)} damaged, newest {damaged[0].name}); move them away to start over, or set "
+                    "resume_from_checkpoint to a checkpoint's path")
+            return (str(found) if found else None), [p.name for p in damaged]
+        resume, passed_over = latest() if ranks is None else parallel.from_leader(latest)
+        out.passed_over = set(passed_over)
+    if resume:  # (rank 0 decides: every rank refuses alike, or trains)
+        def recorded():
+            return read_meta(resume)["trainer"].get("model")
+        was = recorded() if ranks is None else parallel.from_leader(recorded)
+        if was is not None and was != _model_id(cfg):  # (checkpoints before it was recorded: not told)
+            if cfg.resume_from_checkpoint == "auto":
+                raise OutputDirError(
+                    f"output_dir {out.path} holds a run of model {was} (newest intact {Path(resume).name}), and "
+                    f"this run names {cfg.model_name_or_path}: choose another output_dir for it, or set "
+                    "overwrite_output_dir: true with resume_from_checkpoint: null to start over there; to "
+                    f"continue that run (its model moved), set resume_from_checkpoint: {resume}")
+            if lead:  # (a checkpoint path: the user's choice)
+                print(f"slideformer: {resume} is of a run of model {was}; this run names "
+                      f"{cfg.model_name_or_path}: the weights trained on are the checkpoint's", file=sys.stderr,
+                      flush=True)
+    return resume
+
+
+def _training_data(cfg: TrainConfig, tok, hf_config, ecfg: EngineConfig, ranks):
+    """The training and held-out examples (tokenized up front where they fit the process's share of RAM,
+    else read as reached), the counts left out, and the steps and warmup steps they make."""
+    from ..data.lazy import source_bytes
+    from ..machine import host_memory
+    from ..plan.memory import data_in_ram, process_allowance
+
+    world = ranks.world if ranks else 1
     allowance = process_allowance(ecfg, host_memory()) // parallel.local_world(ranks)  # (one process's share)
 
     def in_ram(specs) -> bool:  # (under several ranks rank 0's choice: each rank counts the steps alike)
@@ -439,56 +505,7 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     # (as transformers' TrainingArguments.get_warmup_steps, but none for one step: the first warmup step's
     # rate is 0, so a run of one step in warmup would train nothing)
     warmup = 0 if total == 1 else math.ceil(cfg.warmup_ratio * total)
-    ecfg = resolve_engine(cfg, hf_config, ecfg, examples, Machine.detect(device))
-    if ranks is None:
-        out.open()  # (from here the folder is the run's: locked; marked, or at its first write: OutputDir.begin)
-    else:  # rank 0 takes the folder; the others write only their checkpoint files into it, under its run id
-        out.run_id = parallel.from_leader(lambda: out.open().run_id)
-    lead = ranks is None or ranks.leader
-    try:
-        if resume == "auto":
-            def latest():
-                found, damaged = out.latest_intact()
-                if found is None and damaged:
-                    raise CorruptCheckpointError(
-                        f"resume_from_checkpoint: auto found no intact checkpoint of this run in {out.path} "
-                        f"({len(damaged)} damaged, newest {damaged[0].name}); move them away to start over, or set "
-                        "resume_from_checkpoint to a checkpoint's path")
-                return (str(found) if found else None), [p.name for p in damaged]
-            resume, passed_over = latest() if ranks is None else parallel.from_leader(latest)
-            out.passed_over = set(passed_over)
-        if resume:  # (rank 0 decides: every rank refuses alike, or trains)
-            def recorded():
-                return read_meta(resume)["trainer"].get("model")
-            was = recorded() if ranks is None else parallel.from_leader(recorded)
-            if was is not None and was != _model_id(cfg):  # (checkpoints before it was recorded: not told)
-                if cfg.resume_from_checkpoint == "auto":
-                    raise OutputDirError(
-                        f"output_dir {out.path} holds a run of model {was} (newest intact {Path(resume).name}), and "
-                        f"this run names {cfg.model_name_or_path}: choose another output_dir for it, or set "
-                        "overwrite_output_dir: true with resume_from_checkpoint: null to start over there; to "
-                        f"continue that run (its model moved), set resume_from_checkpoint: {resume}")
-                if lead:  # (a checkpoint path: the user's choice)
-                    print(f"slideformer: {resume} is of a run of model {was}; this run names "
-                          f"{cfg.model_name_or_path}: the weights trained on are the checkpoint's", file=sys.stderr,
-                          flush=True)
-        try:  # (the engine's own refusals, before it allocates, in the config's key names)
-            if cfg.model_name_or_path == "tiny":
-                engine = SlideEngine.from_config(hf_config, ecfg)
-            else:
-                engine = SlideEngine.from_pretrained(cfg.model_name_or_path, ecfg)
-        except DoesNotFit as e:
-            raise DoesNotFit(_in_user_keys(str(e))) from None
-        with engine:
-            result = _loop(cfg, signals, engine, out, resume, tok, examples, skipped, dropped, total, warmup, device,
-                           held)
-    except BaseException:
-        if lead:
-            out.close(ok=False)
-        raise
-    if lead:
-        out.close()
-    return result
+    return examples, skipped, dropped, held, total, warmup
 
 
 def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, dropped, total, warmup,
