@@ -43,6 +43,65 @@ def test_truncated_shard_is_named(tmp_path):
         SlideEngine.from_pretrained(tmp_path, engine_config(**CPU))
 
 
+def _loaded(path):
+    with SlideEngine.from_pretrained(path, engine_config(**CPU)) as eng:
+        return eng.state_dict()
+
+
+def _same_as(state, model):
+    ref = model.state_dict()
+    return all(torch.equal(state[k], ref[k]) for k in state)
+
+
+def test_the_weights_transformers_would_read_are_read(tmp_path):
+    """A folder holding both a single file and an index (an earlier save's shards left beside a later one):
+    transformers reads the single file; a key also in another shard than the index maps it to (a stale copy)
+    is read from the index's shard; the base model saved alone (LlamaModel: names without "model.") loads."""
+    from safetensors.torch import load_file, save_file
+
+    old, new = build("llama"), build("llama")
+    with torch.no_grad():
+        for q in new.parameters():
+            q.add_(1.0)
+    old.save_pretrained(tmp_path / "both", max_shard_size="20KB")
+    new.save_pretrained(tmp_path / "both")  # (the single file: transformers' choice)
+    assert (tmp_path / "both" / "model.safetensors.index.json").is_file()
+    assert _same_as(_loaded(tmp_path / "both"), AutoModelForCausalLM.from_pretrained(tmp_path / "both"))
+    assert _same_as(_loaded(tmp_path / "both"), new)
+    # a stale zero copy of a key in the first shard, the index naming its real one
+    model, d = build("llama"), tmp_path / "dup"
+    model.save_pretrained(d, max_shard_size="20KB")
+    wm = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    first = sorted(set(wm.values()))[0]
+    key = next(k for k, f in sorted(wm.items()) if f != first and k.startswith("model.layers."))
+    tensors = load_file(d / first)
+    tensors[key] = torch.zeros_like(model.state_dict()[key])
+    save_file(tensors, d / first, metadata={"format": "pt"})
+    assert _same_as(_loaded(d), model) and _same_as(_loaded(d), AutoModelForCausalLM.from_pretrained(d))
+    # the base model's own save: every name without the causal LM's "model." (tied head: nothing else needed)
+    tied = build("qwen3-tied")
+    tied.model.save_pretrained(tmp_path / "bare")
+    assert not any(k.startswith("model.") for k in load_file(tmp_path / "bare" / "model.safetensors"))
+    assert _same_as(_loaded(tmp_path / "bare"), tied)
+
+
+@pytest.mark.parametrize("index", ['{"weight_map": ["a"]}', '["weight_map"]', '{"weight_map": {"a": 1}}',
+                                   '{"metadata": {}}', "{"])
+def test_a_malformed_index_is_named(tmp_path, index):
+    build("llama").config.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(index)
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json: not a valid safetensors index"):
+        SlideEngine.from_pretrained(tmp_path, engine_config(**CPU))
+
+
+def test_a_pytorch_bin_folder_is_told_how_to_convert(tmp_path):
+    model = build("llama")  # (as older transformers saved: transformers 5 writes safetensors only)
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="found pytorch_model.bin: convert it with transformers"):
+        SlideEngine.from_pretrained(tmp_path, engine_config(**CPU))
+
+
 def test_export_loads_in_transformers(tmp_path):
     model = build("qwen3-tied")
     with SlideEngine(model, engine_config(lr=1e-2, **CPU)) as eng:

@@ -21,27 +21,41 @@ from ..model.adapter import ModelAdapter
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+BASE = "model."  # the causal LM's name for its base model, before the base model's tensor names
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint file is missing, truncated or does not match the model."""
 
 
-def checkpoint_files(path: str | os.PathLike) -> list[Path]:
+def checkpoint_files(path: str | os.PathLike) -> list[tuple[Path, set[str] | None]]:
+    """The files a model folder's weights are read from, each with the keys to take from it (None: all), as
+    transformers picks them: ``model.safetensors`` where there is one, else the shards the index maps each
+    key to (a key also in another shard, a stale copy, is not taken from that one)."""
     root = Path(path)
+    if (root / SINGLE).is_file():
+        return [(root / SINGLE, None)]
     if (root / INDEX).is_file():
         try:
             weight_map = json.loads((root / INDEX).read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{root / INDEX}: not a valid safetensors index ({e})") from e
-        files = [root / f for f in sorted(set(weight_map.values()))]
-        missing = [str(f) for f in files if not f.is_file()]
+            if not (isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())):
+                raise ValueError("its weight_map is not a map of tensor names to file names")
+        except (ValueError, KeyError, TypeError) as e:  # (a JSON error is a ValueError; a list has no key)
+            why = e if isinstance(e, ValueError) else "no weight_map"
+            raise CheckpointError(f"{root / INDEX}: not a valid safetensors index ({why}); save the model again "
+                                  "with transformers' save_pretrained") from e
+        keys: dict[str, set[str]] = {}
+        for key, name in weight_map.items():
+            keys.setdefault(name, set()).add(key)
+        files = [(root / name, keys[name]) for name in sorted(keys)]
+        missing = [str(f) for f, _ in files if not f.is_file()]
         if missing:
             raise CheckpointError(f"checkpoint shard(s) listed in {root / INDEX} are missing: {', '.join(missing)}")
         return files
-    if (root / SINGLE).is_file():
-        return [root / SINGLE]
-    raise CheckpointError(f"no {SINGLE} or {INDEX} in {root}: slideformer loads safetensors checkpoints")
+    bins = sorted(p.name for p in root.glob("*.bin")) if root.is_dir() else []
+    raise CheckpointError(f"no {SINGLE} or {INDEX} in {root}: slideformer loads safetensors checkpoints"
+                          + (f" (found {bins[0]}: convert it with transformers, from_pretrained then "
+                             "save_pretrained(..., safe_serialization=True))" if bins else ""))
 
 
 class _UnitWriter:
@@ -79,19 +93,23 @@ def load_safetensors(path: str | os.PathLike, adapter: ModelAdapter, store: Host
     wanted = adapter.checkpoint_keys()
     seen: set[str] = set()
     writer = _UnitWriter(store)
-    for file in checkpoint_files(path):
+    for file, mapped in checkpoint_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():
-                    if key not in wanted or key in seen:
-                        continue  # e.g. a tied lm_head.weight, or rotary buffers saved by old versions
+                for stored in f.keys():
+                    # (the base model saved alone, LlamaModel's save_pretrained: its names lack the prefix, as
+                    # transformers reads them)
+                    key = stored if stored in wanted or BASE + stored not in wanted else BASE + stored
+                    if key not in wanted or key in seen or (mapped is not None and stored not in mapped):
+                        continue  # e.g. a tied lm_head.weight, rotary buffers saved by old versions, a stale copy
                     unit, spec = wanted[key]
                     if not store.owns(unit.index):  # another rank's unit: not read (its owner does)
                         seen.add(key)
                         continue
-                    t = f.get_tensor(key)
+                    t = f.get_tensor(stored)
                     if tuple(t.shape) != spec.shape:
-                        raise CheckpointError(f"{file}: {key} has shape {tuple(t.shape)}, the config implies {spec.shape}")
+                        raise CheckpointError(f"{file}: {stored} has shape {tuple(t.shape)}, the config implies "
+                                              f"{spec.shape}")
                     writer.put(unit, spec, t)
                     seen.add(key)
         except CheckpointError:
