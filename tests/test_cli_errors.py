@@ -628,6 +628,19 @@ def test_plan_refuses_nonsense(tmp_path, capsys):
         assert "must be" in capsys.readouterr().err
 
 
+def test_output_read_by_a_reader_that_goes_ends_quietly():
+    """`slideformer plan | head -1`: the reader closes the pipe; no "Broken pipe" error line, exit 141 (as a
+    shell's tools end on SIGPIPE). The plan's first line says its size in the unit that shows it."""
+    cmd = [sys.executable, "-m", "slideformer.cli", "plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1",
+           "--gpu-memory", "1GiB", "--cpu-memory", "8GiB"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout.splitlines()[0]
+    assert first.startswith("tiny: 0.80 M params, batch 1 x seq 64"), first
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()
+    err = p.stderr.read()
+    assert p.wait(timeout=300) == 141 and err == "", err
+
+
 # -- export ------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
@@ -647,6 +660,22 @@ def test_export_refuses_its_own_source_and_a_full_folder(checkpoint, tmp_path, c
     (tmp_path / "full" / "mine.txt").write_text("keep")
     assert main(["export", str(checkpoint), str(tmp_path / "full")]) == 2
     one_line(capsys, "not empty", "--overwrite")
+
+
+def test_export_of_a_folder_without_state_checks_its_weights_readable(checkpoint, tmp_path, capsys):
+    """No training state, so no checksums (a plain Hugging Face folder, or a checkpoint stripped of it): a
+    truncated weight file is refused, naming it, not copied on to fail in transformers."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(checkpoint, bare, ignore=shutil.ignore_patterns("state"))
+    assert main(["export", str(bare), str(tmp_path / "ok")]) == 0
+    w = bare / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:1000])
+    capsys.readouterr()
+    assert main(["export", str(bare), str(tmp_path / "hf")]) == 2
+    one_line(capsys, f"cannot read checkpoint shard {w}", "truncated or corrupt?")
+    assert not (tmp_path / "hf").exists()
 
 
 def test_export_overwrite_leaves_no_stale_weights(checkpoint, tmp_path):
@@ -735,6 +764,91 @@ def test_export_on_a_full_disk_leaves_nothing_half_written(checkpoint, tmp_path,
     assert main(["export", str(checkpoint), str(mine), "--overwrite"]) == 5
     capsys.readouterr()
     assert {f.name: f.read_bytes() for f in mine.iterdir()} == before
+
+
+def test_a_model_whose_weights_hold_nan_is_named_at_the_first_step(checkpoint, tmp_path, capsys):
+    """A model file holding NaN (a broken earlier fine-tune): the first step's loss is NaN before any update,
+    so the learning rate is not the fix; the line names the tensor and the model (exit 4)."""
+    from safetensors.torch import load_file, save_file
+
+    hf = tmp_path / "hf"
+    assert main(["export", str(checkpoint), str(hf)]) == 0
+    tensors = load_file(hf / "model.safetensors")
+    key = sorted(k for k in tensors if ".mlp." in k)[0]
+    tensors[key].view(-1)[3] = float("nan")
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    from slideformer.train.config import _assets
+
+    assert main(FAST + [f"output_dir={tmp_path / 'o'}", f"model_name_or_path={hf}", "max_grad_norm=1.0",
+                        f"dataset={_assets() / 'sample' / 'alpaca.jsonl'}"]) == 4
+    one_line(capsys, "step 1: loss nan", f"before any update: the model's weights hold NaN or infinity ({key}, as "
+             f"read from {hf}); nothing was trained")
+    assert not (tmp_path / "o").exists()
+
+
+def _contents(folder):
+    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+@pytest.mark.parametrize("extra", [[], ["--dtype", "fp32"]])
+def test_export_that_cannot_replace_a_file_midway_puts_back_what_was_there(checkpoint, tmp_path, capsys, monkeypatch,
+                                                                            extra):
+    """A file of the target that cannot be replaced (immutable, another user's in a sticky folder), met after
+    others were: the ones replaced are put back and the earlier export's stale weights stay, so the folder
+    never holds two exports mixed (a loader would take the earlier index's shards); the line names the file."""
+    dst = tmp_path / "hf"
+    assert main(["export", str(checkpoint), str(dst)]) == 0
+    (dst / "model.safetensors").rename(dst / "model-00001-of-00001.safetensors")  # (an earlier, sharded export)
+    (dst / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    for f in dst.iterdir():
+        if f.name != "model-00001-of-00001.safetensors":
+            f.write_bytes(b"earlier " + f.name.encode())
+    before = _contents(dst)
+    real, victim = os.replace, dst / ("config.json" if extra else "tokenizer_config.json")
+
+    def refused(a, b, *k, **kw):
+        if str(b) == str(victim) and str(a).endswith(".tmp"):
+            raise PermissionError(1, "Operation not permitted", str(a))
+        return real(a, b, *k, **kw)
+
+    monkeypatch.setattr(os, "replace", refused)
+    capsys.readouterr()
+    assert main(["export", str(checkpoint), str(dst), "--overwrite", *extra]) == 5
+    one_line(capsys, f"export to {dst} failed ({victim}: Operation not permitted); {dst} is left as it was")
+    assert _contents(dst) == before  # (no staged or set-aside file left either)
+    monkeypatch.setattr(os, "replace", real)
+    assert main(["export", str(checkpoint), str(dst), "--overwrite", *extra]) == 0
+    assert not (dst / "model.safetensors.index.json").exists() and (dst / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("made", [True, False])
+def test_a_signal_mid_export_undoes_it(checkpoint, tmp_path, made):
+    """SIGTERM while the files are copied, under the command's own handler (which ends start-up at once): the
+    export undoes itself (no staged files left, a folder it made removed) and says so, exit 143; the same
+    command then runs."""
+    dst = tmp_path / "hf"
+    if not made:
+        dst.mkdir()
+        (dst / "notes.txt").write_text("mine")
+    script = ("import os, shutil, signal, sys\n"
+              "from slideformer import cli\n"
+              "real, n = shutil.copyfile, [0]\n"
+              "def copy(a, b, **k):\n"
+              "    n[0] += 1\n"
+              "    if n[0] == 2:\n"
+              "        os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    return real(a, b, **k)\n"
+              "shutil.copyfile = copy\n"
+              "sys.argv = ['slideformer', 'export', sys.argv[1], sys.argv[2], '--overwrite']\n"
+              "sys.exit(cli.entry())\n")
+    r = subprocess.run([sys.executable, "-c", script, str(checkpoint), str(dst)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 143, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == (f"SIGTERM: the export stopped; nothing was written ({dst} removed)"
+                                                 if made else f"SIGTERM: the export stopped; {dst} is left as it was")
+    assert not dst.exists() if made else _contents(dst) == {"notes.txt": b"mine"}
+    assert main(["export", str(checkpoint), str(dst), "--overwrite"]) == 0
 
 
 def test_export_over_a_folder_where_it_writes_a_file_changes_nothing(checkpoint, tmp_path, capsys):

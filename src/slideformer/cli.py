@@ -17,11 +17,12 @@ from .signals import Interrupted, Signals
 
 # Exit codes (also in `slideformer train --help` and the README); a signal ends a run with 128 + its number.
 EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_DOES_NOT_FIT, EXIT_NONFINITE, EXIT_IO, EXIT_RANK_LOST = 0, 1, 2, 3, 4, 5, 7
+EXIT_PIPE = 141  # (128 + SIGPIPE, as a shell's tools end when their output's reader has gone)
 EXIT_CODES_HELP = ("Exit codes: 0 done, 1 unexpected failure (traceback in slideformer-error.log), 2 bad config, "
                    "data, model or checkpoint, 3 does not fit, 4 non-finite loss or gradient, 5 a file could not be "
                    "written or read (full or read-only disk, permissions), 6 no progress within the watchdog's limit "
                    "(every thread's stack printed), 7 another rank of a torchrun job failed or was lost, 129 SIGHUP, "
-                   "130 SIGINT, 143 SIGTERM (a checkpoint was saved if a step had finished); 3 also where the "
+                   "130 SIGINT, 141 the output's reader closed it (`| head`), 143 SIGTERM (a checkpoint was saved if a step had finished); 3 also where the "
                    "process neared its host memory budget (a checkpoint was saved).")
 
 
@@ -264,7 +265,9 @@ def cmd_plan(args) -> int:
         print(json.dumps(out))
     else:
         n = args.nproc_per_node
-        print(f"{args.model}: {shape.params / 1e9:.2f} B params, batch {args.batch_size} x seq {args.seq_len}"
+        count = (f"{shape.params / 1e9:.2f} B" if shape.params >= 1e8 else f"{shape.params / 1e6:.2f} M"
+                 if shape.params >= 1e5 else f"{shape.params}")
+        print(f"{args.model}: {count} params, batch {args.batch_size} x seq {args.seq_len}"
               + (f" per GPU, {n} processes (data parallel): each GPU's and one process's figures, the one "
                  "that holds the most" if n > 1 else ""))
         print("GPU  " + ", ".join(f"{k} {gib(v)}" for k, v in g.items()) + (
@@ -356,6 +359,10 @@ def cmd_export(args) -> int:
         return EXIT_USAGE
     if (src / STATE_DIR).exists() or (src / STATE_DIR / TRAINER).is_file():
         verify_checkpoint(src)  # (corrupt, altered or missing its metadata: refused, naming the file)
+    else:  # no checksums to check against (a plain Hugging Face folder): its weight files at least readable
+        from .checkpoint.loader import readable_weights
+
+        readable_weights(src)
     rs, rd = src.resolve(), dst.resolve()
     if rd == rs or rd.is_relative_to(rs) or rs.is_relative_to(rd):
         print(f"error: export target {dst} overlaps the checkpoint {src}; choose a folder outside it", file=sys.stderr)
@@ -393,8 +400,9 @@ def cmd_export(args) -> int:
     import torch
     from safetensors import SafetensorError
 
-    from .checkpoint.export import (drop_staged, place_pretrained, stage_from_state, stale_staged, staged_file,
-                                    stale_weights)
+    from .checkpoint.export import (drop_staged, place, place_pretrained, stage_from_state, stale_staged,
+                                    staged_file, stale_weights)
+    from .signals import undoable
 
     for folder in {dst} | {(dst / rel).parent for rel in files}:  # (a killed export's temporary files)
         for p in stale_staged(folder, {f.name for f in names}):
@@ -412,35 +420,40 @@ def cmd_export(args) -> int:
         if made:
             shutil.rmtree(dst, ignore_errors=True)
 
-    try:
-        for rel in files:
-            target = dst / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            staged.append((staged_file(target, lambda tmp, rel=rel: shutil.copyfile(src / rel, tmp)), target))
-        if dtype is not None:
-            weights = stage_from_state(src, dst, dtype)
-    except BaseException as e:  # (a full disk or weights not finite mid-way: the target is left as it was)
-        undo()
-        if not isinstance(e, (OSError, SafetensorError)):
-            raise
-        code = getattr(e, "errno", None) or int((re.search(r"os error (\d+)", str(e)) or [0, 0])[1])
-        raise OSError(code, f"export to {dst} failed ({os.strerror(code) if code else e}); {dst} is left as it "
-                            "was; free space there, make it writable or choose another folder, then export "
-                            "again") from e
-    # (the weight files' names, known once staged; the rest were checked before: a rename onto a folder would fail
-    # midway, the files before it replaced)
-    blocked = next((f for _, f in (weights[1] if weights else []) if f.is_dir() and not f.is_symlink()), None)
-    if blocked is not None:
-        undo()
-        return _blocked(dst, blocked)
-    for tmp, final in staged:
-        os.replace(tmp, final)
-    if weights is not None:  # (its weight files and config; an earlier export's weight files go)
-        place_pretrained(dst, weights[0], dtype, weights[1])
-        files += [final.relative_to(dst) for _, final in weights[1]] + [Path("config.json")]
-    else:  # the model's weight files are replaced as a set: a stale shard index or single file would shadow them
-        for old in stale_weights(dst, [str(f) for f in files]):
-            old.unlink()
+    with undoable(f"the export stopped; {dst} is left as it was" if not made else
+                  f"the export stopped; nothing was written ({dst} removed)"):
+        try:
+            for rel in files:
+                target = dst / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                staged.append((staged_file(target, lambda tmp, rel=rel: shutil.copyfile(src / rel, tmp)), target))
+            if dtype is not None:
+                weights = stage_from_state(src, dst, dtype)
+            # (the weight files' names, known once staged; the rest were checked before: a rename onto a folder
+            # fails, and the change is undone)
+            blocked = next((f for _, f in (weights[1] if weights else []) if f.is_dir() and not f.is_symlink()),
+                           None)
+            if blocked is not None:
+                undo()
+                return _blocked(dst, blocked)
+            # every file renamed into place as one change, a failure midway putting back what was there; the
+            # model's weight files are replaced as a set (a stale shard index or single file would shadow them),
+            # with its config where the weights are written again
+            if weights is not None:
+                place_pretrained(dst, weights[0], dtype, staged + weights[1])
+                files += [final.relative_to(dst) for _, final in weights[1]] + [Path("config.json")]
+            else:
+                place(staged, stale_weights(dst, [str(f) for f in files]))
+        except BaseException as e:  # (a full disk, weights not finite, a file that cannot be replaced, a signal)
+            undo()
+            if not isinstance(e, (OSError, SafetensorError)):
+                raise
+            code = getattr(e, "errno", None) or int((re.search(r"os error (\d+)", str(e)) or [0, 0])[1])
+            fn = getattr(e, "filename", None)  # (a file of the target's that could not be replaced, named)
+            at = f"{fn}: " if fn and Path(fn).is_relative_to(dst) and not str(fn).endswith(".tmp") else ""
+            raise OSError(code, f"export to {dst} failed ({at}{os.strerror(code) if code else e}); {dst} is left as "
+                                "it was; free space there, make it writable or choose another folder, then export "
+                                "again") from e
     print(f"exported {src} -> {dst} ({len(files)} files)")
     return EXIT_OK
 
@@ -468,6 +481,24 @@ def _exit_code(e: BaseException) -> int | None:
         if isinstance(e, types):
             return code
     return None
+
+
+def _reader_gone() -> bool:
+    """Whether standard output is a pipe whose reader has closed it (its later writes, and Python's flush at
+    exit, then go nowhere: it is pointed at /dev/null)."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        if not any(ev & select.POLLERR for _, ev in poll.poll(0)):
+            return False
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+        return True
+    except (OSError, ValueError, AttributeError):  # (no descriptor: a library caller's stdout)
+        return False
 
 
 def _say(line: str) -> None:
@@ -734,6 +765,8 @@ def _main(argv: list[str], signals: Signals) -> int:
         if isinstance(e, KeyboardInterrupt):  # (before anything is imported: torch may be half-imported)
             _say(_one_line(e))
             return e.signum + 128 if isinstance(e, Interrupted) else 130
+        if isinstance(e, BrokenPipeError) and _reader_gone():  # (`slideformer plan | head -1`: as SIGPIPE would)
+            return EXIT_PIPE
         code, cause = _exit_code(e), e
         while code is None and cause.__cause__ is not None:  # (a worker thread's error, re-raised in the main one)
             cause = cause.__cause__

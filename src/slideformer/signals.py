@@ -32,12 +32,14 @@ HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 class Interrupted(KeyboardInterrupt):
     """SIGINT, SIGTERM or SIGHUP ended the run before a step could finish (start-up, or a second signal)."""
 
-    def __init__(self, signum: int, training: bool = False):
+    def __init__(self, signum: int, training: bool = False, what: str | None = None):
         super().__init__(signal.Signals(signum).name)
-        self.signum, self.training = signum, training
+        self.signum, self.training, self.what = signum, training, what
 
     def line(self) -> str:
         name = signal.Signals(self.signum).name
+        if self.what:
+            return f"{name}: {self.what}"
         if self.training:
             return (f"{name} again: stopped at once, mid-step; the checkpoints saved before it are kept (a save it "
                     "cut short is none: resume_from_checkpoint: auto passes over it)")
@@ -56,6 +58,7 @@ class Signals:
         self._depth = 0
         self._shared: "Signals | None" = None
         self._terminal: list[int] = []  # (stdout's and stderr's descriptors that were a terminal at entry)
+        self._undoing: str | None = None  # (inside ``undoable``: what a signal's line says)
 
     def __enter__(self) -> "Signals":
         active = Signals._active
@@ -81,6 +84,11 @@ class Signals:
             self._first_at = time.monotonic()
         elif self._training and time.monotonic() - self._first_at < SAME_REQUEST_S:
             return  # the first signal again, passed on by a launcher: still stop after the step
+        if self._undoing is not None:
+            if first:  # (a second one while the work undoes itself is the same request: the undoing goes on)
+                self.requested = signum
+                raise Interrupted(signum, what=self._undoing)
+            return
         self.requested = signum
         if self._training and first:
             return  # the loop stops after its step and saves
@@ -125,6 +133,25 @@ class Signals:
             signal.signal(sig, old)
         if Signals._active is self:
             Signals._active = None
+
+
+@contextlib.contextmanager
+def undoable(what: str):
+    """Around work that undoes itself on an error (an export's staged files dropped, what it renamed put
+    back): a signal here raises Interrupted, even where the process's handler would end it at once (torch is
+    imported by then), its line ``what`` (the work stopped, and what it left); a further signal is ignored
+    while the work undoes itself."""
+    active = Signals._active
+    if active is None:
+        yield
+        return
+    if active.requested is not None:
+        raise Interrupted(active.requested, what=what)
+    active._undoing = what
+    try:
+        yield
+    finally:
+        active._undoing = None
 
 
 @contextlib.contextmanager

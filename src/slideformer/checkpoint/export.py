@@ -2,7 +2,8 @@
 Hugging Face checkpoint that ``from_pretrained`` loads.
 
 Every file is written under a temporary name and checked finite first; the names are renamed into place
-only once all are written, so a failed export leaves the folder's earlier weights as they were.
+only once all are written, as one change (``place``), so a failed export leaves the folder's earlier files
+as they were.
 """
 from __future__ import annotations
 
@@ -98,6 +99,7 @@ def _names(plan: list) -> list[str]:
 
 
 INDEX = "model.safetensors.index.json"
+CONFIG = "config.json"
 
 
 def _all_names(plan: list) -> list[str]:
@@ -175,20 +177,75 @@ def stale_weights(out: Path, names) -> list[Path]:
                   and (p.is_symlink() or p.is_file()))  # (a link goes, never what it points to)
 
 
+def _aside(path: Path, move: bool) -> Path | None:
+    """A second name for what ``path`` holds (None where nothing is there), to put back: a hard link where
+    ``path`` stays in place until replaced (a reader never misses it), else (``move``, or a file system without
+    links) the file renamed."""
+    if not (path.exists() or path.is_symlink()):
+        return None
+    import uuid
+
+    backup = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")  # (a killed export's: stale_staged)
+    if not move:
+        try:
+            os.link(path, backup, follow_symlinks=False)
+            return backup
+        except OSError:
+            pass
+    os.replace(path, backup)
+    return backup
+
+
+def place(staged: list[tuple[Path, Path]], remove: list[Path] = ()) -> None:
+    """Rename each staged file onto its name and remove ``remove`` (an earlier export's weight files, which a
+    loader would take instead) as one change: where one fails midway (a file that cannot be replaced, a
+    signal), what was there is put back, so the folder never holds two exports' files mixed. An OSError names
+    the file. Staged files left are the caller's to drop."""
+    done: list[tuple[Path, Path | None]] = []  # (name, what it held before: its second name)
+    try:
+        for tmp, final in staged:
+            done.append((final, _aside(final, move=False)))
+            try:
+                os.replace(tmp, final)
+            except OSError as e:
+                raise OSError(e.errno, e.strerror, str(final)) from e
+        for old in remove:
+            done.append((old, _aside(old, move=True)))
+    except BaseException:
+        for final, before in reversed(done):
+            with contextlib.suppress(OSError):
+                if before is not None:
+                    os.replace(before, final)
+                else:
+                    final.unlink(missing_ok=True)
+        raise
+    for _, before in done:
+        if before is not None:
+            with contextlib.suppress(OSError):
+                before.unlink()
+
+
 def place_pretrained(out: str | os.PathLike, adapter: ModelAdapter, dtype: torch.dtype,
                      staged: list[tuple[Path, Path]], owner: list[int] | None = None, rank: int = 0) -> Path:
-    """Rename what ``stage_pretrained`` wrote into place; rank 0 removes an earlier export's weight files
-    that would shadow them and writes the config."""
-    for tmp, final in staged:
-        os.replace(tmp, final)
-    if rank == 0:
-        plan = shard_plan(adapter, dtype, owner)
-        for old in stale_weights(Path(out), _all_names(plan)):
-            old.unlink()
-        cfg = adapter.config
-        cfg.dtype = dtype
-        cfg.save_pretrained(str(out))
-    return Path(out)
+    """Rename what ``stage_pretrained`` wrote (and any other ``staged`` files) into place as one change
+    (``place``); rank 0 also writes the config and removes an earlier export's weight files that would
+    shadow them. A failure drops the staged files."""
+    out = Path(out)
+    remove: list[Path] = []
+    try:
+        if rank == 0:
+            cfg = adapter.config
+            cfg.dtype = dtype
+            if "transformers_weights" in cfg:  # (as transformers' save_pretrained: known on load, never saved)
+                delattr(cfg, "transformers_weights")
+            staged = staged + [(staged_file(out / CONFIG, lambda p: cfg.to_json_file(str(p), use_diff=True)),
+                                out / CONFIG)]
+            remove = stale_weights(out, _all_names(shard_plan(adapter, dtype, owner)))
+        place(staged, remove)
+    except BaseException:
+        drop_staged(staged)
+        raise
+    return out
 
 
 def save_pretrained(out: str | os.PathLike, adapter: ModelAdapter, store: HostStore, dtype: torch.dtype,

@@ -58,6 +58,17 @@ def checkpoint_files(path: str | os.PathLike) -> list[tuple[Path, set[str] | Non
                              "save_pretrained(..., safe_serialization=True))" if bins else ""))
 
 
+def readable_weights(path: str | os.PathLike) -> None:
+    """CheckpointError naming the first weight file of ``path`` whose header or size is not a whole
+    safetensors file's (truncated or corrupt); no tensor is read."""
+    for file, _ in checkpoint_files(path):
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception as e:  # (safetensors' own error types)
+            raise CheckpointError(f"cannot read checkpoint shard {file}: {e} (truncated or corrupt?)") from e
+
+
 class _UnitWriter:
     """Collects a unit's parameters into its master and commits the unit when all have arrived: straight
     into RAM, or (master on the NVMe tier or the GPU) into a temporary buffer written there at once, so

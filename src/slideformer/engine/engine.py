@@ -821,6 +821,19 @@ class SlideEngine:
         return {k: v for u in self.adapter.units if self.store.owns(u.index)
                 for k, v in self.store.unit_params(u.index).items()}
 
+    def nonfinite_weight(self) -> str | None:
+        """The first parameter of this rank's units whose master holds NaN or infinity (a unit at a time),
+        after pending updates, or None: why a step before any update was not finite (a model file holding
+        them)."""
+        self.synchronize()
+        for u in self.adapter.units:
+            if self.store.owns(u.index):
+                bad = next((k for k, v in self.store.unit_params(u.index).items() if not bool(torch.isfinite(v).all())),
+                           None)
+                if bad is not None:
+                    return bad
+        return None
+
     @_one_caller("save")
     def save_pretrained(self, out: str | os.PathLike, dtype: torch.dtype | None = None):
         """Write a Hugging Face checkpoint (config + safetensors) that from_pretrained loads. Under several

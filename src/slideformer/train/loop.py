@@ -642,6 +642,10 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             if not (math.isfinite(loss) and (norm is None or math.isfinite(norm))):
                 what = f"loss {loss}, gradient norm {norm}"
                 kept = f"the last checkpoint ({last_saved}) is intact" if last_saved else "no checkpoint was saved"
+                if step == start == 0 and engine.last_step_dropped and (bad := engine.nonfinite_weight()):
+                    raise NonFiniteLoss(f"step 1: {what}, before any update: the model's weights hold NaN or infinity "
+                                        f"({bad}, as read from {cfg.model_name_or_path}); nothing was trained. Train "
+                                        "a model whose weights are finite")
                 if not engine.last_step_dropped:  # (no clipping: the updates ran as the gradients landed)
                     raise NonFiniteLoss(f"step {step + 1}: {what}; its update was applied in memory, so this state "
                                         f"is not saved and {kept}. Lower learning_rate (now {cfg.learning_rate}), or "
