@@ -187,6 +187,15 @@ def test_dataset_paths_on_the_command_line_are_from_the_current_folder(tmp_path,
     (tmp_path / "cfg" / "hub.yaml").write_text("model_name_or_path: tiny\ndataset: [org/name, ~/mine.jsonl]\n")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert [d.path for d in load_config("cfg/hub.yaml").dataset] == ["org/name", str(tmp_path / "home" / "mine.jsonl")]
+    # every path key, a file's or the command line's (quoted, or after `=`: a shell may leave ~ as it is)
+    home = tmp_path / "home"
+    (tmp_path / "cfg" / "all.yaml").write_text("model_name_or_path: ~/m\ndataset: d.jsonl\noutput_dir: ~/o\n"
+                                               "offload:\n  offload_dir: ~/nvme\n")
+    cfg = load_config("cfg/all.yaml", ["resume_from_checkpoint=~/o/checkpoint-3", "eval_dataset=~/e.jsonl"])
+    assert (cfg.model_name_or_path, cfg.output_dir, cfg.offload.offload_dir, cfg.resume_from_checkpoint) == (
+        str(home / "m"), str(home / "o"), str(home / "nvme"), str(home / "o" / "checkpoint-3"))
+    assert cfg.eval_dataset[0].path == str(home / "e.jsonl") and cfg.dataset[0].path == "cfg/d.jsonl"
+    assert load_config(None, ["model_name_or_path=~/m", "dataset=~/d.jsonl"]).dataset[0].path == str(home / "d.jsonl")
 
 
 def test_resuming_with_other_data_says_so(tmp_path, capsys):

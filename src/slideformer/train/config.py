@@ -453,19 +453,26 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
     if "offload" in raw:
         raw["offload"] = OffloadConfig(**_checked(raw["offload"], OffloadConfig, "offload"))
     cfg = TrainConfig(**raw)
-    if path is not None:  # a config file's paths are relative to it; the command line's to where it runs
-        base = Path(path).parent
-        for key in ("dataset", "eval_dataset"):
-            ds = getattr(cfg, key)
-            if ds is None or key in given:
-                continue
-            setattr(cfg, key, [{**d, "path": _from(base, d["path"], hub=True)}
-                               if isinstance(d, dict) and isinstance(d.get("path"), str)
-                               else _from(base, d, hub=True) if isinstance(d, str) else d
-                               for d in (ds if isinstance(ds, list) else [ds])])
-        t = cfg.chat_template  # (a template's file too; a template itself has Jinja's markers)
-        if t and "chat_template" not in given and "{{" not in t and "{%" not in t:
-            cfg.chat_template = _from(base, t)
+    # a config file's data paths are relative to it; the command line's to where it runs; ``~`` is a home
+    # folder in every path (as a shell reads it: YAML and a quoted override never went through one)
+    base = Path(path).parent if path is not None else None
+    for key in ("dataset", "eval_dataset"):
+        ds = getattr(cfg, key)
+        if ds is None:
+            continue
+        where = (lambda p: os.path.expanduser(p)) if base is None or key in given else \
+            (lambda p: _from(base, p, hub=True))
+        setattr(cfg, key, [{**d, "path": where(d["path"])} if isinstance(d, dict) and isinstance(d.get("path"), str)
+                           else where(d) if isinstance(d, str) else d
+                           for d in (ds if isinstance(ds, list) else [ds])])
+    t = cfg.chat_template  # (a template's file too; a template itself has Jinja's markers)
+    if t and "{{" not in t and "{%" not in t:
+        cfg.chat_template = _from(base, t) if base is not None and "chat_template" not in given else \
+            os.path.expanduser(t)
+    for part, key in ((cfg, "model_name_or_path"), (cfg, "output_dir"), (cfg, "resume_from_checkpoint"),
+                      (cfg.offload, "offload_dir")):
+        if isinstance(v := getattr(part, key), str):
+            setattr(part, key, os.path.expanduser(v))
     return cfg.validate()
 
 
