@@ -226,7 +226,8 @@ def cmd_plan(args) -> int:
             # where the CPU update bounds the step: compact state moves 18 instead of 28 bytes a parameter,
             # and its resident layers take 10 instead of 16 GPU bytes
             tc = as_train_would(replace(as_trained, optimizer_state="compact"))
-            if tc["fits"] and tc["step_s"] < 0.95 * t["step_s"]:  # (a plan that does not fit is no hint)
+            # (a plan that does not fit is no hint; nor is a saving under a hundredth of a second, a tiny model's)
+            if tc["fits"] and tc["step_s"] < 0.95 * t["step_s"] and t["step_s"] - tc["step_s"] >= 0.01:
                 out["predicted_step_s_compact"] = tc["step_s"]
                 out["host_bytes_compact"] = tc["host_bytes"]
     gib = fmt_bytes
@@ -311,7 +312,7 @@ def cmd_plan(args) -> int:
             print(f"with resident_layers={out['suggested_resident_layers']}{edges} (trained on the GPU): predicted step "
                   f"{out['predicted_step_s_resident']:.2f} s, host {gib(out['host_bytes_resident'])}")
         unclipped = out.get("predicted_step_s_resident_unclipped")
-        if unclipped and unclipped < 0.95 * out["predicted_step_s_resident"]:
+        if unclipped and unclipped < 0.95 * out["predicted_step_s_resident"] - 0.01:
             print(f"clipping (max_grad_norm) makes the CPU update of the layers without a spare state wait for "
                   f"backward's global norm; without it: predicted step {unclipped:.2f} s")
         if "predicted_step_s_compact" in out:
