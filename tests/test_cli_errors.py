@@ -1008,6 +1008,64 @@ def test_a_signal_during_start_up_ends_the_run_at_once(tmp_path, sig, code):
     assert "Traceback" not in out and f"{sig}: stopped before a training step" in out
 
 
+def test_a_signal_once_the_run_has_its_folder_leaves_the_folder_as_found(tmp_path):
+    """SIGTERM while the data is read (the folder taken, marked and locked), under the command's own handler
+    (which ends the imports at once): the run raises, so it leaves no folder it made, with the start-up line."""
+    script = ("import os, signal, sys, time\n"
+              "from slideformer import cli\n"
+              "from slideformer.train import loop\n"
+              "real = loop.build_examples\n"
+              "def slow(*a, **k):\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    time.sleep(5)\n"
+              "    return real(*a, **k)\n"
+              "loop.build_examples = slow\n"
+              "sys.argv = ['slideformer', 'train', *sys.argv[1:]]\n"
+              "sys.exit(cli.entry())\n")
+    r = subprocess.run([sys.executable, "-c", script, "progress=false", "device=cpu", f"output_dir={tmp_path}/o"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 143, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == "SIGTERM: stopped before a training step had finished; nothing was saved"
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_signal_while_the_main_thread_waits_in_c_for_a_rank_that_never_comes_ends_the_run(tmp_path):
+    """WORLD_SIZE, RANK and a port set by hand, the other rank never started: the rendezvous waits inside C++,
+    where Python's handler cannot run (it ignored SIGINT and SIGTERM for its 30 minutes). The watcher ends
+    the run within its grace, with the line and code; WORLD_SIZE without RANK is refused (exit 2)."""
+    import signal
+    import socket
+
+    from slideformer.signals import GRACE_S
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    args = [sys.executable, "-m", "slideformer.cli", "train", "progress=false", "device=cpu", f"output_dir={tmp_path}/o"]
+    r = subprocess.run(args, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith(
+        "error: WORLD_SIZE is 2 but RANK is not set: start the ranks with torchrun"), r.stderr
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env={**env, "RANK": "0", "LOCAL_RANK": "0"}, cwd=tmp_path)
+    _handled(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # (until it listens for the other rank: inside the rendezvous)
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        time.sleep(0.2)
+    time.sleep(1)
+    sent = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 143, out
+    assert time.monotonic() - sent < GRACE_S + 10
+    assert out.strip().splitlines()[-1] == "SIGTERM: stopped before a training step had finished; nothing was saved"
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("sig,code", [("SIGTERM", 143), ("SIGHUP", 129)])
 def test_a_signal_while_training_saves_the_step_and_exits_128_plus_it(tmp_path, sig, code):
     """(SIGHUP with the output a pipe, or a terminal still there: as SIGTERM.)"""

@@ -110,6 +110,25 @@ def test_a_signal_saves_the_step_on_every_rank_and_exits_with_its_code(tmp_path,
     assert len(saved) == 1 and (saved[0] / "state" / "trainer.json").is_file(), out
 
 
+def test_a_rank_killed_outright_is_named_with_the_likely_cause(tmp_path):
+    """SIGKILL to one rank (the kernel's out-of-memory killer): it says nothing itself, and the others only
+    that they lost it; the launcher, which saw how it ended, names the rank, the signal and the likely cause."""
+    p = _slideformer(tmp_path, *COMMON, "device=cpu", "max_steps=100000", "micro_batch_size=2", "nproc_per_node=2",
+                     f"output_dir={tmp_path / 'o'}", new_session=True)
+    seen = []
+    for line in p.stdout:
+        seen.append(line)
+        if line.startswith("step 2/"):
+            ranks = children(p.pid)
+            rank1 = next(r for r in ranks if "RANK=1" in open(f"/proc/{r}/environ").read().split("\0"))
+            os.kill(rank1, signal.SIGKILL)
+            break
+    out = "".join(seen) + p.communicate(timeout=120)[0]
+    assert p.returncode == 7, out
+    assert "error: rank 1 of 2 was killed by SIGKILL (the kernel's out-of-memory killer" in out, out
+    assert "Traceback" not in out
+
+
 def test_ranks_whose_launcher_is_killed_save_their_step_and_end(tmp_path):
     """SIGKILL to the launcher (an OOM killer, `kill -9`) passes nothing on; the kernel then sends each rank
     SIGTERM (the parent-death signal), so none trains on alone holding the folder: they save and end."""

@@ -81,6 +81,12 @@ def init_from_env(device_type: str) -> Ranks | None:
     NCCL for CUDA, gloo for the CPU. None outside torchrun."""
     if int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return None
+    if missing := [k for k in ("RANK", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]:
+        from .config import ConfigError
+
+        raise ConfigError(f"WORLD_SIZE is {os.environ['WORLD_SIZE']} but {', '.join(missing)} "
+                          f"{'is' if len(missing) == 1 else 'are'} not set: start the ranks with torchrun (or set "
+                          "nproc_per_node), or unset WORLD_SIZE to train in one process")
     if not dist.is_initialized():
         if device_type == "cuda":  # (train/loop.py has set LOCAL_RANK's device)
             from datetime import timedelta

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 
+GRACE_S = 5.0  # how long a signal that ends the run waits for the main thread before the watcher ends it
 SAME_REQUEST_S = 1.0  # a launcher passes its signal on within milliseconds; a person's second Ctrl-C comes later
 HANDLED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -58,7 +59,9 @@ class Signals:
         self._depth = 0
         self._shared: "Signals | None" = None
         self._terminal: list[int] = []  # (stdout's and stderr's descriptors that were a terminal at entry)
-        self._undoing: str | None = None  # (inside ``undoable``: what a signal's line says)
+        self._undoing: str | None = None  # (inside ``undoable``: what a signal's line says; "": the start-up line)
+        self._ending = False  # (the Python handler has ended the run, or raised to end it)
+        self._wakeup: tuple[int, int] | None = None  # (the pipe the C handler writes signal numbers to)
 
     def __enter__(self) -> "Signals":
         active = Signals._active
@@ -73,6 +76,8 @@ class Signals:
                 self._old[sig] = signal.signal(sig, self._on_signal)
             self._terminal = [fd for fd in (1, 2) if os.isatty(fd)]
             Signals._active = self
+            if self.hard:
+                self._watch_signals()
         self._depth = 1
         return self
 
@@ -84,21 +89,43 @@ class Signals:
             self._first_at = time.monotonic()
         elif self._training and time.monotonic() - self._first_at < SAME_REQUEST_S:
             return  # the first signal again, passed on by a launcher: still stop after the step
-        if self._undoing is not None:
+        if self._undoing is not None and not self._training:
             if first:  # (a second one while the work undoes itself is the same request: the undoing goes on)
-                self.requested = signum
+                self.requested, self._ending = signum, True
                 raise Interrupted(signum, what=self._undoing)
             return
         self.requested = signum
         if self._training and first:
             return  # the loop stops after its step and saves
+        self._ending = True
         if self.hard and not self._training:
-            try:
-                print(Interrupted(signum).line(), file=sys.stderr, flush=True)
-            except (OSError, ValueError):  # (stderr gone: a closed pipe, or sys.stderr closed)
-                pass
-            os._exit(128 + signum)
+            _leave(Interrupted(signum))
         raise Interrupted(signum, self._training)
+
+    def _watch(self, fd: int) -> None:
+        """The watcher thread: the signals' numbers, as the interpreter's C handler writes them (at once, even
+        while the main thread is inside a C call: a collective waiting on a rank that hangs or never
+        arrives, a rendezvous). A signal that ends the run (at start-up, or a second one once training)
+        that the Python handler has not acted on within ``GRACE_S`` (the main thread is blocked) ends it
+        from here."""
+        first = None  # (when this thread saw a training run's first signal: that one only asks for a save)
+        while True:
+            try:
+                got = os.read(fd, 64)
+            except OSError:
+                return
+            if not got:
+                return
+            now = time.monotonic()
+            for signum in got:
+                if signum not in HANDLED or signal.getsignal(signum) != self._on_signal:
+                    continue  # (another handler took the signal over: a launcher's own, torch's agent)
+                if self._training and (first is None or now - first < SAME_REQUEST_S):
+                    first = first or now
+                    continue
+                time.sleep(GRACE_S)
+                if not self._ending and Signals._active is self:
+                    _leave(Interrupted(signum, self._training, self._undoing))
 
     def _leave_terminal(self) -> bool:
         gone = [fd for fd in self._terminal if not os.isatty(fd)]
@@ -108,6 +135,17 @@ class Signals:
             os.close(null)
         self._terminal = [fd for fd in self._terminal if fd not in gone]
         return bool(gone)
+
+    def _watch_signals(self) -> None:
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        try:
+            self._old_wakeup = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        except ValueError:
+            os.close(r), os.close(w)
+            return
+        self._wakeup = (r, w)
+        threading.Thread(target=self._watch, args=(r,), name="slideformer-signals", daemon=True).start()
 
     @property
     def started(self) -> bool:
@@ -133,14 +171,34 @@ class Signals:
             signal.signal(sig, old)
         if Signals._active is self:
             Signals._active = None
+        if self._wakeup is not None:  # (the watcher reads the end of the pipe and stops)
+            signal.set_wakeup_fd(self._old_wakeup)
+            os.close(self._wakeup[1])
+            self._wakeup = None
+
+
+def _leave(e: Interrupted) -> None:
+    """End the process now for ``e``: its line said and its exit code left where a launcher of ours reads
+    them (a rank of its job: train/launch.py, imported by then), else the line on stderr."""
+    launch = sys.modules.get(f"{__package__}.train.launch")
+    code = 128 + e.signum
+    try:
+        if launch is None or not launch.say(e.line()):
+            print(e.line(), file=sys.stderr, flush=True)
+        if launch is not None:
+            launch.leave_code(code)
+    except (OSError, ValueError):  # (stderr gone: a closed pipe, or sys.stderr closed)
+        pass
+    os._exit(code)
 
 
 @contextlib.contextmanager
-def undoable(what: str):
+def undoable(what: str = ""):
     """Around work that undoes itself on an error (an export's staged files dropped, what it renamed put
-    back): a signal here raises Interrupted, even where the process's handler would end it at once (torch is
-    imported by then), its line ``what`` (the work stopped, and what it left); a further signal is ignored
-    while the work undoes itself."""
+    back; a run's folder released before training starts): a signal here raises Interrupted, even where the
+    process's handler would end it at once (torch is imported by then), its line ``what`` (the work stopped,
+    and what it left; empty: the start-up line); a further signal is ignored while the work undoes itself.
+    Training, once started, handles its signals as always."""
     active = Signals._active
     if active is None:
         yield

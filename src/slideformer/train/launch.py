@@ -97,6 +97,16 @@ def launch(n: int, argv: list[str]) -> int:
         try:
             elastic_launch(LaunchConfig(**kw), sys.executable)("-m", "slideformer", *argv)
         except ChildFailedError as e:  # (in the order the launcher saw them end; those it ended itself last)
+            echo.stop()
+            for rank, f in sorted(e.failures.items()):  # (a rank ended by a signal it does not handle says nothing)
+                if f.exitcode < 0:
+                    name = signal.Signals(-f.exitcode).name if -f.exitcode in signal.valid_signals() else \
+                        f"signal {-f.exitcode}"
+                    with past_hangup():
+                        print(f"error: rank {rank} of {n} was killed by {name}" + (
+                            " (the kernel's out-of-memory killer sends it when the machine's RAM runs out: see "
+                            "`dmesg`; lower offload.host_memory_limit or nproc_per_node)"
+                            if -f.exitcode == signal.SIGKILL else ""), file=sys.stderr, flush=True)
             return exit_code([f.exitcode if f.exitcode >= 0 else 128 - f.exitcode for f in e.failures.values()])
         except SignalException:
             # the ranks have finished their step and saved, or failed to, or were killed when the wait ran out
@@ -196,13 +206,8 @@ def _left(folder: str, rank: int) -> int:
         return 128 + 9
 
 
-def end_rank(code: int):
-    """A rank's end: its code left for our launcher, the process's exit handlers run (an NVMe tier's files
-    removed), then ``os._exit``, not the interpreter's finalization: a gloo thread may still be releasing a
-    finished collective, which takes the GIL, and during finalization that aborts the process (SIGABRT) or
-    waits forever. What the run wrote is closed by now (train's finally)."""
-    import atexit
-
+def leave_code(code: int) -> None:
+    """A rank's exit code, left where our launcher reads it (nothing outside its jobs)."""
     folder = os.environ.get(EXIT_DIR)
     if folder:
         try:
@@ -210,6 +215,16 @@ def end_rank(code: int):
                 f.write(str(code))
         except OSError:
             pass
+
+
+def end_rank(code: int):
+    """A rank's end: its code left for our launcher, the process's exit handlers run (an NVMe tier's files
+    removed), then ``os._exit``, not the interpreter's finalization: a gloo thread may still be releasing a
+    finished collective, which takes the GIL, and during finalization that aborts the process (SIGABRT) or
+    waits forever. What the run wrote is closed by now (train's finally)."""
+    import atexit
+
+    leave_code(code)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -29,7 +29,7 @@ from ..config import ConfigError, Placement
 from ..data import NOT_JSON, DataError, detect_format, pack_batch, pad_batch, read_records, render, to_messages
 from ..data.formats import chat_template_text, check_chat_template, max_token_chars, renamed, template_probe
 from ..data.lazy import LazyExamples, Subset
-from ..signals import Signals, past_hangup
+from ..signals import Signals, past_hangup, undoable
 from ..checkpoint.export import NonFiniteStateError
 from ..checkpoint.state import CheckpointWriteError, CorruptCheckpointError, read_meta
 from .config import OffloadConfig, TrainConfig, _assets
@@ -318,7 +318,9 @@ def _placement(o: OffloadConfig) -> Placement:
 
 
 def train(cfg: TrainConfig) -> dict:
-    with Signals() as signals:
+    # (a signal before training starts raises here, so the run leaves its folder as it found it: torch is
+    # imported by now; until then the command's handler ends the process at once, signals.py)
+    with Signals() as signals, undoable():
         try:
             result = _train(cfg, signals)
         except parallel.RankLost:
