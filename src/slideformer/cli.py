@@ -401,7 +401,7 @@ def cmd_export(args) -> int:
     import torch
     from safetensors import SafetensorError
 
-    from .checkpoint.export import (drop_staged, place, place_pretrained, stage_from_state, stale_staged,
+    from .checkpoint.export import (drop_staged, forget, place, pretrained_changes, stage_from_state, stale_staged,
                                     staged_file, stale_weights)
     from .signals import undoable
 
@@ -413,7 +413,11 @@ def cmd_export(args) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, None: None}[args.dtype]
     staged, weights = [], None  # (temporary, final) names: nothing in the target changes until all are written
 
+    committed = []  # (what place set aside, once every file is in place: from then nothing is undone)
+
     def undo():
+        if committed:
+            return
         drop_staged(staged + (weights[1] if weights else []))
         for p in sorted(set(dst.rglob("*")) - had, key=lambda p: len(p.parts), reverse=True):
             with contextlib.suppress(OSError):
@@ -441,10 +445,11 @@ def cmd_export(args) -> int:
             # model's weight files are replaced as a set (a stale shard index or single file would shadow them),
             # with its config where the weights are written again
             if weights is not None:
-                place_pretrained(dst, weights[0], dtype, staged + weights[1])
-                files += [final.relative_to(dst) for _, final in weights[1]] + [Path("config.json")]
+                staged, remove = pretrained_changes(dst, weights[0], dtype, staged + weights[1])
+                weights = None  # (its files are among ``staged`` now)
             else:
-                place(staged, stale_weights(dst, [str(f) for f in files]))
+                remove = stale_weights(dst, [str(f) for f in files])
+            committed.append(place(staged, remove))
         except BaseException as e:  # (a full disk, weights not finite, a file that cannot be replaced, a signal)
             undo()
             if not isinstance(e, (OSError, SafetensorError)):
@@ -455,7 +460,8 @@ def cmd_export(args) -> int:
             raise OSError(code, f"export to {dst} failed ({at}{os.strerror(code) if code else e}); {dst} is left as "
                                 "it was; free space there, make it writable or choose another folder, then export "
                                 "again") from e
-    print(f"exported {src} -> {dst} ({len(files)} files)")
+    forget(committed[0])
+    print(f"exported {src} -> {dst} ({len({final for _, final in staged})} files)")
     return EXIT_OK
 
 

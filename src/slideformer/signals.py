@@ -60,7 +60,7 @@ class Signals:
         self._shared: "Signals | None" = None
         self._terminal: list[int] = []  # (stdout's and stderr's descriptors that were a terminal at entry)
         self._undoing: str | None = None  # (inside ``undoable``: what a signal's line says; "": the start-up line)
-        self._ending = False  # (the Python handler has ended the run, or raised to end it)
+        self._acted_at: float | None = None  # (when the Python handler last ended the run, or raised to end it)
         self._wakeup: tuple[int, int] | None = None  # (the pipe the C handler writes signal numbers to)
 
     def __enter__(self) -> "Signals":
@@ -91,13 +91,13 @@ class Signals:
             return  # the first signal again, passed on by a launcher: still stop after the step
         if self._undoing is not None and not self._training:
             if first:  # (a second one while the work undoes itself is the same request: the undoing goes on)
-                self.requested, self._ending = signum, True
+                self.requested, self._acted_at = signum, time.monotonic()
                 raise Interrupted(signum, what=self._undoing)
             return
         self.requested = signum
         if self._training and first:
             return  # the loop stops after its step and saves
-        self._ending = True
+        self._acted_at = time.monotonic()
         if self.hard and not self._training:
             _leave(Interrupted(signum))
         raise Interrupted(signum, self._training)
@@ -106,15 +106,17 @@ class Signals:
         """The watcher thread: the signals' numbers, as the interpreter's C handler writes them (at once, even
         while the main thread is inside a C call: a collective waiting on a rank that hangs or never
         arrives, a rendezvous). A signal that ends the run (at start-up, or a second one once training)
-        that the Python handler has not acted on within ``GRACE_S`` (the main thread is blocked) ends it
-        from here."""
+        that the Python handler has not acted on within ``GRACE_S`` (the main thread is blocked; or what it
+        began, the undoing after a raise, has hung since) ends it from here, saying that nothing could be
+        undone."""
         first = None  # (when this thread saw a training run's first signal: that one only asks for a save)
         while True:
             try:
                 got = os.read(fd, 64)
             except OSError:
-                return
-            if not got:
+                got = b""
+            if not got:  # (the write end closed: __exit__)
+                os.close(fd)
                 return
             now = time.monotonic()
             for signum in got:
@@ -124,8 +126,11 @@ class Signals:
                     first = first or now
                     continue
                 time.sleep(GRACE_S)
-                if not self._ending and Signals._active is self:
-                    _leave(Interrupted(signum, self._training, self._undoing))
+                acted = self._acted_at
+                if (acted is None or acted < now - GRACE_S) and Signals._active is self:
+                    _leave(Interrupted(signum, what=f"stopped at once: the process was inside a call that did not "
+                                                    f"return within {GRACE_S:g} s; what it was writing may be left "
+                                                    "(a checkpoint cut short is passed over on resume)"))
 
     def _leave_terminal(self) -> bool:
         gone = [fd for fd in self._terminal if not os.isatty(fd)]
@@ -145,6 +150,10 @@ class Signals:
             os.close(r), os.close(w)
             return
         self._wakeup = (r, w)
+        global _FORK_HOOKED
+        if not _FORK_HOOKED:  # (a forked child, a data-loading worker, writes its own signals elsewhere: else a
+            _FORK_HOOKED = True  # pool's SIGTERM to its workers would reach this process's watcher)
+            os.register_at_fork(after_in_child=_no_wakeup)
         threading.Thread(target=self._watch, args=(r,), name="slideformer-signals", daemon=True).start()
 
     @property
@@ -177,19 +186,29 @@ class Signals:
             self._wakeup = None
 
 
+_FORK_HOOKED = False
+
+
+def _no_wakeup() -> None:
+    with contextlib.suppress(ValueError, OSError):  # (a fork from another thread than the main one: none set)
+        signal.set_wakeup_fd(-1)
+
+
 def _leave(e: Interrupted) -> None:
     """End the process now for ``e``: its line said and its exit code left where a launcher of ours reads
-    them (a rank of its job: train/launch.py, imported by then), else the line on stderr."""
+    them (a rank of its job: train/launch.py, imported by then), else the line on stderr (written to its
+    descriptor: Python's stream may be mid-write in the main thread)."""
     launch = sys.modules.get(f"{__package__}.train.launch")
     code = 128 + e.signum
     try:
         if launch is None or not launch.say(e.line()):
-            print(e.line(), file=sys.stderr, flush=True)
+            os.write(2, (e.line() + "\n").encode("utf-8", "backslashreplace"))
         if launch is not None:
             launch.leave_code(code)
-    except (OSError, ValueError):  # (stderr gone: a closed pipe, or sys.stderr closed)
+    except Exception:  # (stderr gone: a closed pipe; nothing stops the exit)
         pass
-    os._exit(code)
+    finally:
+        os._exit(code)
 
 
 @contextlib.contextmanager

@@ -177,74 +177,93 @@ def stale_weights(out: Path, names) -> list[Path]:
                   and (p.is_symlink() or p.is_file()))  # (a link goes, never what it points to)
 
 
-def _aside(path: Path, move: bool) -> Path | None:
-    """A second name for what ``path`` holds (None where nothing is there), to put back: a hard link where
-    ``path`` stays in place until replaced (a reader never misses it), else (``move``, or a file system without
-    links) the file renamed."""
+def _aside(path: Path, backup: Path, move: bool) -> None:
+    """A second name ``backup`` for what ``path`` holds, to put back: a hard link where ``path`` stays in place
+    until replaced (a reader never misses it), else (``move``, or a file system without links) the file
+    renamed."""
+    if not move:
+        try:
+            os.link(path, backup, follow_symlinks=False)
+            return
+        except OSError:
+            pass
+    os.replace(path, backup)
+
+
+def _backup_name(path: Path) -> Path | None:
+    """The name ``_aside`` gives what ``path`` holds (None where nothing is there): one a killed export's
+    leftovers are cleared by (``stale_staged``)."""
     if not (path.exists() or path.is_symlink()):
         return None
     import uuid
 
-    backup = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")  # (a killed export's: stale_staged)
-    if not move:
-        try:
-            os.link(path, backup, follow_symlinks=False)
-            return backup
-        except OSError:
-            pass
-    os.replace(path, backup)
-    return backup
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
 
 
-def place(staged: list[tuple[Path, Path]], remove: list[Path] = ()) -> None:
+def place(staged: list[tuple[Path, Path]], remove: list[Path] = ()) -> list[Path]:
     """Rename each staged file onto its name and remove ``remove`` (an earlier export's weight files, which a
     loader would take instead) as one change: where one fails midway (a file that cannot be replaced, a
     signal), what was there is put back, so the folder never holds two exports' files mixed. An OSError names
-    the file. Staged files left are the caller's to drop."""
-    done: list[tuple[Path, Path | None]] = []  # (name, what it held before: its second name)
+    the file. Returns what was there before, under its second names: the caller deletes them once past the
+    point where it would undo (``forget``). Staged files left on a failure are the caller's to drop."""
+    done: list[tuple[Path, Path | None]] = []  # (name, the second name of what it held before), before each move
     try:
         for tmp, final in staged:
-            done.append((final, _aside(final, move=False)))
+            done.append((final, before := _backup_name(final)))
+            if before is not None:
+                _aside(final, before, move=False)
             try:
                 os.replace(tmp, final)
             except OSError as e:
                 raise OSError(e.errno, e.strerror, str(final)) from e
         for old in remove:
-            done.append((old, _aside(old, move=True)))
+            done.append((old, before := _backup_name(old)))
+            if before is not None:
+                _aside(old, before, move=True)
     except BaseException:
         for final, before in reversed(done):
             with contextlib.suppress(OSError):
-                if before is not None:
-                    os.replace(before, final)
-                else:
-                    final.unlink(missing_ok=True)
+                if before is None:
+                    final.unlink(missing_ok=True)  # (nothing was there: the new file goes)
+                elif before.exists() or before.is_symlink():
+                    os.replace(before, final)  # (else it was never set aside: it is still in place)
         raise
-    for _, before in done:
-        if before is not None:
-            with contextlib.suppress(OSError):
-                before.unlink()
+    return [before for _, before in done if before is not None]
+
+
+def forget(backups: list[Path]) -> None:
+    """Delete what ``place`` set aside, once the change is kept."""
+    for b in backups:
+        with contextlib.suppress(OSError):
+            b.unlink()
+
+
+def pretrained_changes(out: Path, adapter: ModelAdapter, dtype: torch.dtype, staged: list[tuple[Path, Path]],
+                       owner: list[int] | None = None, rank: int = 0) -> tuple[list[tuple[Path, Path]], list[Path]]:
+    """What ``place`` does for an export: ``staged``, on rank 0 with the config (staged too) and an earlier
+    export's weight files that would shadow the new ones to remove."""
+    if rank != 0:
+        return staged, []
+    cfg = adapter.config
+    cfg.dtype = dtype
+    if "transformers_weights" in cfg:  # (as transformers' save_pretrained: known on load, never saved)
+        delattr(cfg, "transformers_weights")
+    config = staged_file(out / CONFIG, lambda p: cfg.to_json_file(str(p), use_diff=True))
+    return staged + [(config, out / CONFIG)], stale_weights(out, _all_names(shard_plan(adapter, dtype, owner)))
 
 
 def place_pretrained(out: str | os.PathLike, adapter: ModelAdapter, dtype: torch.dtype,
                      staged: list[tuple[Path, Path]], owner: list[int] | None = None, rank: int = 0) -> Path:
-    """Rename what ``stage_pretrained`` wrote (and any other ``staged`` files) into place as one change
-    (``place``); rank 0 also writes the config and removes an earlier export's weight files that would
-    shadow them. A failure drops the staged files."""
+    """Rename what ``stage_pretrained`` wrote into place as one change (``place``), with what
+    ``pretrained_changes`` adds. A failure drops the staged files."""
     out = Path(out)
-    remove: list[Path] = []
     try:
-        if rank == 0:
-            cfg = adapter.config
-            cfg.dtype = dtype
-            if "transformers_weights" in cfg:  # (as transformers' save_pretrained: known on load, never saved)
-                delattr(cfg, "transformers_weights")
-            staged = staged + [(staged_file(out / CONFIG, lambda p: cfg.to_json_file(str(p), use_diff=True)),
-                                out / CONFIG)]
-            remove = stale_weights(out, _all_names(shard_plan(adapter, dtype, owner)))
-        place(staged, remove)
+        staged, remove = pretrained_changes(out, adapter, dtype, staged, owner, rank)
+        backups = place(staged, remove)
     except BaseException:
         drop_staged(staged)
         raise
+    forget(backups)
     return out
 
 

@@ -107,10 +107,12 @@ def load_safetensors(path: str | os.PathLike, adapter: ModelAdapter, store: Host
     for file, mapped in checkpoint_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
+                names = set(f.keys())
                 for stored in f.keys():
                     # (the base model saved alone, LlamaModel's save_pretrained: its names lack the prefix, as
-                    # transformers reads them)
-                    key = stored if stored in wanted or BASE + stored not in wanted else BASE + stored
+                    # transformers reads them; a name stored with it too is the one taken)
+                    key = stored if stored in wanted or BASE + stored not in wanted or BASE + stored in names \
+                        else BASE + stored
                     if key not in wanted or key in seen or (mapped is not None and stored not in mapped):
                         continue  # e.g. a tied lm_head.weight, rotary buffers saved by old versions, a stale copy
                     unit, spec = wanted[key]

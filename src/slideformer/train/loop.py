@@ -644,7 +644,10 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             if not (math.isfinite(loss) and (norm is None or math.isfinite(norm))):
                 what = f"loss {loss}, gradient norm {norm}"
                 kept = f"the last checkpoint ({last_saved}) is intact" if last_saved else "no checkpoint was saved"
-                if step == start == 0 and engine.last_step_dropped and (bad := engine.nonfinite_weight()):
+                # (one process: a rank would find only its own units', and the others would go on to their next
+                # step's collectives)
+                fresh = step == start == 0 and ranks is None
+                if fresh and engine.last_step_dropped and (bad := engine.nonfinite_weight()):
                     raise NonFiniteLoss(f"step 1: {what}, before any update: the model's weights hold NaN or infinity "
                                         f"({bad}, as read from {cfg.model_name_or_path}); nothing was trained. Train "
                                         "a model whose weights are finite")
