@@ -86,24 +86,31 @@ def _left_running(tmp_path) -> list[int]:
     return left
 
 
-@pytest.mark.parametrize("sig,code,ranks_too", [("SIGINT", 130, False), ("SIGTERM", 143, True),
-                                                  ("SIGHUP", 129, True)])
-def test_a_signal_saves_the_step_on_every_rank_and_exits_with_its_code(tmp_path, sig, code, ranks_too):
-    """A signal to the launcher reaches each rank (in a session of its own) through it; a job scheduler's to
-    every process (or `pkill -f`) reaches each rank twice at once, which is still one request to stop after
-    the step (signals.py)."""
+def _at_step_2(tmp_path, act) -> tuple[subprocess.Popen, str]:
+    """A two-rank job that trains on, ``act(launcher)`` once step 2 is said; the launcher and all it said."""
     p = _slideformer(tmp_path, *COMMON, "device=cpu", "max_steps=100000", "micro_batch_size=2", "nproc_per_node=2",
                      f"output_dir={tmp_path / 'o'}", new_session=True)
     seen = []
     for line in p.stdout:
         seen.append(line)
         if line.startswith("step 2/"):
-            ranks = children(p.pid) if ranks_too else []
-            assert len(ranks) == (2 if ranks_too else 0), ranks
-            for pid in [p.pid, *ranks]:
-                os.kill(pid, getattr(signal, sig))
+            act(p)
             break
-    out = "".join(seen) + p.communicate(timeout=120)[0]
+    return p, "".join(seen) + p.communicate(timeout=120)[0]
+
+
+@pytest.mark.parametrize("sig,code,ranks_too", [("SIGINT", 130, False), ("SIGTERM", 143, True),
+                                                  ("SIGHUP", 129, True)])
+def test_a_signal_saves_the_step_on_every_rank_and_exits_with_its_code(tmp_path, sig, code, ranks_too):
+    """A signal to the launcher reaches each rank (in a session of its own) through it; a job scheduler's to
+    every process (or `pkill -f`) reaches each rank twice at once, which is still one request to stop after
+    the step (signals.py)."""
+    def send(p):
+        ranks = children(p.pid) if ranks_too else []
+        assert len(ranks) == (2 if ranks_too else 0), ranks
+        for pid in [p.pid, *ranks]:
+            os.kill(pid, getattr(signal, sig))
+    p, out = _at_step_2(tmp_path, send)
     assert p.returncode == code, out
     assert f"{sig}: stopped after step" in out and "again" not in out and "Traceback" not in out, out
     saved = list((tmp_path / "o").glob("checkpoint-*"))
@@ -113,17 +120,10 @@ def test_a_signal_saves_the_step_on_every_rank_and_exits_with_its_code(tmp_path,
 def test_a_rank_killed_outright_is_named_with_the_likely_cause(tmp_path):
     """SIGKILL to one rank (the kernel's out-of-memory killer): it says nothing itself, and the others only
     that they lost it; the launcher, which saw how it ended, names the rank, the signal and the likely cause."""
-    p = _slideformer(tmp_path, *COMMON, "device=cpu", "max_steps=100000", "micro_batch_size=2", "nproc_per_node=2",
-                     f"output_dir={tmp_path / 'o'}", new_session=True)
-    seen = []
-    for line in p.stdout:
-        seen.append(line)
-        if line.startswith("step 2/"):
-            ranks = children(p.pid)
-            rank1 = next(r for r in ranks if "RANK=1" in open(f"/proc/{r}/environ").read().split("\0"))
-            os.kill(rank1, signal.SIGKILL)
-            break
-    out = "".join(seen) + p.communicate(timeout=120)[0]
+    def kill_rank1(p):
+        rank1 = next(r for r in children(p.pid) if "RANK=1" in open(f"/proc/{r}/environ").read().split("\0"))
+        os.kill(rank1, signal.SIGKILL)
+    p, out = _at_step_2(tmp_path, kill_rank1)
     assert p.returncode == 7, out
     assert "error: rank 1 of 2 was killed by SIGKILL (the kernel's out-of-memory killer" in out, out
     assert "Traceback" not in out

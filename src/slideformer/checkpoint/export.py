@@ -42,13 +42,18 @@ def _umask() -> int:
         return 0o022
 
 
+def _temp_name(path: Path) -> Path:
+    """A hidden name beside ``path`` that ``STAGED`` matches (a killed export's leftovers: ``stale_staged``)."""
+    import uuid
+
+    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+
+
 def staged_file(path: Path, write) -> Path:
     """``write`` the file under a temporary name beside ``path``, flushed to disk: the name to rename. The
     name is one no file had (made exclusively): a user's own ``<name>.tmp`` there is neither replaced nor
     removed."""
-    import uuid
-
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    tmp = _temp_name(path)
     os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # (the umask's mode, as a plain write's)
     try:
         write(tmp)
@@ -193,11 +198,7 @@ def _aside(path: Path, backup: Path, move: bool) -> None:
 def _backup_name(path: Path) -> Path | None:
     """The name ``_aside`` gives what ``path`` holds (None where nothing is there): one a killed export's
     leftovers are cleared by (``stale_staged``)."""
-    if not (path.exists() or path.is_symlink()):
-        return None
-    import uuid
-
-    return path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    return _temp_name(path) if path.exists() or path.is_symlink() else None
 
 
 def place(staged: list[tuple[Path, Path]], remove: list[Path] = ()) -> list[Path]:
