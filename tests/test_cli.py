@@ -74,8 +74,9 @@ def test_plan_counts_the_ram_resident_units_free(capsys):
 
 def test_plans_largest_batch_is_counted_up_from_one(capsys):
     """Plan names the largest batch below which every batch fits: counted, as whether a plan fits does not
-    grow with the batch (its micro-batches divide it: here 21, prime-ish, takes one micro-batch of 21 rows,
-    whose offloaded inputs host RAM cannot hold, while 22 and 24, in two, fit)."""
+    grow with the batch (its micro-batches divide it: here 41, prime, has micro-batches of 41 rows, whose
+    GPU memory leaves too few resident layers for host RAM to hold the rest's state, or of one row, beside
+    which the GPU holds too few of them still; 42, in smaller micro-batches than 41 rows, fits)."""
     import json
 
     def plan(b: int) -> dict:

@@ -1187,6 +1187,36 @@ def test_micro_batches_grow_to_large_tokens_unless_that_stages_the_embedding_or_
     assert large.fits and large.config.placement.min_gpu_inputs > 0
 
 
+def test_a_host_over_its_budget_by_its_state_takes_another_count_of_resident_layers():
+    """Qwen3-4B b21 under 24 GiB and a 46 GiB host: residency keeps micro-batches efficient (21 rows, the
+    only divisor past 8192 tokens), which leaves room for 10 resident layers, and the other 26 layers' host
+    state is over the budget; b20 and b22, in micro-batches of 10 and 11, fit with 11. The resolver tries
+    the other counts and takes the fastest plan that fits both budgets (here 11, in micro-batches of 7),
+    which the engine places again as planned."""
+    from slideformer.machine import Machine
+    from slideformer.plan import Auto, resolve
+    from slideformer.plan.memory import host_budget
+    from slideformer.plan.resolve import predicted_step
+
+    qwen = shape("qwen3-4b")
+    machine = Machine(ram=46 * GiB, gpu=24 * GiB)
+    cfg = EngineConfig(device="cuda", gpu_memory_limit="24GiB", max_grad_norm=1.0)
+    plans = {b: resolve(cfg, Auto(), qwen, b, 1024, machine) for b in (20, 21, 22)}
+    assert all(p.fits for p in plans.values()), [p.problem for p in plans.values()]
+    p = plans[21]
+    assert (p.config.placement.resident_layers, p.placement.micro_batch) == (11, 7)
+    assert sum(p.host.values()) <= host_budget(p.config, machine.ram)[1] and p.gpu["peak"] <= 24 * GiB
+    assert fit(qwen, 21, 1024, p.gpu_limit, Layout.of(p.config)) == p.placement  # (as the engine places it)
+    # (every other count that fits is no faster)
+    at = lambda k: resolve(cfg.placed(resident_layers=k, resident_edges=False),  # noqa: E731
+                           Auto(resident_layers=False, resident_edges=False), qwen, 21, 1024, machine)
+    others = [q for q in map(at, range(37)) if q.fits]
+    assert min(predicted_step(q, qwen, 21, 1024)["step_s"] for q in others) == \
+        predicted_step(p, qwen, 21, 1024)["step_s"]
+    # a batch no count fits (41, prime: micro-batches of 41 rows or 1) is still refused, naming the host
+    assert resolve(cfg, Auto(), qwen, 41, 1024, machine).binds == "host"
+
+
 def test_a_host_over_its_budget_by_offloaded_inputs_keeps_more_of_them_on_the_gpu():
     """Qwen3-4B b32 under 9.5 GiB and a 50 GiB host budget (issue 20's target 2): the plan that keeps the
     most layer inputs fit() allows leaves 12 of them in pinned RAM, 0.3 GiB over the budget, and was refused

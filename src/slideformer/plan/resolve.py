@@ -82,7 +82,33 @@ def resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: M
     Where offloaded layer inputs still put the host over its budget, it plans again with more of them kept
     on the GPU, or with the embedding and head trained there where residency finds that faster."""
     plan, asked = _micro_batch_guard(cfg, auto, shape, batch, seq, machine, micro_batch, prefix)
-    return _inputs_within_host(plan, asked, auto, batch, seq, machine, micro_batch, prefix)
+    plan = _inputs_within_host(plan, asked, auto, batch, seq, machine, micro_batch, prefix)
+    return _residents_within_host(plan, asked, auto, batch, seq, machine, micro_batch, prefix)
+
+
+def _residents_within_host(plan: Plan, cfg, auto: "Auto", batch: int, seq: int, machine: Machine,
+                           micro_batch: int | None, prefix: str) -> Plan:
+    """Where the host state is over its budget with the resident layers residency chose (the most that
+    keep micro-batches efficient, or fewer where the update hides anyway), the fastest plan with another
+    count that fits both budgets: a resident layer keeps no host state, and fewer of them leave the GPU
+    memory that keeps layer inputs out of pinned RAM; a slower step, in smaller micro-batches, beats a
+    refusal. Batches whose divisors allow no efficient micro-batch (a prime one) are where this is met."""
+    c = plan.config
+    if plan.binds != "host" or not auto.resident_layers or c.gpu_memory_limit is None:
+        return plan
+    edges = c.placement.resident_edges
+    fixed = replace(auto, resident_layers=False, resident_edges=edges)
+    fitting = []
+    for k in range(plan.shape.layers - nvme_layer_count(c, plan.shape.layers) + 1):
+        again = resolve(replace(cfg.placed(resident_layers=k, resident_edges=edges),
+                                gpu_memory_limit=c.gpu_memory_limit), fixed, plan.shape, batch, seq, machine,
+                        micro_batch, prefix)
+        if again.binds == "gpu":
+            break  # (a resident layer more only takes more GPU memory)
+        if again.fits:
+            fitting.append(again)
+    rates = machine.rank_rates
+    return min(fitting, key=lambda p: predicted_step(p, p.shape, batch, seq, rates)["step_s"], default=plan)
 
 
 def _micro_batch_guard(cfg, auto: "Auto", shape: ModelShape, batch: int, seq: int, machine: Machine,
