@@ -92,23 +92,26 @@ def _residents_within_host(plan: Plan, cfg, auto: "Auto", batch: int, seq: int, 
     keep micro-batches efficient, or fewer where the update hides anyway), the fastest plan with another
     count that fits both budgets: a resident layer keeps no host state, and fewer of them leave the GPU
     memory that keeps layer inputs out of pinned RAM; a slower step, in smaller micro-batches, beats a
-    refusal. Batches whose divisors allow no efficient micro-batch (a prime one) are where this is met."""
+    refusal; the embedding and head too, where residency decides them. Batches whose divisors allow no
+    efficient micro-batch (a prime one) are where this is met."""
     c = plan.config
     if plan.binds != "host" or not auto.resident_layers or c.gpu_memory_limit is None:
         return plan
-    edges = c.placement.resident_edges
-    fixed = replace(auto, resident_layers=False, resident_edges=edges)
-    fitting = []
-    for k in range(plan.shape.layers - nvme_layer_count(c, plan.shape.layers) + 1):
-        again = resolve(replace(cfg.placed(resident_layers=k, resident_edges=edges),
-                                gpu_memory_limit=c.gpu_memory_limit), fixed, plan.shape, batch, seq, machine,
-                        micro_batch, prefix)
-        if again.binds == "gpu":
-            break  # (a resident layer more only takes more GPU memory)
-        if again.fits:
-            fitting.append(again)
+    tried = []
+    for edges in (False, True) if auto.resident_edges is None else (auto.resident_edges,):
+        fixed = replace(auto, resident_layers=False, resident_edges=edges)
+        for k in range(plan.shape.layers - nvme_layer_count(c, plan.shape.layers) + 1):
+            again = resolve(replace(cfg.placed(resident_layers=k, resident_edges=edges),
+                                    gpu_memory_limit=c.gpu_memory_limit), fixed, plan.shape, batch, seq, machine,
+                            micro_batch, prefix)
+            if again.binds == "gpu":
+                break  # (a resident layer more only takes more GPU memory)
+            tried.append(again)
+    fitting = [p for p in tried if p.fits]
+    if not fitting:  # (the refusal names the least RAM any count asks)
+        return min(tried + [plan], key=lambda p: sum(p.host.values()))
     rates = machine.rank_rates
-    return min(fitting, key=lambda p: predicted_step(p, p.shape, batch, seq, rates)["step_s"], default=plan)
+    return min(fitting, key=lambda p: predicted_step(p, p.shape, batch, seq, rates)["step_s"])
 
 
 def _micro_batch_guard(cfg, auto: "Auto", shape: ModelShape, batch: int, seq: int, machine: Machine,
