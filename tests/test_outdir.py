@@ -282,8 +282,9 @@ def test_odd_names_and_bytes_in_the_folder_are_not_bugs(tmp_path):
 
 
 def test_overwrite_keeps_the_users_tensorboard_files_and_a_new_run_drops_an_earlier_runs(tmp_path):
-    """TensorBoard's event files are the run's only where a slideformer run marked the folder: a user's
-    own, in a folder the run was let overwrite, stay; an earlier run's go with its metrics."""
+    """TensorBoard's event files are a run's only where its writer named them (``events_suffix``): a user's
+    own, in a folder the run was let overwrite or beside an earlier run's files (a baseline copied in to
+    compare), stay; an earlier run's go with its metrics."""
     out = tmp_path / "mine"
     (out / "tensorboard").mkdir(parents=True)
     users = out / "tensorboard" / "events.out.tfevents.1700000000.myhost.123.0"
@@ -295,10 +296,13 @@ def test_overwrite_keeps_the_users_tensorboard_files_and_a_new_run_drops_an_earl
     theirs = tmp_path / "theirs"
     assert run(theirs, "max_steps=1", "report_to=tensorboard") == 0
     first = set((theirs / "tensorboard").glob("events.out.tfevents.*"))
+    baseline = theirs / "tensorboard" / "events.out.tfevents.12345.mybaseline.0"
+    baseline.write_bytes(b"a baseline's curves")
     assert run(theirs, "max_steps=1", "report_to=tensorboard", "overwrite_output_dir=true",
                "resume_from_checkpoint=null") == 0
-    now = set((theirs / "tensorboard").glob("events.out.tfevents.*"))
+    now = set((theirs / "tensorboard").glob("events.out.tfevents.*")) - {baseline}
     assert len(first) == len(now) == 1 and not first & now
+    assert baseline.read_bytes() == b"a baseline's curves"
 
 
 def test_a_full_disk_as_the_run_takes_its_folder_leaves_it_as_it_was(tmp_path, monkeypatch, capsys):

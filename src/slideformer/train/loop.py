@@ -561,7 +561,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     if lead and out.begun:  # (a new run's metrics start with its first write: OutputDir.begin)
         out.trim_metrics(start)
     tracking = Trackers(cfg.report_to if lead else "none", out.path, start, run_meta(cfg, engine, device),
-                        purge=out.begun)
+                        purge=out.begun, run_id=out.run_id)
     order = _permutation(len(examples), cfg.seed, epoch)
     params = engine.adapter.num_params
     history, t_last, tokens_since = [], time.perf_counter(), 0

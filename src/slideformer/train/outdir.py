@@ -8,7 +8,7 @@ A folder that holds anything but no mark is refused, unless ``overwrite_output_d
 ``check`` decides with no side effect (refusals come before any work); ``open`` takes the folder under a
 lock held for the run (the kernel drops it with the process), deciding again under it; ``begin``, at the
 run's first write (a metric or a checkpoint), replaces an earlier run's mark, metrics and TensorBoard
-events (until then a failure, a signal or a kill leaves them: the earlier run's ``auto`` resume still
+event files (those its writer named: ``events_suffix``; until then a failure, a signal or a kill leaves them: the earlier run's ``auto`` resume still
 works); a new run that fails before it leaves the folder as it found it (``close(ok=False)``).
 """
 from __future__ import annotations
@@ -25,6 +25,12 @@ from pathlib import Path
 from ..checkpoint.state import (CorruptCheckpointError, is_checkpoint_dir, read_meta, remove_checkpoint,
                                 verify_checkpoint)
 from ..config import ConfigError
+
+def events_suffix(run_id: str) -> str:
+    """The end of the names of the TensorBoard event files a run writes (its writer's filename_suffix): the
+    files a later run may remove as that run's, where a user's own files beside them stay."""
+    return f".slideformer-{run_id}"
+
 
 RUN_FILE = "slideformer-run.json"
 LOCK_FILE = "slideformer-run.lock"
@@ -169,9 +175,10 @@ class OutputDir:
         out = self.path
         if RUN_FILE in self.found:
             earlier = (out / RUN_FILE).read_bytes()
+            theirs = events_suffix(json.loads(earlier)["run_id"])
             self._replace(out / RUN_FILE, lambda p: _write_atomic(p, json.dumps({"run_id": self.run_id}) + "\n"))
             try:
-                for f in self.events:
+                for f in (f for f in self.events if f.name.endswith(theirs)):  # (a file of the user's stays)
                     self._replace(f, lambda p: p.unlink(missing_ok=True))
                 self._replace(out / METRICS, lambda p: p.unlink(missing_ok=True))
             except OSError:  # (the earlier run's mark back: its checkpoints stay its own, resumable)
@@ -199,7 +206,8 @@ class OutputDir:
             for name in {RUN_FILE, LOCK_FILE} - self.found if held else ():
                 (self.path / name).unlink(missing_ok=True)
             for f in set((self.path / TENSORBOARD).glob("events.out.tfevents.*")) - self.events if held else ():
-                f.unlink(missing_ok=True)  # (its own writer's, beside those found)
+                if f.name.endswith(events_suffix(self.run_id)):
+                    f.unlink(missing_ok=True)  # (its own writer's, beside those found)
             for name in set(TRACKER_DIRS) - self.found if held else ():  # (made by this run: all of it is its own)
                 if (self.path / name).is_dir() and not (self.path / name).is_symlink():
                     shutil.rmtree(self.path / name, ignore_errors=True)

@@ -31,13 +31,14 @@ def parse(report_to) -> list[str]:
 
 
 class Trackers:
-    def __init__(self, names: list[str], out: Path, start: int, meta: dict, purge: bool = True):
+    def __init__(self, names: list[str], out: Path, start: int, meta: dict, purge: bool = True, run_id: str = ""):
         """Open each tracker and log ``meta`` (config, model, versions, machine) once. A resumed run is a W&B
         run of its own: W&B ignores steps below one it has logged, which a resumed run logs again. ``purge``:
         TensorBoard drops the folder's events past ``start`` from its view (False for a new run that has not
-        yet written over an earlier run's folder: that run's events stay until it does, and go then)."""
+        yet written over an earlier run's folder: that run's events stay until it does, and go then). ``run_id``
+        names TensorBoard's files (``events_suffix``: which files a later run may remove)."""
         from ..config import ConfigError
-        from .outdir import MLRUNS, TENSORBOARD
+        from .outdir import MLRUNS, TENSORBOARD, events_suffix
 
         self._tb = self._wandb = self._mlflow = None
         if "tensorboard" in names:
@@ -46,7 +47,8 @@ class Trackers:
             except ImportError:
                 raise ConfigError("report_to: tensorboard needs the tensorboard package (pip install tensorboard)")
             # (an earlier attempt's steps past ``start``, a killed one's too, are dropped from the view)
-            self._tb = SummaryWriter(str(out / TENSORBOARD), purge_step=start + 1 if purge else None)
+            self._tb = SummaryWriter(str(out / TENSORBOARD), purge_step=start + 1 if purge else None,
+                                     filename_suffix=events_suffix(run_id) if run_id else "")
             self._tb.add_text("run", "\n".join(f"    {k}: {v}" for k, v in _flat(meta).items()), start)
         if "wandb" in names:
             try:
