@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from slideformer import EngineConfig, SlideEngine, lr_at
 from slideformer.config import ConfigError, Placement, Tuning
 
-from tiny import FAMILIES, attention, batch, build, engine_config
+from tiny import BY_STRUCTURE, FAMILIES, attention, batch, build, engine_config
 
 
 def reference_train(model, batches, *, lr, weight_decay=0.0, max_grad_norm=None, lrs=None, betas=(0.9, 0.999)):
@@ -131,7 +131,7 @@ def assert_same(state, ref_model, losses, ref_losses, noise_model=None, atol=1e-
     assert losses == pytest.approx(ref_losses, rel=1e-5)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", sorted(FAMILIES) + sorted(BY_STRUCTURE))
 def test_families_match_pytorch(family):
     model = build(family)
     batches = [batch(model.config.vocab_size, seed=s) for s in range(3)]

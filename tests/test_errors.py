@@ -30,6 +30,55 @@ def test_an_architecture_without_the_parts_names_what_is_missing():
         SlideEngine.from_config(MixtralConfig(**small, router_jitter_noise=0.1), engine_config(**CPU))
 
 
+@pytest.mark.parametrize("name,config,refusal", [
+    # a final norm with a bias (a LayerNorm): the loss head takes a weight only
+    ("stablelm", dict(), "a final norm with parameters \\['bias', 'weight'\\]"),
+    # routing by a trained buffer (DeepSeek-V3's e_score_correction_bias), which no slot holds
+    ("deepseek_v3", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_group=1,
+                         topk_group=1, first_k_dense_replace=0, kv_lora_rank=16, q_lora_rank=16,
+                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
+     "hold buffers \\(mlp.gate.e_score_correction_bias\\)"),
+    ("granitemoe", dict(num_local_experts=4, num_experts_per_tok=2), "without an mlp module"),
+    ("qwen3_next", dict(), "layers of type linear_attention: not supported yet"),
+    ("seed_oss", dict(residual_dropout=0.1, attention_dropout=0.0), "residual_dropout=0.1"),
+    ("gemma3_text", dict(use_bidirectional_attention=True), "bidirectional attention"),
+    # (trainable, through the attention transformers runs for it: the refusal says which)
+    ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2), "set attn_implementation: eager"),
+])
+def test_a_family_the_engine_would_run_wrongly_is_refused_naming_what(name, config, refusal):
+    """Support is found by structure; where a model's layers or forward need what the engine does not do
+    (a biased final norm, trained buffers, a block under another name than mlp, attention that is not full
+    or sliding, noise in the forward, bidirectional masks), the refusal names it, not a crash deep inside
+    a step or a run that trains something else than the model."""
+    from transformers import AutoConfig
+
+    small = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    cfg = AutoConfig.for_model(name, **small, **config)
+    with pytest.raises(UnsupportedModelError, match=refusal):
+        SlideEngine.from_config(cfg, engine_config(**CPU))
+
+
+def test_an_expert_count_no_layer_uses_trains_as_a_dense_model():
+    """Qwen3-MoE with every layer dense (``mlp_only_layers``) names experts its layers do not have: trained
+    as the dense model it is (the planner's expert sizes asked a layer with experts: a StopIteration)."""
+    from transformers import Qwen3MoeConfig
+
+    from test_engine_parity import engine_train, reference_train
+
+    small = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**small, mlp_only_layers=[0, 1])).float()
+    steps = [batch(97, seed=s) for s in range(2)]
+    state, losses = engine_train(model, steps, lr=1e-2)
+    ref, ref_losses = reference_train(model, steps, lr=1e-2)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert all(torch.allclose(state[k], v, rtol=0, atol=1e-5) for k, v in ref.state_dict().items())
+
+
 @pytest.mark.parametrize("budget", [None, "1GiB"])
 def test_a_batch_is_read_as_transformers_reads_it(budget, monkeypatch):
     """pack_batch's own dict (its int examples_used beside the tensors) and one row of position_ids for

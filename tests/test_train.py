@@ -131,6 +131,75 @@ def test_an_evaluation_a_signal_put_off_runs_first_on_resume_and_the_plot_has_ev
     assert [h["step"] for h in history] == [1, 2, 3, 4] and [e["step"] for e in evals] == [2, 4]
 
 
+def test_an_evaluation_a_kill_cut_short_runs_on_resume_and_a_logged_one_does_not_run_twice(tmp_path, monkeypatch):
+    """A checkpoint saved at an evaluation's step records it as pending: where the process dies during that
+    evaluation (a kill, the OOM killer, a failure), the resumed run evaluates that step first; where the
+    evaluation's record made it to metrics.jsonl before the run died, it is not run again."""
+    from slideformer.engine.engine import SlideEngine
+    from slideformer.train import loop
+    from slideformer.train.loop import loss_curves
+
+    run = FAST + [f"output_dir={tmp_path}", "max_steps=4", "val_size=0.1", "eval_steps=2", "save_steps=2"]
+    real_eval = loop._evaluate
+
+    def dies(*a, **k):
+        raise RuntimeError("killed during the evaluation")
+
+    monkeypatch.setattr(loop, "_evaluate", dies)
+    assert main(["train"] + run) == 1
+    assert (tmp_path / "checkpoint-2").is_dir() and loss_curves(tmp_path / "metrics.jsonl")[1] == []
+    monkeypatch.setattr(loop, "_evaluate", real_eval)
+    assert main(["train"] + run) == 0
+    assert [e["step"] for e in loss_curves(tmp_path / "metrics.jsonl")[1]] == [2, 4]
+    # step 2's evaluation logged, then the run dies in step 3: resumed from checkpoint-2, not evaluated again
+    out = tmp_path / "again"
+    run = FAST + [f"output_dir={out}", "max_steps=4", "val_size=0.1", "eval_steps=2", "save_steps=2"]
+    real_step, calls = SlideEngine.train_step, {"n": 0}
+
+    def step_3_dies(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("killed in step 3")
+        return real_step(self, batch)
+
+    monkeypatch.setattr(SlideEngine, "train_step", step_3_dies)
+    assert main(["train"] + run) == 1
+    monkeypatch.setattr(SlideEngine, "train_step", real_step)
+    assert main(["train"] + run) == 0
+    assert [e["step"] for e in loss_curves(out / "metrics.jsonl")[1]] == [2, 4]
+
+
+def test_throughput_is_of_the_steps_an_evaluation_fell_between(tmp_path, monkeypatch):
+    """tokens_per_s over a logging interval with an evaluation inside it: the interval's tokens over its
+    steps' time (the evaluation's time left out, and not the steps before it either)."""
+    from slideformer.engine.engine import SlideEngine
+    from slideformer.train import loop
+
+    clock = [1000.0]
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: clock[0])
+    real_step, real_eval = SlideEngine.train_step, loop._evaluate
+
+    counted = [0]
+
+    def step(self, batch):
+        clock[0] += 1.0  # (each step a second)
+        counted[0] += sum(m["input_ids"].numel() if m.get("attention_mask") is None else int(m["attention_mask"].sum())
+                          for m in batch)
+        return real_step(self, batch)
+
+    def evaluation(*a, **k):
+        clock[0] += 100.0
+        return real_eval(*a, **k)
+
+    monkeypatch.setattr(SlideEngine, "train_step", step)
+    monkeypatch.setattr(loop, "_evaluate", evaluation)
+    out = tmp_path / "o"
+    assert main(["train"] + FAST[:-2] + [f"output_dir={out}", "max_steps=4", "logging_steps=4", "val_size=0.1",
+                                         "eval_steps=2", "max_grad_norm=null"]) == 0
+    rec = next(r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "tokens_per_s" in r)
+    assert rec["tokens_per_s"] == pytest.approx(counted[0] / 4.0)  # (four steps of a second each)
+
+
 def _finite_checkpoints(out):
     for ck in out.glob("checkpoint-*"):
         for f in (ck / "state").glob("*.safetensors"):

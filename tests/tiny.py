@@ -1,8 +1,8 @@
 """Tiny configs of every supported family, built offline in milliseconds."""
 import torch
-from transformers import (AutoModelForCausalLM, CohereConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig,
-                          LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, OlmoeConfig, Phi3Config, Qwen2Config,
-                          Qwen3Config, Qwen3MoeConfig)
+from transformers import (AutoModelForCausalLM, CohereConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config,
+                          GraniteConfig, HyperCLOVAXConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config,
+                          OlmoeConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig)
 
 COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
@@ -49,6 +49,21 @@ FAMILIES = {
                                  eos_token_id=2, tie_word_embeddings=False),
 }
 
+# Families found by structure only (no fused ops, no named support): each one a way a layer or the model's
+# forward differs that the engine must follow or refuse, trained against plain PyTorch too.
+BY_STRUCTURE = {
+    # a norm after the MLP under another name than Gemma's (the down projection's output is read)
+    "glm4": lambda: Glm4Config(**COMMON, head_dim=8, pad_token_id=0, tie_word_embeddings=False),
+    # a window without layer_types: the model's forward slides every layer
+    "phi3-sliding": lambda: Phi3Config(**COMMON, sliding_window=5, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                       tie_word_embeddings=False),
+    "mixtral-sliding": lambda: MixtralConfig(**COMMON, sliding_window=5, num_local_experts=4, num_experts_per_tok=2,
+                                             tie_word_embeddings=False),
+    # post-norms by other names, and logits multiplied by logits_scaling (Granite divides by it)
+    "hyperclovax": lambda: HyperCLOVAXConfig(**COMMON, head_dim=8, logits_scaling=2.5, pad_token_id=0,
+                                             bos_token_id=1, eos_token_id=2, tie_word_embeddings=False),
+}
+
 
 def attention(cfg) -> str:
     """The attention a reference model runs: SDPA, or eager where scores are soft-capped (SDPA cannot)."""
@@ -56,7 +71,7 @@ def attention(cfg) -> str:
 
 
 def build(family: str, seed: int = 0):
-    cfg = FAMILIES[family]()
+    cfg = {**FAMILIES, **BY_STRUCTURE}[family]()
     cfg._attn_implementation = attention(cfg)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).float()

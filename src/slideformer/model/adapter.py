@@ -12,6 +12,7 @@ Notable choices:
 from __future__ import annotations
 
 import inspect
+import re
 from dataclasses import dataclass
 
 import torch
@@ -100,17 +101,33 @@ class ModelAdapter:
         try:
             with torch.device("meta"):
                 self.skeleton = AutoModelForCausalLM.from_config(config, dtype=compute_dtype)
-        except ValueError as e:  # (transformers: no causal LM class for this config)
+        except ValueError as e:  # (transformers: no causal LM class for this config, or not this attention)
+            if self.attn_implementation == "sdpa" and "scaled_dot_product_attention" in str(e):
+                raise UnsupportedModelError(f"model_type {model_type!r}: transformers runs its attention without "
+                                            "SDPA; set attn_implementation: eager") from None
             raise UnsupportedModelError(f"model_type {model_type!r}: not a causal language model transformers "
                                         f"knows ({e})") from None
         if missing := _structure_missing(self.skeleton) or _noise(config):
             raise UnsupportedModelError(f"model_type {model_type!r}: {missing}; slideformer trains decoder-only "
                                         f"models such as {', '.join(SUPPORTED_MODEL_TYPES)}")
         self.skeleton.train()
-        from .moe import experts_of
+        from .moe import expert_params, experts_of
 
         self.experts, self.top_k = experts_of(config)  # (0, 0): dense
         inner = self.skeleton.model
+        if self.experts and not any(expert_params(m, self.experts) for m in inner.layers):
+            self.experts, self.top_k = 0, 0  # (every layer dense: mlp_only_layers, or a count the layers do not use)
+        # Masks: per layer type where the config names them, else the model's forward takes the sliding one
+        # for every layer wherever the config has a window (Mistral's, Phi-3's, Mixtral's code), or none.
+        windowed = getattr(config, "layer_types", None) is None and getattr(config, "sliding_window", None) is not None
+        code = _source(type(inner).forward) if windowed else ""
+        if windowed and not code:
+            raise UnsupportedModelError(f"model_type {model_type!r}: sliding_window={config.sliding_window} without "
+                                        "layer_types, and its model's code cannot be read to tell which layers slide")
+        self._all_sliding = "create_sliding_window_causal_mask" in code
+        if unknown := sorted(set(getattr(config, "layer_types", None) or ()) - set(_MASKS)):
+            raise UnsupportedModelError(f"model_type {model_type!r}: layers of type {', '.join(unknown)}: not "
+                                        f"supported yet (the engine builds {' and '.join(_MASKS)} masks)")
         self.layers: list[nn.Module] = list(inner.layers)
         self.norm: nn.Module = inner.norm
         self.padding_idx = getattr(inner.embed_tokens, "padding_idx", None)
@@ -130,6 +147,13 @@ class ModelAdapter:
             self.embed_scale = float(inner.embed_tokens.scalar_embed_scale)
         self.logit_scale = float(getattr(config, "logit_scale", None) or 1.0)
         self.logit_divisor = float(getattr(config, "logits_scaling", None) or 1.0)
+        if self.logit_divisor != 1.0:  # (Granite divides by it, HyperCLOVA X multiplies: as its forward reads)
+            code = _source(type(self.skeleton).forward)
+            if re.search(r"\*\s*self\.config\.logits_scaling", code):
+                self.logit_scale, self.logit_divisor = self.logit_scale * self.logit_divisor, 1.0
+            elif not re.search(r"logits\s*/\s*self\.config\.logits_scaling", code):
+                raise UnsupportedModelError(f"model_type {model_type!r}: logits_scaling={self.logit_divisor} "
+                                            "applied other than to the logits: not supported yet")
         # Gemma 2's logits soft-capped, cap * tanh(logits / cap), after any scale (the loss head does it)
         cap = getattr(config, "final_logit_softcapping", None)
         self.logit_softcap = float(cap) if cap else None
@@ -197,19 +221,15 @@ class ModelAdapter:
         types = getattr(self.config, "layer_types", None)
         if types is not None:
             return types[layer]
-        if self.model_type == "mistral" and getattr(self.config, "sliding_window", None) is not None:
-            return "sliding_attention"
-        return "full_attention"
+        return "sliding_attention" if self._all_sliding else "full_attention"
 
     def attention_masks(self, embeds: torch.Tensor, attention_mask, position_ids) -> dict:
         """One mask per attention type present, built by transformers' own mask functions."""
         from transformers import masking_utils
 
-        funcs = {"full_attention": masking_utils.create_causal_mask,
-                 "sliding_attention": masking_utils.create_sliding_window_causal_mask}
         out = {}
         for kind in self.attention_types:
-            fn = funcs[kind]
+            fn = getattr(masking_utils, _MASKS[kind])
             params = inspect.signature(fn).parameters
             kw = dict(config=self.config, inputs_embeds=embeds, attention_mask=attention_mask,
                       position_ids=position_ids)
@@ -218,6 +238,17 @@ class ModelAdapter:
                 kw["cache_position"] = torch.arange(embeds.shape[1], device=embeds.device)
             out[kind] = fn(**kw)
         return out
+
+
+def _source(fn) -> str:
+    """A function's source, or "" where Python cannot read it (no .py file beside it)."""
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
+
+
+_MASKS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
 
 
 class _Scaled(nn.Module):
@@ -263,6 +294,8 @@ def _config_missing(config) -> str | None:
     head) do not do yet, in words; None where nothing is missing."""
     if getattr(config, "is_encoder_decoder", False):
         return "an encoder-decoder model (the engine trains decoder-only models)"
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention (use_bidirectional_attention): not a causal language model's training"
     for key, neutral, what in (("scale_emb", 1, "a scaled embedding"), ("scale_depth", None, "scaled residuals")):
         if getattr(config, key, neutral) not in (neutral, None):
             return f"{what} ({key}={getattr(config, key)}): not supported yet"
@@ -273,8 +306,11 @@ def _config_missing(config) -> str | None:
 def _noise(config) -> str | None:
     """Random noise a model's forward draws in training (dropout, router jitter): backward recomputes each layer
     and would draw it again, differently."""
-    for key in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "router_jitter_noise"):
-        if getattr(config, key, None):
+    keys = [k for k in sorted(config.to_dict()) if re.search(r"dropout|pdrop|jitter", k)
+            and not k.startswith(("classifier", "summary"))]  # (heads the engine does not train)
+    for key in keys:
+        v = getattr(config, key, None)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v:
             return (f"random noise in the forward ({key}={getattr(config, key)}), which backward's recompute would draw "
                     f"again, differently; set {key}: 0 in the model's config.json to fine-tune it")
     return None
@@ -299,7 +335,23 @@ def _structure_missing(skeleton: nn.Module) -> str | None:
     kinds = {type(layer).__name__ for layer in inner.layers}
     if len(kinds) > 1:
         return f"decoder layers of several kinds ({', '.join(sorted(kinds))})"
+    layer, kind = inner.layers[0], kinds.pop() if kinds else ""
+    norm_params = sorted(n for n, _ in inner.norm.named_parameters())
+    if norm_params != ["weight"]:
+        return f"a final norm with parameters {norm_params or 'none'} (the engine's loss head takes a weight only)"
+    if not isinstance(getattr(layer, "mlp", None), nn.Module):
+        return f"decoder layers ({kind}) without an mlp module"
+    if buffers := sorted({n for m in inner.layers for n, _ in m.named_buffers()}):
+        return f"decoder layers ({kind}) that hold buffers ({', '.join(buffers[:3])}), which the engine does not load"
+    params = inspect.signature(type(layer).forward).parameters
+    if extra := [n for n, p in params.items() if n not in _LAYER_INPUTS and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]:
+        return f"decoder layers ({kind}) that take {', '.join(extra)} from the model's forward"
     return None
+
+
+# What the engine passes a decoder layer (engine.py's _run_layer), and what transformers' layers take unused.
+_LAYER_INPUTS = {"self", "hidden_states", "attention_mask", "position_ids", "position_embeddings", "past_key_values",
+                 "past_key_value", "use_cache", "cache_position", "output_attentions", "output_router_logits"}
 
 
 def bind_parameters(module: nn.Module, params: dict[str, nn.Parameter]) -> None:

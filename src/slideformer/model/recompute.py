@@ -200,11 +200,23 @@ def mid_projection(layer: nn.Module) -> nn.Linear | None:
 
 
 def output_free_down(layer: nn.Module) -> nn.Linear | None:
-    """The layer's MLP down projection where its output only joins the residual sum, else None."""
-    down = getattr(getattr(layer, "mlp", None), "down_proj", None)
-    if type(down) is not nn.Linear or hasattr(layer, "post_feedforward_layernorm"):
+    """The layer's MLP down projection where its output only joins the residual sum, else None: where the
+    layer's modules with weights are its attention, its MLP and the norms before them, nothing with weights
+    reads that output (a norm after the MLP, as Gemma 2's, OLMo 2's or GLM-4's, would read the values
+    backward's recompute never makes)."""
+    mlp = getattr(layer, "mlp", None)
+    down = getattr(mlp, "down_proj", None)
+    if type(down) is not nn.Linear or not _weighted(layer) <= _PRE_NORM_LAYER or not _weighted(mlp) <= _MLP:
         return None
     return down
+
+
+_PRE_NORM_LAYER = {"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}
+_MLP = {"gate_proj", "up_proj", "gate_up_proj", "down_proj"}
+
+
+def _weighted(module: nn.Module) -> set[str]:
+    return {n for n, m in module.named_children() if any(True for _ in m.parameters())}
 
 
 def kept_values_per_token(layer: nn.Module) -> int:

@@ -169,18 +169,20 @@ class ModelShape:
         from ..model.recompute import kept_values_per_token, mid_projection
 
         c = adapter.config
+        down = getattr(adapter.layers[0].mlp, "down_proj", None)  # (a config may name it otherwise, or not at all)
+        dense_ffn = getattr(c, "intermediate_size", None) or getattr(down, "in_features", None) or c.hidden_size
         moe = {}
         if adapter.experts:  # (a model may mix in dense layers: the first with experts stands for them)
             layer = next(m for m in adapter.layers if expert_params(m, adapter.experts))
             per_expert = expert_params(layer, adapter.experts) // adapter.experts
             numel = sum(p.numel() for p in layer.parameters())
-            ffn = adapter.top_k * (getattr(c, "moe_intermediate_size", None) or c.intermediate_size)
+            ffn = adapter.top_k * (getattr(c, "moe_intermediate_size", None) or dense_ffn)
             moe = dict(experts=adapter.experts, ffn=ffn, top_k=adapter.top_k,
                        active_params=numel - (adapter.experts - adapter.top_k) * per_expert,
                        largest_param=max(p.numel() for m in adapter.layers for p in m.parameters()))
         if adapter.attn_implementation == "eager":
             moe["eager_heads"] = c.num_attention_heads
-        return cls(**{**dict(layers=adapter.num_layers, hidden=c.hidden_size, ffn=c.intermediate_size,
+        return cls(**{**dict(layers=adapter.num_layers, hidden=c.hidden_size, ffn=dense_ffn,
                              vocab=c.vocab_size, tied=adapter.tied,
                              layer_params=max(u.numel for u in adapter.units if u.kind == "layer"),
                              embed_params=adapter.embed_unit.numel, head_params=adapter.head_unit.numel,

@@ -534,7 +534,11 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     if resume:
         state = engine.load_checkpoint(resume)
         start, epoch, offset = state["step"], state["epoch"], state["offset"]
-        eval_pending = bool(state.get("eval_pending"))  # (the run stopped at an evaluation's step, before it)
+        # (the run saved at an evaluation's step before it: pending unless its record made it to metrics.jsonl,
+        # where a kill or a failure during the evaluation would have kept it from)
+        done = lambda: out.logged_eval(start)  # noqa: E731
+        eval_pending = bool(state.get("eval_pending")) and \
+            not (done() if ranks is None else parallel.from_leader(done))
         say(f"slideformer: resumed from {resume} at step {start}", flush=True)
 
         def differ(now: dict, key: str) -> str:  # (what the checkpoint recorded under ``key`` and ``now`` changes)
@@ -709,17 +713,18 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             due = bool(held) and ((cfg.eval_steps and step % cfg.eval_steps == 0) or step == total)
             state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
                      "run_id": out.run_id, "data": data, "update": update, "model": model,
-                     "eval_pending": due and stop, "logged": {"loss_sum": loss_sum, "targets": targets_since}}
+                     "eval_pending": due, "logged": {"loss_sum": loss_sum, "targets": targets_since}}
             if (cfg.save_steps and step % cfg.save_steps == 0) or step == total or stop:
                 with dog.allowing(SAVE_LIMIT_S):
                     last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
                                        cfg.model_name_or_path)
                 newest[0] = last_saved
             # (after the save, which a failing evaluation must not cost; not when the run is to stop now: the
-            # checkpoint then says it is pending, and the resumed run runs it first)
+            # checkpoint says it is pending, and the resumed run runs it first where its record is not logged)
             if due and not stop:
+                began = time.perf_counter()
                 evaluate(step)
-                t_last = time.perf_counter()  # (the evaluation's time is not the next interval's training)
+                t_last += time.perf_counter() - began  # (the interval's throughput is of its steps alone)
             if memory_somewhere and not memory:
                 raise HostMemoryExceeded(f"host memory: another rank neared its share of the host budget at step {step}; "
                                          f"all stopped with {last_saved} saved (that rank's line names the fix)")
