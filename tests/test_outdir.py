@@ -227,6 +227,22 @@ def test_a_real_full_disk_and_a_read_only_folder(tmp_path, capsys):
         _umount(ro)
 
 
+def test_an_offload_dir_inside_a_new_output_dir_is_the_runs_own(tmp_path, capsys):
+    """``output_dir: run1`` with ``offload_dir: run1/nvme``: the check that the tier's folder is writable made
+    it before the run took the output folder, which was then refused as holding a folder not slideformer's
+    (and left with it and a lock). Now nothing is made until the run writes there; a refused run (another
+    offload_dir under a file) leaves nothing either, naming the file."""
+    out = tmp_path / "run1"
+    assert run(out, "max_steps=1", f"offload.offload_dir={out / 'nvme'}") == 0
+    assert (out / "checkpoint-1").is_dir()
+    (tmp_path / "afile").write_text("mine")
+    capsys.readouterr()
+    assert run(tmp_path / "run2", "max_steps=1", f"offload.offload_dir={tmp_path / 'afile' / 'sub'}") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{tmp_path / 'afile'} is a file" in err
+    assert not (tmp_path / "run2").exists() and (tmp_path / "afile").read_text() == "mine"
+
+
 def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path, capsys):
     from slideformer.train.outdir import OutputDir
 

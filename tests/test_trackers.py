@@ -104,3 +104,46 @@ def test_tensorboard_shows_one_curve_after_a_run_killed_before_its_first_checkpo
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 2.0), (2, 3.0)]
+
+
+@pytest.mark.parametrize("package,module", [("tensorboard", "torch.utils.tensorboard"), ("mlflow", "mlflow")])
+def test_a_tracker_installed_broken_is_one_line_naming_it(tmp_path, monkeypatch, capsys, package, module):
+    """A tracker whose import fails with other than ImportError (a protobuf mismatch's TypeError): one line
+    naming report_to and the package (was exit 1, "unexpected TypeError ... please report it")."""
+    import sys
+
+    from slideformer.cli import main
+
+    import importlib.machinery
+
+    class Broken:  # (found, and failing as its code runs)
+        def find_spec(self, name, path=None, target=None):
+            return importlib.machinery.ModuleSpec(name, self) if name == module else None
+
+        def create_module(self, spec):
+            return None
+
+        def exec_module(self, mod):
+            raise TypeError("Descriptors cannot be created directly.")
+
+    for name in [m for m in sys.modules if m == module or m.startswith(module + ".")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [Broken()] + sys.meta_path)
+    out = tmp_path / "o"
+    assert main(["train"] + FAST + [f"output_dir={out}", f"report_to={package}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"report_to: {package} is installed but cannot be imported (TypeError" in err
+
+
+def test_a_tensorboard_folder_it_cannot_write_is_one_line_naming_it(tmp_path, capsys):
+    """TensorBoard's own OSError (its folder a file here; a full or read-only disk alike) names the folder and
+    the fix, not a bare strerror or a bytes path."""
+    from slideformer.cli import main
+
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "tensorboard").write_text("not a folder")
+    assert main(["train"] + FAST + [f"output_dir={out}", "report_to=tensorboard", "overwrite_output_dir=true"]) == 5
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot write TensorBoard's events in {out / 'tensorboard'}" in err
+    assert "leave tensorboard out of report_to" in err and (out / "tensorboard").read_text() == "not a folder"

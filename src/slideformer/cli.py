@@ -522,7 +522,8 @@ def _one_line(e: BaseException) -> str:
     if isinstance(e, OSError) and e.strerror:
         import errno
 
-        where = f"{e.filename}: " if e.filename and str(e.filename) not in e.strerror else ""
+        name = os.fsdecode(e.filename) if isinstance(e.filename, (bytes, str)) else e.filename
+        where = f"{name}: " if name and str(name) not in e.strerror else ""
         fix = {errno.ENOSPC: "free space there or choose another folder", errno.EDQUOT: "free space there or choose "
                "another folder", errno.EROFS: "choose a writable folder", errno.EACCES: "check its permissions or "
                "choose another folder", errno.EPERM: "check its permissions or choose another folder"}.get(e.errno)

@@ -782,18 +782,22 @@ def _evaluate(engine, held, batch: int, pad_id: int, step: int, done=lambda: Non
 
 
 def _check_writable(folder: str, key: str) -> None:
-    """``folder`` can hold files (created if missing): refused before any work, naming the key."""
+    """``folder`` can hold files, or, where it is missing, the nearest folder above it can (the run makes it
+    when it first writes there, so a refused run leaves nothing, and a folder inside output_dir is not
+    taken for the user's): refused before any work, naming the key."""
     import tempfile
 
-    p = Path(folder)
-    if p.exists() and not p.is_dir():
-        raise ConfigError(f"{key} {p} is a file; give a folder")
+    p = Path(folder).absolute()
+    there = next((a for a in (p, *p.parents) if a.exists()), None)
+    if there is not None and not there.is_dir():
+        raise ConfigError(f"{key} {folder}: {there} is a file; give a folder" if there != p else
+                          f"{key} {p} is a file; give a folder")
     try:
-        p.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=p):
+        with tempfile.TemporaryFile(dir=there):
             pass
     except OSError as e:
-        raise OSError(e.errno, f"{key} {p}: {e.strerror}; make it writable or choose another folder") from e
+        raise OSError(e.errno, f"{key} {folder}: {e.strerror} in {there}; make it writable or choose another "
+                               "folder") from e
 
 
 def _finite(rec: dict) -> dict:

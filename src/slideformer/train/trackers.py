@@ -7,6 +7,7 @@ resumed run logs its steps from where its checkpoint left off (TensorBoard drops
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -44,16 +45,26 @@ class Trackers:
         if "tensorboard" in names:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
+            except Exception as e:  # (not installed, or installed broken: a protobuf mismatch)
+                if not isinstance(e, ImportError):
+                    raise ConfigError(f"report_to: tensorboard is installed but cannot be imported ({type(e).__name__}: "
+                                      f"{(str(e).splitlines() or [''])[0][:200]}); reinstall it, or leave tensorboard out "
+                                      "of report_to") from None
                 raise ConfigError("report_to: tensorboard needs the tensorboard package (pip install tensorboard)")
             # (an earlier attempt's steps past ``start``, a killed one's too, are dropped from the view)
-            self._tb = SummaryWriter(str(out / TENSORBOARD), purge_step=start + 1 if purge else None,
-                                     filename_suffix=events_suffix(run_id) if run_id else "")
-            self._tb.add_text("run", "\n".join(f"    {k}: {v}" for k, v in _flat(meta).items()), start)
+            self._tb_dir = out / TENSORBOARD
+            with self._writing():
+                self._tb = SummaryWriter(str(self._tb_dir), purge_step=start + 1 if purge else None,
+                                         filename_suffix=events_suffix(run_id) if run_id else "")
+                self._tb.add_text("run", "\n".join(f"    {k}: {v}" for k, v in _flat(meta).items()), start)
         if "wandb" in names:
             try:
                 import wandb
-            except ImportError:
+            except Exception as e:  # (not installed, or installed broken: a protobuf mismatch)
+                if not isinstance(e, ImportError):
+                    raise ConfigError(f"report_to: wandb is installed but cannot be imported ({type(e).__name__}: "
+                                      f"{(str(e).splitlines() or [''])[0][:200]}); reinstall it, or leave wandb out "
+                                      "of report_to") from None
                 raise ConfigError("report_to: wandb needs its client (pip install wandb)")
             try:
                 self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "slideformer"), name=out.name,
@@ -66,7 +77,11 @@ class Trackers:
         if "mlflow" in names:
             try:
                 import mlflow
-            except ImportError:
+            except Exception as e:  # (not installed, or installed broken: a protobuf mismatch)
+                if not isinstance(e, ImportError):
+                    raise ConfigError(f"report_to: mlflow is installed but cannot be imported ({type(e).__name__}: "
+                                      f"{(str(e).splitlines() or [''])[0][:200]}); reinstall it, or leave mlflow out "
+                                      "of report_to") from None
                 raise ConfigError("report_to: mlflow needs its client (pip install mlflow-skinny)")
             # (set each run: mlflow keeps a URI set in the process, an earlier run's folder, over the variable)
             if uri := os.environ.get("MLFLOW_TRACKING_URI"):
@@ -90,16 +105,27 @@ class Trackers:
         """``values`` (None entries skipped) as ``prefix/name`` at ``step``."""
         values = {f"{prefix}/{k}": float(v) for k, v in values.items() if v is not None}
         if self._tb is not None:
-            for k, v in values.items():
-                self._tb.add_scalar(k, v, step)
+            with self._writing():
+                for k, v in values.items():
+                    self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
             self._wandb.log(values, step=step)
         if self._mlflow is not None:
             self._mlflow.log_metrics({k.replace("/", "_"): v for k, v in values.items()}, step=step)
 
+    @contextlib.contextmanager
+    def _writing(self):
+        """TensorBoard's OSError (its writer's, often without a file name) as one naming its folder."""
+        try:
+            yield
+        except OSError as e:
+            raise OSError(e.errno, f"cannot write TensorBoard's events in {self._tb_dir}: {e.strerror or e}; free "
+                                   "space there, make it writable, or leave tensorboard out of report_to") from e
+
     def close(self) -> None:
         if self._tb is not None:
-            self._tb.close()
+            with self._writing():
+                self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
         if self._mlflow is not None:
