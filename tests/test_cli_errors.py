@@ -114,6 +114,7 @@ OWN = b'{"text": "a"}\n'  # (a model of one's own needs data of one's own: the b
     ("attn_implementation=flash_attention_2", 2, ["runs on CUDA only"]),  # (before transformers' ImportError)
     ("dataset={t}/data/missing.jsonl", 2, ["dataset file", "data/missing.jsonl does not exist"]),  # not a Hub name
     ("dataset={t}/data/missing.csv", 2, ["dataset file", "data/missing.csv does not exist"]),
+    ("eval_dataset={t}/data/missing.jsonl", 2, ["eval_dataset: dataset file", "missing.jsonl does not exist"]),
 ])
 def test_bad_settings(tmp_path, capsys, override, code, needles):
     t = model_dirs(tmp_path)

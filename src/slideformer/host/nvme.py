@@ -457,7 +457,9 @@ class NvmeScratch:
         try:
             os.posix_fallocate(self.fd, 0, records * record_bytes)
         except OSError as e:
-            raise TierError(e.errno, f"offload_dir {self.offload_dir}: cannot reserve {records * record_bytes / 2**30:.1f} GiB "
+            from ..plan.memory import fmt_bytes
+
+            raise TierError(e.errno, f"offload_dir {self.offload_dir}: cannot reserve {fmt_bytes(records * record_bytes)} "
                             f"for {self.what} on NVMe ({e.strerror}); free space there, or keep them in RAM") from e
         self.records, self.record_bytes = records, record_bytes
         self.crc.clear()

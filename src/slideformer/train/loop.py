@@ -141,20 +141,28 @@ def build_examples(cfg: TrainConfig, tok, vocab: int | None, specs=None, lazy: b
     specs = specs or cfg.dataset
     key = "dataset" if specs is cfg.dataset else "eval_dataset"
     make = functools.partial(make_sample, cfg, tok, max_token_chars(tok), vocab, template_report(cfg, tok)[0])
+    def read(reader, spec):  # (eval_dataset's file named as its key's)
+        try:
+            return reader(spec.path, skip_bad=cfg.skip_bad_records, split=spec.split, subset=spec.subset)
+        except DataError as e:
+            if key == "dataset":
+                raise
+            raise DataError(f"{key}: {e}") from None
+
     if lazy:
         sources = []
         for spec in specs:
-            records = open_records(spec.path, skip_bad=cfg.skip_bad_records, split=spec.split, subset=spec.subset)
+            records = read(open_records, spec)
             if not len(records):
-                raise DataError(f"dataset file {spec.path} holds no records")
+                raise DataError(f"{key} file {spec.path} holds no records")
             sources.append((records, spec))
         _listed_alike([(_first(records), spec) for records, spec in sources], key)
         return LazyExamples(sources, make, cfg.skip_bad_records), 0, 0
     examples, skipped, dropped, firsts = [], 0, 0, []
     for spec in specs:  # (a file at a time: its records go once tokenized)
-        records = read_records(spec.path, skip_bad=cfg.skip_bad_records, split=spec.split, subset=spec.subset)
+        records = read(read_records, spec)
         if not records:
-            raise DataError(f"dataset file {spec.path} holds no records")
+            raise DataError(f"{key} file {spec.path} holds no records")
         firsts.append((_first(records), spec))
         for where, rec in records:  # (a record that is no sample keeps its place, as None: the order is the records')
             made = None
