@@ -282,6 +282,10 @@ def test_plan_names_a_disk_too_small_for_the_tier(capsys, tmp_path):
     assert main([a if a != "compact" else "8bit" for a in base] + ["--disk-space", "1GiB"]) == 3
     out = capsys.readouterr().out  # (the densest state says nothing of the state)
     assert "does NOT fit the disk" in out and "optimizer_state" not in out
+    # RAM short too: the line names both (the RAM's fix alone would meet the disk's refusal next)
+    assert main([a if a != "64GiB" else "16GiB" for a in base] + ["--disk-space", "1GiB"]) == 3
+    out = capsys.readouterr().out
+    assert "does NOT fit host RAM" in out and "and the NVMe tier needs about" in out and "1.0 GiB free there" in out
 
 
 def test_plan_measures_the_free_disk_under_an_existing_offload_dir(capsys, tmp_path, monkeypatch):

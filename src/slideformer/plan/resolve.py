@@ -219,14 +219,17 @@ def _resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: 
         except DoesNotFit as e:
             problem, binds = str(e), "host"
     disk = tier_bytes(cfg, shape, batch, seq, placement)
-    if problem is None and free is not None and disk > free:
+    if free is not None and disk > free:
         each = f" ({machine.ranks} processes' tiers)" if machine.ranks > 1 else ""
-        problem, binds = (f"the NVMe tier needs about {fmt_bytes(disk * machine.ranks)} under {prefix}offload_dir "
-                          f"{cfg.offload_dir}{each}, {fmt_bytes(machine.disk)} free there; free space, point it "
-                          f"at a larger disk, or use "
-                          + ("" if cfg.optimizer_state == "8bit"
-                             else f"denser optimizer state ({prefix}optimizer_state: 8bit) or ")
-                          + f"more RAM ({prefix}host_memory_limit)"), "disk"
+        short = f"the NVMe tier needs about {fmt_bytes(disk * machine.ranks)} under {prefix}offload_dir " \
+                f"{cfg.offload_dir}{each}, {fmt_bytes(machine.disk)} free there"
+        if problem is None:
+            problem, binds = (f"{short}; free space, point it at a larger disk, or use "
+                              + ("" if cfg.optimizer_state == "8bit"
+                                 else f"denser optimizer state ({prefix}optimizer_state: 8bit) or ")
+                              + f"more RAM ({prefix}host_memory_limit)"), "disk"
+        elif binds == "host":  # (both short: the fix for RAM alone would meet the disk's next)
+            problem = f"{problem}; and {short}"
     return Plan(cfg, placement, gpu, limit, host, problem, binds, shape)
 
 
