@@ -569,10 +569,23 @@ def test_a_worker_threads_disk_error_is_an_io_error(tmp_path, capsys, monkeypatc
     def full(self, *a, **k):
         raise nvme.TierError(errno.ENOSPC, f"offload_dir {self.offload_dir}: No space left on device")
 
+    real = nvme.NvmeTier.write
     monkeypatch.setattr(nvme.NvmeTier, "write", full)
     assert main(FAST + [f"output_dir={tmp_path}/o", f"offload.offload_dir={tmp_path}/nvme", "offload.nvme_fraction=1",
                         "max_steps=3"]) == 5
-    one_line(capsys, "No space left on device", "offload_dir")
+    one_line(capsys, "No space left on device", "offload_dir", "step 1", "no checkpoint was saved")
+    # (where the run saved one, the line names it: what to resume from)
+
+    def full_later(self, *a, **k):
+        if (tmp_path / "o2" / "checkpoint-1").is_dir():
+            full(self)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(nvme.NvmeTier, "write", full_later)
+    assert main(FAST + [f"output_dir={tmp_path}/o2", f"offload.offload_dir={tmp_path}/nvme", "offload.nvme_fraction=1",
+                        "max_steps=50", "save_steps=1"]) == 5
+    line = capsys.readouterr().err
+    assert "No space left on device" in line and f"({tmp_path / 'o2' / 'checkpoint-1'}) is intact" in line
 
 
 def test_a_run_refused_after_taking_its_folder_leaves_none(tmp_path, capsys, monkeypatch):

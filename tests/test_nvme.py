@@ -492,7 +492,11 @@ def test_a_tier_never_closed_is_removed_at_exit(tmp_path):
             f"t = NvmeTier({str(tmp_path / 'nvme')!r}, {{0: 1 << 20}}, 1); print(t.dir)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().startswith(str(tmp_path / "nvme" / "slideformer-"))
-    assert not list((tmp_path / "nvme").iterdir())
+    assert not (tmp_path / "nvme").exists()  # (the folder it made too)
+    (tmp_path / "mine").mkdir()  # (one it found stays, empty)
+    out = subprocess.run([sys.executable, "-c", code.replace("'nvme'", "'mine'").replace("/nvme'", "/mine'")],
+                         capture_output=True, text=True, check=True).stdout
+    assert (tmp_path / "mine").is_dir() and not list((tmp_path / "mine").iterdir())
 
 
 def test_close_removes_the_owned_directory(tmp_path, monkeypatch):

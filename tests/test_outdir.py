@@ -227,14 +227,27 @@ def test_a_real_full_disk_and_a_read_only_folder(tmp_path, capsys):
         _umount(ro)
 
 
-def test_an_offload_dir_inside_a_new_output_dir_is_the_runs_own(tmp_path, capsys):
+def test_an_offload_dir_inside_a_new_output_dir_is_the_runs_own(tmp_path, capsys, monkeypatch):
     """``output_dir: run1`` with ``offload_dir: run1/nvme``: the check that the tier's folder is writable made
     it before the run took the output folder, which was then refused as holding a folder not slideformer's
-    (and left with it and a lock). Now nothing is made until the run writes there; a refused run (another
-    offload_dir under a file) leaves nothing either, naming the file."""
+    (and left with it and a lock). Now nothing is made until the run writes there, and the tier's folders a
+    run made go at its end (a run failing in its first step leaves the folder as it found it, so the same
+    command runs again); a refused run (another offload_dir under a file) leaves nothing either, naming the
+    file."""
+    from slideformer.engine import SlideEngine
+
     out = tmp_path / "run1"
-    assert run(out, "max_steps=1", f"offload.offload_dir={out / 'nvme'}") == 0
-    assert (out / "checkpoint-1").is_dir()
+    tier = [f"offload.offload_dir={out / 'deep' / 'nvme'}", "offload.nvme_fraction=1"]
+
+    def fails(self, *a, **k):
+        raise RuntimeError("the machine fell over")
+
+    monkeypatch.setattr(SlideEngine, "train_step", fails)
+    assert run(out, "max_steps=1", *tier) == 1
+    assert not out.exists()
+    monkeypatch.undo()
+    assert run(out, "max_steps=1", *tier) == 0
+    assert (out / "checkpoint-1").is_dir() and not (out / "deep").exists()
     (tmp_path / "afile").write_text("mine")
     capsys.readouterr()
     assert run(tmp_path / "run2", "max_steps=1", f"offload.offload_dir={tmp_path / 'afile' / 'sub'}") == 2

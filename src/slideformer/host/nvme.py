@@ -23,6 +23,7 @@ resume the tier's state is rebuilt from the checkpoint, which holds all of it.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import fcntl
 import os
@@ -155,6 +156,9 @@ class OwnedDir:
 
     def __init__(self, offload_dir: str | os.PathLike):
         self.offload_dir = Path(offload_dir)
+        # (the folders it makes go again at close where nothing else is in them: an offload_dir inside a new
+        # output_dir would otherwise be taken for the user's by the next run there)
+        self._made = [p for p in (self.offload_dir, *self.offload_dir.absolute().parents) if not p.exists()]
         self.offload_dir.mkdir(parents=True, exist_ok=True)
         remove_stale(self.offload_dir)
         self.name = f"slideformer-{os.getpid()}-{secrets.token_hex(6)}"
@@ -200,6 +204,9 @@ class OwnedDir:
         finally:
             shutil.rmtree(self.path, ignore_errors=True)
             self._release()
+            for made in self._made:  # (deepest first; one another run's files are in stays)
+                with contextlib.suppress(OSError):
+                    made.rmdir()
 
 
 def _open(path: Path, direct: bool) -> tuple[int, bool]:
@@ -367,10 +374,10 @@ class NvmeTier:
             raise TierError(errno.EIO, f"NVMe state file {self.files[unit]} is truncated in {name}")
         if (unit, name) not in self.crc:
             raise TierError(errno.EIO, f"NVMe state file {self.files[unit]} holds an incomplete write of {name} (a "
-                            "write failed); resume from the last checkpoint")
+                            "write failed)")
         if crc != self.crc[unit, name]:
             raise TierError(errno.EIO, f"NVMe state file {self.files[unit]} is corrupt (CRC32 mismatch in {name}): "
-                            "the state read back is not what was written; resume from the last checkpoint")
+                            "the state read back is not what was written")
 
     def write(self, unit: int, buf: int, names=None) -> None:
         """The fields of ``unit`` (``names`` of them, or all) from where they lie in RAM buffer ``buf``; each
@@ -383,7 +390,7 @@ class NvmeTier:
                 _, crc = self._sums.move(self._fds[unit], view, at, self.direct, write=True)
             except OSError as e:
                 raise TierError(e.errno, f"writing NVMe state file {self.files[unit]} failed ({e.strerror}); "
-                                "training stops here, the last checkpoint is intact") from e
+                                "training stops here") from e
             self.crc[unit, name] = crc
 
     def copy_out(self, unit: int, *names: str) -> dict[str, torch.Tensor]:
@@ -472,7 +479,7 @@ class NvmeScratch:
             _, crc = self._sums.move(self.fd, view, index * self.record_bytes, self.direct, write=True)
         except OSError as e:
             raise TierError(e.errno, f"writing {self.what} to {self.path} failed ({e.strerror}); training stops "
-                            "here, the last checkpoint is intact") from e
+                            "here") from e
         self.crc[index] = crc
 
     def read(self, index: int, buf: torch.Tensor) -> None:

@@ -649,7 +649,16 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                 mbs.append(mb)
             lr = lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, warmup, total)
             engine.set_lr(lr)
-            loss = engine.train_step([parallel.local_rows(mb, ranks) for mb in mbs] if ranks else mbs)
+            try:
+                loss = engine.train_step([parallel.local_rows(mb, ranks) for mb in mbs] if ranks else mbs)
+            except Exception as e:  # (the NVMe tier's disk, a worker's: what the user can resume from, said with it)
+                disk = e
+                while disk is not None and not (isinstance(disk, OSError) and disk.strerror):
+                    disk = disk.__cause__
+                if disk is None:
+                    raise
+                kept = f"the last checkpoint ({last_saved}) is intact" if last_saved else "no checkpoint was saved"
+                raise OSError(disk.errno, f"step {step + 1}: {disk.strerror}; {kept}") from e
             if settled is None:  # (the first step has built what the run keeps: heap.py)
                 settled = heap.settle()
             norm = engine.last_grad_norm
