@@ -401,3 +401,34 @@ def test_plan_says_where_the_first_layers_update_runs_on_the_gpu(capsys):
     assert code == 0 and "the first streamed layer's update on the GPU" in line
     code, line = placement("--optimizer-state", "compact")
     assert code == 0 and "update on the GPU" not in line
+
+
+def test_a_model_transformers_runs_only_eagerly_trains_and_exports_with_eager_attention(tmp_path, capsys):
+    """GPT-OSS runs its attention (with sinks) only through transformers' eager code: refused under SDPA with
+    the setting that fixes it, which then trains, plans and exports (the planner's model and the export's
+    layout once built under SDPA, refused again)."""
+    import json
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from slideformer.train.config import _assets
+
+    folder = tmp_path / "oss"
+    shutil.copytree(_assets() / "tiny", folder)
+    cfg = AutoConfig.for_model("gpt_oss", vocab_size=512, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                               num_experts_per_tok=2, max_position_embeddings=256)
+    cfg._attn_implementation = "eager"
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"record {i} of a few words"}) + "\n" for i in range(8)))
+    run = ["train", "device=cpu", "progress=false", "max_steps=2", f"model_name_or_path={folder}",
+           f"dataset={data}", "micro_batch_size=2", "cutoff_len=32"]
+    assert main(run + [f"output_dir={tmp_path / 'a'}"]) == 2
+    assert "set attn_implementation: eager" in capsys.readouterr().err
+    assert main(run + [f"output_dir={tmp_path / 'b'}", "attn_implementation=eager"]) == 0
+    assert main(["export", str(tmp_path / "b" / "checkpoint-2"), str(tmp_path / "hf")]) == 0
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf") is not None
+    assert main(["plan", "--model", str(folder), "--seq-len", "32", "--batch-size", "2", "--gpu-memory", "1GiB",
+                 "--cpu-memory", "8GiB"]) == 0

@@ -86,7 +86,7 @@ def cmd_plan(args) -> int:
 
     from . import EngineConfig
     from .config import Placement
-    from .model import ModelAdapter
+    from .model import ModelAdapter, UnsupportedModelError
     from .machine import Machine, MachineRates, disk_free, gpu_memory, host_memory
     from .plan import Auto, ModelShape, nvme_layer_count, parse_bytes, predicted_step, resolve
     from .plan.resolve import tier_bytes
@@ -128,7 +128,13 @@ def cmd_plan(args) -> int:
     if tier_only and not args.offload_dir:
         raise ConfigError(f"{', '.join(tier_only)} {'describe' if len(tier_only) > 1 else 'describes'} the NVMe tier: "
                           "give its folder too (--offload-dir)")
-    shape = ModelShape.from_adapter(ModelAdapter(config))
+    try:
+        adapter = ModelAdapter(config)
+    except UnsupportedModelError as e:  # (planned as train would run it where it says how: eager attention)
+        if "set attn_implementation: eager" not in str(e):
+            raise
+        adapter = ModelAdapter(config, attn_implementation="eager")
+    shape = ModelShape.from_adapter(adapter)
     rates = MachineRates(gpu_flops=args.gpu_tflops * 1e12, pcie_bytes_per_s=args.pcie_gbps * 1e9,
                          disk_read_bytes_per_s=args.disk_read_gbps * 1e9,
                          disk_write_bytes_per_s=args.disk_write_gbps * 1e9,

@@ -307,5 +307,6 @@ def stage_from_state(checkpoint: str | os.PathLike, out: str | os.PathLike,
 
     from .state import STATE_DIR
 
-    adapter = ModelAdapter(AutoConfig.from_pretrained(str(checkpoint)))
+    # (the layout only: eager attention builds for every model, whatever its training ran)
+    adapter = ModelAdapter(AutoConfig.from_pretrained(str(checkpoint)), attn_implementation="eager")
     return adapter, stage_pretrained(out, adapter, _StateMasters(Path(checkpoint) / STATE_DIR, adapter), dtype)

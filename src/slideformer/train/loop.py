@@ -252,7 +252,7 @@ def resolve_engine(cfg: TrainConfig, hf_config, ecfg: EngineConfig, examples, ma
     from ..model import ModelAdapter
     from ..plan import Auto, ModelShape, resolve
 
-    shape = ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype))
+    shape = ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype, ecfg.attn_implementation))
     # packed rows are full; samples read as the steps reach them may be as long as cutoff_len
     seq = cfg.cutoff_len if cfg.packing or not isinstance(examples, list) else \
         min(cfg.cutoff_len, max(len(e[0]) for e in examples if e is not None))
