@@ -248,7 +248,8 @@ def cmd_plan(args) -> int:
         share = f", shared by {args.nproc_per_node} processes" if args.nproc_per_node > 1 else ""
         against = (f"{gib(state_limit)} (--host-memory-limit{share}, less the process itself)"
                    if args.host_memory_limit else f"{gib(state_limit)} (95% of "
-                   f"{gib(cpu_limit)}, {'--cpu-memory' if args.cpu_memory else 'this machine'}{share})")
+                   f"{gib(cpu_limit)}, {'--cpu-memory' if args.cpu_memory else 'this machine'}{share}, less the "
+                   "process itself)")
         levers = [] if args.offload_dir else ["the NVMe tier (--offload-dir)"]
         if args.offload_dir and args.nvme_fraction != "auto" and args.nvme_fraction < 1:
             levers.append("more of the NVMe tier (--nvme-fraction)")
