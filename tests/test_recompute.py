@@ -462,3 +462,21 @@ def test_mid_layers_train_bit_identically_without_the_attentions_output_product(
     with SlideEngine(model, cfg) as eng:
         eng.train_step(steps[0])
         assert not eng._mids and eng.activations.host_bytes == ref_host
+
+
+def test_the_down_projection_is_output_free_only_where_nothing_with_weights_reads_it():
+    """Backward's recompute never makes an output-free down projection's output (only its graph): right only
+    where that output joins the residual sum alone. A norm after the MLP under any name (GLM-4's
+    post_mlp_layernorm, Gemma 2's post_feedforward_layernorm) or a scale the MLP or layer holds itself reads
+    it: then the projection is recomputed like the others."""
+    from slideformer.model import ModelAdapter
+
+    layer = ModelAdapter(build("llama").config).layers[0]
+    assert output_free_down(layer) is layer.mlp.down_proj
+    for family in ("glm4", "gemma2", "olmo2"):
+        assert output_free_down(ModelAdapter(build(family).config).layers[0]) is None, family
+    layer.post_mlp_norm = nn.LayerNorm(4)
+    assert output_free_down(layer) is None
+    del layer.post_mlp_norm
+    layer.mlp.global_scale = nn.Parameter(torch.ones(1))
+    assert output_free_down(layer) is None

@@ -216,7 +216,9 @@ _MLP = {"gate_proj", "up_proj", "gate_up_proj", "down_proj"}
 
 
 def _weighted(module: nn.Module) -> set[str]:
-    return {n for n, m in module.named_children() if any(True for _ in m.parameters())}
+    """The names of ``module``'s children with weights, and of its own weights (a scale it applies itself)."""
+    return {n for n, m in module.named_children() if any(True for _ in m.parameters())} | \
+        {n for n, p in module.named_parameters(recurse=False)}
 
 
 def kept_values_per_token(layer: nn.Module) -> int:
