@@ -76,7 +76,7 @@ class Watchdog:
         while not self._stop.wait(poll_s):
             idle = time.monotonic() - self._last
             if idle > self.limit:
-                print(f"slideformer: no progress for {idle:.0f} s (the limit: {self.limit:.0f} s): a copy, an update, a "
+                print(f"slideformer: no progress for {_secs(idle)} s (the limit: {_secs(self.limit)} s): a copy, an update, a "
                       f"disk operation, a GPU kernel or (data parallel) another rank did not finish; the stacks of "
                       f"every thread follow; "
                       f"{self.what()}. Exit code {EXIT_HANG}. A run slower than this needs watchdog_seconds set "
@@ -89,6 +89,10 @@ class Watchdog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+
+
+def _secs(x: float) -> str:
+    return f"{x:.0f}" if x >= 10 else f"{x:.2g}"
 
 
 def rss_bytes() -> int:
