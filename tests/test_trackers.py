@@ -126,13 +126,20 @@ def test_a_tracker_installed_broken_is_one_line_naming_it(tmp_path, monkeypatch,
         def exec_module(self, mod):
             raise TypeError("Descriptors cannot be created directly.")
 
+    from slideformer.train import loop
+
+    def no_tokenizer(*a, **k):
+        raise AssertionError("refused after the tokenizer, the data and the model")
+
     for name in [m for m in sys.modules if m == module or m.startswith(module + ".")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(sys, "meta_path", [Broken()] + sys.meta_path)
+    monkeypatch.setattr(loop, "load_tokenizer", no_tokenizer)  # (refused before the model loads)
     out = tmp_path / "o"
     assert main(["train"] + FAST + [f"output_dir={out}", f"report_to={package}"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"report_to: {package} is installed but cannot be imported (TypeError" in err
+    assert not out.exists()
 
 
 def test_a_tensorboard_folder_it_cannot_write_is_one_line_naming_it(tmp_path, capsys):

@@ -36,7 +36,7 @@ from .config import OffloadConfig, TrainConfig, _assets
 from .outdir import CKPT_PREFIX, METRICS, OutputDir, OutputDirError
 from ..watchdog import GUARD_FRACTION, SAVE_LIMIT_S, MemoryGuard, Watchdog
 from ..plan import DoesNotFit
-from .trackers import Trackers, run_meta
+from .trackers import Trackers, preflight, run_meta
 
 # A run whose every step for this long comes out non-finite has diverged: skipping more cannot help.
 MAX_DROPPED_IN_A_ROW = 10
@@ -388,6 +388,8 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     lead = ranks is None or ranks.leader
     try:
         resume = _resume_point(cfg, out, ranks, resume)  # (before the data: a refusal costs no tokenizing)
+        if lead:  # (a tracker that cannot open: refused before the model loads)
+            preflight(cfg.report_to, out.path)
         tok = load_tokenizer(cfg)
         if (note := template_report(cfg, tok)[1]) and (ranks is None or ranks.leader):
             print(f"slideformer: {note}", file=sys.stderr, flush=True)

@@ -31,6 +31,39 @@ def parse(report_to) -> list[str]:
     return names
 
 
+def client(name: str):
+    """The tracker's client module (TensorBoard's writer module for tensorboard), imported; a ConfigError naming
+    report_to where it is missing or installed broken (a protobuf mismatch fails as its code runs). Called
+    before the model loads too (``preflight``), so that a run is refused before that wait."""
+    from ..config import ConfigError
+
+    module = {"tensorboard": "torch.utils.tensorboard"}.get(name, name)
+    package = {"mlflow": "mlflow-skinny"}.get(name, name)
+    try:
+        import importlib
+
+        return importlib.import_module(module)
+    except ImportError:
+        raise ConfigError(f"report_to: {name} needs its client (pip install {package})") from None
+    except Exception as e:
+        raise ConfigError(f"report_to: {name} is installed but cannot be imported ({type(e).__name__}: "
+                          f"{(str(e).splitlines() or [''])[0][:200]}); reinstall it, or leave {name} out of "
+                          "report_to") from None
+
+
+def preflight(names: list[str], out: Path) -> None:
+    """What opening the trackers would refuse, found before the model loads: a client that cannot be
+    imported, TensorBoard's folder a file."""
+    from .outdir import TENSORBOARD
+
+    for name in names:
+        client(name)
+    tb = out / TENSORBOARD
+    if "tensorboard" in names and tb.exists() and not tb.is_dir():
+        raise OSError(20, f"cannot write TensorBoard's events in {tb}: it is a file; move it away, or leave "
+                          "tensorboard out of report_to")
+
+
 class Trackers:
     def __init__(self, names: list[str], out: Path, start: int, meta: dict, purge: bool = True, run_id: str = ""):
         """Open each tracker and log ``meta`` (config, model, versions, machine) once. A resumed run is a W&B
@@ -43,14 +76,7 @@ class Trackers:
 
         self._tb = self._wandb = self._mlflow = None
         if "tensorboard" in names:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except Exception as e:  # (not installed, or installed broken: a protobuf mismatch)
-                if not isinstance(e, ImportError):
-                    raise ConfigError(f"report_to: tensorboard is installed but cannot be imported ({type(e).__name__}: "
-                                      f"{(str(e).splitlines() or [''])[0][:200]}); reinstall it, or leave tensorboard out "
-                                      "of report_to") from None
-                raise ConfigError("report_to: tensorboard needs the tensorboard package (pip install tensorboard)")
+            SummaryWriter = client("tensorboard").SummaryWriter
             # (an earlier attempt's steps past ``start``, a killed one's too, are dropped from the view)
             self._tb_dir = out / TENSORBOARD
             with self._writing():
@@ -58,14 +84,7 @@ class Trackers:
                                          filename_suffix=events_suffix(run_id) if run_id else "")
                 self._tb.add_text("run", "\n".join(f"    {k}: {v}" for k, v in _flat(meta).items()), start)
         if "wandb" in names:
-            try:
-                import wandb
-            except Exception as e:  # (not installed, or installed broken: a protobuf mismatch)
-                if not isinstance(e, ImportError):
-                    raise ConfigError(f"report_to: wandb is installed but cannot be imported ({type(e).__name__}: "
-                                      f"{(str(e).splitlines() or [''])[0][:200]}); reinstall it, or leave wandb out "
-                                      "of report_to") from None
-                raise ConfigError("report_to: wandb needs its client (pip install wandb)")
+            wandb = client("wandb")
             try:
                 self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "slideformer"), name=out.name,
                                          dir=str(out), config=meta)
@@ -75,14 +94,7 @@ class Trackers:
                                   f"{(str(e).splitlines() or [''])[0][:200]}); log in (wandb login, or "
                                   "WANDB_API_KEY), set WANDB_MODE=offline, or leave wandb out of report_to") from None
         if "mlflow" in names:
-            try:
-                import mlflow
-            except Exception as e:  # (not installed, or installed broken: a protobuf mismatch)
-                if not isinstance(e, ImportError):
-                    raise ConfigError(f"report_to: mlflow is installed but cannot be imported ({type(e).__name__}: "
-                                      f"{(str(e).splitlines() or [''])[0][:200]}); reinstall it, or leave mlflow out "
-                                      "of report_to") from None
-                raise ConfigError("report_to: mlflow needs its client (pip install mlflow-skinny)")
+            mlflow = client("mlflow")
             # (set each run: mlflow keeps a URI set in the process, an earlier run's folder, over the variable)
             if uri := os.environ.get("MLFLOW_TRACKING_URI"):
                 mlflow.set_tracking_uri(uri)
