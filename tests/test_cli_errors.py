@@ -96,6 +96,7 @@ OWN = b'{"text": "a"}\n'  # (a model of one's own needs data of one's own: the b
     ("dataset={{path:{t}/a.jsonl}}", 2, ["YAML reads 'path:", "as one key; write path: ", "a space after the colon"]),
     ("chat_template={{% for m in messages %}}{{% endfor %}}", 2, ["not valid YAML (quote a value with {, ["]),
     ("columns={{text: body}}", 2, ["unknown key columns: it belongs to a dataset's entry", "columns: ...}]"]),
+    ("learning_rat=1", 2, ["unknown key learning_rat; did you mean 'learning_rate'?"]),  # (a top-level key, as typed)
     ("dataset=&x [*x]", 2, ["dataset[0] must be a file path or a mapping with a path"]),  # (an alias holding itself)
     ("dataset={{path:hf://org/x}}", 2, ["write path: hf://org/x (a space after the colon)"]),
     ("output_dir=/etc/passwd/run", 5, ["/etc/passwd/run"]),

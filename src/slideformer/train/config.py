@@ -292,8 +292,8 @@ def _checked(d: dict, cls, where: str) -> dict:
                 raise ConfigError(f"unknown key {k}: it belongs to a dataset's entry, e.g. "
                                   f"dataset=[{{path: data/train.jsonl, {k}: ...}}]")
             near = difflib.get_close_matches(k, list(types), n=1)
-            raise ConfigError(f"unknown key {where}.{k}" + (f"; did you mean {near[0]!r}?" if near else
-                                                              f"; known keys: {', '.join(types)}"))
+            raise ConfigError(f"unknown key {k if where == 'config' else f'{where}.{k}'}"
+                              + (f"; did you mean {near[0]!r}?" if near else f"; known keys: {', '.join(types)}"))
         d[k] = _typed(d[k], types[k], f"{where}.{k}" if where != "config" else k)
     return d
 
