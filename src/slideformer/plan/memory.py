@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
+import dataclasses
+from dataclasses import dataclass
 
 from ..machine import MachineRates
 from ..optim.formats import BLOCK8, compact_master, moment_bytes, state_bytes
@@ -191,6 +192,19 @@ class ModelShape:
                                             for o in map(mid_projection, adapter.layers))), **moe})
 
 
+def replace(obj, **changes):
+    """``dataclasses.replace``; a Layout's copy without its __init__ (fit() makes hundreds of thousands of them
+    when `slideformer plan` counts batches), its fields checked by name."""
+    if type(obj) is not Layout:
+        return dataclasses.replace(obj, **changes)
+    if not changes.keys() <= _LAYOUT_FIELDS:
+        raise TypeError(f"Layout has no field {sorted(changes.keys() - _LAYOUT_FIELDS)[0]!r}")
+    new = object.__new__(Layout)
+    new.__dict__.update(obj.__dict__)
+    new.__dict__.update(changes)
+    return new
+
+
 @dataclass(frozen=True)
 class Layout:
     window_slots: int = 3
@@ -244,6 +258,9 @@ class Layout:
 
     def edges_resident(self, shape: "ModelShape") -> bool:
         return self.resident_edges or self.resident_layers >= shape.layers
+
+
+_LAYOUT_FIELDS = frozenset(f.name for f in dataclasses.fields(Layout))
 
 
 def embedding_by_rows(shape: ModelShape, p: Layout, state: str = "fp32", clipping: bool = False) -> bool:
