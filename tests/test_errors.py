@@ -40,8 +40,8 @@ def test_an_architecture_without_the_parts_names_what_is_missing():
      "hold buffers \\(mlp.gate.e_score_correction_bias\\)"),
     ("granitemoe", dict(num_local_experts=4, num_experts_per_tok=2), "without an mlp module"),
     ("qwen3_next", dict(), "layers of type linear_attention: not supported yet"),
-    # (a composite config: its text part's layer types, which the causal LM is built from)
-    ("qwen3_5", dict(), "layers of type linear_attention: not supported yet"),
+    # (a composite config: its causal LM built from its text part, whose keys the checks would not read)
+    ("qwen3_5", dict(), "a composite config whose causal LM is built from its Qwen3_5TextConfig part"),
     ("seed_oss", dict(residual_dropout=0.1, attention_dropout=0.0), "residual_dropout=0.1"),
     ("gemma3_text", dict(use_bidirectional_attention=True), "bidirectional attention"),
     # (trainable, through the attention transformers runs for it: the refusal says which)

@@ -261,12 +261,12 @@ def cmd_plan(args) -> int:
                       "--optimizer-state compact or 8bit (8 or 6.06 instead of 14 bytes a parameter)")
         verdict = (f"does NOT fit host RAM: about {gib(need)} of state against {against}; {' or '.join(levers)} "
                    "would lower it")
-        if "; and the NVMe tier needs" in (plan.problem or ""):  # (the disk short too: said with it)
-            verdict += "; and " + plan.problem.split("; and ", 1)[1]
         if (allowance := process_allowance(plan.config, machine.rank_ram)) <= PROCESS_BYTES:  # (no state fits)
             verdict = (f"does NOT fit host RAM: {processes_over(args.nproc_per_node, allowance)} allowed "
                        + ("(--host-memory-limit" + share + ")" if args.host_memory_limit else
                           f"(95% of {gib(cpu_limit)}, {'--cpu-memory' if args.cpu_memory else 'this machine'}{share})"))
+        if (short := (plan.problem or "").rfind("; and the NVMe tier needs")) >= 0:  # (the disk short too: said with it)
+            verdict += plan.problem[short:]
     out["verdict"] = verdict
     out["predicted_step_s"] = timing["step_s"]
     out["predicted_tokens_per_s"] = args.batch_size * args.seq_len / timing["step_s"]

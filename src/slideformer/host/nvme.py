@@ -156,15 +156,29 @@ class OwnedDir:
 
     def __init__(self, offload_dir: str | os.PathLike):
         self.offload_dir = Path(offload_dir)
-        # (the folders it makes go again at close where nothing else is in them: an offload_dir inside a new
-        # output_dir would otherwise be taken for the user's by the next run there)
-        self._made = [p for p in (self.offload_dir, *self.offload_dir.absolute().parents) if not p.exists()]
-        self.offload_dir.mkdir(parents=True, exist_ok=True)
-        remove_stale(self.offload_dir)
+        # (the folders its own mkdir made go again at close where nothing else is in them: an offload_dir inside
+        # a new output_dir would otherwise be taken for the user's by the next run there; one another process
+        # made first is that one's)
+        self._made: list[Path] = []
         self.name = f"slideformer-{os.getpid()}-{secrets.token_hex(6)}"
         self.path = self.offload_dir / self.name
         pending = self.offload_dir / f".{self.name}.new"
-        pending.mkdir(mode=0o700)
+        for attempt in range(3):  # (another run that made the folder may remove it, empty, as this one starts)
+            for p in reversed((self.offload_dir.absolute(), *self.offload_dir.absolute().parents)):
+                if not p.exists():
+                    with contextlib.suppress(FileExistsError):
+                        p.mkdir()
+                        self._made.insert(0, p)  # (deepest first)
+            try:
+                remove_stale(self.offload_dir)
+                pending.mkdir(mode=0o700)
+                break
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
+            except BaseException:
+                self._remove_made()
+                raise
         self._fd = -1
         try:
             self._fd = os.open(pending / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -175,8 +189,14 @@ class OwnedDir:
         except BaseException:
             self._release()
             shutil.rmtree(pending, ignore_errors=True)
+            self._remove_made()
             raise
         atexit.register(self.close)
+
+    def _remove_made(self) -> None:
+        for made in self._made:  # (deepest first; one another run's files are in stays)
+            with contextlib.suppress(OSError):
+                made.rmdir()
 
     def _release(self) -> None:
         with _held_lock:
@@ -204,9 +224,7 @@ class OwnedDir:
         finally:
             shutil.rmtree(self.path, ignore_errors=True)
             self._release()
-            for made in self._made:  # (deepest first; one another run's files are in stays)
-                with contextlib.suppress(OSError):
-                    made.rmdir()
+            self._remove_made()
 
 
 def _open(path: Path, direct: bool) -> tuple[int, bool]:

@@ -107,8 +107,10 @@ class ModelAdapter:
                                             "SDPA; set attn_implementation: eager") from None
             raise UnsupportedModelError(f"model_type {model_type!r}: not a causal language model transformers "
                                         f"knows ({e})") from None
-        if type(self.skeleton.config) is not type(config):  # (a composite config: its causal LM is built from its text part,
-            config = self.config = self.skeleton.config  # whose keys the checks and masks below must read)
+        if type(self.skeleton.config) is not type(config):  # (a composite config: its causal LM built from a part)
+            raise UnsupportedModelError(f"model_type {model_type!r}: a composite config whose causal LM is built from "
+                                        f"its {type(self.skeleton.config).__name__} part, which the engine's checks, "
+                                        "masks and export would not read; not supported yet")
         if missing := _structure_missing(self.skeleton) or _noise(config):
             raise UnsupportedModelError(f"model_type {model_type!r}: {missing}; slideformer trains decoder-only "
                                         f"models such as {', '.join(SUPPORTED_MODEL_TYPES)}")

@@ -654,13 +654,16 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             try:
                 loss = engine.train_step([parallel.local_rows(mb, ranks) for mb in mbs] if ranks else mbs)
             except Exception as e:  # (the NVMe tier's disk, a worker's: what the user can resume from, said with it)
-                disk = e
-                while disk is not None and not (isinstance(disk, OSError) and disk.strerror):
+                from ..cli import _exit_code
+
+                disk = e  # (through the wrappers the CLI looks through: those without an exit code of their own)
+                while disk is not None and _exit_code(disk) is None:
                     disk = disk.__cause__
-                if disk is None:
+                if not (isinstance(disk, OSError) and disk.strerror):
                     raise
-                kept = f"the last checkpoint ({last_saved}) is intact" if last_saved else "no checkpoint was saved"
-                raise OSError(disk.errno, f"step {step + 1}: {disk.strerror}; {kept}") from e
+                kept = f"the last checkpoint ({last_saved}) is intact" if last_saved else \
+                    f"it resumed from {resume}" if resume else "no checkpoint was saved"
+                raise OSError(disk.errno, f"{disk.strerror} in step {step + 1} ({kept})", disk.filename) from e
             if settled is None:  # (the first step has built what the run keeps: heap.py)
                 settled = heap.settle()
             norm = engine.last_grad_norm

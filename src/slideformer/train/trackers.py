@@ -39,13 +39,14 @@ def client(name: str):
 
     module = {"tensorboard": "torch.utils.tensorboard"}.get(name, name)
     package = {"mlflow": "mlflow-skinny"}.get(name, name)
-    try:
-        import importlib
+    import importlib
+    import importlib.util
 
+    try:
         return importlib.import_module(module)
-    except ImportError:
-        raise ConfigError(f"report_to: {name} needs its client (pip install {package})") from None
     except Exception as e:
+        if isinstance(e, ImportError) and importlib.util.find_spec(name) is None:
+            raise ConfigError(f"report_to: {name} needs its client (pip install {package})") from None
         raise ConfigError(f"report_to: {name} is installed but cannot be imported ({type(e).__name__}: "
                           f"{(str(e).splitlines() or [''])[0][:200]}); reinstall it, or leave {name} out of "
                           "report_to") from None
