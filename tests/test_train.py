@@ -300,7 +300,7 @@ def test_train_refuses_what_the_host_cannot_hold(tmp_path, monkeypatch):
 
 def test_nvme_settings_reach_the_engine(tmp_path):
     r = train(cfg(tmp_path / "o", "max_steps=2", f"offload.offload_dir={tmp_path / 'nvme'}", "offload.nvme_fraction=0.5"))
-    assert r["steps"] == 2 and not list((tmp_path / "nvme").iterdir())
+    assert r["steps"] == 2 and not (tmp_path / "nvme").exists()  # (the tier's folder, made by the run, goes with it)
 
 
 def test_packing_trains_and_resumes(tmp_path):
