@@ -256,6 +256,20 @@ def test_an_offload_dir_inside_a_new_output_dir_is_the_runs_own(tmp_path, capsys
     assert not (tmp_path / "run2").exists() and (tmp_path / "afile").read_text() == "mine"
 
 
+def test_a_folder_another_rank_is_taking_is_not_refused_as_foreign(tmp_path):
+    """Under torchrun every rank checks the output folder, and rank 0 takes it meanwhile: a rank that looks
+    while rank 0's mark is being written (its lock and the mark's temporary file there, no mark yet) sees
+    a folder being taken, not one holding content that is not slideformer's (which refused that rank,
+    exit 2, and its job lost it)."""
+    from slideformer.train.outdir import LOCK_FILE, RUN_FILE, OutputDir
+
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / LOCK_FILE).write_text("")
+    (out / (RUN_FILE + ".tmp")).write_text('{"run_id": "ab')
+    assert OutputDir.check(out, resume="auto", overwrite=False).fresh
+
+
 def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path, capsys):
     from slideformer.train.outdir import OutputDir
 

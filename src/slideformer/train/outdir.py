@@ -116,8 +116,10 @@ class OutputDir:
             elif branch:
                 run_id = None  # (a branch where no checkpoint of the folder's run is: a run of its own)
         elif out.is_dir() and not overwrite:
-            shown = sorted(p.name for p in out.iterdir()  # (the error logs: a failed start's, any rank's)
-                           if p.name != LOCK_FILE and not (p.name.startswith(ERROR_LOG[:-4]) and p.suffix == ".log"))
+            shown = sorted(p.name for p in out.iterdir()  # (the error logs: a failed start's, any rank's; the mark
+                           # being written: rank 0 taking the folder as another rank of its job looks)
+                           if p.name not in (LOCK_FILE, RUN_FILE + ".tmp")
+                           and not (p.name.startswith(ERROR_LOG[:-4]) and p.suffix == ".log"))
             if shown:
                 raise OutputDirError(
                     f"output_dir {out} is not empty ({', '.join(shown[:4])}{', ...' if len(shown) > 4 else ''}) and "
