@@ -546,7 +546,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
         start, epoch, offset = state["step"], state["epoch"], state["offset"]
         # (the run saved at an evaluation's step before it: pending unless its record made it to metrics.jsonl,
         # where a kill or a failure during the evaluation would have kept it from)
-        done = lambda: out.begun and out.logged_eval(start)  # noqa: E731  (the folder's metrics: this run's)
+        done = lambda: out.begun and any(  # noqa: E731  (the folder's metrics: this run's)
+            e["step"] == start for e in loss_curves(out.path / METRICS)[1])
         eval_pending = bool(state.get("eval_pending")) and \
             not (done() if ranks is None else parallel.from_leader(done))
         say(f"slideformer: resumed from {resume} at step {start}", flush=True)

@@ -303,20 +303,6 @@ class OutputDir:
         except OSError as e:
             raise OSError(e.errno, e.strerror, str(path)) from e
 
-    def logged_eval(self, step: int) -> bool:
-        """Whether metrics.jsonl holds an evaluation's record of ``step``."""
-        path = self.path / METRICS
-        if not path.is_file():
-            return False
-        for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
-            try:
-                rec = json.loads(line)
-                if rec.get("step") == step and "eval_loss" in rec:
-                    return True
-            except (ValueError, AttributeError):
-                continue
-        return False
-
     def trim_metrics(self, step: int) -> None:
         """Drop logged records past ``step`` (a resumed run logs those steps again)."""
         path = self.path / METRICS
