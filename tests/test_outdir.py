@@ -426,7 +426,7 @@ def test_a_run_that_ends_before_its_first_metric_removes_the_tracker_folders_it_
     for made in ("mlruns/0/meta.yaml", "tensorboard/events.out.tfevents.1", "wandb/offline-run-1/files/x"):
         (out / made).parent.mkdir(parents=True, exist_ok=True)
         (out / made).write_text("the run's")
-    run.close(ok=False)
+    run.close()
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == \
         ["wandb", "wandb/notes.txt", "wandb/offline-run-1", "wandb/offline-run-1/files", "wandb/offline-run-1/files/x"]
 
@@ -556,3 +556,16 @@ def test_resuming_a_run_of_another_model_is_refused_or_said(tmp_path, capsys, mo
     assert tree(out) == before
     assert run(out, "max_steps=3", f"model_name_or_path={hf}", data, f"resume_from_checkpoint={out}/checkpoint-2") == 0
     assert "is of a run of model tiny; this run names" in capsys.readouterr().err
+
+
+def test_a_branch_with_nothing_to_train_names_its_checkpoint_and_leaves_no_folder(tmp_path, capsys):
+    """A run resumed from another folder's checkpoint already at max_steps writes nothing: it says which
+    checkpoint holds the run, and the new output folder is not made (or marked, so a later run there is a
+    new one, not refused)."""
+    assert run(tmp_path / "a", "max_steps=2") == 0
+    capsys.readouterr()
+    branch = tmp_path / "b"
+    assert run(branch, "max_steps=2", f"resume_from_checkpoint={tmp_path / 'a' / 'checkpoint-2'}") == 0
+    assert f"nothing to train: the run is already at step 2 (checkpoint: {tmp_path / 'a' / 'checkpoint-2'})" \
+        in capsys.readouterr().out
+    assert not branch.exists()

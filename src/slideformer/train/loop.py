@@ -405,12 +405,9 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
         with engine:
             result = _loop(cfg, signals, engine, out, resume, tok, examples, skipped, dropped, total, warmup, device,
                            held)
-    except BaseException:
+    finally:
         if lead:
-            out.close(ok=False)
-        raise
-    if lead:
-        out.close()
+            out.close()
     return result
 
 
@@ -771,7 +768,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             _plot_loss(out.path / METRICS, out.path / "loss.png")
     return {"status": status, "signal": signum, "steps": step, "history": history, "evals": evals,
             "lead": lead,
-            "checkpoint": str(last_saved) if last_saved else None,
+            # (a branch, resumed from another folder's checkpoint, that has saved none of its own: that one)
+            "checkpoint": str(last_saved or resume) if last_saved or resume else None,
             # (read as the steps reach them: the records met so far)
             "skipped_records": skipped + getattr(examples, "skipped", 0),
             "dropped_samples": dropped + getattr(examples, "dropped", 0), "dropped_steps": dropped_steps,

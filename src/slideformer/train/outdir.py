@@ -8,8 +8,9 @@ A folder that holds anything but no mark is refused, unless ``overwrite_output_d
 ``check`` decides with no side effect (refusals come before any work); ``open`` takes the folder under a
 lock held for the run (the kernel drops it with the process), deciding again under it; ``begin``, at the
 run's first write (a metric or a checkpoint), replaces an earlier run's mark, metrics and TensorBoard
-event files (those its writer named: ``events_suffix``; until then a failure, a signal or a kill leaves them: the earlier run's ``auto`` resume still
-works); a new run that fails before it leaves the folder as it found it (``close(ok=False)``).
+event files (those its writer named: ``events_suffix``; until then a failure, a signal or a kill leaves them: the
+earlier run's ``auto`` resume still works); a new run that ends before it leaves the folder as it found it
+(``close``).
 """
 from __future__ import annotations
 
@@ -143,13 +144,14 @@ class OutputDir:
             out.mkdir(parents=True, exist_ok=True)
             self._lock = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as e:
-            self.close(ok=False)  # (a folder it made goes again)
+            self.close()  # (a folder it made goes again)
             raise OSError(e.errno, f"cannot write to output_dir {out}: {e.strerror}; make it writable or choose "
                                    "another output_dir") from e
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self.close()
+        except OSError:  # (the lock and the folder's files are the other run's: nothing here to undo)
+            os.close(self._lock)
+            self._lock = None
             raise OutputDirError(f"output_dir {out} is in use by another slideformer run; wait for it to end, or "
                                  "choose another output_dir") from None
         try:  # decided again under the lock: another run may have taken the folder since check()
@@ -163,7 +165,7 @@ class OutputDir:
             try:
                 self._replace(out / RUN_FILE, lambda p: _write_atomic(p, json.dumps({"run_id": self.run_id}) + "\n"))
             except OSError:
-                self.close(ok=False)
+                self.close()
                 raise
         return self
 
@@ -199,11 +201,11 @@ class OutputDir:
             raise OSError(e.errno, f"cannot write {path}: {e.strerror}; make output_dir writable, free space there, "
                                    "or choose another output_dir") from e
 
-    def close(self, ok: bool = True) -> None:
-        """Release the folder. A new run that ends with an error before it wrote a checkpoint or a metric
-        (``ok`` False) leaves the folder as it found it: no mark or lock file it made, no trackers' folder it
-        made (else the folder, unmarked, would refuse the same run again), no folder it made."""
-        if not ok and not self.begun:
+    def close(self) -> None:
+        """Release the folder. A new run that ends before it wrote a checkpoint or a metric (with an error, or
+        with nothing to train) leaves the folder as it found it: no mark or lock file it made, no trackers'
+        folder it made (else the folder, unmarked, would refuse the same run again), no folder it made."""
+        if not self.begun:
             held = getattr(self, "_lock", None) is not None  # (only under its lock: no other run's)
             for name in {RUN_FILE, LOCK_FILE} - self.found if held else ():
                 (self.path / name).unlink(missing_ok=True)
