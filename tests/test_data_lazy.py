@@ -119,7 +119,7 @@ def test_a_dataset_larger_than_its_share_of_ram_is_read_in_bounded_ram(tmp_path)
     examples, _, _ = build_examples(c, tok, None, lazy=True)
     order, offset = _permutation(len(examples), 0, 0), 0
     for _ in range(50):
-        mb, offset = _draw(examples, order, offset, 8, False, 256, tok.pad_token_id)
+        mb, offset, _ = _draw(examples, order, offset, 8, False, 256, tok.pad_token_id)
     assert mb["input_ids"].shape[0] == 8 and offset == 400
     assert rss_bytes() - before < 64 * 2**20  # (about 23 MiB: the index and the scan's buffers)
 

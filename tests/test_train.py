@@ -317,6 +317,18 @@ def test_packing_trains_and_resumes(tmp_path):
     assert all(torch.equal(ma[k], mb[k]) for k in ma)
 
 
+@pytest.mark.parametrize("packing", [True, False])
+def test_a_micro_batchs_tokens_leave_out_its_padding(packing):
+    """tokens_per_s and tflops count the samples' tokens: a packed row's unused tail, as a padded row's end,
+    is no work done (packed rows were counted whole)."""
+    from slideformer.train.loop import _draw
+
+    examples = [(list(range(n)), list(range(n))) for n in (30, 20, 50, 40)]
+    mb, offset, tokens = _draw(examples, [0, 1, 2, 3], 0, 2, packing, 64, 0)
+    assert (offset, tokens) == ((3, 100) if packing else (2, 50))  # (packed: 30+20 | 50; 40 would start a third)
+    assert mb["input_ids"].shape == ((2, 64) if packing else (2, 30))
+
+
 @pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("accum", [1, 3])
 def test_num_train_epochs_is_that_many_passes_over_the_samples(tmp_path, packed, accum):

@@ -130,12 +130,13 @@ def pack_batch(examples: list[tuple[list[int], list[int]]], rows: int, length: i
     sequences, so attention never crosses a sample boundary, and the engine drops the one target that
     would (the first token of a sample predicted from the previous one). Examples are placed in order,
     first fit; one that does not fit in what is left of a row starts the next. Unused tail tokens are
-    padding (their own "sample", never a target).
+    padding (their own "sample", never a target). ``examples_used`` and ``tokens_used`` (the tokens not
+    padding) are ints beside the tensors.
     """
     ids = torch.full((rows, length), pad_id, dtype=torch.long)
     labels = torch.full((rows, length), -100, dtype=torch.long)
     pos = torch.zeros((rows, length), dtype=torch.long)
-    r, col, used = 0, 0, 0
+    r, col, used, tokens = 0, 0, 0, 0
     for x, y in examples:
         n = min(len(x), length)
         if col + n > length:
@@ -148,7 +149,7 @@ def pack_batch(examples: list[tuple[list[int], list[int]]], rows: int, length: i
         labels[r, col: col + n] = torch.tensor(y[:n])
         pos[r, col: col + n] = torch.arange(n)
         col += n
-        used += 1
+        used, tokens = used + 1, tokens + n
     if r < rows and col < length:
         pos[r, col:] = torch.arange(length - col)
-    return {"input_ids": ids, "labels": labels, "position_ids": pos, "examples_used": used}
+    return {"input_ids": ids, "labels": labels, "position_ids": pos, "examples_used": used, "tokens_used": tokens}

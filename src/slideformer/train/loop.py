@@ -630,7 +630,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             evaluate(step)
             t_last = time.perf_counter()  # (the next logged interval's throughput is of steps alone)
         while step < total:
-            mbs = []
+            mbs, step_tokens = [], 0
             for _ in range(cfg.gradient_accumulation_steps):
                 rows = cfg.micro_batch_size * world
                 drawn = _draw(examples, order, offset, rows, cfg.packing, cfg.cutoff_len, tok.pad_token_id)
@@ -645,8 +645,9 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                         n = len(drawn[0]["input_ids"])
                         raise DataError(f"the dataset has {n} sample(s), fewer than the {world} processes, each of "
                                         f"which trains rows of every micro-batch; use nproc_per_node: {n} or more data")
-                mb, offset = drawn
+                mb, offset, tokens = drawn
                 mbs.append(mb)
+                step_tokens += tokens
             lr = lr_at(step, cfg.learning_rate, cfg.lr_scheduler_type, warmup, total)
             engine.set_lr(lr)
             try:
@@ -705,8 +706,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             dog.progress()
             targets = engine.last_step_targets  # (the loss's denominator: packed rows drop the sample starts')
             loss_sum, targets_since = loss_sum + loss * targets, targets_since + targets
-            tokens_since += sum(m["input_ids"].numel() if m["attention_mask"] is None  # packed: full rows
-                                else int(m["attention_mask"].sum()) for m in mbs)
+            tokens_since += step_tokens
             step += 1
             if step % cfg.logging_steps == 0 or step == total:
                 now = time.perf_counter()
@@ -836,8 +836,8 @@ def _samples(examples, order, offset: int):
 
 
 def _draw(examples, order, offset: int, rows: int, packing: bool, length: int, pad_id: int, short: bool = False):
-    """The next micro-batch of ``rows`` rows from ``offset`` in this epoch's ``order``, and the offset after
-    it; None where the epoch has not enough left: no sample (packed: as many as fill the rows of ``length``
+    """The next micro-batch of ``rows`` rows from ``offset`` in this epoch's ``order``, the offset after it
+    and its tokens (padding not counted); None where the epoch has not enough left: no sample (packed: as many as fill the rows of ``length``
     tokens), or fewer than ``rows`` (unpacked; with ``short``, a dataset smaller than that, what there is)."""
     if packing:
         ends = []
@@ -847,15 +847,16 @@ def _draw(examples, order, offset: int, rows: int, packing: bool, length: int, p
                 ends.append(end)
                 yield e
         mb = pack_batch(fill(), rows, length, pad_id)
-        used = mb.pop("examples_used")
+        used, tokens = mb.pop("examples_used"), mb.pop("tokens_used")
         if not used:
             return None
         mb["attention_mask"] = None
-        return mb, ends[used - 1]
+        return mb, ends[used - 1], tokens
     picked = list(itertools.islice(_samples(examples, order, offset), rows))
     if not picked or (len(picked) < rows and not short):
         return None
-    return pad_batch([e for e, _ in picked], pad_id), picked[-1][1]
+    mb = pad_batch([e for e, _ in picked], pad_id)
+    return mb, picked[-1][1], int(mb["attention_mask"].sum())
 
 
 def _packed_rows(examples: list, order, length: int) -> int:
