@@ -589,6 +589,24 @@ def test_a_worker_threads_disk_error_is_an_io_error(tmp_path, capsys, monkeypatc
     assert "No space left on device" in line and f"({tmp_path / 'o2' / 'checkpoint-1'}) is intact" in line
 
 
+def test_a_tier_larger_than_its_disk_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """train plans the NVMe tier within the free space of offload_dir's disk, as `slideformer plan` does: one
+    line with the sizes and the fixes (exit 3) before the model loads, not a full disk at the first
+    reservation; a tier that an ended run left there counts as free (it is removed first)."""
+    import slideformer.machine
+    from slideformer.engine.engine import SlideEngine
+
+    stale = tmp_path / "nvme" / "slideformer-999999999-abcdef123456"
+    stale.mkdir(parents=True)
+    (stale / "moments.bin").write_bytes(b"x" * 4096)
+    monkeypatch.setattr(slideformer.machine, "disk_free", lambda path: 100 * 2**10)
+    monkeypatch.setattr(SlideEngine, "from_config", lambda *a, **k: pytest.fail("the model loaded"))
+    assert main(FAST + [f"output_dir={tmp_path}/o", f"offload.offload_dir={tmp_path}/nvme", "offload.nvme_fraction=1",
+                        "max_steps=1"]) == 3
+    one_line(capsys, "the NVMe tier needs about", f"offload.offload_dir {tmp_path}/nvme", "MiB free there", "a smaller offload.nvme_fraction")
+    assert not stale.exists() and not (tmp_path / "o").exists()
+
+
 def test_a_run_refused_after_taking_its_folder_leaves_none(tmp_path, capsys, monkeypatch):
     """Refused once the folder is locked and marked (here: the model cannot be built), a new run leaves no
     mark, no lock and no folder it made; in a folder it was allowed to overwrite, no mark either."""

@@ -227,7 +227,8 @@ def _resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: 
             problem, binds = (f"{short}; free space, point it at a larger disk, or use "
                               + ("" if cfg.optimizer_state == "8bit"
                                  else f"denser optimizer state ({prefix}optimizer_state: 8bit) or ")
-                              + f"more RAM ({prefix}host_memory_limit)"), "disk"
+                              + (f"more RAM ({prefix}host_memory_limit)" if auto.nvme_fraction
+                                 else f"a smaller {prefix}nvme_fraction")), "disk"
         elif binds == "host":  # (both short: the fix for RAM alone would meet the disk's next)
             problem = f"{problem}; and {short}"
     return Plan(cfg, placement, gpu, limit, host, problem, binds, shape)

@@ -394,7 +394,11 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
         if (note := template_report(cfg, tok)[1]) and (ranks is None or ranks.leader):
             print(f"slideformer: {note}", file=sys.stderr, flush=True)
         examples, skipped, dropped, held, total, warmup = _training_data(cfg, tok, hf_config, ecfg, ranks)
-        ecfg = resolve_engine(cfg, hf_config, ecfg, examples, Machine.detect(device))
+        machine = Machine.detect(device)
+        if o.offload_dir:  # (the tier is planned within the disk's free space, once what ended runs left is gone)
+            free = functools.partial(_tier_disk, o.offload_dir)  # (rank 0's: one plan for every rank)
+            machine = dataclasses.replace(machine, disk=free() if ranks is None else parallel.from_leader(free))
+        ecfg = resolve_engine(cfg, hf_config, ecfg, examples, machine)
         try:  # (the engine's own refusals, before it allocates, in the config's key names)
             if cfg.model_name_or_path == "tiny":
                 engine = SlideEngine.from_config(hf_config, ecfg)
@@ -409,6 +413,17 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
         if lead:
             out.close()
     return result
+
+
+def _tier_disk(offload_dir: str) -> int:
+    """Bytes the NVMe tier may take under ``offload_dir``: its disk's free space, after removing the tiers
+    of processes that ended (what the tier's own start would remove)."""
+    from ..host.nvme import remove_stale
+    from ..machine import disk_free
+
+    if os.path.isdir(offload_dir):
+        remove_stale(offload_dir)
+    return disk_free(offload_dir)
 
 
 def _resume_point(cfg: TrainConfig, out: OutputDir, ranks, resume):
