@@ -265,8 +265,8 @@ def cmd_plan(args) -> int:
             verdict = (f"does NOT fit host RAM: {processes_over(args.nproc_per_node, allowance)} allowed "
                        + ("(--host-memory-limit" + share + ")" if args.host_memory_limit else
                           f"(95% of {gib(cpu_limit)}, {'--cpu-memory' if args.cpu_memory else 'this machine'}{share})"))
-        if (short := (plan.problem or "").rfind("; and the NVMe tier needs")) >= 0:  # (the disk short too: said with it)
-            verdict += plan.problem[short:]
+        if plan.disk_short:  # (the disk short too: said with it)
+            verdict += f"; and {plan.disk_short}"
     out["verdict"] = verdict
     out["predicted_step_s"] = timing["step_s"]
     out["predicted_tokens_per_s"] = args.batch_size * args.seq_len / timing["step_s"]

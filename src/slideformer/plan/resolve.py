@@ -58,6 +58,7 @@ class Plan:
     problem: str | None = None  # what does not fit, naming the resource and the settings that would help
     binds: str | None = None  # "gpu", "host" or "disk" where it does not fit
     shape: ModelShape | None = None  # the model as planned: with data parallel, its ranks (``predicted_step``)
+    disk_short: str | None = None  # the NVMe tier's size against the disk's free space, where it does not fit
 
     @property
     def fits(self) -> bool:
@@ -218,7 +219,7 @@ def _resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: 
             check_host_fits(host, ram, cfg, prefix=prefix, ranks=machine.ranks)
         except DoesNotFit as e:
             problem, binds = str(e), "host"
-    disk = tier_bytes(cfg, shape, batch, seq, placement)
+    disk, short = tier_bytes(cfg, shape, batch, seq, placement), None
     if free is not None and disk > free:
         each = f" ({machine.ranks} processes' tiers)" if machine.ranks > 1 else ""
         short = f"the NVMe tier needs about {fmt_bytes(disk * machine.ranks)} under {prefix}offload_dir " \
@@ -231,7 +232,7 @@ def _resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: 
                                  else f"a smaller {prefix}nvme_fraction")), "disk"
         elif binds == "host":  # (both short: the fix for RAM alone would meet the disk's next)
             problem = f"{problem}; and {short}"
-    return Plan(cfg, placement, gpu, limit, host, problem, binds, shape)
+    return Plan(cfg, placement, gpu, limit, host, problem, binds, shape, short)
 
 
 def _seconds(cfg, shape: ModelShape, batch: int, seq: int, p: Layout, rates: MachineRates, **kw) -> float:
