@@ -156,3 +156,36 @@ def test_a_tensorboard_folder_it_cannot_write_is_one_line_naming_it(tmp_path, ca
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"cannot write TensorBoard's events in {out / 'tensorboard'}" in err
     assert "leave tensorboard out of report_to" in err and (out / "tensorboard").read_text() == "not a folder"
+
+
+def test_a_tracker_failing_mid_run_is_said_once_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
+    """A full disk under tensorboard/ (or a tracking server gone) at step 2: one line naming the tracker and
+    the error, the run trains to its end and saves (stopping would lose the steps since the last checkpoint),
+    and metrics.jsonl holds every step."""
+    import errno
+    import json
+
+    import mlflow
+    from torch.utils.tensorboard import SummaryWriter
+
+    from slideformer.cli import main
+
+    real, calls = SummaryWriter.add_scalar, []
+
+    def full(self, *a, **k):
+        calls.append(a)
+        if a[-1] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(SummaryWriter, "add_scalar", full)
+    monkeypatch.setattr(mlflow, "log_metrics", lambda *a, **k: (_ for _ in ()).throw(ConnectionError("server gone")))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out = tmp_path / "o"
+    assert main(["train"] + FAST + [f"output_dir={out}", "report_to=[tensorboard,mlflow]", "max_steps=4"]) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if "report_to" in line]
+    assert len(err) == 2 and "report_to mlflow failed at step 1 (ConnectionError: server gone)" in err[0]
+    assert "report_to tensorboard failed at step 2" in err[1] and "No space left on device" in err[1]
+    assert max(a[-1] for a in calls) == 2  # (written no more)
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert (out / "checkpoint-4").is_dir()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from pathlib import Path
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
@@ -115,16 +116,31 @@ class Trackers:
             self._mlflow = mlflow
 
     def scalars(self, values: dict, step: int, prefix: str) -> None:
-        """``values`` (None entries skipped) as ``prefix/name`` at ``step``."""
+        """``values`` (None entries skipped) as ``prefix/name`` at ``step``. A tracker that fails here (a full
+        disk, a server gone) is said once and written no more: the run goes on, metrics.jsonl holds every
+        record, and stopping would cost the steps since the last checkpoint."""
         values = {f"{prefix}/{k}": float(v) for k, v in values.items() if v is not None}
         if self._tb is not None:
-            with self._writing():
-                for k, v in values.items():
-                    self._tb.add_scalar(k, v, step)
+            with self._dropping("tensorboard", f"at step {step}"):
+                with self._writing():
+                    for k, v in values.items():
+                        self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
-            self._wandb.log(values, step=step)
+            with self._dropping("wandb", f"at step {step}"):
+                self._wandb.log(values, step=step)
         if self._mlflow is not None:
-            self._mlflow.log_metrics({k.replace("/", "_"): v for k, v in values.items()}, step=step)
+            with self._dropping("mlflow", f"at step {step}"):
+                self._mlflow.log_metrics({k.replace("/", "_"): v for k, v in values.items()}, step=step)
+
+    @contextlib.contextmanager
+    def _dropping(self, name: str, when: str):
+        try:
+            yield
+        except Exception as e:
+            print(f"slideformer: report_to {name} failed {when} ({type(e).__name__}: "
+                  f"{(str(e).splitlines() or [''])[0][:300]}): written no more this run; metrics.jsonl has every "
+                  "record", file=sys.stderr, flush=True)
+            setattr(self, {"tensorboard": "_tb", "wandb": "_wandb", "mlflow": "_mlflow"}[name], None)
 
     @contextlib.contextmanager
     def _writing(self):
@@ -137,12 +153,14 @@ class Trackers:
 
     def close(self) -> None:
         if self._tb is not None:
-            with self._writing():
+            with self._dropping("tensorboard", "as the run closed it"), self._writing():
                 self._tb.close()
         if self._wandb is not None:
-            self._wandb.finish()
+            with self._dropping("wandb", "as the run closed it"):
+                self._wandb.finish()
         if self._mlflow is not None:
-            self._mlflow.end_run()
+            with self._dropping("mlflow", "as the run closed it"):
+                self._mlflow.end_run()
 
 
 def _flat(meta: dict, prefix: str = "") -> dict:
