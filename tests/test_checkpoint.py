@@ -153,6 +153,35 @@ def test_random_init_draws_large_matrices_in_blocks(monkeypatch):
     assert 0.015 < float(w.std()) < 0.025
 
 
+def test_save_pretrained_keeps_the_source_models_sampling_defaults(tmp_path):
+    """An engine made by from_pretrained writes the folder's generation_config.json with its weights (generate
+    reads its eos and sampling from there); one from a config or a module has none to write."""
+    from transformers import GenerationConfig
+
+    build("llama").save_pretrained(tmp_path / "src")
+    GenerationConfig(eos_token_id=[2, 7], temperature=0.6, do_sample=True).save_pretrained(tmp_path / "src")
+    with SlideEngine.from_pretrained(tmp_path / "src", engine_config(**CPU)) as eng:
+        eng.save_pretrained(tmp_path / "out")
+        eng.save_pretrained(tmp_path / "src")  # (over its own source: the file stays as it is)
+    assert GenerationConfig.from_pretrained(tmp_path / "out").eos_token_id == [2, 7]
+    assert GenerationConfig.from_pretrained(tmp_path / "src").temperature == 0.6
+    with SlideEngine(build("llama"), engine_config(**CPU)) as eng:
+        eng.save_pretrained(tmp_path / "mod")
+    assert not (tmp_path / "mod" / "generation_config.json").exists()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "gemma3", "olmo2"])
+def test_random_init_sets_norms_as_transformers_does(family):
+    """from_config's norms are transformers' init of them: 1, or 0 for Gemma's, which scale by 1 + weight (at
+    1 they started at twice their scale)."""
+    config = build(family).config
+    reference = AutoModelForCausalLM.from_config(config).state_dict()
+    with SlideEngine.from_config(config, engine_config(**CPU, attn_implementation="eager")) as e:
+        norms = {k: v for k, v in e.state_dict().items() if k.endswith("norm.weight")}
+    assert norms and all(torch.equal(v, reference[k]) for k, v in norms.items())
+    assert {float(v[0]) for v in norms.values()} == ({0.0} if family.startswith("gemma") else {1.0})
+
+
 @pytest.mark.parametrize("family", ["olmo2", "phi3", "mistral-sliding", "granite", "cohere", "gemma3", "gemma", "gemma2",
                                     "qwen3-moe", "mixtral", "olmoe"])
 def test_each_familys_export_gives_the_engines_logits(tmp_path, family):

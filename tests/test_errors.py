@@ -108,6 +108,66 @@ def test_a_batch_is_read_as_transformers_reads_it(budget, monkeypatch):
     assert losses[0] == losses[2] and losses[1] == losses[3]
 
 
+def test_a_split_step_checks_its_shapes_before_it_splits(monkeypatch):
+    """Under a GPU budget the planner splits the step by rows: labels or a mask with other rows than input_ids
+    are refused as given (they were sliced to fit and trained), and a mapping that is not a dict (a tokenizer's
+    BatchEncoding) trains as the dict does."""
+    from collections import UserDict
+    from dataclasses import replace
+
+    from slideformer.engine import engine as engine_mod
+
+    real_fit = engine_mod.fit
+    monkeypatch.setattr(engine_mod, "fit", lambda *a, **k: replace(real_fit(*a, **k), micro_batch=1))
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    with SlideEngine(build("llama"), engine_config(**CPU, gpu_memory_limit="1GiB")) as eng:
+        for bad, said in (({"labels": torch.ones(3, 4, dtype=torch.long)}, r"labels shape \(3, 4\) differs from input_ids \(2, 4\)"),
+                          ({"attention_mask": torch.ones(5, 4)}, r"attention_mask shape \(5, 4\) differs")):
+            with pytest.raises(BatchError, match=said):
+                eng.train_step({"input_ids": ids, **bad})
+        as_dict = eng.evaluate({"input_ids": ids, "labels": ids}).loss
+        assert eng.evaluate(UserDict({"input_ids": ids, "labels": ids})).loss == as_dict
+
+
+def test_a_model_the_engine_cannot_train_as_given_is_refused(monkeypatch):
+    """SlideEngine(model): frozen parameters (it would train them), weights never loaded, a tensor its config
+    does not imply (it was broadcast or zero-filled into place), a path or a wrapper; torch.compile's wrapper
+    is the model. A failed load gives back the threads it started."""
+    import threading
+
+    from slideformer.checkpoint import CheckpointError
+
+    frozen = build("llama")
+    frozen.model.embed_tokens.weight.requires_grad_(False)
+    with pytest.raises(ConfigError, match=r"1 frozen parameter\(s\) \(requires_grad False, e.g. model.embed_tokens"):
+        SlideEngine(frozen, engine_config(**CPU))
+    with torch.device("meta"):
+        meta = build("llama")
+    with pytest.raises(CheckpointError, match="on the meta device: its weights were never loaded"):
+        SlideEngine(meta, engine_config(**CPU))
+    with pytest.raises(ConfigError, match=r"got str; for a model folder use SlideEngine.from_pretrained\(path\)"):
+        SlideEngine("models/llama", engine_config(**CPU))
+    with pytest.raises(ConfigError, match="a torch module with a config.*got ModuleDict"):
+        SlideEngine(torch.nn.ModuleDict({"inner": build("llama")}), engine_config(**CPU))
+
+    class Wrapper(torch.nn.Module):  # (as PEFT's: the model's config, its names under a prefix)
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+    with pytest.raises(CheckpointError, match=r"no parameter model.embed_tokens.weight \(it is wrapped"):
+        SlideEngine(Wrapper(build("llama")), engine_config(**CPU))
+    before = threading.active_count()
+    wider = build("llama")
+    wider.config.vocab_size = 120  # (the 97-row embedding's rows 97-119 were left at zero)
+    with pytest.raises(CheckpointError, match=r"model.embed_tokens.weight has shape \(97, 32\), its config implies \(120, 32\)"):
+        SlideEngine(wider, engine_config(**CPU))
+    assert threading.active_count() == before
+    model = build("llama")
+    with SlideEngine(torch.compile(model), engine_config(**CPU)) as eng:
+        assert all(torch.equal(v, model.state_dict()[k]) for k, v in eng.state_dict().items())
+
+
 def test_batch_longer_than_positions():
     with SlideEngine(build("llama"), engine_config(**CPU)) as eng:
         with pytest.raises(BatchError, match="sequence length 65 exceeds.*max_position_embeddings 64"):
@@ -119,6 +179,9 @@ def test_batch_longer_than_positions():
     ({"input_ids": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[1, 2]])}, "labels shape"),
     ({"input_ids": torch.tensor([[1, 2, 3]]), "labels": torch.full((1, 3), -100)}, "every label"),
     ({"tokens": [1, 2]}, "expected a dict with 'input_ids'"),
+    ({"input_ids": torch.tensor([[1, 2, 3]]), "label": torch.tensor([[1, 2, 3]])},
+     "'label' is not a key the engine reads; did you mean 'labels'"),
+    ({"input_ids": torch.tensor([[1, 2, 3]]), "atention_mask": torch.ones(1, 3)}, "did you mean 'attention_mask'"),
     ({"input_ids": torch.tensor([[1, 2, 3]]), "attention_mask": torch.ones(1, 2)}, "attention_mask shape"),
     ({"input_ids": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[1, 2, 97]])},
      r"labels must be -100 \(ignored\) or token ids in \[0, 97\), got 97"),
@@ -157,6 +220,8 @@ def test_bad_batches(bad, match, budget):
     (dict(host_weights="disk"), "host_weights"),
     (dict(host_memory_limit="lots"), "host_memory_limit: cannot read a memory size"),
     (dict(host_memory_limit=0), "host_memory_limit: a memory size must be > 0"),
+    (dict(gpu_memory_limit=24), "gpu_memory_limit=24 is 24 bytes, under 1 MiB: an int is bytes; write the unit, e.g. '24GiB'"),
+    (dict(gpu_memory_limit="100KiB"), "gpu_memory_limit='100KiB' is 102400 bytes, under 1 MiB: no budget a model fits"),
     (dict(host_memory_limit=float("inf")), "host_memory_limit: a memory size must be finite"),
     (dict(host_memory_limit=True), "host_memory_limit: cannot read a memory size"),
     (dict(optimizer_state="4bit"), "optimizer_state must be 'fp32', 'compact' or '8bit', got '4bit'"),
@@ -187,6 +252,13 @@ def test_bad_batches(bad, match, budget):
 def test_config_errors_name_the_fix(kw, match):
     with pytest.raises(ConfigError, match=match):
         engine_config(**{**CPU, **kw}).validate()
+
+
+def test_an_offload_dir_that_is_a_file_is_refused_before_any_work(tmp_path):
+    (tmp_path / "f").write_text("mine")
+    with pytest.raises(ConfigError, match=f"offload_dir {tmp_path / 'f'} is a file, not a folder"):
+        engine_config(**{**CPU, "offload_dir": tmp_path / "f"}).validate()
+    assert (tmp_path / "f").read_text() == "mine"
 
 
 def test_prefetch_depth_defaults_to_what_the_window_allows():

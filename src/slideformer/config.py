@@ -275,10 +275,17 @@ class EngineConfig:
             if getattr(self, key) is not None:
                 from .plan.memory import parse_bytes
 
+                from .plan.memory import MIN_SIZE
+
                 try:
-                    parse_bytes(getattr(self, key))
+                    n = parse_bytes(getattr(self, key))
                 except ValueError as e:
                     raise ConfigError(f"{key}: {e}") from None
+                if n < MIN_SIZE:  # (no model fits under it; an int is bytes: 24 was meant as GiB)
+                    x = getattr(self, key)
+                    raise ConfigError(f"{key}={x!r} is {n} bytes, under 1 MiB: " + (
+                        f"an int is bytes; write the unit, e.g. '{x}GiB'" if isinstance(x, (int, float))
+                        else "no budget a model fits"))
         if t.grad_chunk_elems < 1:
             raise ConfigError(f"grad_chunk_elems must be >= 1, got {t.grad_chunk_elems}")
         if p.host_grad_buffers is not None and p.host_grad_buffers < 1:
@@ -325,6 +332,9 @@ class EngineConfig:
                                       f"{'' if version == '2' else ' from its hopper/ folder'}); or use sdpa")
         if not 0.0 <= p.nvme_fraction <= 1.0:
             raise ConfigError(f"nvme_fraction must lie in [0, 1], got {p.nvme_fraction}")
+        if self.offload_dir is not None and os.path.exists(self.offload_dir) and not os.path.isdir(self.offload_dir):
+            raise ConfigError(f"offload_dir {self.offload_dir} is a file, not a folder; point it at a folder (it is "
+                              "made where missing) on a fast disk")
         if p.activations_to_nvme and self.offload_dir is None:
             raise ConfigError("activations_to_nvme writes offloaded layer inputs under offload_dir: set it too")
         if p.nvme_master:

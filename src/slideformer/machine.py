@@ -155,8 +155,6 @@ def disk_free(path) -> int:
 
 def describe() -> dict:
     """This machine in a benchmark record's words: the CPU's model, its cores, RAM and the GPU's memory."""
-    import os
-
     cpu = ""
     try:
         with open("/proc/cpuinfo") as f:

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -105,6 +106,7 @@ def _names(plan: list) -> list[str]:
 
 INDEX = "model.safetensors.index.json"
 CONFIG = "config.json"
+GENERATION = "generation_config.json"  # (the source model's sampling defaults: transformers' generate reads them)
 
 
 def _all_names(plan: list) -> list[str]:
@@ -240,11 +242,17 @@ def forget(backups: list[Path]) -> None:
 
 
 def pretrained_changes(out: Path, adapter: ModelAdapter, dtype: torch.dtype, staged: list[tuple[Path, Path]],
-                       owner: list[int] | None = None, rank: int = 0) -> tuple[list[tuple[Path, Path]], list[Path]]:
-    """What ``place`` does for an export: ``staged``, on rank 0 with the config (staged too) and an earlier
-    export's weight files that would shadow the new ones to remove."""
+                       owner: list[int] | None = None, rank: int = 0, source: Path | None = None
+                       ) -> tuple[list[tuple[Path, Path]], list[Path]]:
+    """What ``place`` does for an export: ``staged``, on rank 0 with the config (staged too), the source
+    model folder's sampling defaults (``generation_config.json``) and an earlier export's weight files that
+    would shadow the new ones to remove."""
     if rank != 0:
         return staged, []
+    generation = None if source is None else Path(source) / GENERATION
+    if generation is not None and generation.is_file() and generation.resolve() != (out / GENERATION).resolve():
+        staged = staged + [(staged_file(out / GENERATION, lambda p: shutil.copyfile(generation, p)),
+                            out / GENERATION)]
     cfg = adapter.config
     cfg.dtype = dtype
     if "transformers_weights" in cfg:  # (as transformers' save_pretrained: known on load, never saved)
@@ -254,12 +262,13 @@ def pretrained_changes(out: Path, adapter: ModelAdapter, dtype: torch.dtype, sta
 
 
 def place_pretrained(out: str | os.PathLike, adapter: ModelAdapter, dtype: torch.dtype,
-                     staged: list[tuple[Path, Path]], owner: list[int] | None = None, rank: int = 0) -> Path:
+                     staged: list[tuple[Path, Path]], owner: list[int] | None = None, rank: int = 0,
+                     source: Path | None = None) -> Path:
     """Rename what ``stage_pretrained`` wrote into place as one change (``place``), with what
     ``pretrained_changes`` adds. A failure drops the staged files."""
     out = Path(out)
     try:
-        staged, remove = pretrained_changes(out, adapter, dtype, staged, owner, rank)
+        staged, remove = pretrained_changes(out, adapter, dtype, staged, owner, rank, source)
         backups = place(staged, remove)
     except BaseException:
         drop_staged(staged)
@@ -269,10 +278,11 @@ def place_pretrained(out: str | os.PathLike, adapter: ModelAdapter, dtype: torch
 
 
 def save_pretrained(out: str | os.PathLike, adapter: ModelAdapter, store: HostStore, dtype: torch.dtype,
-                    owner: list[int] | None = None, rank: int = 0) -> Path:
+                    owner: list[int] | None = None, rank: int = 0, source: Path | None = None) -> Path:
     """A Hugging Face checkpoint of ``store``'s weights in ``dtype`` (one process's part, with ``owner``):
     written whole, or (weights not finite, a full disk) not at all over what ``out`` held."""
-    return place_pretrained(out, adapter, dtype, stage_pretrained(out, adapter, store, dtype, owner, rank), owner, rank)
+    return place_pretrained(out, adapter, dtype, stage_pretrained(out, adapter, store, dtype, owner, rank), owner, rank,
+                            source)
 
 
 class _StateMasters:

@@ -8,6 +8,7 @@ tensors are in.
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -138,7 +139,8 @@ INIT_PIECE = 1 << 26  # elements of a random matrix drawn at once on the device 
 
 
 def random_init(adapter: ModelAdapter, store: HostStore, seed: int = 0, device: str | torch.device = "cpu") -> None:
-    """Hugging Face's default init (normal(0, initializer_range), norms at 1, biases at 0), per unit.
+    """Hugging Face's default init (normal(0, initializer_range), norms as the model initialises them: at 1,
+    or 0 where they scale by 1 + weight; biases at 0), per unit.
 
     The random numbers are drawn on ``device``: on a GPU this takes seconds for billions of weights. A
     matrix over INIT_PIECE elements is drawn and stored in row blocks, so that neither the GPU nor the
@@ -151,7 +153,7 @@ def random_init(adapter: ModelAdapter, store: HostStore, seed: int = 0, device: 
     for u in adapter.units:
         for spec in u.params:
             if spec.key.endswith("norm.weight"):
-                v = torch.ones(spec.shape)
+                v = _norm_init(adapter.skeleton, spec.key, spec.shape)
             elif spec.key.endswith(".bias"):
                 v = torch.zeros(spec.shape)
             else:
@@ -164,11 +166,52 @@ def random_init(adapter: ModelAdapter, store: HostStore, seed: int = 0, device: 
             writer.put(u, spec, v)
 
 
+def _norm_init(skeleton: torch.nn.Module, key: str, shape: tuple) -> torch.Tensor:
+    """A norm's weight as transformers initialises it (its ``_init_weights`` on a copy of the module): 1, or 0
+    where the norm scales by 1 + weight (Gemma's); 1 where the model's init leaves it alone."""
+    try:
+        module = copy.deepcopy(skeleton.get_submodule(key.rsplit(".", 1)[0])).to_empty(device="cpu")
+        with torch.no_grad():
+            module.weight.fill_(float("nan"))
+        skeleton._init_weights(module)
+        v = module.weight.detach().float()
+        if tuple(v.shape) == tuple(shape) and bool(torch.isfinite(v).all()):
+            return v
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        pass
+    return torch.ones(shape)
+
+
+def trainable_module(model) -> torch.nn.Module:
+    """``model`` as ``SlideEngine(model)`` trains it: a Hugging Face causal LM whose weights are loaded and all
+    trainable (the engine updates every parameter, as AdamW over ``model.parameters()`` does where none is
+    frozen); ``torch.compile``'s wrapper is looked through (its parameters are the model's)."""
+    from ..config import ConfigError
+
+    model = getattr(model, "_orig_mod", model)
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise ConfigError(f"SlideEngine(model) takes a Hugging Face causal LM (a torch module with a config), got "
+                          f"{type(model).__name__}; for a model folder use SlideEngine.from_pretrained(path), for a "
+                          "config SlideEngine.from_config(config)")
+    if meta := [n for n, p in model.named_parameters() if p.device.type == "meta"]:
+        raise CheckpointError(f"model's {meta[0]} (and {len(meta) - 1} more) is on the meta device: its weights "
+                              "were never loaded; load them (from_pretrained), or use SlideEngine.from_pretrained")
+    if frozen := [n for n, p in model.named_parameters() if not p.requires_grad]:
+        raise ConfigError(f"model has {len(frozen)} frozen parameter(s) (requires_grad False, e.g. {frozen[0]}): "
+                          "slideformer trains every parameter (full fine-tuning) and would update them; unfreeze "
+                          "them (model.requires_grad_(True)), or train the frozen setup with plain PyTorch")
+    return model
+
+
 def load_state_from_module(model: torch.nn.Module, adapter: ModelAdapter, store: HostStore) -> None:
-    """Copy an in-memory Hugging Face model's weights into the store."""
+    """Copy an in-memory Hugging Face model's weights into the store (``trainable_module``'s)."""
     state = model.state_dict()
     writer = _UnitWriter(store)
     for key, (unit, spec) in adapter.checkpoint_keys().items():
         if key not in state:
-            raise CheckpointError(f"model has no parameter {key}")
+            raise CheckpointError(f"model has no parameter {key}" + (
+                " (it is wrapped: pass the Hugging Face model itself)" if any(k.endswith(key) for k in state) else ""))
+        if tuple(state[key].shape) != spec.shape:
+            raise CheckpointError(f"model's {key} has shape {tuple(state[key].shape)}, its config implies "
+                                  f"{spec.shape}; make model.config match the model")
         writer.put(unit, spec, state[key])

@@ -5,6 +5,7 @@ and what it returns is on the host, shifted for next-token prediction, ready to 
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,18 @@ class HostMicroBatch:
 
 
 KEYS = ("input_ids", "labels", "attention_mask", "position_ids")  # what a micro-batch's dict is read for
+
+
+def misspelt(key) -> str | None:
+    """The key of KEYS that ``key`` was meant as, where it is not one itself but close to one (``label``,
+    ``label_ids``, ``atention_mask``); other keys (a tokenizer's token_type_ids, pack_batch's counts) are
+    not read and pass."""
+    import difflib
+
+    if not isinstance(key, str) or key in KEYS:
+        return None
+    close = difflib.get_close_matches(key, KEYS, n=1, cutoff=0.75)
+    return close[0] if close else "labels" if key.startswith("label") else None
 
 
 def as_tensor(value, where: str, key: str) -> torch.Tensor:
@@ -48,8 +61,12 @@ def check_step(batch, vocab: int, max_positions: int | None, some_targets: bool 
     out, denom = [], 0
     for k, item in enumerate(items):
         where = f"micro-batch {k}" if len(items) > 1 else "batch"
-        if not isinstance(item, dict) or "input_ids" not in item:
+        if not isinstance(item, Mapping) or "input_ids" not in item:
             raise BatchError(f"{where}: expected a dict with 'input_ids' (and 'labels'), got {type(item).__name__}")
+        if typo := next((k for k in item if misspelt(k)), None):  # (read as absent: labels would be every token)
+            raise BatchError(f"{where}: {typo!r} is not a key the engine reads; did you mean "
+                             f"{misspelt(typo)!r}? (it reads {', '.join(KEYS)}; without labels every token "
+                             "the attention_mask keeps is a target)")
         ids = as_tensor(item["input_ids"], where, "input_ids")
         if ids.dim() == 1:
             ids = ids.unsqueeze(0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Mapping
 import json
 import math
 import os
@@ -34,7 +35,7 @@ from .. import parallel
 from ..checkpoint import CheckpointError, export, loader
 from ..checkpoint import state as ckpt_state
 from ..config import ConfigError, EngineConfig, float_dtype, learning_rate
-from ..data.batches import KEYS, BatchError, as_tensor, check_step
+from ..data.batches import KEYS, BatchError, as_tensor, check_step, misspelt
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter, bind_parameters
 from ..optim import native
@@ -157,9 +158,11 @@ def _one_caller(what: str):
 
 class SlideEngine:
     def __init__(self, model, cfg: EngineConfig | None = None):
-        """Train an in-memory Hugging Face causal LM; its weights are copied to host storage."""
+        """Train an in-memory Hugging Face causal LM. Its weights are copied to the engine's storage and
+        ``model`` itself is left as it is: ``state_dict`` and ``save_pretrained`` give the trained weights."""
+        model = loader.trainable_module(model)
         self._setup(copy.deepcopy(model.config), cfg)
-        loader.load_state_from_module(model, self.adapter, self.store)
+        self._loading(lambda: loader.load_state_from_module(model, self.adapter, self.store))
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, cfg: EngineConfig | None = None) -> "SlideEngine":
@@ -173,7 +176,8 @@ class SlideEngine:
                                   "`hf download ORG/NAME --local-dir DIR`)")
         self = cls.__new__(cls)
         self._setup(AutoConfig.from_pretrained(path), cfg)
-        loader.load_safetensors(path, self.adapter, self.store)
+        self._loading(lambda: loader.load_safetensors(path, self.adapter, self.store))
+        self._source = folder  # (its generation_config.json goes with save_pretrained's files)
         return self
 
     @classmethod
@@ -181,11 +185,21 @@ class SlideEngine:
         """Random initialisation from a Hugging Face config (benchmarks, tests)."""
         self = cls.__new__(cls)
         self._setup(copy.deepcopy(config), cfg)
-        loader.random_init(self.adapter, self.store, seed=self.cfg.seed, device=self.device)
+        self._loading(lambda: loader.random_init(self.adapter, self.store, seed=self.cfg.seed, device=self.device))
         return self
+
+    def _loading(self, load) -> None:
+        """``load()`` the weights; where it fails (a file that does not match, a signal), the threads and the
+        memory ``_setup`` took go back: the caller never gets this engine to close."""
+        try:
+            load()
+        except BaseException:
+            self.close(abort=True)
+            raise
 
     def _setup(self, hf_config, cfg: EngineConfig | None) -> None:
         self._caller = threading.RLock()
+        self._source: Path | None = None
         if cfg is not None and not isinstance(cfg, EngineConfig):
             raise ConfigError(f"cfg must be a slideformer.EngineConfig, got {type(cfg).__name__} (e.g. "
                               "EngineConfig(lr=1e-5, gpu_memory_limit='24GiB'))")
@@ -693,7 +707,7 @@ class SlideEngine:
     def _place(self, batch) -> list[dict]:
         """Split the step into the planner's micro-batches and set which layer inputs are offloaded."""
         items = list(batch) if isinstance(batch, (list, tuple)) else [batch]
-        if not all(isinstance(it, dict) and "input_ids" in it for it in items):
+        if not all(isinstance(it, Mapping) and "input_ids" in it and not any(map(misspelt, it)) for it in items):
             return items  # malformed: _prepare says what is wrong, every rank together
         try:
             ids = [as_tensor(it["input_ids"], "", "") for it in items]
@@ -724,6 +738,10 @@ class SlideEngine:
                 return items  # (refused there)
             if any(v.dim() == 0 for v in given.values()):
                 return items  # (no rows: refused there too)
+            full = tuple(given["input_ids"].shape)
+            if any(tuple(v.shape) != full and not (k == "position_ids" and tuple(v.shape) == (1, *full[1:]))
+                   for k, v in given.items()):
+                return items  # (shapes that do not match: refused there as given, not sliced to fit)
             pos = given.get("position_ids")
             if pos is not None and pos.dim() == 2 and pos.shape[0] == 1:  # one row for all: for each row
                 given["position_ids"] = pos.expand(rows, -1)
@@ -836,15 +854,16 @@ class SlideEngine:
 
     @_one_caller("save")
     def save_pretrained(self, out: str | os.PathLike, dtype: torch.dtype | None = None):
-        """Write a Hugging Face checkpoint (config + safetensors) that from_pretrained loads. Under several
-        ranks every rank calls it, and each writes the files of the units it owns."""
+        """Write a Hugging Face checkpoint (config + safetensors, and the source folder's generation_config.json
+        for an engine made by ``from_pretrained``) that from_pretrained loads. Under several ranks every rank
+        calls it, and each writes the files of the units it owns."""
         dtype = self.cfg.compute_dtype if dtype is None else float_dtype(dtype, "save_pretrained's dtype")
         if ckpt_state.is_checkpoint_dir(Path(out)):
             raise CheckpointError(f"{out} is a slideformer checkpoint: Hugging Face files written into it would no "
                                   "longer match its checksums; choose another folder")
         self.synchronize()
         if self.ranks is None:
-            return export.save_pretrained(out, self.adapter, self.store, dtype)
+            return export.save_pretrained(out, self.adapter, self.store, dtype, source=self._source)
         err, staged, rank = None, [], self.ranks.rank
         try:
             staged = export.stage_pretrained(out, self.adapter, self.store, dtype, self._owner, rank)
@@ -855,7 +874,7 @@ class SlideEngine:
         except BaseException:
             export.drop_staged(staged)
             raise
-        return export.place_pretrained(out, self.adapter, dtype, staged, self._owner, rank)
+        return export.place_pretrained(out, self.adapter, dtype, staged, self._owner, rank, self._source)
 
     def profile(self, reset: bool = True, timeline: bool = False) -> dict:
         """Seconds per category since the last call (needs ``tuning=Tuning(profile=True)``); with
