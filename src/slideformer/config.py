@@ -275,17 +275,10 @@ class EngineConfig:
             if getattr(self, key) is not None:
                 from .plan.memory import parse_bytes
 
-                from .plan.memory import MIN_SIZE
-
                 try:
-                    n = parse_bytes(getattr(self, key))
+                    parse_bytes(getattr(self, key))
                 except ValueError as e:
                     raise ConfigError(f"{key}: {e}") from None
-                if n < MIN_SIZE:  # (no model fits under it; an int is bytes: 24 was meant as GiB)
-                    x = getattr(self, key)
-                    raise ConfigError(f"{key}={x!r} is {n} bytes, under 1 MiB: " + (
-                        f"an int is bytes; write the unit, e.g. '{x}GiB'" if isinstance(x, (int, float))
-                        else "no budget a model fits"))
         if t.grad_chunk_elems < 1:
             raise ConfigError(f"grad_chunk_elems must be >= 1, got {t.grad_chunk_elems}")
         if p.host_grad_buffers is not None and p.host_grad_buffers < 1:

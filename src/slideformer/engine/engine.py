@@ -47,9 +47,9 @@ from ..model.recompute import LayerRecompute, mid_projection
 from ..model.fused_ops import apply_liger, liger_missing
 from ..model.fused_ops import resolve as resolve_fused_ops
 from ..machine import host_memory
-from ..plan.memory import (LOSS_CHUNK_TOKENS, ModelShape, Layout, back_visits, check_host_fits, config_host_bytes,
-                           embedding_by_rows, fit, fmt_bytes, mid_layers, nvme_layer_count, parse_bytes, saved_layers,
-                           speculative_spares)
+from ..plan.memory import (LOSS_CHUNK_TOKENS, MIN_SIZE, DoesNotFit, ModelShape, Layout, back_visits, check_host_fits,
+                           config_host_bytes, embedding_by_rows, fit, fmt_bytes, mid_layers, nvme_layer_count,
+                           parse_bytes, saved_layers, speculative_spares)
 from ..window.schedule import plan_step
 from .activations import ActivationStore
 from .embedding import step_rows
@@ -237,7 +237,14 @@ class SlideEngine:
         self._failed: str | None = None  # a step that raised midway (StepFailed)
         self._closed = False
         if self._limit is not None:  # refuse before allocating anything if not even one sequence fits
-            fit(self.shape, 1, 1, self._limit, Layout.of(self.cfg))
+            try:
+                fit(self.shape, 1, 1, self._limit, Layout.of(self.cfg))
+            except DoesNotFit as e:
+                x = self.cfg.gpu_memory_limit
+                if isinstance(x, (int, float)) and x < MIN_SIZE:  # (24 meant as GiB)
+                    raise DoesNotFit(f"{e} (gpu_memory_limit={x!r}: a number is bytes; for GiB write '{x}GiB')") \
+                        from None
+                raise
         # and if the host state alone (no layer inputs yet: they depend on the batch) is over the RAM
         local = parallel.local_world(self.ranks)
         check_host_fits(config_host_bytes(self.cfg, self.shape, 0, 1, Layout.of(self.cfg)), host_memory() // local,
