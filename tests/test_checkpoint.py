@@ -35,6 +35,16 @@ def test_missing_shard_is_named(tmp_path):
         SlideEngine.from_pretrained(tmp_path, engine_config(**CPU))
 
 
+def test_a_head_the_config_unties_and_the_files_lack_names_the_fix(tmp_path):
+    """A tied model's files (no lm_head.weight) under a config that says untied: the line names the key to
+    set, not only the tensor missing."""
+    build("qwen3-tied").save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    with pytest.raises(CheckpointError, match="holds no lm_head.weight.*set tie_word_embeddings: true"):
+        SlideEngine.from_pretrained(tmp_path, engine_config(**CPU))
+
+
 def test_truncated_shard_is_named(tmp_path):
     build("llama").save_pretrained(tmp_path)
     f = tmp_path / "model.safetensors"

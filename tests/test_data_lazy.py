@@ -83,13 +83,15 @@ def test_records_that_are_no_sample_are_counted_once_when_met(tmp_path, monkeypa
     d = tmp_path / "d.jsonl"
     d.write_text("\n".join([json.dumps({"text": f"sample {i}"}) for i in range(8)]
                            + ['{"text": "broken', json.dumps({"conversations": [{"from": "alien", "value": "x"}]}),
-                              "   ", json.dumps({"instruction": "word " * 60, "output": "x"})]) + "\n")
+                              "   ", json.dumps({"instruction": "word " * 60, "output": "x"}),
+                              json.dumps({"text": "word " * 60})]) + "\n")
     opts = [f"dataset=[{d}]", "skip_bad_records=true", "cutoff_len=32", "max_steps=8", "micro_batch_size=2"]
     up = train(cfg(tmp_path / "up", *opts))
     monkeypatch.setattr(memory, "DATA_RAM_SHARE", 0.0)
     reached = train(cfg(tmp_path / "lazy", *opts))
     assert (up["skipped_records"], up["dropped_samples"]) == (2, 1)
     assert (reached["skipped_records"], reached["dropped_samples"], reached["dropped_as_met"]) == (2, 1, 1)
+    assert reached["truncated_as_met"] == 1 and "truncated_as_met" in up and not up["truncated_as_met"]
     assert [h["loss"] for h in reached["history"]] == [h["loss"] for h in up["history"]] and reached["steps"] == 8
     # held out and read as reached, they are left out of evaluation as when tokenized up front
     held = train(cfg(tmp_path / "held", *opts, f"eval_dataset=[{d}]"))
@@ -97,7 +99,7 @@ def test_records_that_are_no_sample_are_counted_once_when_met(tmp_path, monkeypa
     capsys.readouterr()
     held_up = train(cfg(tmp_path / "held_up", *opts, f"eval_dataset=[{d}]"))
     (a,), (b,) = held["evals"], held_up["evals"]
-    assert a["eval_tokens"] == b["eval_tokens"] == 33 and a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-6)
+    assert a["eval_tokens"] == b["eval_tokens"] == 33 + 31 and a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-6)
     assert "eval_dataset: 2 record(s) skipped as malformed, 1 with no target token within cutoff_len; left out " \
         "of evaluation" in capsys.readouterr().err
 
@@ -116,7 +118,7 @@ def test_a_dataset_larger_than_its_share_of_ram_is_read_in_bounded_ram(tmp_path)
     c = cfg(tmp_path / "o", f"dataset=[{f}]", "cutoff_len=256")
     tok = load_tokenizer(c)
     before = rss_bytes()
-    examples, _, _ = build_examples(c, tok, None, lazy=True)
+    examples, *_ = build_examples(c, tok, None, lazy=True)
     order, offset = _permutation(len(examples), 0, 0), 0
     for _ in range(50):
         mb, offset, _ = _draw(examples, order, offset, 8, False, 256, tok.pad_token_id)

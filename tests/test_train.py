@@ -489,7 +489,7 @@ def test_held_out_evaluation_is_logged_and_kept_out_of_training(tmp_path):
     assert list((tmp_path / "run" / "tb").glob("events.*")) or list((tmp_path / "run").rglob("events.*"))
     # the samples held out: the seeded fifth, none of which was trained on; evaluated again from the checkpoint
     tok = load_tokenizer(c)
-    examples, _, _ = build_examples(c, tok, None)
+    examples, *_ = build_examples(c, tok, None)
     pick = torch.randperm(len(examples), generator=torch.Generator().manual_seed(VAL_SPLIT_SEED)).tolist()
     held = [examples[i] for i in sorted(pick[: round(0.2 * len(examples))])]
     from slideformer import SlideEngine
@@ -668,3 +668,35 @@ def test_a_file_listed_with_format_auto_and_with_the_format_it_finds_is_refused(
     t = tmp_path / "t.jsonl"
     c = cfg(tmp_path, f"dataset=[{t}, {{path: {t}, format: text}}]", "cutoff_len=128")
     assert len(build_examples(c, load_tokenizer(c), None, lazy=lazy)[0]) == 2
+
+
+def test_a_tokenizer_whose_eos_is_not_the_models_is_said_at_the_start(tmp_path, capsys):
+    """Text samples end with the tokenizer's eos: where the model's config (or generation_config.json) names
+    another end of text (a GGUF conversion's tokenizer, SmolLM2's <|im_start|> for <|im_end|>), the model would
+    learn to end with a token its generation does not stop on. Said, with the file to fix; not where it is one
+    of the model's."""
+    import shutil
+
+    from slideformer.presets import preset_config
+    from slideformer.train.loop import eos_note, load_tokenizer
+
+    folder = tmp_path / "m"
+    shutil.copytree(os.path.join(os.path.dirname(__import__("slideformer").__file__), "assets", "tiny"), folder)
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+    c = cfg(tmp_path / "o", f"model_name_or_path={folder}", f"dataset=[{tmp_path / 'd.jsonl'}]")
+    tok, hf_config = load_tokenizer(c), preset_config("tiny")
+    assert tok.eos_token_id == 2 and eos_note(c, tok, hf_config) is None
+    hf_config.eos_token_id = 1
+    note = eos_note(c, tok, hf_config)
+    assert "eos_token '<|eos|>' (id 2) is not the model's end of text" in note and f"{folder}/tokenizer_config.json" in note
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))
+    assert eos_note(c, tok, hf_config) is None
+
+
+def test_samples_cut_at_cutoff_len_are_counted_at_the_start(tmp_path, capsys):
+    """A long document is cut at cutoff_len (its tail not trained): the start says how many were."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": "word " * n}) + "\n" for n in (5, 300, 8, 400, 6)))
+    train(cfg(tmp_path / "o", f"dataset=[{data}]", "cutoff_len=64", "max_steps=1"))
+    err = capsys.readouterr().err
+    assert "2 of 5 sample(s) are longer than cutoff_len 64 and are cut there" in err

@@ -56,6 +56,9 @@ def cmd_train(args) -> int:
         print(f"skipped {result['skipped_records']} malformed record(s) (skip_bad_records: true)")
     if result.get("dropped_as_met"):  # (data read as the steps reached it: met on the way)
         print(f"left out {result['dropped_as_met']} sample(s) with no target token within cutoff_len")
+    if result.get("truncated_as_met"):
+        print(f"cut {result['truncated_as_met']} sample(s) longer than cutoff_len {cfg.cutoff_len} there (their tokens "
+              "past it were not trained)")
     if result["dropped_steps"]:
         print(f"dropped {result['dropped_steps']} step(s) with a non-finite loss or gradient norm "
               "(skip_nonfinite_steps: true)")

@@ -131,6 +131,10 @@ def load_safetensors(path: str | os.PathLike, adapter: ModelAdapter, store: Host
         except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
             raise CheckpointError(f"cannot read checkpoint shard {file}: {e} (truncated or corrupt?)") from e
     missing = sorted(set(wanted) - seen)
+    if missing == ["lm_head.weight"]:  # (a head tied to the embedding, its config saying otherwise)
+        raise CheckpointError(f"checkpoint {path} holds no lm_head.weight, and its config.json unties the head "
+                              "(tie_word_embeddings: false); where the head is the embedding, set tie_word_embeddings: "
+                              "true there, else the folder lacks the head's file")
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks {len(missing)} tensor(s) the model needs, e.g. {missing[:3]}")
 

@@ -78,6 +78,29 @@ def load_tokenizer(cfg: TrainConfig):
     return tok
 
 
+def eos_note(cfg: TrainConfig, tok, hf_config) -> str | None:
+    """What the start says where the tokenizer's eos (which ends every text and prompt/completion sample) is
+    not the model's end of text (config.json's or generation_config.json's eos_token_id): a model trained so
+    learns to end with a token its generation does not stop on (a GGUF conversion's tokenizer often says
+    another); None where it is one of them, or the model names none."""
+    ids = hf_config.get_text_config().eos_token_id
+    ids = set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
+    generation = Path(_tokenizer_folder(cfg)) / "generation_config.json"
+    try:
+        more = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        more = None
+    ids |= set(more if isinstance(more, list) else [] if more is None else [more])
+    ids = {i for i in ids if isinstance(i, int)}
+    if not ids or tok.eos_token_id in ids:
+        return None
+    theirs = ", ".join(f"{tok.convert_ids_to_tokens(i)!r} (id {i})" for i in sorted(ids))
+    return (f"the tokenizer's eos_token {tok.eos_token!r} (id {tok.eos_token_id}) is not the model's end of text, "
+            f"{theirs} (config.json, generation_config.json): text and prompt/completion samples end with the "
+            "tokenizer's, which generation does not stop on; set eos_token in "
+            f"{_tokenizer_folder(cfg)}/tokenizer_config.json to the model's")
+
+
 def vocab_limit(cfg: TrainConfig, tok, hf_config) -> int | None:
     """The model's vocabulary where the tokenizer holds ids past it (added tokens, the embeddings not
     resized): each sample is then checked (make_sample); None where it holds none. A pad token past it is
@@ -132,10 +155,10 @@ def make_sample(cfg: TrainConfig, tok, token_chars: int, vocab: int | None, refu
 
 def build_examples(cfg: TrainConfig, tok, vocab: int | None, specs=None, lazy: bool = False):
     """The samples of ``specs`` (default: the dataset) by record, None for a record that is no sample; the
-    number of records skipped as malformed, and the number dropped for having no target token within
-    cutoff_len: tokenized up front (a list), or with ``lazy`` a LazyExamples (data/lazy.py: each made when a
-    step reaches it, its counts growing as records are met; the two numbers returned are then 0). Both are
-    indexed by record, so the seeded order over them is the same either way."""
+    number of records skipped as malformed, the number dropped for having no target token within cutoff_len,
+    and the number of samples cut at cutoff_len: tokenized up front (a list), or with ``lazy`` a LazyExamples
+    (data/lazy.py: each made when a step reaches it, its counts growing as records are met; the numbers
+    returned are then 0). Both are indexed by record, so the seeded order over them is the same either way."""
     from ..data.lazy import open_records
 
     specs = specs or cfg.dataset
@@ -157,8 +180,8 @@ def build_examples(cfg: TrainConfig, tok, vocab: int | None, specs=None, lazy: b
                 raise DataError(f"{key} file {spec.path} holds no records")
             sources.append((records, spec))
         _listed_alike([(_first(records), spec) for records, spec in sources], key)
-        return LazyExamples(sources, make, cfg.skip_bad_records), 0, 0
-    examples, skipped, dropped, firsts = [], 0, 0, []
+        return LazyExamples(sources, make, cfg.skip_bad_records), 0, 0, 0
+    examples, skipped, dropped, truncated, firsts = [], 0, 0, 0, []
     for spec in specs:  # (a file at a time: its records go once tokenized)
         records = read(read_records, spec)
         if not records:
@@ -177,11 +200,12 @@ def build_examples(cfg: TrainConfig, tok, vocab: int | None, specs=None, lazy: b
                     skipped += 1
                 else:
                     dropped += made is None
+                    truncated += made is not None and made[2]
             examples.append(None if made is None else made[:2])
     _listed_alike(firsts, key)
     if specs is cfg.dataset and skipped + dropped == len(examples):  # (held-out data: evaluation says so)
         raise _none_trainable(cfg, skipped, dropped)
-    return examples, skipped, dropped
+    return examples, skipped, dropped, truncated
 
 
 def _first(records, most: int = 16) -> list:
@@ -232,8 +256,8 @@ def held_out(cfg: TrainConfig, tok, vocab: int | None, examples, in_ram=lambda s
     val_size of the dataset's records, the same ones whatever the seed (runs that differ in seed are
     evaluated on the same samples); with eval_dataset's records skipped and dropped."""
     if cfg.eval_dataset:
-        held, h_skipped, h_dropped = build_examples(cfg, tok, vocab, cfg.eval_dataset,
-                                                    lazy=not in_ram(cfg.eval_dataset))
+        held, h_skipped, h_dropped, _ = build_examples(cfg, tok, vocab, cfg.eval_dataset,
+                                                       lazy=not in_ram(cfg.eval_dataset))
         return examples, held, (h_skipped, h_dropped)
     if not cfg.val_size:
         return examples, [], (0, 0)
@@ -391,8 +415,9 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
         if lead:  # (a tracker that cannot open: refused before the model loads)
             preflight(cfg.report_to, out.path)
         tok = load_tokenizer(cfg)
-        if (note := template_report(cfg, tok)[1]) and (ranks is None or ranks.leader):
-            print(f"slideformer: {note}", file=sys.stderr, flush=True)
+        for note in (template_report(cfg, tok)[1], eos_note(cfg, tok, hf_config)):
+            if note and (ranks is None or ranks.leader):
+                print(f"slideformer: {note}", file=sys.stderr, flush=True)
         examples, skipped, dropped, held, total, warmup = _training_data(cfg, tok, hf_config, ecfg, ranks)
         machine = Machine.detect(device)
         if o.offload_dir:  # (the tier is planned within the disk's free space, once what ended runs left is gone)
@@ -473,7 +498,7 @@ def _training_data(cfg: TrainConfig, tok, hf_config, ecfg: EngineConfig, ranks):
         fits = lambda: data_in_ram(sum(source_bytes(s.path) for s in specs), allowance)  # noqa: E731
         return fits() if ranks is None else parallel.from_leader(fits)
     vocab = vocab_limit(cfg, tok, hf_config)
-    examples, skipped, dropped = build_examples(cfg, tok, vocab, lazy=not in_ram(cfg.dataset))
+    examples, skipped, dropped, truncated = build_examples(cfg, tok, vocab, lazy=not in_ram(cfg.dataset))
     if isinstance(examples, LazyExamples):
         say0 = print if ranks is None or ranks.leader else (lambda *a, **k: None)
         say0(f"slideformer: the dataset ({len(examples)} records) is read as the steps reach it, not tokenized up "
@@ -485,6 +510,10 @@ def _training_data(cfg: TrainConfig, tok, hf_config, ecfg: EngineConfig, ranks):
     if dropped:
         print(f"slideformer: {dropped} sample(s) have no target token within cutoff_len {cfg.cutoff_len} and are "
               "left out", file=sys.stderr)
+    if truncated and (ranks is None or ranks.leader):
+        print(f"slideformer: {truncated} of {len(examples) - skipped - dropped} sample(s) are longer than cutoff_len "
+              f"{cfg.cutoff_len} and are cut there (their tokens past it are not trained); raise cutoff_len, or "
+              "split long documents", file=sys.stderr)
     examples, held, (h_skipped, h_dropped) = held_out(cfg, tok, vocab, examples, in_ram)
     records = len(examples) + len(held)
     if cfg.val_size and len(held) > 1.5 * cfg.val_size * records and (ranks is None or ranks.leader):
@@ -788,7 +817,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             # (read as the steps reach them: the records met so far)
             "skipped_records": skipped + getattr(examples, "skipped", 0),
             "dropped_samples": dropped + getattr(examples, "dropped", 0), "dropped_steps": dropped_steps,
-            "dropped_as_met": getattr(examples, "dropped", 0)}
+            "dropped_as_met": getattr(examples, "dropped", 0), "truncated_as_met": getattr(examples, "truncated", 0)}
 
 
 def _evaluate(engine, held, batch: int, pad_id: int, step: int, done=lambda: None) -> dict | None:
@@ -1044,10 +1073,11 @@ def describe_data(cfg: TrainConfig, samples: int = 2, out=None) -> dict:
     out = out or sys.stdout
     hf_config = load_model_config(cfg)  # (cutoff_len's default comes from the model)
     tok = load_tokenizer(cfg)
-    if note := template_report(cfg, tok)[1]:
-        print(f"slideformer: {note}", file=sys.stderr, flush=True)
+    for note in (template_report(cfg, tok)[1], eos_note(cfg, tok, hf_config)):
+        if note:
+            print(f"slideformer: {note}", file=sys.stderr, flush=True)
     vocab = vocab_limit(cfg, tok, hf_config)
-    lazy, _, _ = build_examples(cfg, tok, vocab, lazy=True)  # (one record at a time: any size in bounded RAM)
+    lazy, *_ = build_examples(cfg, tok, vocab, lazy=True)  # (one record at a time: any size in bounded RAM)
     train_part, held, _ = held_out(cfg, tok, vocab, lazy)
     shown = []
     stats = _tally(train_part, cfg.cutoff_len, lambda e: len(shown) < samples and shown.append(e))
