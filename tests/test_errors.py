@@ -242,6 +242,7 @@ def test_bad_batches(bad, match, budget):
     (dict(loss_kernel="triton"), "loss_kernel must be 'torch' or 'fused', got 'triton'"),
     (dict(offload_dir=3), "offload_dir must be text, a path or None, got 3"),
     (dict(compute_dtype="int8"), "compute_dtype must be bfloat16, float16 or float32, got 'int8'"),
+    (dict(compute_dtype=torch.float16), "compute_dtype=float16 would train without loss scaling"),
     (dict(optimizer_state="8bit", compute_dtype=torch.float32), "optimizer_state='8bit' keeps the weights the GPU "
                                                                 "reads in bf16: set compute_dtype=torch.bfloat16"),
     (dict(optimizer_state="8bit", compute_dtype=torch.bfloat16, grad_chunk_elems=1000),

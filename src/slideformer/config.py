@@ -258,6 +258,10 @@ class EngineConfig:
                               f"got {p.host_weights!r}")
         if self.compute_dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ConfigError(f"compute_dtype must be bfloat16, float16 or float32, got {self.compute_dtype}")
+        if self.compute_dtype == torch.float16:  # (float16 weights are written on export: float_dtype's)
+            raise ConfigError("compute_dtype=float16 would train without loss scaling, which the engine does not do: "
+                              "gradients under float16's range (6e-8) would be lost; use torch.bfloat16 (a GPU from "
+                              "Ampere on, or the CPU) or torch.float32")
         if self.fp8 and (self.compute_dtype != torch.bfloat16 and str(self.device).startswith("cuda")):
             raise ConfigError("fp8 multiplies the layers' linears in FP8 with bf16 outputs: set compute_dtype="
                               "torch.bfloat16, or leave fp8 off")
