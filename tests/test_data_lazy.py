@@ -92,6 +92,7 @@ def test_records_that_are_no_sample_are_counted_once_when_met(tmp_path, monkeypa
     assert (up["skipped_records"], up["dropped_samples"]) == (2, 1)
     assert (reached["skipped_records"], reached["dropped_samples"], reached["dropped_as_met"]) == (2, 1, 1)
     assert reached["truncated_as_met"] == 1 and "truncated_as_met" in up and not up["truncated_as_met"]
+    assert train(cfg(tmp_path / "val", *opts, "val_size=0.2"))["truncated_as_met"] == 1  # (through val_size's split)
     assert [h["loss"] for h in reached["history"]] == [h["loss"] for h in up["history"]] and reached["steps"] == 8
     # held out and read as reached, they are left out of evaluation as when tokenized up front
     held = train(cfg(tmp_path / "held", *opts, f"eval_dataset=[{d}]"))

@@ -127,6 +127,9 @@ def test_a_split_step_checks_its_shapes_before_it_splits(monkeypatch):
                 eng.train_step({"input_ids": ids, **bad})
         as_dict = eng.evaluate({"input_ids": ids, "labels": ids}).loss
         assert eng.evaluate(UserDict({"input_ids": ids, "labels": ids})).loss == as_dict
+        # (a collator's keys near those it reads, with those keys there: not read, not refused)
+        extra = {"labels_mask": ids, "label": ids, "prompt_attention_mask": ids, "token_type_ids": ids * 0}
+        assert eng.evaluate({"input_ids": ids, "labels": ids, **extra}).loss == as_dict
 
 
 def test_a_model_the_engine_cannot_train_as_given_is_refused(monkeypatch):
@@ -150,13 +153,13 @@ def test_a_model_the_engine_cannot_train_as_given_is_refused(monkeypatch):
     with pytest.raises(ConfigError, match="a torch module with a config.*got ModuleDict"):
         SlideEngine(torch.nn.ModuleDict({"inner": build("llama")}), engine_config(**CPU))
 
-    class Wrapper(torch.nn.Module):  # (as PEFT's: the model's config, its names under a prefix)
+    class Wrapper(torch.nn.Module):  # (as PEFT's: the model's config, its names under a prefix, the base frozen)
         def __init__(self, inner):
             super().__init__()
             self.inner, self.config = inner, inner.config
 
     with pytest.raises(CheckpointError, match=r"no parameter model.embed_tokens.weight \(it is wrapped"):
-        SlideEngine(Wrapper(build("llama")), engine_config(**CPU))
+        SlideEngine(Wrapper(build("llama").requires_grad_(False)), engine_config(**CPU))
     before = threading.active_count()
     wider = build("llama")
     wider.config.vocab_size = 120  # (the 97-row embedding's rows 97-119 were left at zero)

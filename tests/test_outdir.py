@@ -569,3 +569,18 @@ def test_a_branch_with_nothing_to_train_names_its_checkpoint_and_leaves_no_folde
     assert f"nothing to train: the run is already at step 2 (checkpoint: {tmp_path / 'a' / 'checkpoint-2'})" \
         in capsys.readouterr().out
     assert not branch.exists()
+
+
+def test_a_run_that_finds_the_folder_taken_under_its_lock_leaves_the_others_files(tmp_path, capsys):
+    """Checked while empty, then taken and trained into by another run before this one locks it: refused
+    under the lock, this run removes nothing of that run's (its mark, lock file and TensorBoard folder went,
+    taken for this run's as they were not there at the check: its checkpoints then no run's to resume)."""
+    from slideformer.train.outdir import OutputDir, OutputDirError
+
+    out = tmp_path / "o"
+    late = OutputDir.check(out, resume=None, overwrite=False)
+    assert run(out, "max_steps=1") == 0
+    before = tree(out)
+    with pytest.raises(OutputDirError, match="holds checkpoints of an earlier run"):
+        late.open()
+    assert tree(out) == before and (out / "tensorboard").is_dir()

@@ -58,7 +58,7 @@ def cmd_train(args) -> int:
         print(f"left out {result['dropped_as_met']} sample(s) with no target token within cutoff_len")
     if result.get("truncated_as_met"):
         print(f"cut {result['truncated_as_met']} sample(s) longer than cutoff_len {cfg.cutoff_len} there (their tokens "
-              "past it were not trained)")
+              "past it left out)")
     if result["dropped_steps"]:
         print(f"dropped {result['dropped_steps']} step(s) with a non-finite loss or gradient norm "
               "(skip_nonfinite_steps: true)")

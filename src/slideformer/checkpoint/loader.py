@@ -187,9 +187,9 @@ def _norm_init(skeleton: torch.nn.Module, key: str, shape: tuple) -> torch.Tenso
 
 
 def trainable_module(model) -> torch.nn.Module:
-    """``model`` as ``SlideEngine(model)`` trains it: a Hugging Face causal LM whose weights are loaded and all
-    trainable (the engine updates every parameter, as AdamW over ``model.parameters()`` does where none is
-    frozen); ``torch.compile``'s wrapper is looked through (its parameters are the model's)."""
+    """``model`` as ``SlideEngine(model)`` trains it: a Hugging Face causal LM whose weights are loaded
+    (``load_state_from_module`` refuses frozen parameters: the engine updates every one); ``torch.compile``'s
+    wrapper is looked through (its parameters are the model's)."""
     from ..config import ConfigError
 
     model = getattr(model, "_orig_mod", model)
@@ -200,15 +200,12 @@ def trainable_module(model) -> torch.nn.Module:
     if meta := [n for n, p in model.named_parameters() if p.device.type == "meta"]:
         raise CheckpointError(f"model's {meta[0]} (and {len(meta) - 1} more) is on the meta device: its weights "
                               "were never loaded; load them (from_pretrained), or use SlideEngine.from_pretrained")
-    if frozen := [n for n, p in model.named_parameters() if not p.requires_grad]:
-        raise ConfigError(f"model has {len(frozen)} frozen parameter(s) (requires_grad False, e.g. {frozen[0]}): "
-                          "slideformer trains every parameter (full fine-tuning) and would update them; unfreeze "
-                          "them (model.requires_grad_(True)), or train the frozen setup with plain PyTorch")
     return model
 
 
 def load_state_from_module(model: torch.nn.Module, adapter: ModelAdapter, store: HostStore) -> None:
-    """Copy an in-memory Hugging Face model's weights into the store (``trainable_module``'s)."""
+    """Copy an in-memory Hugging Face model's weights into the store (``trainable_module``'s), every one
+    trainable: the engine updates them all, as AdamW over ``model.parameters()`` does where none is frozen."""
     state = model.state_dict()
     writer = _UnitWriter(store)
     for key, (unit, spec) in adapter.checkpoint_keys().items():
@@ -218,4 +215,12 @@ def load_state_from_module(model: torch.nn.Module, adapter: ModelAdapter, store:
         if tuple(state[key].shape) != spec.shape:
             raise CheckpointError(f"model's {key} has shape {tuple(state[key].shape)}, its config implies "
                                   f"{spec.shape}; make model.config match the model")
+    # (after the names: a wrapper, PEFT's, freezes the base model, and is refused for its names first)
+    if frozen := [n for n, p in model.named_parameters() if not p.requires_grad]:
+        from ..config import ConfigError
+
+        raise ConfigError(f"model has {len(frozen)} frozen parameter(s) (requires_grad False, e.g. {frozen[0]}): "
+                          "slideformer trains every parameter (full fine-tuning) and would update them; unfreeze "
+                          "them (model.requires_grad_(True)), or train the frozen setup with plain PyTorch")
+    for key, (unit, spec) in adapter.checkpoint_keys().items():
         writer.put(unit, spec, state[key])

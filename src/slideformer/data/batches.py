@@ -26,16 +26,26 @@ class HostMicroBatch:
 KEYS = ("input_ids", "labels", "attention_mask", "position_ids")  # what a micro-batch's dict is read for
 
 
-def misspelt(key) -> str | None:
-    """The key of KEYS that ``key`` was meant as, where it is not one itself but close to one (``label``,
-    ``label_ids``, ``atention_mask``); other keys (a tokenizer's token_type_ids, pack_batch's counts) are
-    not read and pass."""
-    import difflib
-
+def misspelt(key, item) -> str | None:
+    """The key of KEYS that ``key`` of ``item`` was meant as: one the item lacks, within two edits of it or
+    HF's other names for labels (``label``, ``label_ids``); other keys (a tokenizer's token_type_ids, a
+    collator's labels_mask or prompt_attention_mask, pack_batch's counts) are not read and pass."""
     if not isinstance(key, str) or key in KEYS:
         return None
-    close = difflib.get_close_matches(key, KEYS, n=1, cutoff=0.75)
-    return close[0] if close else "labels" if key.startswith("label") else None
+    for meant in KEYS:
+        if meant not in item and (_edits(key, meant) <= 2 or meant == "labels" and key in ("label", "label_ids", "labels_ids")):
+            return meant
+    return None
+
+
+def _edits(a: str, b: str) -> int:
+    """Levenshtein distance (insertions, deletions, substitutions)."""
+    row = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, y in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (x != y))
+    return row[-1]
 
 
 def as_tensor(value, where: str, key: str) -> torch.Tensor:
@@ -63,10 +73,11 @@ def check_step(batch, vocab: int, max_positions: int | None, some_targets: bool 
         where = f"micro-batch {k}" if len(items) > 1 else "batch"
         if not isinstance(item, Mapping) or "input_ids" not in item:
             raise BatchError(f"{where}: expected a dict with 'input_ids' (and 'labels'), got {type(item).__name__}")
-        if typo := next((k for k in item if misspelt(k)), None):  # (read as absent: labels would be every token)
-            raise BatchError(f"{where}: {typo!r} is not a key the engine reads; did you mean "
-                             f"{misspelt(typo)!r}? (it reads {', '.join(KEYS)}; without labels every token "
-                             "the attention_mask keeps is a target)")
+        if typo := next((k for k in item if misspelt(k, item)), None):  # (read as absent: labels would be every token)
+            meant = misspelt(typo, item)
+            raise BatchError(f"{where}: {typo!r} is not a key the engine reads; did you mean {meant!r}? (it reads "
+                             f"{', '.join(KEYS)}" + ("; without labels every token the attention_mask keeps is a "
+                                                     "target)" if meant == "labels" else ")"))
         ids = as_tensor(item["input_ids"], where, "input_ids")
         if ids.dim() == 1:
             ids = ids.unsqueeze(0)

@@ -208,3 +208,7 @@ class Subset:
     @property
     def dropped(self) -> int:
         return self.base.dropped
+
+    @property
+    def truncated(self) -> int:
+        return self.base.truncated

@@ -225,11 +225,15 @@ def _resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: 
         short = f"the NVMe tier needs about {fmt_bytes(disk * machine.ranks)} under {prefix}offload_dir " \
                 f"{cfg.offload_dir}{each}, {fmt_bytes(machine.disk)} free there"
         if problem is None:
-            problem, binds = (f"{short}; free space, point it at a larger disk, or use "
-                              + ("" if cfg.optimizer_state == "8bit"
-                                 else f"denser optimizer state ({prefix}optimizer_state: 8bit) or ")
-                              + (f"more RAM ({prefix}host_memory_limit)" if auto.nvme_fraction
-                                 else f"a smaller {prefix}nvme_fraction")), "disk"
+            levers = [] if cfg.optimizer_state == "8bit" else [f"denser optimizer state ({prefix}optimizer_state: 8bit)"]
+            if cfg.placement.activations_to_nvme:
+                levers.append(f"the layer inputs in RAM ({prefix}activations_to_nvme: false)")
+            if auto.nvme_fraction:
+                levers.append(f"more RAM ({prefix}host_memory_limit)")
+            elif cfg.placement.nvme_fraction > 0:
+                levers.append(f"a smaller {prefix}nvme_fraction")
+            problem, binds = f"{short}; free space, point it at a larger disk" + (
+                f", or use {' or '.join(levers)}" if levers else ""), "disk"
         elif binds == "host":  # (both short: the fix for RAM alone would meet the disk's next)
             problem = f"{problem}; and {short}"
     return Plan(cfg, placement, gpu, limit, host, problem, binds, shape, short)

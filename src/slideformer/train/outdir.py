@@ -130,10 +130,18 @@ class OutputDir:
         own = cls(out, run_id or uuid.uuid4().hex)
         own.fresh, own.overwrite, own.resume, own.resume_run = run_id is None, overwrite, resume, resume_run
         own.created = not out.exists()
-        own.found = {n for n in (RUN_FILE, LOCK_FILE, *TRACKER_DIRS) if (out / n).exists()}  # (what close must not remove)
-        own.events = set((out / TENSORBOARD).glob("events.out.tfevents.*"))  # (TensorBoard's files found)
+        own._look()
         own.begun = not own.fresh
         return own
+
+    def _look(self, made_lock: bool = False) -> None:
+        """What the folder holds that ``close`` must not remove (another run's, or the user's): taken at
+        ``check``, and again under the lock (another run may have written there in between), less the lock
+        file this run made."""
+        out = self.path
+        self.found = {n for n in (RUN_FILE, LOCK_FILE, *TRACKER_DIRS) if (out / n).exists()} - \
+            ({LOCK_FILE} if made_lock else set())
+        self.events = set((out / TENSORBOARD).glob("events.out.tfevents.*"))  # (TensorBoard's files found)
 
     def open(self) -> "OutputDir":
         """Take the folder: a lock held until ``close`` (a second run into it is refused; the kernel drops
@@ -142,6 +150,7 @@ class OutputDir:
         out = self.path
         try:
             out.mkdir(parents=True, exist_ok=True)
+            made_lock = not (out / LOCK_FILE).exists()
             self._lock = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
         except OSError as e:
             self.close()  # (a folder it made goes again)
@@ -154,6 +163,7 @@ class OutputDir:
             self._lock = None
             raise OutputDirError(f"output_dir {out} is in use by another slideformer run; wait for it to end, or "
                                  "choose another output_dir") from None
+        self._look(made_lock)
         try:  # decided again under the lock: another run may have taken the folder since check()
             again = OutputDir.check(out, resume=self.resume, overwrite=self.overwrite, resume_run=self.resume_run)
         except BaseException:
