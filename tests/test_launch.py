@@ -189,6 +189,13 @@ def test_how_many_processes(monkeypatch):
     assert processes("auto", None) == 4 and processes(2, "cuda") == 2
     with pytest.raises(ConfigError, match="has 4 GPU"):
         processes(8, None)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # (a leftover: it halved the global batch, one process training)
+    with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE=2 is set, but WORLD_SIZE is not"):
+        processes(2, "cpu")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ConfigError, match="LOCAL_WORLD_SIZE=2 is set, but WORLD_SIZE is 1"):
+        processes(2, "cpu")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.setenv("WORLD_SIZE", "1")  # (a cluster's environment, not a launcher's)
     assert processes(3, "cpu") == 3
     monkeypatch.setenv("WORLD_SIZE", "2")  # under a launcher: its count decides, where it says it
@@ -238,6 +245,7 @@ def test_the_same_signal_again_at_once_is_the_same_request(monkeypatch):
 def test_the_launcher_says_each_distinct_line_of_its_ranks_once(tmp_path, monkeypatch, capsys):
     """What ranks say alike (every rank reads the same bad file) comes out once; a rank's own cause and the
     other ranks' consequence both come out; outside a job of ours a rank prints its line itself."""
+    from slideformer import signals
     from slideformer.train import launch
 
     monkeypatch.setenv(launch.EXIT_DIR, str(tmp_path))
@@ -245,13 +253,25 @@ def test_the_launcher_says_each_distinct_line_of_its_ranks_once(tmp_path, monkey
     for rank, line in enumerate(["error: data.jsonl:1: not valid JSON", "error: data.jsonl:1: not valid JSON",
                                  "error: rank 3's GPU ran out of memory", "error: another rank failed"]):
         monkeypatch.setenv("RANK", str(rank))
-        assert launch.say(line)
+        assert signals.say(line)
     monkeypatch.setenv("RANK", "4")  # (a file name's undecodable bytes, as Python holds them: escaped)
-    assert launch.say("error: /data/\udcff.jsonl: not valid JSON")
+    assert signals.say("error: /data/\udcff.jsonl: not valid JSON")
     echo.stop()
     said = capsys.readouterr().err.splitlines()
     assert sorted(said) == ["error: /data/\\udcff.jsonl: not valid JSON", "error: another rank failed",
                             "error: data.jsonl:1: not valid JSON", "error: rank 3's GPU ran out of memory"]
     assert said.index("error: rank 3's GPU ran out of memory") < said.index("error: another rank failed")
     monkeypatch.delenv(launch.EXIT_DIR)
-    assert not launch.say("error: anything")
+    assert not signals.say("error: anything")
+
+
+def test_a_rank_signalled_before_the_launcher_module_loads_leaves_its_exit_code(tmp_path):
+    """A signal in a rank's first seconds (train/launch.py still importing torch): its line and exit code
+    (143) are left for our launcher, which otherwise took the rank for killed (137: the OOM killer's)."""
+    code = ("from slideformer.signals import Interrupted, _leave\n"
+            "import sys; assert 'slideformer.train.launch' not in sys.modules\n"
+            "_leave(Interrupted(15))\n")
+    env = {**os.environ, "SLIDEFORMER_EXIT_DIR": str(tmp_path), "RANK": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 143 and (tmp_path / "1").read_text() == "143"
+    assert "SIGTERM" in (tmp_path / "line-1").read_text() and not done.stderr

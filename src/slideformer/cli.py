@@ -522,9 +522,10 @@ def _reader_gone() -> bool:
 
 def _say(line: str) -> None:
     """A run's error line, on stderr; a rank of our own launcher's job leaves it for the launcher, which says
-    each distinct line of its ranks once (train/launch.py, imported by then: `train` starts there)."""
-    launch = sys.modules.get(f"{__package__}.train.launch")
-    if launch is None or not launch.say(line):
+    each distinct line of its ranks once (train/launch.py)."""
+    from .signals import say
+
+    if not say(line):
         print(line, file=sys.stderr)
 
 

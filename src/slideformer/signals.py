@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import sys
 import threading
 import time
 
@@ -196,19 +195,48 @@ def _no_wakeup() -> None:
 
 def _leave(e: Interrupted) -> None:
     """End the process now for ``e``: its line said and its exit code left where a launcher of ours reads
-    them (a rank of its job: train/launch.py, imported by then), else the line on stderr (written to its
-    descriptor: Python's stream may be mid-write in the main thread)."""
-    launch = sys.modules.get(f"{__package__}.train.launch")
+    them (a rank of its job, ``EXIT_DIR``: here, not in train/launch.py, which may still be importing torch),
+    else the line on stderr (written to its descriptor: Python's stream may be mid-write in the main thread)."""
     code = 128 + e.signum
     try:
-        if launch is None or not launch.say(e.line()):
+        if not say(e.line()):
             os.write(2, (e.line() + "\n").encode("utf-8", "backslashreplace"))
-        if launch is not None:
-            launch.leave_code(code)
+        leave_code(code)
     except Exception:  # (stderr gone: a closed pipe; nothing stops the exit)
         pass
     finally:
         os._exit(code)
+
+
+# What a rank of our launcher's job (train/launch.py) leaves for it: its one-line error and its exit code.
+EXIT_DIR = "SLIDEFORMER_EXIT_DIR"  # (environment: the folder our launcher reads its ranks' exit codes from)
+
+
+def say(line: str) -> bool:
+    """A rank's error line, left for our launcher to say (``_Echo``); False outside its jobs (the caller prints
+    it), or where it cannot be left."""
+    folder = os.environ.get(EXIT_DIR)
+    if not folder:
+        return False
+    path = os.path.join(folder, f"line-{os.environ.get('RANK', '0')}")
+    try:  # (a name's undecodable bytes written as stderr would: escaped)
+        with open(path + ".tmp", "w", encoding="utf-8", errors="backslashreplace") as f:
+            f.write(line)
+        os.replace(path + ".tmp", path)  # (whole, or not there: the launcher never reads half a line)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def leave_code(code: int) -> None:
+    """A rank's exit code, left where our launcher reads it (nothing outside its jobs)."""
+    folder = os.environ.get(EXIT_DIR)
+    if folder:
+        try:
+            with open(os.path.join(folder, os.environ.get("RANK", "0")), "w") as f:
+                f.write(str(code))
+        except OSError:
+            pass
 
 
 @contextlib.contextmanager

@@ -26,10 +26,9 @@ import sys
 import threading
 
 from ..config import ConfigError
-from ..signals import past_hangup
+from ..signals import EXIT_DIR, leave_code, past_hangup  # (a rank's side: signals.py, before torch)
 from ..watchdog import SAVE_LIMIT_S
 
-EXIT_DIR = "SLIDEFORMER_EXIT_DIR"  # (environment: the folder our launcher reads its ranks' exit codes from)
 LAUNCHER = "SLIDEFORMER_LAUNCHER_PID"  # (environment: our launcher's process, which its ranks end with)
 
 
@@ -43,7 +42,11 @@ def local_gpus(device: str | None) -> int:
 def processes(asked, device: str | None) -> int:
     """How many processes `train` runs on this machine: ``asked`` (a number, or "auto": one per GPU), 1 in a
     process that a launcher started (its count decides)."""
-    local = os.environ.get("LOCAL_WORLD_SIZE")
+    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
+    if local is not None and (world is None or not local.isdigit() or not world.isdigit() or int(local) > int(world)):
+        raise ConfigError(f"LOCAL_WORLD_SIZE={local} is set, but WORLD_SIZE is {world if world is not None else 'not'}: "
+                          "a launcher (torchrun) sets both alike; unset LOCAL_WORLD_SIZE (left from another job), "
+                          "or start under a launcher")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or local is not None:
         if asked != "auto" and asked != 1 and (local is None or asked != int(local)):
             started = f"started {local} processes on this machine" if local is not None else \
@@ -118,22 +121,6 @@ def launch(n: int, argv: list[str]) -> int:
     return 0
 
 
-def say(line: str) -> bool:
-    """A rank's error line, left for our launcher to say (``_Echo``); False outside its jobs (the caller prints
-    it), or where it cannot be left."""
-    folder = os.environ.get(EXIT_DIR)
-    if not folder:
-        return False
-    path = os.path.join(folder, f"line-{os.environ.get('RANK', '0')}")
-    try:  # (a name's undecodable bytes written as stderr would: escaped)
-        with open(path + ".tmp", "w", encoding="utf-8", errors="backslashreplace") as f:
-            f.write(line)
-        os.replace(path + ".tmp", path)  # (whole, or not there: the launcher never reads half a line)
-    except (OSError, ValueError):
-        return False
-    return True
-
-
 class _Echo:
     """The launcher's thread that says its ranks' error lines (``say``) on its stderr as they come, each
     distinct line once; ``stop`` says those left and ends it."""
@@ -204,17 +191,6 @@ def _left(folder: str, rank: int) -> int:
             return int(f.read())
     except (OSError, ValueError):
         return 128 + 9
-
-
-def leave_code(code: int) -> None:
-    """A rank's exit code, left where our launcher reads it (nothing outside its jobs)."""
-    folder = os.environ.get(EXIT_DIR)
-    if folder:
-        try:
-            with open(os.path.join(folder, os.environ.get("RANK", "0")), "w") as f:
-                f.write(str(code))
-        except OSError:
-            pass
 
 
 def end_rank(code: int):
