@@ -2,6 +2,7 @@
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -268,6 +269,21 @@ def test_a_folder_another_rank_is_taking_is_not_refused_as_foreign(tmp_path):
     (out / LOCK_FILE).write_text("")
     (out / (RUN_FILE + ".tmp")).write_text('{"run_id": "ab')
     assert OutputDir.check(out, resume="auto", overwrite=False).fresh
+    # the mark renamed into place between the look for it and the listing (found by CI under load)
+    os.replace(out / (RUN_FILE + ".tmp"), out / RUN_FILE)
+    (out / RUN_FILE).write_text('{"run_id": "ab"}\n')
+    real, looked = Path.is_file, []
+
+    def late(self):
+        if self.name == RUN_FILE and not looked:
+            looked.append(self)
+            return False  # (not there yet when first looked for)
+        return real(self)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Path, "is_file", late)
+        assert OutputDir.check(out, resume="auto", overwrite=False).fresh
+    assert looked
 
 
 def test_a_second_run_into_a_folder_in_use_is_refused(tmp_path, capsys):

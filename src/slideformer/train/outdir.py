@@ -118,8 +118,9 @@ class OutputDir:
                 run_id = None  # (a branch where no checkpoint of the folder's run is: a run of its own)
         elif out.is_dir() and not overwrite:
             shown = sorted(p.name for p in out.iterdir()  # (the error logs: a failed start's, any rank's; the mark
-                           # being written: rank 0 taking the folder as another rank of its job looks)
-                           if p.name not in (LOCK_FILE, RUN_FILE + ".tmp")
+                           # being written, or just written since the look for it above: rank 0 taking the folder
+                           # as another rank of its job looks; a run of its own decides again under the lock)
+                           if p.name not in (LOCK_FILE, RUN_FILE + ".tmp") and not (p.name == RUN_FILE and p.is_file())
                            and not (p.name.startswith(ERROR_LOG[:-4]) and p.suffix == ".log"))
             if shown:
                 raise OutputDirError(
