@@ -141,7 +141,8 @@ class Trackers:
                   f"{(str(e).splitlines() or [''])[0][:300]}): written no more this run; metrics.jsonl has every "
                   "record", file=sys.stderr, flush=True)
             attr = {"tensorboard": "_tb", "wandb": "_wandb", "mlflow": "_mlflow"}[name]
-            client, _ = getattr(self, attr), setattr(self, attr, None)
+            client = getattr(self, attr)
+            setattr(self, attr, None)
             with contextlib.suppress(Exception):  # (its file, thread or run let go, as far as it can be)
                 client.close() if name == "tensorboard" else client.finish() if name == "wandb" else \
                     client.end_run("FAILED")
