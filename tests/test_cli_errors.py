@@ -603,7 +603,8 @@ def test_a_tier_larger_than_its_disk_is_refused_before_the_model_loads(tmp_path,
     monkeypatch.setattr(SlideEngine, "from_config", lambda *a, **k: pytest.fail("the model loaded"))
     assert main(FAST + [f"output_dir={tmp_path}/o", f"offload.offload_dir={tmp_path}/nvme", "offload.nvme_fraction=1",
                         "max_steps=1"]) == 3
-    one_line(capsys, "the NVMe tier needs about", f"offload.offload_dir {tmp_path}/nvme", "MiB free there", "a smaller offload.nvme_fraction")
+    one_line(capsys, "the NVMe tier needs about", f"offload.offload_dir {tmp_path}/nvme", "MiB free there",
+             "a smaller offload.nvme_fraction")
     assert not stale.exists() and not (tmp_path / "o").exists()
 
 

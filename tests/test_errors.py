@@ -121,7 +121,8 @@ def test_a_split_step_checks_its_shapes_before_it_splits(monkeypatch):
     monkeypatch.setattr(engine_mod, "fit", lambda *a, **k: replace(real_fit(*a, **k), micro_batch=1))
     ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
     with SlideEngine(build("llama"), engine_config(**CPU, gpu_memory_limit="1GiB")) as eng:
-        for bad, said in (({"labels": torch.ones(3, 4, dtype=torch.long)}, r"labels shape \(3, 4\) differs from input_ids \(2, 4\)"),
+        for bad, said in (({"labels": torch.ones(3, 4, dtype=torch.long)},
+                           r"labels shape \(3, 4\) differs from input_ids \(2, 4\)"),
                           ({"attention_mask": torch.ones(5, 4)}, r"attention_mask shape \(5, 4\) differs")):
             with pytest.raises(BatchError, match=said):
                 eng.train_step({"input_ids": ids, **bad})
@@ -163,7 +164,8 @@ def test_a_model_the_engine_cannot_train_as_given_is_refused(monkeypatch):
     before = threading.active_count()
     wider = build("llama")
     wider.config.vocab_size = 120  # (the 97-row embedding's rows 97-119 were left at zero)
-    with pytest.raises(CheckpointError, match=r"model.embed_tokens.weight has shape \(97, 32\), its config implies \(120, 32\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"model.embed_tokens.weight has shape \(97, 32\), its config implies \(120, 32\)"):
         SlideEngine(wider, engine_config(**CPU))
     assert threading.active_count() == before
     model = build("llama")

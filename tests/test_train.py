@@ -688,7 +688,8 @@ def test_a_tokenizer_whose_eos_is_not_the_models_is_said_at_the_start(tmp_path, 
     assert tok.eos_token_id == 2 and eos_note(c, tok, hf_config) is None
     hf_config.eos_token_id = 1
     note = eos_note(c, tok, hf_config)
-    assert "eos_token '<|eos|>' (id 2) is not the model's end of text" in note and f"{folder}/tokenizer_config.json" in note
+    assert "eos_token '<|eos|>' (id 2) is not the model's end of text" in note
+    assert f"{folder}/tokenizer_config.json" in note
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))
     assert eos_note(c, tok, hf_config) is None
 

@@ -206,9 +206,8 @@ def trainable_module(model) -> torch.nn.Module:
 def load_state_from_module(model: torch.nn.Module, adapter: ModelAdapter, store: HostStore) -> None:
     """Copy an in-memory Hugging Face model's weights into the store (``trainable_module``'s), every one
     trainable: the engine updates them all, as AdamW over ``model.parameters()`` does where none is frozen."""
-    state = model.state_dict()
-    writer = _UnitWriter(store)
-    for key, (unit, spec) in adapter.checkpoint_keys().items():
+    state, wanted = model.state_dict(), adapter.checkpoint_keys()
+    for key, (unit, spec) in wanted.items():
         if key not in state:
             raise CheckpointError(f"model has no parameter {key}" + (
                 " (it is wrapped: pass the Hugging Face model itself)" if any(k.endswith(key) for k in state) else ""))
@@ -222,5 +221,6 @@ def load_state_from_module(model: torch.nn.Module, adapter: ModelAdapter, store:
         raise ConfigError(f"model has {len(frozen)} frozen parameter(s) (requires_grad False, e.g. {frozen[0]}): "
                           "slideformer trains every parameter (full fine-tuning) and would update them; unfreeze "
                           "them (model.requires_grad_(True)), or train the frozen setup with plain PyTorch")
-    for key, (unit, spec) in adapter.checkpoint_keys().items():
+    writer = _UnitWriter(store)
+    for key, (unit, spec) in wanted.items():
         writer.put(unit, spec, state[key])

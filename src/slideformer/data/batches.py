@@ -26,6 +26,9 @@ class HostMicroBatch:
 KEYS = ("input_ids", "labels", "attention_mask", "position_ids")  # what a micro-batch's dict is read for
 
 
+LABEL_NAMES = ("label", "label_ids", "labels_ids")  # (other libraries' names for labels)
+
+
 def misspelt(key, item) -> str | None:
     """The key of KEYS that ``key`` of ``item`` was meant as: one the item lacks, within two edits of it or
     HF's other names for labels (``label``, ``label_ids``); other keys (a tokenizer's token_type_ids, a
@@ -33,7 +36,7 @@ def misspelt(key, item) -> str | None:
     if not isinstance(key, str) or key in KEYS:
         return None
     for meant in KEYS:
-        if meant not in item and (_edits(key, meant) <= 2 or meant == "labels" and key in ("label", "label_ids", "labels_ids")):
+        if meant not in item and (_edits(key, meant) <= 2 or meant == "labels" and key in LABEL_NAMES):
             return meant
     return None
 

@@ -714,7 +714,8 @@ class SlideEngine:
     def _place(self, batch) -> list[dict]:
         """Split the step into the planner's micro-batches and set which layer inputs are offloaded."""
         items = list(batch) if isinstance(batch, (list, tuple)) else [batch]
-        if not all(isinstance(it, Mapping) and "input_ids" in it and not any(misspelt(k, it) for k in it) for it in items):
+        if not all(isinstance(it, Mapping) and "input_ids" in it and not any(misspelt(k, it) for k in it)
+                   for it in items):
             return items  # malformed: _prepare says what is wrong, every rank together
         try:
             ids = [as_tensor(it["input_ids"], "", "") for it in items]

@@ -225,7 +225,8 @@ def _resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: 
         short = f"the NVMe tier needs about {fmt_bytes(disk * machine.ranks)} under {prefix}offload_dir " \
                 f"{cfg.offload_dir}{each}, {fmt_bytes(machine.disk)} free there"
         if problem is None:
-            levers = [] if cfg.optimizer_state == "8bit" else [f"denser optimizer state ({prefix}optimizer_state: 8bit)"]
+            levers = [] if cfg.optimizer_state == "8bit" else \
+                [f"denser optimizer state ({prefix}optimizer_state: 8bit)"]
             if cfg.placement.activations_to_nvme:
                 levers.append(f"the layer inputs in RAM ({prefix}activations_to_nvme: false)")
             if auto.nvme_fraction:

@@ -44,7 +44,8 @@ def processes(asked, device: str | None) -> int:
     process that a launcher started (its count decides)."""
     local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
     if local is not None and (world is None or not local.isdigit() or not world.isdigit() or int(local) > int(world)):
-        raise ConfigError(f"LOCAL_WORLD_SIZE={local} is set, but WORLD_SIZE is {world if world is not None else 'not'}: "
+        world_is = world if world is not None else "not"
+        raise ConfigError(f"LOCAL_WORLD_SIZE={local} is set, but WORLD_SIZE is {world_is}: "
                           "a launcher (torchrun) sets both alike; unset LOCAL_WORLD_SIZE (left from another job), "
                           "or start under a launcher")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 or local is not None:

@@ -881,8 +881,9 @@ def _samples(examples, order, offset: int):
 
 def _draw(examples, order, offset: int, rows: int, packing: bool, length: int, pad_id: int, short: bool = False):
     """The next micro-batch of ``rows`` rows from ``offset`` in this epoch's ``order``, the offset after it
-    and its tokens (padding not counted); None where the epoch has not enough left: no sample (packed: as many as fill the rows of ``length``
-    tokens), or fewer than ``rows`` (unpacked; with ``short``, a dataset smaller than that, what there is)."""
+    and its tokens (padding not counted); None where the epoch has not enough left: no sample (packed: as
+    many as fill the rows of ``length`` tokens), or fewer than ``rows`` (unpacked; with ``short``, a dataset
+    smaller than that, what there is)."""
     if packing:
         ends = []
 
