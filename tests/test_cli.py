@@ -300,9 +300,11 @@ def test_plan_measures_the_free_disk_under_an_existing_offload_dir(capsys, tmp_p
 
     out = json.loads(capsys.readouterr().out)
     assert code == 3 and seen == [str(tmp_path)] and out["binds"] in ("disk", "host") and not out["fits"]
-    with pytest.raises(SystemExit) as usage:  # (argparse: a usage line, exit 2)
+    with pytest.raises(SystemExit) as usage:  # (argparse's error in one line, naming the help; exit 2)
         main(["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "1", "--gpu-tflops", "1e300"])
-    assert usage.value.code == 2 and "--gpu-tflops" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert usage.value.code == 2 and "--gpu-tflops" in err and len(err.strip().splitlines()) == 1, err
+    assert "slideformer plan --help" in err
 
 
 def test_data_shows_what_training_sees(capsys, tmp_path):
@@ -328,7 +330,8 @@ def test_data_shows_what_training_sees(capsys, tmp_path):
     assert e.value.code == 2 and "--samples: must be a whole number >= 0" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["data", "--samples", "0", "--bogus"])
-    assert e.value.code == 2 and "--bogus" in capsys.readouterr().err
+    err = capsys.readouterr().err  # (the subcommand's help named: its options are the ones meant)
+    assert e.value.code == 2 and "--bogus" in err and "slideformer data --help" in err, err
     assert main(["data", f"dataset={tmp_path / 'missing.jsonl'}"]) == 2
     err = capsys.readouterr().err
     assert "missing.jsonl" in err and "Traceback" not in err

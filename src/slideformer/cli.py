@@ -577,6 +577,14 @@ def _log_bug(log_dir: str | None) -> Path:
     return path
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors in one line, naming the help that lists the options (its own prints the whole
+    usage block first); the subcommands' parsers are of this class too."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 # EngineConfig's defaults, written out so that parsing (and --help) does not import torch (a test holds them equal)
 PLAN_DEFAULTS = {"optimizer_state": "fp32"}
 
@@ -684,7 +692,7 @@ def _main(argv: list[str], signals: Signals) -> int:
         from .bench.harness import main as bench
         bench(argv[1:])
         return 0
-    p = argparse.ArgumentParser(prog="slideformer", description=__doc__.splitlines()[0])
+    p = _Parser(prog="slideformer", description=__doc__.splitlines()[0])
     p.add_argument("--version", action="version", version=f"slideformer {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="fine-tune (no arguments: the bundled tiny model on the sample data)",
@@ -770,7 +778,7 @@ def _main(argv: list[str], signals: Signals) -> int:
         if hasattr(args, "overrides") and all("=" in r and not r.startswith("-") for r in rest):
             args.overrides = list(args.overrides) + rest
         else:
-            p.parse_args(argv)  # (argparse's own message and exit 2)
+            sub.choices[args.cmd].error(f"unrecognized arguments: {' '.join(rest)}")  # (exit 2)
     import threading
 
     hook = threading.excepthook
