@@ -225,6 +225,10 @@ def test_resuming_with_another_schedule_or_precision_says_so(tmp_path, capsys):
     assert main(FAST + [out, "max_steps=3", "learning_rate=0.5", "max_grad_norm=1.0"]) == 0  # (at its end: no step)
     assert main(FAST + [out, "max_steps=4", "learning_rate=0.5", "max_grad_norm=1.0"]) == 0
     assert "resumed with steps 4 (it was 3): the steps from 4 on" in capsys.readouterr().err
+    # (more steps: warmup_ratio's steps are of the new count, as transformers' Trainer resumed so takes them)
+    assert main(FAST + [out, "max_steps=20", "learning_rate=0.5", "max_grad_norm=1.0"]) == 0
+    assert "resumed with steps 20 (it was 4), warmup_steps 2 (it was 1): the steps from 5 on" in \
+        capsys.readouterr().err
 
 
 def test_a_library_run_with_path_datasets_saves_and_resumes_quietly(tmp_path, monkeypatch, capsys):

@@ -640,6 +640,12 @@ def test_epochs_short_of_a_step_train_one_step_not_at_rate_zero(tmp_path, capsys
                   "warmup_ratio=0.1", "learning_rate=1e-3"))
     assert r["steps"] == 1 and r["history"][0]["lr"] == pytest.approx(1e-3)
     assert "one step is trained, its micro-batches drawn from as many epochs as it takes" in capsys.readouterr().err
+    # (the bundled 112 samples: 14 micro-batches of 8, 3 steps of 4; the last 2 micro-batches are said untrained)
+    r = train(cfg(tmp_path / "b", "max_steps=-1", "num_train_epochs=1", "micro_batch_size=8",
+                  "gradient_accumulation_steps=4"))
+    assert r["steps"] == 3
+    assert "holds 14 micro-batches, 3 step(s) of 4: the last 2 (16 samples) are short of a step and not trained " \
+           "(max_steps: 4 trains them" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("lazy", [False, True])

@@ -545,16 +545,23 @@ def _training_data(cfg: TrainConfig, tok, hf_config, ecfg: EngineConfig, ranks):
             mbs = sum(min(1.0, cfg.num_train_epochs - k) * held_by(k) for k in range(math.ceil(cfg.num_train_epochs)))
         else:  # (every epoch holds its whole micro-batches, at least one)
             mbs = cfg.num_train_epochs * max(1, samples // rows)
-        total = max(1, math.floor(mbs / cfg.gradient_accumulation_steps + 1e-9))
-        if mbs < cfg.gradient_accumulation_steps and (ranks is None or ranks.leader):
-            print(f"slideformer: num_train_epochs {cfg.num_train_epochs} holds {mbs:g} micro-batch(es), fewer than "
-                  f"a step's {cfg.gradient_accumulation_steps}: one step is trained, its micro-batches drawn from "
-                  "as many epochs as it takes (set max_steps to choose)", file=sys.stderr, flush=True)
-        if (ranks is None or ranks.leader) and not cfg.packing and samples % rows:
+        accumulate, lead = cfg.gradient_accumulation_steps, ranks is None or ranks.leader
+        total = max(1, math.floor(mbs / accumulate + 1e-9))
+        left = math.floor(mbs + 1e-9) - total * accumulate  # (the last epoch's micro-batches short of a step)
+        if lead and not cfg.packing and samples % rows:
             print(f"slideformer: {samples} samples, micro-batches of {rows}: " + (
                 f"the last {samples % rows} samples of each epoch's order are left out of it (other ones each epoch)"
                 if samples > rows else "the dataset is smaller than one micro-batch, which takes all of it"),
                 file=sys.stderr, flush=True)
+        if lead and mbs < accumulate:
+            print(f"slideformer: num_train_epochs {cfg.num_train_epochs} holds {mbs:g} micro-batch(es), fewer than "
+                  f"a step's {accumulate}: one step is trained, its micro-batches drawn from "
+                  "as many epochs as it takes (set max_steps to choose)", file=sys.stderr, flush=True)
+        elif lead and left > 0:
+            print(f"slideformer: num_train_epochs {cfg.num_train_epochs} holds {math.floor(mbs + 1e-9)} micro-batches, "
+                  f"{total} step(s) of {accumulate}: the last {left} ({left * rows} "
+                  f"{'packed rows' if cfg.packing else 'samples'}) are short of a step and not trained (max_steps: "
+                  f"{total + 1} trains them, with the next epoch's first)", file=sys.stderr, flush=True)
     # (as transformers' TrainingArguments.get_warmup_steps, but none for one step: the first warmup step's
     # rate is 0, so a run of one step in warmup would train nothing)
     warmup = 0 if total == 1 else math.ceil(cfg.warmup_ratio * total)
@@ -579,8 +586,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     # what decides each step's update (the config's keys, and the steps max_steps or num_train_epochs give): a
     # resume that changes one says so
     update = {"learning_rate": cfg.learning_rate, "lr_scheduler_type": cfg.lr_scheduler_type,
-              "warmup_ratio": cfg.warmup_ratio, "steps": total, "weight_decay": cfg.weight_decay,
-              "adam_beta1": cfg.adam_beta1, "adam_beta2": cfg.adam_beta2, "max_grad_norm": cfg.max_grad_norm,
+              "warmup_ratio": cfg.warmup_ratio, "steps": total, "warmup_steps": warmup,
+              "weight_decay": cfg.weight_decay, "adam_beta1": cfg.adam_beta1, "adam_beta2": cfg.adam_beta2, "max_grad_norm": cfg.max_grad_norm,
               "bf16": engine.cfg.compute_dtype == torch.bfloat16, "fp8": cfg.fp8}
     if resume:
         state = engine.load_checkpoint(resume)
