@@ -12,9 +12,19 @@ from slideformer.config import ConfigError, Placement, Tuning
 from tiny import BY_STRUCTURE, FAMILIES, attention, batch, build, engine_config
 
 
+def decay_groups(model, weight_decay: float) -> list[dict]:
+    """The parameters as transformers' Trainer groups them: weight decay on all but biases and norms."""
+    from transformers import Trainer
+
+    decayed = set(Trainer.get_decay_parameter_names(None, model))
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n in decayed], "weight_decay": weight_decay},
+            {"params": [p for n, p in named if n not in decayed], "weight_decay": 0.0}]
+
+
 def reference_train(model, batches, *, lr, weight_decay=0.0, max_grad_norm=None, lrs=None, betas=(0.9, 0.999)):
     model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
+    opt = torch.optim.AdamW(decay_groups(model, weight_decay), lr=lr, betas=betas, fused=True)
     losses = []
     for k, b in enumerate(batches):
         if lrs is not None:
@@ -169,6 +179,22 @@ def test_accumulation_equals_one_large_batch(family):
     state, losses = engine_train(model, steps, lr=1e-3)
     ref, ref_losses = reference_train(model, big, lr=1e-3)
     assert_same(state, ref, losses, ref_losses)
+
+
+@pytest.mark.parametrize("family", sorted({**FAMILIES, **BY_STRUCTURE}))
+def test_weight_decay_skips_what_transformers_trainer_skips(family):
+    """The units' undecayed ranges are exactly the parameters transformers' Trainer decays not (biases, norms,
+    nn.LayerNorm's), whatever the family names them."""
+    from transformers import Trainer
+
+    from slideformer.model.adapter import ModelAdapter
+
+    model = build(family)
+    ad = ModelAdapter(model.config)
+    spared = {p.key for u in ad.units for p in u.params if (p.offset, p.offset + p.numel) in u.no_decay}
+    names = {p.key for u in ad.units for p in u.params}
+    assert spared == names - set(Trainer.get_decay_parameter_names(None, model))
+    assert any("norm" in k for k in spared) and all(u.no_decay == () for u in ad.units if u.kind == "embed")
 
 
 @pytest.mark.parametrize("backend", ["native", "torch"])

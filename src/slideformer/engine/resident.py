@@ -14,15 +14,17 @@ import torch
 
 from ..kernels.compact_adamw import compact_adamw_
 from ..optim import formats
-from ..optim.adamw import adamw_8bit_, compact_seed
+from ..optim.adamw import Undecayed, adamw_8bit_, compact_seed
 from ..window.slots import Slot
 
 RESIDENT_PIECE = 32 * 2**20  # elements per fused AdamW call: the fp32 gradient it needs is that large, not the unit's
 
 
 class ResidentState:
-    def __init__(self, slots: dict[int, Slot], numels: dict[int, int], state: str, cfg, compute_stream, profiler):
+    def __init__(self, slots: dict[int, Slot], units: dict, state: str, cfg, compute_stream, profiler):
+        """``units``: the UnitSpec of each resident unit (model/adapter.py), by index."""
         self.slots, self.cfg, self.format = slots, cfg, state
+        numels = {u: spec.numel for u, spec in units.items()}
         self.compact = compact = formats.compact_master(state)
         self.compute, self.profiler = compute_stream, profiler  # (compute_stream None: on the CPU)
         self.device = cfg.device
@@ -33,6 +35,7 @@ class ResidentState:
             return [torch.zeros(n, dtype=dtype, device=s.params.device)] + \
                 [torch.zeros(formats.moment_numel(state, n), dtype=mt, device=s.params.device) for _ in range(2)]
         self.state = {u: zeros(u, s) for u, s in sorted(slots.items())}
+        self.undecayed = {u: Undecayed(units[u].no_decay, s.params.device) for u, s in slots.items()}
         # torch's fused AdamW takes the step as a device tensor: filled by a kernel, never copied from the host
         self._step = {} if compact else {u: torch.zeros((), dtype=torch.float32, device=s.params.device)
                                          for u, s in slots.items()}
@@ -75,6 +78,9 @@ class ResidentState:
         slot = self.slots[unit]
         n, c = master.numel(), self.cfg
         start = self.profiler.mark(self.compute) if self.compute is not None else None
+        undecayed = self.undecayed[unit]
+        if self.compact:
+            saved = undecayed.before(c.weight_decay, slot.params[:n], master)
         if self.format == "8bit":  # the CPU worker's arithmetic, by the PyTorch reference in pieces of whole blocks
             adamw_8bit_(slot.params[:n], master, slot.grads[:n], m, v, step=step, lr=lr, betas=c.betas, eps=c.eps,
                         weight_decay=c.weight_decay, grad_coef=grad_coef, backend="torch")
@@ -82,15 +88,19 @@ class ResidentState:
             compact_adamw_(slot.params[:n], master, slot.grads[:n], m, v, step=step, lr=lr, betas=c.betas, eps=c.eps,
                            weight_decay=c.weight_decay, grad_coef=grad_coef, seed=compact_seed(c.seed, unit))
         else:
-            fused_adamw_(master, m, v, slot, self._step[unit], step, lr, grad_coef, c)
+            fused_adamw_(master, m, v, slot, self._step[unit], step, lr, grad_coef, c, undecayed)
+        if self.compact:
+            undecayed.after(saved, lr, c.weight_decay, slot.params[:n], master)
         if self.compute is not None:  # GPU work between visits: not idle time
             self.profiler.copy("gpu_adamw", start, self.profiler.mark(self.compute))
 
 
-def fused_adamw_(master, m, v, slot: Slot, step_t: torch.Tensor, step: int, lr: float, grad_coef: float, c) -> None:
+def fused_adamw_(master, m, v, slot: Slot, step_t: torch.Tensor, step: int, lr: float, grad_coef: float, c,
+                 undecayed: Undecayed) -> None:
     """fp32 AdamW from the slot's gradient (torch's fused kernel, in pieces: the fp32 gradient it needs is
     that large, not the unit's), then the slot's weights from the new master."""
     n = master.numel()
+    saved = undecayed.before(c.weight_decay, master)
     step_t.fill_(float(step))
     for a in range(0, n, RESIDENT_PIECE):
         b = min(n, a + RESIDENT_PIECE)
@@ -99,6 +109,7 @@ def fused_adamw_(master, m, v, slot: Slot, step_t: torch.Tensor, step: int, lr: 
             g.mul_(grad_coef)
         torch._fused_adamw_([master[a:b]], [g], [m[a:b]], [v[a:b]], [], [step_t], lr=lr, beta1=c.betas[0],
                             beta2=c.betas[1], weight_decay=c.weight_decay, eps=c.eps, amsgrad=False, maximize=False)
+    undecayed.after(saved, lr, c.weight_decay, master)
     slot.params[:n].copy_(master)
 
 
@@ -118,8 +129,10 @@ class VisitingUpdate:
     ``landed`` first (``synchronize``, or in stream order). The unit's ``updated`` flag is never cleared
     for this: no host thread takes part."""
 
-    def __init__(self, unit: int, store, copier, cfg, profiler):
-        self.unit, self.store, self.copier, self.cfg, self.profiler = unit, store, copier, cfg, profiler
+    def __init__(self, spec, store, copier, cfg, profiler):
+        """``spec``: the unit's UnitSpec (model/adapter.py)."""
+        self.unit, self.store, self.copier, self.cfg, self.profiler = spec.index, store, copier, cfg, profiler
+        self.undecayed = Undecayed(spec.no_decay, cfg.device)
         self._step = torch.zeros((), dtype=torch.float32, device=cfg.device)
         self._fetched = None  # ([master, exp_avg, exp_avg_sq] on the GPU, their copy's event)
         self._updated = None  # the same after an update, until send_back
@@ -144,7 +157,7 @@ class VisitingUpdate:
         cuda = self.copier.compute is not None
         start = self.profiler.mark(self.copier.compute) if cuda else None
         self.copier.consume([master, m, v], ready)
-        fused_adamw_(master, m, v, slot, self._step, step, lr, grad_coef, self.cfg)
+        fused_adamw_(master, m, v, slot, self._step, step, lr, grad_coef, self.cfg, self.undecayed)
         done = self.copier.read_done()
         slot.used = done  # (the update wrote the slot after its visit ended)
         self._updated, self._fresh = [master, m, v], (master, done)

@@ -141,10 +141,10 @@ class Runtime:
         staged = [adapter.units[u].numel for u in store.staged]
         self.copier = copier_for(self.device, self.profiler, min(STAGING_ELEMS, max(staged, default=0)))
         # Resident units train on the GPU; their state is there only (engine/resident.py).
-        self.resident = ResidentState(self.slots["resident"], {u: adapter.units[u].numel for u in resident},
+        self.resident = ResidentState(self.slots["resident"], {u: adapter.units[u] for u in resident},
                                       store.state_format, cfg, self.copier.compute, self.profiler)
         store.attach_gpu(self.resident)
-        self.visiting = VisitingUpdate(gpu_updated, store, self.copier, cfg, self.profiler) \
+        self.visiting = VisitingUpdate(adapter.units[gpu_updated], store, self.copier, cfg, self.profiler) \
             if gpu_updated is not None else None
         self.failure = Failure()  # the first failure in any thread (engine/disk.py)
         self.disk = DiskIO(store.tier, self.failure, self.device)  # (engine/disk.py)

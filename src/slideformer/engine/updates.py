@@ -17,7 +17,8 @@ import torch
 from ..config import EngineConfig
 from ..host.store import HostStore
 from ..model.adapter import ModelAdapter
-from ..optim.adamw import Landing, Rows, adamw_8bit_, adamw_compact_, adamw_update_, compact_seed, resolve_backend
+from ..optim.adamw import (Landing, Rows, Undecayed, adamw_8bit_, adamw_compact_, adamw_update_, compact_seed,
+                           resolve_backend)
 from ..window.schedule import next_update
 from .copier import on_device
 from .disk import DiskIO, Failure
@@ -79,6 +80,7 @@ class Updates:
         for e in self.updated + self.rest_done:
             e.set()
         self.backend = resolve_backend(cfg.tuning.optimizer_backend)
+        self.undecayed = [Undecayed(u.no_decay) for u in adapter.units]  # (the embedding has none: rows need none)
         needs_scratch = cfg.compute_dtype != torch.float32 and self.backend == "torch"
         cpu_units = [u.numel for u in adapter.units if not store.is_resident(u.index)]  # (those the CPU updates)
         self._scratch = torch.empty(max(cpu_units, default=0) if needs_scratch else 0, dtype=torch.float32)
@@ -224,6 +226,10 @@ class Updates:
                     # (the separate compute copy is written in place: nothing reads it before the verdict,
                     # which rewrites it if the update does not stand)
                 t0 = time.perf_counter()
+                undecayed, saved = self.undecayed[job.unit], None
+                if job.grad_coef is not None:  # (the master the update starts from: src's where out of place)
+                    start = src if src is not None else (master, st.get("master_lo"))
+                    saved = undecayed.before(c.weight_decay, start[0], start[1] if s.compact else None)
                 if job.grad_coef is None:  # a dropped step: the state (tier buffer too) goes back unchanged,
                     # and the compute copy, which a speculative update wrote in place, is put back; the buffer
                     # only once the whole gradient has landed (its next user may read it before the copy's end)
@@ -240,6 +246,7 @@ class Updates:
                     else:
                         waited = adamw_compact_(master, lo, grad, exp_avg, exp_avg_sq,
                                                 seed=compact_seed(c.seed, job.unit), **common)
+                    undecayed.after(saved, job.lr, c.weight_decay, master, lo)
                 else:
                     cast_out = out is not None and out.dtype in (torch.bfloat16, torch.float16)
                     waited = adamw_update_(master, grad, exp_avg, exp_avg_sq, step=job.step, lr=job.lr,
@@ -247,6 +254,7 @@ class Updates:
                                   out=out if cast_out else None, scratch=self._scratch,
                                   backend=self.backend, threads=c.tuning.optimizer_threads,
                                   landing=landing, src=src, rows=rows)
+                    undecayed.after(saved, job.lr, c.weight_decay, master, out=out if cast_out else None)
                     if out is not None and not cast_out:  # an fp32 copy of a master on the tier
                         out.copy_(master)
                 # (the span includes waits for chunks still in flight, also counted on their own)

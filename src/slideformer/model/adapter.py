@@ -53,6 +53,7 @@ class UnitSpec:
     layer: int | None  # decoder layer index for kind == "layer"
     params: tuple[ParamSpec, ...]
     numel: int  # padded size of the flat buffer
+    no_decay: tuple[tuple[int, int], ...] = ()  # [begin, end) ranges weight decay leaves (``decays``)
 
     @property
     def name(self) -> str:
@@ -63,13 +64,33 @@ def _padded(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _layout(index: int, kind: str, layer: int | None, named: list[tuple[str, str, tuple[int, ...]]]) -> UnitSpec:
-    specs, off = [], 0
+# transformers' Trainer decays no bias and no norm weight: these patterns of its get_decay_parameter_names, on
+# the lower-cased name, or a parameter of an nn.LayerNorm
+_NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+
+
+def decays(key: str, in_layer_norm: bool = False) -> bool:
+    """Whether weight decay applies to the parameter of this checkpoint name, as transformers' Trainer groups
+    them (the config's keys are its TrainingArguments', so a run means the same training)."""
+    return not (in_layer_norm or _NO_DECAY.search(key.lower()))
+
+
+def _layout(index: int, kind: str, layer: int | None, named: list[tuple[str, str, tuple[int, ...]]],
+            layer_norms: frozenset[str] = frozenset()) -> UnitSpec:
+    specs, off, no_decay = [], 0, []
     for key, local, shape in named:
         spec = ParamSpec(key=key, local=local, shape=tuple(shape), offset=off)
         specs.append(spec)
+        if not decays(key, local in layer_norms):
+            no_decay.append((off, off + spec.numel))
         off += _padded(spec.numel)
-    return UnitSpec(index=index, kind=kind, layer=layer, params=tuple(specs), numel=off)
+    return UnitSpec(index=index, kind=kind, layer=layer, params=tuple(specs), numel=off, no_decay=tuple(no_decay))
+
+
+def _layer_norm_params(module: nn.Module, prefix: str = "") -> frozenset[str]:
+    """The names (in ``module``, with ``prefix``) of the parameters of its nn.LayerNorm modules."""
+    return frozenset(prefix + n for m_name, m in module.named_modules() if isinstance(m, nn.LayerNorm)
+                     for n, _ in m.named_parameters(prefix=m_name))
 
 
 class ModelAdapter:
@@ -175,11 +196,11 @@ class ModelAdapter:
         units = [_layout(0, "embed", None, [("model.embed_tokens.weight", "weight", tuple(inner.embed_tokens.weight.shape))])]
         for i, layer in enumerate(self.layers):
             named = [(f"model.layers.{i}.{n}", n, tuple(p.shape)) for n, p in layer.named_parameters()]
-            units.append(_layout(i + 1, "layer", i, named))
+            units.append(_layout(i + 1, "layer", i, named, _layer_norm_params(layer)))
         head = [("model.norm.weight", "norm.weight", tuple(inner.norm.weight.shape))]
         if not self.tied:
             head.append(("lm_head.weight", "lm_head.weight", tuple(self.skeleton.lm_head.weight.shape)))
-        units.append(_layout(len(units), "head", None, head))
+        units.append(_layout(len(units), "head", None, head, _layer_norm_params(inner.norm, "norm.")))
         return units
 
     @property

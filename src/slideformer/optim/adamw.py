@@ -65,6 +65,39 @@ class Rows:
         return dict(rows=self.ids, row_len=self.length, touched=self.touched)
 
 
+class Undecayed:
+    """The elements of a unit that weight decay leaves alone (its biases and norms: model/adapter.py
+    ``decays``). Every kernel decays all of a unit's elements in its one pass; these few are read before the
+    update (``before``) and have their decay taken back after it (``after``): p_new + lr * wd * p_old, the
+    undecayed update to within a rounding of the weight (the moments do not depend on the decay)."""
+
+    def __init__(self, ranges: tuple[tuple[int, int], ...], device="cpu"):
+        self.index = torch.cat([torch.arange(a, b) for a, b in ranges]).to(device) if ranges else None
+
+    def before(self, weight_decay: float, hi: torch.Tensor, lo: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The elements' master before the update (``hi`` + ``lo`` for compact and 8-bit state); None where
+        there is nothing to take back."""
+        if self.index is None or weight_decay == 0.0:
+            return None
+        p = hi[self.index].double()
+        return p if lo is None else p + lo[self.index].double()
+
+    def after(self, saved: torch.Tensor | None, lr: float, weight_decay: float, hi: torch.Tensor,
+              lo: torch.Tensor | None = None, out: torch.Tensor | None = None) -> None:
+        """The decay taken back off the updated master (and ``out``, its compute copy, where one is written),
+        rounded as the kernels round: the fp32 master to nearest even, or compact's hi + lo split."""
+        if saved is None:
+            return
+        i = self.index
+        p = hi[i].double() + (0.0 if lo is None else lo[i].double()) + saved * (lr * weight_decay)
+        p = p.float()
+        hi[i] = p.to(hi.dtype)
+        if lo is not None:
+            lo[i] = (p - hi[i].float()).to(lo.dtype)
+        if out is not None:
+            out[i] = p.to(out.dtype)
+
+
 def _check_rows(rows: "Rows | None", backend: str) -> None:
     if rows is not None and backend != "native":
         raise ValueError("a row-wise update needs the native backend")
