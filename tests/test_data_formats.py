@@ -157,6 +157,13 @@ def test_json_and_parquet_files(tmp_path):
     datasets.Dataset.from_list(recs).to_parquet(str(tmp_path / "d.parquet"))
     where, rec = read_records(tmp_path / "d.parquet")[1]
     assert rec == {"text": "b"} and where.endswith("[record 1]")
+    # formats mixed in one table: every record has every column, null where it had none; each is its own
+    mixed = [{"instruction": "i", "output": "o"}, {"text": "t"}, {"messages": [{"role": "user", "content": "u"}]}]
+    pytest.importorskip("pandas").DataFrame(mixed).to_parquet(tmp_path / "m.parquet")
+    found = [detect_format(r, w) for w, r in read_records(tmp_path / "m.parquet")]
+    assert found == ["alpaca", "text", "messages"]
+    with pytest.raises(DataError, match="messages record needs"):  # (nulls alone: the format's own refusal)
+        to_messages({"messages": None, "text": None}, detect_format({"messages": None, "text": None}, "r"), "r")
 
 
 def test_datasets_sources_csv_save_to_disk_folders_and_hub_names(tmp_path, monkeypatch):

@@ -83,3 +83,22 @@ def test_smollm2_learns_real_text_and_exports_a_chat_model(smollm2, text, tmp_pa
     assert "<|im_start|>assistant" in tok.decode(ids[0])
     out = model.generate(ids, max_new_tokens=6, do_sample=False)
     assert out.shape[1] > ids.shape[1] and tok.decode(out[0, ids.shape[1]:]).strip()
+
+
+def test_an_answer_opening_with_whitespace_trains_the_answer_not_its_header(smollm2):
+    """A real BPE tokenizer merges an answer's leading newlines with the newline that ends the template's
+    assistant header, so the header is no token prefix of the whole: the trained tokens start where the two
+    renderings first differ (they started at the turn's first token: `<|im_start|>assistant` was trained)."""
+    from transformers import AutoTokenizer
+
+    from slideformer.data.formats import render
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    for answer in ("\n\nLeading newlines", "  two spaces", "plain"):
+        msgs = [{"role": "user", "content": "Say it"}, {"role": "assistant", "content": answer}]
+        ids, labels = render(msgs, tok, "test")
+        trained = tok.decode([t for t in labels if t != -100])
+        assert "<|im_start|>" not in trained and "assistant" not in trained, (answer, trained)
+        assert trained.endswith(answer + "<|im_end|>\n") or trained.endswith(answer + "<|im_end|>"), (answer, trained)
+        prompt = tok.decode([t for t, l in zip(ids, labels) if l == -100])
+        assert prompt.endswith("<|im_start|>assistant") or prompt.endswith("<|im_start|>assistant\n"), prompt

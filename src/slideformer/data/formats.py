@@ -177,16 +177,20 @@ def detect_format(rec: dict, where: str) -> str:
     if not isinstance(rec, dict):
         kind = {type(None): "null", list: "a list", str: "a string", bool: "a boolean"}.get(type(rec), "a number")
         raise DataError(f"{where}: expected a record (a JSON object), got {kind}")
-    if "messages" in rec:
-        return "messages"
-    if "conversations" in rec:
-        return "sharegpt"
-    if "instruction" in rec and "output" in rec:
-        return "alpaca"
-    if "text" in rec:
-        return "text"
-    if "prompt" in rec and "completion" in rec:
-        return "prompt_completion"
+    # keys with a value first: a table (Parquet, Arrow, a folder through datasets) gives every record every
+    # column, null where the record has none; then keys at all, so that a record of nulls is refused by its
+    # format's own message
+    for has in (lambda k: rec.get(k) is not None, lambda k: k in rec):
+        if has("messages"):
+            return "messages"
+        if has("conversations"):
+            return "sharegpt"
+        if has("instruction") and has("output"):
+            return "alpaca"
+        if has("text"):
+            return "text"
+        if has("prompt") and has("completion"):
+            return "prompt_completion"
     raise DataError(f"{where}: cannot tell the format from keys {_keys(rec)}; expected one of "
                     "messages / conversations / instruction+output / prompt+completion / text, or map the record's "
                     "keys to those with the dataset's columns (e.g. {instruction: question, output: answer})")
@@ -460,7 +464,9 @@ def render(rec_messages, tokenizer, where: str, cutoff_len: int | None = None,
             if trained[k - 1]:
                 header = tok(msgs[: k - 1], True)
                 full = tok(msgs[:k], False)
-                start = len(header) if full[: len(header)] == header else len(ids)
+                # (where they first differ: a turn whose content starts with whitespace merges it with the
+                # header's last token, which is then the content's first, trained)
+                start = next((i for i, (a, b) in enumerate(zip(header, full)) if a != b), min(len(header), len(full)))
                 labels += [-100] * (start - len(ids)) + full[start:]
             else:
                 full = tok(msgs[:k], False)
