@@ -183,6 +183,14 @@ def test_datasets_sources_csv_save_to_disk_folders_and_hub_names(tmp_path, monke
     got = read_records(tmp_path / "d.csv")
     assert [r["output"] for _, r in got] == [f"it is {i}" for i in range(5)]
     assert got[0][0].endswith("d.csv[train record 0]") and to_messages(got[0][1], "alpaca", got[0][0])
+    # an unquoted comma in the first row: pandas would read its first field as an index, each field one along
+    (tmp_path / "c").mkdir()
+    for where in (tmp_path / "c.csv", tmp_path / "c" / "b.csv"):
+        where.write_text("instruction,output\nName three colors, please,red green blue\nWhat is 1+1?,2\n")
+        (tmp_path / "c" / "a.csv").write_text("instruction,output\nfine,yes\n")  # (a folder's later file too)
+        with pytest.raises(DataError, match=r"[bc]\.csv:2: 3 fields where the header names 2: a field holding ',' "
+                                            "needs double quotes"):
+            read_records(where.parent if where.parent.name == "c" else where)
     dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:3]),
                                "test": datasets.Dataset.from_list(rows[3:])})
     dd.save_to_disk(str(tmp_path / "saved"))

@@ -562,8 +562,23 @@ def _csv_as_text(p: Path, datasets) -> dict:
     # (the column names as pandas makes them, which datasets' reader uses: "Unnamed: 0" for an empty one,
     # "output.1" for a repeated one; a header pandas cannot parse raises its ValueError, said as the file's)
     names = pandas.read_csv(p, sep=sep, nrows=0, encoding_errors="replace").columns
+    _check_fields(p, sep, len(names))
     return {"delimiter": sep, "keep_default_na": False,
             "features": datasets.Features({str(name): datasets.Value("string") for name in names})}
+
+
+def _check_fields(p: Path, sep: str, columns: int) -> None:
+    """A row with more fields than the header is refused, naming its line: pandas reads a first such row's
+    first field as the row's index, which shifts every row's fields one column along, silently."""
+    import csv
+
+    with open(p, newline="", encoding="utf-8", errors="replace") as f:
+        rows = csv.reader(f, delimiter=sep)
+        next(rows, None)
+        for row in rows:
+            if len(row) > columns:
+                raise DataError(f"{p}:{rows.line_num}: {len(row)} fields where the header names {columns}: a "
+                                f"field holding {sep!r} needs double quotes (\"like{sep} this\")")
 
 
 def open_through_datasets(name: str, p: Path, split: str | None, subset: str | None):
@@ -672,6 +687,9 @@ def _load_folder(datasets, name: str, p: Path, subset: str | None):
     if len(suffixes) > 1:
         raise DataError(f"dataset folder {name} mixes {' and '.join(suffixes)} files, whose cells are separated "
                         "differently; keep one kind a folder, or list each file as a dataset")
-    first = Path(next(f for v in splits.values() for f in v))
+    files = [Path(f) for v in splits.values() for f in v]
+    options = _csv_as_text(files[0], datasets)
+    for f in files[1:]:
+        _check_fields(f, options["delimiter"], len(options["features"]))
     return datasets.load_dataset("csv", data_files={k: [glob.escape(f) for f in v] for k, v in splits.items()},
-                                 **_csv_as_text(first, datasets))
+                                 **options)
