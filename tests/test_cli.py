@@ -322,9 +322,11 @@ def test_data_shows_what_training_sees(capsys, tmp_path):
     assert main(["data", "--samples", "0", "val_size=0.1"]) == 0  # (training's part and evaluation's, as train splits)
     out = capsys.readouterr().out
     assert "samples 101 " in out and "eval: samples 11 " in out
-    assert main(["data", "--samples", "0", f"eval_dataset={_assets() / 'sample' / 'text.jsonl'}"]) == 0
+    assert main(["data", "--samples", "0", f"eval_dataset={_assets() / 'sample' / 'prompt_completion.jsonl'}"]) == 0
     out = capsys.readouterr().out
     assert "samples 112 " in out and "eval: samples 8 " in out
+    assert main(["data", "--samples", "0", f"eval_dataset={_assets() / 'sample' / 'text.jsonl'}"]) == 2
+    assert "eval_dataset " in capsys.readouterr().err  # (one of the dataset's files: evaluation of training samples)
     with pytest.raises(SystemExit) as e:
         main(["data", "--samples", "-1"])
     assert e.value.code == 2 and "--samples: must be a whole number >= 0" in capsys.readouterr().err

@@ -94,11 +94,14 @@ def test_records_that_are_no_sample_are_counted_once_when_met(tmp_path, monkeypa
     assert reached["truncated_as_met"] == 1 and "truncated_as_met" in up and not up["truncated_as_met"]
     assert train(cfg(tmp_path / "val", *opts, "val_size=0.2"))["truncated_as_met"] == 1  # (through val_size's split)
     assert [h["loss"] for h in reached["history"]] == [h["loss"] for h in up["history"]] and reached["steps"] == 8
-    # held out and read as reached, they are left out of evaluation as when tokenized up front
-    held = train(cfg(tmp_path / "held", *opts, f"eval_dataset=[{d}]"))
+    # held out and read as reached, they are left out of evaluation as when tokenized up front (a copy: the
+    # training file itself is refused as eval_dataset)
+    e = tmp_path / "e.jsonl"
+    e.write_text(d.read_text())
+    held = train(cfg(tmp_path / "held", *opts, f"eval_dataset=[{e}]"))
     monkeypatch.undo()
     capsys.readouterr()
-    held_up = train(cfg(tmp_path / "held_up", *opts, f"eval_dataset=[{d}]"))
+    held_up = train(cfg(tmp_path / "held_up", *opts, f"eval_dataset=[{e}]"))
     (a,), (b,) = held["evals"], held_up["evals"]
     assert a["eval_tokens"] == b["eval_tokens"] == 33 + 31 and a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-6)
     assert "eval_dataset: 2 record(s) skipped as malformed, 1 with no target token within cutoff_len; left out " \

@@ -648,6 +648,39 @@ def test_epochs_short_of_a_step_train_one_step_not_at_rate_zero(tmp_path, capsys
            "(max_steps: 4 trains them" in capsys.readouterr().err
 
 
+def test_records_read_twice_or_evaluated_as_trained_are_refused(tmp_path):
+    """A folder and a file in it (of the folder's split), or a save_to_disk folder for both dataset and
+    eval_dataset (each defaults to its train split), read the same records: trained twice, or evaluated on
+    training samples, unsaid. Another split, or a file of the folder's other split, is held-out data."""
+    import datasets
+
+    from slideformer.train.loop import build_examples, held_out, load_tokenizer
+
+    folder = tmp_path / "f"
+    folder.mkdir()
+    for split in ("train", "test"):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps({"text": f"{split} {i}"}) + "\n" for i in range(4)))
+    datasets.DatasetDict({s: datasets.Dataset.from_list([{"text": f"{s} {i}"} for i in range(4)])
+                          for s in ("train", "test")}).save_to_disk(str(tmp_path / "dd"))
+
+    def run(*opts):
+        c = cfg(tmp_path / "run", "cutoff_len=64", *opts)
+        tok = load_tokenizer(c)
+        return held_out(c, tok, None, build_examples(c, tok, None)[0])
+
+    with pytest.raises(DataError, match=r"dataset lists .*f and .*train.jsonl, which both read .*f/train.jsonl: its "
+                                        "records would count twice"):
+        run(f"dataset=[{folder}, {folder / 'train.jsonl'}]")
+    assert len(run(f"dataset=[{folder}, {folder / 'test.jsonl'}]")[0]) == 8
+    with pytest.raises(DataError, match=r"eval_dataset .*train.jsonl reads .*train.jsonl, which dataset trains on"):
+        run(f"dataset={folder}", f"eval_dataset={folder / 'train.jsonl'}")
+    with pytest.raises(DataError, match=r"eval_dataset .*dd reads .*dd \(split train\), which dataset trains on"):
+        run(f"dataset={tmp_path / 'dd'}", f"eval_dataset={tmp_path / 'dd'}")
+    train_part, held, _ = run(f"dataset={tmp_path / 'dd'}", f"eval_dataset={{path: {tmp_path / 'dd'}, split: test}}")
+    assert (len(train_part), len(held)) == (4, 4)
+    assert len(run(f"dataset={folder}", f"eval_dataset={folder / 'test.jsonl'}")[1]) == 4
+
+
 @pytest.mark.parametrize("lazy", [False, True])
 def test_a_file_listed_with_format_auto_and_with_the_format_it_finds_is_refused(tmp_path, lazy):
     """format auto and the format auto finds in a file read it alike: listed both ways, its records would count

@@ -85,6 +85,25 @@ def read_records(path: str | os.PathLike, skip_bad: bool = False, split: str | N
     return out
 
 
+def data_read(path: str | os.PathLike, split: str | None = None, subset: str | None = None) -> set[tuple]:
+    """What a dataset entry reads, to tell entries that read the same records: each data file's real path (a
+    folder's: those of its split, as datasets picks them by name), a save_to_disk folder's with its split, a
+    Hub name with its split and subset."""
+    p = Path(path)
+    if not p.exists():
+        return {(str(path), split or "train", subset)}
+    if p.is_dir() and not ((p / "dataset_dict.json").is_file() or (p / "state.json").is_file()):
+        try:
+            import datasets
+
+            with _quiet_datasets():
+                files = datasets.load_dataset_builder(str(p), subset).config.data_files or {}
+            return {(os.path.realpath(f),) for f in files.get(split or "train", [])}
+        except Exception:  # (the read itself says what is wrong with the folder)
+            pass
+    return {(os.path.realpath(p), split or "train") if p.is_dir() else (os.path.realpath(p),)}
+
+
 def _a_record(p: Path) -> bool:
     """Whether the first line of ``p`` is a JSON object on its own (a JSONL file's first record)."""
     try:

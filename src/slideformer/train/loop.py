@@ -27,7 +27,8 @@ import torch
 from .. import EngineConfig, SlideEngine, heap, lr_at, parallel
 from ..config import ConfigError, Placement
 from ..data import NOT_JSON, DataError, detect_format, pack_batch, pad_batch, read_records, render, to_messages
-from ..data.formats import chat_template_text, check_chat_template, max_token_chars, renamed, template_probe
+from ..data.formats import (chat_template_text, check_chat_template, data_read, max_token_chars, renamed,
+                            template_probe)
 from ..data.lazy import LazyExamples, Subset
 from ..signals import Signals, past_hangup, undoable
 from ..checkpoint.export import NonFiniteStateError
@@ -163,6 +164,7 @@ def build_examples(cfg: TrainConfig, tok, vocab: int | None, specs=None, lazy: b
 
     specs = specs or cfg.dataset
     key = "dataset" if specs is cfg.dataset else "eval_dataset"
+    _read_once(specs, key)
     make = functools.partial(make_sample, cfg, tok, max_token_chars(tok), vocab, template_report(cfg, tok)[0])
     def read(reader, spec):  # (eval_dataset's file named as its key's)
         try:
@@ -206,6 +208,35 @@ def build_examples(cfg: TrainConfig, tok, vocab: int | None, specs=None, lazy: b
     if specs is cfg.dataset and skipped + dropped == len(examples):  # (held-out data: evaluation says so)
         raise _none_trainable(cfg, skipped, dropped)
     return examples, skipped, dropped, truncated
+
+
+def _read_once(specs, key: str) -> None:
+    """Two entries that read the same records alike (a folder and a file in it, one file by two names, a
+    save_to_disk folder and its split) are refused: each record would count twice, unsaid (the config
+    refuses one spelling twice)."""
+    seen = {}
+    for spec in specs:
+        how = (spec.format, tuple(sorted((spec.columns or {}).items())))  # (read another way: other data)
+        for item in data_read(spec.path, spec.split, spec.subset):
+            if (first := seen.setdefault((item, how), spec)) is not spec:
+                raise DataError(f"{key} lists {first.path} and {spec.path}, which both read {_named(item)}: its "
+                                "records would count twice; list it once")
+
+
+def _named(item: tuple) -> str:
+    """A data_read item as a message names it."""
+    return item[0] + (f" (split {item[1]})" if len(item) > 1 and item[1] else "")
+
+
+def _evaluated_apart(cfg: TrainConfig) -> None:
+    """eval_dataset reading what dataset trains on is refused: the held-out loss would be of training
+    samples (a save_to_disk folder's split defaults to train for both)."""
+    trained = {item for spec in cfg.dataset for item in data_read(spec.path, spec.split, spec.subset)}
+    for spec in cfg.eval_dataset:
+        if both := sorted(data_read(spec.path, spec.split, spec.subset) & trained):
+            raise DataError(f"eval_dataset {spec.path} reads {_named(both[0])}, which dataset trains on: the "
+                            "evaluation would be of training samples; give held-out data (another file, or a "
+                            "split: test), or set val_size instead")
 
 
 def _first(records, most: int = 16) -> list:
@@ -256,6 +287,7 @@ def held_out(cfg: TrainConfig, tok, vocab: int | None, examples, in_ram=lambda s
     val_size of the dataset's records, the same ones whatever the seed (runs that differ in seed are
     evaluated on the same samples); with eval_dataset's records skipped and dropped."""
     if cfg.eval_dataset:
+        _evaluated_apart(cfg)
         held, h_skipped, h_dropped, _ = build_examples(cfg, tok, vocab, cfg.eval_dataset,
                                                        lazy=not in_ram(cfg.eval_dataset))
         return examples, held, (h_skipped, h_dropped)
