@@ -1,5 +1,6 @@
 """Each data format renders with the loss on the right tokens; bad records are named by file and line."""
 import json
+import re
 
 import pytest
 from transformers import AutoTokenizer
@@ -366,3 +367,37 @@ def test_a_chat_template_may_be_a_file(tmp_path):
     (tmp_path / "cfg").mkdir()
     (tmp_path / "cfg" / "c.yaml").write_text("model_name_or_path: tiny\nchat_template: ../t.jinja\n")
     assert load_tokenizer(load_config(tmp_path / "cfg" / "c.yaml")).chat_template == template
+
+
+@pytest.mark.parametrize("rec, fmt, what", [
+    ({"instruction": "a", "output": ""}, "alpaca", "assistant turn (message 1) is empty"),
+    ({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": " \n"}]}, "sharegpt",
+     "assistant turn (message 1) is empty"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""},
+                   {"role": "user", "content": "r"}, {"role": "assistant", "content": "s"}]}, "messages",
+     "assistant turn (message 1) is empty"),
+    ({"prompt": "p", "completion": ""}, "prompt_completion", "'completion' is empty"),
+    ({"text": ""}, "text", "'text' is empty"),
+])
+def test_an_empty_answer_is_malformed_not_trained(rec, fmt, what):
+    """An empty answer would train only the end of its turn (the model taught to stop at once), unsaid: a
+    malformed record (skip_bad_records skips it). An empty turn of weight 0 is context, kept."""
+    with pytest.raises(DataError, match=f"r: {fmt} record's {re.escape(what)}.*skip_bad_records"):
+        to_messages(rec, fmt, "r")
+    kept = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "weight": 0},
+                         {"role": "user", "content": "r"}, {"role": "assistant", "content": "s"}]}
+    assert len(to_messages(kept, "messages", "r")) == 4
+
+
+def test_a_record_in_another_formats_shape_is_told_the_way_to_read_it():
+    """OpenAI messages under sharegpt's key, or sharegpt turns read as messages: the refusal names what reads
+    them (the dataset's columns, or the format)."""
+    openai = {"conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    with pytest.raises(DataError, match=r"turn 0 needs 'from'.*OpenAI messages.*columns: \{messages: conversations\}"):
+        to_messages(openai, "sharegpt", "r")
+    with pytest.raises(DataError, match=r"needs a non-empty list 'messages'; map .* columns: \{messages: conversations\}"):
+        to_messages(openai, "messages", "r")
+    sharegpt = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
+    with pytest.raises(DataError, match=r"holds sharegpt turns \('from', 'value'\): format: sharegpt \(or auto\)"):
+        to_messages(sharegpt, "messages", "r")
+    assert len(to_messages({"messages": openai["conversations"]}, "messages", "r")) == 2

@@ -254,11 +254,20 @@ def to_messages(rec: dict, fmt: str, where: str) -> list[dict] | str | tuple[str
     role); the raw string for "text"; (prompt, completion) for plain prompt-completion records. Every text
     is checked to be valid Unicode."""
     out = _to_messages(rec, fmt, where)
+    fix = "fill it, or drop the record (skip_bad_records: true skips such records)"
     if isinstance(out, str):
+        if not out.strip():  # (its one trained token would be the end of text)
+            raise DataError(f"{where}: text record's 'text' is empty: nothing to train on; {fix}")
         return _text(out, where)
     if isinstance(out, tuple):
+        if not out[1].strip():
+            raise DataError(f"{where}: prompt_completion record's 'completion' is empty: it would train the model "
+                            f"to end at once; {fix}")
         return tuple(_text(t, where) for t in out)
-    for m in out:
+    for i, m in enumerate(out):
+        if m["role"] == "assistant" and not m.get("prompt") and not m["content"].strip():
+            raise DataError(f"{where}: {fmt} record's assistant turn (message {i}) is empty: it would train the "
+                            f"model to end its turn at once; {fix}")
         _text(m["content"], where)
     return out
 
@@ -291,8 +300,11 @@ def _to_messages(rec: dict, fmt: str, where: str) -> list[dict] | str:
         need(isinstance(conv, list) and conv, "needs a non-empty list 'conversations'")
         msgs = []
         for i, turn in enumerate(conv):
+            openai = isinstance(turn, dict) and "role" in turn and "content" in turn and "from" not in turn
             need(isinstance(turn, dict) and turn.get("from") in SHAREGPT_ROLES and isinstance(turn.get("value"), str),
-                 f"turn {i} needs 'from' in {sorted(SHAREGPT_ROLES)} and a string 'value'")
+                 f"turn {i} needs 'from' in {sorted(SHAREGPT_ROLES)} and a string 'value'" + (
+                     "; its turns are OpenAI messages ('role', 'content'): read them as such with the dataset's "
+                     "columns: {messages: conversations}" if openai else ""))
             msgs.append({"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]})
         system = rec.get("system")  # (a top-level system prompt, as LLaMA-Factory's sharegpt records carry)
         need(system is None or isinstance(system, str), "needs 'system' as a string")
@@ -300,6 +312,12 @@ def _to_messages(rec: dict, fmt: str, where: str) -> list[dict] | str:
             msgs.insert(0, {"role": "system", "content": system})
         return msgs
     if fmt == "messages":
+        if "messages" not in rec and len(lists := [k for k, v in rec.items() if isinstance(v, list)]) == 1:
+            turns = rec[lists[0]]
+            sharegpt = bool(turns) and all(isinstance(t, dict) and "from" in t for t in turns)
+            need(False, "needs a non-empty list 'messages'; " + (
+                f"its {lists[0]!r} holds sharegpt turns ('from', 'value'): format: sharegpt (or auto) reads them"
+                if sharegpt else f"map the record's list to it with the dataset's columns: {{messages: {lists[0]}}}"))
         return _messages(rec.get("messages"), need, "messages")
     if fmt == "prompt_completion":
         prompt, completion = rec.get("prompt"), rec.get("completion")
