@@ -189,9 +189,18 @@ def test_datasets_sources_csv_save_to_disk_folders_and_hub_names(tmp_path, monke
     for where in (tmp_path / "c.csv", tmp_path / "c" / "b.csv"):
         where.write_text("instruction,output\nName three colors, please,red green blue\nWhat is 1+1?,2\n")
         (tmp_path / "c" / "a.csv").write_text("instruction,output\nfine,yes\n")  # (a folder's later file too)
-        with pytest.raises(DataError, match=r"[bc]\.csv:2: 3 fields where the header names 2: a field holding ',' "
-                                            "needs double quotes"):
+        with pytest.raises(DataError, match=r"[bc]\.csv:2: 3 fields where the header names 2, so every row would be "
+                                            "read one field along; a field holding ',' needs double quotes"):
             read_records(where.parent if where.parent.name == "c" else where)
+    (tmp_path / "t.csv").write_text("instruction,output\nq1,a1,\nq2,a2,\n")  # (a trailing comma: shifted too)
+    with pytest.raises(DataError, match=r"t\.csv:2: .*rows end with ',', a field more than the header names"):
+        read_records(tmp_path / "t.csv")
+    # R's write.table: row names, a field more on every row, which pandas reads as the index, as meant; and a
+    # cell past the csv module's default limit of 131072 characters
+    (tmp_path / "r.tsv").write_text('"instruction"\t"output"\n"1"\t"What is 2+2?"\t"4"\n"2"\t"Say hi"\t"hi"\n')
+    assert [r["output"] for _, r in read_records(tmp_path / "r.tsv")] == ["4", "hi"]
+    (tmp_path / "long.csv").write_text("text\n" + "word " * 40000 + "\n")
+    assert len(read_records(tmp_path / "long.csv")[0][1]["text"]) == 200000
     dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[:3]),
                                "test": datasets.Dataset.from_list(rows[3:])})
     dd.save_to_disk(str(tmp_path / "saved"))

@@ -16,9 +16,12 @@ Files: JSONL, JSON (a list of records) and Parquet (through ``datasets``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
+import itertools
 import json
 import os
+import sys
 from pathlib import Path
 
 FORMATS = ("alpaca", "sharegpt", "messages", "prompt_completion", "text")
@@ -85,23 +88,24 @@ def read_records(path: str | os.PathLike, skip_bad: bool = False, split: str | N
     return out
 
 
-def data_read(path: str | os.PathLike, split: str | None = None, subset: str | None = None) -> set[tuple]:
+@functools.lru_cache(maxsize=64)  # (a folder's files are found by a builder: once a run, not once a check)
+def data_read(path: str | os.PathLike, split: str | None = None, subset: str | None = None) -> frozenset[tuple]:
     """What a dataset entry reads, to tell entries that read the same records: each data file's real path (a
     folder's: those of its split, as datasets picks them by name), a save_to_disk folder's with its split, a
     Hub name with its split and subset."""
     p = Path(path)
     if not p.exists():
-        return {(str(path), split or "train", subset)}
+        return frozenset({(str(path), split or "train", subset)})
     if p.is_dir() and not ((p / "dataset_dict.json").is_file() or (p / "state.json").is_file()):
         try:
             import datasets
 
             with _quiet_datasets():
                 files = datasets.load_dataset_builder(str(p), subset).config.data_files or {}
-            return {(os.path.realpath(f),) for f in files.get(split or "train", [])}
+            return frozenset((os.path.realpath(f),) for f in files.get(split or "train", []))
         except Exception:  # (the read itself says what is wrong with the folder)
             pass
-    return {(os.path.realpath(p), split or "train") if p.is_dir() else (os.path.realpath(p),)}
+    return frozenset({(os.path.realpath(p), split or "train") if p.is_dir() else (os.path.realpath(p),)})
 
 
 def _a_record(p: Path) -> bool:
@@ -604,18 +608,34 @@ def _csv_as_text(p: Path, datasets) -> dict:
             "features": datasets.Features({str(name): datasets.Value("string") for name in names})}
 
 
-def _check_fields(p: Path, sep: str, columns: int) -> None:
-    """A row with more fields than the header is refused, naming its line: pandas reads a first such row's
-    first field as the row's index, which shifts every row's fields one column along, silently."""
+def _check_fields(p: Path, sep: str, columns: int, look: int = 1000) -> None:
+    """A first data row with more fields than the header is refused, naming its line: pandas then reads each
+    row's first field(s) as its index, which shifts the fields of every row along, silently (an unquoted
+    comma, a trailing delimiter). Not where each of the first ``look`` rows has one field more and some
+    last field filled: R's write.table row names, which pandas reads as meant. (A later row with more
+    fields than the first is pandas' own error.)"""
     import csv
 
+    csv.field_size_limit(sys.maxsize)  # (an answer of a million characters is one cell)
     with open(p, newline="", encoding="utf-8", errors="replace") as f:
         rows = csv.reader(f, delimiter=sep)
-        next(rows, None)
-        for row in rows:
-            if len(row) > columns:
-                raise DataError(f"{p}:{rows.line_num}: {len(row)} fields where the header names {columns}: a "
-                                f"field holding {sep!r} needs double quotes (\"like{sep} this\")")
+        try:
+            next(rows, None)
+            first = next((r for r in rows if r), None)
+            if first is None or len(first) <= columns:
+                return
+            line, shape, filled = rows.line_num, [len(first)], bool(first[-1])
+            for row in itertools.islice((r for r in rows if r), look - 1):
+                shape.append(len(row))
+                filled |= bool(row[-1])
+        except csv.Error as e:
+            raise DataError(f"{p}:{rows.line_num}: not readable as CSV ({e})") from None
+    if set(shape) == {columns + 1} and filled:
+        return
+    why = f"rows end with {sep!r}, a field more than the header names: remove it, or name the column" if \
+        set(shape) == {columns + 1} else f"a field holding {sep!r} needs double quotes (\"like{sep} this\")"
+    raise DataError(f"{p}:{line}: {len(first)} fields where the header names {columns}, so every row would be "
+                    f"read one field along; {why}")
 
 
 def open_through_datasets(name: str, p: Path, split: str | None, subset: str | None):

@@ -165,6 +165,8 @@ def build_examples(cfg: TrainConfig, tok, vocab: int | None, specs=None, lazy: b
     specs = specs or cfg.dataset
     key = "dataset" if specs is cfg.dataset else "eval_dataset"
     _read_once(specs, key)
+    if key == "dataset" and cfg.eval_dataset:  # (before the training data is tokenized: refused at once)
+        _evaluated_apart(cfg)
     make = functools.partial(make_sample, cfg, tok, max_token_chars(tok), vocab, template_report(cfg, tok)[0])
     def read(reader, spec):  # (eval_dataset's file named as its key's)
         try:
@@ -287,7 +289,6 @@ def held_out(cfg: TrainConfig, tok, vocab: int | None, examples, in_ram=lambda s
     val_size of the dataset's records, the same ones whatever the seed (runs that differ in seed are
     evaluated on the same samples); with eval_dataset's records skipped and dropped."""
     if cfg.eval_dataset:
-        _evaluated_apart(cfg)
         held, h_skipped, h_dropped, _ = build_examples(cfg, tok, vocab, cfg.eval_dataset,
                                                        lazy=not in_ram(cfg.eval_dataset))
         return examples, held, (h_skipped, h_dropped)
