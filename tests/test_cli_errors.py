@@ -1233,6 +1233,27 @@ def test_a_swallowed_interrupt_during_start_up_still_stops_the_run(tmp_path, mon
     assert not list(tmp_path.glob("checkpoint-*"))
 
 
+def test_a_signal_that_lands_in_a_finalizer_stops_the_run_after_it(capsys):
+    """The handler's raise inside an object's __del__ (the collector's, anywhere) cannot propagate: Python
+    printed a traceback and went on as if no signal had come (a rank the launcher ended after another rank's
+    error). It is raised again just after, with no traceback; the hook is the interpreter's again after."""
+    import signal
+
+    from slideformer.signals import Interrupted, Signals
+
+    class Dropped:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    hook = sys.unraisablehook
+    with pytest.raises(Interrupted) as e:
+        with Signals():
+            Dropped()
+            time.sleep(2)
+    assert e.value.signum == signal.SIGTERM and "Traceback" not in capsys.readouterr().err
+    assert sys.unraisablehook is hook
+
+
 def test_the_signal_handler_is_released_after_a_run(tmp_path):
     """One handler per process, shared by nested users, gone when the outermost one ends."""
     import signal

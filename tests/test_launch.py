@@ -261,6 +261,19 @@ def test_the_launcher_says_each_distinct_line_of_its_ranks_once(tmp_path, monkey
     assert sorted(said) == ["error: /data/\\udcff.jsonl: not valid JSON", "error: another rank failed",
                             "error: data.jsonl:1: not valid JSON", "error: rank 3's GPU ran out of memory"]
     assert said.index("error: rank 3's GPU ran out of memory") < said.index("error: another rank failed")
+    # a rank's line that a signal stopped it: said at the end, unless another rank failed first (the
+    # signal was then the launcher's ending it)
+    stopped = "SIGTERM: stopped before a training step had finished; nothing was saved"
+    for stops in (True, False):
+        (tmp_path / str(stops)).mkdir()
+        monkeypatch.setenv(launch.EXIT_DIR, str(tmp_path / str(stops)))
+        echo = launch._Echo(str(tmp_path / str(stops)))
+        assert signals.say(stopped)
+        time.sleep(0.3)  # (the thread's sweeps hold it)
+        assert capsys.readouterr().err == ""
+        echo.stop(stops=stops)
+        echo.stop()  # (the launcher's finally: nothing twice)
+        assert capsys.readouterr().err == (stopped + "\n" if stops else "")
     monkeypatch.delenv(launch.EXIT_DIR)
     assert not signals.say("error: anything")
 

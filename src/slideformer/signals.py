@@ -18,9 +18,11 @@ progress line failed would not reach its save, so the hung-up terminal's descrip
 library caller's own handler stays its own."""
 from __future__ import annotations
 
+import _thread
 import contextlib
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -55,6 +57,7 @@ class Signals:
         self._first_at = 0.0  # (time.monotonic() of the first signal)
         self._training = False
         self._old: dict = {}
+        self._old_unraisable = sys.unraisablehook
         self._depth = 0
         self._shared: "Signals | None" = None
         self._terminal: list[int] = []  # (stdout's and stderr's descriptors that were a terminal at entry)
@@ -74,6 +77,7 @@ class Signals:
                     continue  # (ignored: nohup; or a library caller's own, as a service's reload)
                 self._old[sig] = signal.signal(sig, self._on_signal)
             self._terminal = [fd for fd in (1, 2) if os.isatty(fd)]
+            self._old_unraisable, sys.unraisablehook = sys.unraisablehook, self._unraisable
             Signals._active = self
             if self.hard:
                 self._watch_signals()
@@ -100,6 +104,19 @@ class Signals:
         if self.hard and not self._training:
             _leave(Interrupted(signum))
         raise Interrupted(signum, self._training)
+
+    def _unraisable(self, what) -> None:
+        """The handler's raise landed in a finalizer (an object's __del__ run by the collector), which cannot
+        raise: Python would print a traceback and go on as if no signal had come. It is sent again, to be
+        raised where the code can stop."""
+        if isinstance(what.exc_value, Interrupted) and Signals._active is self:
+            if not what.exc_value.training:  # (a second signal in training stays the second)
+                self.requested = None
+            self._acted_at = None
+            # (from a thread, a moment later: a signal raised in the hook itself would be lost the same way)
+            threading.Timer(0.01, _thread.interrupt_main, (what.exc_value.signum,)).start()
+            return
+        self._old_unraisable(what)
 
     def _watch(self, fd: int) -> None:
         """The watcher thread: the signals' numbers, as the interpreter's C handler writes them (at once, even
@@ -179,6 +196,7 @@ class Signals:
             signal.signal(sig, old)
         if Signals._active is self:
             Signals._active = None
+            sys.unraisablehook = self._old_unraisable
         if self._wakeup is not None:  # (the watcher reads the end of the pipe and stops)
             signal.set_wakeup_fd(self._old_wakeup)
             os.close(self._wakeup[1])

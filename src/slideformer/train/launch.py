@@ -21,6 +21,7 @@ reads it (``EXIT_DIR``, ours only), and ends without the interpreter's finalizat
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import threading
@@ -101,9 +102,13 @@ def launch(n: int, argv: list[str]) -> int:
         try:
             elastic_launch(LaunchConfig(**kw), sys.executable)("-m", "slideformer", *argv)
         except ChildFailedError as e:  # (in the order the launcher saw them end; those it ended itself last)
-            echo.stop()
+            ended = [f.exitcode if f.exitcode >= 0 else 128 - f.exitcode for f in e.failures.values()]
+            # (a rank's own error, or one killed by another signal: the others' SIGTERM is the launcher's
+            # ending them after it, no news)
+            first = any(0 < c < 128 and c != 7 or c > 128 and c != 128 + signal.SIGTERM for c in ended)
+            echo.stop(stops=not first)
             for rank, f in sorted(e.failures.items()):  # (a rank ended by a signal it does not handle says nothing)
-                if f.exitcode < 0:
+                if f.exitcode < 0 and not (first and -f.exitcode == signal.SIGTERM):
                     name = signal.Signals(-f.exitcode).name if -f.exitcode in signal.valid_signals() else \
                         f"signal {-f.exitcode}"
                     with past_hangup():
@@ -111,7 +116,7 @@ def launch(n: int, argv: list[str]) -> int:
                             " (the kernel's out-of-memory killer sends it when the machine's RAM runs out: see "
                             "`dmesg`; lower offload.host_memory_limit or nproc_per_node)"
                             if -f.exitcode == signal.SIGKILL else ""), file=sys.stderr, flush=True)
-            return exit_code([f.exitcode if f.exitcode >= 0 else 128 - f.exitcode for f in e.failures.values()])
+            return exit_code(ended)
         except SignalException:
             # the ranks have finished their step and saved, or failed to, or were killed when the wait ran out
             # (no code left: 128 + SIGKILL)
@@ -124,10 +129,13 @@ def launch(n: int, argv: list[str]) -> int:
 
 class _Echo:
     """The launcher's thread that says its ranks' error lines (``say``) on its stderr as they come, each
-    distinct line once; ``stop`` says those left and ends it."""
+    distinct line once; ``stop`` says those left and ends it. A rank's line that a signal stopped it is held
+    to the end: where another rank failed first, the signal was the launcher's ending it, no news."""
+
+    STOPPED = re.compile(r"SIG[A-Z]+( again)?: ")
 
     def __init__(self, folder: str):
-        self.folder, self.said = folder, set()
+        self.folder, self.said, self.held = folder, set(), []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="slideformer-echo", daemon=True)
         self._thread.start()
@@ -150,13 +158,21 @@ class _Echo:
                 continue
             if line not in self.said:
                 self.said.add(line)
+                if self.STOPPED.match(line):
+                    self.held.append(line)
+                    continue
                 with past_hangup():
                     print(line, file=sys.stderr, flush=True)
 
-    def stop(self) -> None:
+    def stop(self, stops: bool = True) -> None:
+        """The lines left said, and the stop lines held with them where ``stops``."""
         self._stop.set()
         self._thread.join()
         self._sweep()
+        held, self.held = self.held, []
+        for line in held if stops else ():
+            with past_hangup():
+                print(line, file=sys.stderr, flush=True)
 
 
 def exit_code(codes: list[int]) -> int:
