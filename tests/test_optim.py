@@ -31,6 +31,36 @@ def test_adamw_matches_torch(backend, wd, n):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_undecayed_ranges_take_the_decay_back(backend):
+    """Undecayed: over its ranges (adjacent ones joined), an update with weight decay ends as torch's AdamW
+    without it, to a rounding; elsewhere as with it; the bf16 copy follows the master."""
+    from slideformer.optim.adamw import Undecayed
+
+    spared = Undecayed(((40, 50), (0, 8), (8, 16)))
+    assert spared.ranges == [(0, 16), (40, 50)]
+    torch.manual_seed(0)
+    n, kw = 70, dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8)
+    p = torch.randn(n)
+    ref = p.clone().requires_grad_(True)
+    mask = torch.zeros(n, dtype=torch.bool)
+    mask[0:16] = mask[40:50] = True
+    opt = torch.optim.AdamW([ref], weight_decay=0.0, **kw)
+    m, v, out = torch.zeros(n), torch.zeros(n), torch.zeros(n, dtype=torch.bfloat16)
+    for step in range(1, 6):
+        g = torch.randn(n)
+        with torch.no_grad():
+            ref.mul_(torch.where(mask, 1.0, 1 - kw["lr"] * 0.5))  # (decoupled decay on the others alone)
+        ref.grad = g.clone()
+        opt.step()
+        saved = spared.before(0.5, p)
+        adamw_update_(p, g.clone(), m, v, step=step, weight_decay=0.5, out=out, backend=backend, threads=2, **kw)
+        spared.after(saved, kw["lr"], 0.5, p, out=out)
+    torch.testing.assert_close(p, ref.detach(), rtol=1e-6, atol=1e-7)
+    assert torch.equal(out, p.bfloat16())
+    assert spared.before(0.0, p) is None and Undecayed(()).before(0.5, p) is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("beta1", [0.9, 0.3])  # both branches of torch's lerp
 def test_bf16_grad_coef_and_copy_out(backend, beta1):
     torch.manual_seed(0)

@@ -35,7 +35,7 @@ class ResidentState:
             return [torch.zeros(n, dtype=dtype, device=s.params.device)] + \
                 [torch.zeros(formats.moment_numel(state, n), dtype=mt, device=s.params.device) for _ in range(2)]
         self.state = {u: zeros(u, s) for u, s in sorted(slots.items())}
-        self.undecayed = {u: Undecayed(units[u].no_decay, s.params.device) for u, s in slots.items()}
+        self.undecayed = {u: Undecayed(units[u].no_decay) for u in slots}
         # torch's fused AdamW takes the step as a device tensor: filled by a kernel, never copied from the host
         self._step = {} if compact else {u: torch.zeros((), dtype=torch.float32, device=s.params.device)
                                          for u, s in slots.items()}
@@ -132,7 +132,7 @@ class VisitingUpdate:
     def __init__(self, spec, store, copier, cfg, profiler):
         """``spec``: the unit's UnitSpec (model/adapter.py)."""
         self.unit, self.store, self.copier, self.cfg, self.profiler = spec.index, store, copier, cfg, profiler
-        self.undecayed = Undecayed(spec.no_decay, cfg.device)
+        self.undecayed = Undecayed(spec.no_decay)
         self._step = torch.zeros((), dtype=torch.float32, device=cfg.device)
         self._fetched = None  # ([master, exp_avg, exp_avg_sq] on the GPU, their copy's event)
         self._updated = None  # the same after an update, until send_back
