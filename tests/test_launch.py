@@ -211,6 +211,24 @@ def test_how_many_processes(monkeypatch):
             load_config(None, [f"nproc_per_node={bad}"])
 
 
+def test_more_processes_than_the_ram_holds_are_refused_before_they_start(tmp_path, monkeypatch, capsys):
+    """Each rank refused alike after importing torch and reading the data (16 on two cores: a minute); the
+    launcher refuses first, with the budget's name and the fix, exit 3. Within it, the ranks start."""
+    import slideformer.machine
+    from slideformer.cli import main
+    from slideformer.train import launch
+
+    monkeypatch.setattr(slideformer.machine, "host_memory", lambda: 8 * 2**30)
+    monkeypatch.setattr(launch, "launch", lambda n, argv: 0)  # (not started: what is refused, is before)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    out = f"output_dir={tmp_path / 'o'}"
+    assert main(["train", "device=cpu", "nproc_per_node=8", out]) == 3
+    assert "the 8 processes on this machine take about 16.0 GiB of host RAM themselves" in capsys.readouterr().err
+    assert main(["train", "device=cpu", "nproc_per_node=2", "offload.host_memory_limit=3GiB", out]) == 3
+    assert "set it to at least 4.0 GiB or fewer processes (nproc_per_node)" in capsys.readouterr().err
+    assert main(["train", "device=cpu", "nproc_per_node=2", out]) == 0
+
+
 def test_the_exit_code_is_the_cause_not_its_consequences():
     """A rank's own error before 7 (it lost another rank) before an end by signal (the launcher's SIGTERM to
     the rest, once one had failed), the first of each, in the order the ranks ended."""

@@ -35,10 +35,11 @@ def cmd_train(args) -> int:
         config, overrides = None, [config] + overrides  # only overrides were given
     cfg = load_config(config, overrides)
     args.log_dir = cfg.output_dir
-    from .train.launch import launch, processes
+    from .train.launch import check_room, launch, processes
 
     n = processes(cfg.nproc_per_node, cfg.device)
     if n > 1:  # (this command again, as n ranks: train/launch.py)
+        check_room(n, cfg.offload.host_memory_limit)
         return launch(n, ["train", *([config] if config is not None else []), *overrides])
     result = train(cfg)
     code = 128 + result["signal"] if result["status"] == "interrupted" else EXIT_OK

@@ -66,6 +66,19 @@ def processes(asked, device: str | None) -> int:
     return asked
 
 
+def check_room(n: int, host_memory_limit) -> None:
+    """``n`` processes that the machine's RAM (or host_memory_limit, the machine's, shared) cannot hold even
+    without training state are refused before they start: each would take its seconds to import torch and
+    read the data, then refuse alike (plan/memory.py ``check_host_fits``, each rank's own check)."""
+    from types import SimpleNamespace
+
+    from ..machine import host_memory
+    from ..plan.memory import check_host_fits, parse_bytes
+
+    share = parse_bytes(host_memory_limit) // n if host_memory_limit else None
+    check_host_fits({}, host_memory() // n, SimpleNamespace(host_memory_limit=share), prefix="offload.", ranks=n)
+
+
 def launch(n: int, argv: list[str]) -> int:
     """Run ``python -m slideformer *argv`` as ``n`` ranks on this machine; their exit code."""
     import dataclasses
