@@ -2,6 +2,7 @@
 experts without tokens."""
 import copy
 
+import pytest
 import torch
 
 from slideformer import SlideEngine
@@ -87,3 +88,50 @@ def test_evaluation_reports_the_router_loss_apart():
         plain.config.output_router_logits = False
         ce = plain(**held).loss.item()
     assert r.router_loss > 0.1 and abs(r.loss - full) < 1e-5 * full and abs(r.loss - r.router_loss - ce) < 1e-5 * ce
+
+
+@pytest.mark.parametrize("family, shard", [("qwen3-moe", None), ("mixtral", None), ("olmoe", None),
+                                           ("mixtral", "30KB")])
+def test_a_checkpoint_in_the_hubs_layout_loads(tmp_path, family, shard):
+    """transformers saves (and the Hub holds) these families' experts one tensor each, Mixtral's under
+    block_sparse_moe; its own conversions stack them into the fused parameters the modules hold. The engine
+    reads the folder as transformers does: the same weights, whichever layout (a layer's experts across
+    shards too)."""
+    import json
+
+    from slideformer import EngineConfig
+
+    model = build(family)
+    model.save_pretrained(tmp_path, **({"max_shard_size": shard} if shard else {}))
+    index = tmp_path / "model.safetensors.index.json"
+    keys = json.loads(index.read_text())["weight_map"] if shard else None
+    if keys is None:
+        from safetensors import safe_open
+
+        with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+            keys = dict.fromkeys(f.keys())
+    assert any(".experts.0." in k for k in keys)  # (the per-expert layout, not the fused one)
+    if shard:
+        assert len(set(keys.values())) > 1
+    with SlideEngine.from_pretrained(tmp_path, EngineConfig(device="cpu", compute_dtype=torch.float32)) as eng:
+        state = eng.state_dict()
+    ref = model.state_dict()
+    assert set(state) == {k for k in ref if k in state} and len(state) >= len(ref) - 1
+    for k, v in state.items():
+        assert torch.equal(v, ref[k]), k
+
+
+def test_router_logits_the_engine_cannot_count_are_refused_in_one_line():
+    """JetMoE's router logits are recorded from two kinds of module (attention's and the MLP's routers): a
+    refusal naming the key to set, not an AttributeError."""
+    from transformers import AutoModelForCausalLM, JetMoeConfig
+
+    from slideformer import EngineConfig
+    from slideformer.model.adapter import UnsupportedModelError
+
+    cfg = JetMoeConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       kv_channels=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+                       output_router_logits=True)
+    with pytest.raises(UnsupportedModelError, match="'jetmoe': output_router_logits is set but transformers records "
+                                                    "its router logits from several modules.*set it false"):
+        SlideEngine(AutoModelForCausalLM.from_config(cfg), EngineConfig(device="cpu", compute_dtype=torch.float32))

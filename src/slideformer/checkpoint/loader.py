@@ -12,6 +12,7 @@ import copy
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -101,10 +102,59 @@ class _UnitWriter:
             del self.open[unit.index]
 
 
+class _Layout:
+    """transformers' own conversions from a family's checkpoint layout to its modules' (conversion_mapping):
+    names renamed (Mixtral's ``block_sparse_moe.`` is ``mlp.``), and each expert's tensors, as the Hub holds
+    Qwen3-MoE, Mixtral and OLMoE, stacked into the fused parameter a layer's experts share. A fused
+    parameter is built by transformers' operations once its layer's experts are all read, then let go."""
+
+    def __init__(self, adapter: ModelAdapter, wanted: dict):
+        try:
+            from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+            from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+            steps = get_checkpoint_conversion_mapping(adapter.model_type) or []
+        except (ImportError, ValueError, KeyError):  # (a transformers without them: names as they are)
+            steps = []
+        self.renames = [t for t in steps if isinstance(t, WeightRenaming)]
+        self.merges = [t for t in steps if isinstance(t, WeightConverter)]
+        self.wanted, self.experts = wanted, adapter.experts
+        self.parts: dict[str, tuple] = {}  # target key -> (its converter, {source pattern: {expert: tensor}})
+
+    def name(self, stored: str) -> str:
+        for t in self.renames:
+            stored = t.rename_source_key(stored)[0]
+        return stored
+
+    def merge(self, key: str) -> tuple | None:
+        """(the fused key this stored tensor is a part of, its converter, its source pattern, its expert), or
+        None."""
+        for c in self.merges:
+            target, pattern = c.rename_source_key(key)
+            index = re.search(r"experts\.(\d+)\.", key)
+            if pattern is not None and target in self.wanted and index and self.experts:
+                return target, c, pattern, int(index.group(1))
+        return None
+
+    def add(self, target: str, c, pattern: str, expert: int, t: torch.Tensor) -> torch.Tensor | None:
+        """The fused tensor once every part of ``target`` is in, else None."""
+        parts = self.parts.setdefault(target, (c, {}))[1]
+        parts.setdefault(pattern, {})[expert] = t
+        if sum(len(v) for v in parts.values()) < self.experts * len(c.source_patterns):
+            return None
+        del self.parts[target]
+        stacked = {p: [parts[p][e] for e in range(self.experts)] for p in c.source_patterns if p in parts}
+        for op in c.operations:
+            stacked = op.convert(stacked, source_patterns=c.source_patterns, target_patterns=c.target_patterns)
+        (fused,) = stacked.values()
+        return fused
+
+
 def load_safetensors(path: str | os.PathLike, adapter: ModelAdapter, store: HostStore) -> None:
     wanted = adapter.checkpoint_keys()
     seen: set[str] = set()
     writer = _UnitWriter(store)
+    layout = _Layout(adapter, wanted)
     for file, mapped in checkpoint_files(path):
         try:
             with safe_open(str(file), framework="pt") as f:
@@ -114,13 +164,27 @@ def load_safetensors(path: str | os.PathLike, adapter: ModelAdapter, store: Host
                     # transformers reads them; a name stored with it too is the one taken)
                     key = stored if stored in wanted or BASE + stored not in wanted or BASE + stored in names \
                         else BASE + stored
-                    if key not in wanted or key in seen or (mapped is not None and stored not in mapped):
-                        continue  # e.g. a tied lm_head.weight, rotary buffers saved by old versions, a stale copy
-                    unit, spec = wanted[key]
-                    if not store.owns(unit.index):  # another rank's unit: not read (its owner does)
-                        seen.add(key)
-                        continue
-                    t = f.get_tensor(stored)
+                    key = key if key in wanted else layout.name(key)
+                    if mapped is not None and stored not in mapped:
+                        continue  # (a stale copy)
+                    part = None if key in wanted else layout.merge(key)
+                    if part is not None:
+                        unit, spec = wanted[part[0]]
+                        if part[0] in seen or not store.owns(unit.index):  # (another rank's: its owner reads it)
+                            seen.add(part[0])
+                            continue
+                        fused = layout.add(*part, f.get_tensor(stored))
+                        if fused is None:
+                            continue
+                        key, t, stored = part[0], fused, f"{part[0]} (its experts' tensors)"
+                    elif key not in wanted or key in seen:
+                        continue  # e.g. a tied lm_head.weight, rotary buffers saved by old versions
+                    else:
+                        unit, spec = wanted[key]
+                        if not store.owns(unit.index):  # another rank's unit: not read (its owner does)
+                            seen.add(key)
+                            continue
+                        t = f.get_tensor(stored)
                     if tuple(t.shape) != spec.shape:
                         raise CheckpointError(f"{file}: {stored} has shape {tuple(t.shape)}, the config implies "
                                               f"{spec.shape}")

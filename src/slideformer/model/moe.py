@@ -44,11 +44,13 @@ class RouterLoss:
         self.experts, self.top_k = experts_of(cfg)
         self.coef = float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0)
         rec = getattr(type(adapter.skeleton.model), "_can_record_outputs", {}).get("router_logits")
-        if rec is None:
+        if rec is None or not hasattr(rec, "target_class"):  # (none, or several recorders: JetMoE's)
             from .adapter import UnsupportedModelError
 
             raise UnsupportedModelError(f"model_type {adapter.model_type!r}: output_router_logits is set but "
-                                        "transformers records no router logits for it; set it false")
+                                        "transformers records " + ("no router logits" if rec is None else
+                                                                   "its router logits from several modules")
+                                        + " for it, which the engine does not count yet; set it false")
         self._index = getattr(rec, "index", 0)
         self._phase: str | None = None  # "count" (forward), "grad" (backward's recompute), None: ignore
         self._mask: torch.Tensor | None = None
