@@ -129,9 +129,9 @@ def test_router_logits_the_engine_cannot_count_are_refused_in_one_line():
     from slideformer import EngineConfig
     from slideformer.model.adapter import UnsupportedModelError
 
-    cfg = JetMoeConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       kv_channels=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
-                       output_router_logits=True)
+    cfg = JetMoeConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, kv_channels=16, intermediate_size=32, num_local_experts=4,
+                       num_experts_per_tok=2, output_router_logits=True)
     with pytest.raises(UnsupportedModelError, match="'jetmoe': output_router_logits is set but transformers records "
                                                     "its router logits from several modules.*set it false"):
         SlideEngine(AutoModelForCausalLM.from_config(cfg), EngineConfig(device="cpu", compute_dtype=torch.float32))
