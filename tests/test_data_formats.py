@@ -404,7 +404,8 @@ def test_a_record_in_another_formats_shape_is_told_the_way_to_read_it():
     openai = {"conversations": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
     with pytest.raises(DataError, match=r"turn 0 needs 'from'.*OpenAI messages.*columns: \{messages: conversations\}"):
         to_messages(openai, "sharegpt", "r")
-    with pytest.raises(DataError, match=r"needs a non-empty list 'messages'; map .* columns: \{messages: conversations\}"):
+    with pytest.raises(DataError, match=r"needs a non-empty list 'messages'; map .* "
+                                        r"columns: \{messages: conversations\}"):
         to_messages(openai, "messages", "r")
     sharegpt = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}
     with pytest.raises(DataError, match=r"holds sharegpt turns \('from', 'value'\): format: sharegpt \(or auto\)"):

@@ -129,10 +129,10 @@ class _Layout:
     def merge(self, key: str) -> tuple | None:
         """(the fused key this stored tensor is a part of, its converter, its source pattern, its expert), or
         None."""
-        for c in self.merges:
+        index = re.search(r"experts\.(\d+)\.", key)
+        for c in self.merges if index and self.experts else ():
             target, pattern = c.rename_source_key(key)
-            index = re.search(r"experts\.(\d+)\.", key)
-            if pattern is not None and target in self.wanted and index and self.experts:
+            if pattern is not None and target in self.wanted:
                 return target, c, pattern, int(index.group(1))
         return None
 

@@ -620,7 +620,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     # resume that changes one says so
     update = {"learning_rate": cfg.learning_rate, "lr_scheduler_type": cfg.lr_scheduler_type,
               "warmup_ratio": cfg.warmup_ratio, "steps": total, "warmup_steps": warmup,
-              "weight_decay": cfg.weight_decay, "adam_beta1": cfg.adam_beta1, "adam_beta2": cfg.adam_beta2, "max_grad_norm": cfg.max_grad_norm,
+              "weight_decay": cfg.weight_decay, "adam_beta1": cfg.adam_beta1, "adam_beta2": cfg.adam_beta2,
+              "max_grad_norm": cfg.max_grad_norm,
               "bf16": engine.cfg.compute_dtype == torch.bfloat16, "fp8": cfg.fp8}
     if resume:
         state = engine.load_checkpoint(resume)
