@@ -138,6 +138,54 @@ def test_sharded_export_round_trips(tmp_path, monkeypatch):
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in eng.state_dict().items())
 
 
+def test_an_export_of_several_ranks_is_undone_on_every_rank_when_one_ranks_part_fails(tmp_path, monkeypatch):
+    """Each rank renames its own units' files into place: where rank 1's rename fails, rank 0 (whose part went
+    in) puts back what it replaced (``agree``: parallel.together, which raises on every rank), so the folder
+    holds the earlier export whole, never rank 0's new shards beside rank 1's old ones."""
+    import os
+
+    from slideformer.checkpoint import export
+
+    monkeypatch.setattr(export, "MAX_SHARD_BYTES", 10_000)
+    model = build("llama")
+    out = tmp_path / "out"
+
+    def agree_with(other):
+        def agree(err):
+            if err is not None or other is not None:
+                raise err or other
+        return agree
+
+    with SlideEngine(model, engine_config(lr=1e-2, **CPU)) as eng:
+        owner = [u.index % 2 for u in eng.adapter.units]
+        assert set(export.files_of(eng.adapter, torch.float32, owner, 1))  # (rank 1 writes some shards)
+
+        def save(rank, other=None):
+            staged = export.stage_pretrained(out, eng.adapter, eng.store, torch.float32, owner, rank)
+            export.place_pretrained(out, eng.adapter, torch.float32, staged, owner, rank, agree=agree_with(other))
+
+        for rank in (0, 1):
+            save(rank)
+        before = {p.name: p.read_bytes() for p in out.iterdir()}
+        eng.train_step(batch(97))
+        real, calls = os.replace, []
+
+        def refused(src, dst, *a, **k):  # (rank 1's second shard; putting back its first is allowed)
+            calls.append(dst)
+            if len(calls) == 2:
+                raise PermissionError(13, "Permission denied", str(dst))
+            return real(src, dst, *a, **k)
+
+        failed = PermissionError(13, "rank 1's part failed")
+        with pytest.raises(PermissionError, match="rank 1's part failed"):
+            save(0, other=failed)  # (its files went in; rank 1's error comes through agree)
+        monkeypatch.setattr(os, "replace", refused)
+        with pytest.raises(PermissionError, match="Permission denied"):
+            save(1)
+        monkeypatch.setattr(os, "replace", real)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_random_init_draws_large_matrices_in_blocks(monkeypatch):
     """A matrix over INIT_PIECE elements is drawn block by block (the GPU holds one block, not the whole
     embedding): every row is drawn, each block differently, at the config's std."""

@@ -203,12 +203,12 @@ def _backup_name(path: Path) -> Path | None:
     return _temp_name(path) if path.exists() or path.is_symlink() else None
 
 
-def place(staged: list[tuple[Path, Path]], remove: list[Path] = ()) -> list[Path]:
+def place(staged: list[tuple[Path, Path]], remove: list[Path] = ()) -> list[tuple[Path, Path | None]]:
     """Rename each staged file onto its name and remove ``remove`` (an earlier export's weight files, which a
     loader would take instead) as one change: where one fails midway (a file that cannot be replaced, a
-    signal), what was there is put back, so the folder never holds two exports' files mixed. An OSError names
-    the file. Returns what was there before, under its second names: the caller deletes them once past the
-    point where it would undo (``forget``). Staged files left on a failure are the caller's to drop."""
+    signal), what was there is put back (``undo``), so the folder never holds two exports' files mixed. An
+    OSError names the file. Returns the change, for ``undo`` (another rank's part failed) or ``forget`` (kept).
+    Staged files left on a failure are the caller's to drop."""
     done: list[tuple[Path, Path | None]] = []  # (name, the second name of what it held before), before each move
     try:
         for tmp, final in staged:
@@ -224,21 +224,38 @@ def place(staged: list[tuple[Path, Path]], remove: list[Path] = ()) -> list[Path
             if before is not None:
                 _aside(old, before, move=True)
     except BaseException:
-        for final, before in reversed(done):
-            with contextlib.suppress(OSError):
-                if before is None:
-                    final.unlink(missing_ok=True)  # (nothing was there: the new file goes)
-                elif before.exists() or before.is_symlink():
-                    os.replace(before, final)  # (else it was never set aside: it is still in place)
+        undo(done)
         raise
-    return [before for _, before in done if before is not None]
+    return done
 
 
-def forget(backups: list[Path]) -> None:
-    """Delete what ``place`` set aside, once the change is kept."""
-    for b in backups:
+def undo(done: list[tuple[Path, Path | None]]) -> None:
+    """Put back what ``place`` changed: each name holds again what it held before, or nothing."""
+    for final, before in reversed(done):
         with contextlib.suppress(OSError):
-            b.unlink()
+            if before is None:
+                final.unlink(missing_ok=True)  # (nothing was there: the new file goes)
+            elif _same_file(before, final):
+                before.unlink()  # (a second link to what is still in place: a rename onto it would do nothing)
+            elif before.exists() or before.is_symlink():
+                os.replace(before, final)  # (else it was never set aside: it is still in place)
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Two names of one file (a link is not what it points to)."""
+    try:
+        sa, sb = os.stat(a, follow_symlinks=False), os.stat(b, follow_symlinks=False)
+    except OSError:
+        return False
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+def forget(done: list[tuple[Path, Path | None]]) -> None:
+    """Delete what ``place`` set aside, once the change is kept."""
+    for _, before in done:
+        if before is not None:
+            with contextlib.suppress(OSError):
+                before.unlink()
 
 
 def pretrained_changes(out: Path, adapter: ModelAdapter, dtype: torch.dtype, staged: list[tuple[Path, Path]],
@@ -263,17 +280,28 @@ def pretrained_changes(out: Path, adapter: ModelAdapter, dtype: torch.dtype, sta
 
 def place_pretrained(out: str | os.PathLike, adapter: ModelAdapter, dtype: torch.dtype,
                      staged: list[tuple[Path, Path]], owner: list[int] | None = None, rank: int = 0,
-                     source: Path | None = None) -> Path:
+                     source: Path | None = None, agree=None) -> Path:
     """Rename what ``stage_pretrained`` wrote into place as one change (``place``), with what
-    ``pretrained_changes`` adds. A failure drops the staged files."""
+    ``pretrained_changes`` adds. A failure drops the staged files. ``agree`` (several ranks: ``parallel.together``)
+    is given this rank's error, or None, and raises if any rank's part failed: every rank then puts back what
+    it changed, so the folder holds the earlier export whole, never one rank's new files beside another's old."""
     out = Path(out)
+    err, done = None, []
     try:
         staged, remove = pretrained_changes(out, adapter, dtype, staged, owner, rank, source)
-        backups = place(staged, remove)
-    except BaseException:
+        done = place(staged, remove)
+    except BaseException as e:
         drop_staged(staged)
-        raise
-    forget(backups)
+        if agree is None:
+            raise
+        err = e
+    if agree is not None:
+        try:
+            agree(err)
+        except BaseException:
+            undo(done)
+            raise
+    forget(done)
     return out
 
 

@@ -882,7 +882,9 @@ class SlideEngine:
         except BaseException:
             export.drop_staged(staged)
             raise
-        return export.place_pretrained(out, self.adapter, dtype, staged, self._owner, rank, self._source)
+        # (one rank's rename failing puts back every rank's: the folder keeps one export whole)
+        return export.place_pretrained(out, self.adapter, dtype, staged, self._owner, rank, self._source,
+                                       agree=parallel.together)
 
     def profile(self, reset: bool = True, timeline: bool = False) -> dict:
         """Seconds per category since the last call (needs ``tuning=Tuning(profile=True)``); with
