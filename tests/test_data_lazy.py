@@ -58,6 +58,27 @@ def test_parquet_and_datasets_folders_are_read_by_row(tmp_path):
         assert [rows[i] for i in range(len(rows))] == read_records(tmp_path / name)
 
 
+@pytest.mark.parametrize("name,opener", [("d.jsonl.gz", "gzip"), ("d.json.bz2", "bz2"), ("d.ndjson.xz", "lzma")])
+def test_compressed_json_files_read_as_the_files_they_hold(tmp_path, name, opener):
+    """train.jsonl.gz (as the Hub holds many datasets) reads through datasets, up front and as reached, the
+    records the file it holds gives; where the records are counted, it holds up to COMPRESSED_TEXT times its
+    size. A compressed file under a plain name is refused with the names that read."""
+    import importlib
+
+    recs = [{"instruction": f"q{i}", "output": f"a{i}"} for i in range(5)]
+    text = json.dumps(recs) if ".json." in name else "".join(json.dumps(r) + "\n" for r in recs)
+    with importlib.import_module(opener).open(tmp_path / name, "wt") as f:
+        f.write(text)
+    assert [r for _, r in read_records(tmp_path / name)] == recs
+    rows = open_records(tmp_path / name)
+    assert [rows[i][1] for i in range(len(rows))] == recs
+    assert lazy.source_bytes(tmp_path / name) == lazy.COMPRESSED_TEXT * (tmp_path / name).stat().st_size
+    (tmp_path / name).rename(tmp_path / "d.jsonl")
+    with pytest.raises(DataError, match=r"d\.jsonl is compressed .* read compressed under their names: "
+                                        r"train\.jsonl\.gz"):
+        read_records(tmp_path / "d.jsonl")
+
+
 @pytest.mark.parametrize("extra", [[], ["packing=true", "cutoff_len=96", "micro_batch_size=2"]])
 def test_training_on_data_read_as_reached_is_training_on_it_tokenized_up_front(tmp_path, monkeypatch, capsys, extra):
     """Over an epoch's end, with held-out evaluation, and resumed mid-way: the same losses, bit for bit."""

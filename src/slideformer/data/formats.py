@@ -49,6 +49,14 @@ NOT_JSON = _NotJson()
 
 LOADERS = {".csv": "csv", ".tsv": "csv", ".arrow": "arrow"}  # file types read through datasets.load_dataset
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")
+COMPRESSIONS = (".gz", ".bz2", ".xz")  # what datasets decompresses with the standard library (zstd needs a package)
+
+
+def compressed_json(p: Path) -> bool:
+    """A compressed JSON or JSONL file (``train.jsonl.gz``), which datasets reads as it is."""
+    return p.suffix.lower() in COMPRESSIONS and Path(p.stem).suffix.lower() in (".json", *JSONL_SUFFIXES)
+
+
 # a name with one of these is a local file, never a Hub dataset's name (a missing one is said to be missing)
 FILE_SUFFIXES = (".json", ".parquet", ".txt", ".gz", ".bz2", ".zst", *JSONL_SUFFIXES, *LOADERS)
 
@@ -142,10 +150,11 @@ def jsonl_record(raw: bytes, p: Path, lineno: int, skip_bad: bool) -> object:
 
 
 def read_by_datasets(path: str | os.PathLike) -> bool:
-    """Whether ``datasets`` reads ``path``: a folder, an existing CSV or Arrow file, or a Hub name
+    """Whether ``datasets`` reads ``path``: a folder, an existing CSV, Arrow or compressed JSON file, or a Hub name
     (``org/name``, no such local path). A missing local file is left to ``check_readable``, which says so."""
     p = Path(path)
-    return p.is_dir() or (p.suffix.lower() in LOADERS and p.is_file()) or (not p.exists() and hub_name(str(path)))
+    return p.is_dir() or ((p.suffix.lower() in LOADERS or compressed_json(p)) and p.is_file()) or \
+        (not p.exists() and hub_name(str(path)))
 
 
 def check_one_dataset(p: Path, split: str | None, subset: str | None) -> None:
@@ -162,16 +171,18 @@ def check_readable(p: Path) -> None:
         raise DataError(f"dataset file {p} does not exist" if not p.exists() else f"dataset path {p} is not a file")
     try:
         with open(p, "rb") as f:
-            head = f.read(4)
+            head = f.read(6)
     except OSError as e:  # (it exists: permissions or the disk, exit 5 as any file that cannot be read)
         raise OSError(e.errno, f"dataset file {p}: cannot read it ({e.strerror})") from e
-    if head[:2] == b"\x1f\x8b" or head[:3] == b"BZh" or head[:4] == b"\x28\xb5\x2f\xfd":
-        raise DataError(f"dataset file {p} is compressed (gzip, bzip2 or zstd); decompress it first, e.g. gunzip")
+    if head[:2] == b"\x1f\x8b" or head[:3] == b"BZh" or head[:4] == b"\x28\xb5\x2f\xfd" or head == b"\xfd7zXZ\x00":
+        raise DataError(f"dataset file {p} is compressed (gzip, bzip2, xz or zstd); decompress it first (gunzip, "
+                        "bunzip2, unxz, zstd -d) (JSON and JSONL files read compressed under their names: "
+                        "train.jsonl.gz, .bz2 or .xz)")
     if p.suffix.lower() == ".parquet":
         with open(p, "rb") as f:
             f.seek(-min(4, p.stat().st_size), os.SEEK_END)
             tail = f.read(4)
-        if head != b"PAR1" or tail != b"PAR1":
+        if head[:4] != b"PAR1" or tail != b"PAR1":
             raise DataError(f"dataset file {p}: not a readable Parquet file (no Parquet markers at its start and end)")
 
 
@@ -705,6 +716,8 @@ def _load(datasets, name: str, p: Path, subset: str | None):
         except IndexError:  # (datasets cannot load a save of no rows: it concatenates none)
             raise DataError(f"dataset folder {name} holds no records (a save of an empty dataset, or of an "
                             "empty split)") from None
+    if p.is_file() and compressed_json(p):
+        return datasets.load_dataset("json", data_files=glob.escape(str(p)))
     if p.is_file():
         return datasets.load_dataset(LOADERS[p.suffix.lower()], data_files=glob.escape(str(p)),
                                      **(_csv_as_text(p, datasets) if LOADERS[p.suffix.lower()] == "csv" else {}))

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .formats import (NOT_JSON, DataError, check_one_dataset, check_readable, jsonl_record, open_parquet, open_through_datasets,
-                      read_by_datasets, read_records)
+from .formats import (COMPRESSIONS, NOT_JSON, DataError, check_one_dataset, check_readable, jsonl_record, open_parquet,
+                      open_through_datasets, read_by_datasets, read_records)
 
 CHUNK = 4 << 20  # bytes scanned for line ends at a time
 _SPACE = np.zeros(256, np.bool_)
@@ -131,10 +131,15 @@ def source_bytes(path) -> int:
     return 1 << 62
 
 
+COMPRESSED_TEXT = 10  # (what a compressed text file may hold a byte of it: JSON compresses 3-10 fold)
+
+
 def _read_bytes(f: Path) -> int:
     """A file's bytes once read: a Parquet file's columns uncompressed (its footer says; text compresses
-    several-fold, and its samples are made from what it holds)."""
+    several-fold, and its samples are made from what it holds), a compressed file's as much as it may hold."""
     size = f.stat().st_size
+    if f.suffix.lower() in (*COMPRESSIONS, ".zst"):
+        return size * COMPRESSED_TEXT
     if f.suffix.lower() != ".parquet":
         return size
     try:
