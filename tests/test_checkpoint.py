@@ -126,16 +126,31 @@ def test_export_loads_in_transformers(tmp_path):
     assert out.shape == (1, 7)
 
 
-def test_sharded_export_round_trips(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_sharded_export_round_trips(tmp_path, monkeypatch, family):
+    """Shards and their index under the names written (a MoE's: each expert's), read back by the engine and
+    by transformers."""
+    from safetensors import safe_open
+
     from slideformer.checkpoint import export
 
     monkeypatch.setattr(export, "MAX_SHARD_BYTES", 10_000)
-    model = build("llama")
+    model = build(family)
     with SlideEngine(model, engine_config(**CPU)) as eng:
         eng.save_pretrained(tmp_path, dtype=torch.float32)
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    files = {}
+    for key, name in index.items():
+        files.setdefault(name, set()).add(key)
+    for name, keys in files.items():
+        with safe_open(str(tmp_path / name), framework="pt") as f:
+            assert set(f.keys()) == keys
+    assert sum(len(k) for k in files.values()) == len(index) and len(files) == len(list(tmp_path.glob("model-*")))
     with SlideEngine.from_pretrained(tmp_path, engine_config(**CPU)) as eng:
         assert all(torch.equal(v, model.state_dict()[k]) for k, v in eng.state_dict().items())
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict()
+    assert all(torch.equal(v, loaded[k]) for k, v in model.state_dict().items())
 
 
 def test_an_export_of_several_ranks_is_undone_on_every_rank_when_one_ranks_part_fails(tmp_path, monkeypatch):
@@ -244,19 +259,28 @@ def test_random_init_sets_norms_as_transformers_does(family):
                                     "qwen3-moe", "mixtral", "olmoe"])
 def test_each_familys_export_gives_the_engines_logits(tmp_path, family):
     """A trained model of each family exported and loaded in transformers gives the logits of the same
-    Hugging Face model holding the engine's weights."""
+    Hugging Face model holding the engine's weights; the files hold what transformers' own save_pretrained
+    writes of it (the Hub's layout: a MoE's experts one tensor each, which vLLM and converters read)."""
+    from safetensors.torch import load_file
+
     model = build(family)
     ids = torch.tensor([[5, 9, 2, 40, 7, 3]])
     with SlideEngine(model, engine_config(lr=1e-2, **CPU)) as eng:
         eng.train_step(batch(97))
         eng.save_pretrained(tmp_path, dtype=torch.float32)
         state = {k: v.clone() for k, v in eng.state_dict().items()}
+    ours = load_file(tmp_path / "model.safetensors")
+    model.load_state_dict(state, strict=not model.config.tie_word_embeddings)
+    model.save_pretrained(tmp_path / "hf")
+    theirs = load_file(tmp_path / "hf" / "model.safetensors")
+    assert sorted(ours) == sorted(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    assert (".experts.0." in "".join(ours)) == bool(getattr(model.config, "num_experts", 0)
+                                                    or getattr(model.config, "num_local_experts", 0))
     # (Gemma 2's soft-capped attention runs eagerly, as transformers advises for it)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=model.config._attn_implementation)
     with torch.no_grad():  # (weights read from a file sit at other alignments, which some CPUs' kernels round
         for p in loaded.parameters():  # differently: copies, aligned as the model's own)
             p.data = p.data.clone()
-    model.load_state_dict(state, strict=not model.config.tie_word_embeddings)  # (tied: no lm_head key)
     assert type(loaded) is type(model) and not torch.equal(state["model.embed_tokens.weight"],
                                                            build(family).model.embed_tokens.weight)
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)

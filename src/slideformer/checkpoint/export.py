@@ -109,6 +109,19 @@ CONFIG = "config.json"
 GENERATION = "generation_config.json"  # (the source model's sampling defaults: transformers' generate reads them)
 
 
+def hub_layout(adapter: ModelAdapter):
+    """The tensors of a file as transformers' save_pretrained writes them: its load-time conversions
+    (conversion_mapping) reversed, so a family whose experts share a fused parameter (Qwen3-MoE, Mixtral,
+    OLMoE) is written one tensor an expert under the Hub's names (Mixtral's ``block_sparse_moe``), which vLLM,
+    converters and older transformers read. The same tensors elsewhere. Each reversal needs one fused tensor,
+    so a file's tensors are reversed on their own; the parts are views of it (no copy)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # (a transformers without conversions: its names are the modules')
+        return lambda tensors: tensors
+    return lambda tensors: revert_weight_conversion(adapter.skeleton, tensors)
+
+
 def _all_names(plan: list) -> list[str]:
     """Every weight file an export of ``plan`` holds, its shards' index too."""
     return _names(plan) + [INDEX] * (len(plan) > 1)
@@ -137,6 +150,7 @@ def stage_pretrained(out: str | os.PathLike, adapter: ModelAdapter, store: HostS
     out.mkdir(parents=True, exist_ok=True)
     plan = shard_plan(adapter, dtype, owner)
     names = _names(plan)
+    hub = hub_layout(adapter)
     staged = []
     try:
         for name, shard in zip(names, plan):
@@ -153,13 +167,15 @@ def stage_pretrained(out: str | os.PathLike, adapter: ModelAdapter, store: HostS
                         + (" (past float16's range: export in bfloat16 or float32)" if dtype == torch.float16
                            and bool(torch.isfinite(params[spec.key]).all()) else "")
                         + f"; nothing was written to {out}")
+            tensors = {k: v.contiguous() for k, v in hub(tensors).items()}
             staged.append((staged_file(out / name, lambda p, t=tensors: (save_file(t, str(p), metadata={"format": "pt"}), readable(p))),
                            out / name))
             del tensors, params
         if rank == 0 and len(plan) > 1:
             itemsize = torch.empty((), dtype=dtype).element_size()
             index = {"metadata": {"total_size": sum(spec.numel * itemsize for shard in plan for _, spec in shard)},
-                     "weight_map": {spec.key: name for name, shard in zip(names, plan) for _, spec in shard}}
+                     "weight_map": {key: name for name, shard in zip(names, plan) for key in hub(
+                         {spec.key: torch.empty(spec.shape, dtype=dtype, device="meta") for _, spec in shard})}}
             staged.append((staged_file(out / INDEX, lambda p: p.write_text(json.dumps(index, indent=2))), out / INDEX))
     except BaseException:
         drop_staged(staged)
