@@ -43,6 +43,10 @@ def trained_text(tok, rec, fmt="auto"):
     # (read through Arrow, every message of a struct column has each key: a weight of None is none given)
     ({"messages": [{"role": "user", "content": "q", "weight": None}, {"role": "assistant", "content": "a",
                                                                       "weight": None}]}, "a<|eos|>"),
+    # (a weight read as a float, 0.0 or 1.0, as pandas gives a column with gaps)
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "no", "weight": 0.0},
+                   {"role": "user", "content": "again"}, {"role": "assistant", "content": "yes", "weight": 1.0}]},
+     "yes<|eos|>"),
 ])
 def test_formats_mask_everything_but_the_targets(tok, rec, expect):
     assert trained_text(tok, rec) == expect
@@ -117,6 +121,42 @@ def test_a_template_whose_prefixes_differ_from_the_whole_trains_each_turn_as_ren
         render(conv, qwen3, "f.jsonl:2")
 
 
+def test_a_template_that_refuses_a_part_of_the_conversation_renders_it_whole():
+    """Qwen 3.5's template refuses a conversation without a user turn, as the system prompt alone is: the
+    conversation is rendered whole, each answer trained (every record with a system prompt was refused)."""
+    t = AutoTokenizer.from_pretrained(str(_assets() / "tiny"))
+    t.chat_template = (
+        "{% set ns = namespace(q=false) %}{% for m in messages %}{% if m.role == 'user' %}{% set ns.q = true %}"
+        "{% endif %}{% endfor %}{% if not ns.q %}{{ raise_exception('No user query found in messages.') }}{% endif %}"
+        "{% for m in messages %}{{ '<' + m.role + '>' + m.content + eos_token }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<assistant>' }}{% endif %}")
+    conv = [{"role": "system", "content": "be kind"}, {"role": "user", "content": "q"},
+            {"role": "assistant", "content": "answer"}]
+    ids, labels = render(conv, t, "t")
+    assert t.decode([i for i, l in zip(ids, labels) if l != -100]) == "answer<|eos|>"
+    with pytest.raises(DataError, match="t: the chat template cannot render.*No user query"):  # (the whole too)
+        render([conv[0], {"role": "assistant", "content": "a"}], t, "t")
+
+
+def test_a_messages_records_system_prompt_and_message_keys_reach_the_template(tok):
+    """A top-level system (LLaMA-Factory's, or mapped with columns) is the first message, as sharegpt's is;
+    a message's other keys (Qwen 3's reasoning_content) go to the template, as transformers and TRL pass them
+    (both were dropped without a word)."""
+    t = AutoTokenizer.from_pretrained(str(_assets() / "tiny"))
+    t.chat_template = ("{% for m in messages %}<{{ m.role }}>{% if m.reasoning_content is string %}"
+                       "[{{ m.reasoning_content }}]{% endif %}{{ m.content }}{{ eos_token }}{% endfor %}"
+                       "{% if add_generation_prompt %}<assistant>{% endif %}")
+    rec = {"system": "be brief", "messages": [{"role": "user", "content": "q"},
+                                              {"role": "assistant", "content": "a", "reasoning_content": "why"}]}
+    msgs = to_messages(rec, "messages", "t")
+    assert msgs[0] == {"role": "system", "content": "be brief"} and msgs[2]["reasoning_content"] == "why"
+    ids, labels = render(msgs, t, "t")
+    assert t.decode(ids).startswith("<system>be brief")
+    assert t.decode([i for i, l in zip(ids, labels) if l != -100]) == "[why]a<|eos|>"
+    own = {**rec, "messages": [{"role": "system", "content": "mine"}] + rec["messages"]}
+    assert [m["content"] for m in to_messages(own, "messages", "t")] == ["mine", "q", "a"]
+
+
 def test_prompt_tokens_are_present_but_not_trained(tok):
     ids, labels = render(to_messages({"instruction": "What is 2 plus 2?", "output": "4"}, "alpaca", "t"), tok, "t")
     assert "What is 2 plus 2?" in tok.decode(ids)
@@ -142,6 +182,13 @@ def test_malformed_line_names_file_and_line(tmp_path):
      r"messages\[0\]: 'weight' is for assistant messages"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "weight": 0.5}]},
      r"messages\[1\]: 'weight' is for assistant messages, 0 \(not trained on\) or 1"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None,
+                                                     "tool_calls": [{"function": {"name": "f"}}]}]},
+     r"messages\[1\] is a tool call or a tool's result, which slideformer does not train on yet"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "42"}]},
+     r"messages\[1\] is a tool call"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "system": 3},
+     "needs 'system' as a string"),
     ({"instruction": "x", "output": "y", "history": [["only one"]]}, "needs 'history' as a list of"),
     ({"instruction": "x", "output": "y", "history": "earlier"}, "needs 'history' as a list of"),
 ])

@@ -102,3 +102,45 @@ def test_an_answer_opening_with_whitespace_trains_the_answer_not_its_header(smol
         assert trained.endswith(answer + "<|im_end|>\n") or trained.endswith(answer + "<|im_end|>"), (answer, trained)
         prompt = tok.decode([t for t, l in zip(ids, labels) if l == -100])
         assert prompt.endswith("<|im_start|>assistant") or prompt.endswith("<|im_start|>assistant\n"), prompt
+
+
+MISTRAL_V03 = (  # (Mistral-7B-Instruct-v0.3's logic: the system prompt joins the last user turn; " " + answer)
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set sys = messages[0]['content'] %}"
+    "{% set turns = messages[1:] %}{% else %}{% set turns = messages %}{% endif %}{% for m in turns %}"
+    "{% if m['role'] == 'user' %}{% if loop.last and sys is defined %}{{ '[INST] ' + sys + '\\n\\n' + m['content'] "
+    "+ '[/INST]' }}{% else %}{{ '[INST] ' + m['content'] + '[/INST]' }}{% endif %}"
+    "{% else %}{{ ' ' + m['content']|trim + eos_token }}{% endif %}{% endfor %}")
+PHI3 = (  # (Phi-3-mini's: the conversation ends with the EOS where no generation prompt follows)
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}")
+
+
+@pytest.mark.parametrize("template,turns,trained", [
+    # rendered whole (a system prompt moves the prefixes): " Paris" is one token, which starts at the template's
+    # space before the answer: trained, as rendered by prefixes (only the EOS was)
+    (MISTRAL_V03, 1, [" Paris<|im_end|>"]),
+    (MISTRAL_V03, 2, [" Paris<|im_end|>", " Madrid<|im_end|>"]),
+    # every prefix ends with the EOS the whole has only at its end: each turn closes with what the whole
+    # gives it (refused before)
+    (PHI3, 2, ["Paris<|end|>\n", "Madrid<|end|>\n<|im_end|>"]),
+], ids=["mistral-one-turn", "mistral-two-turns", "phi3-two-turns"])
+def test_a_template_rendered_whole_trains_each_answer_and_its_end(smollm2, template, turns, trained):
+    from transformers import AutoTokenizer
+
+    from slideformer.data.formats import render
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    tok.chat_template = template
+    qa = [("Capital of France?", "Paris"), ("And of Spain?", "Madrid")][:turns]
+    msgs = [{"role": "system", "content": "Be brief."}] + [
+        {"role": r, "content": c} for q, a in qa for r, c in (("user", q), ("assistant", a))]
+    ids, labels = render(msgs, tok, "test")
+    assert ids == list(tok.apply_chat_template(msgs, tokenize=True)["input_ids"])
+    runs, run = [], []  # the trained tokens, run by run
+    for t, label in zip(ids, labels):
+        if label != -100:
+            run.append(t)
+        elif run:
+            runs, run = runs + [run], []
+    runs += [run] if run else []
+    assert [tok.decode(r) for r in runs] == trained

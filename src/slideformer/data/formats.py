@@ -283,7 +283,9 @@ def to_messages(rec: dict, fmt: str, where: str) -> list[dict] | str | tuple[str
         if m["role"] == "assistant" and not m.get("prompt") and not m["content"].strip():
             raise DataError(f"{where}: {fmt} record's assistant turn (message {i}) is empty: it would train the "
                             f"model to end its turn at once; {fix}")
-        _text(m["content"], where)
+        for v in m.values():
+            if isinstance(v, str):
+                _text(v, where)
     return out
 
 
@@ -321,11 +323,7 @@ def _to_messages(rec: dict, fmt: str, where: str) -> list[dict] | str:
                      "; its turns are OpenAI messages ('role', 'content'): read them as such with the dataset's "
                      "columns: {messages: conversations}" if openai else ""))
             msgs.append({"role": SHAREGPT_ROLES[turn["from"]], "content": turn["value"]})
-        system = rec.get("system")  # (a top-level system prompt, as LLaMA-Factory's sharegpt records carry)
-        need(system is None or isinstance(system, str), "needs 'system' as a string")
-        if system and not any(m["role"] == "system" for m in msgs):
-            msgs.insert(0, {"role": "system", "content": system})
-        return msgs
+        return _with_system(msgs, rec.get("system"), need)
     if fmt == "messages":
         if "messages" not in rec and len(lists := [k for k, v in rec.items() if isinstance(v, list)]) == 1:
             turns = rec[lists[0]]
@@ -333,7 +331,8 @@ def _to_messages(rec: dict, fmt: str, where: str) -> list[dict] | str:
             need(False, "needs a non-empty list 'messages'; " + (
                 f"its {lists[0]!r} holds sharegpt turns ('from', 'value'): format: sharegpt (or auto) reads them"
                 if sharegpt else f"map the record's list to it with the dataset's columns: {{messages: {lists[0]}}}"))
-        return _messages(rec.get("messages"), need, "messages")
+        msgs = _messages(rec.get("messages"), need, "messages")
+        return _with_system(msgs, rec.get("system"), need)
     if fmt == "prompt_completion":
         prompt, completion = rec.get("prompt"), rec.get("completion")
         need(prompt is not None and completion is not None, "needs both 'prompt' and 'completion'")
@@ -347,19 +346,33 @@ def _to_messages(rec: dict, fmt: str, where: str) -> list[dict] | str:
     raise DataError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)} or auto")
 
 
+def _with_system(msgs: list[dict], system, need) -> list[dict]:
+    """A record's top-level system prompt (LLaMA-Factory's sharegpt and messages records carry one) as its
+    first message, unless a system message of its own stands."""
+    need(system is None or isinstance(system, str), "needs 'system' as a string")
+    if system and not any(m["role"] == "system" for m in msgs):
+        msgs.insert(0, {"role": "system", "content": system})
+    return msgs
+
+
 def _messages(msgs, need, key: str) -> list[dict]:
-    """A record's list of OpenAI-style messages, checked, as role and content only; an assistant message's
-    ``weight`` 0 (OpenAI's fine-tuning format) makes it context, not trained on."""
+    """A record's list of OpenAI-style messages, checked. A message's other keys (Qwen 3's
+    ``reasoning_content``) go to the chat template as they are, as transformers and TRL pass them; an
+    assistant message's ``weight`` 0 (OpenAI's fine-tuning format) makes it context, not trained on."""
     need(isinstance(msgs, list) and msgs, f"needs a non-empty list {key!r}")
     for i, m in enumerate(msgs):
-        need(isinstance(m, dict) and m.get("role") in ("system", "user", "assistant")
-             and isinstance(m.get("content"), str), f"{key}[{i}] needs 'role' in system/user/assistant and a string "
-             "'content'")
+        role = m.get("role") if isinstance(m, dict) else None
+        need(role not in ("tool", "function", "ipython") and not (isinstance(m, dict) and m.get("tool_calls")),
+             f"{key}[{i}] is a tool call or a tool's result, which slideformer does not train on yet; drop such "
+             "records (skip_bad_records: true skips them)")
+        need(role in ("system", "user", "assistant") and isinstance(m.get("content"), str),
+             f"{key}[{i}] needs 'role' in system/user/assistant and a string 'content'")
         w = m.get("weight")  # (None: absent; Arrow gives every message of a struct column each key)
-        need(w is None or (w in (0, 1) and not isinstance(w, float) and m["role"] == "assistant"),
+        need(w is None or (not isinstance(w, bool) and w in (0, 1) and role == "assistant"),
              f"{key}[{i}]: 'weight' is for assistant messages, 0 (not trained on) or 1")
-    return [{"role": m["role"], "content": m["content"], **({"prompt": True} if m.get("weight") == 0 else {})}
-            for m in msgs]
+    # (Arrow gives every message of a struct column each key: a None is a key the message has not)
+    return [{**{k: v for k, v in m.items() if k not in ("weight", "prompt") and v is not None},
+             **({"prompt": True} if m.get("weight") == 0 else {})} for m in msgs]
 
 
 def chat_template_text(value: str) -> str:
@@ -484,7 +497,8 @@ def render(rec_messages, tokenizer, where: str, cutoff_len: int | None = None,
         start = min(start, len(ids) - 1)
         return ids, [-100] * start + ids[start:]
     trained = [m["role"] == "assistant" and not m.get("prompt") for m in rec_messages]
-    msgs = [{"role": m["role"], "content": _clip(m["content"], limit)} for m in rec_messages]
+    msgs = [{k: _clip(v, limit) if isinstance(v, str) else v for k, v in m.items() if k != "prompt"}
+            for m in rec_messages]
     if not any(trained):
         raise DataError(f"{where}: the conversation has no assistant turn to train on (each is in the prompt, or of "
                         "weight 0)" if any(m["role"] == "assistant" for m in rec_messages) else
@@ -496,6 +510,8 @@ def render(rec_messages, tokenizer, where: str, cutoff_len: int | None = None,
         try:
             out = tokenizer.apply_chat_template(prefix, tokenize=True, add_generation_prompt=gen)
         except Exception as e:  # (the template's own refusal: jinja's raise_exception, a role order it rejects)
+            if gen or len(prefix) < len(msgs):  # (a part it refuses, Qwen 3.5's system prompt alone: the whole)
+                raise _PrefixUnstable from None
             raise DataError(f"{where}: the chat template cannot render this conversation "
                             f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})") from None
         out = list(out["input_ids"] if hasattr(out, "keys") else out)  # a BatchEncoding in transformers 5
@@ -551,6 +567,17 @@ def _render_whole(msgs: list[dict], trained: list[bool], tokenizer, where: str) 
         return DataError(f"{where}: the chat template renders a conversation prefix differently from the whole, "
                          f"and {why}; give a template that renders each turn the same in any prefix (chat_template)")
 
+    def shared(a: str, b: str) -> str:
+        """The whole tokens ``a`` begins with that ``b`` begins with too (never part of one: Phi-3's EOS and
+        next user header both begin "<|")."""
+        try:
+            ta, tb = (tokenizer(t, add_special_tokens=False, return_offsets_mapping=True) for t in (a, b))
+        except (NotImplementedError, TypeError, ValueError):  # (a slow tokenizer has no offsets)
+            raise unsupported("its tokenizer gives no character offsets (a fast tokenizer does)") from None
+        n = next((k for k, (x, y) in enumerate(zip(ta["input_ids"], tb["input_ids"])) if x != y),
+                 min(len(ta["input_ids"]), len(tb["input_ids"])))
+        return a[: ta["offset_mapping"][n - 1][1]] if n else ""
+
     turns = [i for i, t in enumerate(trained) if t]
     marks = {i: f"<<slideformer-turn-{i}>>" for i in turns}
     # (a reasoning block before the answer, "<think>...</think>", stays: templates that take it apart do so
@@ -573,8 +600,12 @@ def _render_whole(msgs: list[dict], trained: list[bool], tokenizer, where: str) 
             raise unsupported("its text around the turns changes with their content")
         alone = text(marked[: i + 1])  # the turn last: what closes it
         close = alone[alone.rindex(marks[i]) + len(marks[i]):]
-        if not after.startswith(close):
-            raise unsupported("it closes a turn differently when it is the last")
+        if n + 1 < len(turns) or not after.startswith(close):
+            # (what closes it as the whole has it: the part the two share; Phi-3's template ends a conversation
+            # with its EOS after the turn's own end)
+            close = shared(close, after)
+            if not close.strip() and alone[alone.rindex(marks[i]) + len(marks[i]):].strip():
+                raise unsupported("it closes a turn differently when it is the last")
         prompt = text(marked[:i], True)
         header = prompt[len(text(marked[:i])):] if i else prompt
         before = whole[:at]
@@ -586,7 +617,10 @@ def _render_whole(msgs: list[dict], trained: list[bool], tokenizer, where: str) 
     except (NotImplementedError, TypeError, ValueError):  # (a slow tokenizer has no offsets)
         raise unsupported("its tokenizer gives no character offsets (a fast tokenizer does)") from None
     ids = list(enc["input_ids"])
-    labels = [t if any(s <= a < e for s, e in spans) else -100 for t, (a, _) in zip(ids, enc["offset_mapping"])]
+    # (a token that spans a turn's start, " Paris" after a template's space, is trained, as the prefixes' first
+    # differing token is)
+    labels = [t if any(a < e and (b > s or s <= a) for s, e in spans) else -100
+              for t, (a, b) in zip(ids, enc["offset_mapping"])]
     return ids, labels
 
 
