@@ -303,6 +303,27 @@ def test_host_memory_limit_bounds_the_plan_and_says_what_it_gave_up():
         SlideEngine(build("llama"), EngineConfig(device="cpu", compute_dtype=torch.float32, host_memory_limit="100MiB"))
 
 
+def test_a_cpu_runs_working_set_is_host_ram():
+    """On the CPU the step's working set (layer inputs, a layer's backward, the loss head: the GPU's bytes
+    elsewhere) is RAM: planned as such, a step too large for host_memory_limit is refused before it runs,
+    naming the micro-batch (it was left out, and the memory guard stopped such a run after its first step)."""
+    from slideformer.machine import Machine
+    from slideformer.plan import Auto, resolve
+    from slideformer.plan.memory import gpu_bytes
+
+    sh = ModelShape.from_adapter(ModelAdapter(build("llama").config))
+    machine = Machine(ram=24 * GiB, gpu=None)
+    cfg = EngineConfig(device="cpu", compute_dtype=torch.float32, host_memory_limit="3GiB")
+    small = resolve(cfg, Auto(), sh, 4, 64, machine, micro_batch=4)
+    assert small.fits and small.host["compute"] == gpu_bytes(sh, 4, 64, small.placement, 4)["peak"]
+    big = resolve(replace(cfg, host_memory_limit="2.5GiB"), Auto(), sh, 64, 4096, machine, micro_batch=64,
+                  prefix="offload.")
+    assert big.host["compute"] > GiB / 2 and big.binds == "host"
+    assert "compute" in big.problem and "fewer tokens a micro-batch (micro_batch_size, cutoff_len)" in big.problem
+    on_gpu = resolve(replace(cfg, device="cuda", host_memory_limit=None), Auto(), sh, 64, 4096, Machine(24 * GiB, 80 * GiB))
+    assert "compute" not in on_gpu.host  # (the GPU's, counted as such)
+
+
 def test_the_nvme_tier_takes_only_what_ram_cannot_hold():
     """nvme_fraction "auto" with offload_dir: Llama-3.1-8B fp32 under a 93 GiB host budget (its master and
     moments alone are 89.8 GiB; 5.5 GiB of GPU: every layer streamed) gives up the bf16 host copy first (PCIe bytes), then puts the fewest layers'

@@ -838,7 +838,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                     f"host memory: the process reached {guard.peak / 2**30:.1f} GiB at step {step}, over "
                     f"{GUARD_FRACTION:.0%} of its {guard.budget / 2**30:.1f} GiB budget; stopped before the kernel's "
                     f"OOM killer, with {last_saved} saved. Lower offload.host_memory_limit (the planner then keeps less "
-                    "in RAM), or use offload.optimizer_state: 8bit or offload.offload_dir; then resume")
+                    "in RAM), use offload.optimizer_state: 8bit or offload.offload_dir, or fewer tokens a micro-batch "
+                    "(micro_batch_size, cutoff_len: a step's working set, RAM on the CPU); then resume")
             if stop:  # (a signal here, or another rank's signal or memory guard)
                 status = "interrupted"
                 break
