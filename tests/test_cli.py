@@ -314,6 +314,10 @@ def test_data_shows_what_training_sees(capsys, tmp_path):
     out = capsys.readouterr().out
     assert out.count("--- sample") == 1 and "[[" in out and "]]" in out
     assert "samples 112 " in out and "truncated 0 " in out
+    (tmp_path / "t.jsonl").write_text('{"text": "every token but the first"}\n')  # (nothing predicts the first)
+    assert main(["data", f"dataset={tmp_path / 't.jsonl'}", "--samples", "1"]) == 0
+    shown = capsys.readouterr().out.split("[[trained]])\n")[1].splitlines()[0]
+    assert "[[" in shown and not shown.startswith("[[") and shown.replace("[[", "").startswith("every token")
     assert main(["data", "cutoff_len=16", "--samples", "0"]) == 0
     out = capsys.readouterr().out
     assert "--- sample" not in out and int(out.split("truncated ")[1].split()[0]) > 0

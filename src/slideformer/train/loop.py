@@ -1129,13 +1129,14 @@ def describe_data(cfg: TrainConfig, samples: int = 2, out=None) -> dict:
     if held:
         stats["eval"] = _tally(held, cfg.cutoff_len)
     for i, (ids, labels) in enumerate(shown):
-        parts, run, trained = [], [], labels[0] != -100
-        for t, l in zip(ids, labels):
-            if (l != -100) != trained and run:
+        parts, run, trained = [], [], False
+        for k, (t, l) in enumerate(zip(ids, labels)):
+            target = k > 0 and l != -100  # (a sample's first token is never a target: nothing predicts it)
+            if target != trained and run:
                 text = tok.decode(run)
                 parts.append(f"[[{text}]]" if trained else text)
                 run = []
-            trained = l != -100
+            trained = target
             run.append(t)
         if run:
             text = tok.decode(run)
