@@ -46,7 +46,9 @@ def test_yaml_with_overrides(tmp_path):
 @pytest.mark.parametrize("bad,match", [("lr_scheduler_type=step", "lr_scheduler_type"),
                                        ("warmup_ratio=1.5", "warmup_ratio"), ("micro_batch_size=0", "micro_batch_size"),
                                        ("offload.host_grad_buffers=0", "host_grad_buffers must be auto, null or"),
-                                       ("attn_implementation=flash", "attn_implementation must be one of sdpa")])
+                                       ("attn_implementation=flash", "attn_implementation must be one of sdpa"),
+                                       ("warmup_steps=2.5", "warmup_steps must be a number of steps"),
+                                       ("warmup_steps=-1", "warmup_steps must be")])
 def test_conflicts_name_the_fix(bad, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, [bad])
@@ -646,6 +648,17 @@ def test_epochs_short_of_a_step_train_one_step_not_at_rate_zero(tmp_path, capsys
     assert r["steps"] == 3
     assert "holds 14 micro-batches, 3 step(s) of 4: the last 2 (16 samples) are short of a step and not trained " \
            "(max_steps: 4 trains them" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("warmup,steps", [("warmup_steps=3", 3), ("warmup_steps=0.5", 4), ("warmup_ratio=0.25", 2)])
+def test_warmup_in_steps_or_a_fraction_of_them_as_transformers_5(tmp_path, warmup, steps):
+    """transformers 5's warmup_steps: a count (>= 1), or a fraction of the steps (< 1), replacing warmup_ratio
+    (which transformers 4 had, as LLaMA-Factory does); the rates are get_scheduler's."""
+    from slideformer.optim import lr_at
+
+    r = train(cfg(tmp_path, "max_steps=7", "learning_rate=1e-3", warmup))
+    assert [h["lr"] for h in r["history"]] == pytest.approx(
+        [lr_at(k, 1e-3, "cosine", warmup_steps=steps, total_steps=7) for k in range(7)])
 
 
 def test_records_read_twice_or_evaluated_as_trained_are_refused(tmp_path):

@@ -133,6 +133,8 @@ class TrainConfig:
     learning_rate: float = 1e-5
     lr_scheduler_type: str = "cosine"
     warmup_ratio: float = 0.1
+    # transformers 5's: warmup in steps (>= 1) or as a fraction of them (< 1); set, it replaces warmup_ratio
+    warmup_steps: float | None = None
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
     # a step whose loss or gradient norm is not finite is dropped (with clipping, before it is applied);
@@ -225,6 +227,10 @@ class TrainConfig:
                               "gradient norm is known, so a non-finite step cannot be dropped; set max_grad_norm")
         if not 0 <= self.warmup_ratio < 1:
             raise ConfigError(f"warmup_ratio must lie in [0, 1), got {self.warmup_ratio}")
+        if self.warmup_steps is not None and not (self.warmup_steps >= 0 and (self.warmup_steps < 1 or
+                                                                              float(self.warmup_steps).is_integer())):
+            raise ConfigError(f"warmup_steps must be a number of steps (an integer >= 1) or a fraction of them in "
+                              f"[0, 1), got {self.warmup_steps}")
         if self.max_steps < -1:
             raise ConfigError(f"max_steps must be > 0, or 0 or -1 for num_train_epochs to decide, got {self.max_steps}")
         if self.max_steps <= 0 and self.num_train_epochs <= 0:

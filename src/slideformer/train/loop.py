@@ -597,7 +597,8 @@ def _training_data(cfg: TrainConfig, tok, hf_config, ecfg: EngineConfig, ranks):
                   f"{total + 1} trains them, with the next epoch's first)", file=sys.stderr, flush=True)
     # (as transformers' TrainingArguments.get_warmup_steps, but none for one step: the first warmup step's
     # rate is 0, so a run of one step in warmup would train nothing)
-    warmup = 0 if total == 1 else math.ceil(cfg.warmup_ratio * total)
+    ws = cfg.warmup_ratio if cfg.warmup_steps is None else cfg.warmup_steps
+    warmup = 0 if total == 1 else int(ws) if ws >= 1 else math.ceil(ws * total)
     return examples, skipped, dropped, held, total, warmup
 
 
@@ -619,7 +620,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     # what decides each step's update (the config's keys, and the steps max_steps or num_train_epochs give): a
     # resume that changes one says so
     update = {"learning_rate": cfg.learning_rate, "lr_scheduler_type": cfg.lr_scheduler_type,
-              "warmup_ratio": cfg.warmup_ratio, "steps": total, "warmup_steps": warmup,
+              "steps": total, "warmup_steps": warmup,  # (the steps warmup_ratio or warmup_steps gives)
               "weight_decay": cfg.weight_decay, "adam_beta1": cfg.adam_beta1, "adam_beta2": cfg.adam_beta2,
               "max_grad_norm": cfg.max_grad_norm,
               "bf16": engine.cfg.compute_dtype == torch.bfloat16, "fp8": cfg.fp8}
