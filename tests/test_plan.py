@@ -320,7 +320,8 @@ def test_a_cpu_runs_working_set_is_host_ram():
                   prefix="offload.")
     assert big.host["compute"] > GiB / 2 and big.binds == "host"
     assert "compute" in big.problem and "fewer tokens a micro-batch (micro_batch_size, cutoff_len)" in big.problem
-    on_gpu = resolve(replace(cfg, device="cuda", host_memory_limit=None), Auto(), sh, 64, 4096, Machine(24 * GiB, 80 * GiB))
+    on_gpu = resolve(replace(cfg, device="cuda", host_memory_limit=None), Auto(), sh, 64, 4096,
+                     Machine(24 * GiB, 80 * GiB))
     assert "compute" not in on_gpu.host  # (the GPU's, counted as such)
 
 

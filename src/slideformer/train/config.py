@@ -292,16 +292,53 @@ def _checked(d: dict, cls, where: str) -> dict:
     if not isinstance(d, dict):
         raise ConfigError(f"{where} must be a mapping, got {type(d).__name__}")
     types = {f.name: str(f.type) for f in fields(cls)}
-    for k in list(d):
-        if k not in types:
-            if cls is TrainConfig and k in {f.name for f in fields(DatasetSpec)}:
-                raise ConfigError(f"unknown key {k}: it belongs to a dataset's entry, e.g. "
-                                  f"dataset=[{{path: data/train.jsonl, {k}: ...}}]")
+    unknown = [k for k in d if k not in types]
+    for k in unknown:
+        if cls is TrainConfig and k in {f.name for f in fields(DatasetSpec)}:
+            raise ConfigError(f"unknown key {k}: it belongs to a dataset's entry, e.g. "
+                              f"dataset=[{{path: data/train.jsonl, {k}: ...}}]")
+    if len(unknown) == 1 and not (cls is TrainConfig and unknown[0] in FOREIGN):
+        k = unknown[0]
+        near = difflib.get_close_matches(k, list(types), n=1)
+        raise ConfigError(f"unknown key {k if where == 'config' else f'{where}.{k}'}"
+                          + (f"; did you mean {near[0]!r}?" if near else f"; known keys: {', '.join(types)}"))
+    if unknown:  # (every one at once: a config written for another trainer holds several)
+        def why(k: str) -> str:
+            if cls is TrainConfig and k in FOREIGN:
+                return FOREIGN[k]
             near = difflib.get_close_matches(k, list(types), n=1)
-            raise ConfigError(f"unknown key {k if where == 'config' else f'{where}.{k}'}"
-                              + (f"; did you mean {near[0]!r}?" if near else f"; known keys: {', '.join(types)}"))
+            return f"did you mean {near[0]!r}?" if near else "no such key"
+        name = (lambda k: k) if where == "config" else (lambda k: f"{where}.{k}")
+        raise ConfigError(f"unknown key{'s' if len(unknown) > 1 else ''} "
+                          + "; ".join(f"{name(k)} ({why(k)})" for k in unknown))
+    for k in list(d):
         d[k] = _typed(d[k], types[k], f"{where}.{k}" if where != "config" else k)
     return d
+
+
+_REMOVE = "remove it"
+# Other trainers' keys (LLaMA-Factory's, transformers' TrainingArguments) that a config brought over holds:
+# what slideformer does instead
+FOREIGN = {
+    "stage": "slideformer fine-tunes (sft) only: " + _REMOVE,
+    "do_train": _REMOVE, "do_eval": "eval_dataset or val_size evaluates: " + _REMOVE,
+    "finetuning_type": "every parameter trains: " + _REMOVE,
+    **dict.fromkeys(("lora_rank", "lora_alpha", "lora_target", "lora_dropout"), "no LoRA, every parameter trains: "
+                    + _REMOVE),
+    "template": "the tokenizer's chat template renders chats: " + _REMOVE + ", or give another as chat_template",
+    "per_device_train_batch_size": "use micro_batch_size",
+    "per_device_eval_batch_size": "evaluation runs micro_batch_size rows: " + _REMOVE,
+    "gradient_checkpointing": "each layer is always recomputed in backward: " + _REMOVE,
+    **dict.fromkeys(("deepspeed", "fsdp", "fsdp_config"), "slideformer offloads on its own (offload: ...): " + _REMOVE),
+    "optim": "the optimizer is AdamW; offload.optimizer_state sets its state: " + _REMOVE,
+    **dict.fromkeys(("eval_strategy", "evaluation_strategy"), "use eval_steps (0: at the end only)"),
+    "save_strategy": "use save_steps (0: at the end only)",
+    "logging_dir": "TensorBoard's logs go under output_dir: " + _REMOVE,
+    "plot_loss": "output_dir's loss.png is always drawn: " + _REMOVE,
+    "fp16": "use bf16 (fp16 is not offered)",
+    **dict.fromkeys(("tf32", "preprocessing_num_workers", "dataloader_num_workers", "ddp_timeout",
+                     "trust_remote_code"), _REMOVE),
+}
 
 
 def _typed(v, annotation: str, key: str):
