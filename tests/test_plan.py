@@ -323,6 +323,12 @@ def test_a_cpu_runs_working_set_is_host_ram():
     on_gpu = resolve(replace(cfg, device="cuda", host_memory_limit=None), Auto(), sh, 64, 4096,
                      Machine(24 * GiB, 80 * GiB))
     assert "compute" not in on_gpu.host  # (the GPU's, counted as such)
+    # the host settings the planner chooses leave room for it: Llama-3-8B in bf16 on the CPU under 122 GiB
+    # gives up host weights it would keep without the working set (which it then refused)
+    eight = resolve(EngineConfig(device="cpu", compute_dtype=torch.bfloat16, host_memory_limit="122GiB"), Auto(),
+                    shape("llama3-8b"), 8, 2048, Machine(250 * GiB), micro_batch=8)
+    assert eight.fits and eight.config.placement.host_weights != "persistent" and eight.host["compute"] > 10 * GiB
+    assert sum(eight.host.values()) <= 120 * GiB
 
 
 def test_the_nvme_tier_takes_only_what_ram_cannot_hold():

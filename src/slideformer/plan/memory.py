@@ -506,13 +506,18 @@ def config_host_bytes(cfg, shape: ModelShape, batch: int, seq: int, p: Layout,
 
 def config_rank_host_bytes(cfg, shape: ModelShape, batch: int, seq: int, p: Layout,
                            host_weights: str | int | None = None) -> list[dict[str, int]]:
-    """``rank_host_bytes`` for an EngineConfig."""
-    return rank_host_bytes(shape, batch, seq, p, cfg.placement.host_weights if host_weights is None else host_weights,
-                      cfg.compute_dtype.itemsize,
-                      None if cfg.max_grad_norm is not None else cfg.placement.host_grad_buffers,
-                      nvme_layer_count(cfg, shape.layers),
-                      cfg.optimizer_state, cfg.placement.nvme_master, cfg.placement.activations_to_nvme, cfg.placement.nvme_buffers,
-                      speculative_spares(cfg, shape.layers))
+    """``rank_host_bytes`` for an EngineConfig; on the CPU with the step's working set ("compute": the GPU's
+    bytes elsewhere), which every choice the planner makes for the host then leaves room for."""
+    ranks = rank_host_bytes(shape, batch, seq, p, cfg.placement.host_weights if host_weights is None else host_weights,
+                            cfg.compute_dtype.itemsize,
+                            None if cfg.max_grad_norm is not None else cfg.placement.host_grad_buffers,
+                            nvme_layer_count(cfg, shape.layers),
+                            cfg.optimizer_state, cfg.placement.nvme_master, cfg.placement.activations_to_nvme,
+                            cfg.placement.nvme_buffers, speculative_spares(cfg, shape.layers))
+    if str(cfg.device).startswith("cuda"):
+        return ranks
+    compute = gpu_bytes(shape, batch, seq, p, cfg.compute_dtype.itemsize)["peak"]
+    return [{**r, "compute": compute} for r in ranks]
 
 
 RAM_FRACTION = 0.85  # of the machine's RAM, for the training state: the rest for the OS, Python, CUDA

@@ -214,9 +214,6 @@ def _resolve(cfg, auto: Auto, shape: ModelShape, batch: int, seq: int, machine: 
     if on_gpu:  # (the engine sets up the GPU update only where the planner's placement kept it)
         cfg = cfg.placed(gpu_first_update=placement.gpu_first_update)
     host = config_host_bytes(cfg, shape, batch, seq, placement)
-    if not on_gpu:  # (the device is the host: a step's working set, the GPU's elsewhere, is RAM)
-        gpu = gpu_bytes(shape, batch, seq, placement, cfg.compute_dtype.itemsize)
-        host = {**host, "compute": gpu["peak"]}
     if problem is None:
         try:
             check_host_fits(host, ram, cfg, prefix=prefix, ranks=machine.ranks)
