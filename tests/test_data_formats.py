@@ -146,10 +146,12 @@ def test_a_messages_records_system_prompt_and_message_keys_reach_the_template(to
     t.chat_template = ("{% for m in messages %}<{{ m.role }}>{% if m.reasoning_content is string %}"
                        "[{{ m.reasoning_content }}]{% endif %}{{ m.content }}{{ eos_token }}{% endfor %}"
                        "{% if add_generation_prompt %}<assistant>{% endif %}")
-    rec = {"system": "be brief", "messages": [{"role": "user", "content": "q"},
-                                              {"role": "assistant", "content": "a", "reasoning_content": "why"}]}
+    rec = {"system": "be brief", "messages": [{"role": "user", "content": "q", "tool_calls": []},
+                                              {"role": "assistant", "content": "a", "reasoning_content": "why",
+                                               "tool_calls": [], "weight": True}]}
     msgs = to_messages(rec, "messages", "t")
     assert msgs[0] == {"role": "system", "content": "be brief"} and msgs[2]["reasoning_content"] == "why"
+    assert all("tool_calls" not in m for m in msgs)  # (an export's empty list: no key, as templates test for it)
     ids, labels = render(msgs, t, "t")
     assert t.decode(ids).startswith("<system>be brief")
     assert t.decode([i for i, l in zip(ids, labels) if l != -100]) == "[why]a<|eos|>"

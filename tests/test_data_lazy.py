@@ -60,18 +60,30 @@ def test_parquet_and_datasets_folders_are_read_by_row(tmp_path):
 
 @pytest.mark.parametrize("name,opener", [("d.jsonl.gz", "gzip"), ("d.json.bz2", "bz2"), ("d.ndjson.xz", "lzma")])
 def test_compressed_json_files_read_as_the_files_they_hold(tmp_path, name, opener):
-    """train.jsonl.gz (as the Hub holds many datasets) reads through datasets, up front and as reached, the
-    records the file it holds gives; where the records are counted, it holds up to COMPRESSED_TEXT times its
-    size. A compressed file under a plain name is refused with the names that read."""
+    """train.jsonl.gz (as the Hub holds many datasets) reads, up front and as reached, as the file it holds
+    does: the same records (no type guessed: a date stays text), the same lines named and skipped; where
+    the records are counted, it holds up to COMPRESSED_TEXT times its size. A file that does not decompress
+    is named; a compressed file under a plain name is refused with the names that read."""
     import importlib
 
-    recs = [{"instruction": f"q{i}", "output": f"a{i}"} for i in range(5)]
+    recs = [{"instruction": f"q{i}", "output": f"a{i}"} for i in range(5)] + [{"instruction": "2024-01-01",
+                                                                              "output": 4}]
     text = json.dumps(recs) if ".json." in name else "".join(json.dumps(r) + "\n" for r in recs)
     with importlib.import_module(opener).open(tmp_path / name, "wt") as f:
         f.write(text)
+    plain = tmp_path / name.rsplit(".", 1)[0]
+    plain.write_text(text)
+    assert read_records(tmp_path / name) == [(w.replace(plain.name, name), r) for w, r in read_records(plain)]
     assert [r for _, r in read_records(tmp_path / name)] == recs
     rows = open_records(tmp_path / name)
     assert [rows[i][1] for i in range(len(rows))] == recs
+    if ".json." not in name:  # (a line that is not JSON: skipped as a plain file's is)
+        with importlib.import_module(opener).open(tmp_path / name, "wt") as f:
+            f.write(text + "{not json\n")
+        assert read_records(tmp_path / name, skip_bad=True)[-1] == (f"{tmp_path / name}:7", NOT_JSON)
+    (tmp_path / "cut.jsonl.gz").write_bytes((tmp_path / name).read_bytes()[:20])
+    with pytest.raises(DataError, match=r"cut\.jsonl\.gz: cannot decompress it"):
+        read_records(tmp_path / "cut.jsonl.gz")
     assert lazy.source_bytes(tmp_path / name) == lazy.COMPRESSED_TEXT * (tmp_path / name).stat().st_size
     (tmp_path / name).rename(tmp_path / "d.jsonl")
     with pytest.raises(DataError, match=r"d\.jsonl is compressed .* read compressed under their names: "

@@ -49,16 +49,30 @@ NOT_JSON = _NotJson()
 
 LOADERS = {".csv": "csv", ".tsv": "csv", ".arrow": "arrow"}  # file types read through datasets.load_dataset
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")
-COMPRESSIONS = (".gz", ".bz2", ".xz")  # what datasets decompresses with the standard library (zstd needs a package)
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}  # the standard library's (zstd needs a package)
 
 
 def compressed_json(p: Path) -> bool:
-    """A compressed JSON or JSONL file (``train.jsonl.gz``), which datasets reads as it is."""
+    """A compressed JSON or JSONL file (``train.jsonl.gz``), read as the file it holds."""
     return p.suffix.lower() in COMPRESSIONS and Path(p.stem).suffix.lower() in (".json", *JSONL_SUFFIXES)
 
 
+def _kind(p: Path) -> str:
+    """The suffix that says how ``p`` reads: a compressed file's, that of the file it holds."""
+    return Path(p.stem).suffix.lower() if compressed_json(p) else p.suffix.lower()
+
+
+def _open_binary(p: Path):
+    """``p`` for reading bytes, decompressed as its suffix says."""
+    if compressed_json(p):
+        import importlib
+
+        return importlib.import_module(COMPRESSIONS[p.suffix.lower()]).open(p, "rb")
+    return open(p, "rb")
+
+
 # a name with one of these is a local file, never a Hub dataset's name (a missing one is said to be missing)
-FILE_SUFFIXES = (".json", ".parquet", ".txt", ".gz", ".bz2", ".zst", *JSONL_SUFFIXES, *LOADERS)
+FILE_SUFFIXES = (".json", ".parquet", ".txt", ".gz", ".bz2", ".xz", ".zst", *JSONL_SUFFIXES, *LOADERS)
 
 
 def read_records(path: str | os.PathLike, skip_bad: bool = False, split: str | None = None,
@@ -74,9 +88,23 @@ def read_records(path: str | os.PathLike, skip_bad: bool = False, split: str | N
     check_one_dataset(p, split, subset)
     if p.suffix.lower() == ".parquet":
         return [(f"{p}[record {i}]", dict(r)) for i, r in enumerate(open_parquet(p))]
-    if p.suffix.lower() == ".json":
+    import lzma
+
+    try:
+        return _read_json(p, skip_bad)
+    except (OSError, EOFError, ValueError, lzma.LZMAError) as e:  # (a compressed stream: not gzip after all, cut short)
+        if isinstance(e, DataError) or not compressed_json(p):
+            raise
+        raise DataError(f"{p}: cannot decompress it ({type(e).__name__}: {str(e)[:200]}); check the file, or "
+                        "give it decompressed") from None
+
+
+def _read_json(p: Path, skip_bad: bool) -> list[tuple[str, object]]:
+    """A JSON file's list of records, or a JSONL file's lines, compressed or not."""
+    if _kind(p) == ".json":
         try:
-            data = json.loads(p.read_text(encoding="utf-8-sig"))
+            with _open_binary(p) as f:
+                data = json.loads(f.read().decode("utf-8-sig"))
         except UnicodeDecodeError as e:
             raise DataError(f"{p}: not UTF-8 text (byte {e.start}); save it as UTF-8") from e
         except json.JSONDecodeError as e:
@@ -89,7 +117,7 @@ def read_records(path: str | os.PathLike, skip_bad: bool = False, split: str | N
             raise DataError(f"{p}: a .json dataset must be a list of records")
         return [(f"{p}[record {i}]", r) for i, r in enumerate(data)]
     out = []
-    with open(p, "rb") as f:
+    with _open_binary(p) as f:
         for lineno, raw in enumerate(f, 1):
             if raw.strip():  # (ASCII whitespace only, as data/lazy.py's index has it)
                 out.append((f"{p}:{lineno}", jsonl_record(raw, p, lineno, skip_bad)))
@@ -118,10 +146,12 @@ def data_read(path: str | os.PathLike, split: str | None = None, subset: str | N
 
 def _a_record(p: Path) -> bool:
     """Whether the first line of ``p`` is a JSON object on its own (a JSONL file's first record)."""
+    import lzma
+
     try:
-        with open(p, encoding="utf-8-sig") as f:
-            return isinstance(json.loads(f.readline()), dict)
-    except (ValueError, OSError, RecursionError):
+        with _open_binary(p) as f:
+            return isinstance(json.loads(f.readline().decode("utf-8-sig")), dict)
+    except (ValueError, OSError, RecursionError, EOFError, lzma.LZMAError):
         return False
 
 
@@ -141,8 +171,8 @@ def jsonl_record(raw: bytes, p: Path, lineno: int, skip_bad: bool) -> object:
         if skip_bad:
             return NOT_JSON
         why = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deeply"
-        if lineno == 1 and p.suffix.lower() not in JSONL_SUFFIXES:  # (likely another kind of file, not a bad line)
-            raise DataError(f"{where}: not valid JSON ({why}); a {p.suffix or 'suffix-less'} file is read as JSONL "
+        if lineno == 1 and _kind(p) not in JSONL_SUFFIXES:  # (likely another kind of file, not a bad line)
+            raise DataError(f"{where}: not valid JSON ({why}); a {_kind(p) or 'suffix-less'} file is read as JSONL "
                             "(a JSON record a line): give JSONL, JSON, Parquet, CSV or Arrow, plain text as "
                             '{"text": ...} records') from None
         raise DataError(f"{where}: not valid JSON ({why}); fix the line, or set skip_bad_records: true to skip such "
@@ -150,11 +180,10 @@ def jsonl_record(raw: bytes, p: Path, lineno: int, skip_bad: bool) -> object:
 
 
 def read_by_datasets(path: str | os.PathLike) -> bool:
-    """Whether ``datasets`` reads ``path``: a folder, an existing CSV, Arrow or compressed JSON file, or a Hub name
+    """Whether ``datasets`` reads ``path``: a folder, an existing CSV or Arrow file, or a Hub name
     (``org/name``, no such local path). A missing local file is left to ``check_readable``, which says so."""
     p = Path(path)
-    return p.is_dir() or ((p.suffix.lower() in LOADERS or compressed_json(p)) and p.is_file()) or \
-        (not p.exists() and hub_name(str(path)))
+    return p.is_dir() or (p.suffix.lower() in LOADERS and p.is_file()) or (not p.exists() and hub_name(str(path)))
 
 
 def check_one_dataset(p: Path, split: str | None, subset: str | None) -> None:
@@ -174,7 +203,8 @@ def check_readable(p: Path) -> None:
             head = f.read(6)
     except OSError as e:  # (it exists: permissions or the disk, exit 5 as any file that cannot be read)
         raise OSError(e.errno, f"dataset file {p}: cannot read it ({e.strerror})") from e
-    if head[:2] == b"\x1f\x8b" or head[:3] == b"BZh" or head[:4] == b"\x28\xb5\x2f\xfd" or head == b"\xfd7zXZ\x00":
+    if not compressed_json(p) and (head[:2] == b"\x1f\x8b" or head[:3] == b"BZh" or head[:4] == b"\x28\xb5\x2f\xfd"
+                                   or head == b"\xfd7zXZ\x00"):
         raise DataError(f"dataset file {p} is compressed (gzip, bzip2, xz or zstd); decompress it first (gunzip, "
                         "bunzip2, unxz, zstd -d) (JSON and JSONL files read compressed under their names: "
                         "train.jsonl.gz, .bz2 or .xz)")
@@ -368,10 +398,11 @@ def _messages(msgs, need, key: str) -> list[dict]:
         need(role in ("system", "user", "assistant") and isinstance(m.get("content"), str),
              f"{key}[{i}] needs 'role' in system/user/assistant and a string 'content'")
         w = m.get("weight")  # (None: absent; Arrow gives every message of a struct column each key)
-        need(w is None or (not isinstance(w, bool) and w in (0, 1) and role == "assistant"),
+        need(w is None or (w in (0, 1) and role == "assistant"),
              f"{key}[{i}]: 'weight' is for assistant messages, 0 (not trained on) or 1")
-    # (Arrow gives every message of a struct column each key: a None is a key the message has not)
-    return [{**{k: v for k, v in m.items() if k not in ("weight", "prompt") and v is not None},
+    # (Arrow gives every message of a struct column each key: a None is a key the message has not; nor is an
+    # empty list, as exports write "tool_calls": [], which some templates test by the key's presence alone)
+    return [{**{k: v for k, v in m.items() if k not in ("weight", "prompt") and v not in (None, [], {})},
              **({"prompt": True} if m.get("weight") == 0 else {})} for m in msgs]
 
 
@@ -750,8 +781,6 @@ def _load(datasets, name: str, p: Path, subset: str | None):
         except IndexError:  # (datasets cannot load a save of no rows: it concatenates none)
             raise DataError(f"dataset folder {name} holds no records (a save of an empty dataset, or of an "
                             "empty split)") from None
-    if p.is_file() and compressed_json(p):
-        return datasets.load_dataset("json", data_files=glob.escape(str(p)))
     if p.is_file():
         return datasets.load_dataset(LOADERS[p.suffix.lower()], data_files=glob.escape(str(p)),
                                      **(_csv_as_text(p, datasets) if LOADERS[p.suffix.lower()] == "csv" else {}))

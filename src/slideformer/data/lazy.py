@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .formats import (COMPRESSIONS, NOT_JSON, DataError, check_one_dataset, check_readable, jsonl_record, open_parquet,
-                      open_through_datasets, read_by_datasets, read_records)
+from .formats import (COMPRESSIONS, NOT_JSON, DataError, check_one_dataset, check_readable, compressed_json,
+                      jsonl_record, open_parquet, open_through_datasets, read_by_datasets, read_records)
 
 CHUNK = 4 << 20  # bytes scanned for line ends at a time
 _SPACE = np.zeros(256, np.bool_)
@@ -114,7 +114,7 @@ def open_records(path, skip_bad: bool = False, split: str | None = None, subset:
     check_one_dataset(p, split, subset)
     if p.suffix.lower() == ".parquet":
         return ArrowRows(open_parquet(p), str(p), "record")
-    if p.suffix.lower() == ".json":
+    if p.suffix.lower() == ".json" or compressed_json(p):  # (read whole: a JSON list parses so, a stream reads so)
         return read_records(p, skip_bad)
     return JsonlLines(p, skip_bad)
 
