@@ -144,3 +144,29 @@ def test_a_template_rendered_whole_trains_each_answer_and_its_end(smollm2, templ
             runs, run = runs + [run], []
     runs += [run] if run else []
     assert [tok.decode(r) for r in runs] == trained
+
+
+@pytest.mark.parametrize("template", [
+    None,  # (SmolLM2's own, ChatML)
+    "{% for m in messages %}{% if m.role == 'user' %}{{ 'User: ' + m.content + '\\n' }}{% else %}{{ 'Assistant: ' + "
+    "m.content + '\\n\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'Assistant: ' }}{% endif %}",
+    # (no generation prompt: the turn's own " " before its content is trained, by either path)
+    "{% for m in messages %}{% if m.role == 'user' %}{{ '[INST] ' + m.content + ' [/INST]' }}{% else %}{{ ' ' + "
+    "m.content + eos_token }}{% endif %}{% endfor %}",
+], ids=["chatml", "generation-prompt", "none"])
+def test_rendered_whole_or_by_prefixes_a_conversation_trains_the_same_tokens(smollm2, template):
+    """The whole rendering (for templates whose prefixes differ) trains what the prefixes would, where they
+    agree: answers opening with a space, a newline or a digit, one turn or two."""
+    from transformers import AutoTokenizer
+
+    from slideformer.data.formats import _render_whole, render
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    tok.chat_template = template or tok.chat_template
+    for answer in ("Paris", " Paris", "\nParis", "42", "**bold**"):
+        for turns in (1, 2):
+            msgs = [m for i in range(turns) for m in ({"role": "user", "content": f"q{i}?"},
+                                                      {"role": "assistant", "content": f"{answer}{i}"})]
+            by_prefixes = render(msgs, tok, "t")
+            assert _render_whole(msgs, [m["role"] == "assistant" for m in msgs], tok, "t") == by_prefixes, \
+                (answer, turns)

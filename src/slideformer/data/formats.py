@@ -637,10 +637,16 @@ def _render_whole(msgs: list[dict], trained: list[bool], tokenizer, where: str) 
             close = shared(close, after)
             if not close.strip() and alone[alone.rindex(marks[i]) + len(marks[i]):].strip():
                 raise unsupported("it closes a turn differently when it is the last")
+        base = text(marked[:i]) if i else ""
         prompt = text(marked[:i], True)
-        header = prompt[len(text(marked[:i])):] if i else prompt
+        header = prompt[len(base):] if i else prompt
         before = whole[:at]
         start = before.rfind(header) + len(header) if header and before.rfind(header) >= at - len(pieces[n]) else at
+        if not header and i and alone.startswith(base):
+            # (no generation prompt: the turn's own text before its content, " " in "[/INST] answer", is trained
+            # as the prefixes train it)
+            lead = alone[len(base): alone.rindex(marks[i])]
+            start = at - len(lead) if lead and before.endswith(lead) and len(lead) <= len(pieces[n]) else at
         spans.append((start, end + len(close)))
         at = end + len(after) if n + 1 < len(turns) else len(whole)
     try:
