@@ -135,3 +135,26 @@ def test_router_logits_the_engine_cannot_count_are_refused_in_one_line():
     with pytest.raises(UnsupportedModelError, match="'jetmoe': output_router_logits is set but transformers records "
                                                     "its router logits from several modules.*set it false"):
         SlideEngine(AutoModelForCausalLM.from_config(cfg), EngineConfig(device="cpu", compute_dtype=torch.float32))
+
+
+def test_a_family_whose_forward_adds_no_router_loss_trains_without_one():
+    """AfMoE's forward (as Llama 4's) returns the router logits under output_router_logits but adds no
+    load-balancing loss, whatever router_aux_loss_coef says: the engine adds none either, so its loss is
+    transformers' (it added coef x aux: 1.0 more here)."""
+    from transformers import AfmoeConfig, AutoModelForCausalLM
+
+    cfg = AfmoeConfig(vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                      num_experts_per_tok=2, num_dense_layers=1, max_position_embeddings=64,
+                      output_router_logits=True, tie_word_embeddings=False)
+    cfg.router_aux_loss_coef = 0.5
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float().requires_grad_(True)  # (its expert_bias is frozen)
+    held = batch(97)
+    with torch.no_grad():
+        ref = model(**held).loss.item()
+    with SlideEngine(model, engine_config(device="cpu", compute_dtype=torch.float32, loss_kernel="torch")) as eng:
+        assert eng.router_loss is None
+        r = eng.evaluate(held)
+    assert abs(r.loss - ref) < 1e-5 * ref and r.router_loss == 0

@@ -41,7 +41,7 @@ from ..model.adapter import ModelAdapter, bind_parameters
 from ..optim import native
 from ..optim.adamw import Rows
 from ..model.chunked_mlp import MlpChunking
-from ..model.moe import RouterLoss
+from ..model.moe import RouterLoss, forward_adds_router_loss
 from ..model.decoder import install as install_decoder
 from ..model.recompute import LayerRecompute, mid_projection
 from ..model.fused_ops import apply_liger, liger_missing
@@ -228,7 +228,7 @@ class SlideEngine:
                 if hasattr(getattr(m, "config", None), "_experts_implementation"):
                     m.config._experts_implementation = "grouped_mm" if self.device.type == "cuda" else "eager"
         self.router_loss = RouterLoss(self.adapter) if self.adapter.experts and \
-            getattr(hf_config, "output_router_logits", False) else None
+            getattr(hf_config, "output_router_logits", False) and forward_adds_router_loss(self.adapter) else None
         # Data parallel (parallel.py): each unit's host state, update and checkpoint belong to one rank; the
         # resident units are every rank's. host_memory_limit is then this process's (plan.resolve's share).
         self.ranks = parallel.current()

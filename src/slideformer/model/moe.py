@@ -35,6 +35,16 @@ def expert_params(layer: nn.Module, experts: int) -> int:
     return sum(p.numel() for p in layer.parameters() if p.dim() == 3 and p.shape[0] == experts)
 
 
+def forward_adds_router_loss(adapter) -> bool:
+    """Whether the family's forward adds the load-balancing loss where output_router_logits is set: most MoE
+    families' does; AfMoE's, Llama 4's and a few others' only return the logits, so the engine adds none for
+    them either (a forward whose source cannot be read: as most)."""
+    from .adapter import _source
+
+    src = _source(type(adapter.skeleton).forward)
+    return not src or "load_balancing_loss_func" in src
+
+
 class RouterLoss:
     """The step's load-balancing loss (module docstring): one owner of its counts, fed by forward hooks on
     each layer's router (the module class transformers records ``router_logits`` from)."""
