@@ -1,6 +1,6 @@
 # Two entry points: `make demo` and `make test`. Both create and reuse .venv.
 # The venv sees system site-packages so that a CUDA torch already installed is kept;
-# torch==2.13.0 (CPU build) is installed only when no torch imports.
+# torch==2.13.0 (PyPI's build: CUDA on Linux x86_64) is installed only when no torch imports.
 PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python

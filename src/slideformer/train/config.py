@@ -334,7 +334,7 @@ FOREIGN = {
     **dict.fromkeys(("eval_strategy", "evaluation_strategy"), "use eval_steps (0: at the end only)"),
     "save_strategy": "use save_steps (0: at the end only)",
     "logging_dir": "TensorBoard's logs go under output_dir: " + _REMOVE,
-    "plot_loss": "output_dir's loss.png is always drawn: " + _REMOVE,
+    "plot_loss": "output_dir's loss.png is drawn where matplotlib is installed: " + _REMOVE,
     "fp16": "use bf16 (fp16 is not offered)",
     **dict.fromkeys(("tf32", "preprocessing_num_workers", "dataloader_num_workers", "ddp_timeout",
                      "trust_remote_code"), _REMOVE),
