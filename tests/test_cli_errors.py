@@ -331,6 +331,17 @@ def test_a_chat_template_that_renders_no_content_or_no_generation_prompt_is_said
     out = capsys.readouterr()
     assert f"chat_template {nogen} puts '<|assistant|>\\n' before an assistant turn's content" in out.err
     assert "[[<|assistant|>\nyo<|eos|>\n]]" in out.out  # (what it says: the header trained)
+    # DeepSeek-R1's way: the reasoning cut from every answer, the last too (reasoning data trains without it)
+    r1 = tmp_path / "r1.jinja"
+    r1.write_text("{% for m in messages %}{% set c = m['content'] %}{% if m['role'] == 'assistant' and '</think>' in c "
+                  "%}{% set c = c.split('</think>')[-1] %}{% endif %}<|{{ m['role'] }}|>\n{{ c }}<|eos|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    assert main(["data", f"dataset=[{rows}]", f"chat_template={r1}", "--samples", "0"]) == 0
+    assert f"chat_template {r1} drops an answer's reasoning (<think>...</think>), even in the last turn" in \
+        capsys.readouterr().err
+    qwen3 = os.path.join(os.path.dirname(__file__), "data", "qwen3_like.jinja")  # (the last turn's kept: nothing said)
+    assert main(["data", f"dataset=[{rows}]", f"chat_template={qwen3}", "--samples", "0"]) == 0
+    assert "reasoning" not in capsys.readouterr().err
 
 
 def test_a_tokenizer_past_the_models_vocabulary_is_named_before_the_model_loads(tmp_path, capsys, monkeypatch):

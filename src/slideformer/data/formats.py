@@ -457,7 +457,7 @@ def check_chat_template(template: str, where: str = "chat_template") -> None:
                         "or leave chat_template unset for the model's own") from None
 
 
-PROBE = ("slideformer probe question", "slideformer probe answer")
+PROBE = ("slideformer probe question", "slideformer probe answer", "slideformer probe reasoning")
 
 
 def template_probe(tokenizer, where: str) -> tuple[str | None, str | None]:
@@ -465,7 +465,9 @@ def template_probe(tokenizer, where: str) -> tuple[str | None, str | None]:
     (refusal, note). A template that renders no message's content (one that reads another key than
     'content') gets a refusal for the first chat record, as every one would train on the template's own
     text; one that puts an assistant header before the content but gives nothing for add_generation_prompt
-    gets a note: the header is then trained as part of each answer. Data that is not chat never renders it."""
+    gets a note: the header is then trained as part of each answer; so does one that drops an answer's
+    reasoning (``<think>...</think>``) even from the last turn, as DeepSeek-R1's does: reasoning data would
+    train without it. Data that is not chat never renders it."""
     conv = [{"role": "user", "content": PROBE[0]}, {"role": "assistant", "content": PROBE[1]}]
     try:
         whole = tokenizer.apply_chat_template(conv, tokenize=False)
@@ -475,7 +477,7 @@ def template_probe(tokenizer, where: str) -> tuple[str | None, str | None]:
         return None, None
     if not all(isinstance(t, str) for t in (whole, bare, header)):
         return None, None
-    if not all(text in whole for text in PROBE):
+    if not all(text in whole for text in PROBE[:2]):
         return (f"{where} renders no message's content (a message is {{'role': ..., 'content': ...}}): chat "
                 "records would train on the template's own text; make it read message['content']"), None
     if header == bare and whole.startswith(bare) and whole.find(PROBE[1]) > len(bare):
@@ -484,6 +486,15 @@ def template_probe(tokenizer, where: str) -> tuple[str | None, str | None]:
             return None, (f"{where} puts {lead[:60]!r} before an assistant turn's content, and nothing for "
                           "add_generation_prompt: chat records train those tokens as part of each answer; give "
                           "the template an add_generation_prompt branch to leave them out")
+    try:
+        thought = tokenizer.apply_chat_template(
+            [conv[0], {"role": "assistant", "content": f"<think>\n{PROBE[2]}\n</think>\n\n{PROBE[1]}"}],
+            tokenize=False)
+    except Exception:
+        thought = None
+    if isinstance(thought, str) and PROBE[1] in thought and PROBE[2] not in thought:
+        return None, (f"{where} drops an answer's reasoning (<think>...</think>), even in the last turn: records "
+                      "with reasoning train without it; give a chat_template that keeps it to train it")
     return None, None
 
 
