@@ -189,6 +189,8 @@ def test_malformed_line_names_file_and_line(tmp_path):
      r"messages\[1\] is a tool call or a tool's result, which slideformer does not train on yet"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "tool", "content": "42"}]},
      r"messages\[1\] is a tool call"),
+    ({"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "{}"}]},
+     r"turn 1 is a tool call or a tool's result \(function_call\)"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}], "system": 3},
      "needs 'system' as a string"),
     ({"instruction": "x", "output": "y", "history": [["only one"]]}, "needs 'history' as a list of"),

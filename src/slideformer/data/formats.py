@@ -347,6 +347,9 @@ def _to_messages(rec: dict, fmt: str, where: str) -> list[dict] | str:
         need(isinstance(conv, list) and conv, "needs a non-empty list 'conversations'")
         msgs = []
         for i, turn in enumerate(conv):
+            need(not (isinstance(turn, dict) and turn.get("from") in ("function_call", "observation", "tool")),
+                 f"turn {i} is a tool call or a tool's result ({turn.get('from') if isinstance(turn, dict) else ''}), "
+                 "which slideformer does not train on yet; drop such records (skip_bad_records: true skips them)")
             openai = isinstance(turn, dict) and "role" in turn and "content" in turn and "from" not in turn
             need(isinstance(turn, dict) and turn.get("from") in SHAREGPT_ROLES and isinstance(turn.get("value"), str),
                  f"turn {i} needs 'from' in {sorted(SHAREGPT_ROLES)} and a string 'value'" + (
