@@ -84,6 +84,30 @@ def test_compressed_json_files_read_as_the_files_they_hold(tmp_path, name, opene
     (tmp_path / "cut.jsonl.gz").write_bytes((tmp_path / name).read_bytes()[:20])
     with pytest.raises(DataError, match=r"cut\.jsonl\.gz: cannot decompress it"):
         read_records(tmp_path / "cut.jsonl.gz")
+    import gzip  # (a damaged deflate stream: zlib's error, named the same way)
+    damaged = bytearray(gzip.compress("".join(json.dumps(r) + "\n" for r in recs * 40).encode()))
+    damaged[20:60] = bytes(40)
+    (tmp_path / "bad.jsonl.gz").write_bytes(bytes(damaged))
+    with pytest.raises(DataError, match=r"bad\.jsonl\.gz: cannot decompress it"):
+        read_records(tmp_path / "bad.jsonl.gz")
+
+
+def test_json_lines_under_a_json_name_read_as_lines(tmp_path):
+    """A .json file (or .json.gz: the Hub's C4 shards) holding a JSON record a line reads as JSONL, as datasets
+    reads it: up front and as reached, compressed or not."""
+    import gzip
+
+    recs = [{"text": f"line {i}"} for i in range(3)]
+    text = "".join(json.dumps(r) + "\n" for r in recs)
+    (tmp_path / "d.json").write_text(text)
+    (tmp_path / "d.json.gz").write_bytes(gzip.compress(text.encode()))
+    for name in ("d.json", "d.json.gz"):
+        assert read_records(tmp_path / name) == [(f"{tmp_path / name}:{i + 1}", r) for i, r in enumerate(recs)]
+        rows = open_records(tmp_path / name)
+        assert [rows[i][1] for i in range(len(rows))] == recs
+    (tmp_path / "obj.json").write_text('{"text": "one object"} trailing')
+    with pytest.raises(DataError, match=r"obj\.json:1: not valid JSON \(Extra data\)"):
+        read_records(tmp_path / "obj.json")
     assert lazy.source_bytes(tmp_path / name) == lazy.COMPRESSED_TEXT * (tmp_path / name).stat().st_size
     (tmp_path / name).rename(tmp_path / "d.jsonl")
     with pytest.raises(DataError, match=r"d\.jsonl is compressed .* read compressed under their names: "

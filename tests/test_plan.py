@@ -323,6 +323,14 @@ def test_a_cpu_runs_working_set_is_host_ram():
     on_gpu = resolve(replace(cfg, device="cuda", host_memory_limit=None), Auto(), sh, 64, 4096,
                      Machine(24 * GiB, 80 * GiB))
     assert "compute" not in on_gpu.host  # (the GPU's, counted as such)
+    # the engine's own check at construction counts the window's slots it then allocates in RAM, and names them
+    from slideformer.plan.memory import PROCESS_BYTES, config_host_bytes
+
+    state = config_host_bytes(cfg, sh, 0, 1, Layout.of(cfg))
+    tight = PROCESS_BYTES + sum(v for k, v in state.items() if k != "compute") + 1000
+    with pytest.raises(DoesNotFit, match=r"this model's host state and its window's slots \(compute\) needs") as e:
+        SlideEngine(build("llama"), replace(cfg, host_memory_limit=tight))
+    assert "micro_batch_size" not in str(e.value)  # (no tokens yet: the trainer's keys are no fix here)
     # the host settings the planner chooses leave room for it: Llama-3-8B in bf16 on the CPU under 122 GiB
     # gives up host weights it would keep without the working set (which it then refused)
     eight = resolve(EngineConfig(device="cpu", compute_dtype=torch.bfloat16, host_memory_limit="122GiB"), Auto(),

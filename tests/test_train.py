@@ -677,6 +677,22 @@ def test_warmup_in_steps_or_a_fraction_of_them_as_transformers_5(tmp_path, warmu
         [lr_at(k, 1e-3, "cosine", warmup_steps=steps, total_steps=7) for k in range(7)])
 
 
+def test_warmup_ratio_and_warmup_steps_in_one_place_are_refused_and_an_override_replaces_the_other(tmp_path):
+    """transformers 4 read warmup_steps 0 as "use the ratio", transformers 5 has no ratio: both in a file (or
+    both on the command line) cannot say which is meant. One overriding the file's other replaces it."""
+    (tmp_path / "both.yaml").write_text("model_name_or_path: tiny\nwarmup_ratio: 0.5\nwarmup_steps: 0\n")
+    with pytest.raises(ConfigError, match="warmup_ratio and warmup_steps both set the warmup: keep one"):
+        load_config(tmp_path / "both.yaml", [])
+    with pytest.raises(ConfigError, match="both set the warmup"):
+        load_config(None, ["warmup_ratio=0.5", "warmup_steps=0"])
+    (tmp_path / "ratio.yaml").write_text("model_name_or_path: tiny\nwarmup_ratio: 0.5\n")
+    (tmp_path / "steps.yaml").write_text("model_name_or_path: tiny\nwarmup_steps: 3\n")
+    assert load_config(tmp_path / "ratio.yaml", ["warmup_steps=2"]).warmup_steps == 2
+    c = load_config(tmp_path / "steps.yaml", ["warmup_ratio=0.2"])
+    assert c.warmup_steps is None and c.warmup_ratio == 0.2
+    assert load_config(None, ["warmup_steps=4"]).warmup_steps == 4  # (the demo's own ratio is replaced)
+
+
 def test_records_read_twice_or_evaluated_as_trained_are_refused(tmp_path):
     """A folder and a file in it (of the folder's split), or a save_to_disk folder for both dataset and
     eval_dataset (each defaults to its train split), read the same records: trained twice, or evaluated on

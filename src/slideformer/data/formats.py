@@ -89,10 +89,11 @@ def read_records(path: str | os.PathLike, skip_bad: bool = False, split: str | N
     if p.suffix.lower() == ".parquet":
         return [(f"{p}[record {i}]", dict(r)) for i, r in enumerate(open_parquet(p))]
     import lzma
+    import zlib
 
     try:
         return _read_json(p, skip_bad)
-    except (OSError, EOFError, ValueError, lzma.LZMAError) as e:  # (a compressed stream: not gzip after all, cut short)
+    except (OSError, EOFError, ValueError, lzma.LZMAError, zlib.error) as e:  # (not gzip after all, cut short, damaged)
         if isinstance(e, DataError) or not compressed_json(p):
             raise
         raise DataError(f"{p}: cannot decompress it ({type(e).__name__}: {str(e)[:200]}); check the file, or "
@@ -108,14 +109,15 @@ def _read_json(p: Path, skip_bad: bool) -> list[tuple[str, object]]:
         except UnicodeDecodeError as e:
             raise DataError(f"{p}: not UTF-8 text (byte {e.start}); save it as UTF-8") from e
         except json.JSONDecodeError as e:
-            lines = e.msg == "Extra data" and e.lineno > 1 and e.colno == 1 and _a_record(p)  # (JSONL)
-            raise DataError(f"{p}:{e.lineno}: not valid JSON ({e.msg})" + (
-                "; it holds a JSON record a line (JSONL): name it .jsonl" if lines else "")) from e
+            if not (e.msg == "Extra data" and e.lineno > 1 and e.colno == 1 and _a_record(p)):
+                raise DataError(f"{p}:{e.lineno}: not valid JSON ({e.msg})") from e
+            data = None  # (a JSON record a line: JSON Lines under a .json name, as datasets reads it too)
         except RecursionError:
             raise DataError(f"{p}: JSON nested too deeply to be a dataset record") from None
-        if not isinstance(data, list):
-            raise DataError(f"{p}: a .json dataset must be a list of records")
-        return [(f"{p}[record {i}]", r) for i, r in enumerate(data)]
+        if data is not None:
+            if not isinstance(data, list):
+                raise DataError(f"{p}: a .json dataset must be a list of records (or a JSON record a line)")
+            return [(f"{p}[record {i}]", r) for i, r in enumerate(data)]
     out = []
     with _open_binary(p) as f:
         for lineno, raw in enumerate(f, 1):
@@ -147,11 +149,12 @@ def data_read(path: str | os.PathLike, split: str | None = None, subset: str | N
 def _a_record(p: Path) -> bool:
     """Whether the first line of ``p`` is a JSON object on its own (a JSONL file's first record)."""
     import lzma
+    import zlib
 
     try:
         with _open_binary(p) as f:
             return isinstance(json.loads(f.readline().decode("utf-8-sig")), dict)
-    except (ValueError, OSError, RecursionError, EOFError, lzma.LZMAError):
+    except (ValueError, OSError, RecursionError, EOFError, lzma.LZMAError, zlib.error):
         return False
 
 

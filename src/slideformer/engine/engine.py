@@ -245,10 +245,12 @@ class SlideEngine:
                     raise DoesNotFit(f"{e} (gpu_memory_limit={x!r}: a number is bytes; for GiB write '{x}GiB')") \
                         from None
                 raise
-        # and if the host state alone (no layer inputs yet: they depend on the batch) is over the RAM
+        # and if the host state (no layer inputs yet: they depend on the batch; on the CPU with the window's slots,
+        # "compute", allocated now) is over the RAM
         local = parallel.local_world(self.ranks)
         check_host_fits(config_host_bytes(self.cfg, self.shape, 0, 1, Layout.of(self.cfg)), host_memory() // local,
-                        self.cfg, "this model's host state", ranks=local)
+                        self.cfg, "this model's host state" + ("" if self.device.type == "cuda" else
+                                                               " and its window's slots (compute)"), ranks=local)
         self._placements: dict[tuple[int, int], Layout] = {}
         self._loss_chunk = t.loss_chunk_tokens or LOSS_CHUNK_TOKENS[-1]  # (under a budget: the planner's)
         self._head_slice = None  # the lm_head gradient by vocabulary slices: the planner's, under a budget

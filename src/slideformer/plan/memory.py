@@ -599,7 +599,7 @@ def check_host_fits(ram: dict[str, int], have: int, cfg, what: str = "training",
     if total <= host_budget(cfg, have)[1]:
         return
     hints, k = [], prefix
-    if ram.get("compute", 0) > total / 4:  # (a CPU step's working set: its tokens, not the state)
+    if ram.get("compute", 0) > total / 4 and prefix:  # (the trainer's step on the CPU: its tokens, not the state)
         hints.append("fewer tokens a micro-batch (micro_batch_size, cutoff_len)")
     if ram.get("spares"):
         hints.append(f"fewer spare states for clipping ({k}speculative_layers)")

@@ -467,7 +467,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         if not isinstance(raw, dict):
             raise ConfigError(f"config {path} must be a mapping of keys to values")
         _check_colons(f"config {path}", raw)
-    given = set(named)
+    given, in_file = set(named), set(raw) if path is not None else set()
     for item in overrides:
         key, eq, value = item.partition("=")
         if not eq:
@@ -492,6 +492,14 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         for k in ("overwrite_output_dir", "resume_from_checkpoint"):
             if k not in given:
                 raw.pop(k, None)
+    # (both named in one place: transformers 4 took warmup_steps over the ratio only where above 0, transformers 5
+    # has warmup_steps alone, so which is meant cannot be told; one overriding the file's other replaces it)
+    both = {"warmup_steps", "warmup_ratio"}
+    if raw.get("warmup_steps") is not None and (both <= given or both <= in_file - given):
+        raise ConfigError("warmup_ratio and warmup_steps both set the warmup: keep one (warmup_steps, transformers "
+                          "5's: a number of steps, or a fraction of them below 1)")
+    if "warmup_ratio" in given and "warmup_steps" not in given:
+        raw.pop("warmup_steps", None)
     _checked(raw, TrainConfig, "config")
     if "offload" in raw:
         raw["offload"] = OffloadConfig(**_checked(raw["offload"], OffloadConfig, "offload"))
