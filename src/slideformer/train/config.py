@@ -293,10 +293,10 @@ def _checked(d: dict, cls, where: str) -> dict:
         raise ConfigError(f"{where} must be a mapping, got {type(d).__name__}")
     types = {f.name: str(f.type) for f in fields(cls)}
     unknown = [k for k in d if k not in types]
-    for k in unknown:
-        if cls is TrainConfig and k in {f.name for f in fields(DatasetSpec)}:
-            raise ConfigError(f"unknown key {k}: it belongs to a dataset's entry, e.g. "
-                              f"dataset=[{{path: data/train.jsonl, {k}: ...}}]")
+    entry = {f.name for f in fields(DatasetSpec)} if cls is TrainConfig else set()
+    if len(unknown) == 1 and unknown[0] in entry:
+        raise ConfigError(f"unknown key {unknown[0]}: it belongs to a dataset's entry, e.g. "
+                          f"dataset=[{{path: data/train.jsonl, {unknown[0]}: ...}}]")
     if len(unknown) == 1 and not (cls is TrainConfig and unknown[0] in FOREIGN):
         k = unknown[0]
         near = difflib.get_close_matches(k, list(types), n=1)
@@ -304,6 +304,8 @@ def _checked(d: dict, cls, where: str) -> dict:
                           + (f"; did you mean {near[0]!r}?" if near else f"; known keys: {', '.join(types)}"))
     if unknown:  # (every one at once: a config written for another trainer holds several)
         def why(k: str) -> str:
+            if k in entry:
+                return f"a dataset entry's: dataset=[{{path: ..., {k}: ...}}]"
             if cls is TrainConfig and k in FOREIGN:
                 return FOREIGN[k]
             near = difflib.get_close_matches(k, list(types), n=1)
