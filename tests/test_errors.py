@@ -305,7 +305,8 @@ def test_engine_refuses_a_host_state_over_the_ram_before_allocating(monkeypatch)
     # (a machine whose RAM holds the process itself and 64 KiB more)
     monkeypatch.setattr(engine_mod, "host_memory", lambda: int((PROCESS_BYTES + 2**16) / HOST_SHARE) + 1)
     monkeypatch.setattr(store.HostStore, "__init__", lambda *a, **k: pytest.fail("allocated before refusing"))
-    with pytest.raises(DoesNotFit, match=r"host state needs about .* MiB of host RAM \(master .*moments .*offload_dir"):
+    with pytest.raises(DoesNotFit, match=r"host state and its window's slots \(compute\) needs about .* MiB of host "
+                                         r"RAM \(master .*moments .*offload_dir"):
         SlideEngine(build("llama"), EngineConfig(device="cpu", compute_dtype=torch.float32))
 
 
