@@ -20,8 +20,10 @@ import functools
 import glob
 import itertools
 import json
+import lzma
 import os
 import sys
+import zlib
 from pathlib import Path
 
 FORMATS = ("alpaca", "sharegpt", "messages", "prompt_completion", "text")
@@ -50,6 +52,8 @@ NOT_JSON = _NotJson()
 LOADERS = {".csv": "csv", ".tsv": "csv", ".arrow": "arrow"}  # file types read through datasets.load_dataset
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".jsonlines")
 COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}  # the standard library's (zstd needs a package)
+# what reading a compressed stream raises where it is not what its name says, cut short or damaged
+STREAM_ERRORS = (OSError, EOFError, ValueError, lzma.LZMAError, zlib.error)
 
 
 def compressed_json(p: Path) -> bool:
@@ -88,12 +92,9 @@ def read_records(path: str | os.PathLike, skip_bad: bool = False, split: str | N
     check_one_dataset(p, split, subset)
     if p.suffix.lower() == ".parquet":
         return [(f"{p}[record {i}]", dict(r)) for i, r in enumerate(open_parquet(p))]
-    import lzma
-    import zlib
-
     try:
         return _read_json(p, skip_bad)
-    except (OSError, EOFError, ValueError, lzma.LZMAError, zlib.error) as e:  # (not gzip after all, cut short, damaged)
+    except STREAM_ERRORS as e:
         if isinstance(e, DataError) or not compressed_json(p):
             raise
         raise DataError(f"{p}: cannot decompress it ({type(e).__name__}: {str(e)[:200]}); check the file, or "
@@ -148,13 +149,10 @@ def data_read(path: str | os.PathLike, split: str | None = None, subset: str | N
 
 def _a_record(p: Path) -> bool:
     """Whether the first line of ``p`` is a JSON object on its own (a JSONL file's first record)."""
-    import lzma
-    import zlib
-
     try:
         with _open_binary(p) as f:
             return isinstance(json.loads(f.readline().decode("utf-8-sig")), dict)
-    except (ValueError, OSError, RecursionError, EOFError, lzma.LZMAError, zlib.error):
+    except (*STREAM_ERRORS, RecursionError):
         return False
 
 
