@@ -22,9 +22,10 @@ def decay_groups(model, weight_decay: float) -> list[dict]:
             {"params": [p for n, p in named if n not in decayed], "weight_decay": 0.0}]
 
 
-def reference_train(model, batches, *, lr, weight_decay=0.0, max_grad_norm=None, lrs=None, betas=(0.9, 0.999)):
+def reference_train(model, batches, *, lr, weight_decay=0.0, max_grad_norm=None, lrs=None, betas=(0.9, 0.999),
+                    eps=1e-8):
     model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(decay_groups(model, weight_decay), lr=lr, betas=betas, fused=True)
+    opt = torch.optim.AdamW(decay_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=True)
     losses = []
     for k, b in enumerate(batches):
         if lrs is not None:
@@ -51,13 +52,18 @@ def reference_train(model, batches, *, lr, weight_decay=0.0, max_grad_norm=None,
 
 def rows_apart(batches: list[dict], rows: int = 1) -> list[list[dict]]:
     """Each batch's rows as micro-batches of ``rows`` (the last, or half the batch), the last first: the
-    reference's sums in other orders, for its own noise (``assert_same``'s ``noise_model``)."""
+    reference's sums in other orders, for its own noise (``assert_same``'s ``noise_model``). A step given as
+    micro-batches has each of them split so, the last first."""
     def size(b):
         n = len(b["input_ids"])
         return -(-n // 2) if rows == "half" else rows
 
-    return [[{k: v[i: i + size(b)] for k, v in b.items()} for i in reversed(range(0, len(b["input_ids"]), size(b)))]
-            for b in batches]
+    def parts(b):
+        if isinstance(b, list):
+            return [p for m in reversed(b) for p in parts(m)]
+        return [{k: v[i: i + size(b)] for k, v in b.items()} for i in reversed(range(0, len(b["input_ids"]), size(b)))]
+
+    return [parts(b) for b in batches]
 
 
 def _rows_flipped(batches: list) -> list:

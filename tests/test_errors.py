@@ -530,3 +530,26 @@ def test_a_second_thread_is_refused_while_one_is_inside_the_engine(monkeypatch):
         monkeypatch.undo()
         assert len(out) == 1 and math.isfinite(out[0]) and eng.store.step == 1
         assert math.isfinite(eng.train_step(batch(97)))  # (this thread's turn now)
+
+
+def test_packed_rows_under_flash_attention_are_one_a_micro_batch():
+    """transformers' flash attention reads restarting position_ids as sample bounds only in a batch of one
+    row: of two, each sample would attend to those before it in its row. Refused there, with the fix; one
+    row, or rows of one sample each, pass."""
+    from transformers.modeling_flash_attention_utils import _is_packed_sequence
+
+    from slideformer.data.batches import check_step
+
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)
+    assert not _is_packed_sequence(pos, batch_size=2) and _is_packed_sequence(pos[:1], batch_size=1)  # (the rule)
+    rows = {"input_ids": torch.ones(2, 6, dtype=torch.long), "position_ids": pos}
+    with pytest.raises(BatchError, match="2 rows of packed samples under flash attention.*one packed row a"):
+        check_step(rows, 97, None, flash=True)
+    assert check_step(rows, 97, None)[1] == 8  # (sdpa and eager: every row's mask keeps its samples apart)
+    assert check_step({k: v[:1] for k, v in rows.items()}, 97, None, flash=True)[1] == 4
+    assert check_step(dict(rows, position_ids=torch.arange(6)[None]), 97, None, flash=True)[1] == 10
+    with SlideEngine(build("llama"), engine_config(**CPU)) as eng:
+        eng.train_step(rows)
+        eng.adapter.attn_implementation = "flash_attention_2"  # (the CPU runs none: the check comes before it)
+        with pytest.raises(BatchError, match="under flash attention"):
+            eng.train_step(rows)

@@ -65,10 +65,20 @@ def test_yaml_with_overrides(tmp_path):
                                        ("offload.host_grad_buffers=0", "host_grad_buffers must be auto, null or"),
                                        ("attn_implementation=flash", "attn_implementation must be one of sdpa"),
                                        ("warmup_steps=2.5", "warmup_steps must be a number of steps"),
-                                       ("warmup_steps=-1", "warmup_steps must be")])
+                                       ("warmup_steps=-1", "warmup_steps must be"),
+                                       ("adam_epsilon=0", "adam_epsilon must be > 0"),
+                                       ("adam_epsilon=inf", "adam_epsilon must be a finite number")])
 def test_conflicts_name_the_fix(bad, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, [bad])
+
+
+def test_packing_under_flash_attention_is_one_row_a_micro_batch():
+    with pytest.raises(ConfigError, match="flash attention keeps packed samples apart only in a micro-batch of one "
+                                          r"row .*micro_batch_size: 1 \(now 4"):
+        load_config(None, ["packing=true", "attn_implementation=flash_attention_3", "micro_batch_size=4"])
+    load_config(None, ["packing=true", "attn_implementation=flash_attention_3", "micro_batch_size=1"])
+    load_config(None, ["packing=true", "micro_batch_size=4"])
 
 
 @pytest.mark.parametrize("accum,extra", [(1, []), (2, []),
@@ -786,3 +796,56 @@ def test_samples_cut_at_cutoff_len_are_counted_at_the_start(tmp_path, capsys):
     train(cfg(tmp_path / "o", f"dataset=[{data}]", "cutoff_len=64", "max_steps=1"))
     err = capsys.readouterr().err
     assert "2 of 5 sample(s) are longer than cutoff_len 64 and are cut there" in err
+
+
+def test_train_is_adamw_with_transformers_schedule_over_the_batches_it_draws(tmp_path, monkeypatch):
+    """`slideformer train` end to end, fp32 on the CPU: its data order across an epoch's end, accumulation
+    weighted by the step's target tokens, clipping, weight decay where transformers' Trainer puts it, the
+    cosine schedule with warmup_ratio's steps, AdamW's betas and eps, the logged loss. The same micro-batches
+    trained by torch.optim.AdamW under transformers' own schedule give the same weights (within the
+    reference's own noise: the same training in other orders of its sums) and losses."""
+    import shutil
+    from importlib import resources
+
+    from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
+
+    from slideformer.engine import SlideEngine
+    from slideformer.presets import preset_config
+    from test_engine_parity import assert_same, reference_noise, reference_train
+
+    folder = tmp_path / "model"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(preset_config("tiny"), dtype=torch.float32)
+    model.save_pretrained(folder)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(resources.files("slideformer") / "assets" / "tiny" / f, folder / f)
+    drawn, step = [], SlideEngine.train_step
+    monkeypatch.setattr(SlideEngine, "train_step", lambda self, mbs, **kw: drawn.append(
+        [{k: v.clone() for k, v in m.items() if v is not None} for m in mbs]) or step(self, mbs, **kw))
+    alpaca = tmp_path / "alpaca.jsonl"  # (26 samples, 12 a step: 2 steps an epoch, the 2 left over passed over)
+    alpaca.write_text("".join((resources.files("slideformer") / "assets" / "sample" / "alpaca.jsonl")
+                              .read_text().splitlines(keepends=True)[:26]))
+    kw = dict(lr=3e-3, weight_decay=0.1, max_grad_norm=0.5, betas=(0.8, 0.95), eps=1e-4)
+    result = train(cfg(tmp_path / "run", f"model_name_or_path={folder}", f"dataset=[{alpaca}]", "max_steps=5",
+                       "gradient_accumulation_steps=3", "lr_scheduler_type=cosine", "warmup_ratio=0.25",
+                       "seed=5", f"learning_rate={kw['lr']}", f"weight_decay={kw['weight_decay']}",
+                       f"max_grad_norm={kw['max_grad_norm']}", "adam_beta1=0.8", "adam_beta2=0.95",
+                       f"adam_epsilon={kw['eps']}"))
+    assert len(drawn) == 5 and all(len(s) == 3 and len(m["input_ids"]) == 4 for s in drawn for m in s)
+    norms = [h["grad_norm"] for h in result["history"]]
+    assert sum(n > kw["max_grad_norm"] for n in norms) >= 2  # (clipping acted)
+    opt = torch.optim.SGD([torch.zeros(1)], lr=kw["lr"])
+    schedule = get_cosine_schedule_with_warmup(opt, num_warmup_steps=math.ceil(0.25 * 5), num_training_steps=5)
+    lrs = []
+    for _ in range(5):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        schedule.step()
+    assert [h["lr"] for h in result["history"]] == pytest.approx(lrs, rel=1e-12)
+    ref, ref_losses = reference_train(model, drawn, lrs=lrs, **kw)
+    with SlideEngine.from_pretrained(folder, EngineConfig(device="cpu", compute_dtype=torch.float32)) as eng:
+        eng.load_checkpoint(result["checkpoint"])
+        state = {k: v.clone() for k, v in eng.state_dict().items()}
+    # adam_epsilon 1e-4 is no default's: a run that ignored it would land elsewhere (assert_same's bounds)
+    assert_same(state, ref, [h["loss"] for h in result["history"]], ref_losses,
+                reference_noise(model, drawn, lrs=lrs, **kw))

@@ -63,11 +63,13 @@ def as_tensor(value, where: str, key: str) -> torch.Tensor:
     return t
 
 
-def check_step(batch, vocab: int, max_positions: int | None, some_targets: bool = True
+def check_step(batch, vocab: int, max_positions: int | None, some_targets: bool = True, flash: bool = False
                ) -> tuple[list[HostMicroBatch], int]:
     """A step's micro-batches (a dict, or a list of them) checked and shifted, and the number of target
     tokens in the whole step (each micro-batch's loss sum is divided by it). ``some_targets``: refuse a
-    step with none (a data-parallel rank's part may have none: the engine checks the whole step's)."""
+    step with none (a data-parallel rank's part may have none: the engine checks the whole step's).
+    ``flash``: the attention is flash attention's, which reads restarting position_ids as sample bounds only
+    in a batch of one row (transformers' rule; of more rows, each attends across its samples)."""
     items = batch if isinstance(batch, (list, tuple)) else [batch]
     if not items:
         raise BatchError("empty batch: pass a dict with input_ids, or a non-empty list of them")
@@ -131,6 +133,10 @@ def check_step(batch, vocab: int, max_positions: int | None, some_targets: bool 
                 raise BatchError(f"{where}: give either position_ids (packed samples) or attention_mask, not both")
             starts = torch.zeros_like(pos, dtype=torch.bool)
             starts[:, 1:] = pos[:, 1:] == 0
+            if flash and B > 1 and bool(starts.any()):
+                raise BatchError(f"{where}: {B} rows of packed samples under flash attention, which keeps samples "
+                                 "apart only in a batch of one row (of more, each sample would attend to those "
+                                 "before it in its row); pass one packed row a micro-batch, or use sdpa")
             labels = labels.masked_fill(starts, -100)  # no target across a sample boundary
         shifted = torch.full_like(labels, -100)
         shifted[:, :-1] = labels[:, 1:]

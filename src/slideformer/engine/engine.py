@@ -799,7 +799,8 @@ class SlideEngine:
         the step's target tokens (the loss's denominator), over every rank's part of it; and the embedding
         rows its tokens touch."""
         cfgm = self.adapter.config
-        check = partial(check_step, batch, cfgm.vocab_size, getattr(cfgm, "max_position_embeddings", None))
+        check = partial(check_step, batch, cfgm.vocab_size, getattr(cfgm, "max_position_embeddings", None),
+                        flash=self.adapter.attn_implementation.startswith("flash"))
         if self.ranks is None:
             host, denom = check()
         else:  # every rank learns whether any rank's part was refused, and the global batch's target count

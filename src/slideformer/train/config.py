@@ -143,6 +143,7 @@ class TrainConfig:
     skip_nonfinite_steps: bool = False
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8  # AdamW's eps (transformers' name and default)
     num_train_epochs: float = 3.0
     max_steps: int = -1  # > 0 overrides num_train_epochs
     seed: int = 0
@@ -199,6 +200,12 @@ class TrainConfig:
         if self.attn_implementation is not None and self.attn_implementation not in ATTENTION:
             raise ConfigError(f"attn_implementation must be one of {', '.join(ATTENTION)}, or unset (sdpa, or eager "
                               f"where a model needs it), got {self.attn_implementation!r}")
+        if self.packing and (self.attn_implementation or "").startswith("flash") and self.micro_batch_size > 1:
+            raise ConfigError(f"packing with attn_implementation {self.attn_implementation}: flash attention keeps "
+                              "packed samples apart only in a micro-batch of one row (of more, each sample would "
+                              f"attend to those before it in its row); set micro_batch_size: 1 (now "
+                              f"{self.micro_batch_size}; gradient_accumulation_steps makes the batch), or "
+                              "attn_implementation: sdpa")
         if self.lr_scheduler_type not in SCHEDULES:
             raise ConfigError(f"lr_scheduler_type {self.lr_scheduler_type!r}: choose one of {', '.join(SCHEDULES)}")
         for k in ("micro_batch_size", "gradient_accumulation_steps", "cutoff_len", "logging_steps"):
@@ -215,6 +222,9 @@ class TrainConfig:
         for k in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, k) < 1:
                 raise ConfigError(f"{k} must lie in [0, 1), got {getattr(self, k)}")
+        if not self.adam_epsilon > 0:
+            raise ConfigError(f"adam_epsilon must be > 0 (AdamW divides by the moment's root plus it), got "
+                              f"{self.adam_epsilon}")
         if not 0 <= self.seed < 2**63:
             raise ConfigError(f"seed must lie in [0, 2**63), got {self.seed}")
         n = self.nproc_per_node

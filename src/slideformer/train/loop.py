@@ -410,7 +410,8 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     ranks = parallel.init_from_env(device)  # (under torchrun: data parallel, parallel.py)
     o = cfg.offload
-    ecfg = EngineConfig(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay,
+    ecfg = EngineConfig(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
+                        weight_decay=cfg.weight_decay,
                         max_grad_norm=cfg.max_grad_norm, device=device, seed=cfg.seed,
                         compute_dtype=torch.bfloat16 if bf16 else torch.float32,
                         gpu_memory_limit=o.gpu_memory_limit, host_memory_limit=o.host_memory_limit,
@@ -622,6 +623,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     update = {"learning_rate": cfg.learning_rate, "lr_scheduler_type": cfg.lr_scheduler_type,
               "steps": total, "warmup_steps": warmup,  # (the steps warmup_ratio or warmup_steps gives)
               "weight_decay": cfg.weight_decay, "adam_beta1": cfg.adam_beta1, "adam_beta2": cfg.adam_beta2,
+              "adam_epsilon": cfg.adam_epsilon,
               "max_grad_norm": cfg.max_grad_norm,
               "bf16": engine.cfg.compute_dtype == torch.bfloat16, "fp8": cfg.fp8}
     if resume:
