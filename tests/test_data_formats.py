@@ -462,3 +462,34 @@ def test_a_record_in_another_formats_shape_is_told_the_way_to_read_it():
     with pytest.raises(DataError, match=r"holds sharegpt turns \('from', 'value'\): format: sharegpt \(or auto\)"):
         to_messages(sharegpt, "messages", "r")
     assert len(to_messages({"messages": openai["conversations"]}, "messages", "r")) == 2
+
+
+def test_a_text_cut_for_speed_still_gives_the_tokens_cutoff_len_keeps():
+    """render cuts long texts at a bound from the longest vocabulary entry; a tokenizer that drops characters
+    (whitespace split off, as a WordLevel one's pre-tokenizer) gives fewer tokens from it: rendered again from
+    more, the first cutoff_len tokens are the whole text's (not an EOS in mid-document), and whatever reaches
+    past cutoff_len still does (the sample is counted as cut)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<eos>", "<unk>", "hello", "world"]
+    inner = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.Whitespace()
+    wl = PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="<eos>", unk_token="<unk>")
+    text = "hello" + " " * 3000 + " world" * 20
+    whole = render(text, wl, "t")[0]
+    assert len(whole) == 22 and whole[-1] == 0 and whole.count(0) == 1
+    assert render(text, wl, "t", cutoff_len=64)[0] == whole
+    assert render(text + " world" * 60, wl, "t", cutoff_len=64)[0][:64] == whole[:21] + [3] * 43
+
+
+def test_a_conversation_cut_at_a_turn_boundary_reaches_past_cutoff_len(tok):
+    """render stops at cutoff_len; a conversation whose turn ends exactly there renders the next turn too,
+    so the caller sees it is cut (and counts it), not that it ends there."""
+    conv = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "first answer"},
+            {"role": "user", "content": "again"}, {"role": "assistant", "content": "second answer"}]
+    whole, labels = render(conv, tok, "t")
+    turn = len(render(conv[:2], tok, "t")[0])
+    assert turn < len(whole)
+    ids, cut_labels = render(conv, tok, "t", cutoff_len=turn)
+    assert len(ids) > turn and ids == whole[: len(ids)] and cut_labels == labels[: len(ids)]

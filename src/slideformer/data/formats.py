@@ -519,10 +519,29 @@ def render(rec_messages, tokenizer, where: str, cutoff_len: int | None = None,
     With ``cutoff_len`` the work is bounded whatever a record's size: each text is cut to four times the
     characters ``cutoff_len`` tokens can span (``token_chars``, the longest vocabulary entry; a cut that
     far out cannot change the first ``cutoff_len`` tokens), and no message is rendered once the tokens
-    reach ``cutoff_len``. The caller still truncates to ``cutoff_len``."""
+    pass ``cutoff_len``. A tokenizer that drops characters (whitespace split off, a normalizer's) can
+    leave a cut text under ``cutoff_len`` tokens: it is then rendered again from four times more of each
+    text, until the tokens pass ``cutoff_len`` or nothing is cut. The caller still truncates to ``cutoff_len``."""
     limit = None
     if cutoff_len is not None:
         limit = 4 * (cutoff_len + 8) * (token_chars or max_token_chars(tokenizer))
+    while True:
+        ids, labels = _render(rec_messages, tokenizer, where, cutoff_len, limit)
+        if limit is None or len(ids) > cutoff_len or not _cut(rec_messages, limit):
+            return ids, labels
+        limit *= 4
+
+
+def _cut(rec_messages, limit: int) -> bool:
+    """Whether ``_clip`` cuts some text of a record at ``limit`` characters."""
+    texts = [rec_messages] if isinstance(rec_messages, str) else rec_messages if isinstance(rec_messages, tuple) \
+        else [v for m in rec_messages for v in m.values() if isinstance(v, str)]
+    return any(len(t) > limit for t in texts)
+
+
+def _render(rec_messages, tokenizer, where: str, cutoff_len: int | None, limit: int | None
+            ) -> tuple[list[int], list[int]]:
+    """``render`` with each text cut at ``limit`` characters."""
     if isinstance(rec_messages, str):
         # the tokenizer's own special tokens (Llama 3's and Gemma's BOS), as transformers' run_clm and TRL
         # tokenize text; then the end of the document, where they add none
@@ -572,7 +591,7 @@ def render(rec_messages, tokenizer, where: str, cutoff_len: int | None = None,
     # add_generation_prompt adds) is prompt, not target.
     try:
         for k in range(1, len(msgs) + 1):
-            if cutoff_len is not None and len(ids) >= cutoff_len:
+            if cutoff_len is not None and len(ids) > cutoff_len:  # (at it: the sample is cut only if more follows)
                 tok(msgs, False)  # (nothing later reaches the model, but the whole must render these first)
                 break
             if trained[k - 1]:
