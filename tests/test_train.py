@@ -849,3 +849,29 @@ def test_train_is_adamw_with_transformers_schedule_over_the_batches_it_draws(tmp
     # adam_epsilon 1e-4 is no default's: a run that ignored it would land elsewhere (assert_same's bounds)
     assert_same(state, ref, [h["loss"] for h in result["history"]], ref_losses,
                 reference_noise(model, drawn, lrs=lrs, **kw))
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_max_samples_reads_the_first_records_of_each_source(tmp_path, lazy):
+    """LLaMA-Factory's max_samples: the first N records of each dataset and eval_dataset source, read up front
+    or as reached alike, before val_size holds some out; the data a resume compares."""
+    from slideformer.train.loop import build_examples, held_out, load_tokenizer
+
+    for name in ("a", "b", "v"):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": f"{name} {i}"}) + "\n" for i in range(6)))
+    c = cfg(tmp_path / "run", "cutoff_len=64", "max_samples=4", f"dataset=[{tmp_path / 'a.jsonl'}, "
+            f"{tmp_path / 'b.jsonl'}]", f"eval_dataset={tmp_path / 'v.jsonl'}")
+    tok = load_tokenizer(c)
+    examples = build_examples(c, tok, None, lazy=lazy)[0]
+    texts = [tok.decode(examples[i][0][:-1]) for i in range(len(examples))]
+    assert texts == [f"{n} {i}" for n in "ab" for i in range(4)]
+    assert len(held_out(c, tok, None, examples)[1]) == 4
+    assert load_config(None, ["max_samples=10"]).max_samples == 10
+    with pytest.raises(ConfigError, match="max_samples must be >= 1, got 0"):
+        load_config(None, ["max_samples=0"])
+    from slideformer.checkpoint.state import read_meta
+
+    r = train(cfg(tmp_path / "t", "max_samples=3", "max_steps=1", "micro_batch_size=2", "cutoff_len=64",
+                  f"dataset={tmp_path / 'a.jsonl'}"))
+    data = read_meta(r["checkpoint"])["trainer"]["data"]
+    assert data["samples"] == 3 and data["max_samples"] == 3

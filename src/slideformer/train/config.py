@@ -119,6 +119,8 @@ class TrainConfig:
     # default: the bundled sample, one file per format (alpaca, sharegpt, OpenAI messages, plain text)
     dataset: list | str = field(default_factory=lambda: [DatasetSpec(str(_assets() / "sample" / f"{f}.jsonl"))
                                                    for f in ("alpaca", "sharegpt", "messages", "text")])
+    # the first N records of each dataset (and eval_dataset) file or source, as LLaMA-Factory's key (null: all)
+    max_samples: int | None = None
     # held-out data, evaluated every eval_steps (0: at the end only) and at the end: its files (as dataset),
     # or val_size, a fraction of dataset's samples kept out of training (the same ones whatever the seed)
     eval_dataset: list | str | None = None
@@ -208,7 +210,7 @@ class TrainConfig:
                               "attn_implementation: sdpa")
         if self.lr_scheduler_type not in SCHEDULES:
             raise ConfigError(f"lr_scheduler_type {self.lr_scheduler_type!r}: choose one of {', '.join(SCHEDULES)}")
-        for k in ("micro_batch_size", "gradient_accumulation_steps", "cutoff_len", "logging_steps"):
+        for k in ("micro_batch_size", "gradient_accumulation_steps", "cutoff_len", "logging_steps", "max_samples"):
             if getattr(self, k) is not None and getattr(self, k) < 1:
                 raise ConfigError(f"{k} must be >= 1, got {getattr(self, k)}")
         if self.save_steps < 0:
@@ -345,6 +347,9 @@ FOREIGN = {
     "optim": "the optimizer is AdamW; offload.optimizer_state sets its state: " + _REMOVE,
     **dict.fromkeys(("eval_strategy", "evaluation_strategy"), "use eval_steps (0: at the end only)"),
     "save_strategy": "use save_steps (0: at the end only)",
+    "overwrite_cache": "slideformer keeps no tokenized cache (each run tokenizes its data): " + _REMOVE,
+    "save_only_model": "checkpoints keep the training state to resume from; `slideformer export` writes the "
+                       "model alone: " + _REMOVE,
     "logging_dir": "TensorBoard's logs go under output_dir: " + _REMOVE,
     "plot_loss": "output_dir's loss.png is drawn where matplotlib is installed: " + _REMOVE,
     "fp16": "use bf16 (fp16 is not offered)",

@@ -168,13 +168,16 @@ def build_examples(cfg: TrainConfig, tok, vocab: int | None, specs=None, lazy: b
     if key == "dataset" and cfg.eval_dataset:  # (before the training data is tokenized: refused at once)
         _evaluated_apart(cfg)
     make = functools.partial(make_sample, cfg, tok, max_token_chars(tok), vocab, template_report(cfg, tok)[0])
-    def read(reader, spec):  # (eval_dataset's file named as its key's)
+    def read(reader, spec):  # (eval_dataset's file named as its key's; max_samples: the first records)
         try:
-            return reader(spec.path, skip_bad=cfg.skip_bad_records, split=spec.split, subset=spec.subset)
+            records = reader(spec.path, skip_bad=cfg.skip_bad_records, split=spec.split, subset=spec.subset)
         except DataError as e:
             if key == "dataset":
                 raise
             raise DataError(f"{key}: {e}") from None
+        if cfg.max_samples is None or len(records) <= cfg.max_samples:
+            return records
+        return records[: cfg.max_samples] if isinstance(records, list) else Subset(records, range(cfg.max_samples))
 
     if lazy:
         sources = []
@@ -617,6 +620,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     model = _model_id(cfg)  # (recorded: a resume naming another model is refused or said, _train)
     data = {"seed": cfg.seed, "batch": cfg.micro_batch_size * cfg.gradient_accumulation_steps * world,
             "samples": len(examples), "dataset": [_where(d.path) for d in cfg.dataset], "packing": cfg.packing,
+            "max_samples": cfg.max_samples,
             "cutoff_len": cfg.cutoff_len}
     # what decides each step's update (the config's keys, and the steps max_steps or num_train_epochs give): a
     # resume that changes one says so
