@@ -189,3 +189,51 @@ def test_a_tracker_failing_mid_run_is_said_once_and_the_run_goes_on(tmp_path, ca
     assert max(a[-1] for a in calls) == 2  # (written no more)
     assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
     assert (out / "checkpoint-4").is_dir()
+
+
+def test_mlflow_runs_say_how_each_attempt_ended_and_which_run_they_belong_to(tmp_path, monkeypatch):
+    """An interrupted attempt is KILLED (resumable), its resume a run of its own tagged with the same
+    slideformer.run_id, FINISHED at the end; a run that stops on an error is FAILED, not FINISHED."""
+    from mlflow.tracking import MlflowClient
+
+    from slideformer.cli import main
+    from test_train import interrupt_at_step
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out = tmp_path / "run"
+    real = interrupt_at_step(monkeypatch, 2)
+    assert main(["train"] + FAST + [f"output_dir={out}", "report_to=mlflow", "max_steps=4"]) == 130
+    from slideformer.engine import SlideEngine
+
+    monkeypatch.setattr(SlideEngine, "train_step", real)
+    assert main(["train"] + FAST + [f"output_dir={out}", "report_to=mlflow", "max_steps=4"]) == 0
+    bad = tmp_path / "bad"
+    assert main(["train"] + FAST + [f"output_dir={bad}", "report_to=mlflow", "learning_rate=1e6",
+                                    "max_grad_norm=null", "warmup_ratio=0", "max_steps=6"]) == 4
+
+    def runs(folder):
+        client = MlflowClient((folder / "mlruns").resolve().as_uri())
+        found = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        return sorted((r.info.start_time, r.info.status, r.data.tags.get("slideformer.run_id")) for r in found)
+
+    (_, first, a), (_, second, b) = runs(out)
+    assert (first, second) == ("KILLED", "FINISHED") and a == b and a
+    assert [r[1] for r in runs(bad)] == ["FAILED"]
+
+
+def test_a_tensorboard_folder_it_may_not_write_in_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """A read-only tensorboard/ (a mount, another user's): one line naming it, before any model is loaded."""
+    import os
+
+    from slideformer.cli import main
+    from slideformer.engine import SlideEngine
+
+    out = tmp_path / "o"
+    (out / "tensorboard").mkdir(parents=True)
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **k: os.path.basename(p) != "tensorboard" and
+                        access(p, mode, **k))
+    monkeypatch.setattr(SlideEngine, "from_config", lambda *a, **k: pytest.fail("the model loaded"))
+    assert main(["train"] + FAST + [f"output_dir={out}", "report_to=tensorboard", "overwrite_output_dir=true"]) == 5
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cannot write TensorBoard's events in {out / 'tensorboard'}: not writable" in err

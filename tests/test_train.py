@@ -875,3 +875,37 @@ def test_max_samples_reads_the_first_records_of_each_source(tmp_path, lazy):
                   f"dataset={tmp_path / 'a.jsonl'}"))
     data = read_meta(r["checkpoint"])["trainer"]["data"]
     assert data["samples"] == 3 and data["max_samples"] == 3
+
+
+def test_an_evaluation_logged_as_not_finite_is_not_run_again_on_resume(tmp_path):
+    """A held-out loss that is not finite is logged (as null) like any other: the same command again, which
+    resumes the finished run's checkpoint, finds it logged and does not evaluate that step a second time."""
+    from slideformer.train.loop import loss_curves
+
+    opts = ("max_steps=1", "val_size=0.1", "eval_steps=1", "learning_rate=1e10", "lr_scheduler_type=constant",
+            "max_grad_norm=null")
+    for _ in range(2):
+        train(cfg(tmp_path, *opts))
+    evals = loss_curves(tmp_path / "metrics.jsonl")[1]
+    assert [(e["step"], e["eval_loss"]) for e in evals] == [(1, None)]
+
+
+def test_a_new_run_over_an_earlier_ones_folder_does_not_keep_its_loss_plot(tmp_path, monkeypatch):
+    """overwrite_output_dir: the earlier run's metrics, events and loss.png go as the new run begins (a new run
+    stopped before it logs a step must not leave another run's curve as its own)."""
+    pytest.importorskip("matplotlib")
+    train(cfg(tmp_path, "max_steps=2", "report_to=none"))
+    assert (tmp_path / "loss.png").is_file()
+    interrupt_at_step(monkeypatch, 1)
+    r = train(cfg(tmp_path, "max_steps=50", "logging_steps=100", "overwrite_output_dir=true",
+                  "resume_from_checkpoint=null", "report_to=none"))
+    assert r["status"] == "interrupted" and not r["history"]
+    assert not (tmp_path / "loss.png").exists() and not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_the_logged_epoch_counts_the_epochs_records_drawn(tmp_path):
+    """As transformers logs it: the epochs done and the fraction of this one's records drawn."""
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(10)))
+    r = train(cfg(tmp_path / "o", f"dataset=[{data}]", "micro_batch_size=2", "max_steps=7", "cutoff_len=32"))
+    assert [h["epoch"] for h in r["history"]] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4])

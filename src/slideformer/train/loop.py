@@ -34,7 +34,7 @@ from ..signals import Signals, past_hangup, undoable
 from ..checkpoint.export import NonFiniteStateError
 from ..checkpoint.state import CheckpointWriteError, CorruptCheckpointError, read_meta
 from .config import OffloadConfig, TrainConfig, _assets
-from .outdir import CKPT_PREFIX, METRICS, OutputDir, OutputDirError
+from .outdir import CKPT_PREFIX, METRICS, PLOT, OutputDir, OutputDirError
 from ..watchdog import GUARD_FRACTION, SAVE_LIMIT_S, MemoryGuard, Watchdog
 from ..plan import DoesNotFit
 from .trackers import Trackers, preflight, run_meta
@@ -807,7 +807,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                        "tokens_per_s": tokens_since / (now - t_last),
                        "tflops": 6 * params * tokens_since / (now - t_last) / 1e12,
                        "host_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-                       "epoch": epoch}
+                       "epoch": epoch + offset / max(len(order), 1)}  # (with the epoch's records drawn, as HF)
                 if device == "cuda":
                     rec["gpu_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
                 if dropped_steps:
@@ -856,9 +856,9 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
         dog.close()
         guard.close()
         progress(None, None)
-        tracking.close()
+        tracking.close("failed" if sys.exc_info()[0] is not None else status)  # (an error on its way out: failed)
         if (history or evals) and lead:
-            _plot_loss(out.path / METRICS, out.path / "loss.png")
+            _plot_loss(out.path / METRICS, out.path / PLOT)
     return {"status": status, "signal": signum, "steps": step, "history": history, "evals": evals,
             "lead": lead,
             # (a branch, resumed from another folder's checkpoint, that has saved none of its own: that one)
@@ -1069,8 +1069,8 @@ def loss_curves(metrics: Path) -> tuple[list[dict], list[dict]]:
         except ValueError:
             continue
         if isinstance(rec, dict) and isinstance(rec.get("step"), int):
-            if isinstance(rec.get("eval_loss"), (int, float)):
-                evals.append(rec)
+            if "eval_loss" in rec and (rec["eval_loss"] is None or isinstance(rec["eval_loss"], (int, float))):
+                evals.append(rec)  # (null: a loss that was not finite, logged)
             elif isinstance(rec.get("loss"), (int, float)):
                 history.append(rec)
     return history, evals
@@ -1104,7 +1104,7 @@ def _draw_loss(metrics: Path, path: Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot([h["step"] for h in history], [h["loss"] for h in history], label="train")
-    if evals:
+    if evals := [e for e in evals if e["eval_loss"] is not None]:
         ax.plot([e["step"] for e in evals], [e["eval_loss"] for e in evals], "o-", label="held out")
         ax.legend()
     ax.set_xlabel("step")

@@ -37,6 +37,7 @@ RUN_FILE = "slideformer-run.json"
 LOCK_FILE = "slideformer-run.lock"
 CKPT_PREFIX = "checkpoint-"
 METRICS = "metrics.jsonl"
+PLOT = "loss.png"  # metrics.jsonl's curves, drawn as the run ends
 TENSORBOARD = "tensorboard"
 MLRUNS = "mlruns"  # mlflow's file store, where no MLFLOW_TRACKING_URI is set
 TRACKER_DIRS = (TENSORBOARD, "wandb", MLRUNS)  # what the trackers make in the folder (wandb names its own)
@@ -196,6 +197,7 @@ class OutputDir:
                 for f in (f for f in self.events if f.name.endswith(theirs)):  # (a file of the user's stays)
                     self._replace(f, lambda p: p.unlink(missing_ok=True))
                 self._replace(out / METRICS, lambda p: p.unlink(missing_ok=True))
+                self._replace(out / PLOT, lambda p: p.unlink(missing_ok=True))  # (its curve, not this run's)
             except OSError:  # (the earlier run's mark back: its checkpoints stay its own, resumable)
                 with contextlib.suppress(OSError):
                     _write_atomic(out / RUN_FILE, earlier.decode())

@@ -55,7 +55,7 @@ def client(name: str):
 
 def preflight(names: list[str], out: Path) -> None:
     """What opening the trackers would refuse, found before the model loads: a client that cannot be
-    imported, TensorBoard's folder a file."""
+    imported, TensorBoard's folder a file or one this process cannot write in."""
     from .outdir import TENSORBOARD
 
     for name in names:
@@ -64,12 +64,17 @@ def preflight(names: list[str], out: Path) -> None:
     if "tensorboard" in names and tb.exists() and not tb.is_dir():
         raise OSError(20, f"cannot write TensorBoard's events in {tb}: it is a file; move it away, or leave "
                           "tensorboard out of report_to")
+    if "tensorboard" in names and tb.is_dir() and not os.access(tb, os.W_OK | os.X_OK):  # (read-only too)
+        raise OSError(13, f"cannot write TensorBoard's events in {tb}: not writable; make it writable, or leave "
+                          "tensorboard out of report_to")
 
 
 class Trackers:
     def __init__(self, names: list[str], out: Path, start: int, meta: dict, purge: bool = True, run_id: str = ""):
         """Open each tracker and log ``meta`` (config, model, versions, machine) once. A resumed run is a W&B
-        run of its own: W&B ignores steps below one it has logged, which a resumed run logs again. ``purge``:
+        and an MLflow run of its own (W&B ignores steps below one it has logged, which a resumed run logs
+        again), grouped (W&B) or tagged (MLflow, slideformer.run_id) by ``run_id`` with the attempts before
+        it. ``purge``:
         TensorBoard drops the folder's events past ``start`` from its view (False for a new run that has not
         yet written over an earlier run's folder: that run's events stay until it does, and go then). ``run_id``
         names TensorBoard's files (``events_suffix``: which files a later run may remove)."""
@@ -89,7 +94,7 @@ class Trackers:
             wandb = client("wandb")
             try:
                 self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "slideformer"), name=out.name,
-                                         dir=str(out), config=meta)
+                                         dir=str(out), config=meta, group=run_id or None)
             except Exception as e:  # (no login, no network: wandb's own errors, before any step)
                 self.close()
                 raise ConfigError(f"report_to: wandb could not start its run ({type(e).__name__}: "
@@ -97,14 +102,16 @@ class Trackers:
                                   "WANDB_API_KEY), set WANDB_MODE=offline, or leave wandb out of report_to") from None
         if "mlflow" in names:
             mlflow = client("mlflow")
-            # (set each run: mlflow keeps a URI set in the process, an earlier run's folder, over the variable)
+            # (set each run: mlflow keeps a URI set in the process, an earlier run's folder, over the variable;
+            # a file store, a user's or ours, is allowed: mlflow-skinny has no database one)
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             if uri := os.environ.get("MLFLOW_TRACKING_URI"):
                 mlflow.set_tracking_uri(uri)
-            else:  # (a file store: mlflow-skinny has no database one)
-                os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            else:  # (mlflow also sets the variable: unset again, the next run in this process has its own folder)
                 mlflow.set_tracking_uri((out / MLRUNS).resolve().as_uri())
+                os.environ.pop("MLFLOW_TRACKING_URI", None)
             try:
-                mlflow.start_run(run_name=out.name)
+                mlflow.start_run(run_name=out.name, tags={"slideformer.run_id": run_id} if run_id else None)
                 mlflow.log_params({k: str(v)[:500] for k, v in _flat(meta).items()})
             except Exception as e:  # (an unreachable or refusing server: mlflow's own errors, before any step)
                 if mlflow.active_run() is not None:
@@ -156,16 +163,18 @@ class Trackers:
             raise OSError(e.errno, f"cannot write TensorBoard's events in {self._tb_dir}: {e.strerror or e}; free "
                                    "space there, make it writable, or leave tensorboard out of report_to") from e
 
-    def close(self) -> None:
+    def close(self, outcome: str = "finished") -> None:
+        """Each tracker closed; W&B and MLflow mark the run by ``outcome``: finished, interrupted (resumable:
+        MLflow's KILLED) or failed (W&B: a non-zero exit code either way)."""
         if self._tb is not None:
             with self._dropping("tensorboard", "as the run closed it"), self._writing():
                 self._tb.close()
         if self._wandb is not None:
             with self._dropping("wandb", "as the run closed it"):
-                self._wandb.finish()
+                self._wandb.finish(exit_code=0 if outcome == "finished" else 1)
         if self._mlflow is not None:
             with self._dropping("mlflow", "as the run closed it"):
-                self._mlflow.end_run()
+                self._mlflow.end_run({"finished": "FINISHED", "interrupted": "KILLED"}.get(outcome, "FAILED"))
 
 
 def _flat(meta: dict, prefix: str = "") -> dict:
