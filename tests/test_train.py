@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import re
 import signal
 
 import pytest
@@ -909,3 +910,66 @@ def test_the_logged_epoch_counts_the_epochs_records_drawn(tmp_path):
     data.write_text("".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(10)))
     r = train(cfg(tmp_path / "o", f"dataset=[{data}]", "micro_batch_size=2", "max_steps=7", "cutoff_len=32"))
     assert [h["epoch"] for h in r["history"]] == pytest.approx([0.2, 0.4, 0.6, 0.8, 1.0, 1.2, 1.4])
+
+
+def test_a_run_resumed_at_its_new_end_evaluates_there(tmp_path, monkeypatch):
+    """Held-out data is evaluated at the end: a run stopped at step 3 and resumed with max_steps 3 ends there
+    without a step to train, and evaluates that step (once: the same command again does not)."""
+    from slideformer.train.loop import loss_curves
+
+    interrupt_at_step(monkeypatch, 3)
+    opts = ("val_size=0.1", "eval_steps=5", "save_steps=0")
+    assert train(cfg(tmp_path, "max_steps=10", *opts))["status"] == "interrupted"
+    assert loss_curves(tmp_path / "metrics.jsonl")[1] == []
+    for _ in range(2):
+        train(cfg(tmp_path, "max_steps=3", *opts))
+    assert [e["step"] for e in loss_curves(tmp_path / "metrics.jsonl")[1]] == [3]
+
+
+def test_a_signal_during_an_evaluation_stops_at_its_step(tmp_path, monkeypatch):
+    """SIGTERM while the held-out data is evaluated: the run saves that step and stops, without training
+    another (a preemption's grace is short); the resumed run does not evaluate it again."""
+    from slideformer.engine import SlideEngine
+    from slideformer.train.loop import loss_curves
+
+    real = SlideEngine.evaluate
+
+    def evaluate_then_signal(self, batch):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, batch)
+
+    monkeypatch.setattr(SlideEngine, "evaluate", evaluate_then_signal)
+    opts = ("val_size=0.1", "eval_steps=2", "save_steps=0", "max_steps=4")
+    r = train(cfg(tmp_path, *opts))
+    assert r["status"] == "interrupted" and r["steps"] == 2
+    assert [p.name for p in tmp_path.glob("checkpoint-*")] == ["checkpoint-2"]
+    monkeypatch.setattr(SlideEngine, "evaluate", real)
+    assert train(cfg(tmp_path, *opts))["status"] == "finished"
+    assert [e["step"] for e in loss_curves(tmp_path / "metrics.jsonl")[1]] == [2, 4]
+
+
+def test_the_plan_holds_the_longest_held_out_sample(monkeypatch):
+    """The GPU plan is made for rows as long as the longest training or held-out sample: evaluation runs its
+    micro-batches in the same window."""
+    from slideformer import plan
+    from slideformer.machine import Machine
+    from slideformer.presets import preset_config
+    from slideformer.train.loop import resolve_engine
+
+    seen = []
+    real = plan.resolve
+    monkeypatch.setattr(plan, "resolve", lambda *a, **k: seen.append(a[4]) or real(*a, **k))
+    c = load_config(None, FAST + ["cutoff_len=256"])
+    eng = EngineConfig(device="cuda", compute_dtype=torch.bfloat16, gpu_memory_limit="1GiB")
+    for held in ((), [([1] * 200, [1] * 200), None]):
+        resolve_engine(c, preset_config("tiny"), eng, [([1] * 64, [1] * 64)], Machine(ram=1 << 40, gpu=None), held)
+    assert seen == [64, 200]
+
+
+def test_val_size_says_how_many_held_out_records_are_samples(tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    rows = [{"instruction": "q" * (400 if i % 2 else 1), "output": "a"} for i in range(20)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train(cfg(tmp_path / "o", f"dataset=[{data}]", "cutoff_len=64", "val_size=0.2", "max_steps=1"))
+    err = capsys.readouterr().err
+    assert re.search(r"val_size holds out 4 records, of which \d are samples", err), err

@@ -122,7 +122,7 @@ class TrainConfig:
     # the first N records of each dataset (and eval_dataset) file or source, as LLaMA-Factory's key (null: all)
     max_samples: int | None = None
     # held-out data, evaluated every eval_steps (0: at the end only) and at the end: its files (as dataset),
-    # or val_size, a fraction of dataset's samples kept out of training (the same ones whatever the seed)
+    # or val_size, a fraction of dataset's records kept out of training (the same ones whatever the seed)
     eval_dataset: list | str | None = None
     val_size: float = 0.0
     eval_steps: int = 0
@@ -186,7 +186,7 @@ class TrainConfig:
         if self.eval_dataset is not None:
             self.eval_dataset = _specs(self.eval_dataset, "eval_dataset") or None
         if not 0 <= self.val_size < 1:
-            raise ConfigError(f"val_size must lie in [0, 1) (a fraction of dataset's samples), got {self.val_size}")
+            raise ConfigError(f"val_size must lie in [0, 1) (a fraction of dataset's records), got {self.val_size}")
         if self.val_size and self.eval_dataset:
             raise ConfigError("eval_dataset and val_size both name held-out data: set one of them")
         from .trackers import parse

@@ -306,16 +306,17 @@ def held_out(cfg: TrainConfig, tok, vocab: int | None, examples, in_ram=lambda s
     return part(np.sort(pick[k:])), part(np.sort(pick[:k])), (0, 0)
 
 
-def resolve_engine(cfg: TrainConfig, hf_config, ecfg: EngineConfig, examples, machine) -> EngineConfig:
+def resolve_engine(cfg: TrainConfig, hf_config, ecfg: EngineConfig, examples, machine, held=()) -> EngineConfig:
     """``ecfg`` with the config's "auto" settings decided by the planner (plan.resolve) for this step's
-    shape on ``machine``; refused before anything is allocated where it does not fit."""
+    shape on ``machine`` (its rows as long as the longest training or ``held``-out sample: an evaluation's
+    micro-batch runs in the same window); refused before anything is allocated where it does not fit."""
     from ..model import ModelAdapter
     from ..plan import Auto, ModelShape, resolve
 
     shape = ModelShape.from_adapter(ModelAdapter(hf_config, ecfg.compute_dtype, ecfg.attn_implementation))
     # packed rows are full; samples read as the steps reach them may be as long as cutoff_len
-    seq = cfg.cutoff_len if cfg.packing or not isinstance(examples, list) else \
-        min(cfg.cutoff_len, max(len(e[0]) for e in examples if e is not None))
+    seq = cfg.cutoff_len if cfg.packing or not all(isinstance(x, (list, tuple)) for x in (examples, held)) else \
+        min(cfg.cutoff_len, max(len(e[0]) for x in (examples, held) for e in x if e is not None))
     auto, _ = Auto.of(_asked(cfg.offload))
     plan = resolve(ecfg, auto, shape, cfg.micro_batch_size * cfg.gradient_accumulation_steps, seq, machine,
                    micro_batch=cfg.micro_batch_size, prefix="offload.")
@@ -460,7 +461,7 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
         if o.offload_dir:  # (the tier is planned within the disk's free space, once what ended runs left is gone)
             free = functools.partial(_tier_disk, o.offload_dir)  # (rank 0's: one plan for every rank)
             machine = dataclasses.replace(machine, disk=free() if ranks is None else parallel.from_leader(free))
-        ecfg = resolve_engine(cfg, hf_config, ecfg, examples, machine)
+        ecfg = resolve_engine(cfg, hf_config, ecfg, examples, machine, held)
         try:  # (the engine's own refusals, before it allocates, in the config's key names)
             if cfg.model_name_or_path == "tiny":
                 engine = SlideEngine.from_config(hf_config, ecfg)
@@ -556,6 +557,10 @@ def _training_data(cfg: TrainConfig, tok, hf_config, ecfg: EngineConfig, ranks):
     if cfg.val_size and len(held) > 1.5 * cfg.val_size * records and (ranks is None or ranks.leader):
         print(f"slideformer: val_size {cfg.val_size} of {records} records holds out {len(held)} "
               f"({len(held) / records:.1%} of them: at least one)", file=sys.stderr)
+    if cfg.val_size and isinstance(held, list) and None in held and (ranks is None or ranks.leader):
+        print(f"slideformer: val_size holds out {len(held)} records, of which {len(held) - held.count(None)} are "
+              "samples (the others are malformed or have no target token within cutoff_len): the evaluation is "
+              "of those", file=sys.stderr)
     if cfg.eval_dataset:
         if isinstance(held, LazyExamples):
             # (every evaluation reads it whole: its records are checked once now, not first after training)
@@ -633,11 +638,11 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     if resume:
         state = engine.load_checkpoint(resume)
         start, epoch, offset = state["step"], state["epoch"], state["offset"]
-        # (the run saved at an evaluation's step before it: pending unless its record made it to metrics.jsonl,
-        # where a kill or a failure during the evaluation would have kept it from)
+        # (the run saved at an evaluation's step before it, or this run ends there (a lower max_steps): pending
+        # unless its record made it to metrics.jsonl, where a kill or a failure during it would have kept it from)
         done = lambda: out.begun and any(  # noqa: E731  (the folder's metrics: this run's)
             e["step"] == start for e in loss_curves(out.path / METRICS)[1])
-        eval_pending = bool(state.get("eval_pending")) and \
+        eval_pending = (bool(state.get("eval_pending")) or start >= total) and \
             not (done() if ranks is None else parallel.from_leader(done))
         say(f"slideformer: resumed from {resume} at step {start}", flush=True)
 
@@ -826,7 +831,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
                      "run_id": out.run_id, "data": data, "update": update, "model": model,
                      "eval_pending": due, "logged": {"loss_sum": loss_sum, "targets": targets_since}}
-            if (cfg.save_steps and step % cfg.save_steps == 0) or step == total or stop:
+            saving = bool(cfg.save_steps and step % cfg.save_steps == 0) or step == total or stop
+            if saving:
                 with dog.allowing(SAVE_LIMIT_S):
                     last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
                                        cfg.model_name_or_path)
@@ -837,6 +843,15 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                 began = time.perf_counter()
                 evaluate(step)
                 t_last += time.perf_counter() - began  # (the interval's throughput is of its steps alone)
+                signum, _ = why_stop(signals.requested, False)  # (a signal during it: stop here, not a step on)
+                if signum and step < total:
+                    if not saving:
+                        with dog.allowing(SAVE_LIMIT_S):
+                            last_saved = _save(engine, tok, out, step, {**state, "eval_pending": False},
+                                               cfg.save_total_limit, last_saved, cfg.model_name_or_path)
+                        newest[0] = last_saved
+                    status = "interrupted"
+                    break
             if memory_somewhere and not memory:
                 raise HostMemoryExceeded(f"host memory: another rank neared its share of the host budget at step {step}; "
                                          f"all stopped with {last_saved} saved (that rank's line names the fix)")
