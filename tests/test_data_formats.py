@@ -466,21 +466,30 @@ def test_a_record_in_another_formats_shape_is_told_the_way_to_read_it():
 
 def test_a_text_cut_for_speed_still_gives_the_tokens_cutoff_len_keeps():
     """render cuts long texts at a bound from the longest vocabulary entry; a tokenizer that drops characters
-    (whitespace split off, as a WordLevel one's pre-tokenizer) gives fewer tokens from it: rendered again from
-    more, the first cutoff_len tokens are the whole text's (not an EOS in mid-document), and whatever reaches
-    past cutoff_len still does (the sample is counted as cut)."""
+    (whitespace split off, as a WordLevel one's pre-tokenizer) gives fewer tokens from the cut: each text is
+    then cut further out, so the first cutoff_len tokens are the whole record's, in a text (not an EOS or a
+    word's fragment where the cut fell), a prompt and its completion, or a conversation's turns."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
+    from slideformer.data.formats import max_token_chars
 
     words = ["<eos>", "<unk>", "hello", "world"]
     inner = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     inner.pre_tokenizer = pre_tokenizers.Whitespace()
     wl = PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="<eos>", unk_token="<unk>")
-    text = "hello" + " " * 3000 + " world" * 20
-    whole = render(text, wl, "t")[0]
-    assert len(whole) == 22 and whole[-1] == 0 and whole.count(0) == 1
-    assert render(text, wl, "t", cutoff_len=64)[0] == whole
-    assert render(text + " world" * 60, wl, "t", cutoff_len=64)[0][:64] == whole[:21] + [3] * 43
+    wl.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    limit = 4 * (64 + 8) * max_token_chars(wl)  # (render's bound at cutoff_len 64)
+    spaced = "hello" + " " * 3000 + " world" * 20
+    assert len(render(spaced, wl, "t")[0]) == 22
+    cases = [spaced, spaced + " world" * 60,
+             "hello" + " " * (limit - 381) + " world" * 100,  # (the bound falls inside the 63rd token)
+             (spaced, " hello" * 100),
+             [{"role": "user", "content": spaced}, {"role": "assistant", "content": " hello" * 100}]]
+    for rec in cases:
+        whole, labels = render(rec, wl, "t")
+        cut, cut_labels = render(rec, wl, "t", cutoff_len=64)
+        assert cut[:64] == whole[:64] and cut_labels[:64] == labels[:64] and (len(cut) > 64) == (len(whole) > 64)
 
 
 def test_a_conversation_cut_at_a_turn_boundary_reaches_past_cutoff_len(tok):

@@ -198,7 +198,7 @@ def test_an_epoch_is_the_samples_and_held_out_data_without_one_is_said(tmp_path,
     d.write_text("\n".join(good + bad) + "\n")
     r = train(cfg(tmp_path / "o", f"dataset=[{d}]", "cutoff_len=32", "micro_batch_size=2", "num_train_epochs=1",
                   "max_steps=-1"))
-    assert r["steps"] == 4 and {h["epoch"] for h in r["history"]} == {0}
+    assert r["steps"] == 4 and all(0 < h["epoch"] <= 1 for h in r["history"])
     import torch
 
     from slideformer.train.loop import VAL_SPLIT_SEED

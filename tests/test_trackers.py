@@ -206,7 +206,10 @@ def test_mlflow_runs_say_how_each_attempt_ended_and_which_run_they_belong_to(tmp
     from slideformer.engine import SlideEngine
 
     monkeypatch.setattr(SlideEngine, "train_step", real)
-    assert main(["train"] + FAST + [f"output_dir={out}", "report_to=mlflow", "max_steps=4"]) == 0
+    try:  # (a caller's own exception being handled is not the run's: it finishes)
+        raise RuntimeError("the caller's")
+    except RuntimeError:
+        assert main(["train"] + FAST + [f"output_dir={out}", "report_to=mlflow", "max_steps=4"]) == 0
     bad = tmp_path / "bad"
     assert main(["train"] + FAST + [f"output_dir={bad}", "report_to=mlflow", "learning_rate=1e6",
                                     "max_grad_norm=null", "warmup_ratio=0", "max_steps=6"]) == 4

@@ -369,8 +369,9 @@ def test_num_train_epochs_is_that_many_passes_over_the_samples(tmp_path, packed,
             f"packing={str(packed).lower()}"]
     one = train(cfg(tmp_path / "one", *opts, "num_train_epochs=1"))
     two = train(cfg(tmp_path / "two", *opts, "num_train_epochs=2"))
-    assert {h["epoch"] for h in one["history"]} == {0} and one["history"][-1]["step"] == one["steps"]
-    assert {h["epoch"] for h in two["history"]} == {0, 1}
+    drawn_from = lambda run: {math.ceil(h["epoch"]) - 1 for h in run["history"]}  # noqa: E731  (1.0: epoch 0's end)
+    assert drawn_from(one) == {0} and one["history"][-1]["step"] == one["steps"]
+    assert drawn_from(two) == {0, 1}
     assert 2 * one["steps"] - 1 <= two["steps"] <= 2 * one["steps"] + 1  # (another order packs a row more or less)
     micro_batches = 112 // 2  # (the bundled data's 112 samples, two a micro-batch)
     if packed:  # (several samples a row)
@@ -946,6 +947,14 @@ def test_a_signal_during_an_evaluation_stops_at_its_step(tmp_path, monkeypatch):
     monkeypatch.setattr(SlideEngine, "evaluate", real)
     assert train(cfg(tmp_path, *opts))["status"] == "finished"
     assert [e["step"] for e in loss_curves(tmp_path / "metrics.jsonl")[1]] == [2, 4]
+    # an evaluation put off to the resumed run (a signal at its step): one during it stops there too
+    b = tmp_path / "b"
+    interrupt_at_step(monkeypatch, 2)
+    assert train(cfg(b, *opts))["steps"] == 2 and loss_curves(b / "metrics.jsonl")[1] == []
+    monkeypatch.setattr(SlideEngine, "evaluate", evaluate_then_signal)
+    r = train(cfg(b, *opts))
+    assert r["status"] == "interrupted" and r["steps"] == 2 and not r["history"]
+    assert [e["step"] for e in loss_curves(b / "metrics.jsonl")[1]] == [2]
 
 
 def test_the_plan_holds_the_longest_held_out_sample(monkeypatch):
@@ -973,3 +982,23 @@ def test_val_size_says_how_many_held_out_records_are_samples(tmp_path, capsys):
     train(cfg(tmp_path / "o", f"dataset=[{data}]", "cutoff_len=64", "val_size=0.2", "max_steps=1"))
     err = capsys.readouterr().err
     assert re.search(r"val_size holds out 4 records, of which \d are samples", err), err
+
+
+def test_a_last_held_out_batch_short_of_the_ranks_is_evaluated_in_micro_batches():
+    """Under several ranks, a last held-out batch with fewer rows than ranks goes whole to every rank: in
+    micro_batch_size rows at a time (what the plan holds), its tokens counted once."""
+    from types import SimpleNamespace
+
+    from slideformer.train.loop import _evaluate
+
+    seen = []
+
+    def evaluate(mb):
+        seen.append(len(mb["input_ids"]))
+        n = int(mb["attention_mask"].sum()) - len(mb["input_ids"])  # (targets: each row's tokens but its first)
+        return SimpleNamespace(loss=2.0, router_loss=0.0, tokens=n * 4)  # (summed over the 4 ranks)
+
+    engine = SimpleNamespace(ranks=SimpleNamespace(world=4), evaluate=evaluate)
+    held = [([1] * 5, [1] * 5)] * 3
+    r = _evaluate(engine, held, batch=1, pad_id=0, step=7)
+    assert seen == [1, 1, 1] and r["eval_tokens"] == 12 and r["eval_loss"] == 2.0

@@ -508,8 +508,15 @@ def max_token_chars(tokenizer) -> int:
     return max(8, max((len(t) for t in tokenizer.get_vocab()), default=8))
 
 
-def _clip(text: str, limit: int | None) -> str:
-    return text if limit is None or len(text) <= limit else text[:limit]
+def _clip(text: str, limit: int | None, tokenizer=None, cutoff_len: int | None = None) -> str:
+    """``text`` cut at ``limit`` characters, or at four times as many until the cut alone gives more than
+    ``cutoff_len`` tokens (a tokenizer that drops characters, whitespace split off or a normalizer's, gives
+    fewer than the bound counts on): what is cut then lies past the tokens a sample keeps."""
+    while limit is not None and len(text) > limit:
+        if len(tokenizer(text[:limit], add_special_tokens=False)["input_ids"]) > cutoff_len + 8:
+            return text[:limit]
+        limit *= 4
+    return text
 
 
 def render(rec_messages, tokenizer, where: str, cutoff_len: int | None = None,
@@ -518,34 +525,16 @@ def render(rec_messages, tokenizer, where: str, cutoff_len: int | None = None,
 
     With ``cutoff_len`` the work is bounded whatever a record's size: each text is cut to four times the
     characters ``cutoff_len`` tokens can span (``token_chars``, the longest vocabulary entry; a cut that
-    far out cannot change the first ``cutoff_len`` tokens), and no message is rendered once the tokens
-    pass ``cutoff_len``. A tokenizer that drops characters (whitespace split off, a normalizer's) can
-    leave a cut text under ``cutoff_len`` tokens: it is then rendered again from four times more of each
-    text, until the tokens pass ``cutoff_len`` or nothing is cut. The caller still truncates to ``cutoff_len``."""
+    far out cannot change the first ``cutoff_len`` tokens; ``_clip`` checks it), and no message is rendered
+    once the tokens pass ``cutoff_len``. The caller still truncates to ``cutoff_len``."""
     limit = None
     if cutoff_len is not None:
         limit = 4 * (cutoff_len + 8) * (token_chars or max_token_chars(tokenizer))
-    while True:
-        ids, labels = _render(rec_messages, tokenizer, where, cutoff_len, limit)
-        if limit is None or len(ids) > cutoff_len or not _cut(rec_messages, limit):
-            return ids, labels
-        limit *= 4
-
-
-def _cut(rec_messages, limit: int) -> bool:
-    """Whether ``_clip`` cuts some text of a record at ``limit`` characters."""
-    texts = [rec_messages] if isinstance(rec_messages, str) else rec_messages if isinstance(rec_messages, tuple) \
-        else [v for m in rec_messages for v in m.values() if isinstance(v, str)]
-    return any(len(t) > limit for t in texts)
-
-
-def _render(rec_messages, tokenizer, where: str, cutoff_len: int | None, limit: int | None
-            ) -> tuple[list[int], list[int]]:
-    """``render`` with each text cut at ``limit`` characters."""
+    clip = functools.partial(_clip, limit=limit, tokenizer=tokenizer, cutoff_len=cutoff_len)
     if isinstance(rec_messages, str):
         # the tokenizer's own special tokens (Llama 3's and Gemma's BOS), as transformers' run_clm and TRL
         # tokenize text; then the end of the document, where they add none
-        ids = list(tokenizer(_clip(rec_messages, limit))["input_ids"])
+        ids = list(tokenizer(clip(rec_messages))["input_ids"])
         if not ids or ids[-1] != tokenizer.eos_token_id:
             ids.append(tokenizer.eos_token_id)
         return ids, list(ids)
@@ -553,7 +542,7 @@ def _render(rec_messages, tokenizer, where: str, cutoff_len: int | None, limit: 
         # as TRL: prompt and prompt + completion tokenized alike, the tokens past the prompt's trained, then EOS
         # (the prompt's own tokens end where they first differ: a prompt's last token may merge with the
         # completion's first, as "Answer: " + "blue")
-        prompt, completion = (_clip(t, limit) for t in rec_messages)
+        prompt, completion = (clip(t) for t in rec_messages)
         alone = tokenizer(prompt)["input_ids"]
         ids = list(tokenizer(prompt + completion)["input_ids"])
         if not ids or ids[-1] != tokenizer.eos_token_id:
@@ -562,7 +551,7 @@ def _render(rec_messages, tokenizer, where: str, cutoff_len: int | None, limit: 
         start = min(start, len(ids) - 1)
         return ids, [-100] * start + ids[start:]
     trained = [m["role"] == "assistant" and not m.get("prompt") for m in rec_messages]
-    msgs = [{k: _clip(v, limit) if isinstance(v, str) else v for k, v in m.items() if k != "prompt"}
+    msgs = [{k: clip(v) if isinstance(v, str) else v for k, v in m.items() if k != "prompt"}
             for m in rec_messages]
     if not any(trained):
         raise DataError(f"{where}: the conversation has no assistant turn to train on (each is in the prompt, or of "

@@ -726,7 +726,10 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
         if eval_pending and held:
             evaluate(step)
             t_last = time.perf_counter()  # (the next logged interval's throughput is of steps alone)
-        while step < total:
+            signum, _ = why_stop(signals.requested, False)  # (a signal during it: the checkpoint is this step)
+            if signum and step < total:
+                status = "interrupted"
+        while step < total and status != "interrupted":
             mbs, step_tokens = [], 0
             for _ in range(cfg.gradient_accumulation_steps):
                 rows = cfg.micro_batch_size * world
@@ -865,13 +868,16 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             if stop:  # (a signal here, or another rank's signal or memory guard)
                 status = "interrupted"
                 break
+    except BaseException:
+        status = "failed"  # (the trackers' word for the run; the exception goes on)
+        raise
     finally:
         if settled:  # (what the run held is the collector's again: a caller's next run in this process)
             heap.release()
         dog.close()
         guard.close()
         progress(None, None)
-        tracking.close("failed" if sys.exc_info()[0] is not None else status)  # (an error on its way out: failed)
+        tracking.close(status)
         if (history or evals) and lead:
             _plot_loss(out.path / METRICS, out.path / PLOT)
     return {"status": status, "signal": signum, "steps": step, "history": history, "evals": evals,
@@ -889,8 +895,8 @@ def _evaluate(engine, held, batch: int, pad_id: int, step: int, done=lambda: Non
     training) and the perplexity of its cross-entropy alone, in batches of ``batch`` samples a rank; None
     where no held-out record is a sample. Under several ranks each evaluates its rows of every batch, as in
     training (the engine sums the loss over the ranks, against the batch's target count); a last batch with
-    fewer rows than ranks is evaluated whole by every rank, its tokens then counted once per rank by the
-    engine's sums."""
+    fewer rows than ranks is evaluated whole by every rank, ``batch`` rows at a time (the rows the plan
+    holds), its tokens then counted once per rank by the engine's sums."""
     total, ce, tokens = 0.0, 0.0, 0
     ranks = engine.ranks
     world = ranks.world if ranks else 1
@@ -899,11 +905,12 @@ def _evaluate(engine, held, batch: int, pad_id: int, step: int, done=lambda: Non
         if not rows:
             continue
         split = ranks is not None and len(rows) >= world
-        mb = pad_batch(rows, pad_id)
-        r = engine.evaluate(parallel.local_rows(mb, ranks) if split else mb)
-        done()  # (each batch is progress: the watchdog's)
-        n = r.tokens if split else r.tokens // world
-        total, ce, tokens = total + r.loss * n, ce + (r.loss - r.router_loss) * n, tokens + n
+        for part in [rows] if split else [rows[i: i + batch] for i in range(0, len(rows), batch)]:
+            mb = pad_batch(part, pad_id)
+            r = engine.evaluate(parallel.local_rows(mb, ranks) if split else mb)
+            done()  # (each batch is progress: the watchdog's)
+            n = r.tokens if split else r.tokens // world
+            total, ce, tokens = total + r.loss * n, ce + (r.loss - r.router_loss) * n, tokens + n
     if not tokens:
         return None
     return {"step": step, "eval_loss": total / tokens, "eval_ppl": math.exp(min(ce / tokens, 80.0)),
