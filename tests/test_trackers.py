@@ -21,7 +21,8 @@ def test_every_tracker_gets_the_scalars_and_the_runs_metadata(tmp_path, monkeypa
     (run,) = (out / "wandb").glob("offline-run-*")
     (record,) = run.glob("run-*.wandb")
     data = record.read_bytes()
-    assert all(key in data for key in (b"train/loss", b"eval/perplexity", b"learning_rate", b"versions"))
+    assert all(key in data for key in (b"train/loss", b"train/epoch", b"eval/perplexity", b"eval/tokens",
+                                       b"learning_rate", b"versions"))
     # mlflow, a file store under output_dir: every step's loss, and the run's metadata as parameters
     from mlflow.tracking import MlflowClient
 

@@ -716,7 +716,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             evals.append(ev)
             if lead:
                 out.log(_finite(ev))
-            tracking.scalars({"loss": ev["eval_loss"], "perplexity": ev["eval_ppl"]}, step, "eval")
+            tracking.scalars({"loss": ev["eval_loss"], "perplexity": ev["eval_ppl"], "tokens": ev["eval_tokens"]}, step,
+                             "eval")
             say(f"slideformer: step {step}: eval loss {ev['eval_loss']:.4f}, perplexity "
                 f"{ev['eval_ppl']:.3f} ({ev['eval_tokens']} tokens)", flush=True)
         dog.progress(stepped=False)
@@ -824,8 +825,9 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                 history.append(rec)
                 if lead:
                     out.log(_finite(rec))
-                tracking.scalars({k: rec.get(k) for k in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops",
-                                                          "gpu_mem_gib", "host_rss_gib")}, step, "train")
+                tracking.scalars({k: rec.get(k) for k in ("loss", "lr", "grad_norm", "epoch", "target_tokens",
+                                                          "tokens_per_s", "tflops", "gpu_mem_gib", "host_rss_gib")},
+                                 step, "train")
                 progress(step, rec)
             memory = guard.tripped()
             signum, memory_somewhere = why_stop(signals.requested, memory)
