@@ -1279,6 +1279,29 @@ def test_the_signal_handler_is_released_after_a_run(tmp_path):
     assert Signals._active is None and signal.getsignal(signal.SIGINT) is before
     assert main(FAST + [f"output_dir={tmp_path}"]) == 0
     assert Signals._active is None and signal.getsignal(signal.SIGINT) is before
+    # a run in a worker thread that outlives the main thread's: the caller's handlers come back with the
+    # main thread's end, and the next run takes its own (not the stale one's signal)
+    import threading
+
+    main_entry, worker_in, worker_out = Signals(), threading.Event(), threading.Event()
+
+    def worker():
+        with Signals():
+            worker_in.set()
+            worker_out.wait(10)
+
+    main_entry.__enter__()
+    t = threading.Thread(target=worker)
+    t.start()
+    worker_in.wait(10)
+    main_entry.requested = signal.SIGINT  # (a signal the main thread's run took)
+    main_entry.__exit__(None, None, None)
+    assert Signals._active is None and signal.getsignal(signal.SIGINT) is before
+    worker_out.set()
+    t.join()
+    assert Signals._active is None and signal.getsignal(signal.SIGINT) is before
+    with Signals() as fresh:
+        assert fresh is not main_entry and fresh.requested is None
 
 
 def test_a_library_threads_failure_prints_no_traceback(tmp_path, capsys, monkeypatch):

@@ -241,3 +241,51 @@ def test_a_tensorboard_folder_it_may_not_write_in_is_refused_before_the_model_lo
     assert main(["train"] + FAST + [f"output_dir={out}", "report_to=tensorboard", "overwrite_output_dir=true"]) == 5
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"cannot write TensorBoard's events in {out / 'tensorboard'}: not writable" in err
+
+
+def test_runs_in_one_process_leave_the_callers_trackers_as_they_were(tmp_path, monkeypatch):
+    """A notebook's sweep: a caller's own MLflow run stays active (a training run is its child) and its
+    tracking URI, environment and W&B run are as they were; a signal while the trackers open leaves no run
+    or writer behind, and the next run starts."""
+    import os
+    import signal
+    import threading
+
+    import mlflow
+    import wandb
+
+    from slideformer.signals import Interrupted
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    before = mlflow.get_tracking_uri()
+    threads = set(threading.enumerate())
+    real = mlflow.log_params
+    monkeypatch.setattr(mlflow, "log_params", lambda *a, **k: os.kill(os.getpid(), signal.SIGINT))
+    with pytest.raises(Interrupted):
+        train(load_config(None, FAST + [f"output_dir={tmp_path / 'cut'}", "report_to=[tensorboard, mlflow]"]))
+    monkeypatch.setattr(mlflow, "log_params", real)
+    assert mlflow.active_run() is None and set(threading.enumerate()) <= threads
+    assert mlflow.get_tracking_uri() == before and "MLFLOW_TRACKING_URI" not in os.environ
+    assert "MLFLOW_ALLOW_FILE_STORE" not in os.environ
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # (the caller's own store, in a folder of theirs)
+    mlflow.set_tracking_uri((tmp_path / "theirs").as_uri())
+    mine = wandb.init(project="mine", dir=str(tmp_path))
+    try:
+        with mlflow.start_run() as theirs:
+            for k in range(2):
+                train(load_config(None, FAST + [f"output_dir={tmp_path / f'run{k}'}", "report_to=[mlflow, wandb]"]))
+                assert mlflow.active_run().info.run_id == theirs.info.run_id
+                mine.log({"still": k})  # (not finished by the training's own W&B run)
+        client = mlflow.tracking.MlflowClient()
+        children = client.search_runs([theirs.info.experiment_id],
+                                      f"tags.mlflow.parentRunId = '{theirs.info.run_id}'")
+        assert sorted(r.info.status for r in children) == ["FINISHED", "FINISHED"]
+        assert client.get_run(theirs.info.run_id).info.status == "FINISHED"
+        assert mlflow.get_tracking_uri() == (tmp_path / "theirs").as_uri()
+    finally:
+        mine.finish()
+        mlflow.set_tracking_uri(None)  # (unset, as a process starts)

@@ -58,7 +58,6 @@ class Signals:
         self._training = False
         self._old: dict = {}
         self._old_unraisable = sys.unraisablehook
-        self._depth = 0
         self._shared: "Signals | None" = None
         self._terminal: list[int] = []  # (stdout's and stderr's descriptors that were a terminal at entry)
         self._undoing: str | None = None  # (inside ``undoable``: what a signal's line says; "": the start-up line)
@@ -69,7 +68,6 @@ class Signals:
         active = Signals._active
         self._shared = active  # (``with`` calls __exit__ on this object, not on what __enter__ returns)
         if active is not None:
-            active._depth += 1
             return active
         if threading.current_thread() is threading.main_thread():
             for sig in HANDLED:
@@ -81,7 +79,6 @@ class Signals:
             Signals._active = self
             if self.hard:
                 self._watch_signals()
-        self._depth = 1
         return self
 
     def _on_signal(self, signum, frame) -> None:
@@ -185,11 +182,10 @@ class Signals:
         self._training = True
 
     def __exit__(self, *exc) -> None:
+        """The handlers back as the entry found them, at the entry that installed them: entries that share
+        it end before it in its thread; one in another thread (a run in a worker thread beside the main
+        thread's) that outlives it goes on under the caller's handlers, which must not stay this run's."""
         if self._shared is not None:
-            self._shared._depth -= 1
-            return
-        self._depth -= 1
-        if self._depth > 0:
             return
         self._training = False
         for sig, old in self._old.items():

@@ -669,8 +669,6 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                              "output_dir, or set overwrite_output_dir: true")
     if lead and out.begun:  # (a new run's metrics start with its first write: OutputDir.begin)
         out.trim_metrics(start)
-    tracking = Trackers(cfg.report_to if lead else "none", out.path, start, run_meta(cfg, engine, device),
-                        purge=out.begun, run_id=out.run_id)
     order = _permutation(len(examples), cfg.seed, epoch)
     params = engine.adapter.num_params
     history, t_last, tokens_since = [], time.perf_counter(), 0
@@ -678,7 +676,6 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     logged = state.get("logged", {}) if resume else {}
     loss_sum, targets_since = float(logged.get("loss_sum", 0.0)), int(logged.get("targets", 0))
     evals = []
-    progress = _progress(cfg.progress, total, start) if lead else (lambda done, rec: None)
 
     def why_stop(signum, memory: bool) -> tuple[int, bool]:
         """The signal to stop for (0: none) and whether a memory guard tripped: under several ranks, any
@@ -693,14 +690,11 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     saved = out.checkpoints()
     last_saved = saved[-1] if saved else None
     newest = [last_saved]  # (the watchdog's line names the newest checkpoint)
-    dog = Watchdog(cfg.watchdog_seconds, lambda: f"the last checkpoint ({newest[0]}) is intact" if newest[0]
-                   else "no checkpoint was saved")
     from ..machine import host_memory
     from ..plan.memory import process_allowance
 
-    # (several ranks on one host share its budget: the engine's host_memory_limit is this process's share,
-    # plan.resolve's; each process guards it)
-    guard = MemoryGuard(process_allowance(engine.cfg, host_memory() // parallel.local_world(ranks)))
+    # (made in the try below, whose end closes those made: a signal while they start leaves none behind)
+    tracking = dog = guard = progress = None
     settled = None  # (whether this run froze the collector's objects, once its first step is done)
     def evaluate(step: int) -> None:
         nonlocal held
@@ -723,6 +717,14 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
         dog.progress(stepped=False)
 
     try:
+        tracking = Trackers(cfg.report_to if lead else "none", out.path, start, run_meta(cfg, engine, device),
+                            purge=out.begun, run_id=out.run_id)
+        progress = _progress(cfg.progress, total, start) if lead else (lambda done, rec: None)
+        dog = Watchdog(cfg.watchdog_seconds, lambda: f"the last checkpoint ({newest[0]}) is intact" if newest[0]
+                       else "no checkpoint was saved")
+        # (several ranks on one host share its budget: the engine's host_memory_limit is this process's share,
+        # plan.resolve's; each process guards it)
+        guard = MemoryGuard(process_allowance(engine.cfg, host_memory() // parallel.local_world(ranks)))
         signals.training()
         if eval_pending and held:
             evaluate(step)
@@ -870,16 +872,19 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             if stop:  # (a signal here, or another rank's signal or memory guard)
                 status = "interrupted"
                 break
-    except BaseException:
-        status = "failed"  # (the trackers' word for the run; the exception goes on)
+    except BaseException as e:  # (the trackers' word for the run; the exception goes on)
+        status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
         raise
     finally:
         if settled:  # (what the run held is the collector's again: a caller's next run in this process)
             heap.release()
-        dog.close()
-        guard.close()
-        progress(None, None)
-        tracking.close(status)
+        for part in (dog, guard):
+            if part is not None:
+                part.close()
+        if progress is not None:
+            progress(None, None)
+        if tracking is not None:
+            tracking.close(status)
         if (history or evals) and lead:
             _plot_loss(out.path / METRICS, out.path / PLOT)
     return {"status": status, "signal": signum, "steps": step, "history": history, "evals": evals,

@@ -74,14 +74,22 @@ class Trackers:
         """Open each tracker and log ``meta`` (config, model, versions, machine) once. A resumed run is a W&B
         and an MLflow run of its own (W&B ignores steps below one it has logged, which a resumed run logs
         again), grouped (W&B) or tagged (MLflow, slideformer.run_id) by ``run_id`` with the attempts before
-        it. ``purge``:
-        TensorBoard drops the folder's events past ``start`` from its view (False for a new run that has not
+        it; a caller's own active run is left active (W&B: this one beside it; MLflow: this one its child).
+        ``purge``: TensorBoard drops the folder's events past ``start`` from its view (False for a new run that has not
         yet written over an earlier run's folder: that run's events stay until it does, and go then). ``run_id``
         names TensorBoard's files (``events_suffix``: which files a later run may remove)."""
+        self._tb = self._wandb = self._mlflow = None
+        self._undo: list = []  # (what this run set in the process for mlflow, undone as it closes)
+        try:  # (a failure or a signal while they open: those opened are closed, nothing left in the process)
+            self._open(names, out, start, meta, purge, run_id)
+        except BaseException:
+            self.close("failed")
+            raise
+
+    def _open(self, names: list[str], out: Path, start: int, meta: dict, purge: bool, run_id: str) -> None:
         from ..config import ConfigError
         from .outdir import MLRUNS, TENSORBOARD, events_suffix
 
-        self._tb = self._wandb = self._mlflow = None
         if "tensorboard" in names:
             SummaryWriter = client("tensorboard").SummaryWriter
             # (an earlier attempt's steps past ``start``, a killed one's too, are dropped from the view)
@@ -92,35 +100,36 @@ class Trackers:
                 self._tb.add_text("run", "\n".join(f"    {k}: {v}" for k, v in _flat(meta).items()), start)
         if "wandb" in names:
             wandb = client("wandb")
+            # (a caller's own run stays theirs: this one is made beside it, not by finishing it)
+            beside = {"reinit": "create_new"} if wandb.run is not None else {}
             try:
                 self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "slideformer"), name=out.name,
-                                         dir=str(out), config=meta, group=run_id or None)
+                                         dir=str(out), config=meta, group=run_id or None, **beside)
             except Exception as e:  # (no login, no network: wandb's own errors, before any step)
-                self.close()
                 raise ConfigError(f"report_to: wandb could not start its run ({type(e).__name__}: "
                                   f"{(str(e).splitlines() or [''])[0][:200]}); log in (wandb login, or "
                                   "WANDB_API_KEY), set WANDB_MODE=offline, or leave wandb out of report_to") from None
         if "mlflow" in names:
             mlflow = client("mlflow")
-            # (set each run: mlflow keeps a URI set in the process, an earlier run's folder, over the variable;
-            # a file store, a user's or ours, is allowed: mlflow-skinny has no database one)
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            # (a file store, a user's or ours, is allowed: mlflow-skinny has no database one)
+            if "MLFLOW_ALLOW_FILE_STORE" not in os.environ:
+                os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
+                self._undo.append(lambda: os.environ.pop("MLFLOW_ALLOW_FILE_STORE", None))
+            # (set each run: mlflow keeps a URI set in the process, an earlier run's folder, over the variable)
             if uri := os.environ.get("MLFLOW_TRACKING_URI"):
                 mlflow.set_tracking_uri(uri)
-            else:  # (mlflow also sets the variable: unset again, the next run in this process has its own folder)
+            else:  # (its variable too, which mlflow sets with it: both unset again as the run closes)
                 mlflow.set_tracking_uri((out / MLRUNS).resolve().as_uri())
-                os.environ.pop("MLFLOW_TRACKING_URI", None)
-            try:
-                mlflow.start_run(run_name=out.name, tags={"slideformer.run_id": run_id} if run_id else None)
+                self._undo.append(lambda: mlflow.set_tracking_uri(None))
+            try:  # (a caller's own active run: this one is its child, and it stays active after)
+                mlflow.start_run(run_name=out.name, tags={"slideformer.run_id": run_id} if run_id else None,
+                                 nested=mlflow.active_run() is not None)
+                self._mlflow = mlflow  # (from here closing ends this run)
                 mlflow.log_params({k: str(v)[:500] for k, v in _flat(meta).items()})
             except Exception as e:  # (an unreachable or refusing server: mlflow's own errors, before any step)
-                if mlflow.active_run() is not None:
-                    mlflow.end_run("FAILED")
-                self.close()
                 raise ConfigError(f"report_to: mlflow could not start its run at {mlflow.get_tracking_uri()} "
                                   f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}); check "
                                   "MLFLOW_TRACKING_URI and the server, or leave mlflow out of report_to") from None
-            self._mlflow = mlflow
 
     def scalars(self, values: dict, step: int, prefix: str) -> None:
         """``values`` (None entries skipped) as ``prefix/name`` at ``step``. A tracker that fails here (a full
@@ -164,17 +173,23 @@ class Trackers:
                                    "space there, make it writable, or leave tensorboard out of report_to") from e
 
     def close(self, outcome: str = "finished") -> None:
-        """Each tracker closed; W&B and MLflow mark the run by ``outcome``: finished, interrupted (resumable:
-        MLflow's KILLED) or failed (W&B: a non-zero exit code either way)."""
+        """Each tracker closed, once; W&B and MLflow mark the run by ``outcome``: finished, interrupted
+        (resumable: MLflow's KILLED) or failed (W&B: a non-zero exit code either way). What the run set in
+        the process for mlflow is put back."""
         if self._tb is not None:
             with self._dropping("tensorboard", "as the run closed it"), self._writing():
                 self._tb.close()
+            self._tb = None
         if self._wandb is not None:
             with self._dropping("wandb", "as the run closed it"):
                 self._wandb.finish(exit_code=0 if outcome == "finished" else 1)
+            self._wandb = None
         if self._mlflow is not None:
             with self._dropping("mlflow", "as the run closed it"):
                 self._mlflow.end_run({"finished": "FINISHED", "interrupted": "KILLED"}.get(outcome, "FAILED"))
+            self._mlflow = None
+        while self._undo:
+            self._undo.pop()()
 
 
 def _flat(meta: dict, prefix: str = "") -> dict:
