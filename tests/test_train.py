@@ -39,16 +39,18 @@ def test_a_config_from_another_trainer_is_told_every_key_at_once(tmp_path):
     """A LLaMA-Factory config brought over: each of its keys slideformer has not is named in one line, with
     what slideformer does instead (or a did-you-mean), not one per run."""
     (tmp_path / "lf.yaml").write_text("model_name_or_path: tiny\nstage: sft\ndo_train: true\nfinetuning_type: full\n"
-                                      "template: qwen\nsplit: train\n"
+                                      "template: qwen\nsplit: train\nflash_attn: fa2\nmax_samples: 100\n"
                                       "per_device_train_batch_size: 2\nlearning_rate: 1.0e-5\nlerning: 1\n")
     with pytest.raises(ConfigError) as e:
         load_config(tmp_path / "lf.yaml", [])
     line = str(e.value)
-    assert "\n" not in line and line.startswith("unknown keys stage (slideformer fine-tunes (sft) only: remove it); ")
+    assert "\n" not in line and "max_samples" not in line  # (a key of its own: max_samples)
+    assert line.startswith("unknown keys stage (slideformer fine-tunes (sft) only: remove it); ")
     for part in ("do_train (remove it)", "finetuning_type (every parameter trains: remove it)",
                  "template (the tokenizer's chat template renders chats", "per_device_train_batch_size (use "
                  "micro_batch_size)", "lerning (did you mean 'learning_rate'?)",
-                 "split (a dataset entry's: dataset=[{path: ..., split: ...}])"):
+                 "split (a dataset entry's: dataset=[{path: ..., split: ...}])",
+                 "flash_attn (use attn_implementation (sdpa, eager, flash_attention_2 or flash_attention_3))"):
         assert part in line, line
 
 

@@ -354,7 +354,19 @@ FOREIGN = {
     "plot_loss": "output_dir's loss.png is drawn where matplotlib is installed: " + _REMOVE,
     "fp16": "use bf16 (fp16 is not offered)",
     **dict.fromkeys(("tf32", "preprocessing_num_workers", "dataloader_num_workers", "ddp_timeout",
-                     "trust_remote_code"), _REMOVE),
+                     "trust_remote_code", "torch_compile"), _REMOVE),
+    "flash_attn": "use attn_implementation (sdpa, eager, flash_attention_2 or flash_attention_3)",
+    **dict.fromkeys(("enable_liger_kernel", "use_liger_kernel"), "the fused kernels (Liger-Kernel's where it is "
+                    "installed) run by default on a GPU: " + _REMOVE),
+    "neat_packing": "packing: true keeps attention inside each sample: use it",
+    "streaming": "data too large for RAM is read as the steps reach it, by itself: " + _REMOVE,
+    "dataset_dir": "give each file's path (or a Hub name) in dataset: " + _REMOVE,
+    "data_seed": "seed orders the data: " + _REMOVE,
+    "run_name": "the trackers name the run after output_dir's folder: " + _REMOVE,
+    **dict.fromkeys(("push_to_hub", "hub_model_id"), "`slideformer export` writes the model for the Hub: "
+                    + _REMOVE),
+    **dict.fromkeys(("train_on_prompt", "mask_history", "neftune_noise_alpha", "lr_scheduler_kwargs"),
+                    "not offered: " + _REMOVE),
 }
 
 
