@@ -95,6 +95,13 @@ def test_export_drops_the_training_state(tmp_path):
     assert main(["export", str(tmp_path / "o" / "checkpoint-2"), str(tmp_path / "hf")]) == 0
     assert (tmp_path / "hf" / "model.safetensors").is_file() and not (tmp_path / "hf" / "state").exists()
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf") is not None
+    # (not into another checkpoint, even with --overwrite: its weights would no longer match its state)
+    assert main(["train", "max_steps=3", "save_steps=1", "save_total_limit=null", "device=cpu", "progress=false",
+                 f"output_dir={tmp_path / 'o'}"]) == 0
+    before = (tmp_path / "o" / "checkpoint-2" / "model.safetensors").read_bytes()
+    assert main(["export", str(tmp_path / "o" / "checkpoint-3"), str(tmp_path / "o" / "checkpoint-2"),
+                 "--overwrite"]) == 2
+    assert (tmp_path / "o" / "checkpoint-2" / "model.safetensors").read_bytes() == before
 
 
 def test_plan_suggests_what_train_would_choose(capsys):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from slideformer.cli import main
+from slideformer.train.config import _assets
 
 FAST = ["train", "progress=false", "device=cpu", "micro_batch_size=4", "logging_steps=1", "max_grad_norm=null",
         "max_steps=1"]
@@ -77,6 +78,10 @@ OWN = b'{"text": "a"}\n'  # (a model of one's own needs data of one's own: the b
     ("learning_rate=[", 2, ["not valid YAML"]),
     ("dataset=[{{format: text}}]", 2, ["dataset[0] has no path"]),
     ("resume_from_checkpoint=/etc", 2, ["/etc/state/trainer.json", "not a complete slideformer checkpoint"]),
+    ("resume_from_checkpoint={t}/missing", 2, ["resume_from_checkpoint", "missing: no such folder", "auto (this "
+                                             "output_dir's newest) or null"]),
+    ("resume_from_checkpoint={t}/gpt2", 2, ["gpt2 holds a model without training state", "model_name_or_path: "]),
+    ("resume_from_checkpoint=' '", 2, ["resume_from_checkpoint is empty: set it to auto"]),
     ("save_total_limit=-1", 2, ["save_total_limit must be >= 1"]),
     ("offload.gpu_memory_limit=lots", 2, ["offload.gpu_memory_limit", "24GiB"]),
     ("offload.host_memory_limit=0GiB", 2, ["offload.host_memory_limit", "must be > 0"]),
@@ -122,6 +127,19 @@ def test_bad_settings(tmp_path, capsys, override, code, needles):
     own = [f"dataset={data(tmp_path, 'own.jsonl', OWN)}"] * override.startswith("model_name")
     assert main(FAST + [f"output_dir={t}/out", override.format(t=t), *own]) == code
     one_line(capsys, *needles)
+
+
+def test_resume_from_checkpoint_takes_transformers_spellings(tmp_path, capsys):
+    """true (transformers' Trainer's: the newest checkpoint), Auto and None as YAML writes them in another case."""
+    from slideformer.train.config import load_config
+
+    assert [load_config(None, [f"resume_from_checkpoint={v}"]).resume_from_checkpoint
+            for v in ("true", "false", "Auto", "None", "null", "~/x")] == ["auto", None, "auto", None, None,
+                                                                           os.path.expanduser("~/x")]
+    out = f"output_dir={tmp_path}/o"
+    assert main(FAST + [out, "max_steps=2"]) == 0
+    assert main(FAST + [out, "max_steps=3", "resume_from_checkpoint=true"]) == 0
+    assert f"resumed from {tmp_path}/o/checkpoint-2 at step 2" in capsys.readouterr().out
 
 
 def test_cuda_without_cuda(tmp_path, capsys):
@@ -211,6 +229,60 @@ def test_resuming_with_other_data_says_so(tmp_path, capsys):
     assert "resumed with seed 5 (it was 0), batch 2 (it was 4): the data from step 3 on" in err, err
     assert main(FAST + [out, "max_steps=4", "seed=5", "micro_batch_size=2"]) == 0
     assert "the data from" not in capsys.readouterr().err  # (the same as the checkpoint's: nothing to say)
+
+
+def test_resuming_with_data_changed_in_place_says_so(tmp_path, capsys):
+    """The same files with other content (an edit, a shuffle: as many lines), other columns, another chat
+    template or val_size: each said on resume, as a changed seed is."""
+    lines = (_assets() / "sample" / "alpaca.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "d.jsonl").write_text("".join(lines))
+    out, data = f"output_dir={tmp_path}/o", f"dataset={tmp_path}/d.jsonl"
+    assert main(FAST + [out, data, "max_steps=2"]) == 0
+    capsys.readouterr()
+    (tmp_path / "d.jsonl").write_text("".join(lines[1:] + lines[:1]))
+    assert main(FAST + [out, data, "max_steps=3"]) == 0
+    err = capsys.readouterr().err
+    assert "resumed with the dataset's content (a file edited or replaced): the data from step 3 on" in err, err
+    assert main(FAST + [out, data, "max_steps=4"]) == 0
+    assert "the data from" not in capsys.readouterr().err
+    entry = f"dataset=[{{path: {tmp_path}/d.jsonl, columns: {{instruction: output, output: instruction}}}}]"
+    (tmp_path / "t.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert main(FAST + [out, entry, "max_steps=5", "val_size=0.1", f"chat_template={tmp_path}/t.jinja"]) == 0
+    err = capsys.readouterr().err
+    assert ("resumed with samples 79 (it was 88), val_size 0.1 (it was 0.0), a dataset entry's format, split, subset "
+            "or columns, the chat template: the data from step 5 on") in err, err
+
+
+def test_num_train_epochs_resumed_with_another_batch_counts_its_steps_from_the_position_kept(tmp_path, capsys):
+    """The epochs a run counts its length in are finished at the new batch: the steps from the saved position
+    (20 of 88 samples into epoch 0) to the epoch's end, not the whole epoch's steps over again."""
+    data = f"dataset={_assets()}/sample/alpaca.jsonl"
+    out = f"output_dir={tmp_path}/o"
+    assert main(FAST + [out, data, "cutoff_len=64", "max_steps=5"]) == 0
+    capsys.readouterr()
+    assert main(FAST + [out, data, "cutoff_len=64", "max_steps=-1", "num_train_epochs=1", "micro_batch_size=8"]) == 0
+    err = capsys.readouterr().err
+    assert "resumed with steps 13 (it was 5)" in err, err  # (5 + 68 samples // 8)
+    rows = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 13 and rows[-1]["epoch"] == pytest.approx(84 / 88), rows[-1]  # (4 short of a batch)
+
+
+def test_resuming_with_another_optimizer_state_is_refused_in_its_key_before_the_model_loads(tmp_path, capsys,
+                                                                                         monkeypatch):
+    out = f"output_dir={tmp_path}/o"
+    assert main(FAST + [out, "max_steps=2"]) == 0
+    capsys.readouterr()
+    import slideformer.train.loop as loop
+
+    monkeypatch.setattr(loop.SlideEngine, "from_config", lambda *a: pytest.fail("the model was built"))
+    assert main(FAST + [out, "max_steps=3", "bf16=true", "offload.optimizer_state=compact"]) == 2
+    one_line(capsys, f"{tmp_path}/o/checkpoint-2 was saved with offload.optimizer_state: fp32, this run has compact: "
+             "resume it with offload.optimizer_state: fp32")
+    monkeypatch.undo()
+    # (what the line offers instead: the checkpoint's weights as a new run's model)
+    assert main(FAST + [f"output_dir={tmp_path}/new", "max_steps=1", "bf16=true", "offload.optimizer_state=compact",
+                        f"model_name_or_path={tmp_path}/o/checkpoint-2", "resume_from_checkpoint=null",
+                        f"dataset={_assets()}/sample/alpaca.jsonl"]) == 0
 
 
 def test_resuming_with_another_schedule_or_precision_says_so(tmp_path, capsys):

@@ -47,6 +47,33 @@ def test_the_demo_starts_over_in_its_own_folder_only(tmp_path, monkeypatch, caps
     capsys.readouterr()
     assert main(["train", "progress=false", "device=cpu", "max_steps=1", "output_dir=mine"]) == 2
     assert "not written by slideformer" in capsys.readouterr().err
+    # nor an out/demo of the user's own
+    shutil.rmtree(demo)
+    demo.mkdir()
+    (demo / "metrics.jsonl").write_text('{"mine": 1}\n')
+    assert main(["train", "progress=false", "device=cpu", "max_steps=1"]) == 2
+    assert "not written by slideformer" in capsys.readouterr().err
+    assert (demo / "metrics.jsonl").read_text() == '{"mine": 1}\n'
+
+
+def test_what_a_run_reads_is_not_in_what_it_writes_over(tmp_path, capsys):
+    """Data, a model or a chat template in the output folder's metrics.jsonl or a checkpoint: overwrite_output_dir
+    would replace it (or rotation delete it) while it is read; refused before any work, untouched."""
+    from slideformer.train.config import _assets
+
+    out = tmp_path / "o"
+    assert run(out, "max_steps=1") == 0
+    shutil.copy(_assets() / "sample" / "alpaca.jsonl", out / "metrics.jsonl")
+    (out / "checkpoint-1" / "t.jinja").write_text("{{ messages[0]['content'] }}")
+    before = tree(out)
+    for extra in ([f"dataset={out}/metrics.jsonl"], [f"eval_dataset={out}/./metrics.jsonl"],
+                  [f"model_name_or_path={out}/checkpoint-1", f"dataset={out}/../o/metrics.jsonl"],
+                  [f"chat_template={out}/checkpoint-1/t.jinja"]):
+        assert run(out, "max_steps=1", "overwrite_output_dir=true", "resume_from_checkpoint=null", *extra) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "of output_dir" in err and "which this run writes, replaces or rotates away" \
+            in err, err
+        assert tree(out) == before
 
 
 def test_a_folder_of_someone_elses_files_is_refused_untouched(tmp_path, capsys):
@@ -104,6 +131,54 @@ def test_rotation_deletes_what_the_saves_wrote_and_keeps_a_file_put_in_a_checkpo
     assert not (out / "checkpoint-2").exists() and (out / "checkpoint-3" / "state" / "trainer.json").is_file()
     assert run(out, "max_steps=4", "save_steps=1", "save_total_limit=1") == 0  # (resumed, said nothing again)
     assert "rotated out" not in capsys.readouterr().err and (out / "checkpoint-1" / "eval.txt").is_file()
+
+
+def test_rotation_keeps_a_file_edited_since_its_save_and_goes_on_where_it_cannot_remove(tmp_path, capsys,
+                                                                                        monkeypatch):
+    out = tmp_path / "o"
+    assert run(out, "max_steps=2", "save_steps=1", "save_total_limit=null") == 0
+    (out / "checkpoint-1" / "config.json").write_text('{"mine": "edited"}')
+    capsys.readouterr()
+    assert run(out, "max_steps=3", "save_steps=1", "save_total_limit=2") == 0
+    assert "checkpoint-1 rotated out; 1 file(s) kept there, as edited since the save (config.json)" in \
+        capsys.readouterr().err
+    assert tree(out / "checkpoint-1") == {"config.json": b'{"mine": "edited"}'}
+    # a checkpoint that cannot be removed (a file the user protected): said, and the run goes on
+    import slideformer.checkpoint.state as state
+
+    real = state.Path.unlink
+
+    def protected(self, *a, **k):
+        if self.parent.name == "checkpoint-2":
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(state.Path, "unlink", protected)
+    assert run(out, "max_steps=5", "save_steps=1", "save_total_limit=2") == 0
+    assert "checkpoint-2 rotated out; 1 file(s) kept there, as removing it failed (Permission denied)" in \
+        capsys.readouterr().err
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2", "checkpoint-4",
+                                                                  "checkpoint-5"]
+
+
+def test_a_folder_removed_under_the_run_stops_it_writing_nothing_more(tmp_path, capsys, monkeypatch):
+    from slideformer.engine import SlideEngine
+
+    out = tmp_path / "o"
+    real = SlideEngine.train_step
+    steps = []
+
+    def step_then_remove(self, *a, **k):
+        steps.append(1)
+        if len(steps) == 3:
+            shutil.rmtree(out)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(SlideEngine, "train_step", step_then_remove)
+    assert run(out, "max_steps=6", "save_steps=2") == 2
+    err = capsys.readouterr().err
+    assert f"output_dir {out} was removed, moved or replaced during the run" in err, err
+    assert not out.exists()
 
 
 def test_a_folder_in_a_saves_way_is_refused_before_training_even_with_overwrite(tmp_path, capsys):

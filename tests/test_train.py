@@ -929,6 +929,22 @@ def test_a_run_resumed_at_its_new_end_evaluates_there(tmp_path, monkeypatch):
     assert [e["step"] for e in loss_curves(tmp_path / "metrics.jsonl")[1]] == [3]
 
 
+def test_a_signal_during_a_save_stops_at_its_step(tmp_path, monkeypatch):
+    """SIGTERM while a scheduled checkpoint is written: that checkpoint is the stop's, no step more is trained."""
+    from slideformer.engine import SlideEngine
+
+    real = SlideEngine.save_checkpoint
+
+    def save_then_signal(self, *a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(SlideEngine, "save_checkpoint", save_then_signal)
+    r = train(cfg(tmp_path, "save_steps=2", "max_steps=6"))
+    assert r["status"] == "interrupted" and r["steps"] == 2, r["steps"]
+    assert [p.name for p in tmp_path.glob("checkpoint-*")] == ["checkpoint-2"]
+
+
 def test_a_signal_during_an_evaluation_stops_at_its_step(tmp_path, monkeypatch):
     """SIGTERM while the held-out data is evaluated: the run saves that step and stops, without training
     another (a preemption's grace is short); the resumed run does not evaluate it again."""

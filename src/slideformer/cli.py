@@ -384,6 +384,10 @@ def cmd_export(args) -> int:
     if dst.exists() and not dst.is_dir():
         print(f"error: export target {dst} is a file; give a folder", file=sys.stderr)
         return EXIT_USAGE
+    if (dst / STATE_DIR).is_dir():  # (--overwrite too: its weights would no longer match its state or checksums)
+        print(f"error: export target {dst} is a training checkpoint (it has {STATE_DIR}/); export to a new folder",
+              file=sys.stderr)
+        return EXIT_USAGE
     if dst.exists() and any(dst.iterdir()) and not args.overwrite:
         print(f"error: export target {dst} exists and is not empty; choose a new folder, or pass --overwrite "
               "(its model weights and files of the same names are replaced)", file=sys.stderr)

@@ -251,6 +251,9 @@ def read_meta(path: str | os.PathLike) -> dict:
     return meta
 
 
+EDITABLE_BYTES = 64 << 20  # a checkpoint's files (not tensors) this small are checked before removal: a hand edit is kept
+
+
 def remove_checkpoint(path: str | os.PathLike) -> tuple[list[Path], str]:
     """Delete the files a save wrote into the checkpoint at ``path`` (those its metadata names), the metadata
     last (so that a removal cut short is finished by the next), then the folders that leaves empty. Returns
@@ -260,17 +263,23 @@ def remove_checkpoint(path: str | os.PathLike) -> tuple[list[Path], str]:
     if root.is_symlink() or (root.exists() and not root.is_dir()):
         return [root], "it is a link or a file, not a checkpoint folder"
     try:
-        ours = set(read_meta(root)["checksums"])
+        checksums = read_meta(root)["checksums"]
     except CorruptCheckpointError:
-        ours, why = set(), "its metadata is damaged, so what a save wrote there cannot be told"
+        checksums, why = {}, "its metadata is damaged, so what a save wrote there cannot be told"
     else:
         why = "no save wrote them"
+    ours = set(checksums)
     meta = f"{STATE_DIR}/{TRAINER}"
     found = []  # (walked, links not followed: a file named in the metadata but reached through a link is not ours)
     for folder, dirs, files in os.walk(root):
         here = Path(folder)
         found += [here / n for n in files + [d for d in dirs if (here / d).is_symlink()]]
     mine = {f for f in found if f.relative_to(root).as_posix() in ours and not f.is_symlink()}
+    # (a config or tokenizer file edited since the save, by hand, is the user's now: kept; the weights and the
+    # state, no hand's to edit, are not read back for it: one that differs is damaged)
+    edited = {f for f in mine if f.suffix != ".safetensors" and f.stat().st_size <= EDITABLE_BYTES
+              and _crc(f) != checksums[f.relative_to(root).as_posix()]}
+    mine -= edited
     for f in mine:
         f.unlink()
     if ours and root / meta in found and not (root / meta).is_symlink():  # (not among its own checksums)
@@ -283,7 +292,10 @@ def remove_checkpoint(path: str | os.PathLike) -> tuple[list[Path], str]:
                     (Path(folder) / name).rmdir()  # (only where empty)
     with contextlib.suppress(OSError):
         root.rmdir()
-    return sorted(f for f in found if f not in mine), why
+    left = sorted(f for f in found if f not in mine)
+    if edited:
+        why = "edited since the save" if set(left) <= edited else f"{why}, or edited since the save"
+    return left, why
 
 
 def verify_checkpoint(path: str | os.PathLike, only=None) -> dict:
@@ -305,6 +317,19 @@ def verify_checkpoint(path: str | os.PathLike, only=None) -> dict:
 _DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I16": torch.int16, "I32": torch.int32,
            "U8": torch.uint8}
 _SAVED_FORMAT = {"F32": "fp32", "BF16": "compact", "U8": "8bit"}  # by the moments' dtype
+
+
+def saved_state_format(path: str | os.PathLike) -> str | None:
+    """The optimizer_state a checkpoint's Adam moments were saved in (from a state file's header, before any
+    model is built); None where no state file says."""
+    for f in sorted((Path(path) / STATE_DIR).glob("*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                if "exp_avg" in fh.keys():
+                    return _SAVED_FORMAT.get(fh.get_slice("exp_avg").get_dtype())
+        except (OSError, SafetensorError):
+            continue  # (load_checkpoint's checks name a damaged file)
+    return None
 
 
 def load_checkpoint(path: str | os.PathLike, adapter: ModelAdapter, store: HostStore, ranks=None,

@@ -158,8 +158,9 @@ class TrainConfig:
     save_steps: int = 0  # 0: only at the end
     save_total_limit: int | None = 2  # this run's newest checkpoints kept (null: all)
     # "auto": continue this output_dir's run from its newest intact checkpoint (none: start), so the same
-    # command resumes after a preemption; a path: that checkpoint; null: a new run (refused over a run's checkpoints)
-    resume_from_checkpoint: str | None = "auto"
+    # command resumes after a preemption; a path: that checkpoint; null: a new run (refused over a run's checkpoints);
+    # true and false as transformers' Trainer reads them (auto, null)
+    resume_from_checkpoint: str | bool | None = "auto"
     device: str | None = None  # default: cuda if available
     # processes on this machine, one per GPU, each a rank of the data parallel (train/launch.py): a number, or
     # "auto" (one per GPU); under torchrun, its --nproc-per-node decides
@@ -180,6 +181,12 @@ class TrainConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def validate(self) -> "TrainConfig":
+        r = self.resume_from_checkpoint
+        if isinstance(r, bool) or (isinstance(r, str) and r.strip().lower() in ("auto", "none", "null")):
+            self.resume_from_checkpoint = "auto" if r is True or str(r).strip().lower() == "auto" else None
+        elif isinstance(r, str) and not r.strip():
+            raise ConfigError("resume_from_checkpoint is empty: set it to auto (this output_dir's newest checkpoint), "
+                              "null (a new run) or a checkpoint-N folder's path")
         self.dataset = _specs(self.dataset, "dataset")
         if not self.dataset:
             raise ConfigError("dataset is empty: give one or more local files")
@@ -521,6 +528,13 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         for k in ("overwrite_output_dir", "resume_from_checkpoint"):
             if k not in given:
                 raw.pop(k, None)
+    elif path is None and raw.get("overwrite_output_dir") and "overwrite_output_dir" not in given:
+        from .outdir import RUN_FILE
+
+        # (and there over a run's only: a folder of the name that slideformer did not mark is refused as any is)
+        demo = Path(raw["output_dir"])
+        if demo.is_dir() and not (demo / RUN_FILE).is_file() and any(demo.iterdir()):
+            raw["overwrite_output_dir"] = False
     # (both named in one place: transformers 4 took warmup_steps over the ratio only where above 0, transformers 5
     # has warmup_steps alone, so which is meant cannot be told; one overriding the file's other replaces it)
     both = {"warmup_steps", "warmup_ratio"}

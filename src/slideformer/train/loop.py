@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import itertools
 import json
 import os
@@ -27,12 +28,12 @@ import torch
 from .. import EngineConfig, SlideEngine, heap, lr_at, parallel
 from ..config import ConfigError, Placement
 from ..data import NOT_JSON, DataError, detect_format, pack_batch, pad_batch, read_records, render, to_messages
-from ..data.formats import (chat_template_text, check_chat_template, data_read, max_token_chars, renamed,
-                            template_probe)
+from ..data.formats import (chat_template_text, check_chat_template, data_read, fingerprint, max_token_chars,
+                            renamed, template_probe)
 from ..data.lazy import LazyExamples, Subset
 from ..signals import Signals, past_hangup, undoable
 from ..checkpoint.export import NonFiniteStateError
-from ..checkpoint.state import CheckpointWriteError, CorruptCheckpointError, read_meta
+from ..checkpoint.state import CheckpointWriteError, CorruptCheckpointError, read_meta, saved_state_format
 from .config import OffloadConfig, TrainConfig, _assets
 from .outdir import CKPT_PREFIX, METRICS, PLOT, OutputDir, OutputDirError
 from ..watchdog import GUARD_FRACTION, SAVE_LIMIT_S, MemoryGuard, Watchdog
@@ -432,9 +433,17 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     hf_config = load_model_config(cfg)
     resume = cfg.resume_from_checkpoint
     # (a folder that is not a checkpoint is refused before any work)
-    meta = read_meta(resume) if resume not in (None, "auto") else None
+    meta = _given_checkpoint(resume) if resume not in (None, "auto") else None
     out = OutputDir.check(cfg.output_dir, resume=resume, overwrite=cfg.overwrite_output_dir,
                           resume_run=meta["trainer"].get("run_id") if meta is not None else None)
+    inputs = [("model_name_or_path", cfg.model_name_or_path)] * (cfg.model_name_or_path != "tiny") + \
+        [(key, d.path) for key in ("dataset", "eval_dataset") for d in getattr(cfg, key) or ()] + \
+        [("chat_template", cfg.chat_template)] * bool(cfg.chat_template and "{{" not in cfg.chat_template
+                                                      and "{%" not in cfg.chat_template)
+    for key, path in inputs:  # (read by this run, and in what it writes over or rotates away)
+        if name := out.holds(path):
+            raise OutputDirError(f"{key} {path} lies in {name} of output_dir {out.path}, which this run writes, "
+                                 "replaces or rotates away: move it out of that folder, or choose another output_dir")
     # (a path only: auto takes the newest intact one)
     if meta is not None and (later := out.checkpoints_after(meta["trainer"]["step"])):
         raise OutputDirError(f"output_dir {out.path} holds this run's {later[-1].name}, past {resume}: training on "
@@ -450,6 +459,11 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
     lead = ranks is None or ranks.leader
     try:
         resume = _resume_point(cfg, out, ranks, resume)  # (before the data: a refusal costs no tokenizing)
+        if resume and (was := saved_state_format(resume)) and was != o.optimizer_state:
+            raise ConfigError(f"{resume} was saved with offload.optimizer_state: {was}, this run has "
+                              f"{o.optimizer_state}: resume it with offload.optimizer_state: {was} (a run keeps its "
+                              "state's format; for another, start a new run from the checkpoint's weights: "
+                              "model_name_or_path: the checkpoint, resume_from_checkpoint: null)")
         if lead:  # (a tracker that cannot open: refused before the model loads)
             preflight(cfg.report_to, out.path)
         tok = load_tokenizer(cfg)
@@ -487,6 +501,36 @@ def _tier_disk(offload_dir: str) -> int:
     if os.path.isdir(offload_dir):
         remove_stale(offload_dir)
     return disk_free(offload_dir)
+
+
+# a resume's data records said as changed, not by value
+CHANGED = {"content": "the dataset's content (a file edited or replaced)",
+           "entries": "a dataset entry's format, split, subset or columns", "chat_template": "the chat template"}
+
+
+def _given_checkpoint(path: str) -> dict:
+    """The metadata of the checkpoint resume_from_checkpoint names; a path that is none said as what it is."""
+    fix = "set resume_from_checkpoint to a checkpoint-N folder's path, auto (this output_dir's newest) or null"
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"resume_from_checkpoint {path}: " + ("no such folder (a link to a missing one)"
+                                                               if p.is_symlink() else "no such folder") + f"; {fix}")
+    if p.is_dir() and not (p / "state").exists() and (p / "config.json").is_file():
+        raise ConfigError(f"resume_from_checkpoint {path} holds a model without training state (an export, or a "
+                          f"Hugging Face folder): to train from its weights, set model_name_or_path: {path} and "
+                          "resume_from_checkpoint: null")
+    with _earlier_if_damaged():
+        return read_meta(path)
+
+
+@contextlib.contextmanager
+def _earlier_if_damaged():
+    """A damaged checkpoint that resume_from_checkpoint names: the fix said."""
+    try:
+        yield
+    except CorruptCheckpointError as e:
+        raise CorruptCheckpointError(f"{e}; resume from an earlier checkpoint (moving this one away, "
+                                     "resume_from_checkpoint: auto takes the newest intact one)") from None
 
 
 def _resume_point(cfg: TrainConfig, out: OutputDir, ranks, resume):
@@ -580,13 +624,8 @@ def _training_data(cfg: TrainConfig, tok, hf_config, ecfg: EngineConfig, ranks):
     rows = cfg.micro_batch_size * world  # (a micro-batch's, every rank's)
     if cfg.max_steps > 0:
         total = cfg.max_steps
-    else:  # the micro-batches each epoch holds as _draw takes them, whole steps of them
-        def held_by(k: int) -> int:  # epoch k's packed rows in its order, as micro-batches
-            return -(-_packed_rows(examples, _permutation(len(examples), cfg.seed, k), cfg.cutoff_len) // rows)
-        if cfg.packing:
-            mbs = sum(min(1.0, cfg.num_train_epochs - k) * held_by(k) for k in range(math.ceil(cfg.num_train_epochs)))
-        else:  # (every epoch holds its whole micro-batches, at least one)
-            mbs = cfg.num_train_epochs * max(1, samples // rows)
+    else:  # the micro-batches the epochs hold as _draw takes them, whole steps of them
+        mbs = _epoch_micro_batches(cfg, examples, rows)
         accumulate, lead = cfg.gradient_accumulation_steps, ranks is None or ranks.leader
         total = max(1, math.floor(mbs / accumulate + 1e-9))
         left = math.floor(mbs + 1e-9) - total * accumulate  # (the last epoch's micro-batches short of a step)
@@ -604,11 +643,39 @@ def _training_data(cfg: TrainConfig, tok, hf_config, ecfg: EngineConfig, ranks):
                   f"{total} step(s) of {accumulate}: the last {left} ({left * rows} "
                   f"{'packed rows' if cfg.packing else 'samples'}) are short of a step and not trained (max_steps: "
                   f"{total + 1} trains them, with the next epoch's first)", file=sys.stderr, flush=True)
-    # (as transformers' TrainingArguments.get_warmup_steps, but none for one step: the first warmup step's
-    # rate is 0, so a run of one step in warmup would train nothing)
+    return examples, skipped, dropped, held, total, _warmup(cfg, total)
+
+
+def _warmup(cfg, total: int) -> int:
+    """The warmup steps of a run of ``total`` steps: as transformers' TrainingArguments.get_warmup_steps, but
+    none for one step (the first warmup step's rate is 0, so a run of one step in warmup would train nothing)."""
     ws = cfg.warmup_ratio if cfg.warmup_steps is None else cfg.warmup_steps
-    warmup = 0 if total == 1 else int(ws) if ws >= 1 else math.ceil(ws * total)
-    return examples, skipped, dropped, held, total, warmup
+    return 0 if total == 1 else int(ws) if ws >= 1 else math.ceil(ws * total)
+
+
+def _epoch_micro_batches(cfg, examples, rows: int, epoch: int = 0, offset: int = 0) -> float:
+    """The micro-batches of ``rows`` rows that num_train_epochs holds from ``offset`` in epoch ``epoch``'s order
+    on, as _draw takes them: every epoch its whole micro-batches (at least one; packed: its samples' rows),
+    the last epoch the fraction num_train_epochs gives of its own. From a resumed position (a run whose batch or
+    data changed), what is left of that epoch's share."""
+    epochs = cfg.num_train_epochs
+    if cfg.packing:  # (epochs counted up front, at most MAX_PACKED_EPOCHS: the examples are a list)
+        total = 0.0
+        for k in range(epoch, math.ceil(epochs)):
+            order = _permutation(len(examples), cfg.seed, k)
+            held = -(-_packed_rows(examples, order, cfg.cutoff_len) // rows)
+            left = -(-_packed_rows(examples, order[offset:], cfg.cutoff_len) // rows) if k == epoch else held
+            total += max(0.0, min(1.0, epochs - k) * held - (held - left))
+        return total
+    # (every epoch the same whole micro-batches: counted at once, however many epochs)
+    samples = sum(e is not None for e in examples) if isinstance(examples, list) else len(examples)
+    held = max(1, samples // rows)
+    if not offset:
+        return max(0.0, epochs - epoch) * held
+    order = _permutation(len(examples), cfg.seed, epoch)  # (a dataset smaller than a micro-batch: taken at 0)
+    rest = sum(examples[i] is not None for i in order[offset:]) if isinstance(examples, list) \
+        else len(examples) - offset
+    return max(0.0, min(1.0, epochs - epoch) * held - (held - rest // rows)) + max(0.0, epochs - epoch - 1) * held
 
 
 def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, dropped, total, warmup,
@@ -626,7 +693,12 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
     data = {"seed": cfg.seed, "batch": cfg.micro_batch_size * cfg.gradient_accumulation_steps * world,
             "samples": len(examples), "dataset": [_where(d.path) for d in cfg.dataset], "packing": cfg.packing,
             "max_samples": cfg.max_samples,
-            "cutoff_len": cfg.cutoff_len}
+            "cutoff_len": cfg.cutoff_len, "val_size": cfg.val_size,
+            # (what a resume says changed in brief, CHANGED)
+            "content": [fingerprint(d.path) for d in cfg.dataset],
+            "entries": [[d.format, d.split, d.subset, d.columns] for d in cfg.dataset],
+            "chat_template": hashlib.blake2b(tok.chat_template.encode(), digest_size=16).hexdigest()
+            if isinstance(tok.chat_template, str) else None}
     # what decides each step's update (the config's keys, and the steps max_steps or num_train_epochs give): a
     # resume that changes one says so
     update = {"learning_rate": cfg.learning_rate, "lr_scheduler_type": cfg.lr_scheduler_type,
@@ -636,27 +708,36 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
               "max_grad_norm": cfg.max_grad_norm,
               "bf16": engine.cfg.compute_dtype == torch.bfloat16, "fp8": cfg.fp8}
     if resume:
-        state = engine.load_checkpoint(resume)
+        with _earlier_if_damaged() if cfg.resume_from_checkpoint != "auto" else contextlib.nullcontext():
+            state = engine.load_checkpoint(resume)
         start, epoch, offset = state["step"], state["epoch"], state["offset"]
+        say(f"slideformer: resumed from {resume} at step {start}", flush=True)
+
+        def differ(now: dict, key: str) -> str:  # (what the checkpoint recorded under ``key`` and ``now`` changes)
+            was = state.get(key) or {}
+            return ", ".join(CHANGED[k] if k in CHANGED else f"{k} {now[k]} (it was {was[k]})"
+                             for k in now if k in was and was[k] != now[k])
+
+        if changed := differ(data, "data"):
+            say(f"slideformer: resumed with {changed}: the data from step {start + 1} on is not what the "
+                f"interrupted run would have drawn (its position, {offset} samples into epoch {epoch}, is kept)",
+                file=sys.stderr, flush=True)
+            if cfg.max_steps <= 0:  # (the epochs' steps, counted from the position kept at this run's batch)
+                total = start + math.floor(_epoch_micro_batches(cfg, examples, cfg.micro_batch_size * world, epoch,
+                                                                offset) / cfg.gradient_accumulation_steps + 1e-9)
+                warmup = _warmup(cfg, total)
+                update.update(steps=total, warmup_steps=warmup)
+        epochs_end = cfg.max_steps <= 0 and (state.get("update") or {}).get("steps", total) != total
+        # (at its end nothing follows them; the end num_train_epochs moved there at this batch is said)
+        if (changed := differ(update, "update")) and (start < total or epochs_end):
+            say(f"slideformer: resumed with {changed}: the steps from {start + 1} on follow these, not "
+                "the interrupted run's settings", file=sys.stderr, flush=True)
         # (the run saved at an evaluation's step before it, or this run ends there (a lower max_steps): pending
         # unless its record made it to metrics.jsonl, where a kill or a failure during it would have kept it from)
         done = lambda: out.begun and any(  # noqa: E731  (the folder's metrics: this run's)
             e["step"] == start for e in loss_curves(out.path / METRICS)[1])
         eval_pending = (bool(state.get("eval_pending")) or start >= total) and \
             not (done() if ranks is None else parallel.from_leader(done))
-        say(f"slideformer: resumed from {resume} at step {start}", flush=True)
-
-        def differ(now: dict, key: str) -> str:  # (what the checkpoint recorded under ``key`` and ``now`` changes)
-            was = state.get(key) or {}
-            return ", ".join(f"{k} {now[k]} (it was {was[k]})" for k in now if k in was and was[k] != now[k])
-
-        if changed := differ(data, "data"):
-            say(f"slideformer: resumed with {changed}: the data from step {start + 1} on is not what the "
-                f"interrupted run would have drawn (its position, {offset} samples into epoch {epoch}, is kept)",
-                file=sys.stderr, flush=True)
-        if (changed := differ(update, "update")) and start < total:  # (at its end: nothing follows them)
-            say(f"slideformer: resumed with {changed}: the steps from {start + 1} on follow these, not "
-                "the interrupted run's settings", file=sys.stderr, flush=True)
     if blocking := out.unreplaceable_ahead(start, total, cfg.save_steps):  # (overwrite_output_dir or not)
         raise OutputDirError(f"output_dir {out.path} holds {blocking[0].name}, which is not a slideformer checkpoint, "
                              "where this run would save that step (a save replaces only checkpoints, even with "
@@ -844,6 +925,9 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                     last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
                                        cfg.model_name_or_path)
                 newest[0] = last_saved
+                if not stop and step < total:  # (a signal during the save: its checkpoint is this step's, stop)
+                    signum, _ = why_stop(signals.requested, False)
+                    stop = bool(signum)
             # (after the save, which a failing evaluation must not cost; not when the run is to stop now: the
             # checkpoint says it is pending, and the resumed run runs it first where its record is not logged)
             if due and not stop:

@@ -110,8 +110,9 @@ class OutputDir:
                     raise OutputDirError(
                         f"output_dir {out} holds checkpoints of an earlier run (newest {own.checkpoints()[-1].name}); "
                         + (f"resuming {resume}, another run's, there would put two histories in one folder: "
-                           "choose another output_dir for it, or set overwrite_output_dir: true to start it there "
-                           "as a new run" if branch else
+                           "set resume_from_checkpoint: auto to continue the run the folder holds (this one, if it "
+                           "started there), choose another output_dir, or set overwrite_output_dir: true to start "
+                           "it there as a new run" if branch else
                            "set resume_from_checkpoint: auto to continue it, overwrite_output_dir: true to start a "
                            "new run there, or choose another output_dir"))
                 run_id = None  # a new run: the earlier one's checkpoints are no longer ours to rotate
@@ -187,6 +188,7 @@ class OutputDir:
         run wrote them) TensorBoard events found go (this run's start with it). Once; a resumed run has
         begun."""
         if self.begun:
+            self._still_held()
             return
         out = self.path
         if RUN_FILE in self.found:
@@ -205,6 +207,22 @@ class OutputDir:
         else:
             self._replace(out / METRICS, lambda p: p.unlink(missing_ok=True))
         self.begun = True
+
+    def _still_held(self) -> None:
+        """The folder is still the one this run took (its lock and mark), not removed, moved or replaced under
+        it: else the run stops, writing nothing more (a save would make a folder no run marks or locks)."""
+        if getattr(self, "_lock", None) is None:
+            return
+        try:
+            lock, held = os.stat(self.path / LOCK_FILE), os.fstat(self._lock)
+            ours = (lock.st_dev, lock.st_ino) == (held.st_dev, held.st_ino) and \
+                json.loads((self.path / RUN_FILE).read_text())["run_id"] == self.run_id
+        except (OSError, ValueError, KeyError, TypeError):
+            ours = False
+        if not ours:
+            raise OutputDirError(f"output_dir {self.path} was removed, moved or replaced during the run (its "
+                                 f"{LOCK_FILE} or {RUN_FILE} is not this run's): stopped, writing nothing more there; "
+                                 "put the folder back and resume with resume_from_checkpoint: auto, or start over")
 
     def _replace(self, path: Path, act) -> None:
         """``act(path)``; its OSError as one naming the file (a full disk, a read-only folder)."""
@@ -261,6 +279,19 @@ class OutputDir:
         """This run's checkpoints of steps past ``step``, oldest first."""
         return [p for p in self.checkpoints() if _step_of(p) > step]
 
+    def holds(self, path) -> str | None:
+        """The entry of the folder that a run writes, replaces or rotates away (a checkpoint, metrics.jsonl,
+        loss.png, the trackers' folders) where ``path`` is or lies in; None where it lies in none."""
+        try:
+            rel = Path(path).resolve().relative_to(self.path.resolve())
+        except (ValueError, OSError):
+            return None
+        top = rel.parts[0] if rel.parts else None
+        if top in (METRICS, PLOT, RUN_FILE, *TRACKER_DIRS) or \
+                (top is not None and _step_of_name(top.removesuffix(".tmp")) is not None):
+            return top
+        return None
+
     def checkpoints(self) -> list[Path]:
         """This run's checkpoints, oldest first (a checkpoint whose metadata cannot be read is not counted
         as ours: it is never deleted)."""
@@ -302,7 +333,10 @@ class OutputDir:
         replaces them) and damaged ones are neither kept in their place nor deleted."""
         ours = [p for p in self.checkpoints() if _step_of(p) <= step and p.name not in self.passed_over]
         for old in ours[:-keep]:
-            kept, why = remove_checkpoint(old)
+            try:
+                kept, why = remove_checkpoint(old)
+            except OSError as e:  # (the new checkpoint is saved: what could not be removed stays, said)
+                kept, why = [Path(e.filename or old)], f"removing it failed ({e.strerror or e})"
             if kept:
                 print(f"slideformer: {old.name} rotated out; {len(kept)} file(s) kept there, as {why} "
                       f"({kept[0].relative_to(old) if kept[0] != old else old.name})", file=sys.stderr)
