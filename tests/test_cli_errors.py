@@ -647,6 +647,47 @@ def test_a_bug_exits_1_with_its_traceback_in_a_log(tmp_path, capsys, monkeypatch
     assert (tmp_path / "slideformer-error.log").is_file() and "boom" in (tmp_path / "slideformer-error.log").read_text()
 
 
+@pytest.mark.parametrize("raised, code, needles", [
+    # (no signal was sent: a KeyboardInterrupt a worker thread raised is a bug, said with its cause)
+    (KeyboardInterrupt, 1, ["unexpected RuntimeError: a worker thread (the CPU optimizer, weight loader or disk) "
+                            "failed", "(KeyboardInterrupt: )", "please report it"]),
+    (MemoryError, 3, ["out of host memory (MemoryError): set offload.host_memory_limit"]),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                  "tried to allocate 70368744177664 bytes."), 3, ["out of host memory (RuntimeError: [enforce fail",
+                                                                 "then resume"]),
+    (RuntimeError("a kernel's own failure"), 1, ["failed; training state is not consistent (RuntimeError: a "
+                                                 "kernel's own failure)"]),
+])
+def test_a_worker_threads_failure_is_said_with_its_cause(tmp_path, capsys, monkeypatch, raised, code, needles):
+    from slideformer.engine import updates
+
+    def boom(*a, **k):
+        raise raised
+
+    monkeypatch.setattr(updates, "adamw_update_", boom)
+    assert main(FAST + [f"output_dir={tmp_path}", "max_steps=2"]) == code
+    one_line(capsys, *needles)
+
+
+def test_a_picture_that_cannot_be_drawn_is_said_and_ends_nothing(tmp_path, capsys, monkeypatch):
+    from slideformer.train import loop
+
+    def boom(*a, **k):
+        raise RuntimeError("matplotlib's own failure")
+
+    monkeypatch.setattr(loop, "_draw_loss", boom)
+    assert main(FAST + [f"output_dir={tmp_path}", "max_steps=2"]) == 0
+    assert "loss.png not written (RuntimeError: matplotlib's own failure)" in capsys.readouterr().err
+    # nor replaces the error that ended the run (a full disk's)
+    import errno
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "metrics.jsonl"))
+
+    monkeypatch.setattr(loop.OutputDir, "log", full)
+    assert main(FAST + [f"output_dir={tmp_path}/b", "max_steps=2"]) == 5
+
+
 def test_a_worker_threads_disk_error_is_an_io_error(tmp_path, capsys, monkeypatch):
     """A full NVMe disk met by the optimizer's disk thread reaches the main thread wrapped; it exits 5 with
     the disk's line, not as a bug."""

@@ -287,10 +287,37 @@ def test_optimizer_failure_surfaces(monkeypatch):
 
     monkeypatch.setattr(updates, "adamw_update_", boom)
     with SlideEngine(build("llama"), engine_config(**CPU)) as eng:
-        with pytest.raises(RuntimeError, match="CPU optimizer or weight loader failed") as info:
+        with pytest.raises(RuntimeError, match="the CPU optimizer, weight loader or disk. failed") as info:
             eng.train_step(batch(97))  # the failure surfaces in this step or at the next wait
             eng.train_step(batch(97))
         assert isinstance(info.value.__cause__, MemoryError)
+
+
+def test_a_worker_threads_failure_anywhere_in_it_ends_the_wait_for_it(monkeypatch):
+    """An error outside an update's own handling (choosing the next update) still reaches the main thread,
+    which would otherwise wait for that update for good."""
+    import signal
+
+    from slideformer.engine import updates
+
+    def boom(*a, **k):
+        raise RuntimeError("simulated")
+
+    def hung(*a):
+        raise TimeoutError("the main thread waited for a dead worker")
+
+    monkeypatch.setattr(updates, "next_update", boom)
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(120)
+    try:
+        with SlideEngine(build("llama"), engine_config(**CPU)) as eng:
+            with pytest.raises(RuntimeError, match="a worker thread .* failed") as info:
+                eng.train_step(batch(97))
+                eng.synchronize()
+            assert str(info.value.__cause__) == "simulated"
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
 
 
 def test_engine_refuses_a_host_state_over_the_ram_before_allocating(monkeypatch):

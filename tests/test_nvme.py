@@ -478,6 +478,12 @@ def test_checksums_chain_across_pieces_and_a_write_that_moves_nothing_fails(tmp_
         monkeypatch.setattr(nvme.os, "pwritev", lambda fd, bufs, off: 0)
         with pytest.raises(TierError, match="a write moved nothing"):
             tier.write(0, 0)
+
+        def eio(*a):
+            raise OSError(errno.EIO, "Input/output error")
+        monkeypatch.setattr(nvme.os, "preadv", eio)  # (a read that fails names its file, as a write does)
+        with pytest.raises(TierError, match=f"reading NVMe state file {tier.files[0]} failed .Input/output error."):
+            tier.read(0, 0)
     finally:
         monkeypatch.undo()
         tier.close()

@@ -498,6 +498,8 @@ def _exit_code(e: BaseException) -> int | None:
         return 128 + e.signum
     if isinstance(e, KeyboardInterrupt):
         return 130
+    if _out_of_memory(e):
+        return EXIT_DOES_NOT_FIT
     for types, code in (((ConfigError, DataError, CorruptCheckpointError, CheckpointError, UnsupportedModelError,
                           BatchError), EXIT_USAGE), ((DoesNotFit, HostMemoryExceeded), EXIT_DOES_NOT_FIT),
                         ((NonFiniteLoss, NonFiniteStateError), EXIT_NONFINITE), ((OSError,), EXIT_IO),
@@ -505,6 +507,16 @@ def _exit_code(e: BaseException) -> int | None:
         if isinstance(e, types):
             return code
     return None
+
+
+def _out_of_memory(e: BaseException) -> str | None:
+    """Which memory ran out (host RAM: a MemoryError, or torch's CPU allocator failing; the GPU's: torch's
+    OutOfMemoryError), or None (the memory guard's HostMemoryExceeded says its own line)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(e, torch.OutOfMemoryError):
+        return "GPU"
+    return "host" if type(e) is MemoryError or (isinstance(e, RuntimeError) and "can't allocate memory" in str(e)) \
+        else None
 
 
 def _reader_gone() -> bool:
@@ -537,6 +549,14 @@ def _say(line: str) -> None:
 def _one_line(e: BaseException) -> str:
     if isinstance(e, KeyboardInterrupt):
         return (e if isinstance(e, Interrupted) else Interrupted(2)).line()
+    if memory := _out_of_memory(e):
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        what = f"{type(e).__name__}: {first}" if first and memory == "host" else first or type(e).__name__
+        return (f"error: out of {memory} memory ({what}): " + (
+            "set offload.host_memory_limit below what this machine has free (the planner then keeps less in RAM), "
+            "use offload.optimizer_state: 8bit or offload.offload_dir" if memory == "host" else
+            "set offload.gpu_memory_limit below what the GPU has free (another process on it?)")
+            + ", or fewer tokens a micro-batch (micro_batch_size, cutoff_len); then resume")
     if isinstance(e, OSError) and e.strerror:
         import errno
 
@@ -804,12 +824,15 @@ def _main(argv: list[str], signals: Signals) -> int:
         code, cause = _exit_code(e), e
         while code is None and cause.__cause__ is not None:  # (a worker thread's error, re-raised in the main one)
             cause = cause.__cause__
-            code = _exit_code(cause)
+            # (a KeyboardInterrupt raised in a worker thread is no signal: a signal is the main thread's)
+            code = None if isinstance(cause, KeyboardInterrupt) else _exit_code(cause)
         e = cause if code is not None else e
         if code is None:
             log = _log_bug(getattr(args, "log_dir", None))
-            first = (str(e).strip().splitlines() or [""])[0][:300]
-            _say(f"error: unexpected {type(e).__name__}: {first} (the full traceback is in {log}; please report it)")
+            first = lambda x: (str(x).strip().splitlines() or [""])[0][:300]  # noqa: E731
+            why = f" ({type(cause).__name__}: {first(cause)})" if cause is not e else ""
+            _say(f"error: unexpected {type(e).__name__}: {first(e)}{why} (the full traceback is in {log}; please "
+                 "report it)")
             return EXIT_BUG
         _say(_one_line(e))
         return code

@@ -251,7 +251,7 @@ def read_meta(path: str | os.PathLike) -> dict:
     return meta
 
 
-EDITABLE_BYTES = 64 << 20  # a checkpoint's files (not tensors) this small are checked before removal: a hand edit is kept
+EDITABLE_BYTES = 64 << 20  # a checkpoint's files (not tensors) this small are checked before removal (a hand edit)
 
 
 def remove_checkpoint(path: str | os.PathLike) -> tuple[list[Path], str]:

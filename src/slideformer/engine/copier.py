@@ -243,19 +243,25 @@ class CudaCopier:
         self._copied.clear()  # (every copy is done)
 
 
-def on_device(target, device):
+def on_device(target, device, failure):
     """``target`` for a thread of its own, run on ``device`` (the creating thread's GPU where it has no index).
     CUDA's current device is per thread and a new thread starts on GPU 0: a rank on GPU 1 whose worker
     thread records, waits on or leaves a stream would otherwise open a context on GPU 0 (as torch's
-    DataLoader does for its pinning thread)."""
+    DataLoader does for its pinning thread). What escapes ``target`` is recorded in ``failure`` (engine/disk.py
+    Failure) before the thread ends: the main thread, waiting on a flag this thread would have set, stops at
+    it instead of waiting for good."""
     device = torch.device(device)
-    if device.type != "cuda":
-        return target
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = None if device.type != "cuda" else device.index if device.index is not None else \
+        torch.cuda.current_device()
 
     def run(*args, **kwargs):
-        torch.cuda.set_device(index)
-        return target(*args, **kwargs)
+        if index is not None:
+            torch.cuda.set_device(index)
+        try:
+            return target(*args, **kwargs)
+        except BaseException as e:
+            failure.record(e)
+            raise
     return run
 
 

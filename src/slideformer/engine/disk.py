@@ -36,8 +36,8 @@ class Failure:
     def raise_if_any(self) -> None:
         """In the main thread: the first failure, as the error that says the state may be inconsistent."""
         if self.first is not None:
-            raise RuntimeError("the CPU optimizer or weight loader failed; training state is not consistent") \
-                from self.first
+            raise RuntimeError("a worker thread (the CPU optimizer, weight loader or disk) failed; training state is "
+                               "not consistent") from self.first
 
     def wait(self, done: threading.Event) -> bool:
         """Wait for another thread's ``done`` flag; False if a failure means it may never come."""
@@ -52,7 +52,8 @@ class DiskIO:
         self.tier, self.failure = tier, failure
         self._reads: queue.Queue = queue.Queue()
         self._writes: queue.Queue = queue.Queue()
-        self._threads = [threading.Thread(target=on_device(self._work, device), args=(q,), name=name, daemon=True)
+        self._threads = [threading.Thread(target=on_device(self._work, device, failure), args=(q,), name=name,
+                                          daemon=True)
                          for q, name in ((self._reads, "slideformer-disk-read"), (self._writes, "slideformer-disk-write"))]
         for th in self._threads:
             th.start()

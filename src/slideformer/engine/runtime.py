@@ -156,8 +156,8 @@ class Runtime:
         self._tickets = 0
         self._tier_turn, self._tier_copied = 0, [None, None]  # (the loader's: see _load_from_tier)
         self._loads: queue.Queue[tuple | None] = queue.Queue()
-        self._loader = threading.Thread(target=on_device(self._load_work, self.device), name="slideformer-loader",
-                                        daemon=True)
+        self._loader = threading.Thread(target=on_device(self._load_work, self.device, self.failure),
+                                        name="slideformer-loader", daemon=True)
         self._loader.start()
         self._closed = False
         _SWITCH_INTERVAL.acquire()

@@ -98,8 +98,8 @@ class Updates:
         # One thread: its kernels release the GIL and use their own threads, so the updates overlap the
         # Python thread driving the GPU.
         self._jobs: queue.Queue[UpdateJob | _Verdict | None] = queue.Queue()
-        self._worker = threading.Thread(target=on_device(self._work, cfg.device), name="slideformer-optimizer",
-                                        daemon=True)
+        self._worker = threading.Thread(target=on_device(self._work, cfg.device, failure),
+                                        name="slideformer-optimizer", daemon=True)
         self._worker.start()
 
     @property

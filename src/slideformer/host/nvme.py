@@ -257,21 +257,26 @@ class Checksummed:
         self._pools = {w: ThreadPoolExecutor(1, thread_name_prefix=f"slideformer-crc-{'write' if w else 'read'}")
                        for w in (False, True)}
 
-    def move(self, fd: int, view: memoryview, offset: int, direct: bool, write: bool) -> tuple[int, int]:
-        """``view`` to ``fd`` at ``offset`` (raises OSError), or filled from it; then out of the page cache.
-        Returns (bytes moved, their CRC32): a read moves fewer where the file ends early."""
+    def move(self, fd: int, view: memoryview, offset: int, direct: bool, write: bool, what: str) -> tuple[int, int]:
+        """``view`` to ``fd`` at ``offset``, or filled from it; then out of the page cache. Returns (bytes
+        moved, their CRC32): a read moves fewer where the file ends early. A failure is a TierError naming
+        ``what`` is moved (the file)."""
         pool, crc, done = self._pools[write], None, 0
-        while done < len(view):
-            piece = view[done: done + IO_CHUNK]
-            n = os.pwritev(fd, [piece], offset + done) if write else os.preadv(fd, [piece], offset + done)
-            if n <= 0:
-                if write:  # (a write that moves nothing would leave a file whose CRC says otherwise)
-                    raise OSError(errno.EIO, f"a write moved nothing at byte {offset + done}")
-                break
-            crc = pool.submit(_crc_after, crc, view[done: done + n])  # (in order: one thread a direction)
-            done += n
-        if not direct:  # page cache would spend the RAM the file saves
-            os.posix_fadvise(fd, offset, len(view), os.POSIX_FADV_DONTNEED)
+        try:
+            while done < len(view):
+                piece = view[done: done + IO_CHUNK]
+                n = os.pwritev(fd, [piece], offset + done) if write else os.preadv(fd, [piece], offset + done)
+                if n <= 0:
+                    if write:  # (a write that moves nothing would leave a file whose CRC says otherwise)
+                        raise OSError(errno.EIO, f"a write moved nothing at byte {offset + done}")
+                    break
+                crc = pool.submit(_crc_after, crc, view[done: done + n])  # (in order: one thread a direction)
+                done += n
+            if not direct:  # page cache would spend the RAM the file saves
+                os.posix_fadvise(fd, offset, len(view), os.POSIX_FADV_DONTNEED)
+        except OSError as e:
+            raise TierError(e.errno, f"{'writing' if write else 'reading'} {what} failed ({e.strerror}); training "
+                            "stops here") from e
         return done, 0 if crc is None else crc.result()
 
     def close(self) -> None:
@@ -387,7 +392,8 @@ class NvmeTier:
 
     def _read_field(self, unit: int, name: str, dst: torch.Tensor) -> None:
         view = memoryview(dst.numpy())
-        done, crc = self._sums.move(self._fds[unit], view, self.layout[unit][name][0], self.direct, write=False)
+        done, crc = self._sums.move(self._fds[unit], view, self.layout[unit][name][0], self.direct, write=False,
+                                    what=f"NVMe state file {self.files[unit]}")
         if done < len(view):
             raise TierError(errno.EIO, f"NVMe state file {self.files[unit]} is truncated in {name}")
         if (unit, name) not in self.crc:
@@ -404,11 +410,8 @@ class NvmeTier:
             at = self.layout[unit][name][0]
             self.crc.pop((unit, name), None)  # until the write completes the field holds nothing valid
             view = memoryview(self.buffers[buf].numpy())[at: at + self.field_bytes(unit, name)]
-            try:
-                _, crc = self._sums.move(self._fds[unit], view, at, self.direct, write=True)
-            except OSError as e:
-                raise TierError(e.errno, f"writing NVMe state file {self.files[unit]} failed ({e.strerror}); "
-                                "training stops here") from e
+            _, crc = self._sums.move(self._fds[unit], view, at, self.direct, write=True,
+                                     what=f"NVMe state file {self.files[unit]}")
             self.crc[unit, name] = crc
 
     def copy_out(self, unit: int, *names: str) -> dict[str, torch.Tensor]:
@@ -493,16 +496,14 @@ class NvmeScratch:
         view = memoryview(buf.view(torch.uint8).numpy())
         assert len(view) <= self.record_bytes and index < self.records
         self.crc.pop(index, None)  # until this write completes the record holds nothing valid (not last step's)
-        try:
-            _, crc = self._sums.move(self.fd, view, index * self.record_bytes, self.direct, write=True)
-        except OSError as e:
-            raise TierError(e.errno, f"writing {self.what} to {self.path} failed ({e.strerror}); training stops "
-                            "here") from e
+        _, crc = self._sums.move(self.fd, view, index * self.record_bytes, self.direct, write=True,
+                                 what=f"{self.what} in {self.path}")
         self.crc[index] = crc
 
     def read(self, index: int, buf: torch.Tensor) -> None:
         view = memoryview(buf.view(torch.uint8).numpy())
-        done, crc = self._sums.move(self.fd, view, index * self.record_bytes, self.direct, write=False)
+        done, crc = self._sums.move(self.fd, view, index * self.record_bytes, self.direct, write=False,
+                                    what=f"{self.what} in {self.path}")
         if done < len(view):
             raise TierError(errno.EIO, f"{self.path} is truncated at record {index}")
         if crc != self.crc.get(index):

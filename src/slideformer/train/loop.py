@@ -766,7 +766,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
         signum, memory = parallel.largest([float(signum or 0), float(memory)], engine.device)
         return int(signum), bool(memory)
 
-    signum = 0
+    signum, failing = 0, False
     status, dropped_steps, in_a_row, step = "finished", 0, 0, start
     saved = out.checkpoints()
     last_saved = saved[-1] if saved else None
@@ -880,9 +880,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                     state = {"step": step, "epoch": epoch, "offset": offset, "skipped_records": skipped,
                              "run_id": out.run_id, "data": data, "update": update, "model": model,
                              "logged": {"loss_sum": loss_sum, "targets": targets_since}}
-                    with dog.allowing(SAVE_LIMIT_S):
-                        last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
-                                           cfg.model_name_or_path)
+                    last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
+                                       cfg.model_name_or_path, dog)
                     status = "interrupted"
                     break
                 continue  # the same step number, the next data
@@ -921,9 +920,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                      "eval_pending": due, "logged": {"loss_sum": loss_sum, "targets": targets_since}}
             saving = bool(cfg.save_steps and step % cfg.save_steps == 0) or step == total or stop
             if saving:
-                with dog.allowing(SAVE_LIMIT_S):
-                    last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
-                                       cfg.model_name_or_path)
+                last_saved = _save(engine, tok, out, step, state, cfg.save_total_limit, last_saved,
+                                   cfg.model_name_or_path, dog)
                 newest[0] = last_saved
                 if not stop and step < total:  # (a signal during the save: its checkpoint is this step's, stop)
                     signum, _ = why_stop(signals.requested, False)
@@ -937,9 +935,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                 signum, _ = why_stop(signals.requested, False)  # (a signal during it: stop here, not a step on)
                 if signum and step < total:
                     if not saving:
-                        with dog.allowing(SAVE_LIMIT_S):
-                            last_saved = _save(engine, tok, out, step, {**state, "eval_pending": False},
-                                               cfg.save_total_limit, last_saved, cfg.model_name_or_path)
+                        last_saved = _save(engine, tok, out, step, {**state, "eval_pending": False},
+                                           cfg.save_total_limit, last_saved, cfg.model_name_or_path, dog)
                         newest[0] = last_saved
                     status = "interrupted"
                     break
@@ -957,20 +954,29 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
                 status = "interrupted"
                 break
     except BaseException as e:  # (the trackers' word for the run; the exception goes on)
-        status = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+        status, failing = "interrupted" if isinstance(e, KeyboardInterrupt) else "failed", True
         raise
     finally:
         if settled:  # (what the run held is the collector's again: a caller's next run in this process)
             heap.release()
-        for part in (dog, guard):
-            if part is not None:
-                part.close()
-        if progress is not None:
-            progress(None, None)
-        if tracking is not None:
-            tracking.close(status)
-        if (history or evals) and lead:
-            _plot_loss(out.path / METRICS, out.path / PLOT)
+        # every part closed whatever another's close raises (the first such error is the run's where it ended
+        # without one); the watchdog last, over the trackers' close (a save's allowance: an upload's), which a
+        # server gone would stall for good
+        def close_trackers():
+            with dog.allowing(SAVE_LIMIT_S) if dog is not None else contextlib.nullcontext():
+                tracking.close(status)
+        closes = [lambda: progress(None, None)] * (progress is not None) + \
+            [close_trackers] * (tracking is not None) + \
+            [lambda: _plot_loss(out.path / METRICS, out.path / PLOT)] * bool((history or evals) and lead) + \
+            [part.close for part in (guard, dog) if part is not None]
+        first = None
+        for close in closes:
+            try:
+                close()
+            except Exception as e:
+                first = first or e
+        if first is not None and not failing:
+            raise first
     return {"status": status, "signal": signum, "steps": step, "history": history, "evals": evals,
             "lead": lead,
             # (a branch, resumed from another folder's checkpoint, that has saved none of its own: that one)
@@ -1104,7 +1110,16 @@ def _permutation(n: int, seed: int, epoch: int):
 
 
 def _save(engine, tok, out: OutputDir, step: int, state: dict, limit: int | None, previous: Path | None,
-          source: str = "tiny") -> Path:
+          source: str, dog: Watchdog) -> Path:
+    """The checkpoint of ``step``: the step's updates waited for under the watchdog's limit for a step (a
+    stalled update is no save's), the writing under SAVE_LIMIT_S."""
+    engine.synchronize()
+    with dog.allowing(SAVE_LIMIT_S):
+        return _write_checkpoint(engine, tok, out, step, state, limit, previous, source)
+
+
+def _write_checkpoint(engine, tok, out: OutputDir, step: int, state: dict, limit: int | None, previous: Path | None,
+                      source: str) -> Path:
     target = out.path / f"{CKPT_PREFIX}{step}"
     if target.exists() and not out.overwrite and target not in out.checkpoints():
         raise OutputDirError(f"{target} appeared during the run and was not written by it; move it away and resume "
@@ -1196,11 +1211,11 @@ def _plot_loss(metrics: Path, path: Path) -> None:
     try:
         if _draw_loss(metrics, tmp):
             os.replace(tmp, path)
-    except OSError as e:
+    except Exception as e:  # (a full disk; matplotlib's own failure)
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        print(f"slideformer: {path} not written ({e.strerror or e}); {metrics} has the same curve",
-              file=sys.stderr, flush=True)
+        why = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {e}"
+        print(f"slideformer: {path} not written ({why}); {metrics} has the same curve", file=sys.stderr, flush=True)
 
 
 def _draw_loss(metrics: Path, path: Path) -> bool:
