@@ -669,6 +669,21 @@ def test_a_worker_threads_failure_is_said_with_its_cause(tmp_path, capsys, monke
     one_line(capsys, *needles)
 
 
+def test_a_full_datasets_cache_is_said_as_the_cache_with_exit_5(tmp_path, capsys, monkeypatch):
+    from slideformer.data import formats
+
+    csv = data(tmp_path, "d.csv", b"text\nhello there\n")
+
+    def full(*a, **k):  # (what datasets' builder raises where its cache's disk has no room)
+        raise OSError("Not enough disk space. Needed: Unknown size (download: Unknown size, generated: Unknown size")
+
+    monkeypatch.setattr(formats, "_load", full)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    assert main(FAST + [f"output_dir={tmp_path}/o", f"dataset={csv}"]) == 5
+    one_line(capsys, f"dataset {csv}: datasets cannot write its cache", "(Not enough disk space)",
+             "set HF_DATASETS_CACHE to a writable folder with room")
+
+
 def test_a_picture_that_cannot_be_drawn_is_said_and_ends_nothing(tmp_path, capsys, monkeypatch):
     from slideformer.train import loop
 

@@ -56,6 +56,24 @@ def test_the_demo_starts_over_in_its_own_folder_only(tmp_path, monkeypatch, caps
     assert (demo / "metrics.jsonl").read_text() == '{"mine": 1}\n'
 
 
+def test_an_output_dir_that_cannot_be_one_is_said_before_any_work(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "gone").symlink_to(tmp_path / "missing")
+    (tmp_path / "over" / "metrics.jsonl").mkdir(parents=True)
+    # (a path within Linux's 4096 bytes whose checkpoint's files would not be)
+    n = 4050 - len(str(tmp_path)) - 1
+    long = tmp_path / "/".join(["d" * 199] * (n // 200) + ["d" * (n % 200 or 1)])
+    assert 4096 - 96 < len(str(long)) < 4096
+    for out, needle in ((tmp_path / "afile" / "sub", f"{tmp_path / 'afile'} is a file"),
+                        (tmp_path / "gone", f"is a link to {tmp_path / 'missing'}, which does not exist"),
+                        (tmp_path / "over", "holds a folder metrics.jsonl, where the run writes its file"),
+                        (long, "is too long: a checkpoint's files there would pass")):
+        assert run(out, "max_steps=1", "overwrite_output_dir=true") == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and needle in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "gone", "over"]
+
+
 def test_what_a_run_reads_is_not_in_what_it_writes_over(tmp_path, capsys):
     """Data, a model or a chat template in the output folder's metrics.jsonl or a checkpoint: overwrite_output_dir
     would replace it (or rotation delete it) while it is read; refused before any work, untouched."""

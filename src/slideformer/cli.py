@@ -19,11 +19,12 @@ from .signals import Interrupted, Signals
 EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_DOES_NOT_FIT, EXIT_NONFINITE, EXIT_IO, EXIT_RANK_LOST = 0, 1, 2, 3, 4, 5, 7
 EXIT_PIPE = 141  # (128 + SIGPIPE, as a shell's tools end when their output's reader has gone)
 EXIT_CODES_HELP = ("Exit codes: 0 done, 1 unexpected failure (traceback in slideformer-error.log), 2 bad config, "
-                   "data, model or checkpoint, 3 does not fit, 4 non-finite loss or gradient, 5 a file could not be "
-                   "written or read (full or read-only disk, permissions), 6 no progress within the watchdog's limit "
-                   "(every thread's stack printed), 7 another rank of a torchrun job failed or was lost, 129 SIGHUP, "
-                   "130 SIGINT, 141 the output's reader closed it (`| head`), 143 SIGTERM (a checkpoint was saved if a step had finished); 3 also where the "
-                   "process neared its host memory budget (a checkpoint was saved).")
+                   "data, model or checkpoint, 3 does not fit (or ran out of memory), 4 non-finite loss or gradient, "
+                   "5 a file could not be written or read (full or read-only disk, permissions), 6 no progress within "
+                   "the watchdog's limit (every thread's stack printed), 7 another rank of a torchrun job failed or "
+                   "was lost, 129 SIGHUP, 130 SIGINT, 141 the output's reader closed it (`| head`), 143 SIGTERM (a "
+                   "checkpoint was saved if a step had finished); 3 also where the process neared its host memory "
+                   "budget (a checkpoint was saved).")
 
 
 def cmd_train(args) -> int:

@@ -16,6 +16,7 @@ Files: JSONL, JSON (a list of records) and Parquet (through ``datasets``).
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import glob
 import itertools
@@ -762,6 +763,12 @@ def open_through_datasets(name: str, p: Path, split: str | None, subset: str | N
             datasets.exceptions.DatasetGenerationError) as e:
         if isinstance(e, datasets.exceptions.DatasetGenerationError) and e.__cause__ is not None:
             e = e.__cause__  # (the parser's own error says what is wrong)
+        if isinstance(e, OSError) and (e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+                                       or "disk space" in str(e)):  # (its cache: datasets writes only there)
+            cache = datasets.config.HF_DATASETS_CACHE
+            raise OSError(e.errno or errno.ENOSPC, f"dataset {name}: datasets cannot write its cache {cache} "
+                          f"({e.strerror or str(e).split('.')[0]}); free space there, or set HF_DATASETS_CACHE to a "
+                          "writable folder with room") from e  # (exit 5)
         if isinstance(e, OSError) and not isinstance(e, FileNotFoundError) and e.errno and p.exists():
             raise OSError(e.errno, f"dataset {name}: datasets cannot read it ({e.strerror})") from e  # (exit 5)
         where = "folder" if p.is_dir() else "file" if p.is_file() else "Hub dataset"

@@ -42,6 +42,7 @@ TENSORBOARD = "tensorboard"
 MLRUNS = "mlruns"  # mlflow's file store, where no MLFLOW_TRACKING_URI is set
 TRACKER_DIRS = (TENSORBOARD, "wandb", MLRUNS)  # what the trackers make in the folder (wandb names its own)
 ERROR_LOG = "slideformer-error.log"
+DEEPEST = 96  # what a save adds to output_dir's path, at most: /checkpoint-N.tmp/state/<unit>.safetensors.tmp
 
 
 class OutputDirError(ConfigError):
@@ -93,6 +94,21 @@ class OutputDir:
         out = Path(path)
         if out.exists() and not out.is_dir():
             raise OutputDirError(f"output_dir {out} is a file; set output_dir to a folder")
+        if out.is_symlink() and not out.exists():
+            raise OutputDirError(f"output_dir {out} is a link to {os.readlink(out)}, which does not exist; make that "
+                                 "folder, or set output_dir to another")
+        above = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+        if not above.is_dir():
+            raise OutputDirError(f"output_dir {out}: {above} is a file; set output_dir to a folder's path")
+        # (a checkpoint's deepest file, written last, within the file system's limit on a path's length)
+        limit = os.pathconf(above, "PC_PATH_MAX")
+        if len(os.fsencode(out.absolute())) + DEEPEST > limit:
+            raise OutputDirError(f"output_dir {out} is too long: a checkpoint's files there would pass this file "
+                                 f"system's limit of {limit} bytes a path; choose a shorter path")
+        for name in (METRICS, PLOT):
+            if (out / name).is_dir():
+                raise OutputDirError(f"output_dir {out} holds a folder {name}, where the run writes its file (what "
+                                     "is not the run's is never removed); move it away, or choose another output_dir")
         mark = out / RUN_FILE
         run_id = None
         if mark.is_file():
