@@ -104,7 +104,7 @@ OWN = b'{"text": "a"}\n'  # (a model of one's own needs data of one's own: the b
     ("learning_rat=1", 2, ["unknown key learning_rat; did you mean 'learning_rate'?"]),  # (a top-level key, as typed)
     ("dataset=&x [*x]", 2, ["dataset[0] must be a file path or a mapping with a path"]),  # (an alias holding itself)
     ("dataset={{path:hf://org/x}}", 2, ["write path: hf://org/x (a space after the colon)"]),
-    ("output_dir=/etc/passwd/run", 5, ["/etc/passwd/run"]),
+    ("output_dir=/etc/passwd/run", 2, ["output_dir /etc/passwd/run: /etc/passwd is a file"]),
     ("offload.offload_dir=/etc/passwd", 2, ["offload.offload_dir /etc/passwd is a file"]),
     ("offload.nvme_fraction=1", 2, ["offload.nvme_fraction 1 puts that share", "set offload.offload_dir"]),
     ("num_train_epochs=nan", 2, ["num_train_epochs must be a finite number"]),
@@ -140,6 +140,12 @@ def test_resume_from_checkpoint_takes_transformers_spellings(tmp_path, capsys):
     assert main(FAST + [out, "max_steps=2"]) == 0
     assert main(FAST + [out, "max_steps=3", "resume_from_checkpoint=true"]) == 0
     assert f"resumed from {tmp_path}/o/checkpoint-2 at step 2" in capsys.readouterr().out
+    from slideformer.train.config import TrainConfig  # (a library caller's)
+    from slideformer.train.loop import train
+
+    r = train(TrainConfig(resume_from_checkpoint=True, output_dir=f"{tmp_path}/o", max_steps=4, device="cpu",
+                          progress=False, micro_batch_size=4, max_grad_norm=None).validate())
+    assert r["steps"] == 4 and f"resumed from {tmp_path}/o/checkpoint-3" in capsys.readouterr().out
 
 
 def test_cuda_without_cuda(tmp_path, capsys):
@@ -263,6 +269,14 @@ def test_num_train_epochs_resumed_with_another_batch_counts_its_steps_from_the_p
     assert main(FAST + [out, data, "cutoff_len=64", "max_steps=-1", "num_train_epochs=1", "micro_batch_size=8"]) == 0
     err = capsys.readouterr().err
     assert "resumed with steps 13 (it was 5)" in err, err  # (5 + 68 samples // 8)
+    # (a dataset smaller than the batch: each step an epoch whole, from epoch 1 on, resumed at any of them)
+    from types import SimpleNamespace
+
+    from slideformer.train.loop import _epoch_micro_batches
+
+    small = SimpleNamespace(num_train_epochs=3, packing=False, seed=0)
+    assert [_epoch_micro_batches(small, [([1], [1])] * 10, 16, e, o) for e, o in ((0, 0), (1, 10), (3, 10))] == \
+        [3, 2, 0]
     rows = [json.loads(line) for line in (tmp_path / "o" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 13 and rows[-1]["epoch"] == pytest.approx(84 / 88), rows[-1]  # (4 short of a batch)
 

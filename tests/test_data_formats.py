@@ -502,3 +502,21 @@ def test_a_conversation_cut_at_a_turn_boundary_reaches_past_cutoff_len(tok):
     assert turn < len(whole)
     ids, cut_labels = render(conv, tok, "t", cutoff_len=turn)
     assert len(ids) > turn and ids == whole[: len(ids)] and cut_labels == labels[: len(ids)]
+
+
+def test_a_datasets_fingerprint_is_of_its_data_files(tmp_path):
+    """What a resume compares: an edit that keeps the size or a shuffle changes it; a folder's hidden files
+    (hf download's .cache, a .git) do not, as datasets reads none of them."""
+    from slideformer.data.formats import fingerprint
+
+    d = tmp_path / "d"
+    (d / ".cache").mkdir(parents=True)
+    lines = [json.dumps({"text": f"record {i}"}) + "\n" for i in range(20)]
+    (d / "a.jsonl").write_text("".join(lines))
+    (d / ".cache" / "a.jsonl.metadata").write_text("1")
+    first = fingerprint(d)
+    (d / ".cache" / "a.jsonl.metadata").write_text("2")
+    assert fingerprint(d) == first and fingerprint(d / "a.jsonl") != first
+    (d / "a.jsonl").write_text("".join(lines[1:] + lines[:1]))  # (the same size)
+    assert fingerprint(d) != first
+    assert fingerprint(tmp_path / "missing") is None and fingerprint("org/name") is None

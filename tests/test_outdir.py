@@ -179,7 +179,8 @@ def test_rotation_keeps_a_file_edited_since_its_save_and_goes_on_where_it_cannot
                                                                   "checkpoint-5"]
 
 
-def test_a_folder_removed_under_the_run_stops_it_writing_nothing_more(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("at", [1, 3])  # (before the run's first write, and after its first checkpoint)
+def test_a_folder_removed_under_the_run_stops_it_writing_nothing_more(tmp_path, capsys, monkeypatch, at):
     from slideformer.engine import SlideEngine
 
     out = tmp_path / "o"
@@ -188,12 +189,12 @@ def test_a_folder_removed_under_the_run_stops_it_writing_nothing_more(tmp_path, 
 
     def step_then_remove(self, *a, **k):
         steps.append(1)
-        if len(steps) == 3:
+        if len(steps) == at:
             shutil.rmtree(out)
         return real(self, *a, **k)
 
     monkeypatch.setattr(SlideEngine, "train_step", step_then_remove)
-    assert run(out, "max_steps=6", "save_steps=2") == 2
+    assert run(out, "max_steps=6", "save_steps=2", "logging_steps=100") == 2
     err = capsys.readouterr().err
     assert f"output_dir {out} was removed, moved or replaced during the run" in err, err
     assert not out.exists()

@@ -366,7 +366,7 @@ def cmd_export(args) -> int:
     after checking them against the checkpoint's checksums."""
     import shutil
 
-    from .checkpoint.state import STATE_DIR, TRAINER, verify_checkpoint
+    from .checkpoint.state import STATE_DIR, TRAINER, is_checkpoint_dir, verify_checkpoint
 
     src, dst = Path(args.checkpoint), Path(args.output_dir)
     if not (src / "config.json").is_file():
@@ -385,7 +385,7 @@ def cmd_export(args) -> int:
     if dst.exists() and not dst.is_dir():
         print(f"error: export target {dst} is a file; give a folder", file=sys.stderr)
         return EXIT_USAGE
-    if (dst / STATE_DIR).is_dir():  # (--overwrite too: its weights would no longer match its state or checksums)
+    if is_checkpoint_dir(dst):  # (--overwrite too: its weights would no longer match its state or checksums)
         print(f"error: export target {dst} is a training checkpoint (it has {STATE_DIR}/); export to a new folder",
               file=sys.stderr)
         return EXIT_USAGE

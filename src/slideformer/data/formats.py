@@ -765,10 +765,14 @@ def open_through_datasets(name: str, p: Path, split: str | None, subset: str | N
             e = e.__cause__  # (the parser's own error says what is wrong)
         if isinstance(e, OSError) and (e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
                                        or "disk space" in str(e)):  # (its cache: datasets writes only there)
-            cache = datasets.config.HF_DATASETS_CACHE
-            raise OSError(e.errno or errno.ENOSPC, f"dataset {name}: datasets cannot write its cache {cache} "
-                          f"({e.strerror or str(e).split('.')[0]}); free space there, or set HF_DATASETS_CACHE to a "
-                          "writable folder with room") from e  # (exit 5)
+            cache, env = f"its cache {datasets.config.HF_DATASETS_CACHE}", "HF_DATASETS_CACHE"
+            if not p.exists():  # (a Hub name's files are downloaded first, into the Hub's cache)
+                from huggingface_hub import constants
+
+                cache, env = f"{cache} or the Hub's download cache {constants.HF_HUB_CACHE}", f"{env} and HF_HUB_CACHE"
+            raise OSError(e.errno or errno.ENOSPC, f"dataset {name}: datasets cannot write {cache} "
+                          f"({e.strerror or str(e).split('.')[0]}); free space there, or set {env} to a writable "
+                          "folder with room") from e  # (exit 5)
         if isinstance(e, OSError) and not isinstance(e, FileNotFoundError) and e.errno and p.exists():
             raise OSError(e.errno, f"dataset {name}: datasets cannot read it ({e.strerror})") from e  # (exit 5)
         where = "folder" if p.is_dir() else "file" if p.is_file() else "Hub dataset"
@@ -868,26 +872,31 @@ FINGERPRINT_PIECE = 1 << 16
 
 
 def fingerprint(path) -> str | None:
-    """A dataset's content in brief, for a resume to tell whether it changed: each file's name and size and
-    a hash of pieces of 64 KiB spread over it (16 a file; a folder of many files, 2 or more a file): an
-    edit, a shuffle, a file replaced, not one byte changed between the pieces. None for a Hub name, a path
-    that is none, or a file that cannot be read (which reading the data says)."""
+    """A dataset's content in brief, for a resume to tell whether it changed: each data file's name and size
+    and, in a folder of at most 64 of them, a hash of pieces of 64 KiB spread over it (16 a file, 2 or more in
+    a folder): an edit, a shuffle, a file replaced; not one byte changed between the pieces, nor, in a larger
+    folder, an edit that keeps a file's size. A folder's hidden files (``.cache``, ``.git``) and
+    ``__``-named ones are not data: datasets skips them too. None for a Hub name, a path that is none, or a
+    file that cannot be read (which reading the data says)."""
     import hashlib
 
     p = Path(path)
     try:
-        files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else []
+        files = [p] if p.is_file() else sorted(
+            f for f in p.rglob("*") if f.is_file()
+            and not any(part.startswith((".", "__")) for part in f.relative_to(p).parts)) if p.is_dir() else []
         if not files:
             return None
-        pieces = min(16, max(2, 64 // len(files)))
+        pieces = 0 if len(files) > 64 else min(16, max(2, 64 // len(files)))
         h = hashlib.blake2b(digest_size=16)
         for f in files:
             size = f.stat().st_size
             h.update(f"{f.relative_to(p) if f != p else ''}\0{size}\0".encode())
-            with open(f, "rb") as fh:
-                for k in range(pieces):
-                    fh.seek(max(0, size - FINGERPRINT_PIECE) * k // (pieces - 1))
-                    h.update(fh.read(FINGERPRINT_PIECE))
+            if pieces:
+                with open(f, "rb") as fh:
+                    for k in range(pieces):
+                        fh.seek(max(0, size - FINGERPRINT_PIECE) * k // (pieces - 1))
+                        h.update(fh.read(FINGERPRINT_PIECE))
         return h.hexdigest()
     except OSError:
         return None

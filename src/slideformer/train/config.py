@@ -27,6 +27,17 @@ class DatasetSpec:
     columns: dict | None = None
 
 
+def resume_point(r):
+    """resume_from_checkpoint as the trainer reads it: "auto", None or a path (true and false as transformers'
+    Trainer reads them; auto, none and null in any case)."""
+    if isinstance(r, bool) or (isinstance(r, str) and r.strip().lower() in ("auto", "none", "null")):
+        return "auto" if r is True or str(r).strip().lower() == "auto" else None
+    if isinstance(r, str) and not r.strip():
+        raise ConfigError("resume_from_checkpoint is empty: set it to auto (this output_dir's newest checkpoint), "
+                          "null (a new run) or a checkpoint-N folder's path")
+    return r
+
+
 @dataclass
 class OffloadConfig:
     """The engine's memory settings (slideformer.config): the budget, the optimizer state and the NVMe
@@ -181,12 +192,7 @@ class TrainConfig:
     offload: OffloadConfig = field(default_factory=OffloadConfig)
 
     def validate(self) -> "TrainConfig":
-        r = self.resume_from_checkpoint
-        if isinstance(r, bool) or (isinstance(r, str) and r.strip().lower() in ("auto", "none", "null")):
-            self.resume_from_checkpoint = "auto" if r is True or str(r).strip().lower() == "auto" else None
-        elif isinstance(r, str) and not r.strip():
-            raise ConfigError("resume_from_checkpoint is empty: set it to auto (this output_dir's newest checkpoint), "
-                              "null (a new run) or a checkpoint-N folder's path")
+        self.resume_from_checkpoint = resume_point(self.resume_from_checkpoint)
         self.dataset = _specs(self.dataset, "dataset")
         if not self.dataset:
             raise ConfigError("dataset is empty: give one or more local files")

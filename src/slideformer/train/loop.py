@@ -462,8 +462,8 @@ def _train(cfg: TrainConfig, signals: Signals) -> dict:
         if resume and (was := saved_state_format(resume)) and was != o.optimizer_state:
             raise ConfigError(f"{resume} was saved with offload.optimizer_state: {was}, this run has "
                               f"{o.optimizer_state}: resume it with offload.optimizer_state: {was} (a run keeps its "
-                              "state's format; for another, start a new run from the checkpoint's weights: "
-                              "model_name_or_path: the checkpoint, resume_from_checkpoint: null)")
+                              "state's format; for another, start a new run from the checkpoint's weights, into "
+                              "another output_dir: model_name_or_path: the checkpoint, resume_from_checkpoint: null)")
         if lead:  # (a tracker that cannot open: refused before the model loads)
             preflight(cfg.report_to, out.path)
         tok = load_tokenizer(cfg)
@@ -525,10 +525,13 @@ def _given_checkpoint(path: str) -> dict:
 
 @contextlib.contextmanager
 def _earlier_if_damaged():
-    """A damaged checkpoint that resume_from_checkpoint names: the fix said."""
+    """A damaged checkpoint that resume_from_checkpoint names: the fix said (not for one of another model or
+    optimizer_state, whose line says its own)."""
     try:
         yield
     except CorruptCheckpointError as e:
+        if "another model" in str(e) or "optimizer_state" in str(e):
+            raise
         raise CorruptCheckpointError(f"{e}; resume from an earlier checkpoint (moving this one away, "
                                      "resume_from_checkpoint: auto takes the newest intact one)") from None
 
@@ -669,10 +672,12 @@ def _epoch_micro_batches(cfg, examples, rows: int, epoch: int = 0, offset: int =
         return total
     # (every epoch the same whole micro-batches: counted at once, however many epochs)
     samples = sum(e is not None for e in examples) if isinstance(examples, list) else len(examples)
-    held = max(1, samples // rows)
+    if samples < rows:  # (each step takes an epoch whole, from the next one on: epoch 0's order is never drawn)
+        return max(0.0, epochs - epoch - (0 < offset < len(examples)))
+    held = samples // rows
     if not offset:
         return max(0.0, epochs - epoch) * held
-    order = _permutation(len(examples), cfg.seed, epoch)  # (a dataset smaller than a micro-batch: taken at 0)
+    order = _permutation(len(examples), cfg.seed, epoch)
     rest = sum(examples[i] is not None for i in order[offset:]) if isinstance(examples, list) \
         else len(examples) - offset
     return max(0.0, min(1.0, epochs - epoch) * held - (held - rest // rows)) + max(0.0, epochs - epoch - 1) * held
@@ -695,7 +700,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             "max_samples": cfg.max_samples,
             "cutoff_len": cfg.cutoff_len, "val_size": cfg.val_size,
             # (what a resume says changed in brief, CHANGED)
-            "content": [fingerprint(d.path) for d in cfg.dataset],
+            "content": [fingerprint(d.path) for d in cfg.dataset] if ranks is None else  # (rank 0's reads)
+            parallel.from_leader(lambda: [fingerprint(d.path) for d in cfg.dataset]),
             "entries": [[d.format, d.split, d.subset, d.columns] for d in cfg.dataset],
             "chat_template": hashlib.blake2b(tok.chat_template.encode(), digest_size=16).hexdigest()
             if isinstance(tok.chat_template, str) else None}
@@ -722,7 +728,8 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
             say(f"slideformer: resumed with {changed}: the data from step {start + 1} on is not what the "
                 f"interrupted run would have drawn (its position, {offset} samples into epoch {epoch}, is kept)",
                 file=sys.stderr, flush=True)
-            if cfg.max_steps <= 0:  # (the epochs' steps, counted from the position kept at this run's batch)
+            counted = {k for k in data if k not in CHANGED and data[k] != (state.get("data") or {}).get(k, data[k])}
+            if cfg.max_steps <= 0 and counted:  # (the epochs' steps, counted from the position kept at this batch)
                 total = start + math.floor(_epoch_micro_batches(cfg, examples, cfg.micro_batch_size * world, epoch,
                                                                 offset) / cfg.gradient_accumulation_steps + 1e-9)
                 warmup = _warmup(cfg, total)
@@ -973,7 +980,7 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
         for close in closes:
             try:
                 close()
-            except Exception as e:
+            except BaseException as e:  # (a signal's too: the watchdog is closed whatever)
                 first = first or e
         if first is not None and not failing:
             raise first

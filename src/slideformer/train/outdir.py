@@ -203,8 +203,8 @@ class OutputDir:
         earlier one's. Its mark replaces an earlier run's, and the metrics and (where an earlier slideformer
         run wrote them) TensorBoard events found go (this run's start with it). Once; a resumed run has
         begun."""
+        self._still_held()
         if self.begun:
-            self._still_held()
             return
         out = self.path
         if RUN_FILE in self.found:
@@ -229,10 +229,11 @@ class OutputDir:
         it: else the run stops, writing nothing more (a save would make a folder no run marks or locks)."""
         if getattr(self, "_lock", None) is None:
             return
-        try:
+        try:  # (before a new run's first write the mark may be an earlier run's, which begin replaces)
             lock, held = os.stat(self.path / LOCK_FILE), os.fstat(self._lock)
-            ours = (lock.st_dev, lock.st_ino) == (held.st_dev, held.st_ino) and \
-                json.loads((self.path / RUN_FILE).read_text())["run_id"] == self.run_id
+            ours = (lock.st_dev, lock.st_ino) == (held.st_dev, held.st_ino) and (
+                json.loads((self.path / RUN_FILE).read_text())["run_id"] == self.run_id if self.begun
+                else (self.path / RUN_FILE).is_file())
         except (OSError, ValueError, KeyError, TypeError):
             ours = False
         if not ours:
@@ -298,6 +299,8 @@ class OutputDir:
     def holds(self, path) -> str | None:
         """The entry of the folder that a run writes, replaces or rotates away (a checkpoint, metrics.jsonl,
         loss.png, the trackers' folders) where ``path`` is or lies in; None where it lies in none."""
+        if not os.path.exists(path):  # (a Hub name)
+            return None
         try:
             rel = Path(path).resolve().relative_to(self.path.resolve())
         except (ValueError, OSError):
