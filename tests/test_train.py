@@ -929,6 +929,22 @@ def test_a_run_resumed_at_its_new_end_evaluates_there(tmp_path, monkeypatch):
     assert [e["step"] for e in loss_curves(tmp_path / "metrics.jsonl")[1]] == [3]
 
 
+def test_a_signal_while_the_run_closes_still_stops_its_watchdog(tmp_path, monkeypatch):
+    """Ctrl-C while the trackers or the plot close: every part of the run's end is closed all the same (a
+    watchdog left running would end a notebook's process minutes later)."""
+    import threading
+
+    from slideformer.train import loop
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "_plot_loss", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        train(cfg(tmp_path, "max_steps=2", "watchdog_seconds=600"))
+    assert not [t.name for t in threading.enumerate() if t.name in ("slideformer-watchdog", "slideformer-memory-guard")]
+
+
 def test_a_signal_during_a_save_stops_at_its_step(tmp_path, monkeypatch):
     """SIGTERM while a scheduled checkpoint is written: that checkpoint is the stop's, no step more is trained."""
     from slideformer.engine import SlideEngine
