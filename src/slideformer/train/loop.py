@@ -33,7 +33,8 @@ from ..data.formats import (chat_template_text, check_chat_template, data_read, 
 from ..data.lazy import LazyExamples, Subset
 from ..signals import Signals, past_hangup, undoable
 from ..checkpoint.export import NonFiniteStateError
-from ..checkpoint.state import CheckpointWriteError, CorruptCheckpointError, read_meta, saved_state_format
+from ..checkpoint.state import (STATE_DIR, CheckpointWriteError, CorruptCheckpointError, read_meta,
+                                saved_state_format)
 from .config import OffloadConfig, TrainConfig, _assets
 from .outdir import CKPT_PREFIX, METRICS, PLOT, OutputDir, OutputDirError
 from ..watchdog import GUARD_FRACTION, SAVE_LIMIT_S, MemoryGuard, Watchdog
@@ -515,7 +516,7 @@ def _given_checkpoint(path: str) -> dict:
     if not p.exists():
         raise ConfigError(f"resume_from_checkpoint {path}: " + ("no such folder (a link to a missing one)"
                                                                if p.is_symlink() else "no such folder") + f"; {fix}")
-    if p.is_dir() and not (p / "state").exists() and (p / "config.json").is_file():
+    if p.is_dir() and not (p / STATE_DIR).exists() and (p / "config.json").is_file():
         raise ConfigError(f"resume_from_checkpoint {path} holds a model without training state (an export, or a "
                           f"Hugging Face folder): to train from its weights, set model_name_or_path: {path} and "
                           "resume_from_checkpoint: null")

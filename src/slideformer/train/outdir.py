@@ -101,8 +101,11 @@ class OutputDir:
         if not above.is_dir():
             raise OutputDirError(f"output_dir {out}: {above} is a file; set output_dir to a folder's path")
         # (a checkpoint's deepest file, written last, within the file system's limit on a path's length)
-        limit = os.pathconf(above, "PC_PATH_MAX")
-        if len(os.fsencode(out.absolute())) + DEEPEST > limit:
+        try:
+            limit = os.pathconf(above, "PC_PATH_MAX")
+        except (OSError, ValueError):  # (a file system that does not say)
+            limit = -1
+        if 0 < limit < len(os.fsencode(out.absolute())) + DEEPEST:  # (-1: no limit)
             raise OutputDirError(f"output_dir {out} is too long: a checkpoint's files there would pass this file "
                                  f"system's limit of {limit} bytes a path; choose a shorter path")
         for name in (METRICS, PLOT):
