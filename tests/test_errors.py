@@ -7,7 +7,7 @@ from transformers import GPT2Config
 
 from slideformer import BatchError, ConfigError, EngineConfig, Placement, SlideEngine, Tuning, UnsupportedModelError
 
-from tiny import batch, build, engine_config
+from tiny import batch, build, engine_config, within
 
 CPU = dict(device="cpu", compute_dtype=torch.float32)
 
@@ -296,28 +296,18 @@ def test_optimizer_failure_surfaces(monkeypatch):
 def test_a_worker_threads_failure_anywhere_in_it_ends_the_wait_for_it(monkeypatch):
     """An error outside an update's own handling (choosing the next update) still reaches the main thread,
     which would otherwise wait for that update for good."""
-    import signal
-
     from slideformer.engine import updates
 
     def boom(*a, **k):
         raise RuntimeError("simulated")
 
-    def hung(*a):
-        raise TimeoutError("the main thread waited for a dead worker")
-
     monkeypatch.setattr(updates, "next_update", boom)
-    old = signal.signal(signal.SIGALRM, hung)
-    signal.alarm(120)
-    try:
+    with within(120, "the main thread waited for a dead worker"):
         with SlideEngine(build("llama"), engine_config(**CPU)) as eng:
             with pytest.raises(RuntimeError, match="a worker thread .* failed") as info:
                 eng.train_step(batch(97))
                 eng.synchronize()
             assert str(info.value.__cause__) == "simulated"
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def test_engine_refuses_a_host_state_over_the_ram_before_allocating(monkeypatch):

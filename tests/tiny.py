@@ -1,4 +1,7 @@
 """Tiny configs of every supported family, built offline in milliseconds."""
+import contextlib
+import signal
+
 import torch
 from transformers import (AutoModelForCausalLM, CohereConfig, Gemma2Config, Gemma3TextConfig, GemmaConfig, Glm4Config,
                           GraniteConfig, HyperCLOVAXConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config,
@@ -143,3 +146,17 @@ def children(pid: int) -> list[int]:
         return [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
     except OSError:
         return []
+
+
+@contextlib.contextmanager
+def within(seconds: int, what: str):
+    """What runs inside fails with TimeoutError(``what``) past ``seconds`` (a hang made a failure)."""
+    def hung(*a):
+        raise TimeoutError(what)
+    old = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

@@ -720,26 +720,26 @@ def _loop(cfg, signals, engine, out: OutputDir, resume, tok, examples, skipped, 
         start, epoch, offset = state["step"], state["epoch"], state["offset"]
         say(f"slideformer: resumed from {resume} at step {start}", flush=True)
 
-        def differ(now: dict, key: str) -> str:  # (what the checkpoint recorded under ``key`` and ``now`` changes)
+        def differ(now: dict, key: str) -> list[str]:  # (the keys of ``now`` the checkpoint recorded otherwise)
             was = state.get(key) or {}
-            return ", ".join(CHANGED[k] if k in CHANGED else f"{k} {now[k]} (it was {was[k]})"
-                             for k in now if k in was and was[k] != now[k])
+            return [k for k in now if k in was and was[k] != now[k]]
+
+        def said(now: dict, key: str, keys: list[str]) -> str:
+            return ", ".join(CHANGED[k] if k in CHANGED else f"{k} {now[k]} (it was {state[key][k]})" for k in keys)
 
         if changed := differ(data, "data"):
-            say(f"slideformer: resumed with {changed}: the data from step {start + 1} on is not what the "
-                f"interrupted run would have drawn (its position, {offset} samples into epoch {epoch}, is kept)",
-                file=sys.stderr, flush=True)
-            counted = {k for k in data if k not in CHANGED and data[k] != (state.get("data") or {}).get(k, data[k])}
-            if cfg.max_steps <= 0 and counted:  # (the epochs' steps, counted from the position kept at this batch)
+            say(f"slideformer: resumed with {said(data, 'data', changed)}: the data from step {start + 1} on is not "
+                f"what the interrupted run would have drawn (its position, {offset} samples into epoch {epoch}, is "
+                "kept)", file=sys.stderr, flush=True)
+            if cfg.max_steps <= 0 and set(changed) - set(CHANGED):  # (the epochs' steps, from the position kept)
                 total = start + math.floor(_epoch_micro_batches(cfg, examples, cfg.micro_batch_size * world, epoch,
                                                                 offset) / cfg.gradient_accumulation_steps + 1e-9)
                 warmup = _warmup(cfg, total)
                 update.update(steps=total, warmup_steps=warmup)
-        epochs_end = cfg.max_steps <= 0 and (state.get("update") or {}).get("steps", total) != total
         # (at its end nothing follows them; the end num_train_epochs moved there at this batch is said)
-        if (changed := differ(update, "update")) and (start < total or epochs_end):
-            say(f"slideformer: resumed with {changed}: the steps from {start + 1} on follow these, not "
-                "the interrupted run's settings", file=sys.stderr, flush=True)
+        if (changed := differ(update, "update")) and (start < total or cfg.max_steps <= 0 and "steps" in changed):
+            say(f"slideformer: resumed with {said(update, 'update', changed)}: the steps from {start + 1} on follow "
+                "these, not the interrupted run's settings", file=sys.stderr, flush=True)
         # (the run saved at an evaluation's step before it, or this run ends there (a lower max_steps): pending
         # unless its record made it to metrics.jsonl, where a kill or a failure during it would have kept it from)
         done = lambda: out.begun and any(  # noqa: E731  (the folder's metrics: this run's)
